@@ -1,0 +1,303 @@
+"""What sits on a host: nodes, their GPUs, models, model copies and deployments."""
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class InvalidTransition(Exception):
+    """A status change that the state machine does not allow."""
+
+
+class Node(models.Model):
+    """A GPU host running a node agent that consumes the Celery queue `node.<name>`."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    address = models.CharField(max_length=255, blank=True, help_text="Host name or IP the engines listen on.")
+    agent_version = models.CharField(max_length=64, blank=True)
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    heartbeat_seconds = models.FloatField(default=5.0)
+    model_store = models.CharField(max_length=1024, blank=True)
+    disk_total = models.BigIntegerField(default=0)
+    disk_free = models.BigIntegerField(default=0)
+    nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML is unavailable, if it is.")
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    @property
+    def queue(self) -> str:
+        return f"node.{self.name}"
+
+    @property
+    def online(self) -> bool:
+        """Online while the last heartbeat is younger than three heartbeat intervals."""
+        if self.last_heartbeat is None:
+            return False
+        return timezone.now() - self.last_heartbeat < timedelta(seconds=3 * self.heartbeat_seconds)
+
+    @property
+    def has_gpu(self) -> bool:
+        return not self.nvml_error
+
+
+class Gpu(models.Model):
+    """One NVIDIA GPU of a node, as NVML reports it."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=96, blank=True)
+    name = models.CharField(max_length=128, blank=True)
+    memory_total = models.BigIntegerField(default=0)
+    compute_capability = models.CharField(max_length=16, blank=True)
+
+    class Meta:
+        ordering = ["node", "index"]
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_index_per_node")]
+
+    def __str__(self):
+        return f"{self.node.name}:{self.index} {self.name}"
+
+
+class ModelRepo(models.Model):
+    """A Hugging Face model repository (or a local folder) and what its config says."""
+
+    class Attention(models.TextChoices):
+        MLA = "mla", "MLA"
+        GQA = "gqa", "GQA"
+        MHA = "mha", "MHA"
+        MQA = "mqa", "MQA"
+        UNKNOWN = "", "unknown"
+
+    repo_id = models.CharField(max_length=200)
+    revision = models.CharField(max_length=200, default="main")
+    commit = models.CharField(max_length=64, blank=True)
+    local_path = models.CharField(max_length=1024, blank=True, help_text="A folder already on a node, instead of the hub.")
+    files = models.JSONField(default=list, blank=True, help_text="[{path, size, sha256}]")
+    total_size = models.BigIntegerField(default=0)
+    config = models.JSONField(default=dict, blank=True)
+    inspect_error = models.TextField(blank=True)
+    inspected = models.DateTimeField(null=True, blank=True)
+    # Parsed from config.json.
+    architecture = models.CharField(max_length=128, blank=True)
+    model_type = models.CharField(max_length=64, blank=True)
+    num_parameters = models.BigIntegerField(null=True, blank=True)
+    num_layers = models.PositiveIntegerField(null=True, blank=True)
+    hidden_size = models.PositiveIntegerField(null=True, blank=True)
+    num_attention_heads = models.PositiveIntegerField(null=True, blank=True)
+    num_kv_heads = models.PositiveIntegerField(null=True, blank=True)
+    head_dim = models.PositiveIntegerField(null=True, blank=True)
+    attention = models.CharField(max_length=8, choices=Attention.choices, blank=True)
+    kv_lora_rank = models.PositiveIntegerField(null=True, blank=True)
+    qk_rope_head_dim = models.PositiveIntegerField(null=True, blank=True)
+    num_experts = models.PositiveIntegerField(null=True, blank=True)
+    num_shared_experts = models.PositiveIntegerField(null=True, blank=True)
+    experts_per_token = models.PositiveIntegerField(null=True, blank=True)
+    quant_method = models.CharField(max_length=64, blank=True)
+    quant_bits = models.PositiveSmallIntegerField(null=True, blank=True)
+    quant_group_size = models.IntegerField(null=True, blank=True)
+    quant_details = models.JSONField(default=dict, blank=True, help_text="Unquantized modules, KV-cache scheme, ...")
+    dtype = models.CharField(max_length=32, blank=True)
+    context_length = models.PositiveIntegerField(null=True, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["repo_id", "revision"]
+        constraints = [models.UniqueConstraint(fields=["repo_id", "revision"], name="model_unique_repo_revision")]
+
+    def __str__(self):
+        return self.repo_id if self.revision == "main" else f"{self.repo_id}@{self.revision}"
+
+
+class ModelCopy(models.Model):
+    """A model's files on one node: downloading, complete, failed or being deleted."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        DOWNLOADING = "downloading", "Downloading"
+        VERIFYING = "verifying", "Verifying"
+        READY = "ready", "Ready"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled"
+        DELETING = "deleting", "Deleting"
+
+    ACTIVE = frozenset({State.QUEUED, State.DOWNLOADING, State.VERIFYING, State.DELETING})
+
+    model = models.ForeignKey(ModelRepo, on_delete=models.CASCADE, related_name="copies")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="model_copies")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    path = models.CharField(max_length=1024, blank=True)
+    bytes_done = models.BigIntegerField(default=0)
+    bytes_total = models.BigIntegerField(default=0)
+    rate = models.FloatField(default=0.0, help_text="Bytes per second, recent.")
+    progress = models.JSONField(default=dict, blank=True, help_text="Per-file progress.")
+    error = models.TextField(blank=True)
+    last_used = models.DateTimeField(null=True, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["node", "model"]
+        constraints = [models.UniqueConstraint(fields=["model", "node"], name="copy_unique_per_node")]
+
+    def __str__(self):
+        return f"{self.model} on {self.node}"
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 0.0
+
+    @property
+    def seconds_left(self):
+        if self.rate <= 0 or not self.bytes_total:
+            return None
+        return max(self.bytes_total - self.bytes_done, 0) / self.rate
+
+
+class Deployment(models.Model):
+    """A vLLM engine serving one model on some GPUs of one node."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        PREPARING = "preparing", "Preparing"
+        STOPPING_OTHERS = "stopping_others", "Stopping others"
+        STARTING = "starting", "Starting"
+        LOADING = "loading", "Loading"
+        READY = "ready", "Ready"
+        STOPPING = "stopping", "Stopping"
+        STOPPED = "stopped", "Stopped"
+        FAILED = "failed", "Failed"
+
+    ACTIVE = frozenset(
+        {Status.QUEUED, Status.PREPARING, Status.STOPPING_OTHERS, Status.STARTING, Status.LOADING, Status.READY, Status.STOPPING}
+    )
+    TERMINAL = frozenset({Status.STOPPED, Status.FAILED})
+    # Where each status may go next. Any active status may fail or be stopped.
+    TRANSITIONS = {
+        Status.QUEUED: {Status.PREPARING, Status.STOPPING, Status.FAILED},
+        Status.PREPARING: {Status.STOPPING_OTHERS, Status.STARTING, Status.STOPPING, Status.FAILED},
+        Status.STOPPING_OTHERS: {Status.STARTING, Status.STOPPING, Status.FAILED},
+        Status.STARTING: {Status.LOADING, Status.STOPPING, Status.FAILED},
+        Status.LOADING: {Status.READY, Status.STOPPING, Status.FAILED},
+        Status.READY: {Status.STOPPING, Status.FAILED, Status.LOADING},
+        Status.STOPPING: {Status.STOPPED, Status.FAILED},
+        Status.STOPPED: {Status.QUEUED},
+        Status.FAILED: {Status.QUEUED, Status.STOPPING},
+    }
+
+    name = models.SlugField(max_length=80, unique=True)
+    model = models.ForeignKey(ModelRepo, on_delete=models.PROTECT, related_name="deployments")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="deployments")
+    gpus = models.ManyToManyField(Gpu, related_name="deployments", blank=True)
+    port = models.PositiveIntegerField()
+    engine_args = models.JSONField(default=dict, blank=True, help_text="vLLM flags, e.g. {'tensor-parallel-size': 8}.")
+    env = models.JSONField(default=dict, blank=True, help_text="Extra environment (NCCL_*, VLLM_*, CUDA_*).")
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
+    status_message = models.TextField(blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    pgid = models.IntegerField(null=True, blank=True)
+    log_path = models.CharField(max_length=1024, blank=True)
+    systemd_unit = models.CharField(max_length=128, blank=True)
+    load_phase = models.CharField(max_length=64, blank=True)
+    load_percent = models.FloatField(null=True, blank=True)
+    auto_restart = models.BooleanField(default=False)
+    restarts = models.PositiveIntegerField(default=0)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created = models.DateTimeField(auto_now_add=True)
+    started = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self):
+        return self.name
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in self.ACTIVE
+
+    def can_transition(self, status) -> bool:
+        return status in self.TRANSITIONS.get(self.status, set())
+
+    def transition(self, status, message: str = "") -> None:
+        """Move to `status` or raise InvalidTransition; the caller saves."""
+        if not self.can_transition(status):
+            raise InvalidTransition(f"{self.name}: cannot go from {self.status} to {status}")
+        self.status = status
+        self.status_message = message
+        now = timezone.now()
+        if status == self.Status.STARTING:
+            self.started = now
+        elif status == self.Status.READY:
+            self.ready_at = now
+        elif status in self.TERMINAL:
+            self.stopped_at = now
+
+    def mark_preparing(self):
+        self.transition(self.Status.PREPARING)
+
+    def mark_stopping_others(self):
+        self.transition(self.Status.STOPPING_OTHERS)
+
+    def mark_starting(self):
+        self.transition(self.Status.STARTING)
+
+    def mark_loading(self):
+        self.transition(self.Status.LOADING)
+
+    def mark_ready(self):
+        self.transition(self.Status.READY)
+
+    def mark_stopping(self):
+        self.transition(self.Status.STOPPING)
+
+    def mark_stopped(self):
+        self.transition(self.Status.STOPPED)
+
+    def mark_failed(self, message: str):
+        self.transition(self.Status.FAILED, message)
+
+    def mark_queued(self):
+        """Queue again for a restart or a redeploy."""
+        self.transition(self.Status.QUEUED)
+
+    @property
+    def base_url(self) -> str:
+        host = self.node.address or "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+
+class DeploymentEvent(models.Model):
+    """One step on a deployment's timeline, with its start, end and message."""
+
+    class Level(models.TextChoices):
+        INFO = "info", "Info"
+        WARNING = "warning", "Warning"
+        ERROR = "error", "Error"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
+    step = models.CharField(max_length=64)
+    message = models.TextField(blank=True)
+    level = models.CharField(max_length=8, choices=Level.choices, default=Level.INFO)
+    started = models.DateTimeField(default=timezone.now)
+    ended = models.DateTimeField(null=True, blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["started", "id"]
+
+    def __str__(self):
+        return f"{self.deployment}: {self.step}"
+
+    @property
+    def duration(self):
+        if self.ended is None:
+            return None
+        return (self.ended - self.started).total_seconds()
