@@ -1,1 +1,15 @@
-urlpatterns = []
+from django.urls import path
+
+from deployments import views
+
+urlpatterns = [
+    path("", views.dashboard, name="dashboard"),
+    path("nodes/", views.node_list, name="node-list"),
+    path("nodes/<int:pk>/", views.node_detail, name="node-detail"),
+    path("models/", views.model_list, name="model-list"),
+    path("models/<int:pk>/", views.model_detail, name="model-detail"),
+    path("deployments/", views.deployment_list, name="deployment-list"),
+    path("deployments/<int:pk>/", views.deployment_detail, name="deployment-detail"),
+    path("account/", views.account, name="account"),
+    path("account/token/", views.account_token, name="account-token"),
+]

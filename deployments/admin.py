@@ -1,0 +1,40 @@
+from django.contrib import admin
+
+from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
+
+
+class GpuInline(admin.TabularInline):
+    model = Gpu
+    extra = 0
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = ["name", "address", "agent_version", "last_heartbeat", "disk_free"]
+    search_fields = ["name", "address"]
+    inlines = [GpuInline]
+
+
+@admin.register(ModelRepo)
+class ModelRepoAdmin(admin.ModelAdmin):
+    list_display = ["repo_id", "revision", "architecture", "quant_method", "total_size"]
+    search_fields = ["repo_id"]
+
+
+@admin.register(ModelCopy)
+class ModelCopyAdmin(admin.ModelAdmin):
+    list_display = ["model", "node", "state", "bytes_done", "bytes_total", "last_used"]
+    list_filter = ["state", "node"]
+
+
+class DeploymentEventInline(admin.TabularInline):
+    model = DeploymentEvent
+    extra = 0
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):
+    list_display = ["name", "model", "node", "port", "status", "created"]
+    list_filter = ["status", "node"]
+    search_fields = ["name"]
+    inlines = [DeploymentEventInline]

@@ -1,0 +1,60 @@
+"""The node agent: registers this host, heartbeats, samples it, and runs a Celery worker that
+consumes only this host's queue `node.<name>`.
+
+    python manage.py nodeagent --name gpu-01 --model-store /models
+"""
+import socket
+import threading
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.db import close_old_connections
+
+from controlpanel.celery import app as celery_app
+from deployments.agent import Agent
+
+AGENT_VERSION = "0.1.0"
+
+
+class Command(BaseCommand):
+    help = "Run the node agent for this GPU host."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--name", default=settings.NODE_NAME or socket.gethostname().split(".")[0].lower())
+        parser.add_argument("--model-store", default=settings.MODEL_STORE)
+        parser.add_argument("--address", default="", help="Address engines are reached at (default: this host's).")
+        parser.add_argument("--sample-seconds", type=float, default=settings.SAMPLE_SECONDS)
+        parser.add_argument("--heartbeat-seconds", type=float, default=settings.HEARTBEAT_SECONDS)
+        parser.add_argument("--concurrency", type=int, default=4, help="Host tasks run at once (downloads, deploys, benchmarks).")
+
+    def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency, **options):
+        from django.utils.text import slugify
+
+        if slugify(name) != name:
+            raise CommandError(f"node name {name!r} must be lowercase letters, digits and hyphens")
+        settings.NODE_NAME = name
+        agent = Agent(name=name, model_store=model_store, address=address or _own_address(),
+                      version=AGENT_VERSION, sample_seconds=sample_seconds, heartbeat_seconds=heartbeat_seconds)
+        agent.register()
+        self.stdout.write(f"node {name}: queue node.{name}, model store {model_store}, {agent.describe()}")
+        stop = threading.Event()
+        threading.Thread(target=agent.loop, args=(stop,), name="sampler", daemon=True).start()
+        try:
+            close_old_connections()
+            # The worker consumes this node's queue only; other nodes' work never lands here.
+            celery_app.worker_main([
+                "worker", "-Q", f"node.{name}", "-n", f"{name}@%h", "--pool", "threads",
+                "--concurrency", str(concurrency), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+            ])
+        finally:
+            stop.set()
+
+
+def _own_address() -> str:
+    """The address other machines reach this host at (best effort, no traffic sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("10.255.255.255", 1))
+            return sock.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

@@ -1,0 +1,51 @@
+// The one WebSocket helper for live data.
+//   Live.subscribe("node:3", (msg) => { ... msg.kind, msg.data, msg.snapshot ... });
+// One socket per page; it reconnects with backoff and re-subscribes, and the server sends each
+// topic's snapshot first, so a chart rebuilt from snapshot + deltas never shows stale values.
+(function () {
+  const handlers = new Map(); // topic -> [fn]
+  let socket = null;
+  let retry = 0;
+  let closedForGood = false;
+
+  function setState(state) {
+    document.documentElement.dataset.live = state;
+    const badge = document.getElementById("live-state");
+    if (badge) { badge.textContent = state; badge.className = "live-state " + state; }
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    socket = new WebSocket(`${scheme}://${location.host}/ws/live/`);
+    setState("connecting");
+    socket.onopen = () => {
+      retry = 0;
+      setState("live");
+      if (handlers.size) socket.send(JSON.stringify({ subscribe: [...handlers.keys()] }));
+    };
+    socket.onmessage = (event) => {
+      const msg = JSON.parse(event.data);
+      if (msg.error) { console.warn("live:", msg.error); return; }
+      for (const fn of handlers.get(msg.topic) || []) {
+        try { fn(msg); } catch (err) { console.error(err); }
+      }
+    };
+    socket.onclose = (event) => {
+      // 4401/4403: not logged in / no role; reconnecting would not help.
+      if (event.code === 4401 || event.code === 4403) { closedForGood = true; setState("denied"); return; }
+      setState("reconnecting");
+      const delay = Math.min(10000, 500 * 2 ** retry++);
+      setTimeout(connect, delay);
+    };
+  }
+
+  window.Live = {
+    subscribe(topic, fn) {
+      const first = !handlers.has(topic);
+      if (first) handlers.set(topic, []);
+      handlers.get(topic).push(fn);
+      if (!socket && !closedForGood) connect();
+      else if (first && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ subscribe: [topic] }));
+    },
+  };
+})();

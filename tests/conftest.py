@@ -1,0 +1,151 @@
+"""Shared fixtures. Django is imported lazily so `tests/gpu` runs on a GPU host without Django."""
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+# Playwright's sync API keeps an event loop running in the test thread; the ORM calls made next
+# to it are still plain synchronous calls.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout=15.0, interval=0.05, message="condition"):
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {message}")
+
+
+@pytest.fixture
+def operator(db):
+    from tests.factories import UserFactory
+
+    return UserFactory(role="operator")
+
+
+@pytest.fixture
+def viewer(db):
+    from tests.factories import UserFactory
+
+    return UserFactory(role="viewer")
+
+
+@pytest.fixture
+def operator_client(client, operator):
+    client.force_login(operator)
+    return client
+
+
+@pytest.fixture
+def viewer_client(client, viewer):
+    client.force_login(viewer)
+    return client
+
+
+@pytest.fixture
+def unique():
+    """A short unique suffix, so tests sharing one Redis never see each other's queues or groups."""
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def process_env(transactional_db):
+    """Environment for child processes (agents, workers) that must see the test database."""
+    from django.conf import settings
+    from django.db import connection
+
+    env = dict(os.environ)
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        env["DATABASE_URL"] = f"sqlite:///{db['NAME']}"
+    else:
+        env["DATABASE_URL"] = f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    env["REDIS_URL"] = settings.REDIS_URL
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Start child processes in their own session; every one is killed at the end of the test."""
+    procs = []
+
+    def start(argv, env, name="proc"):
+        log = open(tmp_path / f"{name}-{len(procs)}.log", "wb")
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc.log_path = log.name
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        for sig in (15, 9):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(5)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+
+
+def agent_argv(name, model_store, sample_seconds=0.5, heartbeat_seconds=0.5):
+    return [sys.executable, "manage.py", "nodeagent", "--name", name, "--model-store", str(model_store),
+            "--sample-seconds", str(sample_seconds), "--heartbeat-seconds", str(heartbeat_seconds), "--concurrency", "2"]
+
+
+@pytest.fixture
+def live_server_asgi(transactional_db):
+    """The real ASGI app (HTTP + WebSockets) served by uvicorn in a thread, on a free port."""
+    import uvicorn
+
+    from controlpanel.asgi import application
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning",
+                                           ws="websockets-sansio", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, message="the ASGI server to start")
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args():
+    """Debian's Chromium; Playwright's own browser download cannot work offline."""
+    return {
+        "executable_path": CHROMIUM,
+        "args": ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"],
+    }
+
+
+@pytest.fixture
+def logged_in_page(page, live_server_asgi, operator):
+    """A Chromium page logged in as an operator through the real login form."""
+    page.goto(f"{live_server_asgi}/accounts/login/")
+    page.fill("#id_username", operator.username)
+    page.fill("#id_password", "pw-for-tests-1")
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{live_server_asgi}/")
+    page.base_url = live_server_asgi
+    return page
