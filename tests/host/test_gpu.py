@@ -1,0 +1,266 @@
+"""The NVML sampler against a fake pynvml that speaks pynvml's names and shapes."""
+
+from types import SimpleNamespace
+
+import pynvml
+import pytest
+
+from deployments.host import gpu
+
+MIB = 1024**2
+GIB = 1024**3
+
+
+class FakeGpu:
+    """One GPU as the fake driver sees it; `fails` maps a pynvml function name to its error."""
+
+    def __init__(self, uuid, procs=(), graphics=(), fails=None):
+        self.uuid = uuid
+        self.compute = list(procs)
+        self.graphics = list(graphics)
+        self.fails = dict(fails or {})
+        self.exits_after: dict[int, int] = {}  # pid -> process-list reads before it is gone
+        self.used = 20 * GIB
+        self.limit_mw = 700_000
+
+    def check(self, function):
+        if function in self.fails:
+            raise self.fails[function]()
+
+
+def proc(pid, used):
+    return SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
+                           computeInstanceId=0xFFFFFFFF)
+
+
+class FakeNvml:
+    """Stands in for the pynvml module: same function names, return shapes and error classes."""
+
+    NVMLError = pynvml.NVMLError
+    NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
+    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
+
+    def __init__(self, gpus, init_error=None):
+        self.gpus = gpus
+        self.init_error = init_error
+        self.inits = 0
+        self.names = {}
+
+    def nvmlInit(self):
+        self.inits += 1
+        if self.init_error:
+            raise self.init_error()
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return self.gpus[index]
+
+    def nvmlDeviceGetUUID(self, h):
+        h.check("nvmlDeviceGetUUID")
+        return h.uuid
+
+    def nvmlDeviceGetName(self, h):
+        h.check("nvmlDeviceGetName")
+        return "NVIDIA H200"
+
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        h.check("nvmlDeviceGetCudaComputeCapability")
+        return (9, 0)
+
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
+        h.check("nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo")
+        total = 143771 * MIB
+        info = SimpleNamespace(total=total, used=h.used, free=total - h.used - 512 * MIB)
+        if version:
+            info.version, info.reserved = version, 512 * MIB
+        return info
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        h.check("nvmlDeviceGetUtilizationRates")
+        return SimpleNamespace(gpu=87, memory=41)
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        assert sensor == pynvml.NVML_TEMPERATURE_GPU
+        h.check("nvmlDeviceGetTemperature")
+        return 54
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        h.check("nvmlDeviceGetPowerUsage")
+        return 412_345  # milliwatts
+
+    def nvmlDeviceGetPowerManagementLimit(self, h):
+        h.check("nvmlDeviceGetPowerManagementLimit")
+        return h.limit_mw
+
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        assert clock == pynvml.NVML_CLOCK_SM
+        h.check("nvmlDeviceGetClockInfo")
+        return 1980
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        h.check("nvmlDeviceGetCurrPcieLinkGeneration")
+        return 5
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        h.check("nvmlDeviceGetCurrPcieLinkWidth")
+        return 16
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        h.check("nvmlDeviceGetComputeRunningProcesses")
+        for pid in list(h.exits_after):
+            h.exits_after[pid] -= 1
+            if h.exits_after[pid] < 0:
+                h.compute = [p for p in h.compute if p.pid != pid]
+                del h.exits_after[pid]
+        return list(h.compute)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        h.check("nvmlDeviceGetGraphicsRunningProcesses")
+        return list(h.graphics)
+
+    def nvmlSystemGetProcessName(self, pid):
+        if pid not in self.names:
+            raise pynvml.NVMLError_NotFound()
+        return self.names[pid]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake = FakeNvml([
+        FakeGpu("GPU-aaaa", procs=[proc(4242, 8 * GIB)]),
+        FakeGpu("GPU-bbbb"),
+    ])
+    fake.names[4242] = "python3"
+    lacking = [n for n in vars(FakeNvml) if not n.startswith("_") and not hasattr(pynvml, n)]
+    assert not lacking, f"the fake offers names real pynvml lacks: {lacking}"
+    monkeypatch.setattr(gpu, "pynvml", fake)
+    monkeypatch.setattr(gpu, "_session", None)
+    return fake
+
+
+def test_inventory_names_each_gpu_with_its_size_and_compute_capability(fake):
+    assert gpu.inventory() == [
+        gpu.GpuInfo(0, "GPU-aaaa", "NVIDIA H200", 143771 * MIB, "9.0"),
+        gpu.GpuInfo(1, "GPU-bbbb", "NVIDIA H200", 143771 * MIB, "9.0"),
+    ]
+
+
+def test_sample_reads_every_figure_of_every_gpu_in_plain_units(fake):
+    first, second = gpu.sample()
+
+    assert first == gpu.GpuSample(
+        index=0, uuid="GPU-aaaa", memory_total=143771 * MIB, memory_used=20 * GIB,
+        memory_free=143771 * MIB - 20 * GIB - 512 * MIB, util_gpu=87, util_memory=41,
+        temperature_c=54, power_w=412.345, power_limit_w=700.0, sm_clock_mhz=1980,
+        pcie_gen=5, pcie_width=16,
+        processes=[gpu.GpuProcess(pid=4242, used_memory=8 * GIB, name="python3")],
+    )
+    assert second.uuid == "GPU-bbbb" and second.processes == []
+
+
+def test_sample_of_chosen_gpus_reads_only_those(fake):
+    assert [s.uuid for s in gpu.sample([1])] == ["GPU-bbbb"]
+
+
+@pytest.mark.parametrize("error", [
+    pynvml.NVMLError_NotSupported, pynvml.NVMLError_GpuIsLost, pynvml.NVMLError_Unknown,
+])
+def test_a_figure_the_driver_refuses_reads_as_unknown_and_the_rest_still_arrives(fake, error):
+    fake.gpus[0].fails = {"nvmlDeviceGetTemperature": error, "nvmlDeviceGetPowerUsage": error,
+                          "nvmlDeviceGetCurrPcieLinkWidth": error}
+
+    first, second = gpu.sample()
+
+    assert (first.temperature_c, first.power_w, first.pcie_width) == (None, None, None)
+    assert (first.memory_used, first.util_gpu, first.power_limit_w) == (20 * GIB, 87, 700.0)
+    assert (second.temperature_c, second.power_w, second.pcie_width) == (54, 412.345, 16)
+
+
+def test_a_new_power_limit_shows_once_the_cached_one_expires(fake, monkeypatch):
+    gpu.sample()
+    fake.gpus[0].limit_mw = 450_000
+    assert gpu.sample()[0].power_limit_w == 700.0
+
+    monkeypatch.setattr(gpu, "POWER_LIMIT_TTL_S", 0)
+    assert gpu.sample()[0].power_limit_w == 450.0
+
+
+def test_memory_is_still_read_on_drivers_without_the_v2_call(fake):
+    fake.gpus[0].fails = {"nvmlDeviceGetMemoryInfo_v2": pynvml.NVMLError_FunctionNotFound}
+
+    assert gpu.sample()[0].memory_used == 20 * GIB
+
+
+def test_processes_the_driver_cannot_list_read_as_unknown_not_as_none_running(fake):
+    fake.gpus[0].fails = {"nvmlDeviceGetComputeRunningProcesses": pynvml.NVMLError_NotSupported,
+                          "nvmlDeviceGetGraphicsRunningProcesses": pynvml.NVMLError_NotSupported}
+
+    assert gpu.sample()[0].processes is None
+
+
+def test_compute_and_graphics_processes_are_merged_by_pid(fake):
+    fake.gpus[1].compute = [proc(10, 2 * GIB), proc(11, None)]
+    fake.gpus[1].graphics = [proc(10, 2 * GIB), proc(12, 300 * MIB)]
+
+    procs = gpu.processes_on([1])[1]
+
+    assert {p.pid: p.used_memory for p in procs} == {10: 2 * GIB, 11: None, 12: 300 * MIB}
+
+
+@pytest.mark.parametrize("error, reason", [
+    (pynvml.NVMLError_LibraryNotFound, "NVML Shared Library Not Found"),
+    (pynvml.NVMLError_DriverNotLoaded, "Driver Not Loaded"),
+])
+def test_a_node_without_nvidia_driver_says_no_gpu_and_why(fake, error, reason):
+    fake.init_error = error
+
+    with pytest.raises(gpu.NvmlUnavailable) as caught:
+        gpu.sample()
+
+    assert str(caught.value) == f"no NVIDIA GPU on this node: {reason}"
+    assert caught.value.permanent
+
+
+def test_nvml_starts_once_and_later_samples_reuse_it(fake):
+    gpu.inventory()
+    for _ in range(3):
+        gpu.sample()
+
+    assert fake.inits == 1
+
+
+def test_wait_memory_released_returns_once_the_killed_process_is_gone(fake):
+    fake.gpus[0].exits_after[4242] = 3
+
+    gpu.wait_memory_released([0], [4242], timeout_s=5, poll_s=0.001)
+
+    assert gpu.processes_on([0]) == {0: []}
+
+
+def test_wait_memory_released_times_out_naming_the_pids_and_gib_still_held(fake):
+    fake.gpus[1].compute = [proc(4242, 2 * GIB), proc(77, GIB // 2)]
+
+    with pytest.raises(gpu.MemoryNotReleased) as caught:
+        gpu.wait_memory_released([0, 1], [4242, 77], timeout_s=0.05, poll_s=0.01)
+
+    assert caught.value.pids_still_holding == {4242: 10 * GIB, 77: GIB // 2}
+    assert str(caught.value) == (
+        "GPU memory not released after 0.05 s: PID 77 holds 0.5 GiB, PID 4242 holds 10.0 GiB"
+    )
+
+
+def test_wait_memory_released_ignores_other_gpus_and_other_pids(fake):
+    fake.gpus[1].compute = [proc(99, GIB)]
+
+    gpu.wait_memory_released([0], [99], timeout_s=0)
+    gpu.wait_memory_released([1], [4242], timeout_s=0)
+
+
+def test_wait_memory_released_without_pids_waits_for_every_process(fake):
+    fake.gpus[1].compute = [proc(99, None)]
+
+    with pytest.raises(gpu.MemoryNotReleased, match="PID 99 holds an unknown amount"):
+        gpu.wait_memory_released([1], None, timeout_s=0)
