@@ -17,6 +17,20 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
 
+# Real-GPU checks run only on a GPU host, invoked explicitly (see tests/gpu/conftest.py).
+collect_ignore = ["gpu"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On CI every part is installed, so a skipped test is a missing install step: fail it."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped on CI, where nothing may be skipped: {report.longrepr}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -149,3 +163,11 @@ def logged_in_page(page, live_server_asgi, operator):
     page.wait_for_url(f"{live_server_asgi}/")
     page.base_url = live_server_asgi
     return page
+
+
+def in_thread(fn, *args, **kwargs):
+    """Run `fn` in another thread: async_to_sync refuses the test thread while Playwright's loop runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args, **kwargs).result(30)

@@ -1,0 +1,13 @@
+# The panel image: web (uvicorn/ASGI), control-plane worker and node agent run from it.
+FROM python:3.11-slim
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PANEL_VAR_DIR=/var/lib/panel
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY controlpanel controlpanel
+COPY deployments deployments
+COPY benchmarks benchmarks
+RUN pip install .
+COPY . .
+RUN python manage.py collectstatic --noinput -v 0
+EXPOSE 8000
+CMD ["python", "-m", "uvicorn", "controlpanel.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--ws", "websockets-sansio"]

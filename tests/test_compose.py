@@ -1,0 +1,69 @@
+"""docker-compose.yml is the production path; no Docker engine runs here, so parse and check it."""
+import re
+import shlex
+from pathlib import Path
+
+import yaml
+
+from controlpanel.celery import app as celery_app
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def _argv(service) -> list[str]:
+    command = service.get("command", [])
+    return shlex.split(command) if isinstance(command, str) else list(command)
+
+
+def test_compose_has_every_production_service():
+    assert {"postgres", "redis", "web", "worker", "nodeagent", "migrate"} <= set(SERVICES)
+
+
+def test_every_long_running_service_has_a_healthcheck():
+    for name in ("postgres", "redis", "web", "worker", "nodeagent"):
+        assert SERVICES[name]["healthcheck"]["test"], name
+
+
+def test_every_panel_command_points_at_something_that_exists_in_the_project():
+    from django.core.management import get_commands
+
+    commands = get_commands()
+    for name in ("migrate", "web", "worker", "nodeagent"):
+        argv = _argv(SERVICES[name])
+        if argv[:2] == ["python", "manage.py"]:
+            assert argv[2] in commands, f"{name}: manage.py {argv[2]} does not exist"
+        elif argv[:3] == ["python", "-m", "uvicorn"]:
+            module, attr = argv[3].split(":")
+            assert hasattr(__import__(module, fromlist=[attr]), attr), f"{name}: {argv[3]} does not exist"
+        elif argv[:3] == ["celery", "-A", "controlpanel"]:
+            queues = argv[argv.index("-Q") + 1]
+            assert queues == celery_app.conf.task_default_queue
+        else:
+            raise AssertionError(f"{name}: unexpected command {argv}")
+
+
+def test_services_use_postgres_and_redis_and_wait_for_them():
+    for name in ("web", "worker", "nodeagent"):
+        env = SERVICES[name]["environment"]
+        assert env["DATABASE_URL"].startswith("postgres://")
+        assert env["REDIS_URL"].startswith("redis://")
+        assert SERVICES[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert SERVICES[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+
+
+def test_the_node_agent_gets_the_gpus_and_the_model_store():
+    agent = SERVICES["nodeagent"]
+    devices = agent["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert any(volume.endswith(":/models") for volume in agent["volumes"])
+    assert "--model-store" in _argv(agent) and "/models" in _argv(agent)
+    dockerfile = (ROOT / agent["build"]["dockerfile"]).read_text()
+    assert re.search(r"^FROM vllm/vllm-openai", dockerfile, re.M)
+
+
+def test_secrets_come_from_the_environment_not_the_file():
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "${SECRET_KEY:?" in text
+    assert "hf_" not in text.lower().replace("hf_endpoint", "").replace("hf_token_file", "")

@@ -1,0 +1,84 @@
+"""The moving parts under everything: Celery through real Redis to a node's own queue, and
+Channels through the real Redis layer to a WebSocket client."""
+import sys
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+
+from controlpanel.asgi import application
+from deployments import live, tasks
+from deployments.models import Node
+from tests.conftest import agent_argv, wait_until
+
+
+@pytest.mark.timeout(120)
+def test_a_task_sent_to_a_node_queue_runs_on_that_nodes_agent_only(process_env, spawn, unique, tmp_path):
+    names = [f"alpha-{unique}", f"beta-{unique}"]
+    agents = {name: spawn(agent_argv(name, tmp_path / name), process_env, name=name) for name in names}
+    wait_until(lambda: Node.objects.filter(name__in=names).count() == 2, timeout=60, message="both agents to register")
+
+    for name in names:
+        result = tasks.node_ping.apply_async(queue=f"node.{name}").get(timeout=60)
+        assert result["node"] == name, open(agents[name].log_path).read()[-2000:]
+
+
+def test_the_celery_app_talks_to_the_configured_redis():
+    from controlpanel.celery import app
+
+    assert app.conf.broker_url == settings.REDIS_URL
+    with app.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=1)
+
+
+def _session_cookie(client, user) -> bytes:
+    client.force_login(user)
+    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_published_message_reaches_a_subscribed_browser_through_redis(client, unique):
+    from tests.factories import NodeFactory, UserFactory
+
+    user = await sync_to_async(UserFactory)(role="viewer")
+    node = await sync_to_async(NodeFactory)(name=f"ws-{unique}")
+    cookie = await sync_to_async(_session_cookie)(client, user)
+    ws = WebsocketCommunicator(application, "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
+    connected, _ = await ws.connect()
+    assert connected
+    await ws.send_json_to({"subscribe": [live.node_topic(node.pk)]})
+    # The subscription is in place once a second publish round-trips; publish until one arrives.
+    for _ in range(50):
+        await sync_to_async(live.publish)(live.node_topic(node.pk), "sample", {"gpus": [{"index": 0, "memory_used": 42}]})
+        try:
+            message = await ws.receive_json_from(timeout=0.2)
+            break
+        except Exception:  # noqa: BLE001 - asyncio.TimeoutError from the communicator
+            continue
+    else:
+        pytest.fail("no live message reached the WebSocket client")
+    assert message["topic"] == f"node:{node.pk}"
+    assert message["data"]["gpus"][0]["memory_used"] == 42
+    await ws.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_reconnecting_browser_first_gets_the_last_snapshot(client, unique):
+    from tests.factories import NodeFactory, UserFactory
+
+    user = await sync_to_async(UserFactory)(role="viewer")
+    node = await sync_to_async(NodeFactory)(name=f"snap-{unique}")
+    await sync_to_async(live.publish)(live.node_topic(node.pk), "sample", {"seq": 7})
+    cookie = await sync_to_async(_session_cookie)(client, user)
+    ws = WebsocketCommunicator(application, "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
+    assert (await ws.connect())[0]
+    await ws.send_json_to({"subscribe": [live.node_topic(node.pk), "bogus:topic"]})
+    first = await ws.receive_json_from(timeout=5)
+    second = await ws.receive_json_from(timeout=5)
+    by_kind = {("error" if "error" in m else m["kind"]): m for m in (first, second)}
+    assert by_kind["sample"]["snapshot"] is True and by_kind["sample"]["data"] == {"seq": 7}
+    assert "unknown topic" in by_kind["error"]["error"]
+    await ws.disconnect()
+
+

@@ -1,0 +1,59 @@
+"""The README's first command: the whole panel on embedded defaults, and Ctrl-C leaves nothing."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import ROOT, free_port, wait_until
+
+
+@pytest.mark.timeout(180)
+def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "PANEL_ADMIN_PASSWORD")}
+    env.update(PANEL_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1", NODE_NAME="launcher-node")
+    port = free_port()
+    log = open(tmp_path / "launcher.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(port)],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def banner():
+            log.seek(0)
+            return re.search(r"First admin:\s+(\S+)\s+/\s+(\S+)", log.read())
+
+        match = wait_until(banner, timeout=120, interval=0.5, message="the launcher's banner")
+        username, password = match.groups()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "redis-server" in names and "uvicorn" in names and "celery" in names and "nodeagent" in names
+
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", follow_redirects=True) as http:
+            login = http.get("/accounts/login/")
+            token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', login.text).group(1)
+            home = http.post("/accounts/login/", data={"username": username, "password": password,
+                                                       "csrfmiddlewaretoken": token})
+            assert home.url.path == "/" and "Fleet" in home.text
+            nodes = wait_until(lambda: http.get("/api/nodes/").json()["results"], timeout=60, message="the local node")
+            assert nodes[0]["name"] == "launcher-node" and nodes[0]["online"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    time.sleep(0.5)
+    assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    log.seek(0)
+    assert "Stopping" in log.read()
+
+
+def test_a_second_start_does_not_print_a_new_password(tmp_path):
+    from controlpanel import launcher
+
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env["PANEL_VAR_DIR"] = str(tmp_path)
+    launcher.manage("migrate", "--noinput", "-v", "0", env=env)
+    assert launcher.ensure_admin(env)[1]
+    assert launcher.ensure_admin(env)[1] is None
