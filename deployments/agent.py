@@ -3,15 +3,18 @@
 One iteration is `Agent.tick()`, so tests call it directly; `loop()` only repeats it.
 """
 import logging
+import os
 import threading
 import time
+from dataclasses import asdict
 
 from django.db import close_old_connections
 
-from deployments import services
+from deployments import history, services
 from deployments.host import disk, gpu
 
 log = logging.getLogger(__name__)
+ENGINES_REFRESH_S = 5.0  # how often the agent re-reads which process groups belong to deployments
 
 
 class Agent:
@@ -26,6 +29,9 @@ class Agent:
         self.node_id = None
         self.nvml_error = ""
         self._last_heartbeat = 0.0
+        self._engines: dict[int, dict] = {}
+        self._engines_at = -1e9
+        self.minutes = history.MinuteAggregator()
 
     def register(self) -> None:
         """Create or update this node and its GPUs."""
@@ -48,7 +54,12 @@ class Agent:
         """Take one sample of the host, publish it, and heartbeat when due; returns the sample."""
         now = time.monotonic() if now is None else now
         sample = self.sample()
-        services.node_sample_record(self.node_id, sample)
+        if now - self._engines_at >= ENGINES_REFRESH_S:
+            self._engines, self._engines_at = services.node_engines(self.node_id), now
+        services.node_sample_record(self.node_id, sample, self._engines, self.sample_seconds)
+        closed = self.minutes.add(sample)
+        if closed:
+            services.node_minute_record(self.node_id, closed)
         if now - self._last_heartbeat >= self.heartbeat_seconds:
             services.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
             self._last_heartbeat = now
@@ -89,6 +100,15 @@ class Agent:
 
 
 def _asdict(sample) -> dict:
-    from dataclasses import asdict
+    data = asdict(sample)
+    for proc in data["processes"] or []:
+        proc["pgid"] = _pgid(proc["pid"])
+    return data
 
-    return asdict(sample)
+
+def _pgid(pid: int) -> int | None:
+    """Process group of a GPU process: engines run in their own group, so it names the engine."""
+    try:
+        return os.getpgid(pid)
+    except OSError:  # gone, or in another PID namespace
+        return None

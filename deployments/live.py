@@ -53,7 +53,8 @@ FLEET = "fleet"
 _redis = None
 
 
-def _client():
+def redis_client() -> redis.Redis:
+    """The panel's plain Redis connection (snapshots, history), shared per process."""
     global _redis
     if _redis is None:
         _redis = redis.Redis.from_url(settings.REDIS_URL)
@@ -69,7 +70,7 @@ def publish(topic: str, kind: str, data: Any, keep: bool = True) -> None:
     message: LiveMessage = {"topic": topic, "kind": kind, "data": data}
     if keep:
         key = _snapshot_key(topic)
-        pipe = _client().pipeline()
+        pipe = redis_client().pipeline()
         pipe.hset(key, kind, json.dumps(message))
         pipe.expire(key, SNAPSHOT_TTL)
         pipe.execute()
@@ -78,5 +79,5 @@ def publish(topic: str, kind: str, data: Any, keep: bool = True) -> None:
 
 def snapshot(topic: str) -> list[LiveMessage]:
     """The last kept message of each kind for a topic (read by the consumer on subscribe)."""
-    raw = _client().hgetall(_snapshot_key(topic))
+    raw = redis_client().hgetall(_snapshot_key(topic))
     return [json.loads(value) for value in raw.values()]

@@ -301,3 +301,18 @@ class DeploymentEvent(models.Model):
         if self.ended is None:
             return None
         return (self.ended - self.started).total_seconds()
+
+
+class NodeMetric(models.Model):
+    """One minute of a node's telemetry (averages and peaks); the last hour at 1 s lives in Redis."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="metrics")
+    t = models.DateTimeField(help_text="Start of the minute.")
+    data = models.JSONField(help_text='{"gpus": [{"index", "memory_used", "memory_used_max", "util_gpu", ...}], "disk_free", ...}')
+
+    class Meta:
+        ordering = ["node", "t"]
+        constraints = [models.UniqueConstraint(fields=["node", "t"], name="metric_unique_minute")]
+
+    def __str__(self):
+        return f"{self.node} @ {self.t:%Y-%m-%d %H:%M}"

@@ -4,8 +4,8 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import live
-from deployments.models import Gpu, Node
+from deployments import history, live
+from deployments.models import Deployment, Gpu, Node
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,28 @@ def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: in
     if disk_total is not None:
         fields.update(disk_total=disk_total, disk_free=disk_free)
     Node.objects.filter(pk=node_id).update(**fields)
-    live.publish(live.node_topic(node_id), "heartbeat", {"at": fields["last_heartbeat"].isoformat()})
 
 
-def node_sample_record(node_id: int, sample: dict) -> None:
-    """Push one host sample to the browsers watching the node and the fleet."""
+def node_engines(node_id: int) -> dict[int, dict]:
+    """Active deployments of a node by process group (and PID): what a GPU process belongs to."""
+    owners = {}
+    for d in Deployment.objects.filter(node_id=node_id, status__in=Deployment.ACTIVE).exclude(pid=None):
+        owner = {"id": d.pk, "name": d.name}
+        owners[d.pid] = owner
+        if d.pgid:
+            owners[d.pgid] = owner
+    return owners
+
+
+def node_sample_record(node_id: int, sample: dict, engines: dict[int, dict], sample_seconds: float = 1.0) -> None:
+    """Label GPU processes with their deployment, keep the sample in history, push it to browsers."""
+    for g in sample["gpus"]:
+        for proc in g.get("processes") or []:
+            proc["deployment"] = engines.get(proc.get("pgid")) or engines.get(proc["pid"])
+    history.push(node_id, sample, sample_seconds)
     live.publish(live.node_topic(node_id), "sample", sample)
+
+
+def node_minute_record(node_id: int, aggregate: dict) -> None:
+    """Store one minute of a node's telemetry (bounded retention)."""
+    history.record_minute(node_id, aggregate)

@@ -6,6 +6,7 @@ urlpatterns = [
     path("", views.dashboard, name="dashboard"),
     path("nodes/", views.node_list, name="node-list"),
     path("nodes/<int:pk>/", views.node_detail, name="node-detail"),
+    path("nodes/<int:pk>/history.json", views.node_history, name="node-history"),
     path("models/", views.model_list, name="model-list"),
     path("models/<int:pk>/", views.model_detail, name="model-detail"),
     path("deployments/", views.deployment_list, name="deployment-list"),

@@ -1,10 +1,14 @@
 """Server-rendered pages. Views read through selectors and change things through services."""
+from datetime import timedelta
+
 from django.contrib import messages
+from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
-from deployments import selectors
+from deployments import history, selectors
+from deployments.models import Node
 
 
 def dashboard(request):
@@ -18,7 +22,23 @@ def node_list(request):
 
 def node_detail(request, pk):
     node = get_object_or_404(selectors.node_list(), pk=pk)
-    return render(request, "deployments/node_detail.html", {"node": node, "gpus": node.gpus.all()})
+    recent = history.recent(node.pk)
+    return render(request, "deployments/node_detail.html", {
+        "node": node, "gpus": node.gpus.all(), "recent": recent, "latest": recent[-1] if recent else None,
+    })
+
+
+def node_history(request, pk):
+    """Chart data: full-rate samples after `since` (last hour), or per-minute rows for `days`."""
+    node = get_object_or_404(Node, pk=pk)
+    try:
+        since = float(request.GET.get("since", 0))
+        days = min(float(request.GET.get("days", 0)), 7.0)
+    except ValueError:
+        return JsonResponse({"error": "since and days must be numbers"}, status=400)
+    if days:
+        return JsonResponse({"resolution": 60, "samples": history.minutes(node.pk, timedelta(days=days))})
+    return JsonResponse({"resolution": 1, "samples": history.recent(node.pk, since)})
 
 
 def model_list(request):

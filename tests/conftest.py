@@ -48,6 +48,19 @@ def wait_until(predicate, timeout=15.0, interval=0.05, message="condition"):
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {message}")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_live_state():
+    """Snapshots and history are keyed by row id, and ids repeat between tests: start empty."""
+    from deployments import live
+
+    client = live.redis_client()
+    prefix = os.environ["CHANNELS_PREFIX"]
+    for pattern in (f"{prefix}:snapshot:*", f"{prefix}:history:*"):
+        keys = list(client.scan_iter(pattern, count=1000))
+        if keys:
+            client.delete(*keys)
+
+
 @pytest.fixture
 def operator(db):
     from tests.factories import UserFactory
@@ -171,3 +184,10 @@ def in_thread(fn, *args, **kwargs):
 
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(fn, *args, **kwargs).result(30)
+
+
+def run_async(coro):
+    """Run a coroutine to the end on its own loop in another thread (Playwright may own this one)."""
+    import asyncio
+
+    return in_thread(asyncio.run, coro)

@@ -10,6 +10,7 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from controlpanel.asgi import application
 from controlpanel.routing import websocket_urlpatterns
+from tests.conftest import run_async
 
 PUBLIC = {"/accounts/login/", "/healthz"}
 
@@ -86,7 +87,11 @@ def test_the_account_page_shows_a_new_token_once(viewer_client):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("route", [str(p.pattern) for p in websocket_urlpatterns])
-async def test_every_websocket_route_refuses_anonymous_users(route):
+def test_every_websocket_route_refuses_anonymous_users(route):
+    run_async(_refused(route))
+
+
+async def _refused(route):
     communicator = WebsocketCommunicator(application, "/" + route, headers=[(b"origin", b"http://localhost"), (b"host", b"localhost")])
     connected, code = await communicator.connect()
     assert not connected

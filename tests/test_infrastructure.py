@@ -10,7 +10,7 @@ from django.conf import settings
 from controlpanel.asgi import application
 from deployments import live, tasks
 from deployments.models import Node
-from tests.conftest import agent_argv, wait_until
+from tests.conftest import agent_argv, run_async, wait_until
 
 
 @pytest.mark.timeout(120)
@@ -38,7 +38,11 @@ def _session_cookie(client, user) -> bytes:
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_a_published_message_reaches_a_subscribed_browser_through_redis(client, unique):
+def test_a_published_message_reaches_a_subscribed_browser_through_redis(client, unique):
+    run_async(_published_message_reaches_client(client, unique))
+
+
+async def _published_message_reaches_client(client, unique):
     from tests.factories import NodeFactory, UserFactory
 
     user = await sync_to_async(UserFactory)(role="viewer")
@@ -64,7 +68,11 @@ async def test_a_published_message_reaches_a_subscribed_browser_through_redis(cl
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_a_reconnecting_browser_first_gets_the_last_snapshot(client, unique):
+def test_a_reconnecting_browser_first_gets_the_last_snapshot(client, unique):
+    run_async(_reconnect_gets_snapshot(client, unique))
+
+
+async def _reconnect_gets_snapshot(client, unique):
     from tests.factories import NodeFactory, UserFactory
 
     user = await sync_to_async(UserFactory)(role="viewer")
@@ -82,3 +90,7 @@ async def test_a_reconnecting_browser_first_gets_the_last_snapshot(client, uniqu
     await ws.disconnect()
 
 
+
+
+def test_the_tests_keep_their_redis_keys_apart_from_a_running_panel():
+    assert settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"] == "paneltest"

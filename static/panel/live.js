@@ -40,6 +40,7 @@
   }
 
   window.Live = {
+    socket() { return socket; },  // for tests that simulate a dropped connection
     subscribe(topic, fn) {
       const first = !handlers.has(topic);
       if (first) handlers.set(topic, []);

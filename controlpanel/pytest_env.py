@@ -1,0 +1,8 @@
+"""Loaded by pytest (`-p controlpanel.pytest_env` in pyproject) before Django reads its settings.
+
+It keeps the tests' Redis keys and Channels groups apart from a panel running on the same Redis.
+No Django import here: tests/gpu runs where Django is absent.
+"""
+import os
+
+os.environ.setdefault("CHANNELS_PREFIX", "paneltest")

@@ -1,0 +1,136 @@
+// Node page: live per-GPU memory and utilization charts, GPU table, process table, host figures.
+// History comes with the page; live samples are appended; after a reconnect the gap is fetched
+// from the history endpoint, so the chart never shows a hole or a stale value.
+(function () {
+  const N = window.NODE;
+  const GiB = 2 ** 30;
+  const fmtGiB = (b) => (b == null ? "unknown" : (b / GiB).toFixed(1) + " GiB");
+  const unknown = (v, unit = "") => (v == null ? "unknown" : v + unit);
+  let samples = JSON.parse(document.getElementById("recent-samples").textContent);
+  let windowSeconds = 3600;
+  let minuteMode = false;
+  let minuteSamples = [];
+  let lastT = samples.length ? samples[samples.length - 1].t : null;
+
+  function seriesFor(list, field, scale) {
+    const xs = list.map((s) => s.t);
+    const ys = N.gpus.map((i) => list.map((s) => {
+      const g = s.gpus.find((x) => x.index === i);
+      return g && g[field] != null ? g[field] / scale : null;
+    }));
+    return [xs, ...ys];
+  }
+
+  function makeChart(el, field, scale) {
+    if (!el) return null;
+    const colors = ["#2563eb", "#16a34a", "#d97706", "#dc2626", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
+    const opts = {
+      width: Math.max(300, el.clientWidth), height: 220,
+      series: [{}, ...N.gpus.map((i, k) => ({ label: "GPU " + i, stroke: colors[k % colors.length], width: 1.5 }))],
+      axes: [{}, { size: 50 }],
+      scales: { x: { time: true } },
+    };
+    return new uPlot(opts, seriesFor(visible(), field, scale), el);
+  }
+
+  const charts = N.hasGpu ? {
+    mem: makeChart(document.getElementById("chart-mem"), "memory_used", GiB),
+    util: makeChart(document.getElementById("chart-util"), "util_gpu", 1),
+  } : {};
+  window.nodeCharts = charts;
+
+  function visible() {
+    if (minuteMode) return minuteSamples;
+    const cutoff = Date.now() / 1000 - windowSeconds;
+    return samples.filter((s) => s.t >= cutoff);
+  }
+
+  function redraw() {
+    samples = samples.filter((s) => s.t >= Date.now() / 1000 - 3600); // the page keeps an hour
+    const shown = visible();
+    if (charts.mem) charts.mem.setData(seriesFor(shown, "memory_used", GiB));
+    if (charts.util) charts.util.setData(seriesFor(shown, "util_gpu", 1));
+    document.documentElement.dataset.points = shown.length;
+  }
+
+  function compact(s) {
+    return { t: s.t, disk_free: s.disk.free, ram_available: s.host.ram_available, load1: s.host.load1,
+      gpus: s.gpus.map((g) => ({ index: g.index, memory_used: g.memory_used, memory_total: g.memory_total,
+        util_gpu: g.util_gpu, temperature_c: g.temperature_c, power_w: g.power_w })) };
+  }
+
+  function merge(more) {
+    const seen = new Set(samples.map((s) => s.t));
+    for (const s of more) if (!seen.has(s.t)) samples.push(s);
+    samples.sort((a, b) => a.t - b.t);
+    if (samples.length) lastT = samples[samples.length - 1].t;
+  }
+
+  function showTables(s) {
+    document.getElementById("disk").textContent = `${fmtGiB(s.disk.free)} free of ${fmtGiB(s.disk.total)}`;
+    document.getElementById("ram").textContent = `${fmtGiB(s.host.ram_available)} of ${fmtGiB(s.host.ram_total)}`;
+    document.getElementById("load").textContent = s.host.load1.toFixed(2);
+    document.getElementById("last-sample").textContent = new Date(s.t * 1000).toLocaleTimeString();
+    const procRows = [];
+    for (const g of s.gpus) {
+      const row = document.querySelector(`#gpu-table tr[data-gpu="${g.index}"]`);
+      if (row) {
+        row.querySelector('[data-f="mem"]').textContent = `${fmtGiB(g.memory_used)} / ${fmtGiB(g.memory_total)}`;
+        row.querySelector('[data-f="util"]').textContent = unknown(g.util_gpu, " %");
+        row.querySelector('[data-f="temp"]').textContent = unknown(g.temperature_c, " °C");
+        row.querySelector('[data-f="power"]').textContent =
+          `${g.power_w == null ? "unknown" : g.power_w.toFixed(0) + " W"} / ${g.power_limit_w == null ? "unknown" : g.power_limit_w.toFixed(0) + " W"}`;
+        row.querySelector('[data-f="clock"]').textContent = unknown(g.sm_clock_mhz, " MHz");
+        row.querySelector('[data-f="pcie"]').textContent = g.pcie_gen == null ? "unknown" : `gen ${g.pcie_gen} ×${unknown(g.pcie_width)}`;
+      }
+      if (g.processes == null) procRows.push(`<tr><td>${g.index}</td><td colspan="4" class="muted">unknown (the driver does not list processes)</td></tr>`);
+      for (const p of g.processes || []) {
+        const dep = p.deployment ? `<a href="${N.deploymentUrl}${p.deployment.id}/">${p.deployment.name}</a>` : '<span class="muted">not a deployment</span>';
+        procRows.push(`<tr data-pid="${p.pid}"><td>${g.index}</td><td>${p.pid}</td><td>${p.name || "unknown"}</td><td class="num">${fmtGiB(p.used_memory)}</td><td>${dep}</td></tr>`);
+      }
+    }
+    const body = document.querySelector("#procs tbody");
+    if (body) body.innerHTML = procRows.join("") || '<tr><td colspan="5" class="muted">No GPU processes.</td></tr>';
+  }
+
+  function setState() {
+    const el = document.getElementById("node-state");
+    const last = lastT || N.lastHeartbeat;
+    const online = last && Date.now() / 1000 - last < 3 * N.heartbeat;
+    el.className = "badge " + (online ? "online" : "offline");
+    el.textContent = online ? "online" : last ? "offline since " + new Date(last * 1000).toLocaleString() : "never seen";
+  }
+  setInterval(setState, 1000);
+
+  Live.subscribe("node:" + N.id, async (msg) => {
+    if (msg.kind !== "sample") return;
+    if (msg.snapshot && lastT) {
+      // (Re)connected: fetch what was missed while away before appending the live stream.
+      const res = await fetch(`${N.historyUrl}?since=${lastT}`);
+      if (res.ok) merge((await res.json()).samples);
+    }
+    if (lastT && msg.data.t <= lastT && !msg.snapshot) return;
+    merge([compact(msg.data)]);
+    showTables(msg.data);
+    if (!minuteMode) redraw();
+    setState();
+  });
+
+  for (const button of document.querySelectorAll("#ranges button")) {
+    button.addEventListener("click", async () => {
+      for (const b of document.querySelectorAll("#ranges button")) b.className = "secondary";
+      button.className = "";
+      if (button.dataset.days) {
+        minuteMode = true;
+        const res = await fetch(`${N.historyUrl}?days=${button.dataset.days}`);
+        minuteSamples = (await res.json()).samples;
+        redraw();
+      } else {
+        minuteMode = false;
+        windowSeconds = 60 * Number(button.dataset.minutes);
+        redraw();
+      }
+    });
+  }
+  redraw();
+})();

@@ -1,0 +1,161 @@
+"""The node agent's loop, with NVML replaced at the host/gpu.py boundary."""
+import json
+import time
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+from unittest import mock
+
+import pytest
+from django.utils import timezone
+
+from deployments import history, live
+from deployments.agent import Agent
+from deployments.host import gpu
+from deployments.models import Node, NodeMetric
+from tests.conftest import wait_until
+from tests.factories import DeploymentFactory
+
+pytestmark = pytest.mark.django_db
+
+GiB = 2**30
+
+
+def _info(i):
+    return gpu.GpuInfo(index=i, uuid=f"GPU-{i}", name="NVIDIA H200", memory_total=141 * GiB, compute_capability="9.0")
+
+
+def _sample(i, used_gib=10, procs=(), power=None):
+    return gpu.GpuSample(index=i, uuid=f"GPU-{i}", memory_total=141 * GiB, memory_used=used_gib * GiB,
+                         memory_free=(141 - used_gib) * GiB, util_gpu=50, util_memory=20, temperature_c=40,
+                         power_w=power, power_limit_w=700.0, sm_clock_mhz=1980, pcie_gen=5, pcie_width=16,
+                         processes=list(procs))
+
+
+@pytest.fixture
+def nvml():
+    with mock.patch("deployments.host.gpu.inventory", autospec=True) as inventory, \
+         mock.patch("deployments.host.gpu.sample", autospec=True) as sample:
+        inventory.return_value = [_info(0), _info(1)]
+        sample.return_value = [_sample(0), _sample(1)]
+        yield sample
+
+
+@pytest.fixture
+def agent(nvml, tmp_path, unique):
+    agent = Agent(name=f"agent-{unique}", model_store=str(tmp_path), address="10.0.0.9", version="t",
+                  sample_seconds=1, heartbeat_seconds=5)
+    agent.register()
+    return agent
+
+
+@pytest.fixture
+def published():
+    with mock.patch("deployments.live.publish", autospec=True) as publish:
+        yield publish
+
+
+def test_register_creates_the_node_and_its_gpus(agent):
+    node = Node.objects.get(name=agent.name)
+    assert node.queue == f"node.{agent.name}"
+    assert [(g.index, g.name, g.memory_total) for g in node.gpus.all()] == [(0, "NVIDIA H200", 141 * GiB), (1, "NVIDIA H200", 141 * GiB)]
+    assert node.online and node.address == "10.0.0.9"
+
+
+def test_a_tick_publishes_every_gpu_with_unknown_fields_as_none(agent, published):
+    sample = agent.tick()
+    topic, kind, data = published.call_args_list[-1].args[:3]
+    assert (topic, kind) == (live.node_topic(agent.node_id), "sample")
+    assert [g["memory_used"] for g in data["gpus"]] == [10 * GiB, 10 * GiB]
+    assert data["gpus"][0]["power_w"] is None  # NVML refused: shown as unknown, not 0
+    assert data["disk"]["total"] > 0 and sample["host"]["ram_total"] > 0
+
+
+def test_a_gpu_process_is_labelled_with_the_deployment_whose_process_group_it_is_in(agent, nvml, published):
+    import os
+
+    deployment = DeploymentFactory(node_id=agent.node_id, status="ready", pid=os.getpid(), pgid=os.getpgid(os.getpid()))
+    nvml.return_value = [_sample(0, 60, procs=[gpu.GpuProcess(pid=os.getpid(), used_memory=50 * GiB, name="python")]),
+                         _sample(1, 0, procs=[gpu.GpuProcess(pid=999_999_999, used_memory=GiB, name="stray")])]
+    data = agent.tick()
+    owned, stray = data["gpus"][0]["processes"][0], data["gpus"][1]["processes"][0]
+    assert owned["deployment"] == {"id": deployment.pk, "name": deployment.name}
+    assert stray["deployment"] is None and stray["pgid"] is None
+
+
+def test_heartbeats_follow_their_own_interval(agent, published):
+    Node.objects.filter(pk=agent.node_id).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    agent.tick(now=1000.0)
+    beat = Node.objects.get(pk=agent.node_id).last_heartbeat
+    assert timezone.now() - beat < timedelta(seconds=5)
+    agent.tick(now=1002.0)  # 2 s later: no heartbeat yet
+    assert Node.objects.get(pk=agent.node_id).last_heartbeat == beat
+    agent.tick(now=1005.5)
+    assert Node.objects.get(pk=agent.node_id).last_heartbeat > beat
+
+
+def test_a_node_without_nvml_says_so_and_still_reports_disk(tmp_path, published, client, viewer, unique):
+    with mock.patch("deployments.host.gpu.inventory", autospec=True, side_effect=gpu.NvmlUnavailable("NVML Shared Library Not Found")):
+        agent = Agent(name=f"cpu-{unique}", model_store=str(tmp_path), address="", version="t")
+        agent.register()
+    data = agent.tick()
+    assert data["gpus"] == [] and "NVML Shared Library Not Found" in data["nvml_error"]
+    client.force_login(viewer)
+    page = client.get(f"/nodes/{agent.node_id}/").content.decode()
+    assert "No NVIDIA GPU on this node." in page
+
+
+@pytest.mark.django_db(transaction=True)  # the loop thread writes heartbeats on its own connection
+def test_one_failing_sample_does_not_stop_the_loop(agent, nvml, published):
+    import threading
+
+    nvml.side_effect = [RuntimeError("driver hiccup"), [_sample(0), _sample(1)], [_sample(0), _sample(1)]] + [[_sample(0)]] * 50
+    agent.sample_seconds = 0.01
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.loop, args=(stop,))
+    thread.start()
+    try:
+        wait_until(lambda: nvml.call_count >= 3, timeout=10, message="samples after the failure")
+    finally:
+        stop.set()
+        thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_the_last_hour_is_kept_at_full_rate_and_bounded(agent, published):
+    for k in range(70):
+        sample = agent.sample()
+        sample["t"] = 1_000_000 + k
+        history.push(agent.node_id, sample, sample_seconds=60)  # 60 s interval: room for 60 samples
+    kept = history.recent(agent.node_id)
+    assert len(kept) == 60 and kept[-1]["t"] == 1_000_069
+    assert history.recent(agent.node_id, since=1_000_065)[0]["t"] == 1_000_066
+
+
+def test_minutes_fold_into_one_row_each_and_old_rows_expire(agent):
+    aggregator = history.MinuteAggregator()
+    start = (int(time.time()) // 60) * 60 - 120
+    closed = []
+    for k, used in enumerate([10, 20, 30]):
+        sample = agent.sample()
+        sample["t"] = start + k
+        sample["gpus"][0]["memory_used"] = used * GiB
+        assert aggregator.add(sample) is None
+    sample["t"] = start + 60
+    closed.append(aggregator.add(sample))
+    minute = closed[0]
+    assert minute["t"] == start and minute["samples"] == 3
+    assert minute["gpus"][0]["memory_used"] == 20 * GiB and minute["gpus"][0]["memory_used_max"] == 30 * GiB
+    NodeMetric.objects.create(node_id=agent.node_id, t=timezone.now() - timedelta(days=8), data={})
+    history.record_minute(agent.node_id, minute)
+    assert list(NodeMetric.objects.filter(node_id=agent.node_id).values_list("t", flat=True)) == [
+        datetime.fromtimestamp(start, tz=dt_timezone.utc)]
+    rows = history.minutes(agent.node_id, timedelta(days=7))
+    assert rows[0]["gpus"][0]["memory_used_max"] == 30 * GiB
+
+
+def test_the_history_endpoint_serves_recent_samples_and_minutes(agent, published, viewer_client):
+    agent.tick()
+    data = viewer_client.get(f"/nodes/{agent.node_id}/history.json").json()
+    assert data["resolution"] == 1 and data["samples"][-1]["gpus"][0]["memory_used"] == 10 * GiB
+    assert viewer_client.get(f"/nodes/{agent.node_id}/history.json?days=7").json()["resolution"] == 60
+    assert viewer_client.get(f"/nodes/{agent.node_id}/history.json?since=abc").status_code == 400
