@@ -1,6 +1,6 @@
 # The panel image: web (uvicorn/ASGI), control-plane worker and node agent run from it.
 FROM python:3.11-slim
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PANEL_VAR_DIR=/var/lib/panel
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PANEL_VAR_DIR=/var/lib/panel STATIC_ROOT=/app/staticfiles
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY controlpanel controlpanel

@@ -149,7 +149,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = VAR_DIR / "staticfiles"
+# Production images run collectstatic into STATIC_ROOT; without it whitenoise serves from the apps.
+STATIC_ROOT = env_str("STATIC_ROOT") or None
 WHITENOISE_USE_FINDERS = True
 
 REST_FRAMEWORK = {
