@@ -42,6 +42,11 @@ def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: in
     Node.objects.filter(pk=node_id).update(**fields)
 
 
+def node_enqueue(node: Node, task, *args, **kwargs) -> None:
+    """Send a host task to the node's own queue once the current transaction commits."""
+    transaction.on_commit(lambda: task.apply_async(args=args, kwargs=kwargs, queue=node.queue))
+
+
 def node_engines(node_id: int) -> dict[int, dict]:
     """Active deployments of a node by process group (and PID): what a GPU process belongs to."""
     owners = {}

@@ -159,3 +159,16 @@ def test_the_history_endpoint_serves_recent_samples_and_minutes(agent, published
     assert data["resolution"] == 1 and data["samples"][-1]["gpus"][0]["memory_used"] == 10 * GiB
     assert viewer_client.get(f"/nodes/{agent.node_id}/history.json?days=7").json()["resolution"] == 60
     assert viewer_client.get(f"/nodes/{agent.node_id}/history.json?since=abc").status_code == 400
+
+
+def test_host_work_is_sent_to_the_nodes_own_queue_after_commit(django_capture_on_commit_callbacks):
+    from deployments import services, tasks
+    from tests.factories import NodeFactory
+
+    node = NodeFactory(name="gpu-09")
+    with mock.patch.object(tasks.node_ping, "apply_async", autospec=True) as apply_async:
+        with django_capture_on_commit_callbacks(execute=False) as callbacks:
+            services.node_enqueue(node, tasks.node_ping)
+        apply_async.assert_not_called()  # nothing leaves before the transaction commits
+        callbacks[0]()
+    assert apply_async.call_args.kwargs["queue"] == "node.gpu-09"
