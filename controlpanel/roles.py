@@ -14,3 +14,18 @@ def is_viewer(user) -> bool:
     if not user.is_authenticated:
         return False
     return is_operator(user) or user.groups.filter(name=VIEWER).exists()
+
+
+def operator_required(view):
+    """Views that change things: viewers get 403 with a plain message."""
+    from functools import wraps
+
+    from django.http import HttpResponseForbidden
+
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        if not is_operator(request.user):
+            return HttpResponseForbidden("Changing things needs the operator role.")
+        return view(request, *args, **kwargs)
+
+    return wrapper

@@ -46,6 +46,9 @@ class Agent:
         )
         self.node_id = node.pk
         self.gpu_count = len(gpus)
+        resumed = services.model_copies_resume(node)
+        if resumed:
+            log.info("node %s: resuming %d unfinished download(s)", self.name, len(resumed))
 
     def describe(self) -> str:
         return self.nvml_error or f"{self.gpu_count} GPU(s)"

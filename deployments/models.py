@@ -87,6 +87,7 @@ class ModelRepo(models.Model):
     architecture = models.CharField(max_length=128, blank=True)
     model_type = models.CharField(max_length=64, blank=True)
     num_parameters = models.BigIntegerField(null=True, blank=True)
+    active_parameters = models.BigIntegerField(null=True, blank=True, help_text="Per token, for MoE.")
     num_layers = models.PositiveIntegerField(null=True, blank=True)
     hidden_size = models.PositiveIntegerField(null=True, blank=True)
     num_attention_heads = models.PositiveIntegerField(null=True, blank=True)
@@ -137,6 +138,8 @@ class ModelCopy(models.Model):
     rate = models.FloatField(default=0.0, help_text="Bytes per second, recent.")
     progress = models.JSONField(default=dict, blank=True, help_text="Per-file progress.")
     error = models.TextField(blank=True)
+    error_code = models.CharField(max_length=32, blank=True)
+    cancel_requested = models.BooleanField(default=False)
     last_used = models.DateTimeField(null=True, blank=True)
     created = models.DateTimeField(auto_now_add=True)
     updated = models.DateTimeField(auto_now=True)
@@ -157,6 +160,27 @@ class ModelCopy(models.Model):
         if self.rate <= 0 or not self.bytes_total:
             return None
         return max(self.bytes_total - self.bytes_done, 0) / self.rate
+
+
+class Secret(models.Model):
+    """A credential the panel uses (the Hugging Face token); written in the UI, never shown back."""
+
+    HF_TOKEN = "hf_token"
+
+    name = models.CharField(max_length=64, unique=True)
+    value = models.TextField()
+    updated = models.DateTimeField(auto_now=True)
+
+    def __str__(self):
+        return self.name  # never the value
+
+    def __repr__(self):
+        return f"<Secret {self.name}>"
+
+    @classmethod
+    def get(cls, name: str, default: str = "") -> str:
+        row = cls.objects.filter(name=name).first()
+        return row.value if row else default
 
 
 class Deployment(models.Model):

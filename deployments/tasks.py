@@ -1,11 +1,14 @@
-"""Celery tasks: thin wrappers that load by ID and call a service.
+"""Celery tasks: thin wrappers that load by ID and call the service of the same name.
 
-Host tasks are sent to the node's own queue (`node.<name>`) by the service that enqueues them.
+Host tasks are sent to the node's own queue (`node.<name>`) by the service that enqueues them;
+the control-plane tasks go to the default `control` queue.
 """
-import platform
 import socket
 
 from celery import shared_task
+
+from deployments import services
+from deployments.host import hub
 
 
 @shared_task(name="deployments.node_ping")
@@ -13,4 +16,28 @@ def node_ping() -> dict:
     """Answer from whichever agent ran it: proves routing to a node's queue reaches that node."""
     from django.conf import settings
 
-    return {"hostname": socket.gethostname(), "node": getattr(settings, "NODE_NAME", ""), "python": platform.python_version()}
+    return {"hostname": socket.gethostname(), "node": settings.NODE_NAME}
+
+
+@shared_task(name="deployments.model_inspect", autoretry_for=(hub.HubError,), retry_backoff=5, max_retries=5)
+def model_inspect(model_id: int) -> None:
+    """Fetch a repo's files and config from the Hub (retried while the Hub is unreachable)."""
+    services.model_inspect(model_id)
+
+
+@shared_task(name="deployments.model_inspect_local")
+def model_inspect_local(model_id: int, node_id: int) -> None:
+    """On a node: read a local model folder."""
+    services.model_inspect_local(model_id, node_id)
+
+
+@shared_task(name="deployments.model_copy_download")
+def model_copy_download(copy_id: int) -> None:
+    """On a node: download (or resume) a model copy."""
+    services.model_copy_download(copy_id)
+
+
+@shared_task(name="deployments.model_copy_remove")
+def model_copy_remove(copy_id: int) -> None:
+    """On a node: delete a model copy's files."""
+    services.model_copy_remove(copy_id)

@@ -1,14 +1,17 @@
 """Server-rendered pages. Views read through selectors and change things through services."""
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib import messages
-from django.http import JsonResponse
+from django.http import Http404, HttpResponseForbidden, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
-from deployments import history, selectors
-from deployments.models import Node
+from controlpanel.roles import is_operator, operator_required
+from deployments import forms, history, selectors, services
+from deployments.models import ModelCopy, ModelRepo, Node
 
 
 def dashboard(request):
@@ -42,12 +45,95 @@ def node_history(request, pk):
 
 
 def model_list(request):
-    return render(request, "deployments/model_list.html", {"models": selectors.model_list()})
+    return render(request, "deployments/model_list.html", {
+        "models": selectors.model_list(), "add_form": forms.ModelAddForm(), "local_form": forms.LocalModelForm()})
 
 
-def model_detail(request, pk):
+@require_POST
+@operator_required
+def model_add(request):
+    form = forms.ModelAddForm(request.POST)
+    if not form.is_valid():
+        return render(request, "deployments/model_list.html", {
+            "models": selectors.model_list(), "add_form": form, "local_form": forms.LocalModelForm()}, status=400)
+    model = services.model_add(form.cleaned_data["repo_id"], form.cleaned_data["revision"] or "main")
+    messages.success(request, f"Added {model}; reading its files and config from the Hub.")
+    return redirect("model-detail", model.pk)
+
+
+@require_POST
+@operator_required
+def model_add_local(request):
+    form = forms.LocalModelForm(request.POST)
+    if not form.is_valid():
+        return render(request, "deployments/model_list.html", {
+            "models": selectors.model_list(), "add_form": forms.ModelAddForm(), "local_form": form}, status=400)
+    model = services.model_add_local(form.cleaned_data["node"], form.cleaned_data["path"])
+    messages.success(request, f"Reading {form.cleaned_data['path']} on {form.cleaned_data['node']}.")
+    return redirect("model-detail", model.pk)
+
+
+def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     model = get_object_or_404(selectors.model_list(), pk=pk)
-    return render(request, "deployments/model_detail.html", {"model": model})
+    fit_form = forms.FitForm(request.GET or None)
+    tp, kv = 8, "auto"
+    if fit_form.is_valid():
+        tp, kv = fit_form.cleaned_data["tp"], fit_form.cleaned_data["kv_cache_dtype"]
+    fits = [(node, services.model_fit(model, node, tp, kv_cache_dtype=kv)) for node in Node.objects.prefetch_related("gpus")
+            if node.gpus.all()]
+    return render(request, "deployments/model_detail.html", {
+        "model": model, "fits": fits, "fit_form": fit_form if fit_form.is_bound else forms.FitForm(),
+        "download_form": download_form or forms.DownloadForm(), "disk_short": disk_short,
+        "copies": model.copies.all(),
+    }, status=status)
+
+
+@require_POST
+@operator_required
+def model_download(request, pk):
+    model = get_object_or_404(ModelRepo, pk=pk)
+    form = forms.DownloadForm(request.POST)
+    if not form.is_valid():
+        return model_detail(request, pk, download_form=form, status=400)
+    try:
+        services.model_download(model, form.cleaned_data["node"])
+    except services.DiskShort as short:
+        return model_detail(request, pk, download_form=form, disk_short=short, status=409)
+    except services.ServiceError as exc:
+        form.add_error("node", exc.message)
+        return model_detail(request, pk, download_form=form, status=409)
+    messages.success(request, f"Downloading {model} to {form.cleaned_data['node']}.")
+    return redirect("model-detail", pk)
+
+
+@require_POST
+@operator_required
+def copy_action(request, pk, action):
+    copy = get_object_or_404(ModelCopy.objects.select_related("model", "node"), pk=pk)
+    act = {"cancel": services.model_copy_cancel, "retry": services.model_copy_retry, "delete": services.model_copy_delete}
+    if action not in act:
+        raise Http404
+    try:
+        act[action](copy)
+        messages.success(request, f"{action.capitalize()}: {copy.model} on {copy.node}.")
+    except services.ServiceError as exc:
+        messages.error(request, exc.message)
+    return redirect(request.POST.get("next") or reverse("model-detail", args=[copy.model_id]))
+
+
+def panel_settings(request):
+    form = forms.HfTokenForm()
+    if request.method == "POST":
+        if not is_operator(request.user):
+            return HttpResponseForbidden("Changing settings needs the operator role.")
+        form = forms.HfTokenForm(request.POST)
+        if form.is_valid():
+            services.hf_token_set("" if form.cleaned_data["clear"] else form.cleaned_data["hf_token"])
+            messages.success(request, "Hugging Face token saved." if form.cleaned_data["hf_token"] and not form.cleaned_data["clear"]
+                             else "Hugging Face token cleared.")
+            return redirect("settings")
+    return render(request, "settings.html", {"form": form, "hf_token_set": bool(services.hf_token()),
+                                             "hf_endpoint": settings.HF_ENDPOINT})
 
 
 def deployment_list(request):

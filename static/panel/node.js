@@ -2,6 +2,7 @@
 // History comes with the page; live samples are appended; after a reconnect the gap is fetched
 // from the history endpoint, so the chart never shows a hole or a stale value.
 (function () {
+  const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
   const N = window.NODE;
   const GiB = 2 ** 30;
   const fmtGiB = (b) => (b == null ? "unknown" : (b / GiB).toFixed(1) + " GiB");
@@ -85,8 +86,8 @@
       }
       if (g.processes == null) procRows.push(`<tr><td>${g.index}</td><td colspan="4" class="muted">unknown (the driver does not list processes)</td></tr>`);
       for (const p of g.processes || []) {
-        const dep = p.deployment ? `<a href="${N.deploymentUrl}${p.deployment.id}/">${p.deployment.name}</a>` : '<span class="muted">not a deployment</span>';
-        procRows.push(`<tr data-pid="${p.pid}"><td>${g.index}</td><td>${p.pid}</td><td>${p.name || "unknown"}</td><td class="num">${fmtGiB(p.used_memory)}</td><td>${dep}</td></tr>`);
+        const dep = p.deployment ? `<a href="${N.deploymentUrl}${p.deployment.id}/">${esc(p.deployment.name)}</a>` : '<span class="muted">not a deployment</span>';
+        procRows.push(`<tr data-pid="${p.pid}"><td>${g.index}</td><td>${p.pid}</td><td>${esc(p.name || "unknown")}</td><td class="num">${fmtGiB(p.used_memory)}</td><td>${dep}</td></tr>`);
       }
     }
     const body = document.querySelector("#procs tbody");

@@ -1,4 +1,4 @@
-"""Writes that span models, the queue, the channel layer or a host."""
+"""Services for nodes: registration, heartbeats, telemetry, routing host work."""
 import logging
 
 from django.db import transaction
@@ -8,6 +8,7 @@ from deployments import history, live
 from deployments.models import Deployment, Gpu, Node
 
 log = logging.getLogger(__name__)
+__all__ = ["node_register", "node_heartbeat", "node_enqueue", "node_engines", "node_sample_record", "node_minute_record"]
 
 
 @transaction.atomic

@@ -1,0 +1,66 @@
+"""The model store on a node: where a model's files live, local folders, safe deletion."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class StoreError(Exception):
+    """A model-store operation refused or failed; permanent=True when retrying cannot help."""
+
+    def __init__(self, message: str, permanent: bool = True):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A model folder already on the node: its files (relative path, size) and parsed config.json."""
+
+    path: str
+    files: list[tuple[str, int]]
+    config: dict | None
+    total_size: int
+
+
+def model_dir(store: str | Path, repo_id: str, revision: str) -> Path:
+    """`<store>/<org>--<name>[@<revision>]`: one folder per repo and revision, never outside the store."""
+    name = _SAFE.sub("_", repo_id.replace("/", "--"))
+    if revision and revision != "main":
+        name += "@" + _SAFE.sub("_", revision)
+    return Path(store) / name
+
+
+def inspect_local(path: str | Path) -> LocalModel:
+    """List a local model folder and read its config.json."""
+    root = Path(path)
+    if not root.is_absolute():
+        raise StoreError(f"{path} is not an absolute path")
+    if not root.is_dir():
+        raise StoreError(f"{path} is not a folder on this node")
+    files = sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
+                   if p.is_file() and ".partial" not in p.parts)
+    config = None
+    if (root / "config.json").is_file():
+        try:
+            config = json.loads((root / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"{root / 'config.json'} is not valid JSON: {exc}") from exc
+    return LocalModel(path=str(root), files=files, config=config, total_size=sum(size for _, size in files))
+
+
+def remove(path: str | Path, store: str | Path) -> int:
+    """Delete a model folder inside the store; returns the bytes freed. Refuses anything outside it."""
+    target, root = Path(path).resolve(), Path(store).resolve()
+    if target == root or root not in target.parents:
+        raise StoreError(f"refusing to delete {target}: it is not inside the model store {root}")
+    if not target.exists():
+        return 0
+    freed = sum(p.stat().st_size for p in target.rglob("*") if p.is_file() and not p.is_symlink())
+    shutil.rmtree(target)
+    return freed

@@ -1,0 +1,355 @@
+"""Services for models: add, inspect, fit, download with resume, cancel, retry, delete."""
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from deployments import live, modelconfig
+from deployments.host import disk, hub, store
+from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
+from deployments.services.nodes import node_enqueue
+
+log = logging.getLogger(__name__)
+__all__ = [
+    "DiskShort", "ServiceError", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
+    "model_download", "model_copy_download", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
+    "model_copy_remove", "model_copies_resume", "hf_token", "hf_token_set",
+]
+PROGRESS_EVERY_S = 0.5  # how often a running download writes its progress and checks for cancel
+
+
+class ServiceError(Exception):
+    """A request the panel refuses, with a message for the user (and the field it is about)."""
+
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid"):
+        super().__init__(message)
+        self.message, self.field, self.code = message, field, code
+
+
+@dataclass
+class DiskShort(ServiceError):
+    """Not enough free space: the figures, and the copies that could be deleted to make room."""
+
+    needed: int
+    free: int
+    candidates: list
+
+    def __post_init__(self):
+        super().__init__(
+            f"Not enough disk space on the node: needs {modelconfig.human_bytes(self.needed)}, "
+            f"has {modelconfig.human_bytes(self.free)} free. Free disk space first.",
+            field="node", code="disk_full")
+
+
+def hf_token() -> str:
+    """The panel's Hugging Face token (set in the UI, else HF_TOKEN); never logged or shown."""
+    return Secret.get(Secret.HF_TOKEN) or settings.HF_TOKEN
+
+
+def hf_token_set(value: str) -> None:
+    """Store (or clear, when empty) the Hugging Face token."""
+    if value:
+        Secret.objects.update_or_create(name=Secret.HF_TOKEN, defaults={"value": value.strip()})
+    else:
+        Secret.objects.filter(name=Secret.HF_TOKEN).delete()
+
+
+# --- adding and inspecting ------------------------------------------------------------------
+
+def model_add(repo_id: str, revision: str = "main") -> ModelRepo:
+    """Add a Hub repo (or find it) and fetch its files and config on the control worker."""
+    from deployments import tasks
+
+    model, _ = ModelRepo.objects.get_or_create(repo_id=repo_id, revision=revision or "main")
+    transaction.on_commit(lambda: tasks.model_inspect.delay(model.pk))
+    return model
+
+
+def model_add_local(node: Node, path: str) -> ModelRepo:
+    """Add a model folder already on a node; that node's agent reads it."""
+    from deployments import tasks
+
+    repo_id = "local/" + (Path(path).name or "model")
+    model, _ = ModelRepo.objects.get_or_create(repo_id=repo_id, revision=f"{node.name}:{path}"[:200],
+                                               defaults={"local_path": path})
+    node_enqueue(node, tasks.model_inspect_local, model.pk, node.pk)
+    return model
+
+
+def _apply_spec(model: ModelRepo, config: dict | None, files: list[tuple[str, int]]) -> None:
+    model.config = config or {}
+    if not config:
+        return
+    spec = modelconfig.parse_config(config, files)
+    for field in ("architecture", "model_type", "num_layers", "hidden_size", "num_attention_heads", "head_dim",
+                  "kv_lora_rank", "qk_rope_head_dim", "experts_per_token", "quant_group_size", "quant_bits",
+                  "num_parameters", "active_parameters", "context_length"):
+        setattr(model, field, getattr(spec, field))
+    model.num_kv_heads = spec.num_kv_heads
+    model.attention = spec.attention or ""
+    model.num_experts = spec.num_experts or None
+    model.num_shared_experts = spec.num_shared_experts or None
+    model.quant_method = spec.quant_method or ""
+    model.quant_details = spec.quant_details or {}
+    model.dtype = spec.dtype or ""
+
+
+def model_inspect(model_id: int) -> ModelRepo:
+    """Fetch a repo's commit, files with sizes and hashes, and config.json from the Hub."""
+    model = ModelRepo.objects.get(pk=model_id)
+    try:
+        info = hub.repo_info(model.repo_id, model.revision, token=hf_token() or None, endpoint=settings.HF_ENDPOINT)
+    except hub.HubError as exc:
+        model.inspect_error = exc.message
+        model.save(update_fields=["inspect_error"])
+        live.publish(live.model_topic(model.pk), "model", {"error": exc.message, "code": exc.code})
+        if not exc.permanent:
+            raise
+        return model
+    model.commit = info.commit
+    model.files = [{"path": f.path, "size": f.size, "sha256": f.sha256, "blob_id": f.blob_id} for f in info.files]
+    model.total_size = info.total_size
+    model.inspect_error = ""
+    model.inspected = timezone.now()
+    _apply_spec(model, info.config, [(f.path, f.size) for f in info.files])
+    model.save()
+    live.publish(live.model_topic(model.pk), "model", {"inspected": True})
+    return model
+
+
+def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
+    """On the node: read a local model folder and record it as a ready copy there."""
+    model = ModelRepo.objects.get(pk=model_id)
+    node = Node.objects.get(pk=node_id)
+    try:
+        local = store.inspect_local(model.local_path)
+    except store.StoreError as exc:
+        model.inspect_error = str(exc)
+        model.save(update_fields=["inspect_error"])
+        return model
+    model.files = [{"path": p, "size": s, "sha256": None, "blob_id": None} for p, s in local.files]
+    model.total_size = local.total_size
+    model.inspect_error = ""
+    model.inspected = timezone.now()
+    _apply_spec(model, local.config, local.files)
+    model.save()
+    ModelCopy.objects.update_or_create(model=model, node=node, defaults={
+        "state": ModelCopy.State.READY, "path": local.path, "bytes_done": local.total_size, "bytes_total": local.total_size})
+    live.publish(live.model_topic(model.pk), "model", {"inspected": True})
+    return model
+
+
+def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
+              kv_cache_dtype: str = "auto") -> modelconfig.FitResult | None:
+    """Does the model fit the node's GPUs at TP×PP? None when the config is not known yet."""
+    if not model.config:
+        return None
+    files = [(f["path"], f["size"]) for f in model.files]
+    spec = modelconfig.parse_config(model.config, files)
+    memories = [g.memory_total for g in node.gpus.all()]
+    return modelconfig.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
+                                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+
+
+# --- downloads ------------------------------------------------------------------------------
+
+def _deletable(node: Node, exclude: ModelCopy | None = None) -> list[dict]:
+    """Other copies on the node, biggest first, and whether a running deployment holds each."""
+    busy = set(Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE).values_list("model_id", flat=True))
+    copies = ModelCopy.objects.filter(node=node).exclude(state=ModelCopy.State.DELETING).select_related("model")
+    if exclude:
+        copies = copies.exclude(pk=exclude.pk)
+    rows = [{"id": c.pk, "model": str(c.model), "size": c.bytes_done, "last_used": c.last_used,
+             "in_use": c.model_id in busy} for c in copies]
+    return sorted(rows, key=lambda r: -r["size"])
+
+
+@transaction.atomic
+def model_download(model: ModelRepo, node: Node) -> ModelCopy:
+    """Queue a download of the model to the node, after checking the node has room for it."""
+    from deployments import tasks
+
+    if model.local_path:
+        raise ServiceError("This model is a local folder; it cannot be downloaded.", field="model")
+    if not model.inspected or not model.files:
+        raise ServiceError(model.inspect_error or "The model has not been inspected yet; try again in a moment.",
+                           field="model", code="not_inspected")
+    copy, created = ModelCopy.objects.select_for_update().get_or_create(model=model, node=node)
+    if not created and copy.state == ModelCopy.State.READY:
+        raise ServiceError(f"{model} is already on {node}.", field="node", code="exists")
+    if not created and copy.state not in (ModelCopy.State.FAILED, ModelCopy.State.CANCELLED):
+        raise ServiceError(f"{model} is already {copy.get_state_display().lower()} on {node}.", field="node", code="busy")
+    needed = max(model.total_size - copy.bytes_done, 0)
+    if node.disk_total and needed > node.disk_free:
+        raise DiskShort(needed=needed, free=node.disk_free, candidates=_deletable(node, exclude=copy))
+    copy.state = ModelCopy.State.QUEUED
+    copy.bytes_total = model.total_size
+    copy.error = copy.error_code = ""
+    copy.cancel_requested = False
+    copy.save()
+    node_enqueue(node, tasks.model_copy_download, copy.pk)
+    _publish_copy(copy)
+    return copy
+
+
+def _repo_info(model: ModelRepo) -> hub.RepoInfo:
+    files = [hub.RepoFile(f["path"], f["size"], f.get("sha256"), f.get("blob_id")) for f in model.files]
+    return hub.RepoInfo(model.repo_id, model.revision, model.commit, files, model.config or None, model.total_size)
+
+
+def _copy_payload(copy: ModelCopy) -> dict:
+    return {"id": copy.pk, "model": copy.model_id, "node": copy.node_id, "node_name": copy.node.name,
+            "state": copy.state, "bytes_done": copy.bytes_done, "bytes_total": copy.bytes_total, "rate": copy.rate,
+            "seconds_left": copy.seconds_left, "files": copy.progress.get("files", {}),
+            "current_file": copy.progress.get("current_file"), "error": copy.error, "path": copy.path}
+
+
+def _publish_copy(copy: ModelCopy) -> None:
+    payload = _copy_payload(copy)
+    live.publish(live.model_topic(copy.model_id), f"copy.{copy.pk}", payload)
+    live.publish(live.node_topic(copy.node_id), f"copy.{copy.pk}", payload)
+
+
+def model_copy_download(copy_id: int) -> ModelCopy:
+    """On the node: fetch the copy's files (resuming partials), verify them, record progress live."""
+    with transaction.atomic():
+        copy = ModelCopy.objects.select_for_update().select_related("model", "node").get(pk=copy_id)
+        if copy.state not in (ModelCopy.State.QUEUED, ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
+            return copy  # cancelled, finished or deleted meanwhile
+        if copy.cancel_requested:
+            copy.state = ModelCopy.State.CANCELLED
+            copy.save()
+            _publish_copy(copy)
+            return copy
+        copy.state = ModelCopy.State.DOWNLOADING
+        dest = store.model_dir(copy.node.model_store or settings.MODEL_STORE, copy.model.repo_id, copy.model.revision)
+        copy.path = str(dest)
+        copy.save()
+    info = _repo_info(copy.model)
+    needed = hub.bytes_needed(info, dest)
+    free = disk.disk_usage(dest).free
+    if needed > free:
+        return _copy_fail(copy, f"Not enough disk space on {copy.node}: needs {modelconfig.human_bytes(needed)}, "
+                                f"has {modelconfig.human_bytes(free)} free. Free disk space first.", "disk_full")
+    last = {"at": 0.0, "cancel": False}
+
+    def on_progress(p: hub.Progress) -> None:
+        now = time.monotonic()
+        if now - last["at"] < PROGRESS_EVERY_S and p.bytes_done < p.bytes_total:
+            return
+        last["at"] = now
+        copy.bytes_done, copy.bytes_total, copy.rate = p.bytes_done, p.bytes_total, p.rate_bps
+        copy.progress = {"files": {k: list(v) for k, v in p.files.items()}, "current_file": p.current_file,
+                         "seconds_left": p.seconds_left}
+        ModelCopy.objects.filter(pk=copy.pk).update(bytes_done=p.bytes_done, bytes_total=p.bytes_total,
+                                                    rate=p.rate_bps, progress=copy.progress, updated=timezone.now())
+        last["cancel"] = ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists()
+        _publish_copy(copy)
+
+    try:
+        hub.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
+                     on_progress=on_progress, should_cancel=lambda: last["cancel"])
+    except hub.DownloadCancelled:
+        copy.state = ModelCopy.State.CANCELLED
+        copy.save()
+        _publish_copy(copy)
+        return copy
+    except hub.HubError as exc:
+        if exc.code == "busy":  # a redelivered task while this copy's download runs elsewhere on the node
+            return copy
+        return _copy_fail(copy, exc.message, exc.code)
+    copy.state = ModelCopy.State.READY
+    copy.bytes_done = copy.bytes_total = info.total_size
+    copy.rate = 0.0
+    copy.error = copy.error_code = ""
+    copy.save()
+    node_refresh_disk(copy.node, dest)
+    _publish_copy(copy)
+    return copy
+
+
+def _copy_fail(copy: ModelCopy, message: str, code: str) -> ModelCopy:
+    copy.state = ModelCopy.State.FAILED
+    copy.error, copy.error_code = message, code
+    copy.rate = 0.0
+    copy.save()
+    _publish_copy(copy)
+    return copy
+
+
+def node_refresh_disk(node: Node, path) -> None:
+    usage = disk.disk_usage(path)
+    Node.objects.filter(pk=node.pk).update(disk_total=usage.total, disk_free=usage.free)
+
+
+def model_copy_cancel(copy: ModelCopy) -> ModelCopy:
+    """Stop a download; what was fetched stays for a later retry."""
+    with transaction.atomic():
+        copy = ModelCopy.objects.select_for_update().get(pk=copy.pk)
+        if copy.state not in (ModelCopy.State.QUEUED, ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
+            raise ServiceError(f"Nothing to cancel: the copy is {copy.get_state_display().lower()}.", code="not_running")
+        copy.cancel_requested = True
+        if copy.state == ModelCopy.State.QUEUED and copy.bytes_done == 0:
+            copy.state = ModelCopy.State.CANCELLED
+        copy.save()
+    _publish_copy(copy)
+    return copy
+
+
+def model_copy_retry(copy: ModelCopy) -> ModelCopy:
+    """Queue a failed or cancelled download again; it resumes from what is on disk."""
+    if copy.state not in (ModelCopy.State.FAILED, ModelCopy.State.CANCELLED):
+        raise ServiceError(f"Only a failed or cancelled download can be retried (it is {copy.state}).", code="not_failed")
+    return model_download(copy.model, copy.node)
+
+
+def model_copy_delete(copy: ModelCopy) -> ModelCopy:
+    """Delete a copy's files on its node; refused while a deployment uses the model there."""
+    from deployments import tasks
+
+    with transaction.atomic():
+        copy = ModelCopy.objects.select_for_update().select_related("node", "model").get(pk=copy.pk)
+        users = Deployment.objects.filter(node=copy.node, model=copy.model, status__in=Deployment.ACTIVE)
+        if users.exists():
+            names = ", ".join(users.values_list("name", flat=True))
+            raise ServiceError(f"{copy.model} is in use on {copy.node} by {names}; stop it first.", code="in_use")
+        if copy.state in (ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
+            raise ServiceError("Cancel the download first.", code="busy")
+        copy.state = ModelCopy.State.DELETING
+        copy.save()
+        node_enqueue(copy.node, tasks.model_copy_remove, copy.pk)
+    _publish_copy(copy)
+    return copy
+
+
+def model_copy_remove(copy_id: int) -> int:
+    """On the node: remove the copy's folder from the model store, then its row."""
+    copy = ModelCopy.objects.select_related("node", "model").filter(pk=copy_id).first()
+    if copy is None:
+        return 0
+    model_store = copy.node.model_store or settings.MODEL_STORE
+    freed = 0
+    if copy.path and not copy.model.local_path:  # a user's own folder is never deleted, only forgotten
+        freed = store.remove(copy.path, model_store)
+    payload = {**_copy_payload(copy), "state": "deleted"}
+    copy.delete()
+    node_refresh_disk(copy.node, model_store)
+    live.publish(live.model_topic(payload["model"]), f"copy.{copy_id}", payload)
+    live.publish(live.node_topic(payload["node"]), f"copy.{copy_id}", payload)
+    return freed
+
+
+def model_copies_resume(node: Node) -> list[int]:
+    """On agent start: queue again the downloads and deletions that a stopped agent left unfinished."""
+    from deployments import tasks
+
+    resumed = []
+    for copy in ModelCopy.objects.filter(node=node, state__in=ModelCopy.ACTIVE):
+        task = tasks.model_copy_remove if copy.state == ModelCopy.State.DELETING else tasks.model_copy_download
+        node_enqueue(node, task, copy.pk)
+        resumed.append(copy.pk)
+    return resumed

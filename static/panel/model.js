@@ -1,0 +1,26 @@
+// Model page: each copy's progress (bytes, rate, time left, per file) follows live messages.
+(function () {
+  const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
+  const GB = 1e9;
+  const size = (b) => (b >= GB ? (b / GB).toFixed(2) + " GB" : (b / 1e6).toFixed(1) + " MB");
+  const eta = (s) => (s == null ? "" : s > 3600 ? `${(s / 3600).toFixed(1)} h left` : s > 60 ? `${Math.round(s / 60)} min left` : `${Math.round(s)} s left`);
+  Live.subscribe("model:" + MODEL.id, (msg) => {
+    if (msg.kind === "model") { if (!msg.snapshot) location.reload(); return; }
+    if (!msg.kind.startsWith("copy.")) return;
+    const c = msg.data;
+    const card = document.querySelector(`.copy[data-copy="${c.id}"]`);
+    if (!card) { if (!msg.snapshot && c.state !== "deleted") location.reload(); return; }
+    if (c.state === "deleted") { card.remove(); return; }
+    const state = card.querySelector('[data-f="state"]');
+    state.textContent = c.state.charAt(0).toUpperCase() + c.state.slice(1);
+    state.className = "badge " + c.state;
+    const pct = c.bytes_total ? (100 * c.bytes_done) / c.bytes_total : 0;
+    card.querySelector('[data-f="bar"]').style.width = pct.toFixed(1) + "%";
+    const rate = c.state === "downloading" && c.rate ? ` · ${size(c.rate)}/s · ${eta(c.seconds_left)}` : "";
+    card.querySelector('[data-f="text"]').textContent = `${size(c.bytes_done)} of ${size(c.bytes_total)} (${pct.toFixed(1)} %)${rate}`;
+    card.querySelector('[data-f="error"]').textContent = c.error || "";
+    const rows = Object.entries(c.files || {}).map(([path, [done, total]]) =>
+      `<tr><td>${esc(path)}</td><td class="num">${size(done)} / ${size(total)}</td></tr>`);
+    card.querySelector('[data-f="files"]').innerHTML = rows.join("");
+  });
+})();
