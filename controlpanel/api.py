@@ -1,8 +1,25 @@
-"""One error shape for the whole API: {"error": {"code", "message", "fields"}}."""
+"""One error shape for the whole API: {"error": {"code", "message", "fields", ...details}}."""
+from dataclasses import asdict, is_dataclass
+
+from rest_framework import status
+from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
+
+# Service refusals that are about the state of things (busy, exists, no room) answer 409;
+# the rest are bad input (400).
+CONFLICT_CODES = {"busy", "exists", "in_use", "disk_full", "not_running", "not_failed", "gpus_busy", "port_in_use"}
 
 
 def exception_handler(exc, context):
+    from deployments.services import ServiceError
+
+    if isinstance(exc, ServiceError):
+        details = {}
+        if is_dataclass(exc):
+            details = {k: v for k, v in asdict(exc).items() if k not in ("message", "field", "code")}
+        code = status.HTTP_409_CONFLICT if exc.code in CONFLICT_CODES else status.HTTP_400_BAD_REQUEST
+        fields = {exc.field: [exc.message]} if exc.field else {}
+        return Response({"error": {"code": exc.code, "message": exc.message, "fields": fields, **details}}, status=code)
     response = drf_exception_handler(exc, context)
     if response is None:
         return None

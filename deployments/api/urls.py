@@ -5,5 +5,6 @@ from deployments.api import views
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="api-node")
 router.register("models", views.ModelRepoViewSet, basename="api-model")
+router.register("copies", views.ModelCopyViewSet, basename="api-copy")
 router.register("deployments", views.DeploymentViewSet, basename="api-deployment")
 urlpatterns = router.urls

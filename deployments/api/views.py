@@ -1,17 +1,91 @@
-from rest_framework import viewsets
+"""API views: validate, call one service, serialize. Errors share one shape (controlpanel.api)."""
+from dataclasses import asdict
 
-from deployments import selectors
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from deployments import selectors, services
 from deployments.api import serializers
+from deployments.models import ModelCopy
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     serializer_class = serializers.NodeSerializer
     queryset = selectors.node_list()
+    lookup_field = "name"
 
 
-class ModelRepoViewSet(viewsets.ReadOnlyModelViewSet):
+class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     serializer_class = serializers.ModelRepoSerializer
     queryset = selectors.model_list()
+
+    @extend_schema(request=serializers.ModelAddSerializer, responses={202: serializers.ModelRepoSerializer})
+    def create(self, request):
+        """Add a Hub repo or a local folder; it is inspected in the background (follow GET /api/models/{id}/)."""
+        data = serializers.ModelAddSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        model = (services.model_add_local(v["node"], v["local_path"]) if v.get("local_path")
+                 else services.model_add(v["repo_id"], v["revision"]))
+        return Response(serializers.ModelRepoSerializer(model).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(parameters=[serializers.FitQuerySerializer], responses=dict)
+    @action(detail=True)
+    def fit(self, request, pk=None):
+        """Does the model fit a node's GPUs at this TP×PP, and how much KV cache is left?"""
+        query = serializers.FitQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        q = query.validated_data
+        result = services.model_fit(self.get_object(), q["node"], q["tp"], q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
+        if result is None:
+            raise services.ServiceError("The model's config has not been read yet.", field="model", code="not_inspected")
+        return Response(asdict(result))
+
+    @extend_schema(request=serializers.NodeChoiceSerializer, responses={202: serializers.ModelCopySerializer})
+    @action(detail=True, methods=["post"])
+    def download(self, request, pk=None):
+        """Download the model to a node; refused with 409 and what could be deleted when the disk is short."""
+        body = serializers.NodeChoiceSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        copy = services.model_download(self.get_object(), body.validated_data["node"])
+        return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
+
+
+class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
+    serializer_class = serializers.ModelCopySerializer
+    queryset = ModelCopy.objects.select_related("node", "model")
+
+    @extend_schema(parameters=[OpenApiParameter("node", str), OpenApiParameter("model", int)])
+    def list(self, request):
+        copies = self.get_queryset()
+        if request.query_params.get("node"):
+            copies = copies.filter(node__name=request.query_params["node"])
+        if request.query_params.get("model", "").isdigit():
+            copies = copies.filter(model_id=int(request.query_params["model"]))
+        page = self.paginate_queryset(copies)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+
+    def destroy(self, request, pk=None):
+        """Delete the copy's files on its node (409 while a deployment uses it)."""
+        copy = services.model_copy_delete(get_object_or_404(ModelCopy, pk=pk))
+        return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: serializers.ModelCopySerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        """Stop a download; what was fetched stays for a retry."""
+        copy = services.model_copy_cancel(self.get_object())
+        return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: serializers.ModelCopySerializer})
+    @action(detail=True, methods=["post"])
+    def retry(self, request, pk=None):
+        """Queue a failed or cancelled download again; it resumes."""
+        copy = services.model_copy_retry(self.get_object())
+        return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
 
 
 class DeploymentViewSet(viewsets.ReadOnlyModelViewSet):

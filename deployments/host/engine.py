@@ -379,8 +379,8 @@ class LoadProgress:
     init_seconds: float | None = None
     error: str | None = None
     last_activity: float = field(default_factory=time.monotonic)
-    _first_shard: tuple[float, int] | None = None
-    _last_shard: tuple[float, int] | None = None
+    _first_shard: tuple[float, int] | None = field(default=None, repr=False)
+    _last_shard: tuple[float, int] | None = field(default=None, repr=False)
 
     def feed(self, line: str, now: float | None = None) -> None:
         """Take one log line (tqdm's \\r-separated updates included) and update the state."""
@@ -454,7 +454,7 @@ def read_lines(log_path: Path, offset: int) -> tuple[list[str], int]:
     # Keep a partial last line for the next call; tqdm ends its updates with \r, not \n.
     end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
     text = data[:end].decode("utf-8", errors="replace")
-    return [ln for ln in re.split(r"\n", text) if ln], offset + end
+    return [ln for ln in text.split("\n") if ln], offset + end
 
 
 def tail(log_path: Path, n: int = 50) -> list[str]:
