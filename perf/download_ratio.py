@@ -2,9 +2,11 @@
 
 Both fetch the same ~1 GB repo from the same local Hub-compatible server (tests/hfserver.py, in its own
 process, LFS files behind a cross-host redirect like the real Hub). The panel's time includes repo_info
-and its extra work (sha256 of every byte, fsync before the atomic rename); snapshot_download verifies no
-hash and never fsyncs. Runs alternate order; each side's best round counts.
-Caveat: this machine has 2 cores, and the server's process shares them with the client under test.
+and its extra work (sha256 of every byte, every file on disk before its atomic rename); snapshot_download
+checks no hash and never fsyncs, so it finishes with its data still in the page cache.
+Runs alternate order; each side's best round counts.
+Caveats: the dev machine has 2 cores, shared by the server's process, the client under test and whatever
+else runs there; on loopback the disk, not the network, can bound a durable download.
 
 Last line: panel_mb_s=... hf_mb_s=... ratio=...
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -61,6 +64,11 @@ def start_server(root: Path) -> tuple[subprocess.Popen, str]:
     return proc, line.rsplit(" on ", 1)[1].strip()
 
 
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_panel(url: str, dest: Path) -> None:
     info = hub.repo_info(REPO, endpoint=url)
     hub.download(info, dest, endpoint=url)
@@ -74,9 +82,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shard-mb", type=int, default=250)
     parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tmp", default=None, help="where the repo and the downloads go (default: system temp)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="download-ratio-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="download-ratio-", dir=args.tmp) as tmp:
         tmp = Path(tmp)
         os.environ["HF_HOME"] = str(tmp / "hf-home")
         total = make_repo(tmp / "repos", args.shard_mb, args.shards)
@@ -91,11 +100,12 @@ def main() -> None:
                 for name in order:
                     dest = tmp / f"{name}-{rnd}"
                     os.sync()  # start each run with a quiet disk: the repo just written, the last run's files
-                    t0 = time.perf_counter()
+                    cpu0, t0 = cpu_seconds(), time.perf_counter()
                     runners[name](url, dest)
-                    elapsed = time.perf_counter() - t0
+                    elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
                     best[name] = min(best[name], elapsed)
-                    print(f"round {rnd + 1} {name:5s}: {elapsed:6.2f} s  {total / MB / elapsed:7.1f} MB/s")
+                    print(f"round {rnd + 1} {name:5s}: {elapsed:6.2f} s  {total / MB / elapsed:7.1f} MB/s  "
+                          f"client CPU {cpu:5.2f} s")
                     shutil.rmtree(dest)
         finally:
             server.terminate()

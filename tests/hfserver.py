@@ -55,6 +55,7 @@ class State:
     throttle_bps: int | None = None
     fail_status: int | None = None
     drop_after: int | None = None  # close the connection after this many body bytes
+    ignore_range: bool = False  # answer Range requests with the whole file, like some proxies
     cdn: bool = True
     cdn_base: str | None = None
     served: dict[str, int] = field(default_factory=dict)
@@ -248,7 +249,7 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
 
 async def _send_file(request: web.Request, repo: Repo, e: Entry, headers: dict) -> web.StreamResponse:
     state: State = request.app[STATE]
-    rng = _parse_range(request.headers.get("Range"), e.size)
+    rng = None if state.ignore_range else _parse_range(request.headers.get("Range"), e.size)
     with state.lock:
         state.requests.append({"method": request.method, "path": e.path, "range": request.headers.get("Range")})
     if rng == "bad":
@@ -268,7 +269,7 @@ async def _send_file(request: web.Request, repo: Repo, e: Entry, headers: dict) 
             if not await _send_slowly(request, resp, f, start, end, key):
                 return resp  # dropped on purpose
         else:
-            await request._loop.sendfile(request.transport, f, start, end - start)
+            await asyncio.get_running_loop().sendfile(request.transport, f, start, end - start)
             _count(state, key, end - start)
     await resp.write_eof()
     return resp
@@ -317,7 +318,7 @@ async def stats(request: web.Request) -> web.StreamResponse:
 async def control(request: web.Request) -> web.StreamResponse:
     state: State = request.app[STATE]
     body = await request.json()
-    for key in ("throttle_bps", "fail_status", "drop_after", "cdn"):
+    for key in ("throttle_bps", "fail_status", "drop_after", "ignore_range", "cdn"):
         if key in body:
             setattr(state, key, body[key])
     return web.json_response({"ok": True})
@@ -394,7 +395,7 @@ def reset_stats(base_url: str) -> dict:
 
 
 def configure(base_url: str, **options) -> None:
-    """Change throttle_bps, fail_status, drop_after or cdn while the server runs."""
+    """Change throttle_bps, fail_status, drop_after, ignore_range or cdn while the server runs."""
     _post(f"{base_url}/_control", options)
 
 

@@ -328,10 +328,12 @@ class _Download:
         try:
             while thread.is_alive():
                 thread.join(TICK_S)
-                if not self.stop.is_set() and should_cancel is not None and should_cancel():
+                if self.stop.is_set() or not thread.is_alive():
+                    continue
+                if should_cancel is not None and should_cancel():
                     cancelled = True
                     self.request_stop()
-                if on_progress and thread.is_alive():
+                elif on_progress:
                     on_progress(self.progress())
         finally:
             if thread.is_alive():  # the caller's thread was interrupted (e.g. a soft time limit)
