@@ -1,0 +1,121 @@
+"""Build a tiny random Llama that a real vLLM can serve on the CPU (no hub needed).
+
+Run with the engine venv's python (it has torch, transformers and tokenizers):
+    .engine-venv/bin/python tests/tinymodel.py var/tiny-model
+"""
+import json
+import sys
+from pathlib import Path
+
+SEED = 1234
+VOCAB_SIZE = 1024
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# ChatML; a prompt ending with the assistant header lets vLLM's chat endpoint generate.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = """\
+The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.
+A large language model predicts the next token from the tokens before it.
+vLLM serves models with paged attention, continuous batching and an OpenAI compatible API.
+GPUs hold the weights and the key value cache; the scheduler decides which requests run.
+Let me think step by step. First we read the question, then we reason, then we answer.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { } " ' - _ / \\
+def main(): return 42  # code is text too
+User: What is the capital of France? Assistant: <think>France is a country in Europe.</think> Paris.
+"""
+# Word forms give the BPE trainer enough distinct pairs to reach VOCAB_SIZE.
+_ROOTS = ("load shard model serve token cache batch weight graph engine host node queue stream "
+          "bench port health metric reason answer capital country city river ocean mountain "
+          "paris berlin rome madrid europe read write start stop watch kill signal group memory "
+          "tensor layer head block page prefix decode sample compile capture warm").split()
+_PREFIXES = ("", "un", "re", "pre", "over", "sub")
+_SUFFIXES = ("", "s", "ed", "ing", "er", "ly", "ness", "able", "ment", "ful")
+
+
+def _corpus() -> list[str]:
+    words = [p + r + s for p in _PREFIXES for r in _ROOTS for s in _SUFFIXES]
+    return [CORPUS] * 4 + [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+
+
+def _tokenizer(out: Path):
+    """Train a byte-level BPE tokenizer on CORPUS and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>", "<think>", "</think>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build(path) -> Path:
+    """Write config, safetensors weights, tokenizer and generation_config into `path`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    tok = _tokenizer(out)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        do_sample=True,
+        temperature=0.7,
+        max_new_tokens=64,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    # Older vLLM tokenizer code reads the template from tokenizer_config.json only.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"tiny model: {params:,} params, vocab {len(tok)}, written to {out}")
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/tinymodel.py OUT_DIR")
+    build(sys.argv[1])
