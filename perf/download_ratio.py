@@ -4,7 +4,7 @@ Both fetch the same ~1 GB repo from the same local Hub-compatible server (tests/
 process, LFS files behind a cross-host redirect like the real Hub). The panel's time includes repo_info
 and its extra work (sha256 of every byte, every file on disk before its atomic rename); snapshot_download
 checks no hash and never fsyncs, so it finishes with its data still in the page cache.
-Runs alternate order; each side's best round counts.
+After an untimed warm-up of each, runs alternate order; each side's best round counts.
 Caveats: the dev machine has 2 cores, shared by the server's process, the client under test and whatever
 else runs there; on loopback the disk, not the network, can bound a durable download.
 
@@ -95,6 +95,9 @@ def main() -> None:
             print(f"repo {REPO}: {total / MB:.0f} MB in {args.shards + 2} files; server {url}")
             best = {"panel": float("inf"), "hf": float("inf")}
             runners = {"panel": run_panel, "hf": run_hf}
+            for name in ("panel", "hf"):  # warm-up, untimed: imports, connection pools, fresh page cache
+                runners[name](url, tmp / "warm-up")
+                shutil.rmtree(tmp / "warm-up")
             for rnd in range(args.rounds):
                 order = ["panel", "hf"] if rnd % 2 == 0 else ["hf", "panel"]
                 for name in order:

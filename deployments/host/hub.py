@@ -65,6 +65,9 @@ class HubError(Exception):
         self.permanent = permanent
         self.code = code
 
+    def __reduce__(self):  # so it survives pickling (Celery results, multiprocessing)
+        return HubError, (self.message, self.permanent, self.code)
+
 
 class DownloadCancelled(Exception):
     """The download stopped because should_cancel() said so; partials stay for a resume."""
@@ -555,7 +558,7 @@ def download(info: RepoInfo, dest: Path, token: str | None = None, endpoint: str
              on_progress: Callable[[Progress], None] | None = None,
              should_cancel: Callable[[], bool] | None = None,
              chunk_bytes: int = CHUNK_BYTES, workers: int = WORKERS, verify: bool = False) -> None:
-    """Fetch every file of info into dest, resuming partials and verifying sizes and hashes."""
+    """Fetch every file of info into dest, resuming and verifying; callbacks run on the caller's thread."""
     dest = Path(dest)
     try:
         (dest / PARTIAL_DIR).mkdir(parents=True, exist_ok=True)
