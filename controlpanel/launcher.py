@@ -121,6 +121,8 @@ def start(args) -> int:
     var_dir = Path(env.setdefault("PANEL_VAR_DIR", str(BASE_DIR / "var")))
     var_dir.mkdir(parents=True, exist_ok=True)
     env.setdefault("MODEL_STORE", str(var_dir / "models"))
+    local_engine = BASE_DIR / ".engine-venv" / "bin" / "vllm"  # scripts/install-engine's CPU vLLM
+    env.setdefault("VLLM_BIN", shutil.which("vllm") or (str(local_engine) if local_engine.exists() else "vllm"))
     children = Children()
     stopping = False
 

@@ -15,6 +15,7 @@ from deployments.host import disk, gpu
 
 log = logging.getLogger(__name__)
 ENGINES_REFRESH_S = 5.0  # how often the agent re-reads which process groups belong to deployments
+WATCH_EVERY_S = 2.0  # crash detection of ready engines (their /health is asked every 5 s)
 
 
 class Agent:
@@ -32,6 +33,8 @@ class Agent:
         self._engines: dict[int, dict] = {}
         self._engines_at = -1e9
         self.minutes = history.MinuteAggregator()
+        self._watch_state: dict = {}
+        self._watched_at = -1e9
 
     def register(self) -> None:
         """Create or update this node and its GPUs."""
@@ -49,6 +52,17 @@ class Agent:
         resumed = services.model_copies_resume(node)
         if resumed:
             log.info("node %s: resuming %d unfinished download(s)", self.name, len(resumed))
+        report = services.deployments_reconcile(node)
+        if any(report.values()):
+            log.info("node %s: deployments after restart: %s", self.name, report)
+        # `vllm serve --help=all` takes seconds: learn the engine's flags without delaying the start.
+        threading.Thread(target=self._report_engine, name="engine-report", daemon=True).start()
+
+    def _report_engine(self) -> None:
+        try:
+            services.node_engine_report(self.node_id)
+        finally:
+            close_old_connections()
 
     def describe(self) -> str:
         return self.nvml_error or f"{self.gpu_count} GPU(s)"
@@ -63,6 +77,9 @@ class Agent:
         closed = self.minutes.add(sample)
         if closed:
             services.node_minute_record(self.node_id, closed)
+        if now - self._watched_at >= WATCH_EVERY_S:
+            self._watched_at = now
+            services.deployments_watch(self.node_id, self._watch_state)
         if now - self._last_heartbeat >= self.heartbeat_seconds:
             services.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
             self._last_heartbeat = now

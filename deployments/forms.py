@@ -1,8 +1,10 @@
 """Forms for the pages; the same validators back the API serializers."""
+import re
+
 from django import forms
 
 from deployments import validators
-from deployments.models import Node
+from deployments.models import Deployment, Node
 
 
 class ModelAddForm(forms.Form):
@@ -31,3 +33,89 @@ class HfTokenForm(forms.Form):
     hf_token = forms.CharField(label="Hugging Face token", required=False, max_length=256,
                                widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "off"}))
     clear = forms.BooleanField(required=False)
+
+
+class DeployForm(forms.Form):
+    """The deploy form for one model on one node; `clean()` yields engine flags and environment."""
+
+    name = forms.SlugField(max_length=80, required=False, help_text="Default: model and node.")
+    gpus = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple, label="GPUs")
+    port = forms.IntegerField(min_value=1024, max_value=65535, initial=8000)
+    tp = forms.IntegerField(label="Tensor parallel", min_value=1, max_value=64, initial=1)
+    pp = forms.IntegerField(label="Pipeline parallel", min_value=1, max_value=64, initial=1)
+    dp = forms.IntegerField(label="Data parallel", min_value=1, max_value=64, initial=1)
+    expert_parallel = forms.BooleanField(required=False, label="Expert parallel (MoE)")
+    max_model_len = forms.IntegerField(required=False, min_value=16, max_value=10_000_000, label="Max model length")
+    gpu_memory_utilization = forms.FloatField(min_value=0.05, max_value=0.99, initial=0.9, label="GPU memory utilization")
+    max_num_seqs = forms.IntegerField(required=False, min_value=1, max_value=65536, label="Max concurrent sequences")
+    kv_cache_dtype = forms.ChoiceField(choices=[(c, c) for c in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")], initial="auto",
+                                       label="KV-cache dtype")
+    attention_backend = forms.ChoiceField(required=False, label="Attention backend", choices=[("", "engine default")] + [
+        (b, b) for b in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLEX_ATTENTION")])
+    reasoning_parser = forms.CharField(required=False, max_length=64, help_text="e.g. deepseek_r1, qwen3, kimi_k2")
+    tool_call_parser = forms.CharField(required=False, max_length=64, help_text="e.g. hermes, kimi_k2 (enables auto tool choice)")
+    trust_remote_code = forms.BooleanField(required=False)
+    served_model_name = forms.CharField(required=False, max_length=200)
+    extra_flags = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}),
+                                  help_text="More engine flags, e.g. --enable-prefix-caching --max-num-batched-tokens 8192")
+    env = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}), label="Environment",
+                          help_text="NAME=VALUE per line: NCCL_*, VLLM_*, CUDA_*, TORCH_*, …")
+    replace = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
+                                        label="Also stop", help_text="Deployments on the chosen GPUs are stopped anyway.")
+    auto_restart = forms.BooleanField(required=False, label="Restart automatically after a crash (with backoff)")
+    stall_seconds = forms.IntegerField(min_value=30, max_value=86400, initial=600, label="Stalled after (s)",
+                                       help_text="No fixed load timeout: a load fails only when neither log nor GPU memory moved this long.")
+
+    PARSER = re.compile(r"^[A-Za-z0-9_.-]*$")
+
+    def __init__(self, *args, node: Node, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.node = node
+        self.fields["gpus"].choices = [(str(g.index), f"GPU {g.index} · {g.name}") for g in node.gpus.all()]
+        others = node.deployments.filter(status__in=Deployment.ACTIVE)
+        self.fields["replace"].choices = [(str(d.pk), f"{d.name} ({d.get_status_display().lower()})") for d in others]
+
+    def clean(self):
+        from deployments import engineargs
+
+        data = super().clean()
+        for field in ("reasoning_parser", "tool_call_parser"):
+            if data.get(field) and not self.PARSER.match(data[field]):
+                self.add_error(field, "Letters, digits, '_', '-', '.' only.")
+        if self.errors:
+            return data
+        flags = {"tensor-parallel-size": data["tp"], "gpu-memory-utilization": data["gpu_memory_utilization"]}
+        if data["pp"] > 1:
+            flags["pipeline-parallel-size"] = data["pp"]
+        if data["dp"] > 1:
+            flags["data-parallel-size"] = data["dp"]
+        optional = {"enable-expert-parallel": data["expert_parallel"], "max-model-len": data["max_model_len"],
+                    "max-num-seqs": data["max_num_seqs"], "reasoning-parser": data["reasoning_parser"],
+                    "tool-call-parser": data["tool_call_parser"], "enable-auto-tool-choice": bool(data["tool_call_parser"]),
+                    "trust-remote-code": data["trust_remote_code"], "served-model-name": data["served_model_name"],
+                    "kv-cache-dtype": data["kv_cache_dtype"] if data["kv_cache_dtype"] != "auto" else None}
+        flags.update({k: v for k, v in optional.items() if v not in (None, "", False)})
+        env = {}
+        try:
+            extra = engineargs.parse_flags(data["extra_flags"])
+            env = engineargs.parse_env(data["env"])
+        except engineargs.ArgsError as exc:
+            for field, message in exc.errors.items():
+                self.add_error(field, message)
+            return data
+        clash = sorted(set(extra) & set(flags))
+        if clash:
+            self.add_error("extra_flags", f"--{clash[0]} is set by the form above; change it there.")
+        flags.update(extra)
+        if data["attention_backend"]:
+            if "--attention-backend" in set(self.node.engine_flags):
+                flags["attention-backend"] = data["attention_backend"]
+            else:
+                env["VLLM_ATTENTION_BACKEND"] = data["attention_backend"]
+        for field, message in {**engineargs.check_flags(flags, set(self.node.engine_flags) or None),
+                               **engineargs.check_env(env)}.items():
+            self.add_error(field, message)
+        data["engine_args"], data["env_vars"] = flags, env
+        data["gpu_indices"] = sorted(int(i) for i in data["gpus"])
+        data["replace_ids"] = [int(i) for i in data["replace"]]
+        return data

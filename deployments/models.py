@@ -22,6 +22,10 @@ class Node(models.Model):
     disk_total = models.BigIntegerField(default=0)
     disk_free = models.BigIntegerField(default=0)
     nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML is unavailable, if it is.")
+    engine_version = models.CharField(max_length=64, blank=True)
+    engine_flags = models.JSONField(default=list, blank=True, help_text="Flags the node's `vllm serve` accepts.")
+    engine_error = models.CharField(max_length=500, blank=True, help_text="Why the engine could not be inspected.")
+    systemd = models.BooleanField(default=False, help_text="The agent can install systemd units here.")
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -208,7 +212,7 @@ class Deployment(models.Model):
         Status.STOPPING_OTHERS: {Status.STARTING, Status.STOPPING, Status.FAILED},
         Status.STARTING: {Status.LOADING, Status.STOPPING, Status.FAILED},
         Status.LOADING: {Status.READY, Status.STOPPING, Status.FAILED},
-        Status.READY: {Status.STOPPING, Status.FAILED, Status.LOADING},
+        Status.READY: {Status.STOPPING, Status.FAILED, Status.LOADING, Status.QUEUED},
         Status.STOPPING: {Status.STOPPED, Status.FAILED},
         Status.STOPPED: {Status.QUEUED},
         Status.FAILED: {Status.QUEUED, Status.STOPPING},
@@ -225,12 +229,18 @@ class Deployment(models.Model):
     status_message = models.TextField(blank=True)
     pid = models.IntegerField(null=True, blank=True)
     pgid = models.IntegerField(null=True, blank=True)
+    pid_create_time = models.FloatField(null=True, blank=True, help_text="Guards against PID reuse.")
     log_path = models.CharField(max_length=1024, blank=True)
     systemd_unit = models.CharField(max_length=128, blank=True)
     load_phase = models.CharField(max_length=64, blank=True)
     load_percent = models.FloatField(null=True, blank=True)
     auto_restart = models.BooleanField(default=False)
     restarts = models.PositiveIntegerField(default=0)
+    replace = models.JSONField(default=list, blank=True, help_text="Deployments the plan stops first (ids).")
+    stall_seconds = models.PositiveIntegerField(default=600, help_text="Fail a load when neither log nor GPU memory moved for this long.")
+    load_detail = models.JSONField(default=dict, blank=True, help_text="Shards, seconds left, ...")
+    smoke = models.JSONField(default=dict, blank=True, help_text="The smoke test's reply, reasoning, latency, tokens.")
+    log_tail = models.TextField(blank=True, help_text="The engine log's last lines, kept after it ends.")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created = models.DateTimeField(auto_now_add=True)
     started = models.DateTimeField(null=True, blank=True)
@@ -296,6 +306,15 @@ class Deployment(models.Model):
     def base_url(self) -> str:
         host = self.node.address or "127.0.0.1"
         return f"http://{host}:{self.port}"
+
+    @property
+    def served_model_name(self) -> str:
+        """The name clients use in requests: --served-model-name, else the model path vLLM was given."""
+        return str(self.engine_args.get("served-model-name") or "")
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        return sorted(g.index for g in self.gpus.all())
 
 
 class DeploymentEvent(models.Model):

@@ -41,3 +41,27 @@ def model_copy_download(copy_id: int) -> None:
 def model_copy_remove(copy_id: int) -> None:
     """On a node: delete a model copy's files."""
     services.model_copy_remove(copy_id)
+
+
+@shared_task(name="deployments.deployment_run")
+def deployment_run(deployment_id: int) -> None:
+    """On a node: run the deploy plan."""
+    services.deployment_run(deployment_id)
+
+
+@shared_task(name="deployments.deployment_follow")
+def deployment_follow(deployment_id: int) -> None:
+    """On a node: follow an engine that was loading when the agent restarted."""
+    services.deployment_follow(deployment_id)
+
+
+@shared_task(name="deployments.deployment_halt")
+def deployment_halt(deployment_id: int) -> None:
+    """On a node: stop a deployment's engine."""
+    services.deployment_halt(deployment_id)
+
+
+@shared_task(name="deployments.deployment_persist")
+def deployment_persist(deployment_id: int) -> None:
+    """On a node: install a deployment as a systemd unit."""
+    services.deployment_persist_here(deployment_id)

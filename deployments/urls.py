@@ -1,6 +1,6 @@
 from django.urls import path
 
-from deployments import views
+from deployments import deploy_views, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -15,7 +15,11 @@ urlpatterns = [
     path("copies/<int:pk>/<slug:action>/", views.copy_action, name="copy-action"),
     path("settings/", views.panel_settings, name="settings"),
     path("deployments/", views.deployment_list, name="deployment-list"),
-    path("deployments/<int:pk>/", views.deployment_detail, name="deployment-detail"),
+    path("models/<int:pk>/deploy/", deploy_views.deploy, name="model-deploy"),
+    path("deployments/<int:pk>/", deploy_views.deployment_detail, name="deployment-detail"),
+    path("deployments/<int:pk>/edit/", deploy_views.deployment_edit, name="deployment-edit"),
+    path("deployments/<int:pk>/unit/", deploy_views.deployment_unit, name="deployment-unit"),
+    path("deployments/<int:pk>/<slug:action>/", deploy_views.deployment_action, name="deployment-action"),
     path("account/", views.account, name="account"),
     path("account/token/", views.account_token, name="account-token"),
 ]

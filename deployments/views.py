@@ -140,15 +140,6 @@ def deployment_list(request):
     return render(request, "deployments/deployment_list.html", {"deployments": selectors.deployment_list()})
 
 
-def deployment_detail(request, pk):
-    deployment = get_object_or_404(selectors.deployment_list(), pk=pk)
-    return render(
-        request,
-        "deployments/deployment_detail.html",
-        {"deployment": deployment, "events": deployment.events.all()},
-    )
-
-
 def account(request):
     token = Token.objects.filter(user=request.user).first()
     return render(request, "account.html", {"has_token": token is not None})

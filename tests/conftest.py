@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+ENGINE_VENV = Path(os.environ.get("ENGINE_VENV", ROOT / ".engine-venv"))
+VLLM = ENGINE_VENV / "bin" / "vllm"
 # Playwright's sync API keeps an event loop running in the test thread; the ORM calls made next
 # to it are still plain synchronous calls.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -191,3 +193,15 @@ def run_async(coro):
     import asyncio
 
     return in_thread(asyncio.run, coro)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The tiny random Llama the CPU engine serves (scripts/install-engine builds var/tiny-model)."""
+    built = ROOT / "var" / "tiny-model"
+    if (built / "config.json").exists():
+        return built
+    out = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([str(ENGINE_VENV / "bin" / "python"), str(ROOT / "tests" / "tinymodel.py"), str(out)],
+                   check=True, timeout=300)
+    return out

@@ -31,6 +31,13 @@ def _sample(i, used_gib=10, procs=(), power=None):
                          processes=list(procs))
 
 
+@pytest.fixture(autouse=True)
+def no_engine_report():
+    """Asking `vllm serve --help=all` is the engine's business, tested in tests/host."""
+    with mock.patch("deployments.services.node_engine_report", autospec=True) as report:
+        yield report
+
+
 @pytest.fixture
 def nvml():
     with mock.patch("deployments.host.gpu.inventory", autospec=True) as inventory, \

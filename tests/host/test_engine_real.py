@@ -41,17 +41,6 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    built = ROOT / "var" / "tiny-model"
-    if (built / "config.json").exists():
-        return built
-    out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([str(ENGINE_VENV / "bin" / "python"), str(ROOT / "tests" / "tinymodel.py"), str(out)],
-                   check=True, timeout=300)
-    return out
-
-
-@pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
     port = _free_port()

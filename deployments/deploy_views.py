@@ -1,0 +1,137 @@
+"""Deploy pages: the deploy form (with presets), a deployment's live page, and its actions."""
+from django.contrib import messages
+from django.http import Http404, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from controlpanel.roles import operator_required
+from deployments import engineargs, forms, selectors, services
+from deployments.host import engine, systemd
+from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+
+
+def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
+    """Form values from a preset, or from an existing deployment (redeploy)."""
+    if deployment:
+        args = dict(deployment.engine_args)
+        initial = {"name": deployment.name, "port": deployment.port, "gpus": [str(i) for i in deployment.gpu_indices],
+                   "tp": args.pop("tensor-parallel-size", 1), "pp": args.pop("pipeline-parallel-size", 1),
+                   "dp": args.pop("data-parallel-size", 1), "expert_parallel": args.pop("enable-expert-parallel", False),
+                   "max_model_len": args.pop("max-model-len", None), "max_num_seqs": args.pop("max-num-seqs", None),
+                   "gpu_memory_utilization": args.pop("gpu-memory-utilization", 0.9),
+                   "kv_cache_dtype": args.pop("kv-cache-dtype", "auto"), "reasoning_parser": args.pop("reasoning-parser", ""),
+                   "tool_call_parser": args.pop("tool-call-parser", ""), "trust_remote_code": args.pop("trust-remote-code", False),
+                   "served_model_name": args.pop("served-model-name", ""), "auto_restart": deployment.auto_restart,
+                   "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
+        args.pop("enable-auto-tool-choice", None)
+        initial["extra_flags"] = " ".join(engineargs.argv_words(args))
+        initial["env"] = "\n".join(f"{k}={v}" for k, v in deployment.env.items())
+        return initial
+    preset = dict(preset or {})
+    initial = {k: v for k, v in preset.items() if k not in ("label", "flags", "env")}
+    initial["extra_flags"] = " ".join(engineargs.argv_words(preset.get("flags", {})))
+    initial["env"] = "\n".join(f"{k}={v}" for k, v in preset.get("env", {}).items())
+    return initial
+
+
+def _deploy_page(request, model, node, form, status=200):
+    copies = {c.node_id: c for c in ModelCopy.objects.filter(model=model)}
+    holders = list(node.deployments.filter(status__in=Deployment.ACTIVE)) if node else []
+    fit = None
+    if node and form.is_bound and form.is_valid():
+        fit = services.model_fit(model, node, form.cleaned_data["tp"], form.cleaned_data["pp"])
+    elif node and node.gpus.exists():
+        fit = services.model_fit(model, node, int(form.initial.get("tp") or 1))
+    return render(request, "deployments/deploy.html", {
+        "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": engineargs.PRESETS,
+        "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit}, status=status)
+
+
+@operator_required
+def deploy(request, pk):
+    model = get_object_or_404(ModelRepo, pk=pk)
+    node = Node.objects.filter(pk=request.GET.get("node") or request.POST.get("node_id") or 0).first() or Node.objects.first()
+    if node is None:
+        messages.error(request, "No node yet: start a node agent first.")
+        return redirect("model-detail", pk)
+    if request.method != "POST":
+        preset = engineargs.PRESETS.get(request.GET.get("preset", ""))
+        if preset is None:
+            preset = engineargs.PRESETS["single-gpu" if node.gpus.exists() else "cpu-test"]
+        initial = _initial(preset, None)
+        initial.setdefault("gpus", [str(g.index) for g in node.gpus.all()][: int(initial.get("tp") or 1)])
+        return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial))
+    form = forms.DeployForm(request.POST, node=node)
+    if not form.is_valid():
+        return _deploy_page(request, model, node, form, status=400)
+    data = form.cleaned_data
+    try:
+        d = services.deployment_create(
+            model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
+            env=data["env_vars"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
+            stall_seconds=data["stall_seconds"], user=request.user)
+    except services.ServiceError as exc:
+        form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+        return _deploy_page(request, model, node, form, status=409)
+    return redirect("deployment-detail", d.pk)
+
+
+def deployment_detail(request, pk):
+    d = get_object_or_404(selectors.deployment_list(), pk=pk)
+    return render(request, "deployments/deployment_detail.html", {
+        "deployment": d, "events": d.events.all(), "unit": _unit_text(d)})
+
+
+@operator_required
+def deployment_edit(request, pk):
+    """Redeploy with changed settings (same model and node)."""
+    d = get_object_or_404(selectors.deployment_list(), pk=pk)
+    if request.method != "POST":
+        return _deploy_page(request, d.model, d.node, forms.DeployForm(node=d.node, initial=_initial(None, d)))
+    form = forms.DeployForm(request.POST, node=d.node)
+    if not form.is_valid():
+        return _deploy_page(request, d.model, d.node, form, status=400)
+    data = form.cleaned_data
+    try:
+        services.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
+                                     env=data["env_vars"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"])
+    except services.ServiceError as exc:
+        form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+        return _deploy_page(request, d.model, d.node, form, status=409)
+    return redirect("deployment-detail", d.pk)
+
+
+@require_POST
+@operator_required
+def deployment_action(request, pk, action):
+    d = get_object_or_404(Deployment, pk=pk)
+    act = {"stop": services.deployment_stop, "restart": services.deployment_redeploy, "persist": services.deployment_persist}
+    if action not in act:
+        raise Http404
+    try:
+        act[action](d)
+        messages.success(request, {"stop": "Stopping", "restart": "Restarting", "persist": "Installing a systemd unit for"}[action]
+                         + f" {d.name}.")
+    except services.ServiceError as exc:
+        messages.error(request, exc.message)
+    return redirect("deployment-detail", pk)
+
+
+def _unit_text(d: Deployment) -> str:
+    copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
+    env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **d.env}
+    if d.gpu_indices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, d.gpu_indices))
+    from django.conf import settings
+
+    argv = engine.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
+                             d.port, "0.0.0.0", d.engine_args)
+    return systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
+                               log_path=d.log_path or f"/var/log/vllm-{d.name}.log")
+
+
+def deployment_unit(request, pk):
+    d = get_object_or_404(selectors.deployment_list(), pk=pk)
+    response = HttpResponse(_unit_text(d), content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{systemd.unit_name(d.name)}"'
+    return response

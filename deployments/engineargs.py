@@ -1,0 +1,134 @@
+"""Engine flags and environment for a deployment: parse what the user typed, check it, presets.
+
+Nothing here runs anything: flags become an argv list for `vllm serve` (no shell), and every
+value is checked to be a plain, printable string first.
+"""
+import re
+import shlex
+
+from deployments.host import engine
+
+# Environment variables a deployment may set: the engine's, the communication libraries' and CUDA's.
+ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", "NVIDIA_", "TRITON_",
+                "UCX_", "GLOO_", "MKL_", "TOKENIZERS_", "SAFETENSORS_", "NVSHMEM_", "TORCHINDUCTOR_")
+# Set by the panel itself; a user value would break what the panel relies on.
+ENV_RESERVED = {"CUDA_VISIBLE_DEVICES": "set by the panel from the chosen GPUs"}
+ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
+FLAG_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+RESERVED_FLAGS = {"model": "set by the panel from the model"}  # --host/--port: see host/engine.py
+MAX_VALUE = 4096
+
+# Form presets: typical layouts, prefilled into the deploy form (the user can change anything).
+PRESETS = {
+    "single-gpu": {
+        "label": "One GPU", "tp": 1, "gpu_memory_utilization": 0.9, "flags": {}, "env": {},
+    },
+    "tp8-moe-int4": {
+        "label": "8 GPUs, tensor parallel — Kimi-K2.5 INT4 / DeepSeek-V3 class",
+        "tp": 8, "gpu_memory_utilization": 0.92, "max_model_len": 131072, "max_num_seqs": 256,
+        "trust_remote_code": True, "reasoning_parser": "kimi_k2", "tool_call_parser": "kimi_k2",
+        "flags": {"enable-auto-tool-choice": True}, "env": {"NCCL_P2P_LEVEL": "NVL"},
+    },
+    "tp4-ep-fp8": {
+        "label": "4 GPUs, expert parallel — MiniMax-M2.5 FP8 class",
+        "tp": 4, "expert_parallel": True, "gpu_memory_utilization": 0.9, "max_num_seqs": 512,
+        "trust_remote_code": True, "reasoning_parser": "minimax_m2", "tool_call_parser": "minimax_m2",
+        "flags": {"enable-auto-tool-choice": True}, "env": {},
+    },
+    "nccl-ring-ll": {
+        "label": "8 GPUs, NCCL Ring + LL (compare with the default)",
+        "tp": 8, "gpu_memory_utilization": 0.92, "flags": {}, "env": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL"},
+    },
+    "cpu-test": {
+        "label": "CPU test engine (no GPU)", "tp": 1, "max_model_len": 2048, "max_num_seqs": 64,
+        "flags": {"enforce-eager": True}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+    },
+}
+
+
+class ArgsError(ValueError):
+    """What the user typed is not acceptable; `errors` maps a field to its message."""
+
+    def __init__(self, errors: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+        self.errors = errors
+
+
+def _plain(value: str) -> bool:
+    return len(value) <= MAX_VALUE and value.isprintable()
+
+
+def parse_flags(text: str) -> dict:
+    """'--max-num-batched-tokens 8192 --enable-prefix-caching' -> {"max-num-batched-tokens": "8192", ...}.
+
+    shlex only splits words here (quotes group a value); nothing is ever run through a shell.
+    """
+    try:
+        words = shlex.split(text or "")
+    except ValueError as exc:
+        raise ArgsError({"extra_flags": f"cannot read the flags: {exc}"}) from exc
+    flags, i = {}, 0
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--"):
+            raise ArgsError({"extra_flags": f"expected a --flag, got {word[:40]!r}"})
+        name, _, value = word[2:].partition("=")
+        if not FLAG_NAME.match(name):
+            raise ArgsError({"extra_flags": f"{word[:40]!r} is not a flag name"})
+        if not value and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            value, i = words[i + 1], i + 1
+        flags[name] = value if value else True
+        i += 1
+    return flags
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """'NCCL_PROTO=LL' lines -> {"NCCL_PROTO": "LL"}; blank lines and # comments are skipped."""
+    env = {}
+    for number, line in enumerate((text or "").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep:
+            raise ArgsError({"env": f"line {number}: write NAME=VALUE"})
+        env[name.strip()] = value.strip()
+    return env
+
+
+def check_env(env: dict) -> dict[str, str]:
+    """Errors for names outside the allowed prefixes, reserved names and unprintable values."""
+    errors = []
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            errors.append(f"{str(name)[:40]!r} is not a variable name (A-Z, 0-9, _)")
+        elif name in ENV_RESERVED:
+            errors.append(f"{name} is {ENV_RESERVED[name]}")
+        elif not name.startswith(ENV_PREFIXES):
+            errors.append(f"{name} is not allowed: names must start with {', '.join(p for p in ENV_PREFIXES[:6])}, …")
+        elif not isinstance(value, str) or not _plain(value):
+            errors.append(f"{name}: the value must be printable text of at most {MAX_VALUE} characters")
+    return {"env": "; ".join(errors)} if errors else {}
+
+
+def check_flags(flags: dict, known: set[str] | None) -> dict[str, str]:
+    """Errors for malformed or reserved flags, bad values, and (when the engine's list is known) unknown ones."""
+    errors = [f"--{name}: the value must be printable text of at most {MAX_VALUE} characters"
+              for name, value in flags.items()
+              if not isinstance(value, (bool, int, float)) and not (isinstance(value, str) and _plain(value))]
+    errors += [f"--{name} is {RESERVED_FLAGS[name]}" for name in flags if name in RESERVED_FLAGS]
+    errors += [message for name, message in engine.validate_args(flags, known or set()).items()
+               if known or "unknown engine flag" not in message]
+    return {"extra_flags": "; ".join(dict.fromkeys(errors))} if errors else {}
+
+
+def argv_words(flags: dict) -> list[str]:
+    """{"enforce-eager": True, "max-num-seqs": 64} -> ["--enforce-eager", "--max-num-seqs", "64"] (for display)."""
+    words = []
+    for name, value in flags.items():
+        if value is False or value is None:
+            continue
+        words.append(f"--{name}")
+        if value is not True:
+            words.append(shlex.quote(str(value)))
+    return words

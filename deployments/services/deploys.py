@@ -1,0 +1,165 @@
+"""Services for deployments, control-plane side: create, redeploy, restart, stop, persist.
+
+Each one validates, writes the row and sends the work to the node's agent
+(deployments.services.engines runs it there).
+"""
+from django.db import transaction
+from django.utils.text import slugify
+
+from deployments import live
+from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
+from deployments.services.models import ServiceError
+from deployments.services.nodes import node_enqueue
+
+__all__ = ["deployment_create", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
+           "deployment_publish", "deployment_event"]
+IN_FLIGHT = frozenset({Deployment.Status.QUEUED, Deployment.Status.PREPARING, Deployment.Status.STOPPING_OTHERS,
+                       Deployment.Status.STARTING, Deployment.Status.LOADING, Deployment.Status.STOPPING})
+
+
+def deployment_publish(d: Deployment, **extra) -> None:
+    """Push a deployment's status (and anything extra) to its page and its node's page."""
+    payload = {"id": d.pk, "name": d.name, "status": d.status, "status_display": d.get_status_display(),
+               "message": d.status_message, "load_phase": d.load_phase, "load_percent": d.load_percent,
+               "load_detail": d.load_detail, "pid": d.pid, "smoke": d.smoke, **extra}
+    live.publish(live.deployment_topic(d.pk), "status", payload)
+    live.publish(live.node_topic(d.node_id), f"deployment.{d.pk}", payload)
+
+
+def deployment_event(d: Deployment, step: str, message: str = "", level: str = "info", **data) -> DeploymentEvent:
+    """Add a step to the timeline and push it to the page."""
+    event = DeploymentEvent.objects.create(deployment=d, step=step, message=message, level=level, data=data)
+    _publish_event(event)
+    return event
+
+
+def _publish_event(event: DeploymentEvent) -> None:
+    live.publish(live.deployment_topic(event.deployment_id), f"event.{event.pk}", {
+        "id": event.pk, "step": event.step, "message": event.message, "level": event.level,
+        "started": event.started.isoformat(), "ended": event.ended.isoformat() if event.ended else None,
+        "duration": event.duration})
+
+
+def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
+    """Active deployments on the node that hold any of these GPUs."""
+    holders = node.deployments.filter(status__in=Deployment.ACTIVE, gpus__index__in=gpu_indices).distinct()
+    return holders.exclude(pk=exclude.pk) if exclude else holders
+
+
+def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
+           replace_ids: list[int], deployment: Deployment | None = None) -> None:
+    """Refuse what cannot work before anything is stopped or started."""
+    gpus = {g.index for g in node.gpus.all()}
+    if set(gpu_indices) - gpus:
+        raise ServiceError(f"{node} has no GPU {sorted(set(gpu_indices) - gpus)[0]}.", field="gpus")
+    parallel = (int(engine_args.get("tensor-parallel-size", 1)) * int(engine_args.get("pipeline-parallel-size", 1))
+                * int(engine_args.get("data-parallel-size", 1)))
+    if gpus and not gpu_indices:
+        raise ServiceError("Choose the GPUs to serve on.", field="gpus")
+    if gpus and parallel > len(gpu_indices):
+        raise ServiceError(f"TP × PP × DP = {parallel} needs {parallel} GPUs; {len(gpu_indices)} chosen.", field="tp")
+    busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in IN_FLIGHT]
+    if busy:
+        raise ServiceError(f"GPUs {', '.join(map(str, gpu_indices))} are busy: {busy[0].name} is "
+                           f"{busy[0].get_status_display().lower()}.", field="gpus", code="gpus_busy")
+    replaced = set(replace_ids) | set(deployment_holders(node, gpu_indices).values_list("pk", flat=True))
+    same_port = node.deployments.filter(status__in=Deployment.ACTIVE, port=port).exclude(pk__in=replaced)
+    if deployment:
+        same_port = same_port.exclude(pk=deployment.pk)
+    if same_port.exists():
+        raise ServiceError(f"Port {port} is used by {same_port.first().name} on {node}.", field="port", code="port_in_use")
+    has_copy = ModelCopy.objects.filter(model=model, node=node, state=ModelCopy.State.READY).exists()
+    if not has_copy and (model.local_path or not model.files):
+        raise ServiceError(model.inspect_error or f"{model} is not on {node} and cannot be downloaded there yet.",
+                           field="model", code="not_inspected")
+
+
+def _unique_name(base: str) -> str:
+    base = slugify(base)[:70] or "deployment"
+    name, n = base, 1
+    while Deployment.objects.filter(name=name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+@transaction.atomic
+def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
+                      env: dict, name: str = "", replace_ids=(), auto_restart: bool = False, stall_seconds: int = 600,
+                      user=None) -> Deployment:
+    """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load."""
+    Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
+    _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
+           replace_ids=list(replace_ids))
+    if name and Deployment.objects.filter(name=name).exists():
+        raise ServiceError(f"A deployment named {name} exists already.", field="name", code="exists")
+    d = Deployment.objects.create(
+        name=name or _unique_name(f"{model.repo_id.split('/')[-1]}-{node.name}"), model=model, node=node, port=port,
+        engine_args=engine_args, env=env, replace=list(replace_ids), auto_restart=auto_restart,
+        stall_seconds=stall_seconds, created_by=user)
+    d.gpus.set(node.gpus.filter(index__in=gpu_indices))
+    deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
+    _send_plan(d)
+    return d
+
+
+def _send_plan(d: Deployment, countdown: int = 0) -> None:
+    from deployments import tasks
+
+    transaction.on_commit(lambda: tasks.deployment_run.apply_async(args=[d.pk], queue=d.node.queue, countdown=countdown))
+
+
+@transaction.atomic
+def deployment_redeploy(d: Deployment, **changes) -> Deployment:
+    """Run the plan again (restart), optionally with changed settings; a running engine is stopped first."""
+    d = Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
+    if d.status in IN_FLIGHT:
+        raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; wait for it or stop it first.", code="busy")
+    gpu_indices = changes.pop("gpu_indices", d.gpu_indices)
+    for field in ("port", "engine_args", "env", "auto_restart", "stall_seconds"):
+        if field in changes:
+            setattr(d, field, changes.pop(field))
+    _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
+           replace_ids=d.replace, deployment=d)
+    d.mark_queued()  # from ready too: the plan stops the running engine first
+    d.status_message = ""
+    d.save()
+    d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))
+    deployment_event(d, "queued", "Redeploy requested" + (" with new settings." if changes else "."))
+    _send_plan(d)
+    deployment_publish(d)
+    return d
+
+
+@transaction.atomic
+def deployment_stop(d: Deployment) -> Deployment:
+    """Stop the engine (its whole process group, or its systemd unit) on the node."""
+    from deployments import tasks
+
+    d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
+    if d.status in Deployment.TERMINAL:
+        raise ServiceError(f"{d.name} is already {d.get_status_display().lower()}.", code="not_running")
+    if d.status == Deployment.Status.STOPPING:
+        return d
+    d.mark_stopping()
+    d.save()
+    deployment_event(d, "stop", "Stop requested.")
+    node_enqueue(d.node, tasks.deployment_halt, d.pk)
+    deployment_publish(d)
+    return d
+
+
+@transaction.atomic
+def deployment_persist(d: Deployment) -> Deployment:
+    """Ask the node to install the deployment as a systemd unit that survives reboots."""
+    from deployments import tasks
+
+    d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
+    if not d.node.systemd:
+        raise ServiceError(f"{d.node} cannot install systemd units (no systemd, or the agent is not root); "
+                           "download the unit file and install it by hand.", code="no_systemd")
+    if d.status != Deployment.Status.READY:
+        raise ServiceError("Only a ready deployment can be made a service.", code="not_running")
+    deployment_event(d, "persist", "Installing as a systemd service.")
+    node_enqueue(d.node, tasks.deployment_persist, d.pk)
+    return d

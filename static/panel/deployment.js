@@ -1,0 +1,52 @@
+// Deployment page: status, load phase and progress, GPU memory of its GPUs, timeline and log, live.
+(function () {
+  const D = window.DEPLOYMENT;
+  const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
+  const gib = (b) => (b / 2 ** 30).toFixed(1) + " GiB";
+  const $ = (id) => document.getElementById(id);
+  const logEl = $("log");
+  const PHASES = { starting: "Starting", loading_weights: "Loading weights", weights_loaded: "Weights loaded",
+    profiling_kv_cache: "Profiling KV cache", graph_capture: "Capturing graphs", server_up: "Server up" };
+
+  Live.subscribe("deployment:" + D.id, (msg) => {
+    if (msg.kind === "status") {
+      const s = msg.data;
+      $("status").textContent = s.status_display;
+      $("status").className = "badge " + s.status;
+      $("status-message").textContent = s.message || "";
+      $("status-message").className = s.status === "failed" ? "errorlist" : "muted";
+      $("pid").textContent = s.pid || "—";
+      if (s.load_phase) $("load-phase").textContent = PHASES[s.load_phase] || s.load_phase;
+      if (s.load_percent != null) $("load-bar").style.width = s.load_percent + "%";
+      const d = s.load_detail || {};
+      $("load-shards").textContent = d.shards_total ? `Weight shards ${d.shards_done} / ${d.shards_total}` : "";
+      $("load-eta").textContent = d.seconds_left != null ? `~${Math.round(d.seconds_left)} s left` : "";
+      if (s.smoke && s.smoke.reply !== undefined) {
+        $("smoke").innerHTML = `<div><strong>Reply:</strong> <span id="smoke-reply">${esc(s.smoke.reply)}</span></div>` +
+          (s.smoke.reasoning ? `<div class="muted"><strong>Reasoning:</strong> ${esc(s.smoke.reasoning.slice(0, 300))}</div>` : "") +
+          `<div class="muted">${s.smoke.latency_s.toFixed(2)} s · ${s.smoke.prompt_tokens} prompt + ${s.smoke.completion_tokens} completion tokens</div>`;
+      }
+    } else if (msg.kind.startsWith("event.")) {
+      const e = msg.data;
+      const body = document.querySelector("#timeline tbody");
+      body.querySelector(".empty-row")?.remove();
+      let row = body.querySelector(`tr[data-event="${e.id}"]`);
+      if (!row) { row = document.createElement("tr"); row.dataset.event = e.id; body.appendChild(row); }
+      row.className = e.level;
+      row.innerHTML = `<td>${esc(e.step)}</td><td>${new Date(e.started).toLocaleTimeString()}</td>` +
+        `<td class="num">${e.duration != null ? e.duration.toFixed(1) + " s" : "…"}</td><td>${esc(e.message)}</td>`;
+    } else if (msg.kind === "log") {
+      const atBottom = logEl.scrollTop + logEl.clientHeight >= logEl.scrollHeight - 20;
+      logEl.textContent += (logEl.textContent ? "\n" : "") + msg.data.lines.join("\n");
+      if (logEl.textContent.length > 400000) logEl.textContent = logEl.textContent.slice(-300000);
+      if (atBottom) logEl.scrollTop = logEl.scrollHeight;
+    }
+  });
+  if (D.gpus.length) {
+    Live.subscribe("node:" + D.node, (msg) => {
+      if (msg.kind !== "sample") return;
+      const mine = msg.data.gpus.filter((g) => D.gpus.includes(g.index));
+      $("gpu-memory").textContent = "GPU memory: " + mine.map((g) => `GPU ${g.index} ${g.memory_used == null ? "unknown" : gib(g.memory_used)}`).join(" · ");
+    });
+  }
+})();

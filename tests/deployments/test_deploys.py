@@ -1,0 +1,331 @@
+"""Deployments: validation before acting, the plan's steps, loading, crashes, restarts, systemd.
+
+Host modules (engine, gpu, openai, systemd) are replaced at their boundary; the real engine runs
+in tests/e2e/test_deploy.py and tests/host/test_engine_real.py.
+"""
+import itertools
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from deployments import services
+from deployments.forms import DeployForm
+from deployments.host import engine, gpu, openai, systemd
+from deployments.models import Deployment, DeploymentEvent
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
+
+pytestmark = pytest.mark.django_db
+S = Deployment.Status
+FLAGS = {"--tensor-parallel-size", "--gpu-memory-utilization", "--max-model-len", "--enforce-eager", "--port", "--host",
+         "--max-num-seqs", "--reasoning-parser", "--served-model-name", "--kv-cache-dtype"}
+
+
+@pytest.fixture
+def node(tmp_path):
+    node = NodeFactory(name="gpu-01", model_store=str(tmp_path), engine_flags=sorted(FLAGS))
+    for i in range(8):
+        GpuFactory(node=node, index=i, memory_total=141 * 10**9)
+    return node
+
+
+@pytest.fixture
+def model(node, tmp_path):
+    copy = ModelCopyFactory(node=node, path=str(tmp_path / "m"), model=ModelRepoFactory(files=[{"path": "a", "size": 1}]))
+    return copy.model
+
+
+@pytest.fixture
+def sent():
+    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True) as run, \
+         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
+        yield run
+
+
+def _create(model, node, **kw):
+    args = {"model": model, "node": node, "gpu_indices": [0, 1], "port": 8000,
+            "engine_args": {"tensor-parallel-size": 2}, "env": {}}
+    return services.deployment_create(**{**args, **kw})
+
+
+def test_a_deploy_is_queued_on_the_nodes_own_queue(model, node, sent, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        d = _create(model, node)
+    assert d.status == S.QUEUED and d.gpu_indices == [0, 1]
+    assert sent.call_args.kwargs["queue"] == "node.gpu-01" and sent.call_args.kwargs["args"] == [d.pk]
+    assert d.events.get().step == "queued"
+
+
+def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent):
+    with pytest.raises(services.ServiceError, match="TP × PP × DP = 8 needs 8 GPUs; 2 chosen") as exc:
+        _create(model, node, engine_args={"tensor-parallel-size": 4, "pipeline-parallel-size": 2})
+    assert exc.value.field == "tp" and not Deployment.objects.exists()
+
+
+def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model, node, sent):
+    holder = DeploymentFactory(node=node, status=S.LOADING, name="kimi-prod", port=9000)
+    holder.gpus.set(node.gpus.filter(index__in=[1, 2]))
+    with pytest.raises(services.ServiceError, match="kimi-prod is loading") as exc:
+        _create(model, node)
+    assert exc.value.code == "gpus_busy"
+
+
+def test_a_ready_deployment_on_the_gpus_is_replaced_not_refused(model, node, sent):
+    holder = DeploymentFactory(node=node, status=S.READY, port=8000)
+    holder.gpus.set(node.gpus.filter(index__in=[0]))
+    assert _create(model, node).status == S.QUEUED  # same port too: the holder is stopped first
+
+
+def test_a_port_used_by_another_deployment_is_refused(model, node, sent):
+    other = DeploymentFactory(node=node, status=S.READY, port=8000, name="other")
+    other.gpus.set(node.gpus.filter(index__in=[7]))
+    with pytest.raises(services.ServiceError, match="Port 8000 is used by other") as exc:
+        _create(model, node)
+    assert exc.value.code == "port_in_use"
+
+
+def test_the_form_checks_flags_against_the_nodes_engine_and_env_names(node):
+    form = DeployForm({"port": 8000, "tp": 2, "pp": 1, "dp": 1, "gpus": ["0", "1"], "gpu_memory_utilization": 0.9,
+                       "kv_cache_dtype": "auto", "stall_seconds": 600,
+                       "extra_flags": "--max-modle-len 4096", "env": "NCCL_PROTO=LL\nLD_PRELOAD=/tmp/x.so"}, node=node)
+    assert not form.is_valid()
+    assert "did you mean --max-model-len?" in form.errors["extra_flags"][0]
+    assert "LD_PRELOAD is not allowed" in form.errors["env"][0]
+
+
+def test_the_form_turns_fields_into_engine_flags_and_env(node):
+    form = DeployForm({"port": 8001, "tp": 2, "pp": 1, "dp": 1, "gpus": ["0", "1"], "gpu_memory_utilization": 0.85,
+                       "kv_cache_dtype": "fp8", "max_model_len": 4096, "reasoning_parser": "deepseek_r1",
+                       "stall_seconds": 600, "extra_flags": "--enforce-eager", "env": "NCCL_PROTO=LL"}, node=node)
+    assert form.is_valid(), form.errors
+    assert form.cleaned_data["engine_args"] == {
+        "tensor-parallel-size": 2, "gpu-memory-utilization": 0.85, "max-model-len": 4096,
+        "reasoning-parser": "deepseek_r1", "kv-cache-dtype": "fp8", "enforce-eager": True}
+    assert form.cleaned_data["env_vars"] == {"NCCL_PROTO": "LL"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--max-num-seqs 8; rm -rf /", "expected a --flag"),
+    ("--port 9000", "--port is set by the panel"),
+    ("--x$(id) 1", "is not a flag name"),
+])
+def test_shell_metacharacters_never_become_commands(node, flags, message):
+    form = DeployForm({"port": 8000, "tp": 1, "pp": 1, "dp": 1, "gpus": ["0"], "gpu_memory_utilization": 0.9,
+                       "kv_cache_dtype": "auto", "stall_seconds": 600, "extra_flags": flags}, node=node)
+    assert not form.is_valid()
+    assert message in form.errors["extra_flags"][0]
+
+
+# --- the plan, on the node ----------------------------------------------------------------------
+
+class FakeHost:
+    """engine/gpu/openai replaced at their boundary, scripted per test."""
+
+    def __init__(self, tmp_path):
+        self.log = tmp_path / "engine.log"
+        self.health_after = 3
+        self.alive = True
+        self.calls = []
+        patches = {
+            "engine.port_free": mock.Mock(return_value=True),
+            "engine.engine_flags": mock.Mock(return_value=FLAGS),
+            "engine.launch": mock.Mock(side_effect=self.launch),
+            "engine.stop": mock.Mock(return_value=engine.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
+            "engine.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
+            "engine.health": mock.Mock(side_effect=self.health),
+            "gpu.wait_memory_released": mock.Mock(return_value=None),
+            "gpu.processes_on": mock.Mock(return_value={}),
+            "gpu.sample": mock.Mock(return_value=[]),
+            "openai.served_models": mock.Mock(return_value=["tiny"]),
+            "openai.smoke_test": mock.Mock(return_value=openai.SmokeResult("Paris.", "", 0.42, 12, 3, None)),
+        }
+        self.mocks = patches
+        self._patchers = [mock.patch(f"deployments.host.{name}", new) for name, new in patches.items()]
+
+    def launch(self, spec):
+        self.spec = spec
+        self.log = spec.log_path
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        spec.log_path.write_text("Loading safetensors checkpoint shards: 50% Completed | 1/2\n"
+                                 "Loading weights took 1.5 seconds\nStarting vLLM server on http://0.0.0.0:8000\n")
+        return engine.EngineHandle(pid=4242, pgid=4242, create_time=1.0)
+
+    def health(self, url, timeout=2.0):
+        self.health_after -= 1
+        return self.health_after <= 0
+
+    def __enter__(self):
+        for p in self._patchers:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        for p in self._patchers:
+            p.stop()
+
+
+def fake_clock(start, step):
+    """The plan's own clock, jumping `step` seconds per reading (Redis and asyncio keep the real one)."""
+    ticks = itertools.count(start, step)
+    return mock.patch("deployments.services.engines.time", SimpleNamespace(
+        monotonic=lambda: next(ticks), sleep=lambda s: None, time=time.time))
+
+
+@pytest.fixture
+def host(tmp_path, settings):
+    settings.VAR_DIR = tmp_path
+    with mock.patch("deployments.services.engines.time", SimpleNamespace(
+            monotonic=time.monotonic, sleep=lambda s: None, time=time.time)), FakeHost(tmp_path) as fake:
+        yield fake
+
+
+def _queued(model, node, **kw):
+    d = DeploymentFactory(model=model, node=node, port=8000, status=S.QUEUED,
+                          engine_args={"tensor-parallel-size": 2, "served-model-name": "tiny"}, env={"NCCL_PROTO": "LL"}, **kw)
+    d.gpus.set(node.gpus.filter(index__in=[0, 1]))
+    return d
+
+
+def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tests(model, node, host):
+    holder = DeploymentFactory(node=node, status=S.READY, pid=777, pgid=777, port=9000, name="old")
+    holder.gpus.set(node.gpus.filter(index__in=[1]))
+    d = _queued(model, node)
+    services.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.READY and d.pid == 4242 and d.load_percent == 100.0
+    assert [e.step for e in d.events.all()] == ["model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
+    assert all(e.ended for e in d.events.all())
+    assert Deployment.objects.get(pk=holder.pk).status == S.STOPPED
+    host.mocks["engine.stop"].assert_called_once_with(777, 30.0, 10.0)
+    assert "old (SIGTERM in 0.4 s, 1 /dev/shm files removed)" in d.events.get(step="stop_others").message
+    host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=services.engines.MEMORY_TIMEOUT_S)
+    argv, env = host.spec.argv, host.spec.env
+    assert argv[1:3] == ["serve", model.copies.get().path] and argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_PROTO"] == "LL"
+    assert d.smoke["reply"] == "Paris." and "'Paris.' in 0.42 s, 3 tokens" in d.events.get(step="smoke_test").message
+    assert "Loading weights took 1.5 seconds" in d.log_tail
+
+
+def test_gpu_memory_that_never_comes_back_fails_naming_the_pids(model, node, host):
+    host.mocks["gpu.wait_memory_released"].side_effect = gpu.MemoryNotReleased({31337: 40 * 2**30}, 180)
+    d = _queued(model, node)
+    services.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and "PID 31337 holds 40.0 GiB" in d.status_message
+    host.mocks["engine.launch"].assert_not_called()
+    assert d.events.get(step="gpu_memory").level == DeploymentEvent.Level.ERROR
+
+
+def test_a_port_in_use_fails_before_launch(model, node, host):
+    host.mocks["engine.port_free"].return_value = False
+    d = _queued(model, node)
+    services.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and "Port 8000 is in use" in d.status_message
+    host.mocks["engine.launch"].assert_not_called()
+
+
+def test_an_engine_that_dies_while_loading_fails_with_its_error(model, node, host):
+    def launch(spec):
+        handle = FakeHost.launch(host, spec)
+        spec.log_path.write_text("ERROR 11-29 13:27:56 [core.py:1512] torch.OutOfMemoryError: CUDA out of memory\n")
+        host.alive = False
+        return handle
+
+    host.mocks["engine.launch"].side_effect = launch
+    d = _queued(model, node)
+    services.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and "CUDA out of memory" in d.status_message and d.pid is None
+
+
+def test_a_load_is_stalled_only_when_neither_log_nor_memory_moves(model, node, host):
+    host.health_after = 10**9
+    with fake_clock(start=1000, step=50):
+        d = _queued(model, node, stall_seconds=120)
+        services.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and d.status_message.startswith("Stalled: neither the log nor GPU memory moved")
+    host.mocks["engine.stop"].assert_called_with(4242, 30.0, 10.0)
+
+
+def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
+    d = _queued(model, node)
+
+    def stop_meanwhile(*args, **kw):
+        Deployment.objects.filter(pk=d.pk).update(status=S.STOPPING)
+
+    host.mocks["gpu.wait_memory_released"].side_effect = stop_meanwhile
+    services.deployment_run(d.pk)
+    host.mocks["engine.launch"].assert_not_called()
+    assert Deployment.objects.get(pk=d.pk).status == S.STOPPING  # the halt task finishes the stop
+    services.deployment_halt(d.pk)
+    assert Deployment.objects.get(pk=d.pk).status == S.STOPPED
+
+
+def test_a_crashed_engine_is_failed_with_its_last_lines_and_restarted_with_backoff(
+        model, node, host, tmp_path, django_capture_on_commit_callbacks):
+    log = tmp_path / "crash.log"
+    log.write_text("line 1\nRuntimeError: NCCL error: unhandled system error\n")
+    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), auto_restart=True)
+    host.alive = False
+    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True) as run, \
+         django_capture_on_commit_callbacks(execute=True):
+        services.deployments_watch(node.pk, {})
+    d.refresh_from_db()
+    assert d.status == S.QUEUED and d.restarts == 1
+    assert run.call_args.kwargs["countdown"] == 10
+    failed = d.events.get(step="failed").message
+    assert "Crashed: the engine process exited" in failed and "NCCL error" in failed
+
+
+def test_health_must_fail_three_times_before_a_live_engine_counts_as_crashed(model, node, host):
+    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242)
+    host.mocks["engine.health"].side_effect = None
+    host.mocks["engine.health"].return_value = False
+    state = {}
+    with fake_clock(start=0, step=10):
+        for expected in (S.READY, S.READY, S.FAILED):
+            services.deployments_watch(node.pk, state)
+            assert Deployment.objects.get(pk=d.pk).status == expected
+
+
+def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, host):
+    ready = DeploymentFactory(model=model, node=node, status=S.READY, pid=1, pgid=1, port=8001)
+    loading = DeploymentFactory(model=model, node=node, status=S.LOADING, pid=2, pgid=2, port=8002)
+    gone = DeploymentFactory(model=model, node=node, status=S.READY, pid=3, pgid=3, port=8003)
+    host.mocks["engine.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
+    with mock.patch("deployments.services.nodes.node_enqueue", autospec=True) as enqueue:
+        report = services.deployments_reconcile(node)
+    assert report == {"adopted": [ready.name], "following": [loading.name], "failed": [gone.name]}
+    assert enqueue.call_args.args[2] == loading.pk
+    assert Deployment.objects.get(pk=gone.pk).status == S.FAILED
+
+
+def test_the_systemd_unit_runs_the_same_engine_and_kills_its_whole_group():
+    text = systemd.render_unit(description="vLLM kimi", argv=["/opt/vllm", "serve", "/models/a b", "--port", "8000"],
+                               env={"NCCL_PROTO": "LL", "VLLM_X": 'say "hi" 100%'}, log_path="/var/log/k.log")
+    assert "ExecStart=/opt/vllm serve '/models/a b' --port 8000" in text
+    assert 'Environment=VLLM_X="say \\"hi\\" 100%%"' in text
+    assert "KillMode=control-group" in text and "WantedBy=multi-user.target" in text
+
+
+def test_persisting_needs_a_node_with_systemd(model, node):
+    d = DeploymentFactory(model=model, node=node, status=S.READY)
+    with pytest.raises(services.ServiceError, match="cannot install systemd units"):
+        services.deployment_persist(d)
+
+
+def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model, node, host, tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("Starting vLLM server on http://0.0.0.0:8000\n")
+    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), port=8000)
+    with mock.patch("deployments.host.systemd.install", autospec=True, return_value=5555) as install, \
+         mock.patch("os.getpgid", return_value=5555):
+        services.deployment_persist_here(d.pk)
+    d.refresh_from_db()
+    assert install.call_args.args[0] == f"vllm-{d.name}.service" and "ExecStart=" in install.call_args.args[1]
+    assert d.systemd_unit == f"vllm-{d.name}.service" and d.pid == 5555 and d.status == S.READY
+    assert Path(d.log_path) == log
