@@ -1,0 +1,20 @@
+"""The benchmark load generator: streams OpenAI-compatible requests and measures them (no Django).
+
+    spec = LoadSpec(base_url="http://gpu1:8000", model="Qwen/Qwen3-8B", levels=(1, 8, 64))
+    result = sweep(spec, on_level=save_point, on_tick=push_live, cancel=stop_requested)
+
+Metrics follow `vllm bench serve` (TTFT, TPOT, ITL, E2E, throughputs); the extras (time to first
+content token, per-token ITL, reasoning/content split, tok/s per user) are labelled as ours.
+"""
+from .prompts import BUILTIN, load_jsonl
+from .scrape import parse_prometheus
+from .spec import (CHAT, COMPLETIONS, DEFAULT_LEVELS, LevelResult, LoadSpec, PromptError, RequestRecord,
+                   RunnerError, SweepResult, Tick)
+from .stats import distribution, percentile, summarize
+from .sweep import Sweeper, run_level, sweep
+
+__all__ = [
+    "BUILTIN", "CHAT", "COMPLETIONS", "DEFAULT_LEVELS", "LevelResult", "LoadSpec", "PromptError",
+    "RequestRecord", "RunnerError", "SweepResult", "Sweeper", "Tick", "distribution", "load_jsonl",
+    "parse_prometheus", "percentile", "run_level", "summarize", "sweep",
+]

@@ -1,0 +1,155 @@
+"""One process's share of a level: a semaphore-bounded stream of requests on keep-alive connections."""
+import asyncio
+import time
+
+from .spec import RequestRecord
+from .stream import Connection, Counters, open_connection
+
+CONNECT_PARALLELISM = 64  # connection attempts at once; a burst of 1024 SYNs overflows accept queues
+CANCEL_POLL_S = 0.02
+
+
+class Pool:
+    """Idle keep-alive connections to one server."""
+
+    def __init__(self, target, verify_tls: bool, counters: Counters):
+        self.target, self.verify_tls, self.counters = target, verify_tls, counters
+        self.idle: list[Connection] = []
+        self._connecting = asyncio.Semaphore(CONNECT_PARALLELISM)
+
+    def take(self) -> Connection | None:
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def connect(self) -> Connection:
+        async with self._connecting:
+            return await open_connection(self.target.host, self.target.port, self.target.tls,
+                                         self.verify_tls, self.counters)
+
+    def close(self):
+        for conn in self.idle:
+            if conn.transport is not None:
+                conn.transport.close()
+        self.idle.clear()
+
+
+async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: float, cancelled,
+                    report=None, tick_s: float = 0.5, busy_poll: bool = False) -> tuple[list[RequestRecord], bool]:
+    """Send `requests` [(index, warmup, bytes)] at most `concurrency` at a time; measured records back.
+
+    `cancelled()` is checked before each request and every 20 ms; on cancel the requests in flight
+    are aborted and left out. `report(counters)` is called every `tick_s`. With `busy_poll` the loop
+    never sleeps in epoll: a chunk then needs no wake-up (costly on VMs) and is stamped sooner.
+    """
+    loop = asyncio.get_running_loop()
+    counters = pool.counters
+    semaphore = asyncio.Semaphore(max(1, concurrency))
+    records: list[RequestRecord] = []
+    in_flight: set[Connection] = set()
+    state = {"outstanding": 0, "dispatched": False, "cancelled": False}
+    finished = loop.create_future()
+    tasks = set()
+
+    def on_done(conn, record, reusable):
+        in_flight.discard(conn)
+        counters.in_flight -= 1
+        if record.success:
+            counters.completed += 1
+            counters.tokens += record.output_tokens
+            counters.token_chunks += len(record.chunk_times)
+        else:
+            counters.failed += 1
+        if not record.warmup and not state["cancelled"]:
+            records.append(record)
+        if reusable:
+            pool.idle.append(conn)
+        elif conn.transport is not None:
+            conn.transport.abort()
+        semaphore.release()
+        state["outstanding"] -= 1
+        if state["dispatched"] and not state["outstanding"] and not finished.done():
+            finished.set_result(None)
+
+    def send(conn, record, request):
+        in_flight.add(conn)
+        conn.send(record, request, on_done, timeout_s)
+
+    async def connect_and_send(record, request):
+        record.start = time.perf_counter()  # a fresh connection's setup counts, as in vllm bench serve
+        try:
+            conn = await pool.connect()
+        except asyncio.CancelledError:
+            record.done, record.error = time.perf_counter(), "cancelled"
+            on_done(_Unsent(), record, False)
+            raise
+        except (OSError, asyncio.TimeoutError) as exc:
+            record.done = time.perf_counter()
+            record.error = f"cannot connect to {pool.target.host}:{pool.target.port}: {exc or 'timeout'}"
+            return on_done(_Unsent(), record, False)
+        send(conn, record, request)
+
+    async def watch():
+        while not finished.done():
+            if cancelled():
+                state["cancelled"] = True
+                for conn in list(in_flight):
+                    conn.fail("cancelled")
+                for task in list(tasks):
+                    task.cancel()
+                return
+            await asyncio.sleep(CANCEL_POLL_S)
+
+    async def ticker():
+        while not finished.done():
+            await asyncio.sleep(tick_s)
+            report(counters)
+
+    async def spin():
+        while not finished.done():
+            await asyncio.sleep(0)
+
+    background = [loop.create_task(watch())]
+    if busy_poll:
+        background.append(loop.create_task(spin()))
+    if report is not None:
+        background.append(loop.create_task(ticker()))
+    try:
+        for index, warmup, request in requests:
+            await semaphore.acquire()
+            if state["cancelled"] or cancelled():
+                state["cancelled"] = True
+                semaphore.release()
+                break
+            record = RequestRecord(index=index, warmup=warmup)
+            state["outstanding"] += 1
+            counters.in_flight += 1
+            conn = pool.take()
+            if conn is None:
+                task = loop.create_task(connect_and_send(record, request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            else:
+                send(conn, record, request)  # takes the start time right before the write
+        state["dispatched"] = True
+        if not state["outstanding"]:
+            finished.set_result(None)
+        await finished
+    finally:
+        if not finished.done():
+            finished.set_result(None)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    if report is not None:
+        report(counters)
+    records.sort(key=lambda r: r.index)
+    return records, state["cancelled"]
+
+
+class _Unsent:
+    """Stands for the connection a request never got."""
+
+    transport = None

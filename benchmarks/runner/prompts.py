@@ -1,0 +1,158 @@
+"""Prompts (built-in, random, uploaded JSONL) and the HTTP request bytes built from them."""
+import json
+import random
+from urllib.parse import urlsplit
+
+from .spec import CHAT, COMPLETIONS, LoadSpec, PromptError, RunnerError
+
+MAX_JSONL_LINES = 100_000
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+BUILTIN = [
+    "Explain how a transformer model generates text, one token at a time.",
+    "Write a short poem about a lighthouse keeper who collects lost letters.",
+    "Summarize the causes and consequences of the French Revolution in five bullet points.",
+    "What is the difference between a process and a thread? Give an example of each.",
+    "Write a Python function that checks whether a string is a palindrome, with tests.",
+    "Describe a plan for a three-day trip to Kyoto for someone who loves gardens and tea.",
+    "Translate into French: The meeting has been moved to Thursday afternoon because of the storm.",
+    "Explain the CAP theorem to a new backend engineer using a real-world analogy.",
+    "List ten creative names for a coffee shop run by retired astronauts, with one-line pitches.",
+    "A train leaves at 9:40 and arrives at 13:05. How long is the trip? Show your reasoning.",
+    "Write a polite email declining a job offer while keeping the door open for the future.",
+    "What are the trade-offs between SQL and NoSQL databases for an e-commerce catalogue?",
+    "Tell a bedtime story about a dragon who is afraid of the dark.",
+    "Explain gradient descent and why the learning rate matters, with a simple numeric example.",
+    "Draft a README introduction for an open-source tool that benchmarks LLM inference servers.",
+    "Compare the climates of Norway and New Zealand and how they shape daily life.",
+]
+
+# Common short words: each is about one token for BPE vocabularies, so n words ~ n tokens.
+_WORDS = (
+    "the of and to in is was for on that with as by at from it his an were are which this be "
+    "or has had not but one new first also after who two its they have more her been other when "
+    "time would there all she into some year can out over only may most about up so world many "
+    "then where these used such between state city part through during well three around made "
+    "under work water long large high place under house group people light early number small"
+).split()
+
+
+def load_jsonl(text: str, endpoint: str = CHAT) -> list[dict]:
+    """Validate uploaded JSONL: one {"prompt": str} or {"messages": [...]} object per line."""
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if len(entries) >= MAX_JSONL_LINES:
+            raise PromptError(f"more than {MAX_JSONL_LINES} prompts; keep the file smaller")
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise PromptError(f"line {number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        entries.append(_entry(obj, number, endpoint))
+    if not entries:
+        raise PromptError("the file has no prompts")
+    return entries
+
+
+def _entry(obj, number: int, endpoint: str) -> dict:
+    if not isinstance(obj, dict):
+        raise PromptError(f'line {number}: expected an object like {{"prompt": "..."}} or {{"messages": [...]}}')
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        raise PromptError(f'line {number}: needs exactly one of "prompt" or "messages"')
+    entry = {}
+    if "max_tokens" in obj:
+        if not isinstance(obj["max_tokens"], int) or isinstance(obj["max_tokens"], bool) or obj["max_tokens"] < 1:
+            raise PromptError(f'line {number}: "max_tokens" must be a positive integer')
+        entry["max_tokens"] = obj["max_tokens"]
+    if has_prompt:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise PromptError(f'line {number}: "prompt" must be a non-empty string')
+        entry["prompt"] = prompt
+        return entry
+    if endpoint == COMPLETIONS:
+        raise PromptError(f'line {number}: "messages" need the chat endpoint; use "prompt" for {COMPLETIONS}')
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise PromptError(f'line {number}: "messages" must be a non-empty list')
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise PromptError(f"line {number}: message {i + 1} needs a role among {', '.join(sorted(ROLES))}")
+        if not isinstance(message.get("content"), (str, list)):
+            raise PromptError(f'line {number}: message {i + 1} needs "content" (a string or a list of parts)')
+    entry["messages"] = messages
+    return entry
+
+
+def random_prompt(rng: random.Random, tokens: int) -> str:
+    """About `tokens` tokens of random common words (a word-based approximation)."""
+    return " ".join(rng.choice(_WORDS) for _ in range(max(1, tokens)))
+
+
+def prompt_entries(spec: LoadSpec, count: int) -> list[dict]:
+    """`count` entries cycling through the spec's prompt source."""
+    if spec.prompt_source == "jsonl":
+        if not spec.prompts:
+            raise PromptError("prompt_source is jsonl but no prompts were loaded")
+        base = spec.prompts
+    elif spec.prompt_source == "random":
+        rng = random.Random(spec.seed)
+        # Distinct prompts defeat prefix caching, like vllm bench serve's random dataset.
+        return [{"prompt": random_prompt(rng, spec.input_tokens)} for _ in range(count)]
+    elif spec.prompt_source == "builtin":
+        base = [{"prompt": p} for p in BUILTIN]
+    else:
+        raise PromptError(f"unknown prompt source {spec.prompt_source!r}")
+    return [base[i % len(base)] for i in range(count)]
+
+
+def request_body(spec: LoadSpec, entry: dict) -> dict:
+    body = {"model": spec.model, "stream": True, "max_tokens": entry.get("max_tokens", spec.max_tokens),
+            "temperature": spec.temperature, "stream_options": {"include_usage": True}}
+    if spec.continuous_usage_stats:
+        body["stream_options"]["continuous_usage_stats"] = True
+    if spec.ignore_eos:
+        body["ignore_eos"] = True  # a vLLM extra parameter
+    if spec.endpoint == CHAT:
+        body["messages"] = entry.get("messages") or [{"role": "user", "content": entry["prompt"]}]
+    else:
+        body["prompt"] = entry["prompt"]
+    body.update(spec.extra_body)
+    return body
+
+
+class Target:
+    """Where requests go: host, port, TLS and the path, parsed once from the spec."""
+
+    def __init__(self, spec: LoadSpec):
+        if spec.endpoint not in (CHAT, COMPLETIONS):
+            raise RunnerError(f"endpoint must be {CHAT} or {COMPLETIONS}, not {spec.endpoint!r}", permanent=True)
+        url = urlsplit(spec.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise RunnerError(f"base_url must look like http://host:port, not {spec.base_url!r}", permanent=True)
+        self.tls = url.scheme == "https"
+        self.host = url.hostname
+        self.port = url.port or (443 if self.tls else 80)
+        prefix = url.path.rstrip("/")
+        if prefix.endswith("/v1"):
+            prefix = prefix[:-3]
+        self.prefix = prefix
+        self.path = prefix + spec.endpoint
+        default_port = (self.port == 443) if self.tls else (self.port == 80)
+        self.host_header = self.host if default_port else f"{self.host}:{self.port}"
+        self.api_key = spec.api_key
+
+    @property
+    def root_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host_header}{self.prefix}"
+
+    def request_bytes(self, body: dict) -> bytes:
+        """A complete HTTP/1.1 POST, built once and written in one call per request."""
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        head = [f"POST {self.path} HTTP/1.1", f"Host: {self.host_header}", "Content-Type: application/json",
+                "Accept: text/event-stream", f"Content-Length: {len(payload)}", "User-Agent: panel-bench/1"]
+        if self.api_key:
+            head.append(f"Authorization: Bearer {self.api_key}")
+        return ("\r\n".join(head) + "\r\n\r\n").encode() + payload

@@ -1,0 +1,158 @@
+"""What a benchmark asks for and what it measures: plain dataclasses, no Django."""
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+class RunnerError(Exception):
+    """A benchmark could not run; `permanent` says whether retrying the same spec can help."""
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class PromptError(RunnerError):
+    """Prompts (an uploaded JSONL) are unusable; the message names the line and the problem."""
+
+    def __init__(self, message: str):
+        super().__init__(message, permanent=True)
+
+
+@dataclass
+class LoadSpec:
+    """The workload: where to send it, what each request asks, how many per concurrency level."""
+
+    base_url: str  # http(s)://host:port, optionally with a path prefix; a trailing /v1 is fine
+    model: str
+    endpoint: str = CHAT  # CHAT or COMPLETIONS
+    prompt_source: str = "builtin"  # "builtin" | "random" | "jsonl"
+    prompts: list = field(default_factory=list)  # entries from load_jsonl() for "jsonl"
+    input_tokens: int = 128  # length of "random" prompts (about one token per word)
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    levels: tuple = DEFAULT_LEVELS
+    min_requests: int = 32  # per level: num_requests = max(min_requests, requests_per_user * c)
+    requests_per_user: int = 4
+    warmup_per_user: int = 1  # per level: warmup_per_user * c requests, excluded from metrics
+    api_key: str = ""
+    extra_body: dict = field(default_factory=dict)  # merged into every request body
+    continuous_usage_stats: bool = False  # ask vLLM for usage in every chunk (exact tokens per chunk)
+    request_timeout_s: float = 600.0
+    workers: int = 0  # measuring processes; 0 = auto (cores available, about 1 per 256 streams)
+    busy_poll: bool | None = None  # spin instead of sleeping between reads; None = auto (>= 256 streams)
+    tick_s: float = 0.5  # how often on_tick is called
+    metrics_url: str = ""  # Prometheus /metrics of the server; "" = <base_url root>/metrics
+    scrape_metrics: bool = True
+    verify_tls: bool = True
+    seed: int = 0
+
+    def num_requests(self, concurrency: int) -> int:
+        return max(self.min_requests, self.requests_per_user * concurrency)
+
+    def num_warmup(self, concurrency: int) -> int:
+        return max(0, self.warmup_per_user * concurrency)
+
+
+@dataclass
+class RequestRecord:
+    """One streamed request: absolute perf_counter times of its token chunks and its usage."""
+
+    index: int
+    warmup: bool = False
+    start: float = 0.0  # when the semaphore admitted it
+    done: float = 0.0  # when the response ended (after usage and [DONE])
+    chunk_times: list = field(default_factory=list)  # every chunk carrying a token
+    chunk_kinds: bytearray = field(default_factory=bytearray)  # b"r" reasoning, b"c" content, b"t" tool call
+    chunk_tokens: list | None = None  # tokens per chunk when the server sent usage in every chunk
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int | None = None  # usage.completion_tokens_details.reasoning_tokens
+    usage_seen: bool = False
+    success: bool = False
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.chunk_times[-1] - self.start
+
+    @property
+    def ttfc(self) -> float | None:
+        """Time to the first content token (ours): reasoning and tool-call chunks don't count."""
+        i = self.chunk_kinds.find(b"c")
+        return None if i < 0 else self.chunk_times[i] - self.start
+
+
+@dataclass
+class Tick:
+    """Live progress of a level, sent every tick_s."""
+
+    concurrency: int
+    elapsed_s: float  # since the level started
+    tok_s: float  # output tokens received in the last window per second (estimated between usages)
+    chunks_s: float
+    in_flight: int
+    completed: int
+    failed: int
+    server: dict | None = None  # latest /metrics gauges and generation tok/s
+
+
+@dataclass
+class LevelResult:
+    """Everything measured at one concurrency level; names follow vllm bench serve, extras noted."""
+
+    concurrency: int
+    num_requests: int = 0  # measured requests sent (warmup excluded)
+    completed: int = 0
+    failed_requests: int = 0
+    warmup_requests: int = 0
+    duration_s: float = 0.0  # first send to last completion
+    request_throughput: float = 0.0
+    output_throughput: float = 0.0
+    total_token_throughput: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    # Distributions in ms: {"mean", "median", "std", "p90", "p95", "p99"} (vllm bench serve's).
+    ttft_ms: dict = field(default_factory=dict)
+    tpot_ms: dict = field(default_factory=dict)
+    itl_ms: dict = field(default_factory=dict)
+    e2e_ms: dict = field(default_factory=dict)
+    # Ours, not in vllm bench serve.
+    ttfc_ms: dict = field(default_factory=dict)
+    itl_per_token_ms: dict = field(default_factory=dict)
+    reasoning_tokens: int = 0
+    content_tokens: int = 0
+    reasoning_split: str = "none"  # "usage" | "chunk_usage" | "chunks" (estimated) | "mixed" | "none"
+    tokens_per_chunk: str = "estimated"  # "usage" (continuous_usage_stats) | "estimated"
+    tok_s_per_user: float = 0.0
+    peak_tok_s: float = 0.0  # best tick window
+    server_metrics: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)  # distinct error messages, at most 10
+    workers: int = 1
+    cancelled: bool = False
+    records: list = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, without the per-request records."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "records"}
+
+
+@dataclass
+class SweepResult:
+    """The levels of a sweep, in order; `single_stream_tok_s` is tok/s per user at concurrency 1."""
+
+    levels: list = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def single_stream_tok_s(self) -> float | None:
+        return next((lv.tok_s_per_user for lv in self.levels if lv.concurrency == 1), None)

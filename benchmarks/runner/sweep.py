@@ -1,0 +1,275 @@
+"""Runs levels across measuring processes; this process only coordinates, scrapes and calls back.
+
+Each worker process has its own event loop, a share of the concurrency (its own semaphore) and
+of the requests; all wait on one barrier so they start together, and every timestamp is
+time.perf_counter(), i.e. CLOCK_MONOTONIC, one clock for every process on a Linux host.
+Callbacks run here, never on a measuring loop, so a slow callback can't distort the numbers.
+"""
+import asyncio
+import gc
+import math
+import multiprocessing
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from .load import Pool, run_share
+from .prompts import Target, prompt_entries, request_body
+from .scrape import Sampler
+from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
+from .stats import summarize
+from .stream import Counters
+
+STREAMS_PER_WORKER = 256  # auto mode: one more process per this many streams, up to the cores we may use
+BUSY_POLL_STREAMS = 256  # auto mode: a process with this many streams polls instead of sleeping
+BARRIER_TIMEOUT_S = 120.0
+POLL_S = 0.02
+
+
+def auto_workers(concurrency: int) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), math.ceil(concurrency / STREAMS_PER_WORKER)))
+
+
+def _as_check(cancel):
+    """A callable saying whether to stop, from None, a callable or anything with is_set()."""
+    if cancel is None:
+        return lambda: False
+    if hasattr(cancel, "is_set"):
+        return cancel.is_set
+    return cancel
+
+
+@dataclass
+class _Command:
+    concurrency: int
+    requests: list  # [(index, warmup, request bytes)]
+    tick_s: float
+
+
+def _new_loop():
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _raise_fd_limit():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _worker_main(wid, spec, commands, results, barrier, cancel_event):
+    """A measuring process (or thread): runs each level's share of requests on its own loop."""
+    _raise_fd_limit()
+    gc.disable()  # a collection pauses the loop and delays timestamps; collect between levels instead
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    pool = Pool(Target(spec), spec.verify_tls, Counters())
+
+    def report(c):
+        results.put(("tick", wid, (c.chunks, c.tokens, c.token_chunks, c.completed, c.failed, c.in_flight)))
+
+    try:
+        while True:
+            command = commands.get()
+            if command is None:
+                return
+            try:
+                barrier.wait(BARRIER_TIMEOUT_S)
+                busy = spec.busy_poll if spec.busy_poll is not None else command.concurrency >= BUSY_POLL_STREAMS
+                records, cancelled = loop.run_until_complete(run_share(
+                    pool, command.requests, command.concurrency, spec.request_timeout_s,
+                    cancel_event.is_set, report, command.tick_s, busy))
+                results.put(("done", wid, records, cancelled))
+            except Exception:
+                results.put(("error", wid, traceback.format_exc()))
+            gc.collect()
+    finally:
+        pool.close()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+class Workers:
+    """The measuring processes of one sweep (threads when this process may not have children)."""
+
+    def __init__(self, spec: LoadSpec, count: int):
+        self.count = count
+        try:
+            self._start(spec, multiprocessing.get_context("spawn"), processes=True)
+        except AssertionError:  # "daemonic processes are not allowed to have children" (e.g. Celery prefork)
+            self.count = 1
+            self._start(spec, None, processes=False)
+
+    def _start(self, spec, ctx, processes):
+        make_queue = ctx.Queue if processes else queue.Queue
+        self.commands = [make_queue() for _ in range(self.count)]
+        self.results = make_queue()
+        self.barrier = (ctx.Barrier if processes else threading.Barrier)(self.count + 1)
+        self.cancel = (ctx.Event if processes else threading.Event)()
+        kind = ctx.Process if processes else threading.Thread
+        self.members = [kind(target=_worker_main, name=f"bench-worker-{wid}", daemon=True,
+                             args=(wid, spec, self.commands[wid], self.results, self.barrier, self.cancel))
+                        for wid in range(self.count)]
+        for member in self.members:
+            member.start()
+
+    def check_alive(self):
+        for member in self.members:
+            if not member.is_alive():
+                raise RunnerError(f"measuring worker {member.name} died (exit code {getattr(member, 'exitcode', '?')})")
+
+    def close(self):
+        for commands in self.commands:
+            commands.put(None)
+        for member in self.members:
+            member.join(10)
+            if member.is_alive() and hasattr(member, "terminate"):
+                member.terminate()
+                member.join(5)
+
+
+class Sweeper:
+    """Runs levels one after another with the same workers and keep-alive connections."""
+
+    def __init__(self, spec: LoadSpec, max_concurrency: int):
+        self.spec = spec
+        self.target = Target(spec)
+        self.workers = Workers(spec, spec.workers or auto_workers(max_concurrency))
+        self.snapshots = {wid: (0, 0, 0, 0, 0, 0) for wid in range(self.workers.count)}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.workers.close()
+
+    def _requests(self, concurrency: int) -> tuple[list, int]:
+        warmup, measured = self.spec.num_warmup(concurrency), self.spec.num_requests(concurrency)
+        cache = {}
+        requests = []
+        for index, entry in enumerate(prompt_entries(self.spec, warmup + measured)):
+            data = cache.get(id(entry))
+            if data is None:
+                data = cache[id(entry)] = self.target.request_bytes(request_body(self.spec, entry))
+            requests.append((index, index < warmup, data))
+        return requests, warmup
+
+    def run_level(self, concurrency: int, on_tick=None, cancel=None) -> LevelResult:
+        """Measure one concurrency level; on cancel, returns what finished, with cancelled=True."""
+        spec, workers, cancelled = self.spec, self.workers, _as_check(cancel)
+        requests, warmup = self._requests(concurrency)
+        active = min(workers.count, spec.workers or auto_workers(concurrency), concurrency)
+        for wid in range(workers.count):
+            share = concurrency // active + (wid < concurrency % active) if wid < active else 0
+            workers.commands[wid].put(_Command(share, requests[wid::active] if wid < active else [], spec.tick_s))
+        metrics_url = spec.metrics_url or self.target.root_url + "/metrics"
+        sampler = Sampler(metrics_url, interval_s=spec.tick_s) if spec.scrape_metrics else None
+        if sampler:
+            sampler.__enter__()
+        try:
+            workers.barrier.wait(BARRIER_TIMEOUT_S)
+            records, was_cancelled, peak = self._collect(concurrency, on_tick, cancelled, sampler)
+        except threading.BrokenBarrierError:
+            raise RunnerError("measuring workers did not start in time") from None
+        finally:
+            if sampler:
+                sampler.__exit__(None, None, None)
+        workers.cancel.clear()
+        records.sort(key=lambda r: r.index)
+        result = summarize(concurrency, records, warmup=warmup, workers=active, cancelled=was_cancelled)
+        result.peak_tok_s = peak
+        if sampler:
+            result.server_metrics = sampler.summary()
+        return result
+
+    def _collect(self, concurrency, on_tick, cancelled, sampler):
+        workers, spec = self.workers, self.spec
+        start = time.perf_counter()
+        baseline = dict(self.snapshots)
+        previous, last_tick = self._totals(), start
+        records, done, was_cancelled, peak = [], set(), False, 0.0
+        while len(done) < workers.count:
+            try:
+                message = workers.results.get(timeout=POLL_S)
+            except queue.Empty:
+                message = None
+            if message is not None:
+                kind, wid = message[0], message[1]
+                if kind == "tick":
+                    self.snapshots[wid] = message[2]
+                elif kind == "done":
+                    records.extend(message[2])
+                    was_cancelled = was_cancelled or message[3]
+                    done.add(wid)
+                else:
+                    workers.cancel.set()
+                    raise RunnerError(f"measuring worker {wid} failed:\n{message[2]}")
+            if not workers.cancel.is_set() and cancelled():
+                workers.cancel.set()
+            now = time.perf_counter()
+            if now - last_tick >= spec.tick_s:
+                totals = self._totals()
+                tick = self._tick(concurrency, now - start, now - last_tick, previous, totals, baseline, sampler)
+                peak = max(peak, tick.tok_s)
+                previous, last_tick = totals, now
+                if on_tick is not None:
+                    on_tick(tick)
+            if message is None:
+                workers.check_alive()
+        return records, was_cancelled or workers.cancel.is_set(), peak
+
+    def _totals(self):
+        return tuple(sum(s[i] for s in self.snapshots.values()) for i in range(6))
+
+    def _tick(self, concurrency, elapsed, window, previous, totals, baseline, sampler) -> Tick:
+        chunks = totals[0] - previous[0]
+        tokens_per_chunk = totals[1] / totals[2] if totals[2] else 1.0
+        base = tuple(sum(s[i] for s in baseline.values()) for i in range(6))
+        return Tick(concurrency=concurrency, elapsed_s=elapsed, tok_s=chunks * tokens_per_chunk / window,
+                    chunks_s=chunks / window, in_flight=totals[5], completed=totals[3] - base[3],
+                    failed=totals[4] - base[4], server=sampler.latest() if sampler else None)
+
+
+def run_level(spec: LoadSpec, concurrency: int, on_tick=None, cancel=None) -> LevelResult:
+    """Measure one concurrency level (warmup first, excluded); see LoadSpec for the request counts."""
+    with Sweeper(spec, concurrency) as sweeper:
+        return sweeper.run_level(concurrency, on_tick=on_tick, cancel=cancel)
+
+
+def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None) -> SweepResult:
+    """Measure every level of `spec.levels` in order; stops early on cancel.
+
+    on_level(LevelResult) after each level, on_tick(Tick) every spec.tick_s; both run in this
+    process. `cancel` is a callable, or an asyncio/threading Event, checked between requests.
+    Raises RunnerError when every request of a level failed (permanent for HTTP 4xx).
+    """
+    check = _as_check(cancel)
+    result = SweepResult()
+    levels = [int(c) for c in spec.levels if int(c) > 0]
+    if not levels:
+        raise RunnerError("no concurrency levels to run", permanent=True)
+    with Sweeper(spec, max(levels)) as sweeper:
+        for concurrency in levels:
+            if check():
+                result.cancelled = True
+                break
+            level = sweeper.run_level(concurrency, on_tick=on_tick, cancel=check)
+            result.levels.append(level)
+            if on_level is not None:
+                on_level(level)
+            if level.cancelled:
+                result.cancelled = True
+                break
+            if level.num_requests and not level.completed:
+                first = level.errors[0] if level.errors else "unknown error"
+                raise RunnerError(f"every request at concurrency {concurrency} failed: {first}",
+                                  permanent=first.startswith("HTTP 4"))
+    return result

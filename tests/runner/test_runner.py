@@ -1,0 +1,144 @@
+"""The load generator against a server with a known schedule: every metric it reports.
+
+Schedule: first token 50 ms after the request, then a chunk every 10 ms, 3 tokens per chunk,
+the first 6 tokens reasoning; 30 tokens per request, so 10 chunks: 2 reasoning, 8 content.
+"""
+import threading
+import time
+
+import pytest
+
+from benchmarks.runner import BUILTIN, COMPLETIONS, LoadSpec, RunnerError, run_level, sweep
+from tests.schedserver import SchedServer
+
+MS = 1.5  # timing tolerance: the server and the client share a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def server():
+    with SchedServer(ttft_ms=50, gap_ms=10, tokens_per_chunk=3, reasoning_tokens=6) as running:
+        yield running
+
+
+def spec_for(server, **overrides):
+    fields = dict(base_url=server.base_url, model="sched", max_tokens=30, min_requests=6, requests_per_user=3,
+                  warmup_per_user=1, tick_s=0.1, workers=1)
+    fields.update(overrides)
+    return LoadSpec(**fields)
+
+
+@pytest.fixture(scope="module")
+def level(server):
+    return run_level(spec_for(server), concurrency=2)
+
+
+def test_ttft_is_the_first_token_chunk_not_the_role_chunk(level):
+    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
+
+
+def test_itl_is_every_gap_between_token_chunks(level):
+    assert level.itl_ms["median"] == pytest.approx(10, abs=MS / 3)
+    assert sum(len(r.chunk_times) - 1 for r in level.records) == 6 * 9
+
+
+def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
+    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 6)
+    assert level.tokens_per_chunk == "estimated"
+
+
+def test_tpot_and_e2e_end_at_the_last_token_chunk(level):
+    assert level.e2e_ms["median"] == pytest.approx(50 + 9 * 10, abs=2 * MS)
+    assert level.tpot_ms["median"] == pytest.approx(90 / 29, abs=0.1)
+
+
+def test_token_counts_come_from_the_usage_chunk(level):
+    assert level.output_tokens == 6 * 30
+    # Builtin prompts in order; the first two went to warmup. The server counts words.
+    assert level.input_tokens == sum(len(BUILTIN[i].split()) for i in range(2, 8))
+
+
+def test_reasoning_and_content_tokens_are_split_exactly_by_usage(level):
+    assert (level.reasoning_tokens, level.content_tokens, level.reasoning_split) == (36, 144, "usage")
+
+
+def test_time_to_first_content_waits_for_the_reasoning_chunks(level):
+    assert level.ttfc_ms["median"] == pytest.approx(50 + 2 * 10, abs=MS)
+
+
+def test_throughputs_are_counts_over_the_measured_duration(level):
+    assert 3 * 0.140 <= level.duration_s < 1.5
+    assert level.output_throughput * level.duration_s == pytest.approx(180)
+    assert level.request_throughput * level.duration_s == pytest.approx(6)
+    assert level.tok_s_per_user == pytest.approx(30 / 0.090, rel=0.05)
+
+
+def test_warmup_requests_are_left_out_of_every_metric(level):
+    assert (level.num_requests, level.completed, level.warmup_requests) == (6, 6, 2)
+    assert [r.index for r in level.records] == [2, 3, 4, 5, 6, 7]
+    assert not any(r.warmup for r in level.records)
+
+
+def test_server_metrics_are_scraped_during_the_level(level):
+    metrics = level.server_metrics
+    assert metrics["samples"] >= 2
+    assert 1 <= metrics["num_requests_running"]["max"] <= 2
+    assert metrics["num_requests_waiting"]["max"] == 0
+    assert metrics["generation_tok_s"]["mean"] > 0
+
+
+def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):
+    level = run_level(spec_for(server, continuous_usage_stats=True, min_requests=2, requests_per_user=1), 2)
+    assert level.tokens_per_chunk == "usage"
+    assert all(r.chunk_tokens == [3] * 10 for r in level.records)
+    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 6)
+
+
+def test_completions_endpoint_streams_text_with_random_prompts(server):
+    level = run_level(spec_for(server, endpoint=COMPLETIONS, prompt_source="random", input_tokens=40,
+                               min_requests=2, requests_per_user=1), 2)
+    assert level.completed == 2 and level.output_tokens == 60 and level.input_tokens == 80
+    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
+    assert level.reasoning_tokens == 0
+
+
+def test_sweep_reports_every_level_in_order_with_live_ticks(server):
+    levels, ticks = [], []
+    result = sweep(spec_for(server, levels=(1, 3), min_requests=3, requests_per_user=2),
+                   on_level=levels.append, on_tick=ticks.append)
+    assert [lv.concurrency for lv in levels] == [1, 3] and result.levels == levels
+    assert [lv.num_requests for lv in levels] == [3, 6]
+    assert result.single_stream_tok_s == levels[0].tok_s_per_user
+    assert {t.concurrency for t in ticks} == {1, 3}
+    assert max(t.tok_s for t in ticks if t.concurrency == 3) > max(t.tok_s for t in ticks if t.concurrency == 1)
+    assert ticks[-1].server["num_requests_running"] >= 0
+
+
+def test_cancel_stops_a_run_promptly_and_keeps_what_finished():
+    with SchedServer(ttft_ms=10, gap_ms=200, reasoning_tokens=0) as slow:  # 20 s per request
+        stop = threading.Event()
+        threading.Timer(0.5, stop.set).start()
+        started = time.monotonic()
+        result = sweep(spec_for(slow, levels=(4, 8), max_tokens=100), cancel=stop)
+        assert time.monotonic() - started < 3
+    assert result.cancelled and len(result.levels) == 1
+    assert result.levels[0].cancelled and result.levels[0].completed == 0
+
+
+def test_cancel_accepts_a_plain_callable(server):
+    started = time.monotonic()
+    level = run_level(spec_for(server), 2, cancel=lambda: time.monotonic() - started > 0.2)
+    assert level.cancelled and level.num_requests < 6
+
+
+def test_a_refused_request_stops_the_sweep_with_the_servers_message(server):
+    with pytest.raises(RunnerError, match="messages must be a list") as error:
+        sweep(spec_for(server, levels=(1,), extra_body={"messages": "not a list"}, min_requests=1))
+    assert error.value.permanent
+
+
+def test_an_unreachable_server_fails_every_request_but_may_come_back():
+    spec = LoadSpec(base_url="http://127.0.0.1:9", model="m", levels=(1,), min_requests=2,
+                    requests_per_user=1, warmup_per_user=0, scrape_metrics=False, workers=1)
+    with pytest.raises(RunnerError, match="cannot connect") as error:
+        sweep(spec)
+    assert not error.value.permanent

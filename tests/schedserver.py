@@ -1,0 +1,506 @@
+"""A punctual OpenAI-compatible SSE server whose every chunk leaves on a known schedule.
+
+Each streamed request: a role-only chunk at once, the first token chunk TTFT after the request
+was read, then one chunk every gap carrying k tokens (the first r tokens as `reasoning`, then
+`content`), the usage chunk and [DONE] right after the last token chunk.
+
+    with SchedServer(ttft_ms=50, gap_ms=10) as server: ... server.base_url ...
+    python tests/schedserver.py --port 8100 --ttft-ms 50 --gap-ms 10 --tokens-per-chunk 1
+"""
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from aiohttp import web
+
+perf_counter = time.perf_counter
+_ids = itertools.count(1)
+
+
+@dataclass
+class Schedule:
+    """What every streamed response looks like and when each chunk leaves."""
+
+    ttft_ms: float = 50.0
+    gap_ms: float = 10.0
+    tokens_per_chunk: int = 1
+    reasoning_tokens: int = 0
+    default_max_tokens: int = 128
+    zero_delay: bool = False  # stream every chunk as fast as the core allows (ceiling tests)
+    reasoning_field: str = "reasoning"  # vLLM >= 0.32; older servers say "reasoning_content"
+    spin_us: float = 1500.0  # busy-wait the last stretch: loop timers are only ~1 ms precise
+    kv_capacity: int = 1024  # running requests that make kv_cache_usage_perc read 1.0
+    role_with_first_token: bool = False  # like vLLM: the role chunk leaves with the first token
+
+
+class Lateness:
+    """Histogram (10 µs buckets up to 100 ms, then one for later) of chunk lateness versus schedule."""
+
+    BUCKETS_PER_S = 100_000
+    LAST = 10_000
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.counts = [0] * (self.LAST + 1)
+
+    @property
+    def max_us(self) -> float:
+        top = max((b for b, c in enumerate(self.counts) if c), default=0)
+        return (top + 1) * 1e6 / self.BUCKETS_PER_S
+
+    def quantile_us(self, q: float) -> float:
+        total = sum(self.counts)
+        if not total:
+            return 0.0
+        rank, seen = q * total, 0
+        for bucket, count in enumerate(self.counts):
+            seen += count
+            if seen >= rank:
+                return (bucket + 0.5) * 1e6 / self.BUCKETS_PER_S
+        return self.max_us
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _frame(data: bytes) -> bytes:
+    """HTTP/1.1 chunked framing; chunks go straight to the transport after the headers."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class _Stream:
+    """One response in flight: its transport, its framed chunks and which one is next."""
+
+    __slots__ = ("transport", "frames", "sizes", "next", "anchor", "last", "done")
+
+    def __init__(self, transport, frames, sizes, anchor):
+        self.transport, self.frames, self.sizes, self.anchor = transport, frames, sizes, anchor
+        self.next, self.last = 0, 0.0
+        self.done = asyncio.get_running_loop().create_future()
+
+
+class Server:
+    """The aiohttp application plus one scheduler task that writes every due chunk."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        # Two queues kept in deadline order without a heap: first chunks (anchor + TTFT, anchors
+        # only grow) and next chunks (each write schedules its stream one gap later, in order).
+        self.firsts: deque = deque()
+        self.nexts: deque = deque()
+        self.lateness = Lateness()
+        self.truth_ttft: list[float] = []  # first-token write minus request read, as it happened
+        self.truth_itl: list[float] = []  # gaps between a stream's writes, as they happened
+        self.running = 0
+        self.requests_total = 0
+        self.generation_tokens_total = 0
+        self.prompt_tokens_total = 0
+        self._wake = None
+        self._wake_at = 0.0
+        self._built: dict = {}
+        self._task = None
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The whole routing table: a low-level server has no router."""
+        route = self._routes.get((request.method, request.path))
+        if route is None:
+            return web.json_response({"error": {"message": f"no route {request.method} {request.path}"}}, status=404)
+        return await route(request)
+
+    @property
+    def _routes(self) -> dict:
+        return {("POST", "/v1/chat/completions"): self.completions, ("POST", "/v1/completions"): self.completions,
+                ("GET", "/v1/models"): self.models, ("GET", "/metrics"): self.metrics,
+                ("GET", "/stats"): self.stats, ("GET", "/health"): self.health}
+
+    def start(self):
+        self._task = asyncio.get_running_loop().create_task(self._scheduler())
+
+    async def stop(self):
+        """Stop scheduling; every stream still waiting ends where it is."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for queue in (self.firsts, self.nexts):
+            while queue:
+                _resolve(queue.popleft()[1].done)
+
+    async def health(self, request):
+        return web.Response(text="")
+
+    async def models(self, request):
+        model = {"id": "sched", "object": "model", "owned_by": "schedserver", "max_model_len": 1 << 20}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def metrics(self, request):
+        label = '{model_name="sched"}'
+        kv = min(1.0, self.running / max(1, self.schedule.kv_capacity))
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {float(self.running)}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} 0.0",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {kv}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{label} {float(self.generation_tokens_total)}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{label} {float(self.prompt_tokens_total)}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def stats(self, request):
+        """How punctual the server was: chunk lateness versus the schedule (?reset=1 starts over)."""
+        late = self.lateness
+        ttft, itl = sorted(self.truth_ttft), sorted(self.truth_itl)
+        body = {
+            "requests": self.requests_total,
+            "chunks": sum(late.counts),
+            "late_p50_us": late.quantile_us(0.5),
+            "late_p99_us": late.quantile_us(0.99),
+            "late_max_us": late.max_us,
+            "ttft_median_ms": _median(ttft) * 1000,
+            "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))] * 1000 if ttft else 0.0,
+            "itl_median_ms": _median(itl) * 1000,
+            "itl_p90_ms": itl[int(0.9 * (len(itl) - 1))] * 1000 if itl else 0.0,
+        }
+        if request.query.get("reset"):
+            late.reset()
+            self.requests_total = 0
+            self.truth_ttft, self.truth_itl = [], []
+            gc.collect()  # the CLI server runs without automatic GC: collect between levels
+        return web.json_response(body)
+
+    async def completions(self, request):
+        # The schedule starts when the request's bytes reached this process, not when the handler ran.
+        anchor = getattr(request.protocol, "arrived", 0.0) or perf_counter()
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return web.json_response({"error": {"message": "body is not JSON"}}, status=400)
+        chat = request.path.endswith("/chat/completions")
+        if chat and not isinstance(body.get("messages"), list):
+            return web.json_response({"error": {"message": "messages must be a list"}}, status=400)
+        if not chat and "prompt" not in body:
+            return web.json_response({"error": {"message": "prompt is required"}}, status=400)
+        sch = self.schedule
+        n = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or sch.default_max_tokens))
+        prompt_tokens = _count_prompt(body)
+        self.requests_total += 1
+        self.prompt_tokens_total += prompt_tokens
+        reasoning = min(sch.reasoning_tokens, n) if chat else 0
+        model = body.get("model", "sched")
+        if not body.get("stream"):
+            if not sch.zero_delay:
+                await asyncio.sleep((sch.ttft_ms + sch.gap_ms * (-(-n // max(1, sch.tokens_per_chunk)) - 1)) / 1000)
+            self.generation_tokens_total += n
+            return web.json_response(_full_response(model, chat, n, reasoning, prompt_tokens))
+        options = body.get("stream_options") or {}
+        key = (model, chat, n, reasoning, prompt_tokens, bool(options.get("include_usage")),
+               bool(options.get("continuous_usage_stats")))
+        built = self._built.get(key)
+        if built is None:  # identical requests share their chunks (and their id): building costs ~40 µs
+            if len(self._built) > 1024:
+                self._built.clear()
+            built = self._built[key] = _build_chunks(*key, sch)
+        first, frames, sizes = built
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)  # a StreamResponse sends its headers right away
+        if first:
+            await response.write(first)  # the role-only chunk
+        self.running += 1
+        transport = request.transport
+        try:
+            if sch.zero_delay:
+                await self._blast(transport, frames, sizes)
+            else:
+                stream = _Stream(transport, frames, sizes, anchor)
+                self.firsts.append((anchor + sch.ttft_ms / 1000, stream))
+                self._poke(anchor + sch.ttft_ms / 1000)
+                await stream.done
+        finally:
+            self.running -= 1
+        if transport is not None and not transport.is_closing():
+            await response.write_eof()
+        return response
+
+    async def _blast(self, transport, frames, sizes):
+        """Zero-delay mode: many framed chunks per write, yielding now and then."""
+        batch = 64
+        for i in range(0, len(frames), batch):
+            if transport is None or transport.is_closing():
+                return
+            transport.write(b"".join(frames[i:i + batch]))
+            self.generation_tokens_total += sum(sizes[i:i + batch])
+            while transport.get_write_buffer_size() > 1 << 20 and not transport.is_closing():
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0)
+
+    def _poke(self, deadline):
+        """Wake the scheduler early if it sleeps past a new deadline."""
+        wake = self._wake
+        if wake is not None and not wake.done() and deadline < self._wake_at:
+            wake.set_result(None)
+
+    async def _scheduler(self):
+        """Write every chunk whose deadline has passed; sleep, then spin, until the next one."""
+        loop = asyncio.get_running_loop()
+        firsts, nexts = self.firsts, self.nexts
+        gap, spin, clock = self.schedule.gap_ms / 1000, self.schedule.spin_us / 1e6, perf_counter
+        while True:
+            now = clock()
+            # Due first chunks, then due next chunks; at most a batch before letting requests in.
+            self._write_due(firsts, now, 16, gap, first=True)
+            self._write_due(nexts, now, 32, gap, first=False)
+            heads = [q[0][0] for q in (firsts, nexts) if q]
+            wait = min(heads) - clock() if heads else 3600.0
+            if wait <= spin:
+                await asyncio.sleep(0)
+                continue
+            self._wake_at = clock() + wait - spin
+            self._wake = loop.create_future()
+            handle = loop.call_later(wait - spin, _resolve, self._wake)
+            await self._wake
+            handle.cancel()
+            self._wake = None
+
+    def _write_due(self, queue, now, budget, gap, first):
+        counts, truth = self.lateness.counts, self.truth_ttft if first else self.truth_itl
+        nexts, popleft, clock, generated = self.nexts, queue.popleft, perf_counter, 0
+        while queue and budget and queue[0][0] <= now:
+            deadline, stream = popleft()
+            budget -= 1
+            i = stream.next
+            try:
+                stream.transport.write(stream.frames[i])
+            except (AttributeError, RuntimeError):  # the client went away
+                _resolve(stream.done)
+                continue
+            wrote = clock()
+            late = wrote - deadline
+            counts[int(late * 100_000) if late < 0.1 else -1] += 1
+            truth.append(wrote - (stream.anchor if first else stream.last))
+            stream.last = wrote
+            generated += stream.sizes[i]
+            stream.next = i = i + 1
+            if i < len(stream.frames):
+                nexts.append((deadline + gap, stream))
+            else:
+                _resolve(stream.done)
+        self.generation_tokens_total += generated
+
+
+def _median(values):
+    if not values:
+        return 0.0
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _resolve(future):
+    if not future.done():
+        future.set_result(None)
+
+
+def _count_prompt(body) -> int:
+    """Prompt tokens as the server reports them: words of the text, or token ids."""
+    if "messages" in body:
+        return sum(len(str(m.get("content", "")).split()) for m in body["messages"] if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return len(prompt)
+    return len(str(prompt).split())
+
+
+def _build_chunks(model, chat, n, reasoning, prompt_tokens, include_usage, continuous, sch):
+    """The role chunk, then every framed token chunk (usage and [DONE] joined to the last) and sizes."""
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids)}"
+    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model}
+
+    def chunk(size, r, last, done):
+        if chat:
+            delta = {}
+            if r:
+                delta[sch.reasoning_field] = "r " * r
+            if size - r:
+                delta["content"] = "w " * (size - r)
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": "length" if last else None}
+        else:
+            choice = {"index": 0, "text": "w " * size, "logprobs": None, "finish_reason": "length" if last else None}
+        obj = {**base, "choices": [choice]}
+        if continuous:
+            obj["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done + size,
+                            "total_tokens": prompt_tokens + done + size}
+        return _frame(_sse(obj))
+
+    if chat:
+        first = _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+    else:
+        first = b": stream starts\n\n"  # completions have no role chunk; a comment keeps the shape
+    k = max(1, sch.tokens_per_chunk)
+    m = -(-n // k)
+    if continuous:  # every chunk differs: build them one by one
+        frames = [chunk(min(k, n - j * k), max(0, min(k, reasoning - j * k, n - j * k)), j == m - 1, j * k)
+                  for j in range(m)]
+    else:  # chunks repeat: reasoning-only, at most one mixed, content-only, then the last
+        full_r = min(reasoning // k, m - 1)
+        mixed = 1 if reasoning % k and reasoning // k < m - 1 else 0
+        frames = [chunk(k, k, False, 0)] * full_r
+        if mixed:
+            frames.append(chunk(k, reasoning % k, False, 0))
+        frames += [chunk(k, 0, False, 0)] * (m - 1 - full_r - mixed)
+        last = n - (m - 1) * k
+        frames.append(chunk(last, max(0, min(last, reasoning - (m - 1) * k)), True, (m - 1) * k))
+    sizes = [k] * (m - 1) + [n - (m - 1) * k]
+    closing = b""
+    if include_usage:
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n}
+        if reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        closing += _frame(_sse({**base, "choices": [], "usage": usage}))
+    frames[-1] += closing + _frame(b"data: [DONE]\n\n")
+    if sch.role_with_first_token:
+        frames[0] = _frame(first) + frames[0]
+        first = b""
+    return first, frames, sizes
+
+
+def _full_response(model, chat, n, reasoning, prompt_tokens):
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    if chat:
+        message = {"role": "assistant", "content": "w " * (n - reasoning)}
+        if reasoning:
+            message["reasoning"] = "r " * reasoning
+        choice = {"index": 0, "message": message, "finish_reason": "length"}
+    else:
+        choice = {"index": 0, "text": "w " * n, "finish_reason": "length"}
+    return {"id": f"x-{next(_ids)}", "object": "chat.completion" if chat else "text_completion",
+            "model": model, "choices": [choice], "usage": usage}
+
+
+class SchedServer:
+    """Runs the server in a background thread: `with SchedServer(ttft_ms=50) as s: s.base_url`."""
+
+    def __init__(self, host="127.0.0.1", port=0, **schedule):
+        self.host, self.port = host, port
+        self.schedule = Schedule(**schedule)
+        self.server = Server(self.schedule)
+        self._ready = threading.Event()
+        self._thread = None
+        self._loop = None
+        self._runner = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, name="schedserver", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("schedserver did not start")
+        return self
+
+    def __exit__(self, *exc):
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(10)
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self):
+        self._loop = _new_loop()
+        asyncio.set_event_loop(self._loop)
+        self._runner = self._loop.run_until_complete(_serve(self.server, self.host, self.port))
+        self.port = self._runner.addresses[0][1]
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+
+class _Protocol(web.RequestHandler):
+    """Notes when each request's bytes arrive, before aiohttp parses them."""
+
+    arrived = 0.0
+
+    def data_received(self, data: bytes) -> None:
+        self.arrived = perf_counter()
+        super().data_received(data)
+
+
+class _LowServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return _Protocol(self, loop=self._loop, **self._kwargs)
+
+
+async def _serve(server, host, port):
+    runner = web.ServerRunner(_LowServer(server.handle, access_log=None), handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, backlog=4096).start()
+    server.start()
+    return runner
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--ttft-ms", type=float, default=50.0)
+    parser.add_argument("--gap-ms", type=float, default=10.0)
+    parser.add_argument("--tokens-per-chunk", type=int, default=1)
+    parser.add_argument("--reasoning-tokens", type=int, default=0)
+    parser.add_argument("--default-max-tokens", type=int, default=128)
+    parser.add_argument("--reasoning-field", default="reasoning")
+    parser.add_argument("--spin-us", type=float, default=1500.0)
+    parser.add_argument("--zero-delay", action="store_true")
+    parser.add_argument("--role-with-first-token", action="store_true",
+                        help="send the role chunk with the first token, as vLLM does (vllm bench serve counts it)")
+    parser.add_argument("--no-uvloop", action="store_true")
+    parser.add_argument("--gc", action="store_true", help="keep automatic garbage collection on")
+    args = parser.parse_args(argv)
+    schedule = Schedule(ttft_ms=args.ttft_ms, gap_ms=args.gap_ms, tokens_per_chunk=args.tokens_per_chunk,
+                        reasoning_tokens=args.reasoning_tokens, default_max_tokens=args.default_max_tokens,
+                        zero_delay=args.zero_delay, reasoning_field=args.reasoning_field, spin_us=args.spin_us,
+                        role_with_first_token=args.role_with_first_token)
+    _raise_fd_limit()
+    if not args.gc:
+        gc.disable()  # a collection mid-level would delay chunks; /stats?reset=1 collects instead
+    loop = asyncio.new_event_loop() if args.no_uvloop else _new_loop()
+    runner = loop.run_until_complete(_serve(Server(schedule), args.host, args.port))
+    print(f"schedserver listening on http://{args.host}:{runner.addresses[0][1]}", flush=True)
+    try:
+        loop.run_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+def _new_loop():
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _raise_fd_limit():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+if __name__ == "__main__":
+    main()
