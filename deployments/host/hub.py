@@ -364,7 +364,10 @@ class _Download:
     def request_stop(self) -> None:
         self.stop.set()
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in self.tasks])
+            try:
+                self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in self.tasks])
+            except RuntimeError:
+                pass  # the loop already closed: nothing left to cancel
 
     def _thread_main(self, todo) -> None:
         try:
