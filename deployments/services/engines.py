@@ -67,11 +67,7 @@ def _step(d: Deployment, name: str):
         event.message = str(exc) or exc.__class__.__name__
         raise
     finally:
-        event.ended = timezone.now()
-        event.save()
-        from deployments.services.deploys import _publish_event
-
-        _publish_event(event)
+        _end_event(event)
 
 
 def _log_path(d: Deployment) -> Path:
@@ -354,12 +350,20 @@ def deployment_halt(deployment_id: int) -> Deployment:
 
 @contextmanager
 def _step_unchecked(d: Deployment, name: str):
+    """A timeline step that runs even while the deployment is stopping."""
     event = deployment_event(d, name, "…")
     try:
         yield event
     finally:
-        event.ended = timezone.now()
-        event.save()
+        _end_event(event)
+
+
+def _end_event(event: DeploymentEvent) -> None:
+    from deployments.services.deploys import _publish_event
+
+    event.ended = timezone.now()
+    event.save()
+    _publish_event(event)
 
 
 def deployment_persist_here(deployment_id: int) -> Deployment:

@@ -33,7 +33,7 @@
       let row = body.querySelector(`tr[data-event="${e.id}"]`);
       if (!row) { row = document.createElement("tr"); row.dataset.event = e.id; body.appendChild(row); }
       row.className = e.level;
-      row.innerHTML = `<td>${esc(e.step)}</td><td>${new Date(e.started).toLocaleTimeString()}</td>` +
+      row.innerHTML = `<td>${esc(e.step)}</td><td>${new Date(e.started).toLocaleTimeString([], { hour12: false })}</td>` +
         `<td class="num">${e.duration != null ? e.duration.toFixed(1) + " s" : "…"}</td><td>${esc(e.message)}</td>`;
     } else if (msg.kind === "log") {
       const atBottom = logEl.scrollTop + logEl.clientHeight >= logEl.scrollHeight - 20;

@@ -1,0 +1,78 @@
+"""The Deploy button end to end: a real node agent, the real CPU vLLM engine and Chromium.
+
+A user deploys the tiny model, watches it load phase by phase and sees the smoke-test answer;
+deploys a second engine that replaces the first (the old one is stopped, its processes gone);
+then stops the second from its page.
+"""
+import re
+
+import pytest
+from playwright.sync_api import expect
+
+from deployments import services
+from deployments.host import engine
+from deployments.models import Deployment, ModelCopy, Node
+from tests.conftest import VLLM, agent_argv, free_port, in_thread, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+LOAD_TIMEOUT_MS = 300_000  # a CPU engine starts in ~25-70 s on 2 shared cores
+
+
+def _deploy_from_form(page, name: str, port: int, stop: str | None = None):
+    expect(page.locator("h1")).to_contain_text("Deploy")
+    page.fill("#id_name", name)
+    page.fill("#id_port", str(port))
+    page.fill("#id_reasoning_parser", "qwen3")
+    page.fill("#id_served_model_name", "tiny")
+    if stop:
+        page.check(f'[data-field="replace"] label:has-text("{stop}") input')
+    page.click("#deploy-form button[type=submit]")
+    expect(page.locator("h1")).to_contain_text(name)
+
+
+@pytest.fixture
+def cpu_node(process_env, spawn, unique, tmp_path, tiny_model):
+    assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
+    env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path))
+    name = f"cpu-{unique}"
+    spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
+    node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
+    model = in_thread(services.model_add_local, node, str(tiny_model))
+    wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
+               message="the local model on the node")
+    wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
+    return node, model
+
+
+def test_deploy_watch_it_load_replace_it_and_stop_it_in_a_browser(logged_in_page, cpu_node):
+    node, model = cpu_node
+    page = logged_in_page
+    page.goto(f"{page.base_url}/models/{model.pk}/")
+    page.click("#deploy-button")
+
+    first_port = free_port()
+    _deploy_from_form(page, "tiny-a", first_port)
+    expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)
+    expect(page.locator("#load-phase")).to_have_text("Server up")
+    expect(page.locator("#load-bar")).to_have_attribute("style", re.compile(r"width: 100(\.0)?%"))
+    expect(page.locator("#smoke")).to_contain_text("completion tokens", timeout=60_000)
+    steps = page.locator("#timeline tbody td:first-child")
+    expect(steps).to_contain_text(["queued", "model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"])
+    assert "Loading safetensors checkpoint shards" in page.locator("#log").text_content()
+    first = Deployment.objects.get(name="tiny-a")
+    assert first.smoke["completion_tokens"] > 0 and engine.members(first.pgid)
+
+    page.goto(f"{page.base_url}/models/{model.pk}/deploy/?node={node.pk}")
+    _deploy_from_form(page, "tiny-b", free_port(), stop="tiny-a")
+    expect(page.locator("#timeline")).to_contain_text("Stopped tiny-a", timeout=60_000)
+    expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)
+    stopped = Deployment.objects.get(name="tiny-a")
+    assert stopped.status == "stopped" and "make room for tiny-b" in stopped.status_message
+    assert engine.members(first.pgid) == [] and engine.port_free("0.0.0.0", first_port)
+
+    second = Deployment.objects.get(name="tiny-b")
+    page.click('button[data-action="stop"]')
+    expect(page.locator("#status")).to_have_text("Stopped", timeout=60_000)
+    expect(page.locator("#timeline")).to_contain_text("Engine stopped")
+    assert engine.members(second.pgid) == [] and engine.port_free("0.0.0.0", second.port)
+    assert "Starting vLLM server" in Deployment.objects.get(pk=second.pk).log_tail  # kept after the end
