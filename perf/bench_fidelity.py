@@ -1,0 +1,230 @@
+"""How close the benchmark runner's TTFT and ITL come to the truth, next to `vllm bench serve`.
+
+The server (tests/schedserver.py) runs pinned to one core with a known schedule: first token
+50 ms after the request arrived, then one token per chunk every 10 ms; the client under test
+runs pinned to the other core. Levels: concurrency 1, 64, 256 and 1024.
+
+Truth is what the server actually did, read back from its /stats after each run: per request the
+first token's write time minus the request's arrival, and every gap between a stream's writes.
+(On a busy 2-core machine the server cannot always keep its schedule at 1024 streams, so the
+schedule itself would be the wrong yardstick.) To the TTFT truth we add the loopback overhead a
+client cannot avoid, measured once with a blocking raw socket at concurrency 1: the median of
+its TTFT minus the server's. Error = |client median - truth median| / truth median.
+
+The server sends the role chunk together with the first token, as vLLM does: vllm bench serve
+0.32 counts any chunk with choices as the first token, ours skips role-only chunks.
+
+    python perf/bench_fidelity.py [--levels 1,64,256,1024] [--no-vllm]
+
+Last line: name=value pairs with ours_max_err_pct=... vllm_max_err_pct=... Target: ours <= 3 %.
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.runner import LoadSpec, Sweeper  # noqa: E402
+
+VLLM = ROOT / ".engine-venv" / "bin" / "vllm"
+SCHEDSERVER = ROOT / "tests" / "schedserver.py"
+
+
+def cores() -> tuple[int, int]:
+    """(server core, client core): the first two this process may use."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[0], allowed[1 % len(allowed)]
+
+
+def raise_priority() -> callable:
+    """Ask for more CPU than the rest of a shared machine (root only); returns how to undo it."""
+    undo = []
+    try:
+        old = Path("/proc/self/autogroup").read_text().split()[-1]
+        Path("/proc/self/autogroup").write_text("-10")
+        undo.append(lambda: Path("/proc/self/autogroup").write_text(old))
+    except OSError:
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except OSError:
+        pass
+
+    def restore():
+        for step in undo:
+            try:
+                step()
+            except OSError:
+                pass
+    return restore
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """tests/schedserver.py in its own process, pinned to `core`."""
+
+    def __init__(self, core: int, *args: str):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", str(core), sys.executable, str(SCHEDSERVER), "--port", str(self.port), *args],
+            stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if "listening" not in line:
+            raise RuntimeError(f"schedserver did not start: {line!r}")
+
+    def stats(self, reset: bool = False) -> dict:
+        url = f"{self.base_url}/stats" + ("?reset=1" if reset else "")
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return json.loads(response.read())
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def make_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer for vllm bench serve's random prompts (no hub here)."""
+    code = (
+        "import json, sys\n"
+        "from tokenizers import Tokenizer, models, pre_tokenizers, decoders\n"
+        "vocab = {'[UNK]': 0, **{f'w{i}': i + 1 for i in range(2000)}}\n"
+        "tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token='[UNK]'))\n"
+        "tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()\n"
+        "tok.decoder = decoders.WordPiece(prefix='##')\n"
+        "tok.save(sys.argv[1] + '/tokenizer.json')\n"
+        "json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'unk_token': '[UNK]',\n"
+        "           'model_max_length': 1000000}, open(sys.argv[1] + '/tokenizer_config.json', 'w'))\n"
+    )
+    subprocess.run([str(VLLM.parent / "python"), "-c", code, str(directory)], check=True)
+    return directory
+
+
+def run_vllm(base_url: str, core: int, tokenizer: Path, out: Path, concurrency: int, prompts: int,
+             output_len: int, warmups: int) -> dict:
+    """One `vllm bench serve` run pinned to `core`; its --save-result JSON."""
+    result = out / f"vllm-c{concurrency}.json"
+    cmd = ["taskset", "-c", str(core), str(VLLM), "bench", "serve", "--backend", "openai-chat",
+           "--base-url", base_url, "--endpoint", "/v1/chat/completions", "--model", "sched",
+           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", "64",
+           "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts", str(prompts),
+           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--num-warmups", str(warmups),
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--save-result", "--result-dir", str(out), "--result-filename", result.name,
+           "--disable-tqdm", "--seed", "0"]
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return json.loads(result.read_text())
+
+
+def loopback_overhead_ms(server: Server, count: int = 20) -> float:
+    """Median TTFT of a blocking raw-socket client at concurrency 1, minus the server's own TTFT."""
+    body = json.dumps({"model": "sched", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                       "stream": True}).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    server.stats(reset=True)
+    ttfts = []
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(count):
+            received = b""
+            start = time.perf_counter()
+            sock.sendall(request)
+            while b'"content":"w' not in received:
+                received += sock.recv(65536)
+            ttfts.append(time.perf_counter() - start)
+            while not received.endswith(b"0\r\n\r\n"):
+                received += sock.recv(65536)
+    return statistics.median(ttfts) * 1000 - server.stats()["ttft_median_ms"]
+
+
+def error_pct(measured: float, truth: float) -> float:
+    return abs(measured - truth) / truth * 100 if truth else float("inf")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,64,256,1024")
+    parser.add_argument("--output-tokens", type=int, default=100)
+    parser.add_argument("--requests-per-user", type=int, default=3)
+    parser.add_argument("--min-requests", type=int, default=10)
+    parser.add_argument("--no-vllm", action="store_true", help="measure only ours")
+    parser.add_argument("--no-priority", action="store_true", help="don't raise this run's CPU priority")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.levels.split(",")]
+    server_core, client_core = cores()
+    use_vllm = VLLM.exists() and not args.no_vllm
+    restore = (lambda: None) if args.no_priority else raise_priority()
+    os.sched_setaffinity(0, {client_core})  # our worker processes inherit it
+    server = Server(server_core, "--ttft-ms", "50", "--gap-ms", "10", "--tokens-per-chunk", "1",
+                    "--role-with-first-token")
+    workdir = Path(tempfile.mkdtemp(prefix="bench-fidelity-"))
+    rows, errors = [], {"ours": [], "vllm": []}
+    try:
+        overhead = loopback_overhead_ms(server)
+        print(f"server core {server_core}, client core {client_core}; loopback overhead {overhead:.3f} ms", flush=True)
+        tokenizer = make_tokenizer(workdir) if use_vllm else None
+        spec = LoadSpec(base_url=server.base_url, model="sched", prompt_source="random", input_tokens=64,
+                        max_tokens=args.output_tokens, ignore_eos=True, min_requests=args.min_requests,
+                        requests_per_user=args.requests_per_user, scrape_metrics=False)
+        with Sweeper(spec, max(levels)) as sweeper:
+            for concurrency in levels:
+                server.stats(reset=True)
+                level = sweeper.run_level(concurrency)
+                truth = server.stats()
+                rows.append(("ours", concurrency, level.ttft_ms["median"], level.itl_ms["median"], truth,
+                             level.output_throughput, level.failed_requests))
+                print(_row(rows[-1], overhead, errors), flush=True)
+                if use_vllm:
+                    server.stats(reset=True)
+                    data = run_vllm(server.base_url, client_core, tokenizer, workdir, concurrency,
+                                    spec.num_requests(concurrency), args.output_tokens, spec.num_warmup(concurrency))
+                    truth = server.stats()
+                    rows.append(("vllm", concurrency, data["median_ttft_ms"], data["median_itl_ms"], truth,
+                                 data["output_throughput"], data["failed"]))
+                    print(_row(rows[-1], overhead, errors), flush=True)
+    finally:
+        server.close()
+        restore()
+        shutil.rmtree(workdir, ignore_errors=True)
+    figures = {"ours_max_err_pct": max(errors["ours"])}
+    figures["vllm_max_err_pct"] = max(errors["vllm"]) if errors["vllm"] else "n/a"
+    for client, concurrency, *_ in rows:
+        figures[f"{client}_ttft_err_c{concurrency}"] = errors[client + "_ttft"][concurrency]
+        figures[f"{client}_itl_err_c{concurrency}"] = errors[client + "_itl"][concurrency]
+    figures["loopback_ms"] = overhead
+    print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()))
+
+
+def _row(row, overhead, errors) -> str:
+    client, concurrency, ttft, itl, truth, tok_s, failed = row
+    true_ttft, true_itl = truth["ttft_median_ms"] + overhead, truth["itl_median_ms"]
+    ttft_err, itl_err = error_pct(ttft, true_ttft), error_pct(itl, true_itl)
+    errors[client] += [ttft_err, itl_err]
+    errors.setdefault(client + "_ttft", {})[concurrency] = ttft_err
+    errors.setdefault(client + "_itl", {})[concurrency] = itl_err
+    return (f"{client:5} c={concurrency:<5} TTFT {ttft:8.2f} ms (truth {true_ttft:7.2f}, err {ttft_err:6.2f} %)  "
+            f"ITL {itl:7.3f} ms (truth {true_itl:6.3f}, err {itl_err:6.2f} %)  {tok_s:9.0f} tok/s  "
+            f"failed {failed}  server late p50/p99 {truth['late_p50_us']:.0f}/{truth['late_p99_us']:.0f} µs")
+
+
+if __name__ == "__main__":
+    main()
