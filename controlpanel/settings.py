@@ -171,6 +171,11 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    "ENUM_NAME_OVERRIDES": {
+        "DeploymentStatusEnum": "deployments.models.Deployment.Status",
+        "BenchmarkRunStatusEnum": "benchmarks.models.BenchmarkRun.Status",
+        "ModelCopyStateEnum": "deployments.models.ModelCopy.State",
+    },
 }
 
 # --- the panel's own knobs --------------------------------------------------------------

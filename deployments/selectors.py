@@ -19,3 +19,15 @@ def deployment_list() -> QuerySet[Deployment]:
 
 def gpus_of(node: Node) -> QuerySet[Gpu]:
     return node.gpus.all()
+
+
+def deployment_events_after(deployment: Deployment, after: int, wait_s: float = 0.0) -> list:
+    """Events newer than `after`; waits up to `wait_s` for one to appear (a long poll)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        events = list(deployment.events.filter(pk__gt=after))
+        if events or time.monotonic() >= deadline:
+            return events
+        time.sleep(0.5)

@@ -97,3 +97,60 @@ class DeploymentSerializer(serializers.ModelSerializer):
 
     def get_gpus(self, obj) -> list[int]:
         return [gpu.index for gpu in obj.gpus.all()]
+
+
+class DeploymentDetailSerializer(DeploymentSerializer):
+    class Meta(DeploymentSerializer.Meta):
+        fields = DeploymentSerializer.Meta.fields + ["smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
+                                                     "replace", "base_url"]
+
+
+class DeployRequestSerializer(serializers.Serializer):
+    """A deploy: engine flags as a dict ({"tensor-parallel-size": 8}), environment as a dict."""
+
+    model = serializers.PrimaryKeyRelatedField(queryset=ModelRepo.objects.all())
+    node = serializers.SlugRelatedField(slug_field="name", queryset=Node.objects.all())
+    name = serializers.SlugField(max_length=80, required=False, default="")
+    gpus = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=1023), required=False, default=list,
+                                 max_length=64)
+    port = serializers.IntegerField(min_value=1024, max_value=65535, default=8000)
+    engine_args = serializers.DictField(required=False, default=dict)
+    env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False, default=dict)
+    replace = serializers.ListField(child=serializers.IntegerField(min_value=1), required=False, default=list, max_length=64)
+    auto_restart = serializers.BooleanField(default=False)
+    stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, default=600)
+
+    def validate_engine_args(self, value):
+        from deployments import engineargs
+
+        if len(value) > 100:
+            raise serializers.ValidationError("At most 100 engine flags.")
+        for name, v in value.items():
+            if not isinstance(v, (str, int, float, bool)) or v is None:
+                raise serializers.ValidationError(f"--{str(name)[:40]}: a value is a string, number or true/false.")
+        value = {str(k).lstrip("-"): v for k, v in value.items()}
+        node = Node.objects.filter(name=self.initial_data.get("node")).first() if isinstance(self.initial_data, dict) else None
+        errors = engineargs.check_flags(value, set(node.engine_flags) if node and node.engine_flags else None)
+        if errors:
+            raise serializers.ValidationError(errors["extra_flags"])
+        return value
+
+    def validate_env(self, value):
+        from deployments import engineargs
+
+        errors = engineargs.check_env(value)
+        if errors:
+            raise serializers.ValidationError(errors["env"])
+        return value
+
+
+class RedeploySerializer(serializers.Serializer):
+    gpus = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=1023), required=False, max_length=64)
+    port = serializers.IntegerField(min_value=1024, max_value=65535, required=False)
+    engine_args = serializers.DictField(required=False)
+    env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False)
+    auto_restart = serializers.BooleanField(required=False)
+    stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
+
+    validate_engine_args = DeployRequestSerializer.validate_engine_args
+    validate_env = DeployRequestSerializer.validate_env

@@ -88,6 +88,81 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
         return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
 
 
-class DeploymentViewSet(viewsets.ReadOnlyModelViewSet):
-    serializer_class = serializers.DeploymentSerializer
+class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     queryset = selectors.deployment_list()
+
+    def get_serializer_class(self):
+        return serializers.DeploymentDetailSerializer if self.action != "list" else serializers.DeploymentSerializer
+
+    @extend_schema(request=serializers.DeployRequestSerializer, responses={202: serializers.DeploymentDetailSerializer})
+    def create(self, request):
+        """Deploy a model: the node's agent runs the plan (follow it with GET …/events/?wait=30)."""
+        body = serializers.DeployRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        v = body.validated_data
+        d = services.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
+                                       engine_args=v["engine_args"], env=v["env"], name=v["name"], replace_ids=v["replace"],
+                                       auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"], user=request.user)
+        return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    def stop(self, request, pk=None):
+        """Stop the engine (its whole process group or its systemd unit)."""
+        return self._accepted(services.deployment_stop(self.get_object()))
+
+    @extend_schema(request=serializers.RedeploySerializer, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    def restart(self, request, pk=None):
+        """Run the plan again, optionally with changed settings; a running engine is stopped first."""
+        body = serializers.RedeploySerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        changes = dict(body.validated_data)
+        if "gpus" in changes:
+            changes["gpu_indices"] = sorted(set(changes.pop("gpus")))
+        return self._accepted(services.deployment_redeploy(self.get_object(), **changes))
+
+    @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    def persist(self, request, pk=None):
+        """Install the deployment as a systemd unit on its node."""
+        return self._accepted(services.deployment_persist(self.get_object()))
+
+    @extend_schema(parameters=[OpenApiParameter("after", int, description="only events with a larger id"),
+                               OpenApiParameter("wait", int, description="seconds to wait for a new event (max 30)")],
+                   responses=dict)
+    @action(detail=True)
+    def events(self, request, pk=None):
+        """The timeline; with `wait`, answers as soon as a newer event exists (long poll)."""
+        d = self.get_object()
+        after = _int(request.query_params.get("after"), 0)
+        wait = min(_int(request.query_params.get("wait"), 0), 30)
+        events = selectors.deployment_events_after(d, after, wait)
+        d.refresh_from_db()
+        return Response({"status": d.status, "status_message": d.status_message, "load_phase": d.load_phase,
+                         "load_percent": d.load_percent,
+                         "events": serializers.DeploymentEventSerializer(events, many=True).data})
+
+    @extend_schema(responses={200: str})
+    @action(detail=True)
+    def logs(self, request, pk=None):
+        """The engine log's last lines (kept after the engine ends)."""
+        return Response({"lines": self.get_object().log_tail.splitlines()})
+
+    @extend_schema(responses={200: str})
+    @action(detail=True)
+    def unit(self, request, pk=None):
+        """The systemd unit for this deployment, to install by hand."""
+        from deployments.deploy_views import _unit_text
+
+        return Response({"name": f"vllm-{self.get_object().name}.service", "text": _unit_text(self.get_object())})
+
+    def _accepted(self, d):
+        return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+
+def _int(value, default: int) -> int:
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return default

@@ -1,0 +1,83 @@
+"""The deployments API: deploy, stop, restart, events (long poll), logs, unit — and bad input."""
+from unittest import mock
+
+import pytest
+from rest_framework.test import APIClient
+
+from deployments.models import Deployment
+from tests.deployments.test_deploys import FLAGS
+from tests.factories import DeploymentEventFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def api(operator):
+    client = APIClient()
+    client.force_authenticate(operator)
+    return client
+
+
+@pytest.fixture
+def setup():
+    node = NodeFactory(name="gpu-01", engine_flags=sorted(FLAGS))
+    for i in range(4):
+        GpuFactory(node=node, index=i)
+    copy = ModelCopyFactory(node=node, path="/models/m")
+    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True), \
+         mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as enqueue:
+        yield node, copy.model, enqueue
+
+
+def test_deploy_answers_202_with_the_deployment(api, setup):
+    node, model, _ = setup
+    response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0, 1], "port": 8100,
+                                              "engine_args": {"tensor-parallel-size": 2, "--max-model-len": 4096},
+                                              "env": {"NCCL_PROTO": "LL"}}, format="json")
+    assert response.status_code == 202, response.json()
+    d = Deployment.objects.get()
+    assert response.json()["id"] == d.pk and d.engine_args == {"tensor-parallel-size": 2, "max-model-len": 4096}
+    assert response.json()["gpus"] == [0, 1] and response.json()["status"] == "queued"
+
+
+@pytest.mark.parametrize("body, field, text", [
+    ({"engine_args": {"tensor-paralel-size": 2}}, "engine_args", "did you mean --tensor-parallel-size?"),
+    ({"engine_args": {"max-num-seqs": {"$(reboot)": 1}}}, "engine_args", "a value is a string, number"),
+    ({"env": {"LD_PRELOAD": "/tmp/evil.so"}}, "env", "LD_PRELOAD is not allowed"),
+    ({"env": {"NCCL_PROTO": "LL\nrm -rf /"}}, "env", "printable"),
+    ({"port": 80}, "port", "greater than or equal to 1024"),
+    ({"gpus": [0, 1], "engine_args": {"tensor-parallel-size": 4}}, "tp", "needs 4 GPUs; 2 chosen"),
+])
+def test_bad_deploys_get_a_400_naming_the_field_and_nothing_runs(api, setup, body, field, text):
+    node, model, _ = setup
+    response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0], **body}, format="json")
+    assert response.status_code == 400
+    assert text in " ".join(response.json()["error"]["fields"][field])
+    assert not Deployment.objects.exists()
+
+
+def test_busy_gpus_answer_409_naming_the_holder(api, setup):
+    node, model, _ = setup
+    holder = DeploymentFactory(node=node, status="loading", name="kimi-prod", port=9000)
+    holder.gpus.set(node.gpus.filter(index=0))
+    response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0]}, format="json")
+    assert response.status_code == 409 and "kimi-prod is loading" in response.json()["error"]["message"]
+    assert response.json()["error"]["code"] == "gpus_busy"
+
+
+def test_stop_restart_events_logs_and_unit(api, setup):
+    node, model, enqueue = setup
+    d = DeploymentFactory(node=node, model=model, status="ready", log_tail="a\nb", port=8100)
+    d.gpus.set(node.gpus.filter(index=3))
+    DeploymentEventFactory(deployment=d, step="launch")
+    events = api.get(f"/api/deployments/{d.pk}/events/").json()
+    assert events["status"] == "ready" and events["events"][0]["step"] == "launch"
+    assert api.get(f"/api/deployments/{d.pk}/events/?after={events['events'][0]['id']}&wait=1").json()["events"] == []
+    assert api.get(f"/api/deployments/{d.pk}/logs/").json() == {"lines": ["a", "b"]}
+    assert "ExecStart=" in api.get(f"/api/deployments/{d.pk}/unit/").json()["text"]
+    restarted = api.post(f"/api/deployments/{d.pk}/restart/", {"port": 8200}, format="json").json()
+    assert restarted.get("status") == "queued", restarted
+    assert Deployment.objects.get(pk=d.pk).port == 8200
+    assert api.post(f"/api/deployments/{d.pk}/restart/", {}, format="json").status_code == 409  # already queued
+    assert api.post(f"/api/deployments/{d.pk}/stop/").json()["status"] == "stopping"
+    assert enqueue.call_args.args[2] == d.pk
