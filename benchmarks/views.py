@@ -1,14 +1,82 @@
-"""Benchmark pages."""
-from django.shortcuts import get_object_or_404, render
+"""Benchmark pages: runs with a new-run form, a run's live page, comparison, exports."""
+import csv
+import json
 
+from django.contrib import messages
+from django.core.serializers.json import DjangoJSONEncoder
+from django.http import HttpResponse, HttpResponseForbidden
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from benchmarks import selectors, services
+from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun
+from controlpanel.roles import is_operator, operator_required
+from deployments.services import ServiceError
 
 
 def run_list(request):
-    runs = BenchmarkRun.objects.select_related("deployment")
-    return render(request, "benchmarks/run_list.html", {"runs": runs})
+    form = RunForm(initial={"deployment": request.GET.get("deployment")})
+    if request.method == "POST":
+        if not is_operator(request.user):
+            return HttpResponseForbidden("Starting a benchmark needs the operator role.")
+        form = RunForm(request.POST, request.FILES)
+        if form.is_valid():
+            data = form.cleaned_data
+            try:
+                run = services.run_create(params=form.params(), deployment=data["deployment"], base_url=data["base_url"],
+                                          served_model=data["served_model"], name=data["name"], user=request.user)
+                return redirect("run-detail", run.pk)
+            except ServiceError as exc:
+                form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+    runs = BenchmarkRun.objects.select_related("deployment")[:200]
+    return render(request, "benchmarks/run_list.html", {"runs": runs, "form": form}, status=400 if form.errors else 200)
 
 
 def run_detail(request, pk):
     run = get_object_or_404(BenchmarkRun.objects.select_related("deployment"), pk=pk)
-    return render(request, "benchmarks/run_detail.html", {"run": run, "points": run.points.all()})
+    points = list(run.points.all())
+    return render(request, "benchmarks/run_detail.html", {
+        "run": run, "points": points, "initial": {"ticks": run.ticks, "points": [services.point_payload(p) for p in points]}})
+
+
+@require_POST
+@operator_required
+def run_cancel(request, pk):
+    try:
+        services.run_cancel(get_object_or_404(BenchmarkRun, pk=pk))
+        messages.success(request, "Cancelling; finished levels are kept.")
+    except ServiceError as exc:
+        messages.error(request, exc.message)
+    return redirect("run-detail", pk)
+
+
+def _ids(request) -> list[int]:
+    raw = request.GET.getlist("runs") or request.GET.get("ids", "").split(",")
+    return [int(x) for x in raw if str(x).isdigit()][:12]
+
+
+def compare(request):
+    runs = selectors.runs_with_points(_ids(request))
+    diff = selectors.environment_diff(runs[0], runs[1]) if len(runs) >= 2 else []
+    data = [{"id": r.pk, "name": r.name, "single_stream_tok_s": r.single_stream_tok_s,
+             "points": [services.point_payload(p) for p in r.points.all()]} for r in runs]
+    return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
+                                                       "ids": ",".join(str(r.pk) for r in runs)})
+
+
+def export(request, fmt, pk=None):
+    if fmt not in ("csv", "json"):
+        return HttpResponse("Export as .csv or .json.", status=404)
+    ids = [pk] if pk else _ids(request)
+    runs = selectors.runs_with_points(ids)
+    if fmt == "json":
+        response = HttpResponse(json.dumps(selectors.export_json(runs), cls=DjangoJSONEncoder, indent=1),
+                                content_type="application/json")
+    else:
+        response = HttpResponse(content_type="text/csv")
+        writer = csv.writer(response)
+        writer.writerow(selectors.CSV_COLUMNS)
+        writer.writerows(selectors.csv_rows(runs))
+    response["Content-Disposition"] = f'attachment; filename="benchmarks-{"-".join(map(str, ids))}.{fmt}"'
+    return response

@@ -34,6 +34,7 @@ class Agent:
         self._engines_at = -1e9
         self.minutes = history.MinuteAggregator()
         self._watch_state: dict = {}
+        self._metrics_state: dict = {}
         self._watched_at = -1e9
 
     def register(self) -> None:
@@ -80,6 +81,7 @@ class Agent:
         if now - self._watched_at >= WATCH_EVERY_S:
             self._watched_at = now
             services.deployments_watch(self.node_id, self._watch_state)
+            services.deployments_metrics(self.node_id, self._metrics_state)
         if now - self._last_heartbeat >= self.heartbeat_seconds:
             services.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
             self._last_heartbeat = now

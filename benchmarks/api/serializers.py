@@ -1,6 +1,8 @@
 from rest_framework import serializers
 
+from benchmarks import runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
+from deployments.models import Deployment
 
 
 class BenchmarkPointSerializer(serializers.ModelSerializer):
@@ -13,4 +15,41 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = BenchmarkRun
         fields = ["id", "name", "deployment", "base_url", "served_model", "params", "status", "error", "environment",
-                  "created", "started", "finished"]
+                  "warnings", "single_stream_tok_s", "created", "started", "finished"]
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        data["params"] = {k: v for k, v in data["params"].items() if k != "prompts"}  # uploaded prompts can be large
+        return data
+
+
+class RunRequestSerializer(serializers.Serializer):
+    """A sweep against a deployment (by id) or a URL; levels default to 1, 2, 4, … 1024."""
+
+    deployment = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all(), required=False, allow_null=True)
+    base_url = serializers.URLField(required=False, allow_blank=True, max_length=500)
+    served_model = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
+    name = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
+    levels = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=4096), min_length=1, max_length=20,
+                                   default=list(runner.DEFAULT_LEVELS))
+    endpoint = serializers.ChoiceField(choices=[runner.CHAT, runner.COMPLETIONS], default=runner.CHAT)
+    prompt_source = serializers.ChoiceField(choices=["builtin", "random", "jsonl"], default="random")
+    prompts_jsonl = serializers.CharField(required=False, allow_blank=True, max_length=20 * 2**20)
+    input_tokens = serializers.IntegerField(min_value=1, max_value=200_000, default=128)
+    max_tokens = serializers.IntegerField(min_value=1, max_value=200_000, default=128)
+    ignore_eos = serializers.BooleanField(default=True)
+    temperature = serializers.FloatField(min_value=0, max_value=2, default=0.0)
+    requests_per_user = serializers.IntegerField(min_value=1, max_value=1000, default=4)
+    min_requests = serializers.IntegerField(min_value=1, max_value=100_000, default=32)
+    warmup_per_user = serializers.IntegerField(min_value=0, max_value=100, default=1)
+
+    def validate(self, data):
+        if bool(data.get("deployment")) == bool(data.get("base_url")):
+            raise serializers.ValidationError({"deployment": ["Give a deployment or a base_url (not both)."]})
+        if data["prompt_source"] == "jsonl":
+            try:
+                data["prompts"] = runner.load_jsonl(data.get("prompts_jsonl") or "", data["endpoint"])
+            except runner.PromptError as exc:
+                raise serializers.ValidationError({"prompts_jsonl": [str(exc)]}) from exc
+        data.pop("prompts_jsonl", None)
+        return data

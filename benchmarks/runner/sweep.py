@@ -167,9 +167,17 @@ class Sweeper:
         spec, workers, cancelled = self.spec, self.workers, _as_check(cancel)
         requests, warmup = self._requests(concurrency)
         active = min(workers.count, spec.workers or auto_workers(concurrency), concurrency)
+        shares = [concurrency // active + (wid < concurrency % active) if wid < active else 0
+                  for wid in range(workers.count)]
+        # Requests follow the concurrency shares: request i goes to the owner of slot i % concurrency,
+        # so each worker's first requests (the warmup) fill exactly its own slots.
+        owners = [wid for _, wid in sorted((slot / share, wid) for wid, share in enumerate(shares)
+                                           for slot in range(share))]
+        parts = [[] for _ in range(workers.count)]
+        for request in requests:
+            parts[owners[request[0] % concurrency]].append(request)
         for wid in range(workers.count):
-            share = concurrency // active + (wid < concurrency % active) if wid < active else 0
-            workers.commands[wid].put(_Command(share, requests[wid::active] if wid < active else [], spec.tick_s))
+            workers.commands[wid].put(_Command(shares[wid], parts[wid], spec.tick_s))
         metrics_url = spec.metrics_url or self.target.root_url + "/metrics"
         sampler = Sampler(metrics_url, interval_s=spec.tick_s) if spec.scrape_metrics else None
         if sampler:

@@ -22,6 +22,7 @@ from deployments.services.models import model_copy_download
 
 log = logging.getLogger(__name__)
 __all__ = ["deployment_run", "deployment_halt", "deployment_follow", "deployment_persist_here", "deployments_watch",
+           "deployments_metrics",
            "deployments_reconcile", "node_engine_report", "PlanFailed"]
 S = Deployment.Status
 MEMORY_TIMEOUT_S = float(os.environ.get("DEPLOY_MEMORY_TIMEOUT", "180"))
@@ -405,6 +406,26 @@ def deployments_watch(node_id: int, state: dict) -> None:
         reason = "the engine process exited" if not alive else "/health failed 3 times in a row"
         _crashed(d, reason)
         state.pop(d.pk, None)
+
+
+def deployments_metrics(node_id: int, state: dict) -> None:
+    """Live engine figures for ready deployments, benchmark or not: generation tok/s from the rate of
+    vllm:generation_tokens_total, running and waiting requests, KV-cache use."""
+    for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
+        try:
+            m = openai.metrics(f"http://127.0.0.1:{d.port}", timeout=2.0)
+        except openai.OpenAIError:
+            continue
+        now, total = time.monotonic(), m.get("vllm:generation_tokens_total", 0.0)
+        before = state.get(d.pk)
+        state[d.pk] = (now, total)
+        if before is None or now <= before[0]:
+            continue
+        payload = {"id": d.pk, "name": d.name, "tok_s": max(0.0, (total - before[1]) / (now - before[0])),
+                   "running": m.get("vllm:num_requests_running"), "waiting": m.get("vllm:num_requests_waiting"),
+                   "kv_cache": m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc"))}
+        live.publish(live.deployment_topic(d.pk), "engine", payload)
+        live.publish(live.node_topic(node_id), f"engine.{d.pk}", payload)
 
 
 def _crashed(d: Deployment, reason: str) -> None:

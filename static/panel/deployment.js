@@ -35,6 +35,10 @@
       row.className = e.level;
       row.innerHTML = `<td>${esc(e.step)}</td><td>${new Date(e.started).toLocaleTimeString([], { hour12: false })}</td>` +
         `<td class="num">${e.duration != null ? e.duration.toFixed(1) + " s" : "…"}</td><td>${esc(e.message)}</td>`;
+    } else if (msg.kind === "engine") {
+      const e = msg.data;
+      $("engine-now").textContent = `${e.tok_s.toFixed(1)} tok/s · ${e.running ?? "?"} running, ${e.waiting ?? "?"} waiting` +
+        (e.kv_cache != null ? ` · KV cache ${(100 * e.kv_cache).toFixed(0)} %` : "");
     } else if (msg.kind === "log") {
       const atBottom = logEl.scrollTop + logEl.clientHeight >= logEl.scrollHeight - 20;
       logEl.textContent += (logEl.textContent ? "\n" : "") + msg.data.lines.join("\n");

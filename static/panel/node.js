@@ -104,6 +104,11 @@
   setInterval(setState, 1000);
 
   Live.subscribe("node:" + N.id, async (msg) => {
+    if (msg.kind.startsWith("engine.")) {
+      const el = document.querySelector(`[data-engine="${msg.data.id}"]`);
+      if (el) el.textContent = `${msg.data.tok_s.toFixed(1)} tok/s, ${msg.data.running ?? "?"} running`;
+      return;
+    }
     if (msg.kind !== "sample") return;
     if (msg.snapshot && lastT) {
       // (Re)connected: fetch what was missed while away before appending the live stream.

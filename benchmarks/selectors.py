@@ -1,0 +1,52 @@
+"""Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
+from benchmarks.models import BenchmarkRun
+
+CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_requests", "duration_s",
+               "request_throughput", "output_throughput", "total_token_throughput", "input_tokens", "output_tokens",
+               "reasoning_tokens", "content_tokens", "tok_s_per_user", "ttft_median_ms", "ttft_p99_ms",
+               "ttfc_median_ms", "tpot_median_ms", "itl_median_ms", "itl_per_token_median_ms", "e2e_median_ms"]
+
+
+def runs_with_points(ids) -> list[BenchmarkRun]:
+    return list(BenchmarkRun.objects.filter(pk__in=ids).select_related("deployment").prefetch_related("points").order_by("pk"))
+
+
+def csv_rows(runs):
+    for run in runs:
+        for p in run.points.all():
+            yield [run.pk, run.name, run.target, p.concurrency, p.num_requests, p.failed_requests, p.duration_s,
+                   p.request_throughput, p.output_throughput, p.total_token_throughput, p.input_tokens, p.output_tokens,
+                   p.reasoning_tokens, p.content_tokens, p.tok_s_per_user, p.ttft_ms.get("median"), p.ttft_ms.get("p99"),
+                   p.ttfc_ms.get("median"), p.tpot_ms.get("median"), p.itl_ms.get("median"),
+                   p.itl_per_token_ms.get("median"), p.e2e_ms.get("median")]
+
+
+def _flatten(env: dict, prefix: str = "") -> dict[str, str]:
+    flat = {}
+    for key, value in env.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        elif isinstance(value, list):
+            flat[name] = ", ".join(str(v.get("name", v)) if isinstance(v, dict) else str(v) for v in value)
+        else:
+            flat[name] = "" if value is None else str(value)
+    return flat
+
+
+def environment_diff(a: BenchmarkRun, b: BenchmarkRun) -> list[tuple[str, str, str]]:
+    """(setting, value in a, value in b) for every setting that differs: flags, env vars, engine, GPUs, model."""
+    fa, fb = _flatten(a.environment), _flatten(b.environment)
+    pa, pb = _flatten({"params": {k: v for k, v in a.params.items() if k != "prompts"}}), _flatten(
+        {"params": {k: v for k, v in b.params.items() if k != "prompts"}})
+    fa.update(pa)
+    fb.update(pb)
+    return [(key, fa.get(key, "—"), fb.get(key, "—")) for key in sorted(set(fa) | set(fb)) if fa.get(key) != fb.get(key)]
+
+
+def export_json(runs) -> list[dict]:
+    from benchmarks.services import point_payload
+
+    return [{"id": r.pk, "name": r.name, "target": r.target, "status": r.status, "params": {k: v for k, v in r.params.items() if k != "prompts"},
+             "environment": r.environment, "single_stream_tok_s": r.single_stream_tok_s, "warnings": r.warnings,
+             "started": r.started, "finished": r.finished, "points": [point_payload(p) for p in r.points.all()]} for r in runs]

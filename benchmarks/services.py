@@ -1,0 +1,204 @@
+"""Benchmark runs: create (validated, with an environment snapshot), execute next to the engine,
+cancel, and compare. The load generator itself is benchmarks/runner (no Django)."""
+import time
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.utils import timezone
+
+from benchmarks import runner
+from benchmarks.models import BenchmarkPoint, BenchmarkRun
+from deployments import live
+from deployments.models import Deployment, ModelCopy
+from deployments.services import ServiceError
+
+S = BenchmarkRun.Status
+DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS), "endpoint": runner.CHAT, "prompt_source": "builtin",
+            "input_tokens": 128, "max_tokens": 128, "ignore_eos": True, "temperature": 0.0,
+            "min_requests": 32, "requests_per_user": 4, "warmup_per_user": 1}
+TICK_KEEP = 20_000  # points of the tok/s-over-time chart kept per run
+CANCEL_CHECK_S = 0.5
+
+
+@dataclass
+class RunTarget:
+    """Where the load goes and who sends it: the node next to the engine, or the control worker."""
+
+    base_url: str
+    model: str
+    queue: str
+
+
+def run_target(run: BenchmarkRun) -> RunTarget:
+    if run.deployment_id:
+        d = run.deployment
+        # The node's agent runs the load next to the engine, on loopback.
+        return RunTarget(f"http://127.0.0.1:{d.port}", run.served_model, d.node.queue)
+    return RunTarget(run.base_url, run.served_model, "control")
+
+
+def environment_of(d: Deployment) -> dict:
+    """What the numbers depend on: model, engine and its flags, environment, GPUs, node."""
+    copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
+    return {
+        "deployment": d.name, "model": str(d.model), "model_commit": d.model.commit, "node": d.node.name,
+        "engine_version": d.node.engine_version, "engine_args": d.engine_args, "env": d.env,
+        "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total} for g in d.gpus.all()],
+        "model_path": copy.path if copy else "",
+    }
+
+
+def _warnings(params: dict, d: Deployment | None) -> list[str]:
+    warnings = []
+    if d and d.engine_args.get("max-num-seqs"):
+        limit = int(d.engine_args["max-num-seqs"])
+        above = [c for c in params["levels"] if c > limit]
+        if above:
+            warnings.append(f"The engine's --max-num-seqs is {limit}: at concurrency {', '.join(map(str, above))} "
+                            "requests queue in the engine, so those levels measure queueing too.")
+    return warnings
+
+
+@transaction.atomic
+def run_create(*, params: dict, deployment: Deployment | None = None, base_url: str = "", served_model: str = "",
+               name: str = "", user=None) -> BenchmarkRun:
+    """Create a sweep and queue it: on the deployment's node, or on the control worker for a URL."""
+    from benchmarks import tasks
+
+    if bool(deployment) == bool(base_url):
+        raise ServiceError("Benchmark either a deployment or a URL.", field="deployment")
+    if deployment and deployment.status != Deployment.Status.READY:
+        raise ServiceError(f"{deployment.name} is {deployment.get_status_display().lower()}, not ready.",
+                           field="deployment", code="not_running")
+    busy = BenchmarkRun.objects.filter(deployment=deployment, status__in=BenchmarkRun.ACTIVE) if deployment else None
+    if busy is not None and busy.exists():
+        raise ServiceError(f"Run {busy.first().pk} is already measuring {deployment.name}; wait or cancel it.",
+                           field="deployment", code="busy")
+    params = {**DEFAULTS, **params}
+    params["levels"] = sorted({int(c) for c in params["levels"]})
+    run = BenchmarkRun.objects.create(
+        name=name or f"{deployment.name if deployment else base_url} {timezone.now():%Y-%m-%d %H:%M}",
+        deployment=deployment, base_url=base_url, params=params, created_by=user,
+        served_model=served_model or (deployment.served_model_name if deployment else ""),
+        environment=environment_of(deployment) if deployment else {"base_url": base_url, "model": served_model},
+        warnings=_warnings(params, deployment))
+    target = run_target(run)
+    transaction.on_commit(lambda: tasks.run_execute.apply_async(args=[run.pk], queue=target.queue))
+    return run
+
+
+def run_cancel(run: BenchmarkRun) -> BenchmarkRun:
+    """Stop a run: finished levels stay; a queued run never starts."""
+    with transaction.atomic():
+        run = BenchmarkRun.objects.select_for_update().get(pk=run.pk)
+        if run.status not in BenchmarkRun.ACTIVE:
+            raise ServiceError(f"Run {run.pk} is {run.get_status_display().lower()}.", code="not_running")
+        run.cancel_requested = True
+        if run.status == S.QUEUED:
+            run.transition(S.CANCELLED)
+            run.finished = timezone.now()
+        run.save()
+    _publish_status(run)
+    return run
+
+
+def _publish_status(run: BenchmarkRun) -> None:
+    live.publish(live.run_topic(run.pk), "status", {
+        "status": run.status, "status_display": run.get_status_display(), "error": run.error,
+        "single_stream_tok_s": run.single_stream_tok_s, "warnings": run.warnings})
+
+
+def point_payload(p: BenchmarkPoint) -> dict:
+    return {"concurrency": p.concurrency, "output_throughput": p.output_throughput,
+            "total_token_throughput": p.total_token_throughput, "request_throughput": p.request_throughput,
+            "ttft_ms": p.ttft_ms, "ttfc_ms": p.ttfc_ms, "tpot_ms": p.tpot_ms, "itl_ms": p.itl_ms,
+            "itl_per_token_ms": p.itl_per_token_ms, "e2e_ms": p.e2e_ms, "tok_s_per_user": p.tok_s_per_user,
+            "reasoning_tokens": p.reasoning_tokens, "content_tokens": p.content_tokens, "output_tokens": p.output_tokens,
+            "num_requests": p.num_requests, "failed_requests": p.failed_requests, "server_metrics": p.server_metrics}
+
+
+def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
+    values = level.to_dict()
+    fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
+    point, _ = BenchmarkPoint.objects.update_or_create(
+        run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
+    live.publish(live.run_topic(run.pk), f"point.{level.concurrency}", point_payload(point))
+    waiting = (level.server_metrics or {}).get("num_requests_waiting", {}).get("max", 0)
+    if waiting > 0:
+        run.warnings.append(f"At concurrency {level.concurrency} up to {waiting:.0f} requests waited in the engine's "
+                            "queue (its max-num-seqs or KV cache was the limit).")
+    return point
+
+
+def run_execute(run_id: int) -> BenchmarkRun:
+    """Run the sweep where the task landed; each level's point and the tok/s ticks go live."""
+    run = BenchmarkRun.objects.select_related("deployment", "deployment__node").get(pk=run_id)
+    if run.status != S.QUEUED or run.cancel_requested:
+        return run
+    target = run_target(run)
+    run.transition(S.RUNNING)
+    run.started = timezone.now()
+    run.save()
+    _publish_status(run)
+    started = time.monotonic()
+    state = {"checked": 0.0, "cancel": False, "saved": 0.0}
+
+    def cancelled() -> bool:
+        now = time.monotonic()
+        if now - state["checked"] >= CANCEL_CHECK_S:
+            state["checked"] = now
+            state["cancel"] = BenchmarkRun.objects.filter(pk=run.pk, cancel_requested=True).exists()
+        return state["cancel"]
+
+    def on_tick(tick: runner.Tick) -> None:
+        point = [round(time.monotonic() - started, 2), tick.concurrency, round(tick.tok_s, 1)]
+        run.ticks = (run.ticks + [point])[-TICK_KEEP:]
+        live.publish(live.run_topic(run.pk), "tick", {"t": point[0], "concurrency": tick.concurrency, "tok_s": tick.tok_s,
+                                                      "in_flight": tick.in_flight, "completed": tick.completed,
+                                                      "failed": tick.failed, "server": tick.server}, keep=False)
+        if point[0] - state["saved"] >= 5:
+            state["saved"] = point[0]
+            BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks)
+
+    def on_level(level: runner.LevelResult) -> None:
+        _save_point(run, level)
+        BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks, warnings=run.warnings)
+        _publish_status(run)
+
+    try:
+        model = target.model or _served_model(target.base_url)
+        if model != run.served_model:
+            run.served_model = model
+            BenchmarkRun.objects.filter(pk=run.pk).update(served_model=model)
+        spec = runner.LoadSpec(base_url=target.base_url, model=model, **_spec_params(run.params))
+        result = runner.sweep(spec, on_level=on_level, on_tick=on_tick, cancel=cancelled)
+        run.refresh_from_db(fields=["warnings"])
+        run.single_stream_tok_s = result.single_stream_tok_s
+        run.transition(S.CANCELLED if result.cancelled else S.DONE)
+    except (runner.RunnerError, ServiceError) as exc:
+        run.refresh_from_db(fields=["warnings"])
+        run.transition(S.FAILED, getattr(exc, "message", None) or str(exc))
+    run.finished = timezone.now()
+    run.save()
+    _publish_status(run)
+    return run
+
+
+def _spec_params(params: dict) -> dict:
+    keys = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
+            "min_requests", "requests_per_user", "warmup_per_user")
+    spec = {k: params[k] for k in keys if k in params}
+    spec["levels"] = tuple(params["levels"])
+    return spec
+
+
+def _served_model(base_url: str) -> str:
+    from deployments.host import openai
+
+    try:
+        models = openai.served_models(base_url)
+    except openai.OpenAIError as exc:
+        raise ServiceError(f"Cannot list the server's models: {exc}") from exc
+    if not models:
+        raise ServiceError("The server serves no model.")
+    return models[0]

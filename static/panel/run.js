@@ -1,0 +1,64 @@
+// Run page: tok/s over time and each finished level, live; charts rebuilt from a snapshot on reconnect.
+(function () {
+  const R = window.RUN;
+  const initial = JSON.parse(document.getElementById("initial").textContent);
+  const ticks = initial.ticks.map(([t, c, v]) => ({ t, c, v }));
+  const points = new Map(initial.points.map((p) => [p.concurrency, p]));
+  const fmt = (v, d = 1) => (v == null ? "—" : Number(v).toFixed(d));
+  const width = (el) => Math.max(300, el.clientWidth);
+
+  const tickEl = document.getElementById("chart-ticks");
+  const tickChart = new uPlot({ width: width(tickEl), height: 220, scales: { x: { time: false } },
+    series: [{ label: "s" }, { label: "tok/s", stroke: "#2563eb", width: 1.5 }], axes: [{ label: "seconds" }, { size: 60 }] },
+    [[], []], tickEl);
+  const scaleEl = document.getElementById("chart-scaling");
+  const scaleChart = new uPlot({ width: width(scaleEl), height: 220, scales: { x: { time: false, distr: 3 } },
+    series: [{ label: "concurrency" }, { label: "output tok/s", stroke: "#16a34a", width: 2, points: { size: 6 } }],
+    axes: [{ label: "concurrency" }, { size: 60 }] }, [[], []], scaleEl);
+  const ttftEl = document.getElementById("chart-ttft");
+  const ttftChart = new uPlot({ width: width(ttftEl), height: 220, scales: { x: { time: false, distr: 3 } },
+    series: [{ label: "concurrency" }, { label: "TTFT median ms", stroke: "#d97706", width: 2, points: { size: 6 } }],
+    axes: [{ label: "concurrency" }, { size: 60 }] }, [[], []], ttftEl);
+  window.runCharts = { ticks: tickChart, scaling: scaleChart, ttft: ttftChart };
+
+  function drawTicks() { tickChart.setData([ticks.map((x) => x.t), ticks.map((x) => x.v)]); }
+  function drawPoints() {
+    const ps = [...points.values()].sort((a, b) => a.concurrency - b.concurrency);
+    scaleChart.setData([ps.map((p) => p.concurrency), ps.map((p) => p.output_throughput)]);
+    ttftChart.setData([ps.map((p) => p.concurrency), ps.map((p) => p.ttft_ms.median)]);
+    document.querySelector("#points tbody").innerHTML = ps.map((p) => {
+      const s = p.server_metrics || {};
+      const gauge = (k) => (s[k] ? fmt(s[k].max, 0) : "—");
+      return `<tr data-concurrency="${p.concurrency}"><td class="num">${p.concurrency}</td><td class="num">${fmt(p.output_throughput)}</td>` +
+        `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
+        `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt(p.ttfc_ms.median)}</td>` +
+        `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
+        `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
+        `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td></tr>`;
+    }).join("");
+  }
+  drawTicks();
+  drawPoints();
+
+  Live.subscribe("run:" + R.id, (msg) => {
+    if (msg.kind === "tick") {
+      const d = msg.data;
+      if (!ticks.length || d.t > ticks[ticks.length - 1].t) ticks.push({ t: d.t, c: d.concurrency, v: d.tok_s });
+      drawTicks();
+      const server = d.server && d.server.generation_tok_s != null ? ` · engine ${fmt(d.server.generation_tok_s)} tok/s` : "";
+      document.getElementById("now").textContent = `concurrency ${d.concurrency}: ${fmt(d.tok_s)} tok/s, ${d.in_flight} in flight, ${d.completed} done${server}`;
+    } else if (msg.kind.startsWith("point.")) {
+      points.set(msg.data.concurrency, msg.data);
+      drawPoints();
+    } else if (msg.kind === "status") {
+      const s = msg.data;
+      const badge = document.getElementById("run-status");
+      badge.textContent = s.status_display;
+      badge.className = "badge " + s.status;
+      document.getElementById("run-error").textContent = s.error || "";
+      if (s.single_stream_tok_s != null) document.getElementById("single-stream").textContent = fmt(s.single_stream_tok_s) + " tok/s";
+      document.getElementById("warnings").innerHTML = (s.warnings || []).map((w) => `<li>${w.replace(/[&<>]/g, "")}</li>`).join("");
+      if (["done", "failed", "cancelled"].includes(s.status)) document.getElementById("cancel")?.remove();
+    }
+  });
+})();
