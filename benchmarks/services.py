@@ -161,6 +161,8 @@ def run_execute(run_id: int) -> BenchmarkRun:
             BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks)
 
     def on_level(level: runner.LevelResult) -> None:
+        if level.cancelled:
+            return  # a level cut short is not a measurement
         _save_point(run, level)
         BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks, warnings=run.warnings)
         _publish_status(run)

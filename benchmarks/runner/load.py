@@ -3,7 +3,7 @@ import asyncio
 import time
 
 from .spec import RequestRecord
-from .stream import Connection, Counters, open_connection
+from .stream import Connection, Counters, open_connection, tls_context
 
 CONNECT_PARALLELISM = 64  # connection attempts at once; a burst of 1024 SYNs overflows accept queues
 CANCEL_POLL_S = 0.02
@@ -13,7 +13,8 @@ class Pool:
     """Idle keep-alive connections to one server."""
 
     def __init__(self, target, verify_tls: bool, counters: Counters):
-        self.target, self.verify_tls, self.counters = target, verify_tls, counters
+        self.target, self.counters = target, counters
+        self.tls = tls_context(verify_tls) if target.tls else None
         self.idle: list[Connection] = []
         self._connecting = asyncio.Semaphore(CONNECT_PARALLELISM)
 
@@ -26,8 +27,7 @@ class Pool:
 
     async def connect(self) -> Connection:
         async with self._connecting:
-            return await open_connection(self.target.host, self.target.port, self.target.tls,
-                                         self.verify_tls, self.counters)
+            return await open_connection(self.target.host, self.target.port, self.tls, self.counters)
 
     def close(self):
         for conn in self.idle:

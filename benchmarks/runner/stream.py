@@ -78,7 +78,7 @@ class Connection(asyncio.Protocol):
         if self.record is None:
             self.transport.abort()  # nothing was asked: the connection is no longer trustworthy
             return
-        if self._state == SIZE and not self._buf and not self._sse:
+        if self._state == SIZE and self._status == 200 and not self._buf and not self._sse:
             pos = self._fast(data, 0, t)
             if pos == len(data):
                 return
@@ -198,7 +198,7 @@ class Connection(asyncio.Protocol):
                 pos += 2
                 self._state = SIZE
             elif state == SIZE:
-                if not self._sse:
+                if self._status == 200 and not self._sse:
                     pos = self._fast(buf, pos, t)
                     if pos >= end:
                         break
@@ -250,18 +250,22 @@ class Connection(asyncio.Protocol):
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
             self.fail(f"not an HTTP/1.x response: {lines[0][:80]!r}")
             return False
-        self._status = int(parts[1])
         self._keep_alive = parts[0] != b"HTTP/1.0"
         chunked, length = False, None
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif name == b"content-length":
-                length = int(value)
-            elif name == b"connection":
-                self._keep_alive = b"close" not in value.lower()
+        try:
+            self._status = int(parts[1])
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"transfer-encoding":
+                    chunked = b"chunked" in value.lower()
+                elif name == b"content-length":
+                    length = int(value)
+                elif name == b"connection":
+                    self._keep_alive = b"close" not in value.lower()
+        except ValueError:
+            self.fail(f"malformed HTTP response head: {head[:200]!r}")
+            return False
         if chunked:
             self._state = SIZE
         elif length is not None:
@@ -360,15 +364,18 @@ def _error_message(body: str) -> str:
     return body.strip()[:500]
 
 
-async def open_connection(host: str, port: int, tls: bool, verify_tls: bool, counters: Counters,
+def tls_context(verify: bool) -> ssl.SSLContext:
+    """One per pool: building a context loads the CA bundle, far too slow to do per connection."""
+    context = ssl.create_default_context()
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+async def open_connection(host: str, port: int, context: ssl.SSLContext | None, counters: Counters,
                           timeout_s: float = 30.0) -> Connection:
     """A new connection; raises OSError (or asyncio.TimeoutError) when the server can't be reached."""
-    context = None
-    if tls:
-        context = ssl.create_default_context()
-        if not verify_tls:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
     loop = asyncio.get_running_loop()
     _, conn = await asyncio.wait_for(
         loop.create_connection(lambda: Connection(counters), host, port, ssl=context), timeout_s)

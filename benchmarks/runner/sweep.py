@@ -65,10 +65,12 @@ def _raise_fd_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _worker_main(wid, spec, commands, results, barrier, cancel_event):
+def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_process=True):
     """A measuring process (or thread): runs each level's share of requests on its own loop."""
-    _raise_fd_limit()
-    gc.disable()  # a collection pauses the loop and delays timestamps; collect between levels instead
+    parent = os.getppid()
+    if own_process:
+        _raise_fd_limit()
+        gc.disable()  # a collection pauses the loop and delays timestamps; collect between levels instead
     loop = _new_loop()
     asyncio.set_event_loop(loop)
     pool = Pool(Target(spec), spec.verify_tls, Counters())
@@ -78,7 +80,12 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event):
 
     try:
         while True:
-            command = commands.get()
+            try:
+                command = commands.get(timeout=1.0)
+            except queue.Empty:
+                if own_process and os.getppid() != parent:
+                    return  # the coordinator died without saying goodbye
+                continue
             if command is None:
                 return
             try:
@@ -90,7 +97,8 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event):
                 results.put(("done", wid, records, cancelled))
             except Exception:
                 results.put(("error", wid, traceback.format_exc()))
-            gc.collect()
+            if own_process:
+                gc.collect()
     finally:
         pool.close()
         loop.run_until_complete(asyncio.sleep(0))
@@ -116,7 +124,7 @@ class Workers:
         self.cancel = (ctx.Event if processes else threading.Event)()
         kind = ctx.Process if processes else threading.Thread
         self.members = [kind(target=_worker_main, name=f"bench-worker-{wid}", daemon=True,
-                             args=(wid, spec, self.commands[wid], self.results, self.barrier, self.cancel))
+                             args=(wid, spec, self.commands[wid], self.results, self.barrier, self.cancel, processes))
                         for wid in range(self.count)]
         for member in self.members:
             member.start()
@@ -127,13 +135,19 @@ class Workers:
                 raise RunnerError(f"measuring worker {member.name} died (exit code {getattr(member, 'exitcode', '?')})")
 
     def close(self):
+        """Say goodbye; a worker still busy is given 10 s, then terminated."""
         for commands in self.commands:
             commands.put(None)
+        deadline = time.monotonic() + 10
+        while any(m.is_alive() for m in self.members) and time.monotonic() < deadline:
+            try:  # a process exits only once what it queued has been read
+                self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
         for member in self.members:
-            member.join(10)
             if member.is_alive() and hasattr(member, "terminate"):
                 member.terminate()
-                member.join(5)
+            member.join(5)
 
 
 class Sweeper:
@@ -169,15 +183,8 @@ class Sweeper:
         active = min(workers.count, spec.workers or auto_workers(concurrency), concurrency)
         shares = [concurrency // active + (wid < concurrency % active) if wid < active else 0
                   for wid in range(workers.count)]
-        # Requests follow the concurrency shares: request i goes to the owner of slot i % concurrency,
-        # so each worker's first requests (the warmup) fill exactly its own slots.
-        owners = [wid for _, wid in sorted((slot / share, wid) for wid, share in enumerate(shares)
-                                           for slot in range(share))]
-        parts = [[] for _ in range(workers.count)]
-        for request in requests:
-            parts[owners[request[0] % concurrency]].append(request)
-        for wid in range(workers.count):
-            workers.commands[wid].put(_Command(shares[wid], parts[wid], spec.tick_s))
+        for wid, part in enumerate(_split(requests, shares)):
+            workers.commands[wid].put(_Command(shares[wid], part, spec.tick_s))
         metrics_url = spec.metrics_url or self.target.root_url + "/metrics"
         sampler = Sampler(metrics_url, interval_s=spec.tick_s) if spec.scrape_metrics else None
         if sampler:
@@ -187,6 +194,9 @@ class Sweeper:
             records, was_cancelled, peak = self._collect(concurrency, on_tick, cancelled, sampler)
         except threading.BrokenBarrierError:
             raise RunnerError("measuring workers did not start in time") from None
+        except BaseException:
+            workers.cancel.set()  # a failing callback, Ctrl-C, ...: stop the requests in flight too
+            raise
         finally:
             if sampler:
                 sampler.__exit__(None, None, None)
@@ -244,6 +254,17 @@ class Sweeper:
         return Tick(concurrency=concurrency, elapsed_s=elapsed, tok_s=chunks * tokens_per_chunk / window,
                     chunks_s=chunks / window, in_flight=totals[5], completed=totals[3] - base[3],
                     failed=totals[4] - base[4], server=sampler.latest() if sampler else None)
+
+
+def _split(requests: list, shares: list[int]) -> list[list]:
+    """Requests follow the concurrency shares: request i goes to the owner of slot i % concurrency,
+    so each worker's first requests (the warmup) fill exactly its own slots."""
+    owners = [wid for _, wid in sorted((slot / share, wid) for wid, share in enumerate(shares)
+                                       for slot in range(share))]
+    parts = [[] for _ in shares]
+    for request in requests:
+        parts[owners[request[0] % len(owners)]].append(request)
+    return parts
 
 
 def run_level(spec: LoadSpec, concurrency: int, on_tick=None, cancel=None) -> LevelResult:

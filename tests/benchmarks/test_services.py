@@ -1,0 +1,132 @@
+"""Benchmark runs: validation, routing, environment snapshots, and a real sweep against a server
+with a known schedule (tests/schedserver.py) stored level by level."""
+from unittest import mock
+
+import pytest
+from rest_framework.test import APIClient
+
+from benchmarks import runner, services
+from benchmarks.models import BenchmarkRun
+from deployments.services import ServiceError
+from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory, DeploymentFactory, GpuFactory, NodeFactory
+from tests.schedserver import SchedServer
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def queued():
+    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True) as apply_async:
+        yield apply_async
+
+
+@pytest.fixture
+def ready():
+    node = NodeFactory(name="gpu-01", engine_version="0.32.0")
+    GpuFactory(node=node, index=0, name="NVIDIA H200")
+    d = DeploymentFactory(node=node, status="ready", port=8123, engine_args={"max-num-seqs": 64, "tensor-parallel-size": 1},
+                          env={"NCCL_PROTO": "LL"})
+    d.gpus.set(node.gpus.all())
+    return d
+
+
+def test_a_run_on_a_deployment_goes_to_its_node_with_an_environment_snapshot(ready, queued, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        run = services.run_create(deployment=ready, params={"levels": [1, 8, 128]})
+    assert queued.call_args.kwargs == {"args": [run.pk], "queue": "node.gpu-01"}
+    env = run.environment
+    assert env["engine_version"] == "0.32.0" and env["env"] == {"NCCL_PROTO": "LL"}
+    assert env["engine_args"]["max-num-seqs"] == 64 and env["gpus"][0]["name"] == "NVIDIA H200"
+    assert run.warnings == ["The engine's --max-num-seqs is 64: at concurrency 128 requests queue in the engine, "
+                            "so those levels measure queueing too."]
+
+
+def test_a_run_on_a_url_goes_to_the_control_worker(queued, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        run = services.run_create(base_url="http://10.0.0.5:8000", served_model="m", params={})
+    assert queued.call_args.kwargs["queue"] == "control"
+    assert run.params["levels"] == list(runner.DEFAULT_LEVELS)
+
+
+def test_a_deployment_that_is_not_ready_or_already_measured_is_refused(ready, queued):
+    ready.status = "loading"
+    ready.save()
+    with pytest.raises(ServiceError, match="is loading, not ready"):
+        services.run_create(deployment=ready, params={})
+    ready.status = "ready"
+    ready.save()
+    services.run_create(deployment=ready, params={})
+    with pytest.raises(ServiceError, match="already measuring") as exc:
+        services.run_create(deployment=ready, params={})
+    assert exc.value.code == "busy"
+
+
+def test_a_real_sweep_stores_each_level_with_the_schedules_figures():
+    with SchedServer(ttft_ms=40, gap_ms=5, tokens_per_chunk=2, reasoning_tokens=4) as server:
+        run = BenchmarkRun.objects.create(base_url=server.base_url, params={
+            **services.DEFAULTS, "levels": [1, 4], "max_tokens": 16, "min_requests": 8, "requests_per_user": 2})
+        with mock.patch("deployments.live.publish", autospec=True) as publish:
+            services.run_execute(run.pk)
+    run.refresh_from_db()
+    assert run.status == "done", run.error
+    points = list(run.points.all())
+    assert [p.concurrency for p in points] == [1, 4]
+    for p in points:
+        assert 38 <= p.ttft_ms["median"] <= 60
+        assert p.output_tokens == 16 * p.num_requests and p.reasoning_tokens == 4 * p.num_requests
+        assert p.content_tokens == 12 * p.num_requests and p.failed_requests == 0
+    assert run.single_stream_tok_s == pytest.approx(points[0].tok_s_per_user)
+    kinds = {call.args[1] for call in publish.call_args_list}
+    assert {"status", "point.1", "point.4", "tick"} <= kinds
+    assert run.ticks and run.served_model  # first model the server lists
+
+
+def test_a_cancelled_run_keeps_its_finished_levels():
+    with SchedServer(ttft_ms=10, gap_ms=50) as server:
+        run = BenchmarkRun.objects.create(base_url=server.base_url, params={
+            **services.DEFAULTS, "levels": [1, 2], "max_tokens": 8, "min_requests": 4, "requests_per_user": 1})
+
+        def cancel_after_first(level):
+            BenchmarkRun.objects.filter(pk=run.pk).update(cancel_requested=True)
+
+        with mock.patch("deployments.live.publish", autospec=True), \
+             mock.patch("benchmarks.services._publish_status", autospec=True) as status:
+            status.side_effect = lambda r: cancel_after_first(None) if r.points.exists() else None
+            services.run_execute(run.pk)
+    run.refresh_from_db()
+    assert run.status == "cancelled" and [p.concurrency for p in run.points.all()] == [1]
+
+
+def test_an_unreachable_server_fails_the_run_with_a_clear_message():
+    run = BenchmarkRun.objects.create(base_url="http://127.0.0.1:9", served_model="m", params={**services.DEFAULTS, "levels": [1]})
+    with mock.patch("deployments.live.publish", autospec=True):
+        services.run_execute(run.pk)
+    run.refresh_from_db()
+    assert run.status == "failed" and "connect" in run.error
+
+
+def test_compare_and_export_show_what_changed(viewer_client):
+    a = BenchmarkRunFactory(environment={"engine_args": {"tensor-parallel-size": 8}, "env": {"NCCL_PROTO": "Simple"}})
+    b = BenchmarkRunFactory(environment={"engine_args": {"tensor-parallel-size": 8}, "env": {"NCCL_PROTO": "LL"}})
+    BenchmarkPointFactory(run=a, concurrency=1, output_throughput=81.0)
+    BenchmarkPointFactory(run=b, concurrency=1, output_throughput=61.0)
+    page = viewer_client.get(f"/benchmarks/compare/?runs={a.pk}&runs={b.pk}").content.decode()
+    assert "<code>env.NCCL_PROTO</code></td><td>Simple</td><td>LL</td>" in page
+    csv_text = viewer_client.get(f"/benchmarks/export.csv?ids={a.pk},{b.pk}").content.decode()
+    assert csv_text.splitlines()[0].startswith("run,name,target,concurrency") and ",81.0," in csv_text and ",61.0," in csv_text
+    exported = viewer_client.get(f"/benchmarks/{a.pk}/export.json").json()
+    assert exported[0]["points"][0]["output_throughput"] == 81.0
+
+
+def test_the_api_starts_compares_and_exports(operator, queued):
+    api = APIClient()
+    api.force_authenticate(operator)
+    response = api.post("/api/runs/", {"base_url": "http://10.1.1.1:8000", "levels": [1, 4, 16]}, format="json")
+    assert response.status_code == 202 and response.json()["params"]["levels"] == [1, 4, 16]
+    bad = api.post("/api/runs/", {"base_url": "http://10.1.1.2:8000", "prompt_source": "jsonl", "prompts_jsonl": "not json"}, format="json")
+    assert bad.status_code == 400 and "line 1: not valid JSON" in bad.json()["error"]["fields"]["prompts_jsonl"][0]
+    assert api.post("/api/runs/", {"levels": [1]}, format="json").status_code == 400
+    run = BenchmarkRun.objects.get()
+    assert api.post(f"/api/runs/{run.pk}/cancel/").json()["status"] == "cancelled"
+    assert api.get(f"/api/runs/compare/?ids={run.pk}").json()["runs"][0]["id"] == run.pk
+    assert api.get(f"/api/runs/export/?ids={run.pk}&as=csv").content.decode().startswith("run,name")
