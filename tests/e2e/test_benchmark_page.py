@@ -1,0 +1,51 @@
+"""A sweep in a real browser: a control-plane Celery worker runs it against an OpenAI-compatible
+server with a known schedule, and the run page's charts grow live, level by level."""
+import re
+import sys
+
+import pytest
+from playwright.sync_api import expect
+
+from benchmarks.models import BenchmarkRun
+from tests.conftest import wait_until
+from tests.schedserver import SchedServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def control_worker(process_env, spawn, unique):
+    argv = [sys.executable, "-m", "celery", "-A", "controlpanel", "worker", "-Q", "control", "-n", f"control-{unique}@%h",
+            "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO"]
+    return spawn(argv, process_env, name="control-worker")
+
+
+def test_a_sweep_started_in_the_browser_grows_its_charts_live(logged_in_page, control_worker):
+    page = logged_in_page
+    # 40 ms to the first token, then 20 ms per token: each level lasts a few seconds.
+    with SchedServer(ttft_ms=40, gap_ms=20, reasoning_tokens=8) as server:
+        page.goto(f"{page.base_url}/benchmarks/")
+        page.fill("#id_base_url", server.base_url)
+        page.fill("#id_levels", "1,4,16")
+        page.fill("#id_max_tokens", "48")
+        page.fill("#id_requests_per_user", "2")
+        page.click("#run-form button[type=submit]")
+        expect(page.locator("h1")).to_contain_text("http://127.0.0.1")
+        run = BenchmarkRun.objects.latest("pk")
+        ticks = lambda: page.evaluate("window.runCharts.ticks.data[0].length")  # noqa: E731
+        levels = lambda: page.evaluate("window.runCharts.scaling.data[0].length")  # noqa: E731
+        wait_until(lambda: ticks() >= 3, timeout=60, message="tok/s ticks on the chart")
+        first = ticks()
+        wait_until(lambda: levels() >= 1, timeout=60, message="the first level's point")
+        wait_until(lambda: ticks() > first, timeout=60, message="more ticks while the run goes on")
+        expect(page.locator("#run-status")).to_have_text("Done", timeout=120_000)
+        assert levels() == 3
+        assert page.evaluate("window.runCharts.scaling.data[0]") == [1, 4, 16]
+        row = page.locator('#points tr[data-concurrency="1"]')
+        # 32 requests at c=1 (the minimum per level), 8 reasoning and 40 content tokens each;
+        # the first content token comes 40 ms + 8 × 20 ms after the request.
+        expect(row).to_contain_text("256 / 1280")
+        expect(row.locator("td").nth(5)).to_have_text(re.compile(r"^(199\.[5-9]|20[0-3]\.\d)$"))
+        expect(page.locator("#single-stream")).to_contain_text("tok/s")
+    run.refresh_from_db()
+    assert run.status == "done" and run.single_stream_tok_s > 0
