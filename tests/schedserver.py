@@ -1,11 +1,14 @@
 """A punctual OpenAI-compatible SSE server whose every chunk leaves on a known schedule.
 
-Each streamed request: a role-only chunk at once, the first token chunk TTFT after the request
-was read, then one chunk every gap carrying k tokens (the first r tokens as `reasoning`, then
-`content`), the usage chunk and [DONE] right after the last token chunk.
+Each streamed request: a role-only chunk at once (or with the first token, like vLLM), the first
+token chunk TTFT after the request's bytes arrived, then one chunk every gap carrying k tokens
+(the first r tokens as `reasoning`, then `content`), the usage chunk and [DONE] right after the
+last token chunk. Every chunk is written against an absolute deadline by one scheduler; /stats
+reports how late the writes were and the TTFT and ITL the server actually delivered (the truth
+a client's measurement is compared with). Also /v1/models, /metrics (vllm: names) and /health.
 
     with SchedServer(ttft_ms=50, gap_ms=10) as server: ... server.base_url ...
-    python tests/schedserver.py --port 8100 --ttft-ms 50 --gap-ms 10 --tokens-per-chunk 1
+    taskset -c 0 python tests/schedserver.py --port 8100 --ttft-ms 50 --gap-ms 10 --tokens-per-chunk 1
 """
 import argparse
 import asyncio

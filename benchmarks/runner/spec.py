@@ -127,7 +127,7 @@ class LevelResult:
     itl_ms: dict = field(default_factory=dict)
     e2e_ms: dict = field(default_factory=dict)
     # Ours, not in vllm bench serve.
-    ttfc_ms: dict = field(default_factory=dict)
+    ttfc_ms: dict = field(default_factory=dict)  # {} when no request produced content (all reasoning)
     itl_per_token_ms: dict = field(default_factory=dict)
     reasoning_tokens: int = 0
     content_tokens: int = 0

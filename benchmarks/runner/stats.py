@@ -50,11 +50,12 @@ def per_token_gaps(record: RequestRecord, counts: list[float]) -> list[float]:
 
 def reasoning_split(record: RequestRecord, counts: list[float], exact_counts: bool) -> tuple[int, int, str]:
     """(reasoning, content) tokens and where the split came from: usage, per-chunk usage, or chunk counts."""
-    out = record.output_tokens
-    if record.reasoning_tokens is not None:
+    out, kinds = record.output_tokens, record.chunk_kinds
+    # vLLM 0.32 with --reasoning-parser deepseek_r1 reports reasoning_tokens 0 for a stream of
+    # nothing but reasoning deltas: a zero contradicted by the chunks is not believed.
+    if record.reasoning_tokens is not None and (record.reasoning_tokens or b"r" not in kinds):
         reasoning = min(out, record.reasoning_tokens)
         return reasoning, out - reasoning, "usage"
-    kinds = record.chunk_kinds
     if not kinds:
         return 0, out, "none"
     if exact_counts:
@@ -101,7 +102,7 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
         sources.add(source)
         result.input_tokens += r.prompt_tokens
         result.output_tokens += r.output_tokens
-    result.ttft_ms, result.ttfc_ms = distribution(ttfts), distribution(ttfcs)
+    result.ttft_ms, result.ttfc_ms = distribution(ttfts), distribution(ttfcs) if ttfcs else {}
     result.tpot_ms, result.itl_ms = distribution(tpots), distribution(itls)
     result.itl_per_token_ms, result.e2e_ms = distribution(itls_token), distribution(e2es)
     result.tok_s_per_user = math.fsum(per_user) / len(per_user) if per_user else 0.0

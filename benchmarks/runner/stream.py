@@ -344,8 +344,8 @@ class Connection(asyncio.Protocol):
             details = usage.get("completion_tokens_details") or {}
             if isinstance(details, dict) and details.get("reasoning_tokens") is not None:
                 record.reasoning_tokens = int(details["reasoning_tokens"])
-        elif isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-            self._cum_tokens = int(usage["completion_tokens"])
+        # Usage on a chunk without text (vLLM sends `"reasoning": ""` for a token that ends inside a
+        # UTF-8 character) is left alone: those tokens count with the next chunk that has text.
 
 
 def _error_message(body: str) -> str:

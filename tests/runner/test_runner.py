@@ -3,6 +3,7 @@
 Schedule: first token 50 ms after the request, then a chunk every 10 ms, 3 tokens per chunk,
 the first 6 tokens reasoning; 30 tokens per request, so 10 chunks: 2 reasoning, 8 content.
 """
+import multiprocessing
 import threading
 import time
 
@@ -84,6 +85,24 @@ def test_server_metrics_are_scraped_during_the_level(level):
     assert 1 <= metrics["num_requests_running"]["max"] <= 2
     assert metrics["num_requests_waiting"]["max"] == 0
     assert metrics["generation_tok_s"]["mean"] > 0
+
+
+def test_two_processes_share_the_streams_and_merge_their_records(server):
+    level = run_level(spec_for(server, workers=2), concurrency=4)
+    assert level.workers == 2 and level.completed == 12
+    assert [r.index for r in level.records] == list(range(4, 16))
+    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
+    assert level.duration_s < 3 * 0.140 + 0.2  # four streams at once, not two after two
+
+
+def test_where_processes_are_forbidden_one_thread_measures_instead(server, monkeypatch):
+    def refuse(process):
+        raise AssertionError("daemonic processes are not allowed to have children")  # Celery's prefork pool
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    level = run_level(spec_for(server, workers=2, min_requests=2, requests_per_user=1), concurrency=2)
+    assert level.workers == 1 and level.completed == 2
+    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
 
 
 def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):

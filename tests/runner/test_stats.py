@@ -59,6 +59,15 @@ def test_reasoning_split_prefers_usage_then_chunk_usage_then_chunk_counts():
     assert (exact.reasoning_tokens, exact.reasoning_split) == (5, "chunk_usage")
 
 
+def test_a_zero_reasoning_count_contradicted_by_reasoning_chunks_is_not_believed():
+    # vLLM 0.32 (deepseek_r1 parser) streams reasoning deltas yet reports reasoning_tokens 0.
+    level = summarize(1, [record(0, 0.0, [0.1, 0.2], tokens=4, kinds=b"rr", reasoning_tokens=0)])
+    assert (level.reasoning_tokens, level.content_tokens, level.reasoning_split) == (4, 0, "chunks")
+    assert level.ttfc_ms == {}  # no content at all: no time to first content
+    no_reasoning = summarize(1, [record(0, 0.0, [0.1, 0.2], tokens=4, kinds=b"cc", reasoning_tokens=0)])
+    assert (no_reasoning.reasoning_tokens, no_reasoning.reasoning_split) == (0, "usage")
+
+
 def test_time_to_first_content_skips_reasoning_chunks():
     level = summarize(1, [record(0, 0.0, [0.05, 0.06, 0.07], tokens=3, kinds=b"rrc")])
     assert level.ttft_ms["median"] == pytest.approx(50.0)

@@ -87,6 +87,14 @@ def test_continuous_usage_gives_the_tokens_of_each_chunk(run):
     assert record.chunk_tokens == [2, 3]
 
 
+def test_tokens_of_a_chunk_without_text_count_with_the_next_chunk(run):
+    # vLLM sends "reasoning": "" for a token that ends inside a UTF-8 character.
+    empty = sse({"choices": [{"delta": {"reasoning": ""}}], "usage": {"completion_tokens": 1}})
+    text = sse({"choices": [{"delta": {"reasoning": "é"}}], "usage": {"completion_tokens": 2}})
+    record, _ = run([HEAD + chunked(empty, text, USAGE)])
+    assert bytes(record.chunk_kinds) == b"r" and record.chunk_tokens == [2]
+
+
 def test_an_error_status_fails_the_request_with_the_servers_message(run):
     body = json.dumps({"error": {"message": "model 'x' does not exist"}}).encode()
     response = b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
