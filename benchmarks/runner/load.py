@@ -53,8 +53,14 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
     finished = loop.create_future()
     tasks = set()
 
-    def on_done(conn, record, reusable):
+    def on_done(conn, record, reusable, retry=b""):
         in_flight.discard(conn)
+        if retry and not state["cancelled"]:
+            record.start = 0.0  # the stale connection cost the server nothing: start over
+            task = loop.create_task(connect_and_send(record, retry))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            return
         counters.in_flight -= 1
         if record.success:
             counters.completed += 1
@@ -78,7 +84,7 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         conn.send(record, request, on_done, timeout_s)
 
     async def connect_and_send(record, request):
-        record.start = time.perf_counter()  # a fresh connection's setup counts, as in vllm bench serve
+        record.start = record.start or time.perf_counter()  # connection setup counts, as in vllm bench serve
         try:
             conn = await pool.connect()
         except asyncio.CancelledError:
@@ -128,6 +134,7 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
             counters.in_flight += 1
             conn = pool.take()
             if conn is None:
+                record.start = time.perf_counter()
                 task = loop.create_task(connect_and_send(record, request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)

@@ -44,7 +44,7 @@ class LoadSpec:
     extra_body: dict = field(default_factory=dict)  # merged into every request body
     continuous_usage_stats: bool = False  # ask vLLM for usage in every chunk (exact tokens per chunk)
     request_timeout_s: float = 600.0
-    workers: int = 0  # measuring processes; 0 = auto (cores available, about 1 per 256 streams)
+    workers: int = 0  # measuring processes; 0 = auto (1 per 256 streams, at most cores - 1)
     busy_poll: bool | None = None  # spin instead of sleeping between reads; None = auto (>= 256 streams)
     tick_s: float = 0.5  # how often on_tick is called
     metrics_url: str = ""  # Prometheus /metrics of the server; "" = <base_url root>/metrics

@@ -65,8 +65,10 @@ class Connection(asyncio.Protocol):
         self.transport = None
         self.record = None
         self.closed = False
+        self.uses = 0
         self._on_done = None
         self._timer = None
+        self._request = b""
 
     # -- asyncio callbacks -------------------------------------------------------------------
 
@@ -88,6 +90,13 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc):
         self.closed = True
         if self.record is not None:
+            if self.uses > 1 and self._state == HEAD and not self._buf:
+                # The server closed this idle keep-alive connection as we reused it (uvicorn
+                # drops idle ones after 5 s): nothing was answered, so the request may go again.
+                record, on_done = self.record, self._on_done
+                self.record = self._on_done = None
+                self._timer.cancel()
+                return on_done(self, record, False, self._request)
             if self._state == UNTIL_CLOSE:
                 self._finish(perf_counter(), reusable=False)
             else:
@@ -96,8 +105,13 @@ class Connection(asyncio.Protocol):
     # -- one request -------------------------------------------------------------------------
 
     def send(self, record, request: bytes, on_done, timeout_s: float):
-        """Write `request` and fill `record` as the response streams; `on_done(conn, record, reusable)`."""
-        self.record, self._on_done = record, on_done
+        """Write `request` and fill `record` as the response streams.
+
+        Then `on_done(conn, record, reusable, retry)`, where `retry` holds the request bytes when
+        a reused connection was closed before any answer and the request should go again.
+        """
+        self.record, self._on_done, self._request = record, on_done, request
+        self.uses += 1
         self._state, self._buf, self._sse, self._left = HEAD, b"", b"", 0
         self._status, self._keep_alive, self._error_body, self._cum_tokens = 0, True, [], 0
         self._timer = asyncio.get_running_loop().call_later(timeout_s, self.fail, f"timed out after {timeout_s:g} s")
@@ -121,7 +135,7 @@ class Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         record.done = t
-        on_done(self, record, reusable and self._keep_alive and not self.closed)
+        on_done(self, record, reusable and self._keep_alive and not self.closed, b"")
 
     def _finish(self, t: float, reusable: bool = True):
         record = self.record

@@ -52,7 +52,7 @@ def _run(pieces, monkeypatch):
     conn = Connection(Counters())
     conn.transport = FakeTransport()
     record = RequestRecord(index=0, start=-1.0)
-    conn.record, conn._on_done = record, lambda c, r, reusable: done.append(reusable)
+    conn.record, conn._on_done = record, lambda c, r, reusable, retry: done.append(reusable)
     conn._state, conn._buf, conn._sse, conn._left = 0, b"", b"", 0
     conn._status, conn._keep_alive, conn._error_body, conn._cum_tokens, conn._timer = 0, True, [], 0, None
     for i, piece in enumerate(pieces):
@@ -93,6 +93,23 @@ def test_tokens_of_a_chunk_without_text_count_with_the_next_chunk(run):
     text = sse({"choices": [{"delta": {"reasoning": "é"}}], "usage": {"completion_tokens": 2}})
     record, _ = run([HEAD + chunked(empty, text, USAGE)])
     assert bytes(record.chunk_kinds) == b"r" and record.chunk_tokens == [2]
+
+
+def test_a_reused_connection_closed_before_any_answer_asks_for_a_retry(monkeypatch):
+    async def scenario():
+        calls = []
+        conn = Connection(Counters())
+        conn.transport = FakeTransport()
+        on_done = lambda c, record, reusable, retry: calls.append((record.index, reusable, retry))  # noqa: E731
+        first = RequestRecord(index=0)
+        conn.send(first, b"POST 1", on_done, 60)
+        conn.data_received(BODY)
+        conn.send(RequestRecord(index=1), b"POST 2", on_done, 60)
+        conn.connection_lost(None)  # the server had closed the idle connection
+        return calls
+
+    import asyncio
+    assert asyncio.run(scenario()) == [(0, True, b""), (1, False, b"POST 2")]
 
 
 def test_an_error_status_fails_the_request_with_the_servers_message(run):
