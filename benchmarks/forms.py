@@ -23,7 +23,7 @@ class RunForm(forms.Form):
                                         help_text="A ready deployment (the load runs on its node, next to the engine).")
     base_url = forms.URLField(required=False, max_length=500, label="…or any OpenAI-compatible URL",
                               widget=forms.URLInput(attrs={"placeholder": "http://10.0.0.5:8000"}))
-    served_model = forms.CharField(required=False, max_length=200, label="Model name",
+    served_model = forms.RegexField(r"^[\w./:@+-]*$", required=False, max_length=200, label="Model name",
                                    help_text="Default: the first model the server lists.")
     name = forms.CharField(required=False, max_length=200)
     levels = forms.CharField(initial=",".join(map(str, runner.DEFAULT_LEVELS)), label="Concurrency levels")

@@ -161,7 +161,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["controlpanel.permissions.IsViewerOrOperator"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "controlpanel.pagination.Pagination",
     "PAGE_SIZE": 100,
     "EXCEPTION_HANDLER": "controlpanel.api.exception_handler",
 }

@@ -3,6 +3,7 @@
 Nothing here runs anything: flags become an argv list for `vllm serve` (no shell), and every
 value is checked to be a plain, printable string first.
 """
+import json
 import re
 import shlex
 
@@ -54,8 +55,21 @@ class ArgsError(ValueError):
         self.errors = errors
 
 
+# Nothing runs through a shell, but a value with shell syntax in it is a mistake or an attack:
+# refuse it rather than pass it on. JSON values (--compilation-config '{...}') are checked as JSON.
+SHELL_SYNTAX = re.compile(r"[`;|&<>\\]|\$\(|\$\{")
+
+
 def _plain(value: str) -> bool:
-    return len(value) <= MAX_VALUE and value.isprintable()
+    if len(value) > MAX_VALUE or not value.isprintable():
+        return False
+    if value[:1] in "{[":
+        try:
+            json.loads(value)
+            return True
+        except ValueError:
+            return False
+    return not SHELL_SYNTAX.search(value)
 
 
 def parse_flags(text: str) -> dict:
@@ -107,13 +121,13 @@ def check_env(env: dict) -> dict[str, str]:
         elif not name.startswith(ENV_PREFIXES):
             errors.append(f"{name} is not allowed: names must start with {', '.join(p for p in ENV_PREFIXES[:6])}, …")
         elif not isinstance(value, str) or not _plain(value):
-            errors.append(f"{name}: the value must be printable text of at most {MAX_VALUE} characters")
+            errors.append(f"{name}: the value must be plain printable text (no shell syntax), at most {MAX_VALUE} characters")
     return {"env": "; ".join(errors)} if errors else {}
 
 
 def check_flags(flags: dict, known: set[str] | None) -> dict[str, str]:
     """Errors for malformed or reserved flags, bad values, and (when the engine's list is known) unknown ones."""
-    errors = [f"--{name}: the value must be printable text of at most {MAX_VALUE} characters"
+    errors = [f"--{name}: the value must be plain printable text (no shell syntax), at most {MAX_VALUE} characters"
               for name, value in flags.items()
               if not isinstance(value, (bool, int, float)) and not (isinstance(value, str) and _plain(value))]
     errors += [f"--{name} is {RESERVED_FLAGS[name]}" for name in flags if name in RESERVED_FLAGS]

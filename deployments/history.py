@@ -49,6 +49,12 @@ def recent(node_id: int, since: float = 0.0) -> list[dict]:
     return [s for s in samples if s["t"] > since]
 
 
+def latest(node_id: int) -> dict | None:
+    """The node's last sample (compact), or None."""
+    raw = live.redis_client().lindex(_key(node_id), -1)
+    return json.loads(raw) if raw else None
+
+
 def minutes(node_id: int, since: timedelta) -> list[dict]:
     """Per-minute rows of the last `since` (at most a week)."""
     start = timezone.now() - min(since, RETENTION)

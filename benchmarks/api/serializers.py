@@ -28,7 +28,8 @@ class RunRequestSerializer(serializers.Serializer):
 
     deployment = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all(), required=False, allow_null=True)
     base_url = serializers.URLField(required=False, allow_blank=True, max_length=500)
-    served_model = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
+    served_model = serializers.RegexField(r"^[\w./:@+-]*$", required=False, allow_blank=True, max_length=200, default="",
+                                          error_messages={"invalid": "A model name: letters, digits and . / : @ + - _"})
     name = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
     levels = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=4096), min_length=1, max_length=20,
                                    default=list(runner.DEFAULT_LEVELS))

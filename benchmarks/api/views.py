@@ -7,6 +7,8 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
+from controlpanel.idempotency import idempotent
+
 from benchmarks import selectors, services
 from benchmarks.api import serializers
 from benchmarks.models import BenchmarkRun
@@ -19,10 +21,12 @@ def _ids(request) -> list[int]:
 
 
 class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    lookup_value_regex = r"[0-9]+"
     serializer_class = serializers.BenchmarkRunSerializer
     queryset = BenchmarkRun.objects.select_related("deployment")
 
     @extend_schema(request=serializers.RunRequestSerializer, responses={202: serializers.BenchmarkRunSerializer})
+    @idempotent
     def create(self, request):
         """Start a sweep; follow it with GET /api/runs/{id}/ and /points/ (or the run page, live)."""
         body = serializers.RunRequestSerializer(data=request.data)
@@ -34,6 +38,7 @@ class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
 
     @extend_schema(request=None, responses={202: serializers.BenchmarkRunSerializer})
     @action(detail=True, methods=["post"])
+    @idempotent
     def cancel(self, request, pk=None):
         """Cancel a run; finished levels stay."""
         run = services.run_cancel(self.get_object())

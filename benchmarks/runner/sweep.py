@@ -4,6 +4,9 @@ Each worker process has its own event loop, a share of the concurrency (its own 
 of the requests; all wait on one barrier so they start together, and every timestamp is
 time.perf_counter(), i.e. CLOCK_MONOTONIC, one clock for every process on a Linux host.
 Callbacks run here, never on a measuring loop, so a slow callback can't distort the numbers.
+Workers are started with "spawn" (safe from threaded callers such as Celery): a script calling
+sweep() needs the usual `if __name__ == "__main__":` guard. Where this process may not have
+children (a daemonic pool worker), one thread measures instead, sharing this process's GIL.
 """
 import asyncio
 import gc

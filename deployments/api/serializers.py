@@ -25,11 +25,18 @@ class NodeSerializer(serializers.ModelSerializer):
     gpus = GpuSerializer(many=True, read_only=True)
     queue = serializers.CharField(read_only=True)
     online = serializers.BooleanField(read_only=True)
+    live = serializers.SerializerMethodField(help_text="The last sample: per GPU memory, utilization, temperature, power.")
 
     class Meta:
         model = Node
         fields = ["id", "name", "queue", "address", "agent_version", "online", "last_heartbeat", "heartbeat_seconds",
-                  "model_store", "disk_total", "disk_free", "nvml_error", "gpus"]
+                  "model_store", "disk_total", "disk_free", "nvml_error", "engine_version", "engine_error", "systemd",
+                  "gpus", "live"]
+
+    def get_live(self, node) -> dict | None:
+        from deployments import history
+
+        return history.latest(node.pk)
 
 
 class ModelCopySerializer(serializers.ModelSerializer):

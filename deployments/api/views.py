@@ -1,11 +1,12 @@
 """API views: validate, call one service, serialize. Errors share one shape (controlpanel.api)."""
 from dataclasses import asdict
 
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
+
+from controlpanel.idempotency import idempotent
 
 from deployments import selectors, services
 from deployments.api import serializers
@@ -16,13 +17,24 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     serializer_class = serializers.NodeSerializer
     queryset = selectors.node_list()
     lookup_field = "name"
+    lookup_value_regex = r"[a-z0-9][a-z0-9-]*"
 
 
 class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    lookup_value_regex = r"[0-9]+"
     serializer_class = serializers.ModelRepoSerializer
     queryset = selectors.model_list()
 
+    @extend_schema(parameters=[OpenApiParameter("repo_id", str)])
+    def list(self, request):
+        models = self.get_queryset()
+        if request.query_params.get("repo_id"):
+            models = models.filter(repo_id=request.query_params["repo_id"])
+        page = self.paginate_queryset(models)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+
     @extend_schema(request=serializers.ModelAddSerializer, responses={202: serializers.ModelRepoSerializer})
+    @idempotent
     def create(self, request):
         """Add a Hub repo or a local folder; it is inspected in the background (follow GET /api/models/{id}/)."""
         data = serializers.ModelAddSerializer(data=request.data)
@@ -46,6 +58,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
 
     @extend_schema(request=serializers.NodeChoiceSerializer, responses={202: serializers.ModelCopySerializer})
     @action(detail=True, methods=["post"])
+    @idempotent
     def download(self, request, pk=None):
         """Download the model to a node; refused with 409 and what could be deleted when the disk is short."""
         body = serializers.NodeChoiceSerializer(data=request.data)
@@ -55,6 +68,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
 
 
 class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
+    lookup_value_regex = r"[0-9]+"
     serializer_class = serializers.ModelCopySerializer
     queryset = ModelCopy.objects.select_related("node", "model")
 
@@ -70,11 +84,12 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
 
     def destroy(self, request, pk=None):
         """Delete the copy's files on its node (409 while a deployment uses it)."""
-        copy = services.model_copy_delete(get_object_or_404(ModelCopy, pk=pk))
+        copy = services.model_copy_delete(self.get_object())
         return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: serializers.ModelCopySerializer})
     @action(detail=True, methods=["post"])
+    @idempotent
     def cancel(self, request, pk=None):
         """Stop a download; what was fetched stays for a retry."""
         copy = services.model_copy_cancel(self.get_object())
@@ -82,6 +97,7 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
 
     @extend_schema(request=None, responses={202: serializers.ModelCopySerializer})
     @action(detail=True, methods=["post"])
+    @idempotent
     def retry(self, request, pk=None):
         """Queue a failed or cancelled download again; it resumes."""
         copy = services.model_copy_retry(self.get_object())
@@ -89,12 +105,23 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
 
 
 class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    lookup_value_regex = r"[0-9]+"
     queryset = selectors.deployment_list()
+
+    @extend_schema(parameters=[OpenApiParameter("name", str), OpenApiParameter("node", str), OpenApiParameter("status", str)])
+    def list(self, request):
+        found = self.get_queryset()
+        for param, field in (("name", "name"), ("node", "node__name"), ("status", "status")):
+            if request.query_params.get(param):
+                found = found.filter(**{field: request.query_params[param]})
+        page = self.paginate_queryset(found)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
     def get_serializer_class(self):
         return serializers.DeploymentDetailSerializer if self.action != "list" else serializers.DeploymentSerializer
 
     @extend_schema(request=serializers.DeployRequestSerializer, responses={202: serializers.DeploymentDetailSerializer})
+    @idempotent
     def create(self, request):
         """Deploy a model: the node's agent runs the plan (follow it with GET …/events/?wait=30)."""
         body = serializers.DeployRequestSerializer(data=request.data)
@@ -107,12 +134,14 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])
+    @idempotent
     def stop(self, request, pk=None):
         """Stop the engine (its whole process group or its systemd unit)."""
         return self._accepted(services.deployment_stop(self.get_object()))
 
     @extend_schema(request=serializers.RedeploySerializer, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])
+    @idempotent
     def restart(self, request, pk=None):
         """Run the plan again, optionally with changed settings; a running engine is stopped first."""
         body = serializers.RedeploySerializer(data=request.data)
@@ -124,6 +153,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])
+    @idempotent
     def persist(self, request, pk=None):
         """Install the deployment as a systemd unit on its node."""
         return self._accepted(services.deployment_persist(self.get_object()))

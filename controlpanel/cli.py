@@ -1,0 +1,366 @@
+"""panelctl: the panel's REST API from scripts and terminals.
+
+    export PANEL_URL=http://panel:8000 PANEL_TOKEN=...   (or: panelctl login --url ... --token ...)
+    panelctl deploy moonshotai/Kimi-K2.5 --node gpu-01 --tp 8 --env NCCL_PROTO=LL --wait
+    panelctl bench kimi-gpu-01 --concurrency 1,8,64 --wait --json
+    panelctl nodes
+    panelctl stop kimi-gpu-01 --wait
+
+Progress goes to stderr, results to stdout (--json for machines). Exit codes:
+  0 done  1 the deploy/benchmark failed  2 bad input  3 conflict (busy, in use)
+  4 not logged in or not allowed  5 not found  6 panel unreachable or server error  7 timed out
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+CONFIG = Path(os.environ.get("PANELCTL_CONFIG", Path.home() / ".config" / "panelctl.json"))
+EXIT = {400: 2, 409: 3, 401: 4, 403: 4, 404: 5}
+FAILED, BAD_INPUT, UNREACHABLE, TIMED_OUT = 1, 2, 6, 7
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class Panel:
+    """A thin client: one method per HTTP verb, errors turned into CliError with an exit code."""
+
+    def __init__(self, url: str, token: str, timeout: float = 60.0):
+        if not url:
+            raise CliError("No panel URL: set PANEL_URL or run `panelctl login --url URL --token TOKEN`.", BAD_INPUT)
+        headers = {"Authorization": f"Token {token}"} if token else {}
+        self.http = httpx.Client(base_url=url.rstrip("/") + "/api/", headers=headers, timeout=timeout)
+
+    def call(self, method: str, path: str, **kwargs):
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise CliError(f"Cannot reach the panel: {exc}", UNREACHABLE) from exc
+        if response.status_code >= 400:
+            try:
+                error = response.json()["error"]
+                fields = "; ".join(f"{k}: {' '.join(v)}" for k, v in error.get("fields", {}).items())
+                message = error["message"] + (f" ({fields})" if fields and fields not in error["message"] else "")
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:300]
+            raise CliError(f"{method} {path}: {response.status_code} {message}", EXIT.get(response.status_code, UNREACHABLE))
+        return response.json() if "json" in response.headers.get("content-type", "") else response.text
+
+    def get(self, path, **params):
+        return self.call("GET", path, params=params)
+
+    def post(self, path, body=None, key: str | None = None):
+        headers = {"Idempotency-Key": key} if key else {}
+        return self.call("POST", path, json=body or {}, headers=headers)
+
+
+def say(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _pairs(items: list[str], what: str) -> dict:
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CliError(f"{what} {item!r}: write NAME=VALUE", BAD_INPUT)
+        out[name] = True if value == "" and what == "--flag" else _number(value)
+    return out
+
+
+def _number(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            continue
+    return {"true": True, "false": False}.get(value.lower(), value)
+
+
+def _model_id(panel: Panel, ref: str) -> int:
+    if ref.isdigit():
+        return int(ref)
+    found = panel.get("models/", repo_id=ref)["results"]
+    if not found:
+        raise CliError(f"No model {ref!r} in the panel: add it first (panelctl model add {ref}).", 5)
+    return found[0]["id"]
+
+
+def _deployment(panel: Panel, ref: str) -> dict:
+    if ref.isdigit():
+        return panel.get(f"deployments/{ref}/")
+    found = panel.get("deployments/", name=ref)["results"]
+    if not found:
+        raise CliError(f"No deployment named {ref!r}.", 5)
+    return panel.get(f"deployments/{found[0]['id']}/")
+
+
+def _emit(data, as_json: bool, lines) -> None:
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        for line in lines:
+            print(line)
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+def cmd_login(panel, args):
+    CONFIG.parent.mkdir(parents=True, exist_ok=True)
+    CONFIG.write_text(json.dumps({"url": args.url, "token": args.token}))
+    CONFIG.chmod(0o600)
+    Panel(args.url, args.token).get("nodes/")
+    say(f"Saved to {CONFIG}.")
+    return 0
+
+
+def cmd_nodes(panel, args):
+    nodes = panel.get("nodes/")["results"]
+    lines = []
+    for n in nodes:
+        gpus = n["live"]["gpus"] if n.get("live") else []
+        mem = ", ".join(f"{g['index']}:{(g['memory_used'] or 0) / 2**30:.0f}/{(g['memory_total'] or 0) / 2**30:.0f}G" for g in gpus)
+        lines.append(f"{n['name']:<20} {'online' if n['online'] else 'OFFLINE':<8} {len(n['gpus'])} GPU(s) "
+                     f"disk free {n['disk_free'] / 1e9:,.0f} GB  {mem or n['nvml_error'] or ''}")
+    _emit(nodes, args.json, lines)
+    return 0
+
+
+def cmd_models(panel, args):
+    models = panel.get("models/")["results"]
+    _emit(models, args.json, [f"{m['id']:>4} {m['repo_id']:<40} {m['architecture'] or '?':<28} {m['total_size'] / 1e9:,.1f} GB"
+                              for m in models])
+    return 0
+
+
+def cmd_model_add(panel, args):
+    model = panel.post("models/", {"repo_id": args.repo_id, "revision": args.revision}, key=args.idempotency_key)
+    _emit(model, args.json, [f"Added {model['repo_id']} (id {model['id']}); it is being inspected."])
+    return 0
+
+
+def cmd_deploy(panel, args):
+    model_id = _model_id(panel, args.model)
+    node = panel.get(f"nodes/{args.node}/")
+    engine_args = {"tensor-parallel-size": args.tp, **_pairs(args.flag, "--flag")}
+    if args.pp > 1:
+        engine_args["pipeline-parallel-size"] = args.pp
+    if args.max_model_len:
+        engine_args["max-model-len"] = args.max_model_len
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else [g["index"] for g in node["gpus"]][: args.tp * args.pp]
+    replace = [_deployment(panel, r)["id"] for r in args.replace or []]
+    body = {"model": model_id, "node": args.node, "gpus": gpus, "port": args.port, "engine_args": engine_args,
+            "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "replace": replace,
+            "auto_restart": args.auto_restart}
+    if args.name:
+        body["name"] = args.name
+    d = panel.post("deployments/", body, key=args.idempotency_key)
+    say(f"Deploying {d['name']} (id {d['id']}) on {args.node}, GPUs {gpus or 'none'}, port {args.port}.")
+    return _wait_deployment(panel, d, args, want="ready") if args.wait else _done(d, args)
+
+
+def _done(data, args):
+    _emit(data, args.json, [])
+    return 0
+
+
+def _wait_deployment(panel: Panel, d: dict, args, want: str) -> int:
+    deadline = time.monotonic() + args.timeout
+    after, last_line = 0, ""
+    while time.monotonic() < deadline:
+        state = panel.get(f"deployments/{d['id']}/events/", after=after, wait=min(20, max(1, int(deadline - time.monotonic()))))
+        for event in state["events"]:
+            after = max(after, event["id"])
+            if event["ended"] or event["level"] != "info":
+                say(f"  {event['step']:<12} {event['message']}")
+        line = f"  {state['status']}" + (f" · {state['load_phase']} {state['load_percent'] or 0:.0f} %" if state["load_phase"] else "")
+        if line != last_line and state["status"] == "loading":
+            say(line)
+            last_line = line
+        if state["status"] == want:
+            final = panel.get(f"deployments/{d['id']}/")
+            _emit(final, args.json, [f"{final['name']} is {want}" + (f": {final['base_url']}/v1" if want == "ready" else "")])
+            return 0
+        if state["status"] in ("failed", "stopped") and state["status"] != want:
+            say(f"{d['name']} {state['status']}: {state['status_message']}")
+            if args.json:
+                print(json.dumps(panel.get(f"deployments/{d['id']}/"), indent=2, default=str))
+            return FAILED
+    say(f"Timed out after {args.timeout:.0f} s waiting for {d['name']} to be {want}.")
+    return TIMED_OUT
+
+
+def cmd_stop(panel, args):
+    d = _deployment(panel, args.deployment)
+    d = panel.post(f"deployments/{d['id']}/stop/", key=args.idempotency_key)
+    say(f"Stopping {d['name']}.")
+    return _wait_deployment(panel, d, args, want="stopped") if args.wait else _done(d, args)
+
+
+def cmd_restart(panel, args):
+    d = _deployment(panel, args.deployment)
+    d = panel.post(f"deployments/{d['id']}/restart/", key=args.idempotency_key)
+    return _wait_deployment(panel, d, args, want="ready") if args.wait else _done(d, args)
+
+
+def cmd_logs(panel, args):
+    d = _deployment(panel, args.deployment)
+    lines = panel.get(f"deployments/{d['id']}/logs/")["lines"]
+    print("\n".join(lines[-args.lines:]))
+    return 0
+
+
+def cmd_bench(panel, args):
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    body = {"levels": levels, "max_tokens": args.max_tokens, "input_tokens": args.input_tokens,
+            "prompt_source": args.prompts, "ignore_eos": not args.no_ignore_eos, "requests_per_user": args.requests_per_user}
+    if args.target.startswith(("http://", "https://")):
+        body.update(base_url=args.target, served_model=args.model or "")
+    else:
+        body["deployment"] = _deployment(panel, args.target)["id"]
+    run = panel.post("runs/", body, key=args.idempotency_key)
+    say(f"Run {run['id']}: concurrency {', '.join(map(str, levels))}.")
+    if not args.wait:
+        return _done(run, args)
+    deadline, shown = time.monotonic() + args.timeout, set()
+    while time.monotonic() < deadline:
+        run = panel.get(f"runs/{run['id']}/")
+        points = panel.get(f"runs/{run['id']}/points/")
+        for p in points:
+            if p["concurrency"] not in shown:
+                shown.add(p["concurrency"])
+                say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {p['ttft_ms'].get('median', 0):.1f} ms"
+                    f"  TPOT {p['tpot_ms'].get('median', 0):.2f} ms  {p['tok_s_per_user']:.1f} tok/s per user")
+        if run["status"] in ("done", "failed", "cancelled"):
+            result = {**run, "points": points}
+            _emit(result, args.json, [f"Run {run['id']} {run['status']}"
+                                      + (f": single stream {run['single_stream_tok_s']:.1f} tok/s" if run["single_stream_tok_s"] else "")
+                                      + (f" — {run['error']}" if run["error"] else "")])
+            return 0 if run["status"] == "done" else FAILED
+        time.sleep(2)
+    say(f"Timed out after {args.timeout:.0f} s; the run goes on (panelctl runs).")
+    return TIMED_OUT
+
+
+def cmd_runs(panel, args):
+    runs = panel.get("runs/")["results"]
+    _emit(runs, args.json, [f"{r['id']:>4} {r['status']:<10} {r['name']}" for r in runs])
+    return 0
+
+
+def cmd_compare(panel, args):
+    data = panel.get("runs/compare/", ids=",".join(args.runs))
+    lines = []
+    for r in data["runs"]:
+        best = max((p["output_throughput"] for p in r["points"]), default=0)
+        lines.append(f"{r['id']:>4} {r['name']:<40} single {r['single_stream_tok_s'] or 0:8.1f} tok/s  best {best:10,.1f} tok/s")
+    lines += [f"     {d['setting']}: {d['a']} -> {d['b']}" for d in data["diff"]]
+    _emit(data, args.json, lines)
+    return 0
+
+
+def cmd_export(panel, args):
+    out = panel.get("runs/export/", ids=",".join(args.runs), **({"as": "csv"} if args.csv else {}))
+    print(out if isinstance(out, str) else json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="panelctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="panel URL (PANEL_URL)")
+    p.add_argument("--token", default=None, help="API token (PANEL_TOKEN)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print results as JSON")
+    common.add_argument("--idempotency-key", default=None, help="retry-safe key for calls that start work")
+    sub = p.add_subparsers(dest="command", required=True)
+    add = sub.add_parser
+
+    def add_parser(name, **kwargs):
+        return add(name, parents=[common], **kwargs)
+
+    sub.add_parser = add_parser
+
+    s = sub.add_parser("login", help="save the panel URL and token")
+    s.add_argument("--url", required=True, dest="url")
+    s.add_argument("--token", required=True, dest="token")
+    s.set_defaults(fn=cmd_login)
+    sub.add_parser("nodes", help="nodes, their GPUs' memory and disk").set_defaults(fn=cmd_nodes)
+    sub.add_parser("models", help="models in the panel").set_defaults(fn=cmd_models)
+    s = sub.add_parser("model-add", help="add a Hugging Face repo")
+    s.add_argument("repo_id")
+    s.add_argument("--revision", default="main")
+    s.set_defaults(fn=cmd_model_add)
+
+    s = sub.add_parser("deploy", help="deploy a model (id or repo id) to a node")
+    s.add_argument("model")
+    s.add_argument("--node", required=True)
+    s.add_argument("--name", default="")
+    s.add_argument("--gpus", default="", help="e.g. 0,1,2,3 (default: the first TP×PP GPUs)")
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--pp", type=int, default=1)
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--flag", action="append", metavar="NAME=VALUE", help="engine flag, repeatable (NAME= for a switch)")
+    s.add_argument("--env", action="append", metavar="NAME=VALUE", help="environment variable, repeatable")
+    s.add_argument("--replace", action="append", metavar="DEPLOYMENT", help="also stop this deployment first")
+    s.add_argument("--auto-restart", action="store_true")
+    s.add_argument("--wait", action="store_true", help="wait until ready (exit 1 if it fails)")
+    s.add_argument("--timeout", type=float, default=7200)
+    s.set_defaults(fn=cmd_deploy)
+    for name, fn, want in (("stop", cmd_stop, "stopped"), ("restart", cmd_restart, "ready")):
+        s = sub.add_parser(name, help=f"{name} a deployment (name or id)")
+        s.add_argument("deployment")
+        s.add_argument("--wait", action="store_true", help=f"wait until {want}")
+        s.add_argument("--timeout", type=float, default=7200 if want == "ready" else 300)
+        s.set_defaults(fn=fn)
+    s = sub.add_parser("logs", help="a deployment's engine log")
+    s.add_argument("deployment")
+    s.add_argument("-n", "--lines", type=int, default=100)
+    s.set_defaults(fn=cmd_logs)
+
+    s = sub.add_parser("bench", help="concurrency sweep of a deployment (name or id) or a URL")
+    s.add_argument("target")
+    s.add_argument("--model", default="", help="model name for a URL target")
+    s.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256,512,1024")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--input-tokens", type=int, default=128)
+    s.add_argument("--prompts", choices=["random", "builtin"], default="random")
+    s.add_argument("--requests-per-user", type=int, default=4)
+    s.add_argument("--no-ignore-eos", action="store_true")
+    s.add_argument("--wait", action="store_true")
+    s.add_argument("--timeout", type=float, default=7200)
+    s.set_defaults(fn=cmd_bench)
+    sub.add_parser("runs", help="benchmark runs").set_defaults(fn=cmd_runs)
+    for name, fn in (("compare", cmd_compare), ("export", cmd_export)):
+        s = sub.add_parser(name, help=f"{name} runs by id")
+        s.add_argument("runs", nargs="+")
+        if name == "export":
+            s.add_argument("--csv", action="store_true")
+        s.set_defaults(fn=fn)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    saved = json.loads(CONFIG.read_text()) if CONFIG.exists() else {}
+    url = args.url or os.environ.get("PANEL_URL") or saved.get("url", "")
+    token = args.token or os.environ.get("PANEL_TOKEN") or saved.get("token", "")
+    try:
+        return args.fn(Panel(url, token) if args.command != "login" else None, args)
+    except CliError as exc:
+        say(f"panelctl: {exc}")
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Schemathesis against the panel's own OpenAPI schema: no input, however odd, gets a 5xx.
+
+The real ASGI app serves the requests (uvicorn in a thread); tasks that calls would start are
+caught before they reach the broker, so nothing runs on a host.
+"""
+from unittest import mock
+
+import pytest
+import schemathesis
+from celery.app.task import Task
+from drf_spectacular.generators import SchemaGenerator
+from hypothesis import HealthCheck, Phase, settings
+
+SCHEMA = schemathesis.openapi.from_dict(SchemaGenerator().get_schema(request=None, public=True))
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture
+def operator_token(live_server_asgi, operator):
+    from rest_framework.authtoken.models import Token
+
+    from tests.factories import BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
+
+    node = NodeFactory(name="n1")
+    GpuFactory(node=node, index=0)
+    ModelCopyFactory(node=node)
+    BenchmarkRunFactory(deployment=DeploymentFactory(node=node, status="ready"))
+    return Token.objects.create(user=operator).key
+
+
+@pytest.fixture(autouse=True)
+def no_broker():
+    with mock.patch.object(Task, "apply_async", autospec=True) as apply_async:
+        yield apply_async
+
+
+@SCHEMA.parametrize()
+@settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=list(HealthCheck))
+def test_no_input_makes_the_api_fail_with_a_server_error(case, live_server_asgi, operator_token):
+    response = case.call(base_url=live_server_asgi, headers={"Authorization": f"Token {operator_token}"}, timeout=30)
+    assert response.status_code < 500, f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}"
