@@ -43,7 +43,7 @@ def main():
     try:
         tokenizer = make_tokenizer(workdir) if use_vllm else None
         spec = LoadSpec(base_url=server.base_url, model="sched", prompt_source="random", input_tokens=64,
-                        max_tokens=args.output_tokens, ignore_eos=True, min_requests=16,
+                        max_tokens=args.output_tokens, ignore_eos=True, min_requests=128,
                         requests_per_user=args.requests_per_user, warmup_per_user=1, scrape_metrics=False)
         with Sweeper(spec, max(levels)) as sweeper:
             for concurrency in levels:
