@@ -15,6 +15,7 @@ import asyncio
 import gc
 import itertools
 import json
+import statistics
 import threading
 import time
 from collections import deque
@@ -165,17 +166,17 @@ class Server:
     async def stats(self, request):
         """How punctual the server was: chunk lateness versus the schedule (?reset=1 starts over)."""
         late = self.lateness
-        ttft, itl = sorted(self.truth_ttft), sorted(self.truth_itl)
+        ttft, itl = sorted(self.truth_ttft) or [0.0], sorted(self.truth_itl) or [0.0]
         body = {
             "requests": self.requests_total,
             "chunks": sum(late.counts),
             "late_p50_us": late.quantile_us(0.5),
             "late_p99_us": late.quantile_us(0.99),
             "late_max_us": late.max_us,
-            "ttft_median_ms": _median(ttft) * 1000,
-            "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))] * 1000 if ttft else 0.0,
-            "itl_median_ms": _median(itl) * 1000,
-            "itl_p90_ms": itl[int(0.9 * (len(itl) - 1))] * 1000 if itl else 0.0,
+            "ttft_median_ms": statistics.median(ttft) * 1000,
+            "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))] * 1000,
+            "itl_median_ms": statistics.median(itl) * 1000,
+            "itl_p90_ms": itl[int(0.9 * (len(itl) - 1))] * 1000,
         }
         if request.query.get("reset"):
             late.reset()
@@ -301,13 +302,6 @@ class Server:
             else:
                 _resolve(stream.done)
         self.generation_tokens_total += generated
-
-
-def _median(values):
-    if not values:
-        return 0.0
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def _resolve(future):
