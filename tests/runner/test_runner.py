@@ -12,7 +12,7 @@ import pytest
 from benchmarks.runner import BUILTIN, COMPLETIONS, LoadSpec, RunnerError, run_level, sweep
 from tests.schedserver import SchedServer
 
-MS = 1.5  # timing tolerance: the server and the client share a busy 2-core machine
+MS = 3.0  # timing tolerance: the server and the client share a 2-core machine with the rest
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def spec_for(server, **overrides):
 
 @pytest.fixture(scope="module")
 def level(server):
-    return run_level(spec_for(server), concurrency=2)
+    return run_level(spec_for(server, min_requests=10), concurrency=2)
 
 
 def test_ttft_is_the_first_token_chunk_not_the_role_chunk(level):
@@ -39,11 +39,11 @@ def test_ttft_is_the_first_token_chunk_not_the_role_chunk(level):
 
 def test_itl_is_every_gap_between_token_chunks(level):
     assert level.itl_ms["median"] == pytest.approx(10, abs=MS / 3)
-    assert sum(len(r.chunk_times) - 1 for r in level.records) == 6 * 9
+    assert sum(len(r.chunk_times) - 1 for r in level.records) == 10 * 9
 
 
 def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
-    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 6)
+    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 9)
     assert level.tokens_per_chunk == "estimated"
 
 
@@ -53,13 +53,13 @@ def test_tpot_and_e2e_end_at_the_last_token_chunk(level):
 
 
 def test_token_counts_come_from_the_usage_chunk(level):
-    assert level.output_tokens == 6 * 30
+    assert level.output_tokens == 10 * 30
     # Builtin prompts in order; the first two went to warmup. The server counts words.
-    assert level.input_tokens == sum(len(BUILTIN[i].split()) for i in range(2, 8))
+    assert level.input_tokens == sum(len(BUILTIN[i].split()) for i in range(2, 12))
 
 
 def test_reasoning_and_content_tokens_are_split_exactly_by_usage(level):
-    assert (level.reasoning_tokens, level.content_tokens, level.reasoning_split) == (36, 144, "usage")
+    assert (level.reasoning_tokens, level.content_tokens, level.reasoning_split) == (60, 240, "usage")
 
 
 def test_time_to_first_content_waits_for_the_reasoning_chunks(level):
@@ -67,15 +67,15 @@ def test_time_to_first_content_waits_for_the_reasoning_chunks(level):
 
 
 def test_throughputs_are_counts_over_the_measured_duration(level):
-    assert 3 * 0.140 <= level.duration_s < 1.5
-    assert level.output_throughput * level.duration_s == pytest.approx(180)
-    assert level.request_throughput * level.duration_s == pytest.approx(6)
+    assert 5 * 0.140 <= level.duration_s < 2.0
+    assert level.output_throughput * level.duration_s == pytest.approx(300)
+    assert level.request_throughput * level.duration_s == pytest.approx(10)
     assert level.tok_s_per_user == pytest.approx(30 / 0.090, rel=0.05)
 
 
 def test_warmup_requests_are_left_out_of_every_metric(level):
-    assert (level.num_requests, level.completed, level.warmup_requests) == (6, 6, 2)
-    assert [r.index for r in level.records] == [2, 3, 4, 5, 6, 7]
+    assert (level.num_requests, level.completed, level.warmup_requests) == (10, 10, 2)
+    assert [r.index for r in level.records] == list(range(2, 12))
     assert not any(r.warmup for r in level.records)
 
 
@@ -91,8 +91,8 @@ def test_two_processes_share_the_streams_and_merge_their_records(server):
     level = run_level(spec_for(server, workers=2), concurrency=4)
     assert level.workers == 2 and level.completed == 12
     assert [r.index for r in level.records] == list(range(4, 16))
-    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
-    assert level.duration_s < 3 * 0.140 + 0.2  # four streams at once, not two after two
+    assert level.ttft_ms["median"] == pytest.approx(50, abs=10)  # three processes on two cores here
+    assert level.duration_s < 4 * 0.140  # four streams at once (three rounds), not two after two (six)
 
 
 def test_where_processes_are_forbidden_one_thread_measures_instead(server, monkeypatch):
@@ -102,14 +102,14 @@ def test_where_processes_are_forbidden_one_thread_measures_instead(server, monke
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
     level = run_level(spec_for(server, workers=2, min_requests=2, requests_per_user=1), concurrency=2)
     assert level.workers == 1 and level.completed == 2
-    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
+    assert level.ttft_ms["median"] == pytest.approx(50, abs=10)  # this thread shares the GIL with the server
 
 
 def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):
     level = run_level(spec_for(server, continuous_usage_stats=True, min_requests=2, requests_per_user=1), 2)
     assert level.tokens_per_chunk == "usage"
     assert all(r.chunk_tokens == [3] * 10 for r in level.records)
-    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 6)
+    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 9)
 
 
 def test_completions_endpoint_streams_text_with_random_prompts(server):
