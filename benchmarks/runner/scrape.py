@@ -1,8 +1,7 @@
 """Reads a vLLM server's Prometheus /metrics while a level runs and sums it up per level."""
 import threading
 import time
-
-import httpx
+import urllib.request
 
 GAUGES = {
     "num_requests_running": ("vllm:num_requests_running",),
@@ -12,6 +11,7 @@ GAUGES = {
 }
 GENERATION_TOTAL = "vllm:generation_tokens_total"
 WANTED = {name for names in GAUGES.values() for name in names} | {GENERATION_TOTAL}
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # like the load itself: no proxy
 
 
 class ScrapeError(Exception):
@@ -52,13 +52,14 @@ def sample(values: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def scrape(client: httpx.Client, url: str) -> dict[str, float]:
+def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """One reading of the server's /metrics (urllib: httpx would log every request at INFO)."""
     try:
-        response = client.get(url)
-        response.raise_for_status()
-    except httpx.HTTPError as exc:
+        with _OPENER.open(url, timeout=timeout_s) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (OSError, ValueError) as exc:
         raise ScrapeError(f"cannot read {url}: {exc}") from exc
-    return sample(parse_prometheus(response.text))
+    return sample(parse_prometheus(text))
 
 
 def summarize(samples: list[tuple[float, dict]]) -> dict:
@@ -112,18 +113,17 @@ class Sampler:
         return result
 
     def _run(self):
-        with httpx.Client(timeout=self.timeout_s) as client:
-            while True:
+        while True:
+            try:
+                reading = scrape(self.url, self.timeout_s)
+                self.samples.append((time.perf_counter(), reading))
+                self.error = ""
+            except ScrapeError as exc:
+                self.error = str(exc)  # keep going: a level's numbers don't depend on /metrics
+            if self._stop.wait(self.interval_s):
+                # One last reading so the counter's rate covers the whole level.
                 try:
-                    reading = scrape(client, self.url)
-                    self.samples.append((time.perf_counter(), reading))
-                    self.error = ""
-                except ScrapeError as exc:
-                    self.error = str(exc)  # keep going: a level's numbers don't depend on /metrics
-                if self._stop.wait(self.interval_s):
-                    # One last reading so the counter's rate covers the whole level.
-                    try:
-                        self.samples.append((time.perf_counter(), scrape(client, self.url)))
-                    except ScrapeError:
-                        pass
-                    return
+                    self.samples.append((time.perf_counter(), scrape(self.url, self.timeout_s)))
+                except ScrapeError:
+                    pass
+                return
