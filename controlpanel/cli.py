@@ -173,24 +173,28 @@ def _done(data, args):
 
 
 def _wait_deployment(panel: Panel, d: dict, args, want: str) -> int:
+    """Follow the timeline until the deployment is `want` (ready: and smoke-tested); print each step once."""
     deadline = time.monotonic() + args.timeout
-    after, last_line = 0, ""
+    state, printed, last_line = "", set(), ""
     while time.monotonic() < deadline:
-        state = panel.get(f"deployments/{d['id']}/events/", after=after, wait=min(20, max(1, int(deadline - time.monotonic()))))
-        for event in state["events"]:
-            after = max(after, event["id"])
-            if event["ended"] or event["level"] != "info":
+        answer = panel.get(f"deployments/{d['id']}/events/", state=state,
+                           wait=min(20, max(1, int(deadline - time.monotonic()))))
+        state = answer["state"]
+        for event in answer["events"]:
+            if event["id"] not in printed and (event["ended"] or event["level"] != "info"):
+                printed.add(event["id"])
                 say(f"  {event['step']:<12} {event['message']}")
-        line = f"  {state['status']}" + (f" · {state['load_phase']} {state['load_percent'] or 0:.0f} %" if state["load_phase"] else "")
-        if line != last_line and state["status"] == "loading":
+        line = f"  loading · {answer['load_phase'] or 'starting'} {answer['load_percent'] or 0:.0f} %"
+        if answer["status"] == "loading" and line != last_line:
             say(line)
             last_line = line
-        if state["status"] == want:
+        smoked = any(e["step"] == "smoke_test" and e["ended"] for e in answer["events"])
+        if answer["status"] == want and (want != "ready" or smoked):
             final = panel.get(f"deployments/{d['id']}/")
             _emit(final, args.json, [f"{final['name']} is {want}" + (f": {final['base_url']}/v1" if want == "ready" else "")])
             return 0
-        if state["status"] in ("failed", "stopped") and state["status"] != want:
-            say(f"{d['name']} {state['status']}: {state['status_message']}")
+        if answer["status"] in ("failed", "stopped") and answer["status"] != want:
+            say(f"{d['name']} {answer['status']}: {answer['status_message']}")
             if args.json:
                 print(json.dumps(panel.get(f"deployments/{d['id']}/"), indent=2, default=str))
             return FAILED
@@ -222,6 +226,8 @@ def cmd_bench(panel, args):
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     body = {"levels": levels, "max_tokens": args.max_tokens, "input_tokens": args.input_tokens,
             "prompt_source": args.prompts, "ignore_eos": not args.no_ignore_eos, "requests_per_user": args.requests_per_user}
+    if args.prompts_file:
+        body.update(prompt_source="jsonl", prompts_jsonl=Path(args.prompts_file).read_text())
     if args.target.startswith(("http://", "https://")):
         body.update(base_url=args.target, served_model=args.model or "")
     else:
@@ -333,6 +339,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--input-tokens", type=int, default=128)
     s.add_argument("--prompts", choices=["random", "builtin"], default="random")
+    s.add_argument("--prompts-file", default="", help='JSONL of {"prompt": ...} or {"messages": [...]} per line')
     s.add_argument("--requests-per-user", type=int, default=4)
     s.add_argument("--no-ignore-eos", action="store_true")
     s.add_argument("--wait", action="store_true")

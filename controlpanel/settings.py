@@ -109,8 +109,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (web, workers, agent) share the file: wait on locks instead of failing.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
     DATABASES["default"]["CONN_MAX_AGE"] = 0
-    # A file, not memory, so agent and worker processes started by the tests share it.
-    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-panel.sqlite3")}
+    # A file, not memory, so agent and worker processes started by the tests share it (they are
+    # given its path); one per test session, so two sessions never flush each other's data.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-panel-{os.getpid()}.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # The launcher exports REDIS_URL for the embedded Redis it starts; a bare import falls back to

@@ -21,13 +21,21 @@ def gpus_of(node: Node) -> QuerySet[Gpu]:
     return node.gpus.all()
 
 
-def deployment_events_after(deployment: Deployment, after: int, wait_s: float = 0.0) -> list:
-    """Events newer than `after`; waits up to `wait_s` for one to appear (a long poll)."""
+def deployment_progress(deployment: Deployment) -> tuple[str, list]:
+    """A token that changes whenever the status, load progress or any timeline step changes, and the steps."""
+    row = Deployment.objects.values("status", "load_percent").get(pk=deployment.pk)
+    events = list(deployment.events.all())
+    token = f"{row['status']}:{row['load_percent']}:" + ",".join(f"{e.pk}{'e' if e.ended else ''}" for e in events)
+    return token, events
+
+
+def deployment_wait(deployment: Deployment, token: str, wait_s: float = 0.0) -> tuple[str, list]:
+    """The progress token and steps, once the token differs from `token` or `wait_s` has passed (a long poll)."""
     import time
 
     deadline = time.monotonic() + wait_s
     while True:
-        events = list(deployment.events.filter(pk__gt=after))
-        if events or time.monotonic() >= deadline:
-            return events
+        current, events = deployment_progress(deployment)
+        if current != token or time.monotonic() >= deadline:
+            return current, events
         time.sleep(0.5)

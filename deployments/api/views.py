@@ -158,19 +158,18 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         """Install the deployment as a systemd unit on its node."""
         return self._accepted(services.deployment_persist(self.get_object()))
 
-    @extend_schema(parameters=[OpenApiParameter("after", int, description="only events with a larger id"),
-                               OpenApiParameter("wait", int, description="seconds to wait for a new event (max 30)")],
+    @extend_schema(parameters=[OpenApiParameter("state", str, description="the `state` of your last answer"),
+                               OpenApiParameter("wait", int, description="seconds to wait for a change (max 30)")],
                    responses=dict)
     @action(detail=True)
     def events(self, request, pk=None):
-        """The timeline; with `wait`, answers as soon as a newer event exists (long poll)."""
+        """Status and timeline; with `state` and `wait`, answers as soon as anything changed (a long poll)."""
         d = self.get_object()
-        after = _int(request.query_params.get("after"), 0)
         wait = min(_int(request.query_params.get("wait"), 0), 30)
-        events = selectors.deployment_events_after(d, after, wait)
+        state, events = selectors.deployment_wait(d, request.query_params.get("state", ""), wait)
         d.refresh_from_db()
-        return Response({"status": d.status, "status_message": d.status_message, "load_phase": d.load_phase,
-                         "load_percent": d.load_percent,
+        return Response({"state": state, "status": d.status, "status_message": d.status_message,
+                         "load_phase": d.load_phase, "load_percent": d.load_percent,
                          "events": serializers.DeploymentEventSerializer(events, many=True).data})
 
     @extend_schema(responses={200: str})

@@ -9,10 +9,9 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from deployments import services
 from deployments.host import engine
-from deployments.models import Deployment, ModelCopy, Node
-from tests.conftest import VLLM, agent_argv, free_port, in_thread, wait_until
+from deployments.models import Deployment
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 LOAD_TIMEOUT_MS = 300_000  # a CPU engine starts in ~25-70 s on 2 shared cores
@@ -28,20 +27,6 @@ def _deploy_from_form(page, name: str, port: int, stop: str | None = None):
         page.check(f'[data-field="replace"] label:has-text("{stop}") input')
     page.click("#deploy-form button[type=submit]")
     expect(page.locator("h1")).to_contain_text(name)
-
-
-@pytest.fixture
-def cpu_node(process_env, spawn, unique, tmp_path, tiny_model):
-    assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
-    env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path))
-    name = f"cpu-{unique}"
-    spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
-    node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
-    model = in_thread(services.model_add_local, node, str(tiny_model))
-    wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
-               message="the local model on the node")
-    wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
-    return node, model
 
 
 def test_deploy_watch_it_load_replace_it_and_stop_it_in_a_browser(logged_in_page, cpu_node):

@@ -1,0 +1,146 @@
+"""API latency under load: list endpoints with 10,000 benchmark points in the database,
+50 concurrent clients (closed loop: each sends its next request when the last one answered).
+
+The panel runs as in production (uvicorn serving the ASGI app, token authentication); the peer
+is the same server's bare health check under the same load, measured in the same run: the floor
+that Django, uvicorn and the network stack cost before any panel code.
+
+    python perf/api_latency.py [--seconds 20] [--clients 50] [--workers 2]
+
+The last line holds the figures as name=value pairs. Target: p99 <= 100 ms.
+Uses DATABASE_URL when set (PostgreSQL in production), else a fresh SQLite file.
+"""
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+ENDPOINTS = ["/api/runs/", "/api/runs/{run}/points/", "/api/deployments/", "/api/nodes/", "/api/models/", "/api/copies/"]
+
+
+def seed(points: int) -> dict:
+    """Nodes, models, deployments and runs with `points` benchmark points; returns ids to query."""
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    from benchmarks.models import BenchmarkPoint, BenchmarkRun
+    from deployments.models import Deployment, Gpu, ModelCopy, ModelRepo, Node
+
+    user = get_user_model().objects.create_superuser("perf", "", "perf-password-1")
+    nodes = [Node.objects.create(name=f"gpu-{i:02d}", address=f"10.0.0.{i}") for i in range(8)]
+    for node in nodes:
+        Gpu.objects.bulk_create([Gpu(node=node, index=i, name="NVIDIA H200", memory_total=141 * 10**9) for i in range(8)])
+    models = [ModelRepo.objects.create(repo_id=f"org/model-{i}", total_size=500 * 10**9, architecture="DeepseekV3ForCausalLM")
+              for i in range(20)]
+    ModelCopy.objects.bulk_create([ModelCopy(model=m, node=n, state="ready") for m in models for n in nodes[:4]])
+    deployments = [Deployment.objects.create(name=f"d-{i}", model=models[i % 20], node=nodes[i % 8], port=8000 + i,
+                                             status="ready", engine_args={"tensor-parallel-size": 8}) for i in range(50)]
+    levels = [2**k for k in range(11)] + [1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576]  # 20 per run
+    runs = BenchmarkRun.objects.bulk_create([
+        BenchmarkRun(name=f"run {i}", deployment=deployments[i % 50], status="done", params={"levels": levels},
+                     environment={"engine_args": {"tensor-parallel-size": 8}, "env": {"NCCL_PROTO": "LL"}})
+        for i in range(points // len(levels))])
+    dist = {"mean": 50.0, "median": 48.0, "std": 5.0, "p90": 60.0, "p95": 65.0, "p99": 80.0}
+    BenchmarkPoint.objects.bulk_create([
+        BenchmarkPoint(run=run, concurrency=c, num_requests=4 * c, output_throughput=81.0 * c, ttft_ms=dist, tpot_ms=dist,
+                       itl_ms=dist, e2e_ms=dist, ttfc_ms=dist, itl_per_token_ms=dist)
+        for run in runs for c in levels], batch_size=2000)
+    return {"token": Token.objects.create(user=user).key, "run": runs[len(runs) // 2].pk,
+            "points": BenchmarkPoint.objects.count()}
+
+
+async def load(base: str, token: str, paths: list[str], clients: int, seconds: float) -> list[float]:
+    import httpx
+
+    latencies: list[float] = []
+    errors = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Token {token}"}, limits=limits, timeout=30) as http:
+        end = time.monotonic() + seconds
+
+        async def client(k: int):
+            nonlocal errors
+            i = k
+            while time.monotonic() < end:
+                path = paths[i % len(paths)]
+                i += 1
+                started = time.perf_counter()
+                response = await http.get(path)
+                latencies.append(time.perf_counter() - started)
+                errors += response.status_code != 200
+
+        await asyncio.gather(*(client(k) for k in range(clients)))
+    if errors:
+        raise SystemExit(f"{errors} requests failed")
+    return latencies
+
+
+def pct(values, p):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] * 1000
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
+    parser.add_argument("--points", type=int, default=10_000)
+    args = parser.parse_args()
+
+    var = tempfile.mkdtemp(prefix="perf-api-")
+    os.environ["PANEL_VAR_DIR"] = var
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    t0 = time.monotonic()
+    ids = seed(args.points)
+    print(f"seeded {ids['points']} benchmark points in {time.monotonic() - t0:.1f} s")
+    port = 19000 + os.getpid() % 1000
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "controlpanel.asgi:application", "--port", str(port),
+                               "--workers", str(args.workers), "--log-level", "warning", "--no-access-log"],
+                              cwd=ROOT, env=dict(os.environ), start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.3)
+        paths = [p.format(run=ids["run"]) for p in ENDPOINTS]
+        asyncio.run(load(base, ids["token"], paths, args.clients, 3))  # warm-up
+        api = asyncio.run(load(base, ids["token"], paths, args.clients, args.seconds))
+        floor = asyncio.run(load(base, ids["token"], ["/healthz"], args.clients, args.seconds / 2))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+    rps, floor_rps = len(api) / args.seconds, len(floor) / (args.seconds / 2)
+    print(f"{args.clients} clients, {args.workers} server workers, {args.seconds:.0f} s; endpoints: {', '.join(ENDPOINTS)}")
+    print(f"API lists: p50 {pct(api, 50):.1f} ms  p99 {pct(api, 99):.1f} ms  {rps:.0f} req/s  (mean {statistics.mean(api) * 1000:.1f} ms)")
+    print(f"/healthz floor: p50 {pct(floor, 50):.1f} ms  p99 {pct(floor, 99):.1f} ms  {floor_rps:.0f} req/s")
+    print(" ".join([f"p50_ms={pct(api, 50):.1f}", f"p99_ms={pct(api, 99):.1f}", f"rps={rps:.0f}",
+                    f"floor_p99_ms={pct(floor, 99):.1f}", f"floor_rps={floor_rps:.0f}", f"rps_vs_floor={rps / floor_rps:.3f}",
+                    f"points={ids['points']}"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Fixtures for the end-to-end tests: a node agent with the real CPU vLLM engine."""
+import pytest
+
+from deployments import services
+from deployments.host import engine
+from deployments.models import Deployment, ModelCopy, Node
+from tests.conftest import VLLM, agent_argv, in_thread, wait_until
+
+
+@pytest.fixture
+def cpu_node(process_env, spawn, unique, tmp_path, tiny_model):
+    assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
+    env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path))
+    name = f"cpu-{unique}"
+    spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
+    node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
+    model = in_thread(services.model_add_local, node, str(tiny_model))
+    wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
+               message="the local model on the node")
+    wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
+    yield node, model
+    # Engines run in their own sessions and outlive a killed agent: never leave one behind.
+    for pgid in Deployment.objects.filter(node=node).exclude(pgid=None).values_list("pgid", flat=True):
+        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+
+
