@@ -72,7 +72,10 @@ def test_stop_restart_events_logs_and_unit(api, setup):
     DeploymentEventFactory(deployment=d, step="launch")
     events = api.get(f"/api/deployments/{d.pk}/events/").json()
     assert events["status"] == "ready" and events["events"][0]["step"] == "launch"
-    assert api.get(f"/api/deployments/{d.pk}/events/?after={events['events'][0]['id']}&wait=1").json()["events"] == []
+    unchanged = api.get(f"/api/deployments/{d.pk}/events/?state={events['state']}&wait=1").json()
+    assert unchanged["state"] == events["state"]
+    DeploymentEventFactory(deployment=d, step="smoke_test")
+    assert api.get(f"/api/deployments/{d.pk}/events/?state={events['state']}&wait=5").json()["events"][-1]["step"] == "smoke_test"
     assert api.get(f"/api/deployments/{d.pk}/logs/").json() == {"lines": ["a", "b"]}
     assert "ExecStart=" in api.get(f"/api/deployments/{d.pk}/unit/").json()["text"]
     restarted = api.post(f"/api/deployments/{d.pk}/restart/", {"port": 8200}, format="json").json()
