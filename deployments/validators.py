@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 # Hugging Face: "org/name", letters, digits, '-', '_', '.', at most 96 characters per part.
 REPO_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
 REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")
+NODE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 PATH = re.compile(r"^/[A-Za-z0-9._/@+-]{0,1023}$")
 
 

@@ -51,6 +51,8 @@ def _cases(model_id):
     for t in traversal:
         yield "/api/models/", {"repo_id": t}, "repo_id"
         yield "/api/models/", {"node": "gpu-01", "local_path": t}, "local_path"
+    yield "/api/models/", {"node": "gpu-01\x00", "local_path": "/models/x"}, "node"  # PostgreSQL refuses NUL
+    yield "/api/deployments/", {**deploy, "node": "gpu\x00-01"}, "node"
     huge = "a" * 100_000
     yield "/api/models/", {"repo_id": f"org/{huge}"}, "repo_id"
     yield "/api/deployments/", {**deploy, "env": {"NCCL_PROTO": huge}}, "env"
@@ -70,6 +72,8 @@ def test_every_injection_case_is_refused_naming_its_field_and_nothing_runs(api, 
         shown = str(body)[:120]
         assert response.status_code == 400, f"{path} {shown}: {response.status_code} {response.content[:200]}"
         assert field in response.json()["error"]["fields"], f"{path} {shown}: {response.json()}"
+    for query in ("/api/models/?repo_id=org/a%00b", "/api/deployments/?name=x%00", "/api/copies/?node=%00"):
+        assert api.get(query).status_code == 400, query
     sent.assert_not_called()
     assert not Deployment.objects.exists() and not ModelRepo.objects.exclude(pk=model.pk).exists()
     import os

@@ -5,6 +5,18 @@ from deployments import validators
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
 
 
+class NodeField(serializers.SlugRelatedField):
+    """A node by name; a value that cannot be a node name is refused before the database sees it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(slug_field="name", queryset=Node.objects.all(), **kwargs)
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str) or not validators.NODE_NAME.match(data):
+            self.fail("does_not_exist", slug_name=self.slug_field, value=str(data)[:80])
+        return super().to_internal_value(data)
+
+
 def _django(validator):
     """Run a Django validator inside DRF, keeping its message."""
     def run(value):
@@ -56,7 +68,7 @@ class ModelAddSerializer(serializers.Serializer):
     repo_id = serializers.CharField(required=False, max_length=200, validators=[_django(validators.validate_repo_id)])
     revision = serializers.CharField(required=False, default="main", max_length=200,
                                      validators=[_django(validators.validate_revision)])
-    node = serializers.SlugRelatedField(slug_field="name", queryset=Node.objects.all(), required=False)
+    node = NodeField(required=False)
     local_path = serializers.CharField(required=False, max_length=1024, validators=[_django(validators.validate_local_path)])
 
     def validate(self, data):
@@ -68,11 +80,11 @@ class ModelAddSerializer(serializers.Serializer):
 
 
 class NodeChoiceSerializer(serializers.Serializer):
-    node = serializers.SlugRelatedField(slug_field="name", queryset=Node.objects.all())
+    node = NodeField()
 
 
 class FitQuerySerializer(serializers.Serializer):
-    node = serializers.SlugRelatedField(slug_field="name", queryset=Node.objects.all())
+    node = NodeField()
     tp = serializers.IntegerField(min_value=1, max_value=64, default=8)
     pp = serializers.IntegerField(min_value=1, max_value=64, default=1)
     gpu_memory_utilization = serializers.FloatField(min_value=0.05, max_value=1.0, default=0.9)
@@ -116,7 +128,7 @@ class DeployRequestSerializer(serializers.Serializer):
     """A deploy: engine flags as a dict ({"tensor-parallel-size": 8}), environment as a dict."""
 
     model = serializers.PrimaryKeyRelatedField(queryset=ModelRepo.objects.all())
-    node = serializers.SlugRelatedField(slug_field="name", queryset=Node.objects.all())
+    node = NodeField()
     name = serializers.SlugField(max_length=80, required=False, default="")
     gpus = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=1023), required=False, default=list,
                                  max_length=64)
@@ -136,7 +148,8 @@ class DeployRequestSerializer(serializers.Serializer):
             if not isinstance(v, (str, int, float, bool)) or v is None:
                 raise serializers.ValidationError(f"--{str(name)[:40]}: a value is a string, number or true/false.")
         value = {str(k).lstrip("-"): v for k, v in value.items()}
-        node = Node.objects.filter(name=self.initial_data.get("node")).first() if isinstance(self.initial_data, dict) else None
+        name = self.initial_data.get("node") if isinstance(self.initial_data, dict) else None
+        node = Node.objects.filter(name=name).first() if isinstance(name, str) and validators.NODE_NAME.match(name) else None
         errors = engineargs.check_flags(value, set(node.engine_flags) if node and node.engine_flags else None)
         if errors:
             raise serializers.ValidationError(errors["extra_flags"])

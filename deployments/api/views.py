@@ -4,6 +4,7 @@ from dataclasses import asdict
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from controlpanel.idempotency import idempotent
@@ -28,8 +29,8 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     @extend_schema(parameters=[OpenApiParameter("repo_id", str)])
     def list(self, request):
         models = self.get_queryset()
-        if request.query_params.get("repo_id"):
-            models = models.filter(repo_id=request.query_params["repo_id"])
+        if _param(request, "repo_id"):
+            models = models.filter(repo_id=_param(request, "repo_id"))
         page = self.paginate_queryset(models)
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
@@ -75,8 +76,8 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
     @extend_schema(parameters=[OpenApiParameter("node", str), OpenApiParameter("model", int)])
     def list(self, request):
         copies = self.get_queryset()
-        if request.query_params.get("node"):
-            copies = copies.filter(node__name=request.query_params["node"])
+        if _param(request, "node"):
+            copies = copies.filter(node__name=_param(request, "node"))
         if request.query_params.get("model", "").isdigit():
             copies = copies.filter(model_id=int(request.query_params["model"]))
         page = self.paginate_queryset(copies)
@@ -112,8 +113,8 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     def list(self, request):
         found = self.get_queryset()
         for param, field in (("name", "name"), ("node", "node__name"), ("status", "status")):
-            if request.query_params.get(param):
-                found = found.filter(**{field: request.query_params[param]})
+            if _param(request, param):
+                found = found.filter(**{field: _param(request, param)})
         page = self.paginate_queryset(found)
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
@@ -166,7 +167,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         """Status and timeline; with `state` and `wait`, answers as soon as anything changed (a long poll)."""
         d = self.get_object()
         wait = min(_int(request.query_params.get("wait"), 0), 30)
-        state, events = selectors.deployment_wait(d, request.query_params.get("state", ""), wait)
+        state, events = selectors.deployment_wait(d, _param(request, "state"), wait)
         d.refresh_from_db()
         return Response({"state": state, "status": d.status, "status_message": d.status_message,
                          "load_phase": d.load_phase, "load_percent": d.load_percent,
@@ -188,6 +189,14 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
 
     def _accepted(self, d):
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
+
+
+def _param(request, name: str) -> str:
+    """A query parameter for a filter; text the database cannot hold (NUL) is a 400, not a 500."""
+    value = request.query_params.get(name, "")
+    if "\x00" in value or len(value) > 500:
+        raise ValidationError({name: ["Invalid characters or too long."]})
+    return value
 
 
 def _int(value, default: int) -> int:

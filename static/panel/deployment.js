@@ -31,7 +31,13 @@
       const body = document.querySelector("#timeline tbody");
       body.querySelector(".empty-row")?.remove();
       let row = body.querySelector(`tr[data-event="${e.id}"]`);
-      if (!row) { row = document.createElement("tr"); row.dataset.event = e.id; body.appendChild(row); }
+      if (!row) {
+        // Snapshots arrive in any order after a reconnect: keep the timeline in step order (by id).
+        row = document.createElement("tr");
+        row.dataset.event = e.id;
+        const next = [...body.querySelectorAll("tr[data-event]")].find((r) => Number(r.dataset.event) > e.id);
+        body.insertBefore(row, next || null);
+      }
       row.className = e.level;
       row.innerHTML = `<td>${esc(e.step)}</td><td>${new Date(e.started).toLocaleTimeString([], { hour12: false })}</td>` +
         `<td class="num">${e.duration != null ? e.duration.toFixed(1) + " s" : "…"}</td><td>${esc(e.message)}</td>`;

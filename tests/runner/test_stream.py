@@ -6,6 +6,7 @@ import pytest
 from benchmarks.runner.spec import RequestRecord
 from benchmarks.runner import stream
 from benchmarks.runner.stream import Connection, Counters
+from tests.conftest import run_async
 
 
 class FakeTransport:
@@ -109,7 +110,7 @@ def test_a_reused_connection_closed_before_any_answer_asks_for_a_retry(monkeypat
         return calls
 
     import asyncio
-    assert asyncio.run(scenario()) == [(0, True, b""), (1, False, b"POST 2")]
+    assert run_async(scenario()) == [(0, True, b""), (1, False, b"POST 2")]
 
 
 def test_an_error_status_fails_the_request_with_the_servers_message(run):
