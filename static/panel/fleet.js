@@ -12,8 +12,8 @@
       badge.textContent = online ? "online" : "offline since " + new Date(lastT * 1000).toLocaleString();
     }, 1000);
     Live.subscribe("node:" + card.dataset.node, (msg) => {
-      if (msg.kind !== "sample") return;
-      lastT = Math.max(lastT || 0, msg.data.t);
+      if (msg.kind !== "sample" || (lastT && msg.data.t < lastT)) return;  // a late, older snapshot
+      lastT = msg.data.t;
       for (const g of msg.data.gpus || []) {
         const row = card.querySelector(`.gpu-row[data-gpu="${g.index}"]`);
         if (!row || g.memory_used == null) continue;

@@ -12,6 +12,7 @@
   let minuteMode = false;
   let minuteSamples = [];
   let lastT = samples.length ? samples[samples.length - 1].t : null;
+  let shownT = 0; // time of the sample the tables show
 
   function seriesFor(list, field, scale) {
     const xs = list.map((s) => s.t);
@@ -115,9 +116,10 @@
       const res = await fetch(`${N.historyUrl}?since=${lastT}`);
       if (res.ok) merge((await res.json()).samples);
     }
-    if (lastT && msg.data.t <= lastT && !msg.snapshot) return;
+    // A snapshot can arrive after a newer live sample (it is read just after joining the group):
+    // anything not newer than what is shown only fills the chart, never the current figures.
     merge([compact(msg.data)]);
-    showTables(msg.data);
+    if (msg.data.t > shownT) { shownT = msg.data.t; showTables(msg.data); }
     if (!minuteMode) redraw();
     setState();
   });
