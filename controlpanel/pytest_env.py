@@ -6,3 +6,6 @@ No Django import here: tests/gpu runs where Django is absent.
 import os
 
 os.environ.setdefault("CHANNELS_PREFIX", "paneltest")
+# Database connections close after each request, so none is left open in a web thread when
+# pytest drops the test database (PostgreSQL refuses to drop a database in use).
+os.environ.setdefault("DB_CONN_MAX_AGE", "0")

@@ -3,17 +3,25 @@ VIEWER = "viewer"
 OPERATOR = "operator"
 
 
+def _groups(user) -> frozenset:
+    """The user's group names, read once per user object (as Django caches permissions)."""
+    names = getattr(user, "_panel_groups", None)
+    if names is None:
+        names = user._panel_groups = frozenset(user.groups.values_list("name", flat=True))
+    return names
+
+
 def is_operator(user) -> bool:
     if not user.is_authenticated:
         return False
-    return user.is_superuser or user.groups.filter(name=OPERATOR).exists()
+    return user.is_superuser or OPERATOR in _groups(user)
 
 
 def is_viewer(user) -> bool:
     """Anyone allowed to look: viewers and operators."""
     if not user.is_authenticated:
         return False
-    return is_operator(user) or user.groups.filter(name=VIEWER).exists()
+    return is_operator(user) or VIEWER in _groups(user)
 
 
 def operator_required(view):

@@ -70,7 +70,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    "servestatic.middleware.ServeStaticMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -102,13 +102,13 @@ TEMPLATES = [
 
 DATABASES = {
     "default": dj_database_url.parse(
-        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'panel.sqlite3'}"), conn_max_age=60
+        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'panel.sqlite3'}"),
+        conn_max_age=env_int("DB_CONN_MAX_AGE", 60), conn_health_checks=True,
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (web, workers, agent) share the file: wait on locks instead of failing.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
     # A file, not memory, so agent and worker processes started by the tests share it (they are
     # given its path); one per test session, so two sessions never flush each other's data.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-panel-{os.getpid()}.sqlite3")}
@@ -150,14 +150,14 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-# Production images run collectstatic into STATIC_ROOT; without it servestatic serves from the apps.
+# Production images run collectstatic into STATIC_ROOT; without it whitenoise serves from the apps.
 STATIC_ROOT = env_str("STATIC_ROOT") or None
-SERVESTATIC_USE_FINDERS = True
+WHITENOISE_USE_FINDERS = True
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Token first: unauthenticated API calls then get 401 + WWW-Authenticate, not 403.
-        "rest_framework.authentication.TokenAuthentication",
+        "controlpanel.apicache.CachedTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["controlpanel.permissions.IsViewerOrOperator"],
@@ -182,6 +182,8 @@ SPECTACULAR_SETTINGS = {
 # --- the panel's own knobs --------------------------------------------------------------
 MODEL_STORE = env_str("MODEL_STORE", str(VAR_DIR / "models"))
 NODE_NAME = env_str("NODE_NAME", "")  # default: this machine's hostname
+WEB_GC_THRESHOLD = tuple(int(x) for x in env_list("WEB_GC_THRESHOLD", "10000,20,100"))  # see controlpanel/asgi.py
+WEB_THREADS = env_int("WEB_THREADS", 16)  # per web process: requests served at once (controlpanel/handler.py)
 HEARTBEAT_SECONDS = env_float("HEARTBEAT_SECONDS", 5.0)
 SAMPLE_SECONDS = env_float("SAMPLE_SECONDS", 1.0)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")

@@ -4,3 +4,8 @@ from django.apps import AppConfig
 class DeploymentsConfig(AppConfig):
     name = "deployments"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self):
+        from controlpanel import apicache
+
+        apicache.watch_database_writes()

@@ -7,6 +7,7 @@ from datetime import timezone as dt_timezone
 from django.conf import settings
 from django.utils import timezone
 
+from controlpanel import apicache
 from deployments import live
 from deployments.models import NodeMetric
 
@@ -40,6 +41,7 @@ def push(node_id: int, sample: dict, sample_seconds: float = 1.0) -> None:
     pipe.rpush(_key(node_id), json.dumps(compact(sample), separators=(",", ":")))
     pipe.ltrim(_key(node_id), -keep, -1)
     pipe.expire(_key(node_id), RECENT_SECONDS * 2)
+    apicache.bump(apicache.LIVE, pipe)  # answers carrying live figures are stale now
     pipe.execute()
 
 

@@ -52,8 +52,12 @@ def wait_until(predicate, timeout=15.0, interval=0.05, message="condition"):
 
 @pytest.fixture(autouse=True)
 def _fresh_live_state():
-    """Snapshots and history are keyed by row id, and ids repeat between tests: start empty."""
+    """Snapshots and history are keyed by row id, and ids repeat between tests: start empty.
+    The same for cached API answers: a test's rolled-back rows leave no write behind to mark them stale."""
+    from controlpanel import apicache
     from deployments import live
+
+    apicache.clear()
 
     client = live.redis_client()
     prefix = os.environ["CHANNELS_PREFIX"]

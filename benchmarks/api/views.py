@@ -7,6 +7,7 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
+from controlpanel.apicache import cached_read
 from controlpanel.idempotency import idempotent
 
 from benchmarks import selectors, services
@@ -24,6 +25,10 @@ class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
     lookup_value_regex = r"[0-9]+"
     serializer_class = serializers.BenchmarkRunSerializer
     queryset = BenchmarkRun.objects.select_related("deployment")
+
+    @cached_read()
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=serializers.RunRequestSerializer, responses={202: serializers.BenchmarkRunSerializer})
     @idempotent
@@ -46,6 +51,7 @@ class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
 
     @extend_schema(responses=serializers.BenchmarkPointSerializer(many=True))
     @action(detail=True)
+    @cached_read()
     def points(self, request, pk=None):
         """Results of the run, one point per concurrency level."""
         return Response(serializers.BenchmarkPointSerializer(self.get_object().points.all(), many=True).data)

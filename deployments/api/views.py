@@ -7,6 +7,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
+from controlpanel.apicache import cached_read
 from controlpanel.idempotency import idempotent
 
 from deployments import selectors, services
@@ -20,6 +21,10 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     lookup_field = "name"
     lookup_value_regex = r"[a-z0-9][a-z0-9-]*"
 
+    @cached_read(live=True)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
 
 class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     lookup_value_regex = r"[0-9]+"
@@ -27,6 +32,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     queryset = selectors.model_list()
 
     @extend_schema(parameters=[OpenApiParameter("repo_id", str)])
+    @cached_read()
     def list(self, request):
         models = self.get_queryset()
         if _param(request, "repo_id"):
@@ -74,6 +80,7 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
     queryset = ModelCopy.objects.select_related("node", "model")
 
     @extend_schema(parameters=[OpenApiParameter("node", str), OpenApiParameter("model", int)])
+    @cached_read()
     def list(self, request):
         copies = self.get_queryset()
         if _param(request, "node"):
@@ -110,6 +117,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     queryset = selectors.deployment_list()
 
     @extend_schema(parameters=[OpenApiParameter("name", str), OpenApiParameter("node", str), OpenApiParameter("status", str)])
+    @cached_read()
     def list(self, request):
         found = self.get_queryset()
         for param, field in (("name", "name"), ("node", "node__name"), ("status", "status")):

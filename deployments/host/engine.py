@@ -116,6 +116,27 @@ def _flags_cached(vllm_bin: str, mtime: float, timeout_s: float) -> frozenset[st
     return frozenset(flags)
 
 
+@functools.lru_cache(maxsize=8)
+def _version_cached(vllm_bin: str, mtime: float, timeout_s: float) -> str:
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    try:
+        out = subprocess.run([vllm_bin, "--version"], capture_output=True, text=True, timeout=timeout_s, env=env,
+                             stdin=subprocess.DEVNULL)
+    except (subprocess.TimeoutExpired, OSError):
+        return ""
+    versions = [line.strip() for line in out.stdout.splitlines() if re.match(r"^\d+\.\d+\S*$", line.strip())]
+    return versions[-1][:64] if out.returncode == 0 and versions else ""
+
+
+def engine_version(vllm_bin: str, timeout_s: float = 120.0) -> str:
+    """What `vllm --version` says ("0.32.0+cpu"), or "" when it cannot tell (cached per binary)."""
+    try:
+        mtime = os.stat(vllm_bin).st_mtime
+    except OSError:
+        return ""
+    return _version_cached(str(vllm_bin), mtime, timeout_s)
+
+
 def engine_flags(vllm_bin: str, timeout_s: float = 120.0) -> set[str]:
     """The `--flags` this engine's `vllm serve` accepts, from its own --help=all (cached per binary)."""
     try:

@@ -471,7 +471,7 @@ def node_engine_report(node_id: int) -> None:
 
     try:
         flags = sorted(engine.engine_flags(settings.VLLM_BIN))
-        Node.objects.filter(pk=node_id).update(engine_flags=flags, engine_error="",
-                                               systemd=systemd.available())
+        Node.objects.filter(pk=node_id).update(engine_flags=flags, engine_error="", systemd=systemd.available(),
+                                               engine_version=engine.engine_version(settings.VLLM_BIN))
     except engine.EngineError as exc:
         Node.objects.filter(pk=node_id).update(engine_flags=[], engine_error=str(exc)[:500], systemd=systemd.available())

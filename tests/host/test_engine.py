@@ -81,6 +81,18 @@ def test_engine_flags_parses_the_engines_own_help_once(tmp_path):
     assert calls.read_text().count("x") == 1
 
 
+def test_engine_version_is_what_vllm_says_after_its_log_lines(tmp_path):
+    fake = tmp_path / "vllm"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] || exit 2\n'
+                    'echo "INFO 11-29 10:00:00 [__init__.py:1] Automatically detected platform cpu."\necho 0.32.0+cpu\n')
+    fake.chmod(0o755)
+    assert engine.engine_version(str(fake)) == "0.32.0+cpu"
+    broken = tmp_path / "broken"
+    broken.write_text("#!/bin/sh\necho 'Traceback (most recent call last):'\nexit 1\n")
+    broken.chmod(0o755)
+    assert engine.engine_version(str(broken)) == "" and engine.engine_version(str(tmp_path / "nope")) == ""
+
+
 def test_engine_flags_of_a_missing_engine_is_a_permanent_error(tmp_path):
     with pytest.raises(EngineError) as err:
         engine.engine_flags(str(tmp_path / "nope"))
