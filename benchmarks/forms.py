@@ -21,7 +21,7 @@ def parse_levels(text: str) -> list[int]:
 class RunForm(forms.Form):
     deployment = forms.ModelChoiceField(queryset=Deployment.objects.filter(status=Deployment.Status.READY), required=False,
                                         help_text="A ready deployment (the load runs on its node, next to the engine).")
-    base_url = forms.URLField(required=False, max_length=500, label="…or any OpenAI-compatible URL",
+    base_url = forms.URLField(required=False, max_length=500, label="…or any OpenAI-compatible URL", assume_scheme="http",
                               widget=forms.URLInput(attrs={"placeholder": "http://10.0.0.5:8000"}))
     served_model = forms.RegexField(r"^[\w./:@+-]*$", required=False, max_length=200, label="Model name",
                                    help_text="Default: the first model the server lists.")

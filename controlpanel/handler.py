@@ -1,18 +1,25 @@
-"""Django's ASGI HTTP handler, running each request's middleware and view in one worker thread.
+"""Django's ASGI HTTP handler, serving each request in one hop to a worker thread.
 
 Why: the panel's views (DRF) and Django's stock middleware are synchronous. Under the stock
-ASGIHandler every MiddlewareMixin hook and the view each hop to a thread of their own
-(`sync_to_async`), about 14 hops per request, all on one shared thread: a slow request (the
-deployment events long poll waits up to 30 s) held up every other request in the process.
-Here the whole synchronous chain runs in one hop, on a pool of `WEB_THREADS` threads, the way a
-threaded WSGI server runs Django; WebSockets stay on Channels' async consumers (asgi.py).
-Each thread keeps its own database connection, recycled as in WSGI (CONN_MAX_AGE, health checks).
+ASGIHandler every MiddlewareMixin hook, the request signals and the view each hop to a thread
+(`sync_to_async`), about 14 hops per request, all on one shared thread per request context: a slow
+request (the deployment events long poll waits up to 30 s) held up every other request of the
+process. Here the request signals, middleware and view run together in one hop, on a pool of
+`WEB_THREADS` threads, the way a threaded WSGI server runs Django; only reading the body and
+sending the answer stay on the event loop. WebSockets stay on Channels' async consumers (asgi.py).
+Each thread keeps its own database connection, recycled as under WSGI (request_started and
+request_finished run in that thread: CONN_MAX_AGE, health checks).
+
+Unlike the stock handler, a client that disconnects does not cancel its request: a synchronous
+view in a thread could not be stopped anyway.
 """
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import sync_to_async
-from django.core.handlers.asgi import ASGIHandler
-from django.db import close_old_connections
+from django.core import signals
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.urls import set_script_prefix
 
 
 class ThreadedASGIHandler(ASGIHandler):
@@ -22,19 +29,43 @@ class ThreadedASGIHandler(ASGIHandler):
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http")
 
     async def __call__(self, scope, receive, send):
-        # Django wraps each request in a ThreadSensitiveContext, which starts a fresh thread per
-        # request for the few thread-sensitive calls left (the request signals, response.close);
-        # those are cheap and may share asgiref's one process-wide thread instead.
         if scope["type"] != "http":
             raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
         await self.handle(scope, receive, send)
 
-    async def get_response_async(self, request):
-        return await sync_to_async(self._respond, thread_sensitive=False, executor=self.executor)(request)
-
-    def _respond(self, request):
-        close_old_connections()  # what request_started does under WSGI, in the thread that owns them
+    async def handle(self, scope, receive, send):
         try:
-            return self.get_response(request)
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        try:
+            response = await self._in_thread(self._serve, scope, body_file)
+            if response.streaming and not response.is_async:
+                # A file (static files): read it chunk by chunk in the pool; Django would read it
+                # whole into memory first, warning about it on every request.
+                response.streaming_content = self._chunks(iter(response.streaming_content))
+            try:
+                await self.send_response(response, send)
+            finally:
+                if response.streaming:  # its iterator (a file) was read while sending: close it now
+                    await self._in_thread(response.close)
         finally:
-            close_old_connections()
+            body_file.close()
+
+    async def _chunks(self, iterator):
+        while (chunk := await self._in_thread(next, iterator, None)) is not None:
+            yield chunk
+
+    async def _in_thread(self, fn, *args):
+        return await sync_to_async(fn, thread_sensitive=False, executor=self.executor)(*args)
+
+    def _serve(self, scope, body_file):
+        """request_started, middleware and view, and (for a finished body) request_finished."""
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, response = self.create_request(scope, body_file)
+        if request is not None:
+            response = self.get_response(request)
+        if not response.streaming:
+            response.close()  # the body is in memory already; this sends request_finished
+        return response

@@ -129,3 +129,15 @@ def test_a_long_poll_does_not_hold_up_other_requests(live_server_asgi, operator)
     deployment.save()
     poll.join(30)
     assert answered and answered[0].status_code == 200
+
+
+def test_the_threaded_handler_serves_static_files_pages_and_bad_requests(live_server_asgi):
+    import httpx
+
+    css = httpx.get(f"{live_server_asgi}/static/panel/panel.css", timeout=10)  # streamed from a file
+    assert css.status_code == 200 and css.content == (ROOT / "static/panel/panel.css").read_bytes()
+    assert httpx.get(f"{live_server_asgi}/static/panel/nope.css", timeout=10).status_code == 404
+    page = httpx.get(f"{live_server_asgi}/", timeout=10)  # a page: the login redirect, through every middleware
+    assert page.status_code == 302 and page.headers["location"].startswith("/accounts/login/")
+    assert page.headers["x-frame-options"] == "DENY"
+    assert httpx.get(f"{live_server_asgi}/healthz", headers={"host": "evil.example"}, timeout=10).status_code == 400
