@@ -1,7 +1,7 @@
 """Versioned caches for the API's hot reads: list answers and token lookups.
 
-An answer is kept in the web process under its URL, format and role, plus a version read from
-Redis: "data", which every committed write to the database bumps (a database execute wrapper
+A JSON answer is kept in the web process under its full URL (host included: pagination links are
+absolute) and the caller's role, plus a version read from Redis: "data", which every committed write to the database bumps (a database execute wrapper
 sees every INSERT/UPDATE/DELETE, whether from the ORM, a bulk update or another process), and,
 for answers that carry telemetry, "live", which each new sample bumps (history.push). A read
 costs one Redis round trip while nothing changed; the first read after any change is fresh.
@@ -104,7 +104,7 @@ def watch_database_writes() -> None:
 # -- the process-local store --------------------------------------------------------------------
 
 class _Store:
-    """A small LRU bounded by bytes; entries of old versions simply age out."""
+    """A small LRU bounded by size; entries of old versions simply age out."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes, self.size = max_bytes, 0
@@ -153,7 +153,7 @@ def cached_read(live: bool = False):
             if request.accepted_renderer.format != "json":
                 return action(self, request, *args, **kwargs)
             try:
-                key = (request_versions(request)[:len(kinds)], request.get_full_path(), is_operator(request.user))
+                key = (request_versions(request)[:len(kinds)], request.build_absolute_uri(), is_operator(request.user))
             except redis.RedisError:
                 return action(self, request, *args, **kwargs)
             hit = answers.get(key)

@@ -16,7 +16,6 @@ ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", 
 ENV_RESERVED = {"CUDA_VISIBLE_DEVICES": "set by the panel from the chosen GPUs"}
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
 FLAG_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-RESERVED_FLAGS = {"model": "set by the panel from the model"}  # --host/--port: see host/engine.py
 MAX_VALUE = 4096
 
 # Form presets: typical layouts, prefilled into the deploy form (the user can change anything).
@@ -126,11 +125,11 @@ def check_env(env: dict) -> dict[str, str]:
 
 
 def check_flags(flags: dict, known: set[str] | None) -> dict[str, str]:
-    """Errors for malformed or reserved flags, bad values, and (when the engine's list is known) unknown ones."""
+    """Errors for malformed or reserved flags (engine.RESERVED_FLAGS), bad values, and (when the engine's
+    list is known) unknown ones."""
     errors = [f"--{name}: the value must be plain printable text (no shell syntax), at most {MAX_VALUE} characters"
               for name, value in flags.items()
               if not isinstance(value, (bool, int, float)) and not (isinstance(value, str) and _plain(value))]
-    errors += [f"--{name} is {RESERVED_FLAGS[name]}" for name in flags if name in RESERVED_FLAGS]
     errors += [message for name, message in engine.validate_args(flags, known or set()).items()
                if known or "unknown engine flag" not in message]
     return {"extra_flags": "; ".join(dict.fromkeys(errors))} if errors else {}

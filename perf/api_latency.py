@@ -8,7 +8,9 @@ that Django, uvicorn and the network stack cost before any panel code.
     python perf/api_latency.py [--seconds 20] [--clients 50] [--workers 2]
 
 The last line holds the figures as name=value pairs. Target: p99 <= 100 ms.
-Uses DATABASE_URL when set (PostgreSQL in production), else a fresh SQLite file.
+Uses DATABASE_URL when set (PostgreSQL in production), else a fresh SQLite file. The clients are
+aiohttp in this process (with the collector frozen, so its pauses are not counted as latency);
+on a small machine they share the cores with the server, as the figures then show.
 """
 import argparse
 import asyncio

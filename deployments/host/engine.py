@@ -20,7 +20,9 @@ import httpx
 import psutil
 
 SHM_DIR = Path("/dev/shm")
-RESERVED_FLAGS = {"--host": "set by the panel", "--port": "set by the panel"}
+# The panel sets these itself; the deploy form and API refuse them too (engineargs.check_flags).
+RESERVED_FLAGS = {"--host": "set by the panel", "--port": "set by the panel (the deployment's port)",
+                  "--model": "set by the panel from the model"}
 _FLAG_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 

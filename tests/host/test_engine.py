@@ -34,7 +34,7 @@ def test_build_argv_turns_engine_args_into_flags_without_a_shell():
     ]
 
 
-@pytest.mark.parametrize("name", ["port", "--host", "bad flag", "x=1"])
+@pytest.mark.parametrize("name", ["port", "--host", "model", "bad flag", "x=1"])
 def test_build_argv_refuses_reserved_or_malformed_flags(name):
     with pytest.raises(EngineError) as err:
         engine.build_argv("vllm", "m", 8000, "127.0.0.1", {name: "1"})
