@@ -1,39 +1,52 @@
 """Versioned caches for the API's hot reads: list answers and token lookups.
 
 A JSON answer is kept in the web process under its full URL (host included: pagination links are
-absolute) and the caller's role, plus a version read from Redis: "data", which every committed write to the database bumps (a database execute wrapper
-sees every INSERT/UPDATE/DELETE, whether from the ORM, a bulk update or another process), and,
-for answers that carry telemetry, "live", which each new sample bumps (history.push). A read
-costs one Redis round trip while nothing changed; the first read after any change is fresh.
-A version that goes missing (Redis flushed or restarted) starts again from a random value, so an
-old entry can never match it. While Redis cannot be reached, reads skip the cache.
+absolute) and the caller's role, with the version of every table it read. Versions live in Redis:
+a database execute wrapper sees every statement, in every process, so each committed INSERT/
+UPDATE/DELETE bumps the version of the table it wrote (ORM, bulk update or raw SQL alike; a write
+it cannot attribute, such as TRUNCATE, bumps them all), and the SELECTs run while an answer is
+computed name the tables it depends on. Answers that carry telemetry also depend on "live", which
+each new sample bumps (history.push). So a heartbeat makes the node lists stale but not the
+benchmark lists, and no answer is ever served after a change it depends on.
+
+A request reads all versions in one Redis round trip; while nothing it depends on changed, the
+answer costs no query. After a change, one request per process recomputes an answer and
+concurrent ones wait for it instead of each computing it again. Versions only grow: an answer
+computed after reading versions V serves any request that found versions <= V. A version that
+goes missing (Redis flushed or restarted) starts again from the current time in microseconds,
+above any value it had. While Redis cannot be reached, reads skip the cache.
 """
 import logging
-import secrets
+import re
 import threading
+import time
 from collections import OrderedDict
 from functools import wraps
 
 import redis
+from django.apps import apps
 from django.conf import settings
 from django.db import transaction
 from django.db.backends.signals import connection_created
 from django.http import HttpResponse
 from rest_framework.authentication import TokenAuthentication
 
-from controlpanel.roles import is_operator
+from controlpanel.roles import group_names, is_operator
 
 log = logging.getLogger(__name__)
-DATA, LIVE = "data", "live"
-ALL = (DATA, LIVE)
-WRITES = ("INSERT", "UPDATE", "DELETE", "REPLAC", "TRUNCA")
-UNWATCHED_TABLES = ("django_session",)  # logins and page visits change no API answer
-MAX_BYTES = 32 * 2**20  # per web process
+LIVE = "live"  # bumped by each telemetry sample
+EVERYTHING = "*"  # bumped by a write whose table cannot be told
+UNWATCHED_TABLES = {"django_session"}  # logins and page visits change no API answer
+MAX_BYTES = 32 * 2**20  # answers kept per web process
 MAX_ENTRY = 2 * 2**20
+_WRITE_HEADS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "TRUNCATE")
+_WRITE_RE = re.compile(r'^\s*(?:INSERT\s+(?:OR\s+\w+\s+)?INTO|REPLACE\s+INTO|UPDATE|DELETE\s+FROM)\s+"?(\w+)"?', re.I)
+_ANY_WRITE_RE = re.compile(r"\b(?:INSERT|UPDATE|DELETE|REPLACE|TRUNCATE)\b", re.I)
+_READ_RE = re.compile(r'\b(?:FROM|JOIN)\s+"?(\w+)"?', re.I)
 
 
-def _key(kind: str) -> str:
-    return f"{settings.CHANNEL_LAYERS['default']['CONFIG'].get('prefix', 'panel')}:apiversion:{kind}"
+def _vkey(name: str) -> str:
+    return f"{settings.CHANNEL_LAYERS['default']['CONFIG'].get('prefix', 'panel')}:apiversion:{name}"
 
 
 def _redis():
@@ -42,89 +55,142 @@ def _redis():
     return live.redis_client()
 
 
-def bump(kind: str = DATA, pipe=None) -> None:
-    """Make every cached answer that depends on `kind` stale (into `pipe` when given)."""
+_names: list | None = None
+_keys: list | None = None
+
+
+def _all_names() -> list:
+    """Every version there is: one per table of the project's models, plus LIVE and EVERYTHING."""
+    global _names, _keys
+    if _names is None:
+        tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)} - UNWATCHED_TABLES
+        _keys = [_vkey(n) for n in sorted(tables) + [LIVE, EVERYTHING]]
+        _names = sorted(tables) + [LIVE, EVERYTHING]
+    return _names
+
+
+def bump(*names: str, pipe=None) -> None:
+    """Make every cached answer that depends on one of `names` stale (into `pipe` when given)."""
     target = pipe if pipe is not None else _redis().pipeline()
-    target.set(_key(kind), secrets.randbits(48), nx=True)
-    target.incr(_key(kind))
+    start = time.time_ns() // 1000  # a missing version restarts above any value it had before
+    for name in names:
+        target.set(_vkey(name), start, nx=True)
+        target.incr(_vkey(name))
     if pipe is None:
         target.execute()
 
 
-def versions(kinds: tuple[str, ...]) -> tuple:
-    values = _redis().mget([_key(k) for k in kinds])
+def versions() -> dict:
+    """All current versions (as Redis gives them: digits in bytes), in one round trip; missing
+    ones are started."""
+    names = _all_names()
+    values = _redis().mget(_keys)
     if None in values:
-        for kind, value in zip(kinds, values):
-            if value is None:
-                bump(kind)
-        values = _redis().mget([_key(k) for k in kinds])
-    return tuple(values)
+        bump(*[n for n, v in zip(names, values) if v is None])
+        values = _redis().mget(_keys)
+    return dict(zip(names, values))
 
 
-def request_versions(request) -> tuple:
-    """The versions (DATA, LIVE), read once per request (authentication and the answer share them)."""
+def request_versions(request) -> dict:
+    """The versions as this request found them (authentication and the answer share one read)."""
     django_request = getattr(request, "_request", request)
     found = getattr(django_request, "_apicache_versions", None)
     if found is None:
-        found = django_request._apicache_versions = versions(ALL)
+        found = django_request._apicache_versions = versions()
     return found
 
 
-# -- seeing writes ------------------------------------------------------------------------------
+def _snapshot(current: dict, tables: set, live: bool) -> tuple:
+    names = [n for n in tables if n in current] + [EVERYTHING] + ([LIVE] if live else [])
+    return tuple((n, int(current[n])) for n in names)
 
-def _bump_quietly() -> None:
+
+def _valid(snapshot: tuple, current: dict) -> bool:
+    """Whether an answer computed after reading `snapshot` shows every change `current` counts."""
+    return all(value >= int(current[name]) for name, value in snapshot if name in current)
+
+
+# -- seeing writes and reads ----------------------------------------------------------------------
+
+_reading = threading.local()  # .tables: the set being recorded by this thread, or None
+
+
+def _bump_quietly(table: str) -> None:
     try:
-        bump()
+        bump(table)
     except redis.RedisError as exc:  # a write must not fail for the cache's sake
-        answers.clear()
+        clear()
         log.warning("could not mark cached API answers stale (%s); this process's cache was cleared", exc)
 
 
-def _watch_writes(execute, sql, params, many, context):
+def _watch(execute, sql, params, many, context):
     result = execute(sql, params, many, context)
-    head = sql.lstrip()[:6].upper()
-    if head in WRITES and not any(t in sql[:80] for t in UNWATCHED_TABLES):
-        _bump_quietly()  # now, for readers on this connection (inside the transaction)
-        connection = context["connection"]
-        if connection.in_atomic_block:  # and once committed, for everyone else
-            transaction.on_commit(_bump_quietly, using=connection.alias)
+    head = sql.lstrip()[:8].upper()
+    if head.startswith(_WRITE_HEADS) or (not head.startswith("SELECT") and _ANY_WRITE_RE.search(sql)):
+        match = _WRITE_RE.match(sql)
+        table = match[1] if match else EVERYTHING  # TRUNCATE, WITH ... UPDATE: who knows what changed
+        if table not in UNWATCHED_TABLES:
+            _bump_quietly(table)  # now, for readers on this connection (inside the transaction)
+            connection = context["connection"]
+            if connection.in_atomic_block:  # and once committed, for everyone else
+                transaction.on_commit(lambda: _bump_quietly(table), using=connection.alias)
+    else:
+        tables = getattr(_reading, "tables", None)
+        if tables is not None:
+            tables.update(_READ_RE.findall(sql))
     return result
 
 
+class _recording:
+    """Collect the tables this thread's queries read inside the block."""
+
+    def __enter__(self):
+        self.outer = getattr(_reading, "tables", None)
+        self.tables = _reading.tables = set()
+        return self.tables
+
+    def __exit__(self, *exc):
+        _reading.tables = self.outer
+        if self.outer is not None:
+            self.outer.update(self.tables)
+
+
 def _on_connection(sender, connection, **kwargs):
-    if _watch_writes not in connection.execute_wrappers:
-        connection.execute_wrappers.append(_watch_writes)
+    if _watch not in connection.execute_wrappers:
+        connection.execute_wrappers.append(_watch)
 
 
 def watch_database_writes() -> None:
-    """Called once per process (AppConfig.ready): every new database connection reports writes."""
+    """Called once per process (AppConfig.ready): every new database connection reports to us."""
     connection_created.connect(_on_connection, dispatch_uid="apicache-watch-writes")
 
 
 # -- the process-local store --------------------------------------------------------------------
 
 class _Store:
-    """A small LRU bounded by size; entries of old versions simply age out."""
+    """A small LRU bounded by size (bytes, or entries when each counts 1)."""
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.size = max_bytes, 0
+    def __init__(self, max_size: int):
+        self.max_size, self.size = max_size, 0
         self.entries: OrderedDict = OrderedDict()
         self.lock = threading.Lock()
 
     def get(self, key):
         with self.lock:
-            value = self.entries.get(key)
-            if value is not None:
-                self.entries.move_to_end(key)
-            return value
+            found = self.entries.get(key)
+            if found is None:
+                return None
+            self.entries.move_to_end(key)
+            return found[0]
 
     def put(self, key, value, size: int) -> None:
         with self.lock:
-            if key in self.entries:
-                return
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.size -= old[1]
             self.entries[key] = (value, size)
             self.size += size
-            while self.size > self.max_bytes and self.entries:
+            while self.size > self.max_size and self.entries:
                 _, (_, dropped) = self.entries.popitem(last=False)
                 self.size -= dropped
 
@@ -134,8 +200,10 @@ class _Store:
             self.size = 0
 
 
-answers = _Store(MAX_BYTES)
-tokens = _Store(10_000)  # counted in entries
+answers = _Store(MAX_BYTES)  # (url, operator?) -> (snapshot, body, content type)
+tokens = _Store(10_000)  # key -> (snapshot, (user, token))
+_computing: dict = {}  # answer key -> Event, while one thread computes it
+_computing_lock = threading.Lock()
 
 
 def clear() -> None:
@@ -144,8 +212,10 @@ def clear() -> None:
 
 
 def cached_read(live: bool = False):
-    """For a viewset's GET action: serve the JSON answer from the store while its version holds."""
-    kinds = (DATA, LIVE) if live else (DATA,)  # a prefix of ALL
+    """For a viewset's GET action: serve the JSON answer from the store while what it read holds.
+
+    `live`: the answer also carries telemetry from Redis (history), so each new sample counts.
+    """
 
     def decorate(action):
         @wraps(action)
@@ -153,31 +223,55 @@ def cached_read(live: bool = False):
             if request.accepted_renderer.format != "json":
                 return action(self, request, *args, **kwargs)
             try:
-                key = (request_versions(request)[:len(kinds)], request.build_absolute_uri(), is_operator(request.user))
+                current = request_versions(request)
             except redis.RedisError:
                 return action(self, request, *args, **kwargs)
-            hit = answers.get(key)
-            if hit is not None:
-                body, content_type = hit[0]
-                return HttpResponse(body, content_type=content_type)
-            response = action(self, request, *args, **kwargs)
-            if response.status_code == 200:
-                response.accepted_renderer = request.accepted_renderer
-                response.accepted_media_type = request.accepted_media_type
-                response.renderer_context = self.get_renderer_context()
-                response.render()
-                if len(response.content) <= MAX_ENTRY:
-                    answers.put(key, (response.content, response["Content-Type"]), len(response.content))
-            return response
+            key = (request.build_absolute_uri(), is_operator(request.user))
+            for _ in range(3):
+                hit = _hit(key, current)
+                if hit is not None:
+                    return hit
+                with _computing_lock:
+                    done = _computing.get(key)
+                    leader = done is None
+                    if leader:
+                        done = _computing[key] = threading.Event()
+                if leader:
+                    break
+                done.wait(30)  # then its answer, unless older than our versions or not cacheable
+            try:
+                with _recording() as tables:
+                    response = action(self, request, *args, **kwargs)
+                    if response.status_code == 200:
+                        response.accepted_renderer = request.accepted_renderer
+                        response.accepted_media_type = request.accepted_media_type
+                        response.renderer_context = self.get_renderer_context()
+                        response.render()
+                if response.status_code == 200 and len(response.content) <= MAX_ENTRY:
+                    entry = (_snapshot(current, tables, live), response.content, response["Content-Type"])
+                    answers.put(key, entry, len(response.content))
+                return response
+            finally:
+                if leader:
+                    with _computing_lock:
+                        _computing.pop(key, None)
+                    done.set()
 
         return wrapper
 
     return decorate
 
 
+def _hit(key, current: dict):
+    found = answers.get(key)
+    if found is None or not _valid(found[0], current):
+        return None
+    return HttpResponse(found[1], content_type=found[2])
+
+
 class CachedTokenAuthentication(TokenAuthentication):
-    """DRF's token check, remembered in the process until the next database write (a revoked
-    token or a changed role is a write), so most API calls cost no authentication query."""
+    """DRF's token check, remembered in the process until a table it read (the token, the user,
+    the user's groups) changes: a revoked token or a changed role counts on the next call."""
 
     def authenticate(self, request):
         self.request = request
@@ -185,12 +279,14 @@ class CachedTokenAuthentication(TokenAuthentication):
 
     def authenticate_credentials(self, key):
         try:
-            cache_key = (request_versions(self.request)[0], key)
+            current = request_versions(self.request)
         except redis.RedisError:
             return super().authenticate_credentials(key)
-        hit = tokens.get(cache_key)
-        if hit is not None:
-            return hit[0]
-        found = super().authenticate_credentials(key)  # raises for a bad or inactive one
-        tokens.put(cache_key, found, 1)
-        return found
+        found = tokens.get(key)
+        if found is not None and _valid(found[0], current):
+            return found[1]
+        with _recording() as tables:
+            user, token = super().authenticate_credentials(key)  # raises for a bad or inactive one
+            group_names(user)  # the roles, read now so that they are part of what this depends on
+        tokens.put(key, (_snapshot(current, tables, live=False), (user, token)), 1)
+        return user, token

@@ -3,7 +3,7 @@ VIEWER = "viewer"
 OPERATOR = "operator"
 
 
-def _groups(user) -> frozenset:
+def group_names(user) -> frozenset:
     """The user's group names, read once per user object (as Django caches permissions)."""
     names = getattr(user, "_panel_groups", None)
     if names is None:
@@ -14,14 +14,14 @@ def _groups(user) -> frozenset:
 def is_operator(user) -> bool:
     if not user.is_authenticated:
         return False
-    return user.is_superuser or OPERATOR in _groups(user)
+    return user.is_superuser or OPERATOR in group_names(user)
 
 
 def is_viewer(user) -> bool:
     """Anyone allowed to look: viewers and operators."""
     if not user.is_authenticated:
         return False
-    return is_operator(user) or VIEWER in _groups(user)
+    return is_operator(user) or VIEWER in group_names(user)
 
 
 def operator_required(view):

@@ -41,7 +41,7 @@ def push(node_id: int, sample: dict, sample_seconds: float = 1.0) -> None:
     pipe.rpush(_key(node_id), json.dumps(compact(sample), separators=(",", ":")))
     pipe.ltrim(_key(node_id), -keep, -1)
     pipe.expire(_key(node_id), RECENT_SECONDS * 2)
-    apicache.bump(apicache.LIVE, pipe)  # answers carrying live figures are stale now
+    apicache.bump(apicache.LIVE, pipe=pipe)  # answers carrying live figures are stale now
     pipe.execute()
 
 

@@ -14,6 +14,7 @@ on a small machine they share the cores with the server, as the figures then sho
 """
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -93,6 +94,35 @@ async def load(base: str, token: str, paths: list[str], clients: int, seconds: f
     return latencies
 
 
+@contextlib.contextmanager
+def heartbeats(per_s: float):
+    """A thread writing a node's heartbeat `per_s` times a second while the block runs."""
+    import threading
+
+    from django.db import connection
+    from django.utils import timezone
+
+    from deployments.models import Node
+
+    stop = threading.Event()
+
+    def beat():
+        node = Node.objects.first()
+        while not stop.wait(1 / per_s):
+            Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now())
+        connection.close()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    if per_s > 0:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if per_s > 0:
+            thread.join()
+
+
 def pct(values, p):
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] * 1000
@@ -104,6 +134,8 @@ def main():
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     parser.add_argument("--points", type=int, default=10_000)
+    parser.add_argument("--writes-per-s", type=float, default=0.0,
+                        help="database writes during the load, like agents' heartbeats (each makes cached lists stale)")
     args = parser.parse_args()
 
     var = tempfile.mkdtemp(prefix="perf-api-")
@@ -139,20 +171,22 @@ def main():
         paths = [p.format(run=ids["run"]) for p in ENDPOINTS]
         asyncio.run(load(base, ids["token"], paths, args.clients, 3))  # warm-up
         by_path = {}
-        api = asyncio.run(load(base, ids["token"], paths, args.clients, args.seconds, by_path))
+        with heartbeats(args.writes_per_s):
+            api = asyncio.run(load(base, ids["token"], paths, args.clients, args.seconds, by_path))
         floor = asyncio.run(load(base, ids["token"], ["/healthz"], args.clients, args.seconds / 2))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
     rps, floor_rps = len(api) / args.seconds, len(floor) / (args.seconds / 2)
-    print(f"{args.clients} clients, {args.workers} server workers, {args.seconds:.0f} s; endpoints: {', '.join(ENDPOINTS)}")
+    print(f"{args.clients} clients, {args.workers} server workers, {args.seconds:.0f} s, {args.writes_per_s:g} writes/s; "
+          f"endpoints: {', '.join(ENDPOINTS)}")
     for path, values in by_path.items():
         print(f"  {path:<28} p50 {pct(values, 50):6.1f} ms  p99 {pct(values, 99):6.1f} ms  {len(values) / args.seconds:5.0f} req/s")
     print(f"API lists: p50 {pct(api, 50):.1f} ms  p99 {pct(api, 99):.1f} ms  {rps:.0f} req/s  (mean {statistics.mean(api) * 1000:.1f} ms)")
     print(f"/healthz floor: p50 {pct(floor, 50):.1f} ms  p99 {pct(floor, 99):.1f} ms  {floor_rps:.0f} req/s")
     print(" ".join([f"p50_ms={pct(api, 50):.1f}", f"p99_ms={pct(api, 99):.1f}", f"rps={rps:.0f}",
                     f"floor_p99_ms={pct(floor, 99):.1f}", f"floor_rps={floor_rps:.0f}", f"rps_vs_floor={rps / floor_rps:.3f}",
-                    f"points={ids['points']}"]))
+                    f"points={ids['points']}", f"writes_per_s={args.writes_per_s:g}"]))
 
 
 if __name__ == "__main__":
