@@ -64,8 +64,8 @@ def _all_names() -> list:
     global _names, _keys
     if _names is None:
         tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)} - UNWATCHED_TABLES
-        _keys = [_vkey(n) for n in sorted(tables) + [LIVE, EVERYTHING]]
         _names = sorted(tables) + [LIVE, EVERYTHING]
+        _keys = [_vkey(n) for n in _names]
     return _names
 
 
