@@ -16,6 +16,7 @@ computed after reading versions V serves any request that found versions <= V. A
 goes missing (Redis flushed or restarted) starts again from the current time in microseconds,
 above any value it had. While Redis cannot be reached, reads skip the cache.
 """
+import functools
 import logging
 import re
 import threading
@@ -55,18 +56,13 @@ def _redis():
     return live.redis_client()
 
 
-_names: list | None = None
-_keys: list | None = None
-
-
-def _all_names() -> list:
-    """Every version there is: one per table of the project's models, plus LIVE and EVERYTHING."""
-    global _names, _keys
-    if _names is None:
-        tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)} - UNWATCHED_TABLES
-        _names = sorted(tables) + [LIVE, EVERYTHING]
-        _keys = [_vkey(n) for n in _names]
-    return _names
+@functools.cache
+def _all_names() -> tuple[list, list]:
+    """Every version there is (one per table of the project's models, plus LIVE and EVERYTHING), and
+    their Redis keys."""
+    tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)} - UNWATCHED_TABLES
+    names = sorted(tables) + [LIVE, EVERYTHING]
+    return names, [_vkey(n) for n in names]
 
 
 def bump(*names: str, pipe=None) -> None:
@@ -83,11 +79,11 @@ def bump(*names: str, pipe=None) -> None:
 def versions() -> dict:
     """All current versions (as Redis gives them: digits in bytes), in one round trip; missing
     ones are started."""
-    names = _all_names()
-    values = _redis().mget(_keys)
+    names, keys = _all_names()
+    values = _redis().mget(keys)
     if None in values:
         bump(*[n for n, v in zip(names, values) if v is None])
-        values = _redis().mget(_keys)
+        values = _redis().mget(keys)
     return dict(zip(names, values))
 
 

@@ -101,8 +101,8 @@ def build(path) -> Path:
     # the character completes) are zero, and a zero logit never beats the best of ~1,000 random
     # ones. Otherwise the first token may stream without text, and "time to first token" would
     # depend on whether a client counts empty chunks (vllm bench serve does, our runner doesn't).
-    silent = [i for i in range(len(tok)) if not tok.decode([i], skip_special_tokens=True)
-              or "\ufffd" in tok.decode([i], skip_special_tokens=True)]
+    texts = [tok.decode([i], skip_special_tokens=True) for i in range(len(tok))]
+    silent = [i for i, text in enumerate(texts) if not text or "\ufffd" in text]
     with torch.no_grad():
         model.lm_head.weight[silent] = 0
     model.generation_config = GenerationConfig(
