@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from benchmarks import runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
-from deployments import live
+from deployments import live, secrets
 from deployments.models import Deployment, ModelCopy
 from deployments.services import ServiceError
 
@@ -42,7 +42,7 @@ def environment_of(d: Deployment) -> dict:
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
     return {
         "deployment": d.name, "model": str(d.model), "model_commit": d.model.commit, "node": d.node.name,
-        "engine_version": d.node.engine_version, "engine_args": d.engine_args, "env": d.env,
+        "engine_version": d.node.engine_version, "engine_args": secrets.mask(d.engine_args), "env": secrets.mask(d.env),
         "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total} for g in d.gpus.all()],
         "model_path": copy.path if copy else "",
     }

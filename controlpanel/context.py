@@ -1,5 +1,6 @@
-from controlpanel.roles import is_operator
+from controlpanel.roles import is_admin, is_operator, role_name
 
 
 def roles(request):
-    return {"is_operator": is_operator(getattr(request, "user", None)) if hasattr(request, "user") else False}
+    user = getattr(request, "user", None)
+    return {"is_operator": is_operator(user), "is_admin": is_admin(user), "role": role_name(user) if user else ""}

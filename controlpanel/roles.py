@@ -1,6 +1,11 @@
-"""The two roles: viewers watch, operators change things. Superusers are operators."""
+"""The roles: viewers watch, operators change things, admins also allow what runs code on a host.
+
+Groups `viewer`, `operator` and `admin` (create the last in the admin site when needed); superusers
+are admins. Each role includes the ones before it.
+"""
 VIEWER = "viewer"
 OPERATOR = "operator"
+ADMIN = "admin"
 
 
 def group_names(user) -> frozenset:
@@ -11,17 +16,32 @@ def group_names(user) -> frozenset:
     return names
 
 
-def is_operator(user) -> bool:
-    if not user.is_authenticated:
+def is_admin(user) -> bool:
+    """May allow privileged engine options (remote code, code- or file-loading flags) and benchmark URLs."""
+    if user is None or not user.is_authenticated:
         return False
-    return user.is_superuser or OPERATOR in group_names(user)
+    return user.is_superuser or ADMIN in group_names(user)
+
+
+def is_operator(user) -> bool:
+    if user is None or not user.is_authenticated:
+        return False
+    return is_admin(user) or OPERATOR in group_names(user)
 
 
 def is_viewer(user) -> bool:
-    """Anyone allowed to look: viewers and operators."""
-    if not user.is_authenticated:
+    """Anyone allowed to look: viewers, operators and admins."""
+    if user is None or not user.is_authenticated:
         return False
     return is_operator(user) or VIEWER in group_names(user)
+
+
+def role_name(user) -> str:
+    """The highest role, for the header: admin, operator, viewer or "no role"."""
+    for check, name in ((is_admin, ADMIN), (is_operator, OPERATOR), (is_viewer, VIEWER)):
+        if check(user):
+            return name
+    return "no role"
 
 
 def operator_required(view):

@@ -5,7 +5,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from controlpanel.roles import operator_required
-from deployments import engineargs, forms, selectors, services
+from deployments import engineargs, forms, secrets, selectors, services
 from deployments.host import engine, systemd
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 
@@ -13,7 +13,7 @@ from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
     """Form values from a preset, or from an existing deployment (redeploy)."""
     if deployment:
-        args = dict(deployment.engine_args)
+        args = secrets.mask(deployment.engine_args)  # write-only: a masked value sent back keeps the stored one
         initial = {"name": deployment.name, "port": deployment.port, "gpus": [str(i) for i in deployment.gpu_indices],
                    "tp": args.pop("tensor-parallel-size", 1), "pp": args.pop("pipeline-parallel-size", 1),
                    "dp": args.pop("data-parallel-size", 1), "expert_parallel": args.pop("enable-expert-parallel", False),
@@ -25,7 +25,7 @@ def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
                    "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
         args.pop("enable-auto-tool-choice", None)
         initial["extra_flags"] = " ".join(engineargs.argv_words(args))
-        initial["env"] = "\n".join(f"{k}={v}" for k, v in deployment.env.items())
+        initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env).items())
         return initial
     preset = dict(preset or {})
     initial = {k: v for k, v in preset.items() if k not in ("label", "flags", "env")}
@@ -79,7 +79,8 @@ def deploy(request, pk):
 def deployment_detail(request, pk):
     d = get_object_or_404(selectors.deployment_list(), pk=pk)
     return render(request, "deployments/deployment_detail.html", {
-        "deployment": d, "events": d.events.all(), "unit": _unit_text(d)})
+        "deployment": d, "events": d.events.all(), "unit": _unit_text(d), "env": secrets.mask(d.env),
+        "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail)})
 
 
 @operator_required
@@ -126,8 +127,11 @@ def _unit_text(d: Deployment) -> str:
 
     argv = engine.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
                              d.port, "0.0.0.0", d.engine_args)
-    return systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
-                               log_path=d.log_path or f"/var/log/vllm-{d.name}.log")
+    env, secret_env = secrets.split(env)
+    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
+                               log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
+                               secret_env_file=str(systemd.env_file_path(systemd.unit_name(d.name))) if secret_env else None)
+    return secrets.redact_deployment(d, text)  # a secret flag value (--api-key) is shown masked
 
 
 def deployment_unit(request, pk):

@@ -1,7 +1,7 @@
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
-from deployments import validators
+from deployments import secrets, validators
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
 
 
@@ -116,6 +116,13 @@ class DeploymentSerializer(serializers.ModelSerializer):
 
     def get_gpus(self, obj) -> list[int]:
         return [gpu.index for gpu in obj.gpus.all()]
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        for field in ("engine_args", "env"):  # secrets are write-only (deployments/secrets.py)
+            if field in data:
+                data[field] = secrets.mask(data[field])
+        return data
 
 
 class DeploymentDetailSerializer(DeploymentSerializer):

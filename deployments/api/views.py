@@ -10,7 +10,7 @@ from rest_framework.response import Response
 from controlpanel.apicache import cached_read
 from controlpanel.idempotency import idempotent
 
-from deployments import selectors, services
+from deployments import secrets, selectors, services
 from deployments.api import serializers
 from deployments.models import ModelCopy
 
@@ -185,7 +185,8 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     @action(detail=True)
     def logs(self, request, pk=None):
         """The engine log's last lines (kept after the engine ends)."""
-        return Response({"lines": self.get_object().log_tail.splitlines()})
+        d = self.get_object()
+        return Response({"lines": secrets.redact_deployment(d, d.log_tail).splitlines()})
 
     @extend_schema(responses={200: str})
     @action(detail=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from deployments.host import engineenv
+
 SHM_DIR = Path("/dev/shm")
 # The panel sets these itself; the deploy form and API refuse them too (engineargs.check_flags).
 RESERVED_FLAGS = {"--host": "set by the panel", "--port": "set by the panel (the deployment's port)",
@@ -97,7 +99,7 @@ def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args
 
 @functools.lru_cache(maxsize=8)
 def _flags_cached(vllm_bin: str, mtime: float, timeout_s: float) -> frozenset[str]:
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    env = engineenv.engine_environ({})
     try:
         out = subprocess.run(
             [vllm_bin, "serve", "--help=all"],
@@ -120,7 +122,7 @@ def _flags_cached(vllm_bin: str, mtime: float, timeout_s: float) -> frozenset[st
 
 @functools.lru_cache(maxsize=8)
 def _version_cached(vllm_bin: str, mtime: float, timeout_s: float) -> str:
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    env = engineenv.engine_environ({})
     try:
         out = subprocess.run([vllm_bin, "--version"], capture_output=True, text=True, timeout=timeout_s, env=env,
                              stdin=subprocess.DEVNULL)
@@ -176,7 +178,7 @@ def launch(spec: EngineSpec) -> EngineHandle:
         try:
             proc = subprocess.Popen(
                 spec.argv,
-                env={**os.environ, **spec.env},
+                env=engineenv.engine_environ(spec.env),  # an allowlist: see engineenv
                 cwd=spec.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,28 +31,61 @@ def available() -> bool:
     return Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None and os.geteuid() == 0
 
 
-def _quote_env(value: str) -> str:
-    # systemd's Environment= takes C-style quoting; escape what would end or split the value.
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%") + '"'
+def _escape(value: str) -> str:
+    # systemd expands $NAME/${NAME} in ExecStart= and %-specifiers in most settings, quoted or not:
+    # a literal "$" is "$$", a literal "%" is "%%". A newline would start a new setting: refuse it.
+    value = str(value)
+    if any(c in value for c in "\n\r\0"):
+        raise SystemdError(f"a unit value cannot contain a line break: {value[:40]!r}")
+    return value.replace("%", "%%")
+
+
+def _quote(value: str, dollars: bool = True) -> str:
+    """One double-quoted word in systemd's C-like syntax."""
+    text = _escape(value).replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + (text.replace("$", "$$") if dollars else text) + '"'
+
+
+def env_file_text(env: dict[str, str]) -> str:
+    """An EnvironmentFile: NAME="value" lines (systemd reads these quotes and escapes, expands nothing)."""
+    return "".join(f"{name}={_quote(value, dollars=False).replace('%%', '%')}\n" for name, value in sorted(env.items()))
+
+
+def env_file_path(name: str, unit_dir: Path = UNIT_DIR) -> Path:
+    return unit_dir / f"{name}.env"
 
 
 def render_unit(*, description: str, argv: list[str], env: dict[str, str], log_path: str,
-                working_dir: str = "/", user: str | None = None) -> str:
-    """A unit that runs the engine, kills its whole control group on stop, and restarts it on failure."""
-    exec_start = " ".join(shlex.quote(a).replace("%", "%%") for a in argv)
+                working_dir: str = "/", user: str | None = None, secret_env_file: str | None = None) -> str:
+    """A unit that runs the engine, kills its whole control group on stop, and restarts it on failure.
+
+    Secret variables are not in the text: they go in `secret_env_file` (0600, see install()).
+    """
+    exec_start = " ".join(_quote(a) for a in argv)
     lines = [
-        "[Unit]", f"Description={description}", "After=network-online.target", "Wants=network-online.target", "",
-        "[Service]", "Type=simple", f"ExecStart={exec_start}", f"WorkingDirectory={working_dir}",
-        *(f"Environment={name}={_quote_env(value)}" for name, value in sorted(env.items())),
-        f"StandardOutput=append:{log_path}", f"StandardError=append:{log_path}",
+        "[Unit]", f"Description={_escape(description)}", "After=network-online.target", "Wants=network-online.target", "",
+        "[Service]", "Type=simple", f"ExecStart={exec_start}", f"WorkingDirectory={_escape(working_dir)}",
+        *(f"Environment={_quote(f'{name}={value}', dollars=False)}" for name, value in sorted(env.items())),
+        *([f"EnvironmentFile={_escape(secret_env_file)}"] if secret_env_file else []),
+        f"StandardOutput=append:{_escape(log_path)}", f"StandardError=append:{_escape(log_path)}",
         # The engine's children (EngineCore, workers) live in the same cgroup: stop them all.
         "KillMode=control-group", "KillSignal=SIGTERM", "TimeoutStopSec=60",
         "Restart=on-failure", "RestartSec=30", "LimitNOFILE=1048576",
     ]
     if user:
-        lines.append(f"User={user}")
+        lines.append(f"User={_escape(user)}")
     lines += ["", "[Install]", "WantedBy=multi-user.target", ""]
     return "\n".join(lines)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only root can read: created 0600 (never readable for a moment), then replaced."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def systemctl(*args: str, timeout: float = 120.0) -> str:
@@ -68,13 +100,15 @@ def systemctl(*args: str, timeout: float = 120.0) -> str:
     return out.stdout
 
 
-def install(name: str, text: str, unit_dir: Path = UNIT_DIR) -> int:
-    """Write the unit, enable and start it; return the engine's main PID."""
+def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[str, str] | None = None) -> int:
+    """Write the unit (0600) and its secrets' EnvironmentFile (0600), enable and start it; return the main PID."""
     if not _UNIT_NAME.match(name):
         raise SystemdError(f"{name!r} is not a unit name")
     if not available():
         raise SystemdError("systemd is not available on this node (or the agent is not root)")
-    (unit_dir / name).write_text(text)
+    if secret_env:
+        _write_private(env_file_path(name, unit_dir), env_file_text(secret_env))
+    _write_private(unit_dir / name, text)
     systemctl("daemon-reload")
     systemctl("enable", "--now", name)
     return main_pid(name)
@@ -96,4 +130,5 @@ def start(name: str) -> int:
 def uninstall(name: str, unit_dir: Path = UNIT_DIR) -> None:
     systemctl("disable", "--now", name)
     (unit_dir / name).unlink(missing_ok=True)
+    env_file_path(name, unit_dir).unlink(missing_ok=True)
     systemctl("daemon-reload")

@@ -6,7 +6,7 @@ Each one validates, writes the row and sends the work to the node's agent
 from django.db import transaction
 from django.utils.text import slugify
 
-from deployments import live
+from deployments import live, secrets
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
 from deployments.services.models import ServiceError
 from deployments.services.nodes import node_enqueue
@@ -116,6 +116,9 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     if d.status in IN_FLIGHT:
         raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; wait for it or stop it first.", code="busy")
     gpu_indices = changes.pop("gpu_indices", d.gpu_indices)
+    for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
+        if field in changes:
+            changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
     for field in ("port", "engine_args", "env", "auto_restart", "stall_seconds"):
         if field in changes:
             setattr(d, field, changes.pop(field))

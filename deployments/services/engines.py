@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import live
+from deployments import live, secrets
 from deployments.host import engine, gpu, openai, systemd
 from deployments.models import Deployment, DeploymentEvent, InvalidTransition, ModelCopy
 from deployments.services.deploys import _send_plan, deployment_event, deployment_publish
@@ -286,7 +286,7 @@ def _follow(d: Deployment) -> None:
                 progress.feed(line)
             if lines:
                 tail = (tail + lines)[-TAIL_LINES:]
-                live.publish(live.deployment_topic(d.pk), "log", {"lines": lines[-200:]}, keep=False)
+                live.publish(live.deployment_topic(d.pk), "log", {"lines": secrets.redact_lines(d, lines[-200:])}, keep=False)
             now = time.monotonic()
             current = _gpu_memory(d.gpu_indices)
             if any(abs((current.get(i) or 0) - (memory.get(i) or 0)) > 64 << 20 for i in current):
@@ -375,14 +375,16 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
     if d.gpu_indices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, d.gpu_indices))
     name = systemd.unit_name(d.name)
+    env, secret_env = secrets.split(env)  # secrets go in a 0600 EnvironmentFile, not in the unit text
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", env=env, log_path=d.log_path,
-                               argv=engine.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args))
+                               argv=engine.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args),
+                               secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)
     try:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)
         _halt_engine(d)
         d.systemd_unit = name
-        d.pid = systemd.install(name, text)
+        d.pid = systemd.install(name, text, secret_env=secret_env)
         d.pgid, d.pid_create_time = os.getpgid(d.pid), None
         _set(d, S.LOADING, f"restarting under systemd as {name}")
         deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")

@@ -307,8 +307,8 @@ def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, h
 def test_the_systemd_unit_runs_the_same_engine_and_kills_its_whole_group():
     text = systemd.render_unit(description="vLLM kimi", argv=["/opt/vllm", "serve", "/models/a b", "--port", "8000"],
                                env={"NCCL_PROTO": "LL", "VLLM_X": 'say "hi" 100%'}, log_path="/var/log/k.log")
-    assert "ExecStart=/opt/vllm serve '/models/a b' --port 8000" in text
-    assert 'Environment=VLLM_X="say \\"hi\\" 100%%"' in text
+    assert 'ExecStart="/opt/vllm" "serve" "/models/a b" "--port" "8000"' in text
+    assert 'Environment="VLLM_X=say \\"hi\\" 100%%"' in text
     assert "KillMode=control-group" in text and "WantedBy=multi-user.target" in text
 
 

@@ -1,0 +1,42 @@
+"""The environment an engine process starts with: an allowlist, never the agent's whole environment.
+
+Why: with --trust-remote-code the engine runs code from the model repo, and whatever is in its
+environment is that code's to read. The agent's environment holds the panel's settings and
+secrets (DATABASE_URL, REDIS_URL, SECRET_KEY, HF_TOKEN, PANEL_ADMIN_PASSWORD, ...): none of it may
+pass. The engine gets what a process needs to run (PATH, HOME, locale, the driver's library path,
+cache folders) from the host, plus exactly what the panel sets for it (`own`: the deployment's
+variables, the GPUs, offline Hugging Face, the panel's ownership markers). Plain Python, no Django.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# Inherited from the host when present: what running a program needs, and where caches go.
+INHERITED = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VERSION",
+    # The NVIDIA container runtime reads these to expose GPUs and driver libraries to a container.
+    "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_REQUIRE_CUDA",
+    "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "HF_HUB_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+})
+INHERITED_PREFIXES = ("LC_",)
+# Set for every engine: models load from the local folder, and nothing is reported home.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def inherited(environ: Mapping[str, str] | None = None, extra: frozenset[str] = frozenset()) -> dict[str, str]:
+    """The part of `environ` (default: this process's) an engine may see; `extra` names more (host admin's choice)."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in environ.items()
+            if name in INHERITED or name in extra or name.startswith(INHERITED_PREFIXES)}
+
+
+def passthrough() -> frozenset[str]:
+    """Names the host's admin lets through besides INHERITED: ENGINE_ENV_PASSTHROUGH="A,B" on the agent."""
+    return frozenset(n.strip() for n in os.environ.get("ENGINE_ENV_PASSTHROUGH", "").split(",") if n.strip())
+
+
+def engine_environ(own: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The full environment for an engine: allowed host variables, then the offline defaults, then `own`."""
+    return {**inherited(environ, passthrough()), **OFFLINE, **{str(k): str(v) for k, v in own.items()}}
