@@ -24,7 +24,17 @@ def validate_revision(value: str) -> None:
                               code="invalid_revision")
 
 
+# System folders are never model folders: refused with everything under them.
+SYSTEM_DIRS = ("/proc", "/sys", "/dev", "/etc", "/boot", "/run", "/bin", "/sbin", "/lib", "/lib64", "/usr/bin",
+               "/usr/sbin", "/usr/lib", "/var/lib", "/var/run", "/root/.ssh")
+# Folders that hold everything: a model lives below them, not in them.
+TOP_DIRS = ("/", "/home", "/usr", "/var", "/root", "/tmp", "/opt", "/srv", "/mnt", "/media", "/data")
+
+
 def validate_local_path(value: str) -> None:
-    if not PATH.match(value or "") or any(part == ".." for part in value.split("/")):
+    if not PATH.match(value or "") or any(part in ("..", ".") for part in value.split("/")):
         raise ValidationError("An absolute folder path on the node, without '..' or special characters.",
                               code="invalid_path")
+    path = "/" + value.strip("/")
+    if path in TOP_DIRS or any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS):
+        raise ValidationError(f"{path} is a system folder, not a model folder.", code="invalid_path")

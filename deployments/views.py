@@ -1,4 +1,5 @@
 """Server-rendered pages. Views read through selectors and change things through services."""
+import math
 from datetime import timedelta
 
 from django.conf import settings
@@ -6,6 +7,7 @@ from django.contrib import messages
 from django.http import Http404, HttpResponseForbidden, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
@@ -39,6 +41,8 @@ def node_history(request, pk):
         days = min(float(request.GET.get("days", 0)), 7.0)
     except ValueError:
         return JsonResponse({"error": "since and days must be numbers"}, status=400)
+    if not (math.isfinite(since) and math.isfinite(days)) or since < 0 or days < 0:  # "nan", "inf", "-1"
+        return JsonResponse({"error": "since and days must be finite numbers, 0 or more"}, status=400)
     if days:
         return JsonResponse({"resolution": 60, "samples": history.minutes(node.pk, timedelta(days=days))})
     return JsonResponse({"resolution": 1, "samples": history.recent(node.pk, since)})
@@ -118,7 +122,10 @@ def copy_action(request, pk, action):
         messages.success(request, f"{action.capitalize()}: {copy.model} on {copy.node}.")
     except services.ServiceError as exc:
         messages.error(request, exc.message)
-    return redirect(request.POST.get("next") or reverse("model-detail", args=[copy.model_id]))
+    back = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}, require_https=request.is_secure()):
+        back = reverse("model-detail", args=[copy.model_id])  # never off-site: `next` came from the form
+    return redirect(back)
 
 
 def panel_settings(request):

@@ -36,6 +36,9 @@ def model_dir(store: str | Path, repo_id: str, revision: str) -> Path:
     return Path(store) / name
 
 
+MAX_FILES = 20_000  # the largest Hub models have a few hundred files
+
+
 def inspect_local(path: str | Path) -> LocalModel:
     """List a local model folder and read its config.json."""
     root = Path(path)
@@ -43,8 +46,17 @@ def inspect_local(path: str | Path) -> LocalModel:
         raise StoreError(f"{path} is not an absolute path")
     if not root.is_dir():
         raise StoreError(f"{path} is not a folder on this node")
-    files = sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
-                   if p.is_file() and ".partial" not in p.parts)
+    # A model folder has a config.json at its top: checked before walking, so "/" or a home folder
+    # is refused at once instead of being walked file by file.
+    if not (root / "config.json").is_file():
+        raise StoreError(f"{path} has no config.json: not a model folder")
+    files = []
+    for p in root.rglob("*"):
+        if p.is_file() and ".partial" not in p.parts:
+            files.append((str(p.relative_to(root)), p.stat().st_size))
+            if len(files) > MAX_FILES:
+                raise StoreError(f"{path} holds more than {MAX_FILES} files: not a model folder")
+    files.sort()
     config = None
     if (root / "config.json").is_file():
         try:

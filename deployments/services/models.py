@@ -84,7 +84,13 @@ def _apply_spec(model: ModelRepo, config: dict | None, files: list[tuple[str, in
     model.config = config or {}
     if not config:
         return
-    spec = modelconfig.parse_config(config, files)
+    try:
+        spec = modelconfig.parse_config(config, files)
+    except (ValueError, TypeError, KeyError) as exc:
+        # Files are known, the shape is not: say so instead of "Reading…" forever; no fit check.
+        model.config = {}
+        model.inspect_error = f"config.json cannot be read, so the GPU fit is unknown: {exc}"
+        return
     for field in ("architecture", "model_type", "num_layers", "hidden_size", "num_attention_heads", "head_dim",
                   "kv_lora_rank", "qk_rope_head_dim", "experts_per_token", "quant_group_size", "quant_bits",
                   "num_parameters", "active_parameters", "context_length"):
