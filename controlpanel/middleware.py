@@ -12,7 +12,7 @@ from django.shortcuts import render
 
 from controlpanel.roles import is_viewer
 
-PUBLIC_PREFIXES = ("/accounts/login/", "/static/", "/healthz", "/api/")
+PUBLIC_PREFIXES = ("/accounts/login/", "/static/", "/healthz", "/api/", "/metrics")  # /metrics: DRF checks
 # Open to a logged-in user without a role: leaving.
 NO_ROLE_PREFIXES = ("/accounts/logout/",)
 

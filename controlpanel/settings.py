@@ -189,6 +189,10 @@ SAMPLE_SECONDS = env_float("SAMPLE_SECONDS", 1.0)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HF_TOKEN = env_secret("HF_TOKEN")
 VLLM_BIN = env_str("VLLM_BIN", "vllm")
+# Monitoring (README "Prometheus and Grafana"): a read-only secret for /metrics and the service
+# discovery (sent as `Authorization: Bearer ...`), and Grafana's URL for links from the pages.
+METRICS_TOKEN = env_secret("METRICS_TOKEN")
+GRAFANA_URL = env_str("GRAFANA_URL").rstrip("/")
 
 LOGGING = {
     "version": 1,

@@ -4,6 +4,8 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from controlpanel.metrics import MetricsView
+
 
 def healthz(request):
     return JsonResponse({"ok": True})
@@ -14,6 +16,7 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("healthz", healthz, name="healthz"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api/", include("deployments.api.urls")),

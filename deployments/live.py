@@ -81,3 +81,11 @@ def snapshot(topic: str) -> list[LiveMessage]:
     """The last kept message of each kind for a topic (read by the consumer on subscribe)."""
     raw = redis_client().hgetall(_snapshot_key(topic))
     return [json.loads(value) for value in raw.values()]
+
+
+def kept(topics: list[str], kind: str) -> list[Any]:
+    """The data of each topic's kept message of `kind` (None where none is kept), in one round trip."""
+    pipe = redis_client().pipeline()
+    for topic in topics:
+        pipe.hget(_snapshot_key(topic), kind)
+    return [json.loads(raw)["data"] if raw else None for raw in pipe.execute()]

@@ -13,6 +13,7 @@ from controlpanel.routing import websocket_urlpatterns
 from tests.conftest import run_async
 
 PUBLIC = {"/accounts/login/", "/healthz"}
+MACHINE_READABLE = {"/metrics"}  # read by Prometheus: answers 401, like the API, instead of a login redirect
 
 
 def _sample_path(regex: str) -> str:
@@ -48,7 +49,7 @@ def test_the_walk_finds_the_pages_and_the_api():
 def test_anonymous_users_are_turned_away_from_every_url(client, path):
     for method in ("get", "post"):
         response = getattr(client, method)(path)
-        if path.startswith("/api/"):
+        if path.startswith("/api/") or path in MACHINE_READABLE:
             assert response.status_code in (401, 403), f"{method.upper()} {path} answered {response.status_code}"
         else:
             assert response.status_code == 302, f"{method.upper()} {path} answered {response.status_code}"

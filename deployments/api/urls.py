@@ -1,10 +1,13 @@
+from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from deployments.api import views
+from deployments.api import prometheus, views
 
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="api-node")
 router.register("models", views.ModelRepoViewSet, basename="api-model")
 router.register("copies", views.ModelCopyViewSet, basename="api-copy")
 router.register("deployments", views.DeploymentViewSet, basename="api-deployment")
-urlpatterns = router.urls
+urlpatterns = router.urls + [
+    path("prometheus/targets/", prometheus.EngineTargetsView.as_view(), name="api-prometheus-targets"),
+]

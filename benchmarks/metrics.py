@@ -1,0 +1,76 @@
+"""Prometheus metric families for benchmark runs: each level's summary figures, labelled by run,
+level (concurrency) and deployment, read from the BenchmarkRun and BenchmarkPoint rows."""
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+
+from benchmarks.models import BenchmarkPoint, BenchmarkRun
+
+RUN_LABELS = ["run", "deployment"]
+LEVEL_LABELS = ["run", "deployment", "level"]
+# (family, help, BenchmarkPoint field, factor to base units)
+LEVEL_FIGURES = [
+    ("panel_benchmark_output_tokens_per_second", "Output tokens per second over the level.", "output_throughput", 1),
+    ("panel_benchmark_total_tokens_per_second", "Input and output tokens per second over the level.",
+     "total_token_throughput", 1),
+    ("panel_benchmark_requests_per_second", "Completed requests per second over the level.", "request_throughput", 1),
+    ("panel_benchmark_tokens_per_second_per_user", "Output tokens per second seen by one stream.", "tok_s_per_user", 1),
+    ("panel_benchmark_peak_tokens_per_second", "Highest output tokens per second in any second of the level.",
+     "peak_tok_s", 1),
+    ("panel_benchmark_requests", "Requests sent at the level.", "num_requests", 1),
+    ("panel_benchmark_failed_requests", "Requests that failed at the level.", "failed_requests", 1),
+    ("panel_benchmark_duration_seconds", "How long the level ran.", "duration_s", 1),
+]
+# Latency distributions, stored in milliseconds as {"median", "p99", ...}.
+LATENCIES = [
+    ("panel_benchmark_ttft_seconds", "Time to first token.", "ttft_ms"),
+    ("panel_benchmark_tpot_seconds", "Time per output token after the first.", "tpot_ms"),
+    ("panel_benchmark_itl_seconds", "Time between token chunks.", "itl_ms"),
+    ("panel_benchmark_e2e_seconds", "Whole request latency.", "e2e_ms"),
+]
+STATS = ("median", "p99")
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+class BenchmarkCollector:
+    """Every run's state and figures; a run against a bare URL has deployment="" ."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info = _gauge("panel_benchmark_run_info", "A run's name, model and status (value 1).",
+                      RUN_LABELS + ["name", "model", "status"])
+        finished = _gauge("panel_benchmark_run_finished_timestamp_seconds", "Unix time the run ended.", RUN_LABELS)
+        single = _gauge("panel_benchmark_single_stream_tokens_per_second", "Output tokens per second of one stream alone.",
+                        RUN_LABELS)
+        targets = {}
+        for pk, name, deployment, served_model, status, ended, single_tok_s in BenchmarkRun.objects.values_list(
+                "id", "name", "deployment__name", "served_model", "status", "finished", "single_stream_tok_s"):
+            labels = targets[pk] = [str(pk), deployment or ""]
+            info.add_metric(labels + [name, served_model, status], 1)
+            if ended:
+                finished.add_metric(labels, ended.timestamp())
+            if single_tok_s is not None:
+                single.add_metric(labels, single_tok_s)
+        yield from (info, finished, single)
+
+        figures = [(_gauge(name, doc, LEVEL_LABELS), field, factor) for name, doc, field, factor in LEVEL_FIGURES]
+        latencies = [(_gauge(name, doc + " Milliseconds in the run's page, seconds here.", LEVEL_LABELS + ["stat"]), field)
+                     for name, doc, field in LATENCIES]
+        fields = ["run_id", "concurrency"] + [f for _, f, _ in figures] + [f for _, f in latencies]
+        for row in BenchmarkPoint.objects.values_list(*fields):
+            labels = targets.get(row[0])
+            if labels is None:  # a point written after the runs were read
+                continue
+            labels = labels + [str(row[1])]
+            values = iter(row[2:])
+            for (family, _, factor), value in zip(figures, values):
+                family.add_metric(labels, value * factor)
+            for family, _ in latencies:
+                dist = next(values) or {}
+                for stat in STATS:
+                    if dist.get(stat) is not None:
+                        family.add_metric(labels + [stat], dist[stat] / 1000)
+        yield from (family for family, _, _ in figures)
+        yield from (family for family, _ in latencies)

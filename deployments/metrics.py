@@ -1,0 +1,178 @@
+"""Prometheus metric families for nodes, GPUs, deployments and downloads, built from what the panel
+already holds: the rows, and each node's last telemetry sample kept in Redis (deployments.live).
+Nothing here asks an agent or an engine; a scrape costs a few queries and one Redis round trip.
+
+GPU families are named the Prometheus way (base units: bytes, ratio, hertz) and labelled like
+dcgm-exporter (`gpu`, `UUID`, `modelName`) plus `node`; README.md maps each one to its
+`DCGM_FI_DEV_*` name and monitoring/prometheus/dcgm-rules.yml records them under those names.
+"""
+import time
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+
+from deployments import live
+from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, Node
+
+GPU_LABELS = ["node", "gpu", "UUID", "modelName"]
+DEPLOYMENT_LABELS = ["deployment", "node", "model"]
+# (family, help, key in the telemetry sample, factor to base units)
+GPU_FIGURES = [
+    ("panel_gpu_memory_used_bytes", "GPU memory in use (DCGM_FI_DEV_FB_USED).", "memory_used", 1),
+    ("panel_gpu_memory_free_bytes", "GPU memory free (DCGM_FI_DEV_FB_FREE).", "memory_free", 1),
+    ("panel_gpu_memory_total_bytes", "GPU memory in all (DCGM_FI_DEV_FB_TOTAL).", "memory_total", 1),
+    ("panel_gpu_utilization_ratio", "Time a kernel ran, 0-1 (DCGM_FI_DEV_GPU_UTIL / 100).", "util_gpu", 0.01),
+    ("panel_gpu_memory_utilization_ratio", "Time memory was read or written, 0-1 (DCGM_FI_DEV_MEM_COPY_UTIL / 100).",
+     "util_memory", 0.01),
+    ("panel_gpu_temperature_celsius", "GPU temperature (DCGM_FI_DEV_GPU_TEMP).", "temperature_c", 1),
+    ("panel_gpu_power_watts", "Power draw (DCGM_FI_DEV_POWER_USAGE).", "power_w", 1),
+    ("panel_gpu_power_limit_watts", "Power limit (DCGM_FI_DEV_POWER_MGMT_LIMIT).", "power_limit_w", 1),
+    ("panel_gpu_sm_clock_hertz", "SM clock (DCGM_FI_DEV_SM_CLOCK, in MHz there).", "sm_clock_mhz", 1e6),
+    ("panel_gpu_pcie_link_generation", "Current PCIe link generation (DCGM_FI_DEV_PCIE_LINK_GEN).", "pcie_gen", 1),
+    ("panel_gpu_pcie_link_width", "Current PCIe link width in lanes (DCGM_FI_DEV_PCIE_LINK_WIDTH).", "pcie_width", 1),
+    ("panel_gpu_ecc_single_bit_volatile_errors", "Corrected ECC errors since the driver loaded (DCGM_FI_DEV_ECC_SBE_VOL_TOTAL).",
+     "ecc_sbe_volatile", 1),
+    ("panel_gpu_ecc_double_bit_volatile_errors", "Uncorrected ECC errors since the driver loaded (DCGM_FI_DEV_ECC_DBE_VOL_TOTAL).",
+     "ecc_dbe_volatile", 1),
+]
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _model_label(repo_id: str, revision: str) -> str:
+    return repo_id if revision == "main" else f"{repo_id}@{revision}"
+
+
+class FleetCollector:
+    """Nodes and their GPUs: the rows for identity, the last sample for the readings."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = time.time()
+        nodes = list(Node.objects.values_list("id", "name", "address", "agent_version", "engine_version", "last_heartbeat",
+                                              "heartbeat_seconds", "disk_total", "disk_free", "nvml_error"))
+        gpus: dict[int, dict[int, tuple]] = {}
+        for node_id, index, uuid, name, total in Gpu.objects.values_list("node_id", "index", "uuid", "name", "memory_total"):
+            gpus.setdefault(node_id, {})[index] = (uuid, name, total)
+        samples = live.kept([live.node_topic(n[0]) for n in nodes], "sample") if nodes else []
+
+        info = _gauge("panel_node_info", "A node's address, agent and engine versions, and whether NVML works (value 1).",
+                      ["node", "address", "agent_version", "engine_version", "nvml"])
+        online = _gauge("panel_node_online", "1 while the node's agent heartbeats, else 0.", ["node"])
+        age = _gauge("panel_node_heartbeat_age_seconds", "Seconds since the agent's last heartbeat.", ["node"])
+        disk_free = _gauge("panel_node_model_store_free_bytes", "Free space of the node's model store.", ["node"])
+        disk_total = _gauge("panel_node_model_store_size_bytes", "Size of the node's model store's file system.", ["node"])
+        gpu_count = _gauge("panel_node_gpus", "NVIDIA GPUs the agent found.", ["node"])
+        sampled = _gauge("panel_node_last_sample_timestamp_seconds", "Unix time of the node's last telemetry sample.", ["node"])
+        ram = _gauge("panel_node_memory_available_bytes", "Host RAM available, from the last sample.", ["node"])
+        load1 = _gauge("panel_node_load1", "Host load average over one minute, from the last sample.", ["node"])
+        figures = [(_gauge(name, doc, GPU_LABELS), key, factor) for name, doc, key, factor in GPU_FIGURES]
+        for (node_id, name, address, agent_version, engine_version, heartbeat, every, total, free, nvml_error), sample \
+                in zip(nodes, samples):
+            info.add_metric([name, address, agent_version, engine_version, "unavailable" if nvml_error else "ok"], 1)
+            beat_age = now - heartbeat.timestamp() if heartbeat else None
+            online.add_metric([name], 1 if beat_age is not None and beat_age < 3 * every else 0)
+            if beat_age is not None:
+                age.add_metric([name], beat_age)
+            disk_free.add_metric([name], free)
+            disk_total.add_metric([name], total)
+            rows = gpus.get(node_id, {})
+            gpu_count.add_metric([name], len(rows))
+            if not sample:
+                continue
+            sampled.add_metric([name], sample["t"])
+            host = sample.get("host") or {}
+            if host.get("ram_available") is not None:
+                ram.add_metric([name], host["ram_available"])
+            if host.get("load1") is not None:
+                load1.add_metric([name], host["load1"])
+            for g in sample.get("gpus") or []:
+                uuid, model_name, _ = rows.get(g["index"], (g.get("uuid"), "", None))
+                labels = [name, str(g["index"]), uuid or g.get("uuid") or "", model_name or ""]
+                for family, key, factor in figures:
+                    value = g.get(key)
+                    if value is not None:
+                        family.add_metric(labels, value * factor)
+        yield from (info, online, age, disk_free, disk_total, gpu_count, sampled, ram, load1)
+        yield from (family for family, _, _ in figures)
+
+
+class DeploymentCollector:
+    """Deployments (state, restarts, load phases, ready since) and model downloads, from their rows."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from self.deployments()
+        yield from self.downloads()
+
+    def deployments(self) -> Iterator[GaugeMetricFamily]:
+        rows = list(Deployment.objects.values_list(
+            "id", "name", "node__name", "model__repo_id", "model__revision", "status", "restarts", "port",
+            "started", "ready_at", "load_percent"))
+        gpu_indices: dict[int, list[int]] = {}
+        for deployment_id, index in Deployment.gpus.through.objects.values_list("deployment_id", "gpu__index"):
+            gpu_indices.setdefault(deployment_id, []).append(index)
+        phases: dict[int, dict[str, float]] = {}
+        # Each step's latest run: a restart or a redeploy writes the steps again.
+        for deployment_id, step, started, ended in DeploymentEvent.objects.filter(ended__isnull=False).order_by(
+                "started", "id").values_list("deployment_id", "step", "started", "ended"):
+            phases.setdefault(deployment_id, {})[step] = (ended - started).total_seconds()
+
+        info = _gauge("panel_deployment_info", "A deployment's GPUs and port (value 1).", DEPLOYMENT_LABELS + ["gpus", "port"])
+        state = _gauge("panel_deployment_state", "1 for the deployment's current state, 0 for the others.",
+                       DEPLOYMENT_LABELS + ["state"])
+        restarts = _gauge("panel_deployment_restarts", "Automatic restarts after crashes.", DEPLOYMENT_LABELS)
+        phase = _gauge("panel_deployment_load_phase_seconds",
+                       "How long each step of the deployment's timeline last took (model, gpu_memory, launch, load, "
+                       "smoke_test, ...).", DEPLOYMENT_LABELS + ["phase"])
+        load = _gauge("panel_deployment_load_seconds", "From the engine's start to ready, for the last start.", DEPLOYMENT_LABELS)
+        ready = _gauge("panel_deployment_ready_since_timestamp_seconds", "Unix time the engine became ready, while it is.",
+                       DEPLOYMENT_LABELS)
+        progress = _gauge("panel_deployment_load_progress_ratio", "Load progress while loading, 0-1.", DEPLOYMENT_LABELS)
+        statuses = list(Deployment.Status.values)
+        for (pk, name, node, repo_id, revision, status, restart_count, port, started, ready_at, percent) in rows:
+            labels = [name, node, _model_label(repo_id, revision)]
+            info.add_metric(labels + [",".join(map(str, sorted(gpu_indices.get(pk, [])))), str(port)], 1)
+            for s in statuses:
+                state.add_metric(labels + [s], 1 if s == status else 0)
+            restarts.add_metric(labels, restart_count)
+            for step, seconds in phases.get(pk, {}).items():
+                phase.add_metric(labels + [step], seconds)
+            if started and ready_at and ready_at >= started:
+                load.add_metric(labels, (ready_at - started).total_seconds())
+            if status == Deployment.Status.READY and ready_at:
+                ready.add_metric(labels, ready_at.timestamp())
+            if status == Deployment.Status.LOADING and percent is not None:
+                progress.add_metric(labels, percent / 100)
+        yield from (info, state, restarts, phase, load, ready, progress)
+
+    def downloads(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["node", "model"]
+        state = _gauge("panel_download_state", "1 for the model copy's current state, 0 for the others.", labels + ["state"])
+        done = _gauge("panel_download_done_bytes", "Bytes of the model on the node so far.", labels)
+        total = _gauge("panel_download_total_bytes", "Bytes of the model in all.", labels)
+        rate = _gauge("panel_download_rate_bytes_per_second", "Recent download rate.", labels)
+        states = list(ModelCopy.State.values)
+        for node, repo_id, revision, current, bytes_done, bytes_total, bytes_per_s in ModelCopy.objects.values_list(
+                "node__name", "model__repo_id", "model__revision", "state", "bytes_done", "bytes_total", "rate"):
+            names = [node, _model_label(repo_id, revision)]
+            for s in states:
+                state.add_metric(names + [s], 1 if s == current else 0)
+            done.add_metric(names, bytes_done)
+            total.add_metric(names, bytes_total)
+            rate.add_metric(names, bytes_per_s if current == ModelCopy.State.DOWNLOADING else 0)
+        yield from (state, done, total, rate)
+
+
+def engine_scrape_targets() -> list[dict]:
+    """Prometheus HTTP service discovery: one target group per ready engine, its /metrics at the
+    node's address and the deployment's port, labelled with node, deployment, model and GPUs."""
+    groups = []
+    for d in Deployment.objects.filter(status=Deployment.Status.READY).select_related("node", "model").prefetch_related(
+            "gpus").order_by("name"):
+        groups.append({
+            "targets": [f"{d.node.address or '127.0.0.1'}:{d.port}"],
+            "labels": {"__metrics_path__": "/metrics", "node": d.node.name, "deployment": d.name, "model": str(d.model),
+                       "gpus": ",".join(map(str, d.gpu_indices))},
+        })
+    return groups
