@@ -5,6 +5,7 @@ from benchmarks import runner
 from deployments.models import Deployment
 
 MAX_LEVEL = 4096
+default = runner.spec_default
 
 
 def parse_levels(text: str) -> list[int]:
@@ -27,16 +28,18 @@ class RunForm(forms.Form):
                                    help_text="Default: the first model the server lists.")
     name = forms.CharField(required=False, max_length=200)
     levels = forms.CharField(initial=",".join(map(str, runner.DEFAULT_LEVELS)), label="Concurrency levels")
-    endpoint = forms.ChoiceField(choices=[(runner.CHAT, "chat completions"), (runner.COMPLETIONS, "completions")])
+    endpoint = forms.ChoiceField(choices=[(runner.CHAT, "chat completions"), (runner.COMPLETIONS, "completions")],
+                                 initial=default("endpoint"))
     prompt_source = forms.ChoiceField(choices=[("builtin", "built-in prompts"), ("random", "random prompts of a length"),
-                                               ("jsonl", "uploaded JSONL")], initial="random")
+                                               ("jsonl", "uploaded JSONL")], initial=default("prompt_source"))
     prompts_file = forms.FileField(required=False, label="JSONL prompts", help_text='{"prompt": ...} or {"messages": [...]} per line')
-    input_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
-    max_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
-    ignore_eos = forms.BooleanField(required=False, initial=True)
-    temperature = forms.FloatField(min_value=0, max_value=2, initial=0.0)
-    requests_per_user = forms.IntegerField(min_value=1, max_value=1000, initial=4,
-                                           help_text="Requests per level = max(32, this × concurrency).")
+    input_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=default("input_tokens"))
+    max_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=default("max_tokens"))
+    ignore_eos = forms.BooleanField(required=False, initial=default("ignore_eos"))
+    temperature = forms.FloatField(min_value=0, max_value=2, initial=default("temperature"))
+    requests_per_user = forms.IntegerField(
+        min_value=1, max_value=1000, initial=default("requests_per_user"),
+        help_text=f"Requests per level = max({default('min_requests')}, this × concurrency).")
 
     def clean_levels(self):
         return parse_levels(self.cleaned_data["levels"])

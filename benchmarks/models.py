@@ -2,10 +2,13 @@
 from django.conf import settings
 from django.db import models
 
-from deployments.models import Deployment, InvalidTransition
+from django.utils import timezone
+
+from controlpanel.states import Transitions
+from deployments.models import Deployment
 
 
-class BenchmarkRun(models.Model):
+class BenchmarkRun(Transitions, models.Model):
     """A sweep over concurrency levels against a deployment or any OpenAI-compatible URL."""
 
     class Status(models.TextChoices):
@@ -49,13 +52,11 @@ class BenchmarkRun(models.Model):
     def target(self) -> str:
         return str(self.deployment) if self.deployment_id else self.base_url
 
-    def transition(self, status, error: str = "") -> None:
-        """Move to `status` or raise InvalidTransition; the caller saves."""
-        if status not in self.TRANSITIONS.get(self.status, set()):
-            raise InvalidTransition(f"run {self.pk}: cannot go from {self.status} to {status}")
-        self.status = status
-        if error:
-            self.error = error
+    def entered(self, status) -> None:
+        if status == self.Status.RUNNING:
+            self.started = timezone.now()
+        elif status in self.TERMINAL:
+            self.finished = timezone.now()
 
 
 class BenchmarkPoint(models.Model):

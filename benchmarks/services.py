@@ -6,16 +6,18 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.utils import timezone
 
+from controlpanel.errors import ServiceError
 from benchmarks import runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from deployments import live, secrets
 from deployments.models import Deployment, ModelCopy
-from deployments.services import ServiceError
 
 S = BenchmarkRun.Status
-DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS), "endpoint": runner.CHAT, "prompt_source": "builtin",
-            "input_tokens": 128, "max_tokens": 128, "ignore_eos": True, "temperature": 0.0,
-            "min_requests": 32, "requests_per_user": 4, "warmup_per_user": 1}
+# The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
+SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
+               "min_requests", "requests_per_user", "warmup_per_user")
+DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS),
+            **{k: runner.spec_default(k) for k in SPEC_PARAMS if k != "prompts"}}
 TICK_KEEP = 20_000  # points of the tok/s-over-time chart kept per run
 CANCEL_CHECK_S = 0.5
 
@@ -96,7 +98,6 @@ def run_cancel(run: BenchmarkRun) -> BenchmarkRun:
         run.cancel_requested = True
         if run.status == S.QUEUED:
             run.transition(S.CANCELLED)
-            run.finished = timezone.now()
         run.save()
     _publish_status(run)
     return run
@@ -137,7 +138,6 @@ def run_execute(run_id: int) -> BenchmarkRun:
         return run
     target = run_target(run)
     run.transition(S.RUNNING)
-    run.started = timezone.now()
     run.save()
     _publish_status(run)
     started = time.monotonic()
@@ -179,17 +179,14 @@ def run_execute(run_id: int) -> BenchmarkRun:
         run.transition(S.CANCELLED if result.cancelled else S.DONE)
     except (runner.RunnerError, ServiceError) as exc:
         run.refresh_from_db(fields=["warnings"])
-        run.transition(S.FAILED, getattr(exc, "message", None) or str(exc))
-    run.finished = timezone.now()
+        run.transition(S.FAILED, error=getattr(exc, "message", None) or str(exc))
     run.save()
     _publish_status(run)
     return run
 
 
 def _spec_params(params: dict) -> dict:
-    keys = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
-            "min_requests", "requests_per_user", "warmup_per_user")
-    spec = {k: params[k] for k in keys if k in params}
+    spec = {k: params[k] for k in SPEC_PARAMS if k in params}
     spec["levels"] = tuple(params["levels"])
     return spec
 

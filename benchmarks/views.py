@@ -11,8 +11,8 @@ from django.views.decorators.http import require_POST
 from benchmarks import selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun
+from controlpanel.errors import ServiceError
 from controlpanel.roles import is_operator, operator_required
-from deployments.services import ServiceError
 
 
 def run_list(request):

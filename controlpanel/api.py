@@ -5,14 +5,14 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from controlpanel.errors import ServiceError
+
 # Service refusals that are about the state of things (busy, exists, no room) answer 409;
 # the rest are bad input (400).
 CONFLICT_CODES = {"busy", "exists", "in_use", "disk_full", "not_running", "not_failed", "gpus_busy", "port_in_use"}
 
 
 def exception_handler(exc, context):
-    from deployments.services import ServiceError
-
     if isinstance(exc, ServiceError):
         details = {}
         if is_dataclass(exc):

@@ -26,12 +26,12 @@ from functools import wraps
 
 import redis
 from django.apps import apps
-from django.conf import settings
 from django.db import transaction
 from django.db.backends.signals import connection_created
 from django.http import HttpResponse
 from rest_framework.authentication import TokenAuthentication
 
+from controlpanel import redisconn
 from controlpanel.roles import group_names, is_operator
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,11 @@ _READ_RE = re.compile(r'\b(?:FROM|JOIN)\s+"?(\w+)"?', re.I)
 
 
 def _vkey(name: str) -> str:
-    return f"{settings.CHANNEL_LAYERS['default']['CONFIG'].get('prefix', 'panel')}:apiversion:{name}"
+    return redisconn.key("apiversion", name)
 
 
 def _redis():
-    from deployments import live
-
-    return live.redis_client()
+    return redisconn.client()
 
 
 @functools.cache

@@ -11,14 +11,14 @@ import json
 from rest_framework import status
 from rest_framework.response import Response
 
+from controlpanel import redisconn
+
 TTL_S = 24 * 3600
 PENDING = "pending"
 
 
 def _redis():
-    from deployments.live import redis_client
-
-    return redis_client()
+    return redisconn.client()
 
 
 def idempotent(view):

@@ -4,6 +4,7 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from controlpanel.errors import ServiceError
 from controlpanel.roles import operator_required
 from deployments import engineargs, forms, secrets, selectors, services
 from deployments.host import engine, systemd
@@ -70,7 +71,7 @@ def deploy(request, pk):
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], user=request.user)
-    except services.ServiceError as exc:
+    except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, model, node, form, status=409)
     return redirect("deployment-detail", d.pk)
@@ -96,7 +97,7 @@ def deployment_edit(request, pk):
     try:
         services.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"])
-    except services.ServiceError as exc:
+    except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, d.model, d.node, form, status=409)
     return redirect("deployment-detail", d.pk)
@@ -113,7 +114,7 @@ def deployment_action(request, pk, action):
         act[action](d)
         messages.success(request, {"stop": "Stopping", "restart": "Restarting", "persist": "Installing a systemd unit for"}[action]
                          + f" {d.name}.")
-    except services.ServiceError as exc:
+    except ServiceError as exc:
         messages.error(request, exc.message)
     return redirect("deployment-detail", pk)
 

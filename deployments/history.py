@@ -4,11 +4,9 @@ import json
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 
-from django.conf import settings
 from django.utils import timezone
 
-from controlpanel import apicache
-from deployments import live
+from controlpanel import apicache, redisconn
 from deployments.models import NodeMetric
 
 RECENT_SECONDS = 3600
@@ -16,7 +14,7 @@ RETENTION = timedelta(days=7)
 
 
 def _key(node_id: int) -> str:
-    return f"{settings.CHANNEL_LAYERS['default']['CONFIG'].get('prefix', 'panel')}:history:{node_id}"
+    return redisconn.key("history", node_id)
 
 
 def compact(sample: dict) -> dict:
@@ -37,7 +35,7 @@ def compact(sample: dict) -> dict:
 def push(node_id: int, sample: dict, sample_seconds: float = 1.0) -> None:
     """Append a sample to the node's last-hour list, trimmed to an hour of samples."""
     keep = max(60, int(RECENT_SECONDS / max(sample_seconds, 0.1)))
-    pipe = live.redis_client().pipeline()
+    pipe = redisconn.client().pipeline()
     pipe.rpush(_key(node_id), json.dumps(compact(sample), separators=(",", ":")))
     pipe.ltrim(_key(node_id), -keep, -1)
     pipe.expire(_key(node_id), RECENT_SECONDS * 2)
@@ -47,13 +45,13 @@ def push(node_id: int, sample: dict, sample_seconds: float = 1.0) -> None:
 
 def recent(node_id: int, since: float = 0.0) -> list[dict]:
     """Full-rate samples of the last hour taken after `since` (a Unix time)."""
-    samples = (json.loads(raw) for raw in live.redis_client().lrange(_key(node_id), 0, -1))
+    samples = (json.loads(raw) for raw in redisconn.client().lrange(_key(node_id), 0, -1))
     return [s for s in samples if s["t"] > since]
 
 
 def latest(node_id: int) -> dict | None:
     """The node's last sample (compact), or None."""
-    raw = live.redis_client().lindex(_key(node_id), -1)
+    raw = redisconn.client().lindex(_key(node_id), -1)
     return json.loads(raw) if raw else None
 
 

@@ -8,10 +8,10 @@ import json
 import re
 from typing import Any, TypedDict
 
-import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
-from django.conf import settings
+
+from controlpanel import redisconn
 
 TOPIC_RE = re.compile(r"^(fleet|(node|deployment|model|run):[0-9]{1,12})$")
 SNAPSHOT_TTL = 3600
@@ -50,19 +50,9 @@ def run_topic(run_id: int) -> str:
 
 FLEET = "fleet"
 
-_redis = None
-
-
-def redis_client() -> redis.Redis:
-    """The panel's plain Redis connection (snapshots, history), shared per process."""
-    global _redis
-    if _redis is None:
-        _redis = redis.Redis.from_url(settings.REDIS_URL)
-    return _redis
-
 
 def _snapshot_key(topic: str) -> str:
-    return f"{settings.CHANNEL_LAYERS['default']['CONFIG'].get('prefix', 'panel')}:snapshot:{topic}"
+    return redisconn.key("snapshot", topic)
 
 
 def publish(topic: str, kind: str, data: Any, keep: bool = True) -> None:
@@ -70,7 +60,7 @@ def publish(topic: str, kind: str, data: Any, keep: bool = True) -> None:
     message: LiveMessage = {"topic": topic, "kind": kind, "data": data}
     if keep:
         key = _snapshot_key(topic)
-        pipe = redis_client().pipeline()
+        pipe = redisconn.client().pipeline()
         pipe.hset(key, kind, json.dumps(message))
         pipe.expire(key, SNAPSHOT_TTL)
         pipe.execute()
@@ -79,13 +69,13 @@ def publish(topic: str, kind: str, data: Any, keep: bool = True) -> None:
 
 def snapshot(topic: str) -> list[LiveMessage]:
     """The last kept message of each kind for a topic (read by the consumer on subscribe)."""
-    raw = redis_client().hgetall(_snapshot_key(topic))
+    raw = redisconn.client().hgetall(_snapshot_key(topic))
     return [json.loads(value) for value in raw.values()]
 
 
 def kept(topics: list[str], kind: str) -> list[Any]:
     """The data of each topic's kept message of `kind` (None where none is kept), in one round trip."""
-    pipe = redis_client().pipeline()
+    pipe = redisconn.client().pipeline()
     for topic in topics:
         pipe.hget(_snapshot_key(topic), kind)
     return [json.loads(raw)["data"] if raw else None for raw in pipe.execute()]

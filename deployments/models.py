@@ -5,9 +5,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-
-class InvalidTransition(Exception):
-    """A status change that the state machine does not allow."""
+from controlpanel.states import Transitions
 
 
 class Node(models.Model):
@@ -119,19 +117,29 @@ class ModelRepo(models.Model):
         return self.repo_id if self.revision == "main" else f"{self.repo_id}@{self.revision}"
 
 
-class ModelCopy(models.Model):
+class ModelCopy(Transitions, models.Model):
     """A model's files on one node: downloading, complete, failed or being deleted."""
 
     class State(models.TextChoices):
         QUEUED = "queued", "Queued"
-        DOWNLOADING = "downloading", "Downloading"
-        VERIFYING = "verifying", "Verifying"
+        DOWNLOADING = "downloading", "Downloading"  # the sha256 of each file is checked as it arrives
         READY = "ready", "Ready"
         FAILED = "failed", "Failed"
         CANCELLED = "cancelled", "Cancelled"
         DELETING = "deleting", "Deleting"
 
-    ACTIVE = frozenset({State.QUEUED, State.DOWNLOADING, State.VERIFYING, State.DELETING})
+    ACTIVE = frozenset({State.QUEUED, State.DOWNLOADING, State.DELETING})
+    DOWNLOADABLE = frozenset({State.QUEUED, State.DOWNLOADING})  # a download task has work to do
+    STATUS_FIELD = "state"
+    # QUEUED -> QUEUED: a deploy asks again; DOWNLOADING -> DOWNLOADING: a redelivered or resumed task.
+    TRANSITIONS = {
+        State.QUEUED: {State.QUEUED, State.DOWNLOADING, State.CANCELLED, State.DELETING},
+        State.DOWNLOADING: {State.DOWNLOADING, State.READY, State.FAILED, State.CANCELLED},
+        State.READY: {State.DELETING},
+        State.FAILED: {State.QUEUED, State.DELETING},
+        State.CANCELLED: {State.QUEUED, State.DELETING},
+        State.DELETING: {State.DELETING},
+    }
 
     model = models.ForeignKey(ModelRepo, on_delete=models.CASCADE, related_name="copies")
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="model_copies")
@@ -187,7 +195,7 @@ class Secret(models.Model):
         return row.value if row else default
 
 
-class Deployment(models.Model):
+class Deployment(Transitions, models.Model):
     """A vLLM engine serving one model on some GPUs of one node."""
 
     class Status(models.TextChoices):
@@ -205,6 +213,8 @@ class Deployment(models.Model):
         {Status.QUEUED, Status.PREPARING, Status.STOPPING_OTHERS, Status.STARTING, Status.LOADING, Status.READY, Status.STOPPING}
     )
     TERMINAL = frozenset({Status.STOPPED, Status.FAILED})
+    # On its way somewhere: its GPUs cannot be taken, nor the deployment redeployed, until it arrives.
+    IN_FLIGHT = ACTIVE - {Status.READY}
     # Where each status may go next. Any active status may fail or be stopped.
     TRANSITIONS = {
         Status.QUEUED: {Status.PREPARING, Status.STOPPING, Status.FAILED},
@@ -253,19 +263,11 @@ class Deployment(models.Model):
     def __str__(self):
         return self.name
 
-    @property
-    def is_active(self) -> bool:
-        return self.status in self.ACTIVE
+    def transition(self, to, message: str = "", **fields) -> None:
+        """Move to `to` with `message` as the status message (cleared when none), or raise InvalidTransition."""
+        super().transition(to, status_message=message, **fields)
 
-    def can_transition(self, status) -> bool:
-        return status in self.TRANSITIONS.get(self.status, set())
-
-    def transition(self, status, message: str = "") -> None:
-        """Move to `status` or raise InvalidTransition; the caller saves."""
-        if not self.can_transition(status):
-            raise InvalidTransition(f"{self.name}: cannot go from {self.status} to {status}")
-        self.status = status
-        self.status_message = message
+    def entered(self, status) -> None:
         now = timezone.now()
         if status == self.Status.STARTING:
             self.started = now
@@ -273,34 +275,6 @@ class Deployment(models.Model):
             self.ready_at = now
         elif status in self.TERMINAL:
             self.stopped_at = now
-
-    def mark_preparing(self):
-        self.transition(self.Status.PREPARING)
-
-    def mark_stopping_others(self):
-        self.transition(self.Status.STOPPING_OTHERS)
-
-    def mark_starting(self):
-        self.transition(self.Status.STARTING)
-
-    def mark_loading(self):
-        self.transition(self.Status.LOADING)
-
-    def mark_ready(self):
-        self.transition(self.Status.READY)
-
-    def mark_stopping(self):
-        self.transition(self.Status.STOPPING)
-
-    def mark_stopped(self):
-        self.transition(self.Status.STOPPED)
-
-    def mark_failed(self, message: str):
-        self.transition(self.Status.FAILED, message)
-
-    def mark_queued(self):
-        """Queue again for a restart or a redeploy."""
-        self.transition(self.Status.QUEUED)
 
     @property
     def base_url(self) -> str:

@@ -1,7 +1,7 @@
 """Reads for pages and the API."""
 from django.db.models import Prefetch, QuerySet
 
-from deployments.models import Deployment, Gpu, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 
 
 def node_list() -> QuerySet[Node]:
@@ -15,10 +15,6 @@ def model_list() -> QuerySet[ModelRepo]:
 
 def deployment_list() -> QuerySet[Deployment]:
     return Deployment.objects.select_related("model", "node").prefetch_related("gpus")
-
-
-def gpus_of(node: Node) -> QuerySet[Gpu]:
-    return node.gpus.all()
 
 
 def deployment_progress(deployment: Deployment) -> tuple[str, list]:

@@ -11,6 +11,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
+from controlpanel.errors import ServiceError
 from controlpanel.roles import is_operator, operator_required
 from deployments import forms, history, selectors, services
 from deployments.models import ModelCopy, ModelRepo, Node
@@ -103,7 +104,7 @@ def model_download(request, pk):
         services.model_download(model, form.cleaned_data["node"])
     except services.DiskShort as short:
         return model_detail(request, pk, download_form=form, disk_short=short, status=409)
-    except services.ServiceError as exc:
+    except ServiceError as exc:
         form.add_error("node", exc.message)
         return model_detail(request, pk, download_form=form, status=409)
     messages.success(request, f"Downloading {model} to {form.cleaned_data['node']}.")
@@ -120,7 +121,7 @@ def copy_action(request, pk, action):
     try:
         act[action](copy)
         messages.success(request, f"{action.capitalize()}: {copy.model} on {copy.node}.")
-    except services.ServiceError as exc:
+    except ServiceError as exc:
         messages.error(request, exc.message)
     back = request.POST.get("next", "")
     if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}, require_https=request.is_secure()):

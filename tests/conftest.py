@@ -55,11 +55,11 @@ def _fresh_live_state():
     """Snapshots and history are keyed by row id, and ids repeat between tests: start empty.
     The same for cached API answers: a test's rolled-back rows leave no write behind to mark them stale."""
     from controlpanel import apicache
-    from deployments import live
+    from controlpanel import redisconn
 
     apicache.clear()
 
-    client = live.redis_client()
+    client = redisconn.client()
     prefix = os.environ["CHANNELS_PREFIX"]
     for pattern in (f"{prefix}:snapshot:*", f"{prefix}:history:*"):
         keys = list(client.scan_iter(pattern, count=1000))

@@ -4,6 +4,8 @@ from benchmarks import runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from deployments.models import Deployment
 
+default = runner.spec_default
+
 
 class BenchmarkPointSerializer(serializers.ModelSerializer):
     class Meta:
@@ -33,16 +35,16 @@ class RunRequestSerializer(serializers.Serializer):
     name = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
     levels = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=4096), min_length=1, max_length=20,
                                    default=list(runner.DEFAULT_LEVELS))
-    endpoint = serializers.ChoiceField(choices=[runner.CHAT, runner.COMPLETIONS], default=runner.CHAT)
-    prompt_source = serializers.ChoiceField(choices=["builtin", "random", "jsonl"], default="random")
+    endpoint = serializers.ChoiceField(choices=[runner.CHAT, runner.COMPLETIONS], default=default("endpoint"))
+    prompt_source = serializers.ChoiceField(choices=["builtin", "random", "jsonl"], default=default("prompt_source"))
     prompts_jsonl = serializers.CharField(required=False, allow_blank=True, max_length=20 * 2**20)
-    input_tokens = serializers.IntegerField(min_value=1, max_value=200_000, default=128)
-    max_tokens = serializers.IntegerField(min_value=1, max_value=200_000, default=128)
-    ignore_eos = serializers.BooleanField(default=True)
-    temperature = serializers.FloatField(min_value=0, max_value=2, default=0.0)
-    requests_per_user = serializers.IntegerField(min_value=1, max_value=1000, default=4)
-    min_requests = serializers.IntegerField(min_value=1, max_value=100_000, default=32)
-    warmup_per_user = serializers.IntegerField(min_value=0, max_value=100, default=1)
+    input_tokens = serializers.IntegerField(min_value=1, max_value=200_000, default=default("input_tokens"))
+    max_tokens = serializers.IntegerField(min_value=1, max_value=200_000, default=default("max_tokens"))
+    ignore_eos = serializers.BooleanField(default=default("ignore_eos"))
+    temperature = serializers.FloatField(min_value=0, max_value=2, default=default("temperature"))
+    requests_per_user = serializers.IntegerField(min_value=1, max_value=1000, default=default("requests_per_user"))
+    min_requests = serializers.IntegerField(min_value=1, max_value=100_000, default=default("min_requests"))
+    warmup_per_user = serializers.IntegerField(min_value=0, max_value=100, default=default("warmup_per_user"))
 
     def validate(self, data):
         if bool(data.get("deployment")) == bool(data.get("base_url")):

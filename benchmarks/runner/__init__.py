@@ -9,12 +9,12 @@ content token, per-token ITL, reasoning/content split, tok/s per user) are label
 from .prompts import BUILTIN, load_jsonl
 from .scrape import parse_prometheus
 from .spec import (CHAT, COMPLETIONS, DEFAULT_LEVELS, LevelResult, LoadSpec, PromptError, RequestRecord,
-                   RunnerError, SweepResult, Tick)
+                   RunnerError, SweepResult, Tick, spec_default)
 from .stats import distribution, percentile, summarize
 from .sweep import Sweeper, run_level, sweep
 
 __all__ = [
     "BUILTIN", "CHAT", "COMPLETIONS", "DEFAULT_LEVELS", "LevelResult", "LoadSpec", "PromptError",
     "RequestRecord", "RunnerError", "SweepResult", "Sweeper", "Tick", "distribution", "load_jsonl",
-    "parse_prometheus", "percentile", "run_level", "summarize", "sweep",
+    "parse_prometheus", "percentile", "run_level", "spec_default", "summarize", "sweep",
 ]

@@ -1,6 +1,6 @@
 """What a benchmark asks for and what it measures: plain dataclasses, no Django."""
 import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -30,11 +30,11 @@ class LoadSpec:
     base_url: str  # http(s)://host:port, optionally with a path prefix; a trailing /v1 is fine
     model: str
     endpoint: str = CHAT  # CHAT or COMPLETIONS
-    prompt_source: str = "builtin"  # "builtin" | "random" | "jsonl"
+    prompt_source: str = "random"  # "random" (like vllm bench serve's dataset) | "builtin" | "jsonl"
     prompts: list = field(default_factory=list)  # entries from load_jsonl() for "jsonl"
     input_tokens: int = 128  # length of "random" prompts (about one token per word)
     max_tokens: int = 128
-    ignore_eos: bool = False
+    ignore_eos: bool = True  # every request generates max_tokens, so levels compare like for like
     temperature: float = 0.0
     levels: tuple = DEFAULT_LEVELS
     min_requests: int = 32  # per level: num_requests = max(min_requests, requests_per_user * c)
@@ -57,6 +57,12 @@ class LoadSpec:
 
     def num_warmup(self, concurrency: int) -> int:
         return max(0, self.warmup_per_user * concurrency)
+
+
+def spec_default(name: str):
+    """A LoadSpec field's default: the one source the form, the API and the run service read."""
+    f = next(f for f in fields(LoadSpec) if f.name == name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 @dataclass

@@ -8,6 +8,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from controlpanel.apicache import cached_read
+from controlpanel.errors import ServiceError
 from controlpanel.idempotency import idempotent
 
 from deployments import secrets, selectors, services
@@ -60,7 +61,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         q = query.validated_data
         result = services.model_fit(self.get_object(), q["node"], q["tp"], q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
         if result is None:
-            raise services.ServiceError("The model's config has not been read yet.", field="model", code="not_inspected")
+            raise ServiceError("The model's config has not been read yet.", field="model", code="not_inspected")
         return Response(asdict(result))
 
     @extend_schema(request=serializers.NodeChoiceSerializer, responses={202: serializers.ModelCopySerializer})

@@ -6,15 +6,13 @@ Each one validates, writes the row and sends the work to the node's agent
 from django.db import transaction
 from django.utils.text import slugify
 
+from controlpanel.errors import ServiceError
 from deployments import live, secrets
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
-from deployments.services.models import ServiceError
 from deployments.services.nodes import node_enqueue
 
 __all__ = ["deployment_create", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
            "deployment_publish", "deployment_event"]
-IN_FLIGHT = frozenset({Deployment.Status.QUEUED, Deployment.Status.PREPARING, Deployment.Status.STOPPING_OTHERS,
-                       Deployment.Status.STARTING, Deployment.Status.LOADING, Deployment.Status.STOPPING})
 
 
 def deployment_publish(d: Deployment, **extra) -> None:
@@ -58,7 +56,7 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
         raise ServiceError("Choose the GPUs to serve on.", field="gpus")
     if gpus and parallel > len(gpu_indices):
         raise ServiceError(f"TP × PP × DP = {parallel} needs {parallel} GPUs; {len(gpu_indices)} chosen.", field="tp")
-    busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in IN_FLIGHT]
+    busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in Deployment.IN_FLIGHT]
     if busy:
         raise ServiceError(f"GPUs {', '.join(map(str, gpu_indices))} are busy: {busy[0].name} is "
                            f"{busy[0].get_status_display().lower()}.", field="gpus", code="gpus_busy")
@@ -113,7 +111,7 @@ def _send_plan(d: Deployment, countdown: int = 0) -> None:
 def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     """Run the plan again (restart), optionally with changed settings; a running engine is stopped first."""
     d = Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
-    if d.status in IN_FLIGHT:
+    if d.status in Deployment.IN_FLIGHT:
         raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; wait for it or stop it first.", code="busy")
     gpu_indices = changes.pop("gpu_indices", d.gpu_indices)
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
@@ -124,8 +122,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
            replace_ids=d.replace, deployment=d)
-    d.mark_queued()  # from ready too: the plan stops the running engine first
-    d.status_message = ""
+    d.transition(Deployment.Status.QUEUED)  # from ready too: the plan stops the running engine first
     d.save()
     d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))
     deployment_event(d, "queued", "Redeploy requested" + (" with new settings." if changes else "."))
@@ -144,7 +141,7 @@ def deployment_stop(d: Deployment) -> Deployment:
         raise ServiceError(f"{d.name} is already {d.get_status_display().lower()}.", code="not_running")
     if d.status == Deployment.Status.STOPPING:
         return d
-    d.mark_stopping()
+    d.transition(Deployment.Status.STOPPING)
     d.save()
     deployment_event(d, "stop", "Stop requested.")
     node_enqueue(d.node, tasks.deployment_halt, d.pk)

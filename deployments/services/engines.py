@@ -16,7 +16,8 @@ from django.utils import timezone
 
 from deployments import live, secrets
 from deployments.host import engine, gpu, openai, systemd
-from deployments.models import Deployment, DeploymentEvent, InvalidTransition, ModelCopy
+from controlpanel.states import InvalidTransition
+from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.services.deploys import _send_plan, deployment_event, deployment_publish
 from deployments.services.models import model_copy_download
 
@@ -141,13 +142,18 @@ def _ensure_model(d: Deployment) -> str:
     """The model's folder on this node; downloads it first (in this worker) when it is not here."""
     copy, _ = ModelCopy.objects.get_or_create(model=d.model, node=d.node)
     if copy.state != ModelCopy.State.READY:
-        if copy.state in (ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
-            while copy.state in (ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
+        if copy.state == ModelCopy.State.DOWNLOADING:
+            while copy.state == ModelCopy.State.DOWNLOADING:
                 time.sleep(2)
                 copy.refresh_from_db()
         else:
-            ModelCopy.objects.filter(pk=copy.pk).update(state=ModelCopy.State.QUEUED, bytes_total=d.model.total_size,
-                                                        cancel_requested=False)
+            with transaction.atomic():
+                copy = ModelCopy.objects.select_for_update().get(pk=copy.pk)
+                try:
+                    copy.transition(ModelCopy.State.QUEUED, bytes_total=d.model.total_size, cancel_requested=False)
+                except InvalidTransition as exc:  # being deleted
+                    raise PlanFailed(f"The model's copy on {d.node} is {copy.get_state_display().lower()}.") from exc
+                copy.save()
             copy = model_copy_download(copy.pk)
         if copy.state != ModelCopy.State.READY:
             raise PlanFailed(f"The model could not be downloaded: {copy.error or copy.state}")
@@ -439,7 +445,7 @@ def _crashed(d: Deployment, reason: str) -> None:
         with transaction.atomic():
             row = Deployment.objects.select_for_update().get(pk=d.pk)
             row.restarts += 1
-            row.mark_queued()
+            row.transition(S.QUEUED)
             row.save()
         deployment_event(d, "auto_restart", f"Restarting in {delay} s (restart {row.restarts}).")
         _send_plan(row, countdown=delay)

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlpanel.errors import ServiceError
 from deployments import live, modelconfig
 from deployments.host import disk, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
@@ -15,19 +16,11 @@ from deployments.services.nodes import node_enqueue
 
 log = logging.getLogger(__name__)
 __all__ = [
-    "DiskShort", "ServiceError", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
+    "DiskShort", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
     "model_download", "model_copy_download", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
     "model_copy_remove", "model_copies_resume", "hf_token", "hf_token_set",
 ]
 PROGRESS_EVERY_S = 0.5  # how often a running download writes its progress and checks for cancel
-
-
-class ServiceError(Exception):
-    """A request the panel refuses, with a message for the user (and the field it is about)."""
-
-    def __init__(self, message: str, field: str | None = None, code: str = "invalid"):
-        super().__init__(message)
-        self.message, self.field, self.code = message, field, code
 
 
 @dataclass
@@ -192,10 +185,8 @@ def model_download(model: ModelRepo, node: Node) -> ModelCopy:
     needed = max(model.total_size - copy.bytes_done, 0)
     if node.disk_total and needed > node.disk_free:
         raise DiskShort(needed=needed, free=node.disk_free, candidates=_deletable(node, exclude=copy))
-    copy.state = ModelCopy.State.QUEUED
-    copy.bytes_total = model.total_size
-    copy.error = copy.error_code = ""
-    copy.cancel_requested = False
+    copy.transition(ModelCopy.State.QUEUED, bytes_total=model.total_size, error="", error_code="",
+                    cancel_requested=False)
     copy.save()
     node_enqueue(node, tasks.model_copy_download, copy.pk)
     _publish_copy(copy)
@@ -224,16 +215,15 @@ def model_copy_download(copy_id: int) -> ModelCopy:
     """On the node: fetch the copy's files (resuming partials), verify them, record progress live."""
     with transaction.atomic():
         copy = ModelCopy.objects.select_for_update().select_related("model", "node").get(pk=copy_id)
-        if copy.state not in (ModelCopy.State.QUEUED, ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
+        if copy.state not in ModelCopy.DOWNLOADABLE:
             return copy  # cancelled, finished or deleted meanwhile
         if copy.cancel_requested:
-            copy.state = ModelCopy.State.CANCELLED
+            copy.transition(ModelCopy.State.CANCELLED)
             copy.save()
             _publish_copy(copy)
             return copy
-        copy.state = ModelCopy.State.DOWNLOADING
         dest = store.model_dir(copy.node.model_store or settings.MODEL_STORE, copy.model.repo_id, copy.model.revision)
-        copy.path = str(dest)
+        copy.transition(ModelCopy.State.DOWNLOADING, path=str(dest))
         copy.save()
     info = _repo_info(copy.model)
     needed = hub.bytes_needed(info, dest)
@@ -260,7 +250,7 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         hub.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
                      on_progress=on_progress, should_cancel=lambda: last["cancel"])
     except hub.DownloadCancelled:
-        copy.state = ModelCopy.State.CANCELLED
+        copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
         _publish_copy(copy)
         return copy
@@ -268,10 +258,8 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         if exc.code == "busy":  # a redelivered task while this copy's download runs elsewhere on the node
             return copy
         return _copy_fail(copy, exc.message, exc.code)
-    copy.state = ModelCopy.State.READY
-    copy.bytes_done = copy.bytes_total = info.total_size
-    copy.rate = 0.0
-    copy.error = copy.error_code = ""
+    copy.transition(ModelCopy.State.READY, bytes_done=info.total_size, bytes_total=info.total_size, rate=0.0,
+                    error="", error_code="")
     copy.save()
     node_refresh_disk(copy.node, dest)
     _publish_copy(copy)
@@ -279,9 +267,7 @@ def model_copy_download(copy_id: int) -> ModelCopy:
 
 
 def _copy_fail(copy: ModelCopy, message: str, code: str) -> ModelCopy:
-    copy.state = ModelCopy.State.FAILED
-    copy.error, copy.error_code = message, code
-    copy.rate = 0.0
+    copy.transition(ModelCopy.State.FAILED, error=message, error_code=code, rate=0.0)
     copy.save()
     _publish_copy(copy)
     return copy
@@ -296,11 +282,11 @@ def model_copy_cancel(copy: ModelCopy) -> ModelCopy:
     """Stop a download; what was fetched stays for a later retry."""
     with transaction.atomic():
         copy = ModelCopy.objects.select_for_update().get(pk=copy.pk)
-        if copy.state not in (ModelCopy.State.QUEUED, ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
+        if copy.state not in ModelCopy.DOWNLOADABLE:
             raise ServiceError(f"Nothing to cancel: the copy is {copy.get_state_display().lower()}.", code="not_running")
         copy.cancel_requested = True
         if copy.state == ModelCopy.State.QUEUED and copy.bytes_done == 0:
-            copy.state = ModelCopy.State.CANCELLED
+            copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
     _publish_copy(copy)
     return copy
@@ -323,9 +309,9 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
         if users.exists():
             names = ", ".join(users.values_list("name", flat=True))
             raise ServiceError(f"{copy.model} is in use on {copy.node} by {names}; stop it first.", code="in_use")
-        if copy.state in (ModelCopy.State.DOWNLOADING, ModelCopy.State.VERIFYING):
+        if copy.state == ModelCopy.State.DOWNLOADING:
             raise ServiceError("Cancel the download first.", code="busy")
-        copy.state = ModelCopy.State.DELETING
+        copy.transition(ModelCopy.State.DELETING)
         copy.save()
         node_enqueue(copy.node, tasks.model_copy_remove, copy.pk)
     _publish_copy(copy)

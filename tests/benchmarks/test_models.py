@@ -1,7 +1,7 @@
 import pytest
 
 from benchmarks.models import BenchmarkRun
-from deployments.models import InvalidTransition
+from controlpanel.states import InvalidTransition
 from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory
 
 pytestmark = pytest.mark.django_db

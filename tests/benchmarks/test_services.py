@@ -7,7 +7,7 @@ from rest_framework.test import APIClient
 
 from benchmarks import runner, services
 from benchmarks.models import BenchmarkRun
-from deployments.services import ServiceError
+from controlpanel.errors import ServiceError
 from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory, DeploymentFactory, GpuFactory, NodeFactory
 from tests.schedserver import SchedServer
 
@@ -132,3 +132,20 @@ def test_the_api_starts_compares_and_exports(operator, queued):
     assert api.post(f"/api/runs/{run.pk}/cancel/").json()["status"] == "cancelled"
     assert api.get(f"/api/runs/compare/?ids={run.pk}").json()["runs"][0]["id"] == run.pk
     assert api.get(f"/api/runs/export/?ids={run.pk}&as=csv").content.decode().startswith("run,name")
+
+
+def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(operator, queued):
+    from benchmarks.api.serializers import RunRequestSerializer
+    from benchmarks.forms import RunForm
+
+    spec = runner.LoadSpec(base_url="http://x", model="m")
+    form = RunForm()
+    for name in ("prompt_source", "ignore_eos", "input_tokens", "max_tokens", "temperature", "requests_per_user"):
+        assert form.fields[name].initial == getattr(spec, name), name
+    api = RunRequestSerializer(data={"base_url": "http://10.0.0.9:8000"})
+    assert api.is_valid(), api.errors
+    bare = services.run_create(base_url="http://10.0.0.8:8000", served_model="m", params={})
+    for name in services.SPEC_PARAMS:
+        if name != "prompts":
+            assert api.validated_data[name] == bare.params[name] == getattr(spec, name), name
+    assert api.validated_data["levels"] == bare.params["levels"] == list(spec.levels)

@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 
+from controlpanel.errors import ServiceError
 from deployments import services
 from deployments.forms import DeployForm
 from deployments.host import engine, gpu, openai, systemd
@@ -59,7 +60,7 @@ def test_a_deploy_is_queued_on_the_nodes_own_queue(model, node, sent, django_cap
 
 
 def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent):
-    with pytest.raises(services.ServiceError, match="TP × PP × DP = 8 needs 8 GPUs; 2 chosen") as exc:
+    with pytest.raises(ServiceError, match="TP × PP × DP = 8 needs 8 GPUs; 2 chosen") as exc:
         _create(model, node, engine_args={"tensor-parallel-size": 4, "pipeline-parallel-size": 2})
     assert exc.value.field == "tp" and not Deployment.objects.exists()
 
@@ -67,7 +68,7 @@ def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent):
 def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model, node, sent):
     holder = DeploymentFactory(node=node, status=S.LOADING, name="kimi-prod", port=9000)
     holder.gpus.set(node.gpus.filter(index__in=[1, 2]))
-    with pytest.raises(services.ServiceError, match="kimi-prod is loading") as exc:
+    with pytest.raises(ServiceError, match="kimi-prod is loading") as exc:
         _create(model, node)
     assert exc.value.code == "gpus_busy"
 
@@ -81,7 +82,7 @@ def test_a_ready_deployment_on_the_gpus_is_replaced_not_refused(model, node, sen
 def test_a_port_used_by_another_deployment_is_refused(model, node, sent):
     other = DeploymentFactory(node=node, status=S.READY, port=8000, name="other")
     other.gpus.set(node.gpus.filter(index__in=[7]))
-    with pytest.raises(services.ServiceError, match="Port 8000 is used by other") as exc:
+    with pytest.raises(ServiceError, match="Port 8000 is used by other") as exc:
         _create(model, node)
     assert exc.value.code == "port_in_use"
 
@@ -227,6 +228,17 @@ def test_a_port_in_use_fails_before_launch(model, node, host):
     host.mocks["engine.launch"].assert_not_called()
 
 
+def test_a_plan_does_not_download_a_copy_that_is_being_deleted(model, node, host):
+    model.copies.update(state="deleting")
+    d = _queued(model, node)
+    with mock.patch("deployments.services.engines.model_copy_download", autospec=True) as download:
+        services.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and f"The model's copy on {node} is deleting" in d.status_message
+    download.assert_not_called()
+    assert model.copies.get().state == "deleting"
+
+
 def test_an_engine_that_dies_while_loading_fails_with_its_error(model, node, host):
     def launch(spec):
         handle = FakeHost.launch(host, spec)
@@ -314,7 +326,7 @@ def test_the_systemd_unit_runs_the_same_engine_and_kills_its_whole_group():
 
 def test_persisting_needs_a_node_with_systemd(model, node):
     d = DeploymentFactory(model=model, node=node, status=S.READY)
-    with pytest.raises(services.ServiceError, match="cannot install systemd units"):
+    with pytest.raises(ServiceError, match="cannot install systemd units"):
         services.deployment_persist(d)
 
 

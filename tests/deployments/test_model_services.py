@@ -5,6 +5,7 @@ from unittest import mock
 
 import pytest
 
+from controlpanel.errors import ServiceError
 from deployments import services
 from deployments.host import hub
 from deployments.models import ModelCopy, ModelRepo, Secret
@@ -101,12 +102,12 @@ def test_download_is_queued_on_the_nodes_own_queue(enqueued):
     copy = services.model_download(model, node)
     assert copy.state == "queued" and copy.bytes_total == model.total_size
     assert enqueued.call_args.args[0] == node and enqueued.call_args.args[2] == copy.pk
-    with pytest.raises(services.ServiceError, match="already queued"):
+    with pytest.raises(ServiceError, match="already queued"):
         services.model_download(model, node)
 
 
 def test_download_of_a_model_not_yet_read_is_refused(enqueued):
-    with pytest.raises(services.ServiceError, match="not been inspected"):
+    with pytest.raises(ServiceError, match="not been inspected"):
         services.model_download(ModelRepoFactory(), NodeFactory())
 
 
@@ -182,7 +183,7 @@ def test_cancel_then_retry_resumes(tmp_path, enqueued):
 def test_a_copy_in_use_by_a_running_deployment_cannot_be_deleted(enqueued):
     copy = ModelCopyFactory()
     DeploymentFactory(node=copy.node, model=copy.model, status="loading", name="kimi-prod")
-    with pytest.raises(services.ServiceError, match="in use .* by kimi-prod"):
+    with pytest.raises(ServiceError, match="in use .* by kimi-prod"):
         services.model_copy_delete(copy)
     assert ModelCopy.objects.get(pk=copy.pk).state == "ready"
 

@@ -3,8 +3,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from deployments.models import Deployment, InvalidTransition
-from tests.factories import DeploymentFactory, NodeFactory
+from controlpanel.states import InvalidTransition
+from deployments.models import Deployment
+from deployments.models import ModelCopy
+from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
 
 S = Deployment.Status
 pytestmark = pytest.mark.django_db
@@ -37,7 +39,7 @@ def test_a_deployment_refuses_a_jump_the_state_machine_does_not_allow(start, tar
 def test_every_active_status_can_fail_with_a_message():
     for status in Deployment.ACTIVE - {S.STOPPING}:
         deployment = DeploymentFactory(status=status)
-        deployment.mark_failed("engine exited with code 1")
+        deployment.transition(S.FAILED, "engine exited with code 1")
         assert deployment.status == S.FAILED
         assert deployment.status_message == "engine exited with code 1"
         assert deployment.stopped_at is not None
@@ -46,8 +48,26 @@ def test_every_active_status_can_fail_with_a_message():
 def test_a_stopped_or_failed_deployment_can_be_queued_again_for_a_redeploy():
     for status in (S.STOPPED, S.FAILED):
         deployment = DeploymentFactory(status=status)
-        deployment.mark_queued()
+        deployment.transition(S.QUEUED)
         assert deployment.status == S.QUEUED
+
+
+def test_a_model_copy_moves_only_along_its_download_states():
+    copy = ModelCopyFactory(state=ModelCopy.State.READY)
+    with pytest.raises(InvalidTransition, match="cannot go from ready to downloading"):
+        copy.transition(ModelCopy.State.DOWNLOADING)
+    copy.transition(ModelCopy.State.DELETING)
+    with pytest.raises(InvalidTransition, match="cannot go from deleting to queued"):
+        copy.transition(ModelCopy.State.QUEUED)
+    failed = ModelCopyFactory(state=ModelCopy.State.FAILED, error="boom")
+    failed.transition(ModelCopy.State.QUEUED, error="")
+    assert failed.state == ModelCopy.State.QUEUED and failed.error == ""
+
+
+def test_every_model_copy_state_is_reachable_and_every_group_names_real_states():
+    reachable = {to for targets in ModelCopy.TRANSITIONS.values() for to in targets} | {ModelCopy.State.QUEUED}
+    assert reachable == set(ModelCopy.State.values)
+    assert ModelCopy.ACTIVE | ModelCopy.DOWNLOADABLE <= set(ModelCopy.State.values)
 
 
 def test_active_and_terminal_groups_cover_every_status_once():

@@ -22,8 +22,8 @@ def server():
 
 
 def spec_for(server, **overrides):
-    fields = dict(base_url=server.base_url, model="sched", max_tokens=30, min_requests=6, requests_per_user=3,
-                  warmup_per_user=1, tick_s=0.1, workers=1)
+    fields = dict(base_url=server.base_url, model="sched", prompt_source="builtin", ignore_eos=False, max_tokens=30,
+                  min_requests=6, requests_per_user=3, warmup_per_user=1, tick_s=0.1, workers=1)
     fields.update(overrides)
     return LoadSpec(**fields)
 
