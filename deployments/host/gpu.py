@@ -80,6 +80,8 @@ class GpuSample:
     pcie_gen: int | None
     pcie_width: int | None
     processes: list[GpuProcess] | None = field(default_factory=list)  # None: not listable
+    ecc_sbe_volatile: int | None = None  # ECC errors since the driver loaded: corrected (single bit)
+    ecc_dbe_volatile: int | None = None  # and uncorrected (double bit); None without ECC
 
 
 class Nvml:
@@ -131,6 +133,8 @@ class Nvml:
             pcie_gen=_read(lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
             pcie_width=_read(lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)),
             processes=self.processes(index),
+            ecc_sbe_volatile=_read(lambda: _ecc_errors(h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED)),
+            ecc_dbe_volatile=_read(lambda: _ecc_errors(h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)),
         )
 
     def _power_limit_mw(self, index: int) -> int | None:
@@ -230,6 +234,10 @@ def _read(fn: Callable[[], T]) -> T | None:
         return fn()
     except pynvml.NVMLError:
         return None
+
+
+def _ecc_errors(handle, error_type) -> int:
+    return pynvml.nvmlDeviceGetTotalEccErrors(handle, error_type, pynvml.NVML_VOLATILE_ECC)
 
 
 def _memory_info(handle):

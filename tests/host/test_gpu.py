@@ -39,6 +39,9 @@ class FakeNvml:
     NVMLError = pynvml.NVMLError
     NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
     NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
+    NVML_MEMORY_ERROR_TYPE_CORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
     def __init__(self, gpus, init_error=None):
@@ -100,6 +103,11 @@ class FakeNvml:
         h.check("nvmlDeviceGetClockInfo")
         return 1980
 
+    def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
+        h.check("nvmlDeviceGetTotalEccErrors")
+        assert counter_type == pynvml.NVML_VOLATILE_ECC
+        return 3 if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else 0
+
     def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
         h.check("nvmlDeviceGetCurrPcieLinkGeneration")
         return 5
@@ -157,6 +165,7 @@ def test_sample_reads_every_figure_of_every_gpu_in_plain_units(fake):
         temperature_c=54, power_w=412.345, power_limit_w=700.0, sm_clock_mhz=1980,
         pcie_gen=5, pcie_width=16,
         processes=[gpu.GpuProcess(pid=4242, used_memory=8 * GIB, name="python3")],
+        ecc_sbe_volatile=3, ecc_dbe_volatile=0,
     )
     assert second.uuid == "GPU-bbbb" and second.processes == []
 
@@ -170,11 +179,12 @@ def test_sample_of_chosen_gpus_reads_only_those(fake):
 ])
 def test_a_figure_the_driver_refuses_reads_as_unknown_and_the_rest_still_arrives(fake, error):
     fake.gpus[0].fails = {"nvmlDeviceGetTemperature": error, "nvmlDeviceGetPowerUsage": error,
-                          "nvmlDeviceGetCurrPcieLinkWidth": error}
+                          "nvmlDeviceGetCurrPcieLinkWidth": error, "nvmlDeviceGetTotalEccErrors": error}
 
     first, second = gpu.sample()
 
     assert (first.temperature_c, first.power_w, first.pcie_width) == (None, None, None)
+    assert (first.ecc_sbe_volatile, first.ecc_dbe_volatile) == (None, None)  # a GPU without ECC
     assert (first.memory_used, first.util_gpu, first.power_limit_w) == (20 * GIB, 87, 700.0)
     assert (second.temperature_c, second.power_w, second.pcie_width) == (54, 412.345, 16)
 
