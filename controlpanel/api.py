@@ -18,6 +18,8 @@ def exception_handler(exc, context):
         if is_dataclass(exc):
             details = {k: v for k, v in asdict(exc).items() if k not in ("message", "field", "code")}
         code = status.HTTP_409_CONFLICT if exc.code in CONFLICT_CODES else status.HTTP_400_BAD_REQUEST
+        if exc.code == "forbidden":  # allowed to the admin role only (deployments/privileged.py)
+            code = status.HTTP_403_FORBIDDEN
         fields = {exc.field: [exc.message]} if exc.field else {}
         return Response({"error": {"code": exc.code, "message": exc.message, "fields": fields, **details}}, status=code)
     response = drf_exception_handler(exc, context)

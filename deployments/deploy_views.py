@@ -6,7 +6,7 @@ from django.views.decorators.http import require_POST
 
 from controlpanel.errors import ServiceError
 from controlpanel.roles import operator_required
-from deployments import engineargs, forms, secrets, selectors, services
+from deployments import engineargs, forms, privileged, secrets, selectors, services
 from deployments.host import engine, systemd
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 
@@ -45,6 +45,7 @@ def _deploy_page(request, model, node, form, status=200):
         fit = services.model_fit(model, node, int(form.initial.get("tp") or 1))
     return render(request, "deployments/deploy.html", {
         "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": engineargs.PRESETS,
+        "privileged": privileged.FLAGS, "privileged_env": privileged.ENV,
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit}, status=status)
 
 
@@ -96,7 +97,8 @@ def deployment_edit(request, pk):
     data = form.cleaned_data
     try:
         services.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
-                                     env=data["env_vars"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"])
+                                     env=data["env_vars"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
+                                     user=request.user)
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, d.model, d.node, form, status=409)

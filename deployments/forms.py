@@ -54,7 +54,8 @@ class DeployForm(forms.Form):
         (b, b) for b in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLEX_ATTENTION")])
     reasoning_parser = forms.CharField(required=False, max_length=64, help_text="e.g. deepseek_r1, qwen3, kimi_k2")
     tool_call_parser = forms.CharField(required=False, max_length=64, help_text="e.g. hermes, kimi_k2 (enables auto tool choice)")
-    trust_remote_code = forms.BooleanField(required=False)
+    trust_remote_code = forms.BooleanField(required=False, label="⚠ Trust remote code",
+                                           help_text="Runs Python code from the model repository on the host: admins only.")
     served_model_name = forms.CharField(required=False, max_length=200)
     extra_flags = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}),
                                   help_text="More engine flags, e.g. --enable-prefix-caching --max-num-batched-tokens 8192")

@@ -159,7 +159,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         changes = dict(body.validated_data)
         if "gpus" in changes:
             changes["gpu_indices"] = sorted(set(changes.pop("gpus")))
-        return self._accepted(services.deployment_redeploy(self.get_object(), **changes))
+        return self._accepted(services.deployment_redeploy(self.get_object(), user=request.user, **changes))
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])

@@ -7,7 +7,8 @@ from django.db import transaction
 from django.utils.text import slugify
 
 from controlpanel.errors import ServiceError
-from deployments import live, secrets
+from controlpanel.roles import is_admin
+from deployments import live, privileged, secrets
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
 from deployments.services.nodes import node_enqueue
 
@@ -89,6 +90,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
     _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
            replace_ids=list(replace_ids))
+    privileged.check(engine_args=engine_args, env=env, model_dir=privileged.model_dir(model, node), admin=is_admin(user))
     if name and Deployment.objects.filter(name=name).exists():
         raise ServiceError(f"A deployment named {name} exists already.", field="name", code="exists")
     d = Deployment.objects.create(
@@ -114,6 +116,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     if d.status in Deployment.IN_FLIGHT:
         raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; wait for it or stop it first.", code="busy")
     gpu_indices = changes.pop("gpu_indices", d.gpu_indices)
+    user = changes.pop("user", None)
+    old_args, old_env = d.engine_args, d.env
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
         if field in changes:
             changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
@@ -122,6 +126,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
            replace_ids=d.replace, deployment=d)
+    privileged.check(engine_args=d.engine_args, env=d.env, model_dir=privileged.model_dir(d.model, d.node),
+                     admin=is_admin(user), old_args=old_args, old_env=old_env)
     d.transition(Deployment.Status.QUEUED)  # from ready too: the plan stops the running engine first
     d.save()
     d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))

@@ -260,7 +260,8 @@ def _launch(d: Deployment, model_path: str) -> str:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, d.gpu_indices))
     d.log_path = str(_log_path(d))
     argv = engine.build_argv(vllm, model_path, d.port, "0.0.0.0", d.engine_args)
-    handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=Path(d.log_path)))
+    # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there.
+    handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=Path(d.log_path), cwd=Path(model_path)))
     d.pid, d.pgid, d.pid_create_time = handle.pid, handle.pgid, handle.create_time
     Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=d.pid_create_time, log_path=d.log_path)
     return f"PID {handle.pid}: {' '.join(argv[:3])} … (log {d.log_path})"
