@@ -9,7 +9,8 @@ from controlpanel.errors import ServiceError
 
 # Service refusals that are about the state of things (busy, exists, no room) answer 409;
 # the rest are bad input (400).
-CONFLICT_CODES = {"busy", "exists", "in_use", "disk_full", "not_running", "not_failed", "gpus_busy", "port_in_use"}
+CONFLICT_CODES = {"busy", "exists", "in_use", "disk_full", "not_running", "not_failed", "gpus_busy", "port_in_use",
+                  "foreign_processes"}
 
 
 def exception_handler(exc, context):

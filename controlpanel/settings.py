@@ -132,6 +132,10 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Late acks: a task whose worker dies is delivered again after the visibility timeout. Above the
+# longest task (a big download, a slow load), and every host task is idempotent under redelivery
+# (each checks its row's state first; downloads hold a per-folder lock).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 12 * 3600)}
 CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 
@@ -186,6 +190,12 @@ WEB_GC_THRESHOLD = tuple(int(x) for x in env_list("WEB_GC_THRESHOLD", "10000,20,
 WEB_THREADS = env_int("WEB_THREADS", 16)  # per web process: requests served at once (controlpanel/handler.py)
 HEARTBEAT_SECONDS = env_float("HEARTBEAT_SECONDS", 5.0)
 SAMPLE_SECONDS = env_float("SAMPLE_SECONDS", 1.0)
+# On a node without GPUs the whole host is one engine's claim: vLLM engines the panel did not start
+# block a deploy there unless it asks to stop them (off for test runs sharing one machine).
+CPU_HOST_EXCLUSIVE = env_bool("CPU_HOST_EXCLUSIVE", True)
+# Host tasks not started by then are dropped by the worker (a node offline for days must not run
+# a deploy when it returns); the agent re-queues downloads and stops it still owes at its start.
+HOST_TASK_EXPIRES_S = env_int("HOST_TASK_EXPIRES", 600)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HF_TOKEN = env_secret("HF_TOKEN")
 VLLM_BIN = env_str("VLLM_BIN", "vllm")

@@ -4,6 +4,7 @@ One iteration is `Agent.tick()`, so tests call it directly; `loop()` only repeat
 """
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import asdict
@@ -36,6 +37,8 @@ class Agent:
         self._watch_state: dict = {}
         self._metrics_state: dict = {}
         self._watched_at = -1e9
+        self._reconciled = False
+        self._foreign: list[dict] = []
 
     def register(self) -> None:
         """Create or update this node and its GPUs."""
@@ -47,17 +50,31 @@ class Agent:
         node = services.node_register(
             name=self.name, address=self.address, agent_version=self.version, model_store=self.model_store,
             heartbeat_seconds=self.heartbeat_seconds, gpus=gpus, nvml_error=self.nvml_error,
+            agent_host=socket.gethostname(), agent_pid=os.getpid(),
         )
         self.node_id = node.pk
         self.gpu_count = len(gpus)
-        resumed = services.model_copies_resume(node)
-        if resumed:
-            log.info("node %s: resuming %d unfinished download(s)", self.name, len(resumed))
-        report = services.deployments_reconcile(node)
-        if any(report.values()):
-            log.info("node %s: deployments after restart: %s", self.name, report)
+        self._reconcile()
         # `vllm serve --help=all` takes seconds: learn the engine's flags without delaying the start.
         threading.Thread(target=self._report_engine, name="engine-report", daemon=True).start()
+
+    def _reconcile(self) -> None:
+        """Resume downloads and settle deployments left by a previous agent; it queues tasks, so
+        with Redis away it is retried from the loop instead of keeping the agent from heartbeating."""
+        from deployments.models import Node
+
+        try:
+            node = Node.objects.get(pk=self.node_id)
+            resumed = services.model_copies_resume(node)
+            if resumed:
+                log.info("node %s: resuming %d unfinished download(s)", self.name, len(resumed))
+            report = services.deployments_reconcile(node)
+            if any(report.values()):
+                log.info("node %s: deployments after restart: %s", self.name, report)
+            self._reconciled = True
+        except Exception:  # noqa: BLE001 - retried next tick
+            log.exception("node %s: settling what the last agent left failed; retrying", self.name)
+            close_old_connections()
 
     def _report_engine(self) -> None:
         try:
@@ -72,19 +89,24 @@ class Agent:
         """Take one sample of the host, publish it, and heartbeat when due; returns the sample."""
         now = time.monotonic() if now is None else now
         sample = self.sample()
+        # The database first: heartbeat, crash watch and foreign holders must not depend on Redis.
+        if now - self._last_heartbeat >= self.heartbeat_seconds:
+            services.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
+            self._last_heartbeat = now
+        if not self._reconciled:
+            self._reconcile()
         if now - self._engines_at >= ENGINES_REFRESH_S:
             self._engines, self._engines_at = services.node_engines(self.node_id), now
-        services.node_sample_record(self.node_id, sample, self._engines, self.sample_seconds)
-        closed = self.minutes.add(sample)
-        if closed:
-            services.node_minute_record(self.node_id, closed)
+            self._foreign = services.node_foreign_record(self.node_id, self._foreign)
+            services.model_copies_stalled_resume(self.node_id)
         if now - self._watched_at >= WATCH_EVERY_S:
             self._watched_at = now
             services.deployments_watch(self.node_id, self._watch_state)
             services.deployments_metrics(self.node_id, self._metrics_state)
-        if now - self._last_heartbeat >= self.heartbeat_seconds:
-            services.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
-            self._last_heartbeat = now
+        closed = self.minutes.add(sample)
+        if closed:
+            services.node_minute_record(self.node_id, closed)
+        services.node_sample_record(self.node_id, sample, self._engines, self.sample_seconds)
         return sample
 
     def sample(self) -> dict:

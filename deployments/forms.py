@@ -64,6 +64,9 @@ class DeployForm(forms.Form):
     replace = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
                                         label="Also stop", help_text="Deployments on the chosen GPUs are stopped anyway.")
     auto_restart = forms.BooleanField(required=False, label="Restart automatically after a crash (with backoff)")
+    stop_foreign = forms.BooleanField(required=False, label="Stop other processes on these GPUs",
+                                      help_text="Processes the panel did not start (never display servers). "
+                                                "Without this, a deploy onto GPUs others use is refused, naming them.")
     stall_seconds = forms.IntegerField(min_value=30, max_value=86400, initial=600, label="Stalled after (s)",
                                        help_text="No fixed load timeout: a load fails only when neither log nor GPU memory moved this long.")
 

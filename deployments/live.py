@@ -5,9 +5,11 @@ Each message is {"topic", "kind", "data"}. The last message of each kind per top
 as that topic's snapshot, so a browser that (re)connects first gets the current state, then deltas.
 """
 import json
+import logging
 import re
 from typing import Any, TypedDict
 
+import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
@@ -48,6 +50,7 @@ def run_topic(run_id: int) -> str:
     return f"run:{run_id}"
 
 
+log = logging.getLogger(__name__)
 FLEET = "fleet"
 
 
@@ -58,13 +61,18 @@ def _snapshot_key(topic: str) -> str:
 def publish(topic: str, kind: str, data: Any, keep: bool = True) -> None:
     """Send one message to every browser watching `topic`; keep it as the topic's snapshot of `kind`."""
     message: LiveMessage = {"topic": topic, "kind": kind, "data": data}
-    if keep:
-        key = _snapshot_key(topic)
-        pipe = redisconn.client().pipeline()
-        pipe.hset(key, kind, json.dumps(message))
-        pipe.expire(key, SNAPSHOT_TTL)
-        pipe.execute()
-    async_to_sync(get_channel_layer().group_send)(group_name(topic), {"type": "live.message", "message": message})
+    try:
+        if keep:
+            key = _snapshot_key(topic)
+            pipe = redisconn.client().pipeline()
+            pipe.hset(key, kind, json.dumps(message))
+            pipe.expire(key, SNAPSHOT_TTL)
+            pipe.execute()
+        async_to_sync(get_channel_layer().group_send)(group_name(topic), {"type": "live.message", "message": message})
+    except (redis.RedisError, OSError) as exc:
+        # Browsers miss this update (they get a fresh snapshot on reconnect); the caller's work,
+        # recorded in the database, must not fail because Redis is away.
+        log.warning("live update %s/%s not sent: %s", topic, kind, exc)
 
 
 def snapshot(topic: str) -> list[LiveMessage]:

@@ -24,6 +24,10 @@ class Node(models.Model):
     engine_flags = models.JSONField(default=list, blank=True, help_text="Flags the node's `vllm serve` accepts.")
     engine_error = models.CharField(max_length=500, blank=True, help_text="Why the engine could not be inspected.")
     systemd = models.BooleanField(default=False, help_text="The agent can install systemd units here.")
+    agent_host = models.CharField(max_length=255, blank=True, help_text="Host name of the agent that heartbeats.")
+    agent_pid = models.IntegerField(null=True, blank=True, help_text="PID of the agent that heartbeats.")
+    foreign_processes = models.JSONField(default=list, blank=True,
+                                         help_text="Processes on the GPUs the panel did not start, as the agent last saw them.")
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -138,7 +142,7 @@ class ModelCopy(Transitions, models.Model):
         State.READY: {State.DELETING},
         State.FAILED: {State.QUEUED, State.DELETING},
         State.CANCELLED: {State.QUEUED, State.DELETING},
-        State.DELETING: {State.DELETING},
+        State.DELETING: {State.DELETING, State.READY},  # READY: removal refused, an engine uses the folder
     }
 
     model = models.ForeignKey(ModelRepo, on_delete=models.CASCADE, related_name="copies")
@@ -242,6 +246,10 @@ class Deployment(Transitions, models.Model):
     pid_create_time = models.FloatField(null=True, blank=True, help_text="Guards against PID reuse.")
     log_path = models.CharField(max_length=1024, blank=True)
     systemd_unit = models.CharField(max_length=128, blank=True)
+    marker = models.CharField(max_length=64, blank=True, help_text="PANEL_ENGINE value of the running engine: proves it is ours.")
+    shm_files = models.JSONField(default=list, blank=True, help_text="/dev/shm files the engine held, removed once it is gone.")
+    stop_foreign = models.BooleanField(default=False, help_text="Stop other (non-panel) processes on the chosen GPUs.")
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="A queued plan not started by then is dropped.")
     load_phase = models.CharField(max_length=64, blank=True)
     load_percent = models.FloatField(null=True, blank=True)
     auto_restart = models.BooleanField(default=False)
@@ -275,6 +283,11 @@ class Deployment(Transitions, models.Model):
             self.ready_at = now
         elif status in self.TERMINAL:
             self.stopped_at = now
+
+    @property
+    def expired(self) -> bool:
+        """Queued, and the node did not start the plan in time (it was offline): nothing was done."""
+        return self.status == self.Status.QUEUED and self.expires_at is not None and self.expires_at < timezone.now()
 
     @property
     def base_url(self) -> str:

@@ -67,3 +67,11 @@ def test_secrets_come_from_the_environment_not_the_file():
     text = (ROOT / "docker-compose.yml").read_text()
     assert "${SECRET_KEY:?" in text
     assert "hf_" not in text.lower().replace("hf_endpoint", "").replace("hf_token_file", "")
+
+
+def test_every_gpu_host_must_name_its_node_agent():
+    """Two hosts with one default name would share a queue: compose refuses to start without NODE_NAME."""
+    agent = SERVICES["nodeagent"]
+    for text in (" ".join(_argv(agent)), " ".join(agent["healthcheck"]["test"])):
+        assert re.search(r"\$\{NODE_NAME:\?[^}]+\}", text), text
+        assert "NODE_NAME:-" not in text

@@ -128,7 +128,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
 class DeploymentDetailSerializer(DeploymentSerializer):
     class Meta(DeploymentSerializer.Meta):
         fields = DeploymentSerializer.Meta.fields + ["smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
-                                                     "replace", "base_url"]
+                                                     "replace", "base_url", "stop_foreign", "expires_at", "expired"]
 
 
 class DeployRequestSerializer(serializers.Serializer):
@@ -145,6 +145,8 @@ class DeployRequestSerializer(serializers.Serializer):
     replace = serializers.ListField(child=serializers.IntegerField(min_value=1), required=False, default=list, max_length=64)
     auto_restart = serializers.BooleanField(default=False)
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, default=600)
+    stop_foreign = serializers.BooleanField(default=False, help_text="Stop processes the panel did not start on the "
+                                            "chosen GPUs (never display servers); without it such a deploy answers 409.")
 
     def validate_engine_args(self, value):
         from deployments import engineargs
@@ -178,6 +180,7 @@ class RedeploySerializer(serializers.Serializer):
     env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False)
     auto_restart = serializers.BooleanField(required=False)
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
+    stop_foreign = serializers.BooleanField(required=False)
 
     validate_engine_args = DeployRequestSerializer.validate_engine_args
     validate_env = DeployRequestSerializer.validate_env

@@ -318,11 +318,14 @@ def stop(pgid: int, term_timeout_s: float = 30.0, kill_timeout_s: float = 10.0) 
             _signal_group(pgid, signal.SIGKILL)
             # A process in uninterruptible sleep (a stuck GPU driver call) survives even SIGKILL.
             survivors = _wait_gone(pgid, deadline)
-    removed = [] if survivors else _remove_unused_shm(shm)
+    removed = [] if survivors else remove_unused_shm(shm)
     return StopResult(sent, round(time.monotonic() - started, 3), survivors, removed)
 
 
-def _remove_unused_shm(paths: set[str]) -> list[str]:
+def remove_unused_shm(paths: set[str]) -> list[str]:
+    """Delete those of `paths` that no live process holds open or mapped (what an engine left)."""
+    # Only plain files directly in /dev/shm: the list comes back from the database.
+    paths = {p for p in paths if Path(p).parent == SHM_DIR and ".." not in Path(p).parts}
     if not paths:
         return []
     in_use = set()

@@ -1,6 +1,7 @@
 """The model store on a node: where a model's files live, local folders, safe deletion."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -29,10 +30,19 @@ class LocalModel:
 
 
 def model_dir(store: str | Path, repo_id: str, revision: str) -> Path:
-    """`<store>/<org>--<name>[@<revision>]`: one folder per repo and revision, never outside the store."""
+    """`<store>/<org>--<name>[@<revision>]`: one folder per repo and revision, never outside the store.
+
+    Where making a name safe loses information (revisions `a/b` and `a_b`, a repo with `--`), a
+    hash of the exact (repo, revision) is appended after a `~`, which a made-safe name never
+    contains, so two of them never share a folder."""
     name = _SAFE.sub("_", repo_id.replace("/", "--"))
+    lossy = name.replace("--", "/", 1) != repo_id or repo_id.count("/") > 1
     if revision and revision != "main":
-        name += "@" + _SAFE.sub("_", revision)
+        safe = _SAFE.sub("_", revision)
+        lossy = lossy or safe != revision
+        name += "@" + safe
+    if lossy:
+        name += "~" + hashlib.sha256(f"{repo_id}\0{revision}".encode()).hexdigest()[:10]
     return Path(store) / name
 
 

@@ -132,3 +132,8 @@ def uninstall(name: str, unit_dir: Path = UNIT_DIR) -> None:
     (unit_dir / name).unlink(missing_ok=True)
     env_file_path(name, unit_dir).unlink(missing_ok=True)
     systemctl("daemon-reload")
+
+
+def disable(name: str) -> None:
+    """Stop the unit and keep it from starting at boot (a stopped deployment stays stopped)."""
+    systemctl("disable", "--now", name)

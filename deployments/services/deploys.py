@@ -3,7 +3,12 @@
 Each one validates, writes the row and sends the work to the node's agent
 (deployments.services.engines runs it there).
 """
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 from django.utils.text import slugify
 
 from controlpanel.errors import ServiceError
@@ -13,7 +18,7 @@ from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo
 from deployments.services.nodes import node_enqueue
 
 __all__ = ["deployment_create", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
-           "deployment_publish", "deployment_event"]
+           "deployment_publish", "deployment_event", "ForeignProcesses"]
 
 
 def deployment_publish(d: Deployment, **extra) -> None:
@@ -40,14 +45,18 @@ def _publish_event(event: DeploymentEvent) -> None:
 
 
 def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
-    """Active deployments on the node that hold any of these GPUs."""
-    holders = node.deployments.filter(status__in=Deployment.ACTIVE, gpus__index__in=gpu_indices).distinct()
+    """Active deployments on the node that hold any of these GPUs; on a node without GPUs, the
+    whole host is the claim: every active deployment there."""
+    holders = node.deployments.filter(status__in=Deployment.ACTIVE)
+    if gpu_indices or node.gpus.exists():
+        holders = holders.filter(gpus__index__in=gpu_indices).distinct()
     return holders.exclude(pk=exclude.pk) if exclude else holders
 
 
 def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
-           replace_ids: list[int], deployment: Deployment | None = None) -> None:
-    """Refuse what cannot work before anything is stopped or started."""
+           replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False) -> None:
+    """Refuse what cannot work before anything is stopped or started. Callers hold the node's
+    row lock, so two claims on one node's GPUs are decided one after the other."""
     gpus = {g.index for g in node.gpus.all()}
     if set(gpu_indices) - gpus:
         raise ServiceError(f"{node} has no GPU {sorted(set(gpu_indices) - gpus)[0]}.", field="gpus")
@@ -67,10 +76,30 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
         same_port = same_port.exclude(pk=deployment.pk)
     if same_port.exists():
         raise ServiceError(f"Port {port} is used by {same_port.first().name} on {node}.", field="port", code="port_in_use")
+    foreign = [p for p in node.foreign_processes if not p.get("display")
+               and (not gpu_indices or set(p.get("gpus") or []) & set(gpu_indices))]
+    if foreign and not stop_foreign:
+        raise ForeignProcesses(processes=foreign)
+    if ModelCopy.objects.filter(model=model, node=node, state=ModelCopy.State.DELETING).exists():
+        raise ServiceError(f"{model} is being deleted on {node}; download it again after that.", field="model",
+                           code="in_use")
     has_copy = ModelCopy.objects.filter(model=model, node=node, state=ModelCopy.State.READY).exists()
     if not has_copy and (model.local_path or not model.files):
         raise ServiceError(model.inspect_error or f"{model} is not on {node} and cannot be downloaded there yet.",
                            field="model", code="not_inspected")
+
+
+@dataclass
+class ForeignProcesses(ServiceError):
+    """Processes the panel did not start hold the chosen GPUs: the operator decides (409)."""
+
+    processes: list
+
+    def __post_init__(self):
+        names = "; ".join(f"PID {p['pid']} ({p['user']}: {p['command'][:60]}"
+                          f"{', ' + str(p['memory'] >> 20) + ' MiB' if p.get('memory') else ''})" for p in self.processes)
+        super().__init__(f"Other processes hold the chosen GPUs: {names}. Stop them, or tick "
+                         "\"stop other processes on these GPUs\".", field="gpus", code="foreign_processes")
 
 
 def _unique_name(base: str) -> str:
@@ -85,18 +114,18 @@ def _unique_name(base: str) -> str:
 @transaction.atomic
 def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
                       env: dict, name: str = "", replace_ids=(), auto_restart: bool = False, stall_seconds: int = 600,
-                      user=None) -> Deployment:
+                      stop_foreign: bool = False, user=None) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load."""
-    Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
+    node = Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
     _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
-           replace_ids=list(replace_ids))
+           replace_ids=list(replace_ids), stop_foreign=stop_foreign)
     privileged.check(engine_args=engine_args, env=env, model_dir=privileged.model_dir(model, node), admin=is_admin(user))
     if name and Deployment.objects.filter(name=name).exists():
         raise ServiceError(f"A deployment named {name} exists already.", field="name", code="exists")
     d = Deployment.objects.create(
         name=name or _unique_name(f"{model.repo_id.split('/')[-1]}-{node.name}"), model=model, node=node, port=port,
         engine_args=engine_args, env=env, replace=list(replace_ids), auto_restart=auto_restart,
-        stall_seconds=stall_seconds, created_by=user)
+        stall_seconds=stall_seconds, stop_foreign=stop_foreign, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
     _send_plan(d)
@@ -104,14 +133,20 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
 
 
 def _send_plan(d: Deployment, countdown: int = 0) -> None:
+    """Queue the plan with an expiry: a node that comes back later does nothing (the row says so)."""
     from deployments import tasks
 
-    transaction.on_commit(lambda: tasks.deployment_run.apply_async(args=[d.pk], queue=d.node.queue, countdown=countdown))
+    expires = settings.HOST_TASK_EXPIRES_S + countdown
+    d.expires_at = timezone.now() + timedelta(seconds=expires)
+    Deployment.objects.filter(pk=d.pk).update(expires_at=d.expires_at)
+    transaction.on_commit(lambda: tasks.deployment_run.apply_async(args=[d.pk], queue=d.node.queue, countdown=countdown,
+                                                                   expires=expires))
 
 
 @transaction.atomic
 def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     """Run the plan again (restart), optionally with changed settings; a running engine is stopped first."""
+    Node.objects.select_for_update().get(pk=d.node_id)  # the lock every claiming path takes
     d = Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
     if d.status in Deployment.IN_FLIGHT:
         raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; wait for it or stop it first.", code="busy")
@@ -121,11 +156,11 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
         if field in changes:
             changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
-    for field in ("port", "engine_args", "env", "auto_restart", "stall_seconds"):
+    for field in ("port", "engine_args", "env", "auto_restart", "stall_seconds", "stop_foreign"):
         if field in changes:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
-           replace_ids=d.replace, deployment=d)
+           replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign)
     privileged.check(engine_args=d.engine_args, env=d.env, model_dir=privileged.model_dir(d.model, d.node),
                      admin=is_admin(user), old_args=old_args, old_env=old_env)
     d.transition(Deployment.Status.QUEUED)  # from ready too: the plan stops the running engine first

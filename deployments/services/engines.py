@@ -11,14 +11,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from deployments import live, secrets
-from deployments.host import engine, gpu, openai, systemd
 from controlpanel.states import InvalidTransition
-from deployments.models import Deployment, DeploymentEvent, ModelCopy
-from deployments.services.deploys import _send_plan, deployment_event, deployment_publish
+from deployments import live, secrets
+from deployments.host import engine, gpu, openai, ownership, systemd
+from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
+from deployments.services.deploys import _send_plan, deployment_event, deployment_holders, deployment_publish
+from deployments.services.guards import foreign_holders
 from deployments.services.models import model_copy_download
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ S = Deployment.Status
 MEMORY_TIMEOUT_S = float(os.environ.get("DEPLOY_MEMORY_TIMEOUT", "180"))
 STOP_TERM_S, STOP_KILL_S = 30.0, 10.0
 TAIL_LINES = 400
+# A deploy waiting on a download gives up when the download's row has not moved for this long
+# (its worker died, or Redis/the database went away and did not come back).
+DOWNLOAD_STALL_S = float(os.environ.get("DEPLOY_DOWNLOAD_STALL", "300"))
 
 
 class PlanFailed(Exception):
@@ -48,7 +52,7 @@ def _set(d: Deployment, status: str, message: str = "") -> None:
         except InvalidTransition as exc:
             raise Aborted(str(exc)) from exc
         for field in ("pid", "pgid", "pid_create_time", "log_path", "load_phase", "load_percent", "load_detail",
-                      "smoke", "log_tail", "systemd_unit"):
+                      "smoke", "log_tail", "systemd_unit", "marker", "shm_files"):
             setattr(row, field, getattr(d, field))
         row.save()
     d.status, d.status_message, d.started, d.ready_at, d.stopped_at = (
@@ -102,6 +106,9 @@ def deployment_run(deployment_id: int) -> Deployment:
         log.info("deployment %s: plan aborted by a stop request", d.name)
     except (PlanFailed, engine.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
         _fail(d, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a Redis or database blip must not leave the row mid-plan
+        log.exception("deployment %s: the plan broke", d.name)
+        _fail(d, f"The plan broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
     return d
 
 
@@ -118,24 +125,71 @@ def deployment_follow(deployment_id: int) -> Deployment:
         pass
     except (PlanFailed, engine.EngineError) as exc:
         _fail(d, str(exc))
+    except Exception as exc:  # noqa: BLE001 - see deployment_run
+        log.exception("deployment %s: following the load broke", d.name)
+        _fail(d, f"Following the load broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
     return d
 
 
-def _fail(d: Deployment, message: str) -> None:
-    """Mark failed with the reason and the last log lines; never leave an engine running behind."""
-    if d.pgid:
-        try:
-            engine.stop(d.pgid, STOP_TERM_S, STOP_KILL_S)
-        except engine.EngineError:
-            pass
+def _fail(d: Deployment, message: str, attempts: int = 30) -> None:
+    """Mark failed with the reason and the last log lines; never leave an engine of ours running.
+
+    Retried while the database is away (a dropped connection, a restart): the row must not stay
+    mid-plan once it is back."""
+    try:
+        _stop_proven(d)
+    except engine.EngineError:
+        pass
     if d.log_path:
         d.log_tail = "\n".join(engine.tail(Path(d.log_path), TAIL_LINES))
-    d.pid = d.pgid = None
-    try:
-        _set(d, S.FAILED, message)
-    except Aborted:
-        _stop_row(d, message)
-    deployment_event(d, "failed", message, level=DeploymentEvent.Level.ERROR)
+    d.pid = d.pgid = d.pid_create_time = None
+    d.marker, d.shm_files = "", []
+    for attempt in range(attempts):
+        try:
+            if connection.connection is not None and not connection.in_atomic_block:
+                connection.close_if_unusable_or_obsolete()
+            try:
+                _set(d, S.FAILED, message)
+            except Aborted:
+                _stop_row(d, message)
+            deployment_event(d, "failed", message, level=DeploymentEvent.Level.ERROR)
+            return
+        except DatabaseError:
+            log.warning("deployment %s: cannot record the failure yet (database away), retrying", d.name)
+            connection.close()
+            time.sleep(min(2.0, 0.1 * 2 ** attempt))
+    raise PlanFailed(f"{d.name}: could not record the failure: the database stayed away")
+
+
+def _running(d: Deployment) -> bool:
+    """The deployment's engine leader runs and is provably ours (marker or systemd unit)."""
+    return bool(d.pid) and engine.alive(d.pid, d.pid_create_time or 0.0) and ownership.pid_owned(
+        d.pid, d.marker, d.systemd_unit or None)
+
+
+def _stop_proven(d: Deployment) -> engine.StopResult | None:
+    """Stop the deployment's process group only when it is provably its engine, then clean the
+    /dev/shm files it was seen holding. A group that cannot be proven ours is reported on the
+    timeline and never signalled (after a reboot or PID reuse it is someone else's)."""
+    result = None
+    if d.pgid and ownership.owned(d.pgid, d.marker, d.systemd_unit or None):
+        result = engine.stop(d.pgid, STOP_TERM_S, STOP_KILL_S)
+    elif d.pgid and engine.members(d.pgid):
+        deployment_event(d, "not_signalled", f"Process group {d.pgid} runs but does not carry this deployment's "
+                         "marker: it is not provably ours, so it was left alone.", level=DeploymentEvent.Level.WARNING)
+    if not (result and result.survivors):
+        engine.remove_unused_shm(set(d.shm_files or []))
+        d.shm_files = []
+    return result
+
+
+def _record_shm(d: Deployment) -> None:
+    """Remember the engine's /dev/shm files while it runs: after a crash nothing names them."""
+    if d.pgid and d.marker:
+        seen = sorted(set(d.shm_files or []) | engine.shm_files(d.pgid))
+        if seen != (d.shm_files or []):
+            d.shm_files = seen
+            Deployment.objects.filter(pk=d.pk).update(shm_files=seen)
 
 
 def _ensure_model(d: Deployment) -> str:
@@ -144,6 +198,10 @@ def _ensure_model(d: Deployment) -> str:
     if copy.state != ModelCopy.State.READY:
         if copy.state == ModelCopy.State.DOWNLOADING:
             while copy.state == ModelCopy.State.DOWNLOADING:
+                if (timezone.now() - copy.updated).total_seconds() > DOWNLOAD_STALL_S:
+                    raise PlanFailed(f"The download of {d.model} made no progress for {DOWNLOAD_STALL_S:.0f} s.")
+                if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+                    raise Aborted("stop requested")
                 time.sleep(2)
                 copy.refresh_from_db()
         else:
@@ -165,7 +223,7 @@ def _stop_holders(d: Deployment) -> str:
     """Stop deployments on the chosen GPUs (and those asked for), then stray GPU processes."""
     indices = d.gpu_indices
     others = Deployment.objects.filter(node=d.node, status__in=Deployment.ACTIVE).exclude(pk=d.pk)
-    targets = list(others.filter(gpus__index__in=indices).distinct()) + list(others.filter(pk__in=d.replace))
+    targets = list(deployment_holders(d.node, indices, exclude=d)) + list(others.filter(pk__in=d.replace))
     done = []
     if d.pid or d.systemd_unit:  # a redeploy: our own previous engine goes first
         result = _halt_engine(d)
@@ -179,39 +237,50 @@ def _stop_holders(d: Deployment) -> str:
         result = _halt_engine(other)
         _stop_row(other, f"stopped to make room for {d.name}")
         done.append(f"{other.name} ({result})")
-    strays = _stop_strays(indices)
+    strays = _stop_foreign(d)
     if strays:
-        done.append("stray processes " + ", ".join(strays))
+        done.append("other processes " + ", ".join(strays))
     return "Stopped " + "; ".join(done) + "." if done else "Nothing held the chosen GPUs."
 
 
-def _stop_strays(indices: list[int]) -> list[str]:
-    """Process groups still holding the chosen GPUs that no deployment owns: TERM, then KILL."""
-    try:
-        held = gpu.processes_on(indices)
-    except gpu.NvmlUnavailable:
+def _stop_foreign(d: Deployment) -> list[str]:
+    """Processes on the chosen GPUs (the whole host without GPUs) that the panel did not start:
+    the plan fails naming them, unless the deploy asked to stop them; display servers never."""
+    foreign = foreign_holders(d.node_id, d.gpu_indices)
+    if not foreign:
         return []
+    blocking = [p for p in foreign if not p["display"]]
+    if blocking and not d.stop_foreign:
+        raise PlanFailed("Other processes hold the chosen GPUs: " + "; ".join(
+            f"PID {p['pid']} ({p['user']}: {p['command'][:80]}{', ' + str(p['memory'] >> 20) + ' MiB' if p['memory'] else ''})"
+            for p in blocking) + ". Stop them, or deploy with \"stop other processes on these GPUs\".")
     stopped = []
-    for pid in sorted({p.pid for procs in held.values() for p in procs}):
+    for p in blocking:
         try:
-            pgid = os.getpgid(pid)
+            pgid = os.getpgid(p["pid"])
         except OSError:
             continue  # gone, or in another PID namespace
+        if pgid in (os.getpgrp(), os.getsid(0)):
+            raise PlanFailed(f"PID {p['pid']} holding the GPUs is in the agent's own process group")
         try:
             result = engine.stop(pgid, STOP_TERM_S, STOP_KILL_S)
         except engine.EngineError as exc:
-            raise PlanFailed(f"cannot stop PID {pid} holding the GPUs: {exc}") from exc
-        stopped.append(f"PID {pid} ({', '.join(result.signals_sent) or 'already gone'})")
+            raise PlanFailed(f"cannot stop PID {p['pid']} holding the GPUs: {exc}") from exc
+        stopped.append(f"PID {p['pid']} of {p['user']} ({', '.join(result.signals_sent) or 'already gone'})")
     return stopped
 
 
 def _halt_engine(d: Deployment) -> str:
     """Stop one deployment's engine: its systemd unit or its whole process group; say how."""
     if d.systemd_unit:
-        systemd.stop(d.systemd_unit)
+        systemd.disable(d.systemd_unit)  # a stopped deployment must not come back at the next boot
     if not d.pgid:
+        _stop_proven(d)  # its /dev/shm files, if a crash left them
         return "not running"
-    result = engine.stop(d.pgid, STOP_TERM_S, STOP_KILL_S)
+    result = _stop_proven(d)
+    if result is None:
+        d.pid = d.pgid = d.pid_create_time = None
+        return "not running (its process group was not provably ours; left alone)"
     if result.survivors:
         raise PlanFailed(f"PIDs {result.survivors} of {d.name} survived SIGKILL (stuck in the driver?)")
     if d.log_path:
@@ -225,6 +294,7 @@ def _stop_row(d: Deployment, message: str) -> None:
     with transaction.atomic():
         row = Deployment.objects.select_for_update().get(pk=d.pk)
         row.pid = row.pgid = row.pid_create_time = None
+        row.marker, row.shm_files = "", d.shm_files or []
         row.log_tail = d.log_tail or row.log_tail
         if row.status != S.STOPPED:
             row.status, row.status_message, row.stopped_at = S.STOPPED, message, timezone.now()
@@ -255,16 +325,52 @@ def _launch(d: Deployment, model_path: str) -> str:
         raise PlanFailed(f"Cannot run the engine: {exc}") from exc
     if errors:
         raise PlanFailed("; ".join(errors.values()))
-    env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **d.env}
+    _claim(d)
+    d.marker = ownership.new_marker(d.pk)
+    d.log_path = str(_log_path(d))
+    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
+    argv = engine.build_argv(vllm, model_path, d.port, "0.0.0.0", d.engine_args)
+    if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
+        text, secret_env = _unit(d, argv)
+        d.pid = systemd.install(d.systemd_unit, text, secret_env=secret_env)
+        d.pgid, d.pid_create_time = os.getpgid(d.pid), None
+    else:
+        # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there.
+        handle = engine.launch(engine.EngineSpec(argv=argv, env=_engine_env(d), log_path=Path(d.log_path),
+                                                 cwd=Path(model_path)))
+        d.pid, d.pgid, d.pid_create_time = handle.pid, handle.pgid, handle.create_time
+    Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=d.pid_create_time)
+    return f"PID {d.pid}: {' '.join(argv[:3])} … (log {d.log_path})"
+
+
+def _engine_env(d: Deployment) -> dict[str, str]:
+    """The engine's environment. The marker is set here, by the panel, never inherited: it is
+    what later proves the process is this deployment's engine."""
+    env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **d.env,
+           "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # NVML's indices; CUDA's default order may differ
+           ownership.MARKER_VAR: d.marker}
     if d.gpu_indices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, d.gpu_indices))
-    d.log_path = str(_log_path(d))
-    argv = engine.build_argv(vllm, model_path, d.port, "0.0.0.0", d.engine_args)
-    # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there.
-    handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=Path(d.log_path), cwd=Path(model_path)))
-    d.pid, d.pgid, d.pid_create_time = handle.pid, handle.pgid, handle.create_time
-    Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=d.pid_create_time, log_path=d.log_path)
-    return f"PID {handle.pid}: {' '.join(argv[:3])} … (log {d.log_path})"
+    return env
+
+
+def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
+    """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
+    env, secret_env = secrets.split(_engine_env(d))
+    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", env=env, log_path=d.log_path, argv=argv,
+                               secret_env_file=str(systemd.env_file_path(d.systemd_unit)) if secret_env else None)
+    return text, secret_env
+
+
+def _claim(d: Deployment) -> None:
+    """Last check before an engine starts, under the node lock every claiming path takes: no other
+    active deployment holds these GPUs (the whole host on a node without GPUs)."""
+    with transaction.atomic():
+        Node.objects.select_for_update().get(pk=d.node_id)
+        clash = deployment_holders(d.node, d.gpu_indices, exclude=d).first()
+        if clash:
+            raise PlanFailed(f"{clash.name} ({clash.get_status_display().lower()}) holds "
+                             f"{'GPUs ' + ', '.join(map(str, d.gpu_indices)) if d.gpu_indices else 'this host'}.")
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -307,10 +413,11 @@ def _follow(d: Deployment) -> None:
                 d.log_tail = "\n".join(tail)
                 Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
                                                           load_detail=d.load_detail, log_tail=d.log_tail)
+                _record_shm(d)
                 deployment_publish(d)
                 if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
                     raise Aborted("stop requested")
-            if not engine.alive(d.pid, d.pid_create_time or 0.0):
+            if not _running(d):
                 raise PlanFailed(f"The engine exited while loading: {progress.error or (tail[-1] if tail else 'no output')}")
             if engine.health(base_url, timeout=1.0):
                 break
@@ -378,19 +485,15 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
     """Install the deployment as a systemd unit; the unit then owns the engine."""
     d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
     copy = ModelCopy.objects.get(model=d.model, node=d.node)
-    env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **d.env}
-    if d.gpu_indices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, d.gpu_indices))
     name = systemd.unit_name(d.name)
-    env, secret_env = secrets.split(env)  # secrets go in a 0600 EnvironmentFile, not in the unit text
-    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", env=env, log_path=d.log_path,
-                               argv=engine.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args),
-                               secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)
+    argv = engine.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args)
     try:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)
         _halt_engine(d)
+        d.marker = ownership.new_marker(d.pk)
         d.systemd_unit = name
+        text, secret_env = _unit(d, argv)
         d.pid = systemd.install(name, text, secret_env=secret_env)
         d.pgid, d.pid_create_time = os.getpgid(d.pid), None
         _set(d, S.LOADING, f"restarting under systemd as {name}")
@@ -405,16 +508,25 @@ def deployments_watch(node_id: int, state: dict) -> None:
     """One pass of crash detection for ready engines: process gone or /health failing three times."""
     now = time.monotonic()
     for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
-        alive = engine.alive(d.pid, d.pid_create_time or 0.0)
+        alive = _running(d)
         failures = state.setdefault(d.pk, 0)
         if alive and now - state.get(f"checked:{d.pk}", -1e9) >= 5:
             state[f"checked:{d.pk}"] = now
+            _record_shm(d)
             state[d.pk] = 0 if engine.health(f"http://127.0.0.1:{d.port}", timeout=2.0) else failures + 1
         if alive and state[d.pk] < 3:
             continue
         reason = "the engine process exited" if not alive else "/health failed 3 times in a row"
         _crashed(d, reason)
         state.pop(d.pk, None)
+    _expire_queued(node_id)
+
+
+def _expire_queued(node_id: int) -> None:
+    """Queued plans the node never started in time (it was offline, or the broker lost the task)
+    end failed, saying nothing was done: the task itself expired and will not run."""
+    for d in Deployment.objects.filter(node_id=node_id, status=S.QUEUED, expires_at__lt=timezone.now()):
+        _fail(d, "The plan expired before this node ran it (the node was offline); nothing was done.")
 
 
 def deployments_metrics(node_id: int, state: dict) -> None:
@@ -444,12 +556,17 @@ def _crashed(d: Deployment, reason: str) -> None:
     if d.auto_restart:
         delay = min(600, 10 * 2 ** d.restarts)
         with transaction.atomic():
+            Node.objects.select_for_update().get(pk=d.node_id)  # the lock every claiming path takes
             row = Deployment.objects.select_for_update().get(pk=d.pk)
+            clash = deployment_holders(d.node, d.gpu_indices, exclude=d).first()
+            if clash:
+                deployment_event(d, "auto_restart", f"Not restarted: {clash.name} uses its GPUs now.")
+                return
             row.restarts += 1
             row.transition(S.QUEUED)
             row.save()
+            _send_plan(row, countdown=delay)
         deployment_event(d, "auto_restart", f"Restarting in {delay} s (restart {row.restarts}).")
-        _send_plan(row, countdown=delay)
 
 
 def deployments_reconcile(node) -> dict:
@@ -458,8 +575,9 @@ def deployments_reconcile(node) -> dict:
     from deployments.services.nodes import node_enqueue
 
     report = {"adopted": [], "failed": [], "following": []}
+    _expire_queued(node.pk)
     for d in Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE - {S.QUEUED}):
-        running = bool(d.pid) and engine.alive(d.pid, d.pid_create_time or 0.0)
+        running = _running(d)
         if d.status == S.STOPPING:
             node_enqueue(node, tasks.deployment_halt, d.pk)
         elif running and d.status == S.READY:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 
 from controlpanel.errors import ServiceError
@@ -18,9 +18,12 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DiskShort", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
     "model_download", "model_copy_download", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
-    "model_copy_remove", "model_copies_resume", "hf_token", "hf_token_set",
+    "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token", "hf_token_set",
 ]
 PROGRESS_EVERY_S = 0.5  # how often a running download writes its progress and checks for cancel
+# A copy queued or downloading whose row has not moved for this long lost its task or its worker
+# (Redis restarted empty, the database went away mid-download): the agent queues it again.
+STALLED_S = 60.0
 
 
 @dataclass
@@ -249,6 +252,12 @@ def model_copy_download(copy_id: int) -> ModelCopy:
     try:
         hub.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
                      on_progress=on_progress, should_cancel=lambda: last["cancel"])
+    except DatabaseError:
+        # The row stays "downloading"; it stops moving, and the agent resumes it once the
+        # database answers again (model_copies_stalled_resume). The partial files stay.
+        log.warning("download of copy %s interrupted by the database; it resumes when it is back", copy.pk)
+        close_old_connections()
+        return copy
     except hub.DownloadCancelled:
         copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
@@ -304,8 +313,11 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
     from deployments import tasks
 
     with transaction.atomic():
+        # The node's row lock is the one deploys take: a delete and a deploy racing are decided one
+        # after the other, and exactly one wins (a deploy refuses a copy being deleted).
+        Node.objects.select_for_update().get(pk=copy.node_id)
         copy = ModelCopy.objects.select_for_update().select_related("node", "model").get(pk=copy.pk)
-        users = Deployment.objects.filter(node=copy.node, model=copy.model, status__in=Deployment.ACTIVE)
+        users = _copy_users(copy)
         if users.exists():
             names = ", ".join(users.values_list("name", flat=True))
             raise ServiceError(f"{copy.model} is in use on {copy.node} by {names}; stop it first.", code="in_use")
@@ -318,11 +330,25 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
     return copy
 
 
+def _copy_users(copy: ModelCopy):
+    """Active deployments on the copy's node that use its folder (by model, or by the same path)."""
+    same_folder = ModelCopy.objects.filter(node=copy.node_id, path=copy.path).values("model") if copy.path else []
+    users = Deployment.objects.filter(node=copy.node_id, status__in=Deployment.ACTIVE)
+    return users.filter(model=copy.model_id) | users.filter(model__in=same_folder)
+
+
 def model_copy_remove(copy_id: int) -> int:
     """On the node: remove the copy's folder from the model store, then its row."""
-    copy = ModelCopy.objects.select_related("node", "model").filter(pk=copy_id).first()
-    if copy is None:
-        return 0
+    with transaction.atomic():
+        Node.objects.select_for_update().filter(pk=ModelCopy.objects.filter(pk=copy_id).values("node")[:1]).first()
+        copy = ModelCopy.objects.select_related("node", "model").filter(pk=copy_id).first()
+        if copy is None or copy.state != ModelCopy.State.DELETING:
+            return 0  # a duplicate message, or the copy came back meanwhile
+        if _copy_users(copy).exists():  # never under a running engine, whatever let it start
+            copy.transition(ModelCopy.State.READY)
+            copy.save()
+            _publish_copy(copy)
+            return 0
     model_store = copy.node.model_store or settings.MODEL_STORE
     freed = 0
     if copy.path and not copy.model.local_path:  # a user's own folder is never deleted, only forgotten
@@ -333,6 +359,25 @@ def model_copy_remove(copy_id: int) -> int:
     live.publish(live.model_topic(payload["model"]), f"copy.{copy_id}", payload)
     live.publish(live.node_topic(payload["node"]), f"copy.{copy_id}", payload)
     return freed
+
+
+def model_copies_stalled_resume(node_id: int) -> list[int]:
+    """Queue again the copies whose download or deletion stopped moving (a lost task, a worker hit
+    by a database or Redis outage); a download still running answers "busy" and nothing changes."""
+    from datetime import timedelta
+
+    from deployments import tasks
+
+    node = Node.objects.get(pk=node_id)
+    stalled = ModelCopy.objects.filter(node=node, state__in=ModelCopy.ACTIVE,
+                                       updated__lt=timezone.now() - timedelta(seconds=STALLED_S))
+    resumed = []
+    for copy in stalled:
+        task = tasks.model_copy_remove if copy.state == ModelCopy.State.DELETING else tasks.model_copy_download
+        ModelCopy.objects.filter(pk=copy.pk).update(updated=timezone.now())  # once per stall, not every pass
+        node_enqueue(node, task, copy.pk)
+        resumed.append(copy.pk)
+    return resumed
 
 
 def model_copies_resume(node: Node) -> list[int]:

@@ -8,14 +8,29 @@ from deployments import history, live
 from deployments.models import Deployment, Gpu, Node
 
 log = logging.getLogger(__name__)
-__all__ = ["node_register", "node_heartbeat", "node_enqueue", "node_engines", "node_sample_record", "node_minute_record"]
+__all__ = ["AgentConflict", "node_register", "node_heartbeat", "node_enqueue", "node_engines", "node_sample_record", "node_minute_record"]
+
+
+class AgentConflict(Exception):
+    """Another agent heartbeats under this node name: two hosts would share one queue."""
 
 
 @transaction.atomic
 def node_register(*, name: str, address: str, agent_version: str, model_store: str, heartbeat_seconds: float,
-                  gpus: list, nvml_error: str = "") -> Node:
-    """Create or update a node and its GPU rows from what its agent found at start."""
+                  gpus: list, nvml_error: str = "", agent_host: str = "", agent_pid: int | None = None) -> Node:
+    """Create or update a node and its GPU rows from what its agent found at start; refuse when
+    another live agent heartbeats under the same name."""
+    from deployments.host import ownership
+
     node, _ = Node.objects.select_for_update().get_or_create(name=name)
+    other = (node.agent_host, node.agent_pid) != (agent_host, agent_pid)
+    # The same host's previous agent may have been killed a moment ago: only a live one counts.
+    previous_dead = node.agent_host == agent_host and not ownership.agent_alive(node.agent_pid)
+    if node.online and node.agent_pid and other and not previous_dead:
+        raise AgentConflict(f"node {name!r} already has a running agent (PID {node.agent_pid} on "
+                            f"{node.agent_host or 'another host'}, last heartbeat {node.last_heartbeat:%H:%M:%S}); "
+                            "give this host its own name (--name or NODE_NAME), or stop the other agent.")
+    node.agent_host, node.agent_pid = agent_host, agent_pid
     node.address = address
     node.agent_version = agent_version
     node.model_store = model_store
@@ -45,7 +60,12 @@ def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: in
 
 def node_enqueue(node: Node, task, *args, **kwargs) -> None:
     """Send a host task to the node's own queue once the current transaction commits."""
-    transaction.on_commit(lambda: task.apply_async(args=args, kwargs=kwargs, queue=node.queue))
+    from django.conf import settings
+
+    # The expiry drops work a node that was offline would run days later; the agent re-queues at
+    # its start what it still owes (unfinished downloads and stops), from the rows.
+    transaction.on_commit(lambda: task.apply_async(args=args, kwargs=kwargs, queue=node.queue,
+                                                   expires=settings.HOST_TASK_EXPIRES_S))
 
 
 def node_engines(node_id: int) -> dict[int, dict]:

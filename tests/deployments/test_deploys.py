@@ -14,7 +14,7 @@ import pytest
 from controlpanel.errors import ServiceError
 from deployments import services
 from deployments.forms import DeployForm
-from deployments.host import engine, gpu, openai, systemd
+from deployments.host import engine, gpu, openai, ownership, systemd
 from deployments.models import Deployment, DeploymentEvent
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
@@ -128,6 +128,7 @@ class FakeHost:
         self.log = tmp_path / "engine.log"
         self.health_after = 3
         self.alive = True
+        self.owned = True  # the engines the plan started carry its marker
         self.calls = []
         patches = {
             "engine.port_free": mock.Mock(return_value=True),
@@ -136,6 +137,11 @@ class FakeHost:
             "engine.stop": mock.Mock(return_value=engine.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
             "engine.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
             "engine.health": mock.Mock(side_effect=self.health),
+            "engine.members": mock.Mock(return_value=[]),
+            "engine.shm_files": mock.Mock(return_value=set()),
+            "ownership.owned": mock.Mock(side_effect=lambda pgid, marker, unit=None: self.owned),
+            "ownership.pid_owned": mock.Mock(side_effect=lambda pid, marker, unit=None: self.alive and self.owned),
+            "ownership.engine_processes": mock.Mock(return_value=[]),
             "gpu.wait_memory_released": mock.Mock(return_value=None),
             "gpu.processes_on": mock.Mock(return_value={}),
             "gpu.sample": mock.Mock(return_value=[]),

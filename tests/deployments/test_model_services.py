@@ -198,7 +198,7 @@ def test_delete_removes_the_files_inside_the_store_only(tmp_path, enqueued):
     assert ModelCopy.objects.get(pk=copy.pk).state == "deleting"
     assert services.model_copy_remove(copy.pk) == 1000
     assert not folder.exists() and not ModelCopy.objects.filter(pk=copy.pk).exists()
-    outside = ModelCopyFactory(node=NodeFactory(model_store=str(store)), path=str(tmp_path))
+    outside = ModelCopyFactory(node=NodeFactory(model_store=str(store)), path=str(tmp_path), state="deleting")
     with pytest.raises(Exception, match="not inside the model store"):
         services.model_copy_remove(outside.pk)
     assert tmp_path.exists()

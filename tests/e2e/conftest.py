@@ -10,7 +10,10 @@ from tests.conftest import VLLM, agent_argv, in_thread, wait_until
 @pytest.fixture
 def cpu_node(process_env, spawn, unique, tmp_path, tiny_model):
     assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
-    env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path))
+    # CPU_HOST_EXCLUSIVE off: other test sessions on this shared machine run engines of their own
+    # (tests/faults checks the whole-host claim with it on).
+    env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path),
+               CPU_HOST_EXCLUSIVE="0")
     name = f"cpu-{unique}"
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")

@@ -35,7 +35,12 @@ class Command(BaseCommand):
         settings.NODE_NAME = name
         agent = Agent(name=name, model_store=model_store, address=address or _own_address(),
                       version=AGENT_VERSION, sample_seconds=sample_seconds, heartbeat_seconds=heartbeat_seconds)
-        agent.register()
+        from deployments.services import AgentConflict
+
+        try:
+            agent.register()
+        except AgentConflict as exc:
+            raise CommandError(str(exc)) from exc
         self.stdout.write(f"node {name}: queue node.{name}, model store {model_store}, {agent.describe()}")
         stop = threading.Event()
         threading.Thread(target=agent.loop, args=(stop,), name="sampler", daemon=True).start()
