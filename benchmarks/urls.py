@@ -6,7 +6,7 @@ urlpatterns = [
     path("", views.run_list, name="run-list"),
     path("compare/", views.compare, name="run-compare"),
     path("export.<str:fmt>", views.export, name="run-export"),
-    path("<int:pk>/", views.run_detail, name="run-detail"),
-    path("<int:pk>/cancel/", views.run_cancel, name="run-cancel"),
-    path("<int:pk>/export.<str:fmt>", views.export, name="run-export-one"),
+    path("<id:pk>/", views.run_detail, name="run-detail"),
+    path("<id:pk>/cancel/", views.run_cancel, name="run-cancel"),
+    path("<id:pk>/export.<str:fmt>", views.export, name="run-export-one"),
 ]

@@ -12,11 +12,12 @@ from benchmarks import selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun
 from controlpanel.errors import ServiceError
+from controlpanel.params import ids_param, int_param
 from controlpanel.roles import is_operator, operator_required
 
 
 def run_list(request):
-    form = RunForm(initial={"deployment": request.GET.get("deployment")})
+    form = RunForm(initial={"deployment": int_param(request.GET, "deployment")})
     if request.method == "POST":
         if not is_operator(request.user):
             return HttpResponseForbidden("Starting a benchmark needs the operator role.")
@@ -52,8 +53,8 @@ def run_cancel(request, pk):
 
 
 def _ids(request) -> list[int]:
-    raw = request.GET.getlist("runs") or request.GET.get("ids", "").split(",")
-    return [int(x) for x in raw if str(x).isdigit()][:12]
+    name = "runs" if "runs" in request.GET else "ids"
+    return ids_param(request.GET.getlist(name), name, limit=12)
 
 
 def compare(request):

@@ -6,6 +6,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from controlpanel.errors import ServiceError
+from controlpanel.params import ParamError
 
 # Service refusals that are about the state of things (busy, exists, no room) answer 409;
 # the rest are bad input (400).
@@ -14,6 +15,10 @@ CONFLICT_CODES = {"busy", "exists", "in_use", "disk_full", "not_running", "not_f
 
 
 def exception_handler(exc, context):
+    if isinstance(exc, ParamError):
+        return Response({"error": {"code": "invalid", "message": str(exc), "fields": {exc.name: [exc.message]}}},
+                        status=status.HTTP_400_BAD_REQUEST)
+
     if isinstance(exc, ServiceError):
         details = {}
         if is_dataclass(exc):

@@ -170,31 +170,35 @@ def start(args) -> int:
         children.stop()
 
 
-def test(args) -> int:
+def test(pytest_args: list[str]) -> int:
     env = dict(os.environ)
     children = Children()
     try:
         if not env.get("REDIS_URL"):
             env["REDIS_URL"] = start_embedded_redis(children, env, Path(env.get("PANEL_VAR_DIR", BASE_DIR / "var")))
             print(f"embedded Redis for the tests: {env['REDIS_URL']}", flush=True)
-        return subprocess.run([PYTHON, "-m", "pytest", *args.pytest_args], env=env, cwd=BASE_DIR).returncode
+        return subprocess.run([PYTHON, "-m", "pytest", *pytest_args], env=env, cwd=BASE_DIR).returncode
     finally:
         children.stop()
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["test"]:
+        # Everything after `test` is pytest's, options first included (`test -x -k deploy`): argparse's
+        # REMAINDER refuses a leading option, so these never go through the parser.
+        return test(argv[1:])
     parser = argparse.ArgumentParser(prog="panel", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_start = sub.add_parser("start", help="start the whole panel on this machine")
     p_start.add_argument("--host", default=os.environ.get("PANEL_HOST", "127.0.0.1"))
     p_start.add_argument("--port", type=int, default=int(os.environ.get("PANEL_PORT", "8000")))
     p_start.add_argument("--node-name", default="")
-    p_test = sub.add_parser("test", help="run the test suite")
-    p_test.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    sub.add_parser("test", help="run the test suite; every argument after `test` goes to pytest")
     args = parser.parse_args(argv)
-    if shutil.which("nvidia-smi") is None and args.command == "start":
+    if shutil.which("nvidia-smi") is None:
         print("note: no nvidia-smi here; this node will show 'no NVIDIA GPU'.", flush=True)
-    return start(args) if args.command == "start" else test(args)
+    return start(args)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.http import JsonResponse
-from django.urls import include, path
+from django.urls import include, path, register_converter
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from controlpanel import params
 from controlpanel.metrics import MetricsView
+
+# `<id:pk>` in the apps' page routes (registered before their urls modules are included).
+register_converter(params.IdConverter, "id")
+handler400 = params.bad_request
 
 
 def healthz(request):

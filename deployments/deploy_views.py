@@ -5,6 +5,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from controlpanel.errors import ServiceError
+from controlpanel.params import int_param
 from controlpanel.roles import operator_required
 from deployments import engineargs, forms, privileged, secrets, selectors, services
 from deployments.host import engine, systemd
@@ -52,7 +53,8 @@ def _deploy_page(request, model, node, form, status=200):
 @operator_required
 def deploy(request, pk):
     model = get_object_or_404(ModelRepo, pk=pk)
-    node = Node.objects.filter(pk=request.GET.get("node") or request.POST.get("node_id") or 0).first() or Node.objects.first()
+    node_id = int_param(request.GET, "node") or int_param(request.POST, "node_id")
+    node = Node.objects.filter(pk=node_id or 0).first() or Node.objects.first()
     if node is None:
         messages.error(request, "No node yet: start a node agent first.")
         return redirect("model-detail", pk)

@@ -41,6 +41,8 @@ def node_history(request, pk):
         since = float(request.GET.get("since", 0))
         days = min(float(request.GET.get("days", 0)), 7.0)
     except ValueError:
+        since = days = math.nan
+    if not (math.isfinite(since) and math.isfinite(days)):
         return JsonResponse({"error": "since and days must be numbers"}, status=400)
     if not (math.isfinite(since) and math.isfinite(days)) or since < 0 or days < 0:  # "nan", "inf", "-1"
         return JsonResponse({"error": "since and days must be finite numbers, 0 or more"}, status=400)

@@ -82,6 +82,25 @@ def viewer(db):
 
 
 @pytest.fixture
+def api_objects(db):
+    """One of each thing the API serves (a node with a GPU, a model copy, a deployment, a run), with
+    task sends caught before the broker."""
+    from unittest import mock
+
+    from celery.app.task import Task
+
+    from tests.factories import BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
+
+    node = NodeFactory(name="n1")
+    GpuFactory(node=node, index=0)
+    copy = ModelCopyFactory(node=node)
+    d = DeploymentFactory(node=node, model=copy.model, status="ready")
+    run = BenchmarkRunFactory(deployment=d)
+    with mock.patch.object(Task, "apply_async", autospec=True):
+        yield {"nodes": node, "models": copy.model, "copies": copy, "deployments": d, "runs": run}
+
+
+@pytest.fixture
 def operator_client(client, operator):
     client.force_login(operator)
     return client

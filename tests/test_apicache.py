@@ -12,7 +12,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlpanel import apicache
-from deployments import history
+from deployments import history, selectors
 from deployments.models import Node
 from tests.conftest import ROOT, free_port
 from tests.factories import DeploymentFactory, NodeFactory, UserFactory
@@ -132,9 +132,17 @@ def test_without_redis_reads_are_fresh_and_writes_still_work(api, monkeypatch):
     assert not apicache.answers.entries
 
 
-def test_a_long_poll_does_not_hold_up_other_requests(live_server_asgi, operator):
+def test_a_long_poll_does_not_hold_up_other_requests(live_server_asgi, operator, monkeypatch):
     import httpx
 
+    waiting, real_wait = threading.Event(), selectors.deployment_wait
+
+    def deployment_wait(deployment, token, wait_s=0.0):  # the real long poll, noting when one is held
+        if wait_s:
+            waiting.set()
+        return real_wait(deployment, token, wait_s)
+
+    monkeypatch.setattr(selectors, "deployment_wait", deployment_wait)
     deployment = DeploymentFactory()
     headers = {"Authorization": f"Token {Token.objects.create(user=operator).key}"}
     url = f"{live_server_asgi}/api/deployments/{deployment.pk}/events/"
@@ -143,7 +151,7 @@ def test_a_long_poll_does_not_hold_up_other_requests(live_server_asgi, operator)
     poll = threading.Thread(target=lambda: answered.append(
         httpx.get(url, params={"state": state, "wait": 20}, headers=headers, timeout=30)))
     poll.start()
-    time.sleep(0.5)  # the poll is waiting on the server now
+    assert waiting.wait(10), "the long poll never reached the server"
     for _ in range(5):
         assert httpx.get(f"{live_server_asgi}/api/nodes/", headers=headers, timeout=10).status_code == 200
     assert poll.is_alive() and not answered  # the others were answered while the poll still waits

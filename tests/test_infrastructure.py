@@ -1,6 +1,7 @@
 """The moving parts under everything: Celery through real Redis to a node's own queue, and
 Channels through the real Redis layer to a WebSocket client."""
 import sys
+import uuid
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -91,6 +92,9 @@ async def _reconnect_gets_snapshot(client, unique):
 
 
 
-
 def test_the_tests_keep_their_redis_keys_apart_from_a_running_panel():
-    assert settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"] == "paneltest"
+    # A panel on the same Redis uses the default prefix "panel"; what a test publishes must land elsewhere.
+    topic = live.node_topic(int(uuid.uuid4().int % 10**12))
+    live.publish(topic, "sample", {"seq": 1})
+    written = [k.decode() for k in live.redis_client().scan_iter(f"*:snapshot:{topic}")]
+    assert written and not any(key.startswith("panel:") for key in written), written

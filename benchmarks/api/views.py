@@ -9,6 +9,7 @@ from rest_framework.response import Response
 
 from controlpanel.apicache import cached_read
 from controlpanel.idempotency import idempotent
+from controlpanel.params import ids_param
 
 from benchmarks import selectors, services
 from benchmarks.api import serializers
@@ -18,7 +19,7 @@ IDS = OpenApiParameter("ids", str, description="comma-separated run ids")
 
 
 def _ids(request) -> list[int]:
-    return [int(x) for x in request.query_params.get("ids", "").split(",") if x.strip().isdigit()][:12]
+    return ids_param([request.query_params.get("ids", "")], "ids", limit=12)
 
 
 class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):

@@ -1,6 +1,7 @@
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
+from controlpanel.params import DB_INT_MAX
 from deployments import secrets, validators
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
 
@@ -142,7 +143,7 @@ class DeployRequestSerializer(serializers.Serializer):
     port = serializers.IntegerField(min_value=1024, max_value=65535, default=8000)
     engine_args = serializers.DictField(required=False, default=dict)
     env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False, default=dict)
-    replace = serializers.ListField(child=serializers.IntegerField(min_value=1), required=False, default=list, max_length=64)
+    replace = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=DB_INT_MAX), required=False, default=list, max_length=64)
     auto_restart = serializers.BooleanField(default=False)
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, default=600)
     stop_foreign = serializers.BooleanField(default=False, help_text="Stop processes the panel did not start on the "

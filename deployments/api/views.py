@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from controlpanel.apicache import cached_read
 from controlpanel.errors import ServiceError
 from controlpanel.idempotency import idempotent
+from controlpanel.params import int_param
 
 from deployments import secrets, selectors, services
 from deployments.api import serializers
@@ -86,8 +87,9 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
         copies = self.get_queryset()
         if _param(request, "node"):
             copies = copies.filter(node__name=_param(request, "node"))
-        if request.query_params.get("model", "").isdigit():
-            copies = copies.filter(model_id=int(request.query_params["model"]))
+        model = int_param(request.query_params, "model")
+        if model is not None:
+            copies = copies.filter(model_id=model)
         page = self.paginate_queryset(copies)
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
@@ -176,7 +178,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     def events(self, request, pk=None):
         """Status and timeline; with `state` and `wait`, answers as soon as anything changed (a long poll)."""
         d = self.get_object()
-        wait = min(_int(request.query_params.get("wait"), 0), 30)
+        wait = min(int_param(request.query_params, "wait", 0), 30)
         state, events = selectors.deployment_wait(d, _param(request, "state"), wait)
         d.refresh_from_db()
         return Response({"state": state, "status": d.status, "status_message": d.status_message,
@@ -209,9 +211,3 @@ def _param(request, name: str) -> str:
         raise ValidationError({name: ["Invalid characters or too long."]})
     return value
 
-
-def _int(value, default: int) -> int:
-    try:
-        return max(0, int(value))
-    except (TypeError, ValueError):
-        return default

@@ -1,4 +1,5 @@
 import pytest
+from django.db import IntegrityError, transaction
 
 from benchmarks.models import BenchmarkRun
 from controlpanel.states import InvalidTransition
@@ -26,5 +27,5 @@ def test_one_point_per_concurrency_level_and_they_come_back_in_order():
     for c in (64, 1, 8):
         BenchmarkPointFactory(run=run, concurrency=c)
     assert [p.concurrency for p in run.points.all()] == [1, 8, 64]
-    with pytest.raises(Exception):
+    with pytest.raises(IntegrityError), transaction.atomic():  # one point per level, enforced by the database
         BenchmarkPointFactory(run=run, concurrency=8)
