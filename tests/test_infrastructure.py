@@ -8,6 +8,7 @@ from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
 
+from controlpanel import redisconn
 from controlpanel.asgi import application
 from deployments import live, tasks
 from deployments.models import Node
@@ -96,5 +97,5 @@ def test_the_tests_keep_their_redis_keys_apart_from_a_running_panel():
     # A panel on the same Redis uses the default prefix "panel"; what a test publishes must land elsewhere.
     topic = live.node_topic(int(uuid.uuid4().int % 10**12))
     live.publish(topic, "sample", {"seq": 1})
-    written = [k.decode() for k in live.redis_client().scan_iter(f"*:snapshot:{topic}")]
+    written = [k.decode() for k in redisconn.client().scan_iter(f"*:snapshot:{topic}")]
     assert written and not any(key.startswith("panel:") for key in written), written
