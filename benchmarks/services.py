@@ -10,6 +10,7 @@ from controlpanel.errors import ServiceError
 from benchmarks import runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from deployments import live, secrets
+from deployments.host import vllm
 from deployments.models import Deployment, ModelCopy
 
 S = BenchmarkRun.Status
@@ -192,11 +193,9 @@ def _spec_params(params: dict) -> dict:
 
 
 def _served_model(base_url: str) -> str:
-    from deployments.host import openai
-
     try:
-        models = openai.served_models(base_url)
-    except openai.OpenAIError as exc:
+        models = vllm.served_models(base_url)
+    except vllm.VllmError as exc:
         raise ServiceError(f"Cannot list the server's models: {exc}") from exc
     if not models:
         raise ServiceError("The server serves no model.")

@@ -1,4 +1,5 @@
 """Deploy pages: the deploy form (with presets), a deployment's live page, and its actions."""
+from django.conf import settings
 from django.contrib import messages
 from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -8,7 +9,7 @@ from controlpanel.errors import ServiceError
 from controlpanel.params import int_param
 from controlpanel.roles import operator_required
 from deployments import engineargs, forms, privileged, secrets, selectors, services
-from deployments.host import engine, systemd
+from deployments.host import engine, engineenv, systemd
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 
 
@@ -125,14 +126,9 @@ def deployment_action(request, pk, action):
 
 def _unit_text(d: Deployment) -> str:
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
-    env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **d.env}
-    if d.gpu_indices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, d.gpu_indices))
-    from django.conf import settings
-
     argv = engine.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
                              d.port, "0.0.0.0", d.engine_args)
-    env, secret_env = secrets.split(env)
+    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices))
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
                                log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
                                secret_env_file=str(systemd.env_file_path(systemd.unit_name(d.name))) if secret_env else None)

@@ -7,7 +7,6 @@ Metrics follow `vllm bench serve` (TTFT, TPOT, ITL, E2E, throughputs); the extra
 content token, per-token ITL, reasoning/content split, tok/s per user) are labelled as ours.
 """
 from .prompts import BUILTIN, load_jsonl
-from .scrape import parse_prometheus
 from .spec import (CHAT, COMPLETIONS, DEFAULT_LEVELS, LevelResult, LoadSpec, PromptError, RequestRecord,
                    RunnerError, SweepResult, Tick, spec_default)
 from .stats import distribution, percentile, summarize
@@ -16,5 +15,5 @@ from .sweep import Sweeper, run_level, sweep
 __all__ = [
     "BUILTIN", "CHAT", "COMPLETIONS", "DEFAULT_LEVELS", "LevelResult", "LoadSpec", "PromptError",
     "RequestRecord", "RunnerError", "SweepResult", "Sweeper", "Tick", "distribution", "load_jsonl",
-    "parse_prometheus", "percentile", "run_level", "spec_default", "summarize", "sweep",
+    "percentile", "run_level", "spec_default", "summarize", "sweep",
 ]

@@ -19,6 +19,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from deployments.host import vllm
+
 from .load import Pool, run_share
 from .prompts import Target, prompt_entries, request_body
 from .scrape import Sampler
@@ -192,7 +194,7 @@ class Sweeper:
                   for wid in range(workers.count)]
         for wid, part in enumerate(_split(requests, shares)):
             workers.commands[wid].put(_Command(shares[wid], part, spec.tick_s))
-        metrics_url = spec.metrics_url or self.target.root_url + "/metrics"
+        metrics_url = spec.metrics_url or vllm.metrics_url(self.target.root_url)
         sampler = Sampler(metrics_url, interval_s=spec.tick_s) if spec.scrape_metrics else None
         if sampler:
             sampler.__enter__()

@@ -1,4 +1,4 @@
-"""vLLM engine processes on a host: build argv, launch, watch the log, check health, stop.
+"""vLLM engine processes on a host: build argv, launch, watch the log, stop (health: host/vllm.py).
 
 The only module that spawns or signals engine processes. Plain Python, no Django.
 """
@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 
 from deployments.host import engineenv
@@ -39,7 +38,7 @@ class EngineError(Exception):
 
 @dataclass
 class EngineSpec:
-    """Everything needed to start one engine process."""
+    """Everything needed to start one engine process; env is what the panel sets (engineenv.deployment_env)."""
 
     argv: list[str]
     env: dict[str, str]
@@ -359,14 +358,6 @@ def port_free(host: str, port: int) -> bool:
             except OSError:
                 return False
     return True
-
-
-def health(base_url: str, timeout: float = 2.0) -> bool:
-    """True if GET {base_url}/health answers 200."""
-    try:
-        return httpx.get(f"{base_url.rstrip('/')}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # --- log --------------------------------------------------------------------------------------

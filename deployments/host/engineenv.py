@@ -10,7 +10,7 @@ variables, the GPUs, offline Hugging Face, the panel's ownership markers). Plain
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 # Inherited from the host when present: what running a program needs, and where caches go.
 INHERITED = frozenset({
@@ -40,3 +40,14 @@ def passthrough() -> frozenset[str]:
 def engine_environ(own: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The full environment for an engine: allowed host variables, then the offline defaults, then `own`."""
     return {**inherited(environ, passthrough()), **OFFLINE, **{str(k): str(v) for k, v in own.items()}}
+
+
+def deployment_env(env: Mapping[str, str], gpu_indices: Iterable[int] = ()) -> dict[str, str]:
+    """What the panel sets for one deployment's engine: the `own` of engine_environ at launch, and the
+    Environment= of its systemd unit (installed or downloaded). The offline defaults, then the
+    deployment's variables, then GPU numbering as NVML's and CUDA_VISIBLE_DEVICES for its GPUs."""
+    own = {**OFFLINE, **{str(k): str(v) for k, v in env.items()},
+           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # NVML's indices; CUDA's default order may differ
+    if gpu_indices:
+        own["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_indices))
+    return own

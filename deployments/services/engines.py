@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from controlpanel.states import InvalidTransition
 from deployments import live, secrets
-from deployments.host import engine, gpu, openai, ownership, systemd
+from deployments.host import engine, engineenv, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import _send_plan, deployment_event, deployment_holders, deployment_publish
 from deployments.services.guards import foreign_holders
@@ -318,9 +318,9 @@ def _wait_memory(d: Deployment) -> str:
 def _launch(d: Deployment, model_path: str) -> str:
     if not engine.port_free("0.0.0.0", d.port):
         raise PlanFailed(f"Port {d.port} is in use on {d.node}: choose another port or stop what listens there.")
-    vllm = settings.VLLM_BIN
+    vllm_bin = settings.VLLM_BIN
     try:
-        errors = engine.validate_args(d.engine_args, engine.engine_flags(vllm))
+        errors = engine.validate_args(d.engine_args, engine.engine_flags(vllm_bin))
     except engine.EngineError as exc:
         raise PlanFailed(f"Cannot run the engine: {exc}") from exc
     if errors:
@@ -329,7 +329,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     d.marker = ownership.new_marker(d.pk)
     d.log_path = str(_log_path(d))
     Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
-    argv = engine.build_argv(vllm, model_path, d.port, "0.0.0.0", d.engine_args)
+    argv = engine.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", d.engine_args)
     if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
         text, secret_env = _unit(d, argv)
         d.pid = systemd.install(d.systemd_unit, text, secret_env=secret_env)
@@ -346,12 +346,7 @@ def _launch(d: Deployment, model_path: str) -> str:
 def _engine_env(d: Deployment) -> dict[str, str]:
     """The engine's environment. The marker is set here, by the panel, never inherited: it is
     what later proves the process is this deployment's engine."""
-    env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **d.env,
-           "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # NVML's indices; CUDA's default order may differ
-           ownership.MARKER_VAR: d.marker}
-    if d.gpu_indices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, d.gpu_indices))
-    return env
+    return {**engineenv.deployment_env(d.env, d.gpu_indices), ownership.MARKER_VAR: d.marker}
 
 
 def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
@@ -419,7 +414,7 @@ def _follow(d: Deployment) -> None:
                     raise Aborted("stop requested")
             if not _running(d):
                 raise PlanFailed(f"The engine exited while loading: {progress.error or (tail[-1] if tail else 'no output')}")
-            if engine.health(base_url, timeout=1.0):
+            if vllm.health(base_url, timeout=1.0):
                 break
             idle = min(progress.idle_s(now), now - moved_at)
             if idle > d.stall_seconds:
@@ -437,9 +432,9 @@ def _follow(d: Deployment) -> None:
 def _smoke(d: Deployment, base_url: str) -> None:
     with _step(d, "smoke_test") as event:
         try:
-            name = d.served_model_name or (openai.served_models(base_url) or [""])[0]
-            result = openai.smoke_test(base_url, name)
-        except openai.OpenAIError as exc:
+            name = d.served_model_name or (vllm.served_models(base_url) or [""])[0]
+            result = vllm.smoke_test(base_url, name)
+        except vllm.VllmError as exc:
             event.level = DeploymentEvent.Level.WARNING
             event.message = f"The engine is up but the smoke test failed: {exc}"
             return
@@ -513,7 +508,7 @@ def deployments_watch(node_id: int, state: dict) -> None:
         if alive and now - state.get(f"checked:{d.pk}", -1e9) >= 5:
             state[f"checked:{d.pk}"] = now
             _record_shm(d)
-            state[d.pk] = 0 if engine.health(f"http://127.0.0.1:{d.port}", timeout=2.0) else failures + 1
+            state[d.pk] = 0 if vllm.health(f"http://127.0.0.1:{d.port}", timeout=2.0) else failures + 1
         if alive and state[d.pk] < 3:
             continue
         reason = "the engine process exited" if not alive else "/health failed 3 times in a row"
@@ -534,17 +529,16 @@ def deployments_metrics(node_id: int, state: dict) -> None:
     vllm:generation_tokens_total, running and waiting requests, KV-cache use."""
     for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
         try:
-            m = openai.metrics(f"http://127.0.0.1:{d.port}", timeout=2.0)
-        except openai.OpenAIError:
+            reading = (time.monotonic(), vllm.read_metrics(vllm.metrics_url(f"http://127.0.0.1:{d.port}"), timeout=2.0))
+        except vllm.VllmError:
             continue
-        now, total = time.monotonic(), m.get("vllm:generation_tokens_total", 0.0)
-        before = state.get(d.pk)
-        state[d.pk] = (now, total)
-        if before is None or now <= before[0]:
+        before, state[d.pk] = state.get(d.pk), reading
+        rate = vllm.tok_s(before, reading) if before else None
+        if rate is None:
             continue
-        payload = {"id": d.pk, "name": d.name, "tok_s": max(0.0, (total - before[1]) / (now - before[0])),
-                   "running": m.get("vllm:num_requests_running"), "waiting": m.get("vllm:num_requests_waiting"),
-                   "kv_cache": m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc"))}
+        m = reading[1]
+        payload = {"id": d.pk, "name": d.name, "tok_s": rate, "running": m.get("num_requests_running"),
+                   "waiting": m.get("num_requests_waiting"), "kv_cache": m.get("kv_cache_usage_perc")}
         live.publish(live.deployment_topic(d.pk), "engine", payload)
         live.publish(live.node_topic(node_id), f"engine.{d.pk}", payload)
 

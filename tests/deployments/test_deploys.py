@@ -1,10 +1,12 @@
 """Deployments: validation before acting, the plan's steps, loading, crashes, restarts, systemd.
 
-Host modules (engine, gpu, openai, systemd) are replaced at their boundary; the real engine runs
+Host modules (engine, gpu, vllm, systemd) are replaced at their boundary; the real engine runs
 in tests/e2e/test_deploy.py and tests/host/test_engine_real.py.
 """
 import itertools
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -12,9 +14,9 @@ from unittest import mock
 import pytest
 
 from controlpanel.errors import ServiceError
-from deployments import services
+from deployments import live, services
 from deployments.forms import DeployForm
-from deployments.host import engine, gpu, openai, ownership, systemd
+from deployments.host import engine, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
@@ -122,7 +124,7 @@ def test_shell_metacharacters_never_become_commands(node, flags, message):
 # --- the plan, on the node ----------------------------------------------------------------------
 
 class FakeHost:
-    """engine/gpu/openai replaced at their boundary, scripted per test."""
+    """engine/gpu/vllm replaced at their boundary, scripted per test."""
 
     def __init__(self, tmp_path):
         self.log = tmp_path / "engine.log"
@@ -136,7 +138,7 @@ class FakeHost:
             "engine.launch": mock.Mock(side_effect=self.launch),
             "engine.stop": mock.Mock(return_value=engine.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
             "engine.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
-            "engine.health": mock.Mock(side_effect=self.health),
+            "vllm.health": mock.Mock(side_effect=self.health),
             "engine.members": mock.Mock(return_value=[]),
             "engine.shm_files": mock.Mock(return_value=set()),
             "ownership.owned": mock.Mock(side_effect=lambda pgid, marker, unit=None: self.owned),
@@ -145,8 +147,8 @@ class FakeHost:
             "gpu.wait_memory_released": mock.Mock(return_value=None),
             "gpu.processes_on": mock.Mock(return_value={}),
             "gpu.sample": mock.Mock(return_value=[]),
-            "openai.served_models": mock.Mock(return_value=["tiny"]),
-            "openai.smoke_test": mock.Mock(return_value=openai.SmokeResult("Paris.", "", 0.42, 12, 3, None)),
+            "vllm.served_models": mock.Mock(return_value=["tiny"]),
+            "vllm.smoke_test": mock.Mock(return_value=vllm.SmokeResult("Paris.", "", 0.42, 12, 3, None)),
         }
         self.mocks = patches
         self._patchers = [mock.patch(f"deployments.host.{name}", new) for name, new in patches.items()]
@@ -301,8 +303,8 @@ def test_a_crashed_engine_is_failed_with_its_last_lines_and_restarted_with_backo
 
 def test_health_must_fail_three_times_before_a_live_engine_counts_as_crashed(model, node, host):
     d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242)
-    host.mocks["engine.health"].side_effect = None
-    host.mocks["engine.health"].return_value = False
+    host.mocks["vllm.health"].side_effect = None
+    host.mocks["vllm.health"].return_value = False
     state = {}
     with fake_clock(start=0, step=10):
         for expected in (S.READY, S.READY, S.FAILED):
@@ -347,3 +349,41 @@ def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model
     assert install.call_args.args[0] == f"vllm-{d.name}.service" and "ExecStart=" in install.call_args.args[1]
     assert d.systemd_unit == f"vllm-{d.name}.service" and d.pid == 5555 and d.status == S.READY
     assert Path(d.log_path) == log
+
+
+class _Metrics(BaseHTTPRequestHandler):
+    """vLLM's /metrics with two engines; each read finds 400 more tokens generated."""
+
+    generated = 100
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = (f'vllm:num_requests_running{{engine="0"}} 2.0\nvllm:num_requests_running{{engine="1"}} 1.0\n'
+                f'vllm:num_requests_waiting{{engine="0"}} 4.0\nvllm:kv_cache_usage_perc{{engine="0"}} 0.25\n'
+                f'vllm:kv_cache_usage_perc{{engine="1"}} 0.75\n'
+                f'vllm:generation_tokens_total{{engine="0"}} {type(self).generated}.0\n').encode()
+        type(self).generated += 400
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_engine_figures_are_published_with_tok_s_from_the_counters_rise(model, node):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, port=server.server_address[1])
+    state = {}
+    try:
+        with fake_clock(start=0, step=2):
+            services.deployments_metrics(node.pk, state)
+            assert not [m for m in live.snapshot(live.deployment_topic(d.pk)) if m["kind"] == "engine"]
+            services.deployments_metrics(node.pk, state)
+    finally:
+        server.shutdown()
+        server.server_close()
+    [message] = [m for m in live.snapshot(live.deployment_topic(d.pk)) if m["kind"] == "engine"]
+    assert message["data"] == {"id": d.pk, "name": d.name, "tok_s": 200.0, "running": 3.0, "waiting": 4.0,
+                               "kv_cache": 0.75}

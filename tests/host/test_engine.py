@@ -1,19 +1,16 @@
-"""Unit tests of deployments.host.engine and deployments.host.openai (no vLLM, no database)."""
-import json
+"""Unit tests of deployments.host.engine (no vLLM, no database)."""
 import os
 import socket
 import sys
 import textwrap
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
 import pytest
 
-from deployments.host import engine, openai
+from deployments.host import engine, engineenv
 from deployments.host.engine import EngineError, EngineSpec, LoadProgress
 
 # --- argv and flags ---------------------------------------------------------------------------
@@ -328,98 +325,13 @@ def test_port_free_sees_a_listening_socket():
     assert engine.port_free("127.0.0.1", port)
 
 
-# --- OpenAI API and health, against a small local server ----------------------------------------
 
-METRICS = """\
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="tiny"} 1.0
-vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
-# TYPE vllm:generation_tokens_total counter
-vllm:generation_tokens_total{engine="0",model_name="tiny"} 64.0
-vllm:generation_tokens_created{engine="0",model_name="tiny"} 1.7959e+09
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"} 0.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 1.0
-vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 1.0
-vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.0219
-# TYPE python_gc_objects_collected_total counter
-python_gc_objects_collected_total{generation="0"} 123.0
-"""
-
-CHAT = {"choices": [{"message": {"role": "assistant", "content": "Paris.",
-                                 "reasoning_content": "France is in Europe."}}],
-        "usage": {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
-                  "completion_tokens_details": {"reasoning_tokens": 5}}}
+# --- environment ------------------------------------------------------------------------------
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status, body, ctype="application/json"):
-        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        routes = {"/health": (200, ""), "/metrics": (200, METRICS),
-                  "/v1/models": (200, {"data": [{"id": "tiny"}]})}
-        self._send(*routes.get(self.path, (404, {"error": "not found"})))
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if body["model"] != "tiny":
-            self._send(404, {"error": {"message": f"model {body['model']} does not exist"}})
-        else:
-            self._send(200, CHAT)
-
-
-@pytest.fixture
-def api():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def test_health_is_true_only_when_the_server_answers_200(api):
-    assert engine.health(api)
-    server_gone = api.rsplit(":", 1)[0] + f":{_closed_port()}"
-    assert not engine.health(server_gone, timeout=1.0)
-
-
-def _closed_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_smoke_test_reads_reply_reasoning_and_token_counts(api):
-    result = openai.smoke_test(api, "tiny")
-    assert (result.reply, result.reasoning) == ("Paris.", "France is in Europe.")
-    assert (result.prompt_tokens, result.completion_tokens, result.reasoning_tokens) == (20, 9, 5)
-    assert result.latency_s > 0
-    assert openai.served_models(api) == ["tiny"]
-
-
-def test_smoke_test_of_an_unknown_model_is_a_permanent_error(api):
-    with pytest.raises(openai.OpenAIError) as err:
-        openai.smoke_test(api, "other")
-    assert err.value.permanent and "does not exist" in err.value.message
-
-
-@pytest.mark.parametrize("with_prometheus_client", [True, False])
-def test_metrics_sums_vllm_samples_over_labels(api, monkeypatch, with_prometheus_client):
-    if not with_prometheus_client:
-        monkeypatch.setattr(openai, "text_string_to_metric_families", None)
-    assert openai.metrics(api) == {
-        "vllm:num_requests_running": 3.0,
-        "vllm:generation_tokens_total": 64.0,
-        "vllm:time_to_first_token_seconds_count": 1.0,
-        "vllm:time_to_first_token_seconds_sum": 0.0219,
-    }
+def test_a_deployments_env_is_the_offline_defaults_then_its_own_variables_then_its_gpus():
+    env = engineenv.deployment_env({"NCCL_PROTO": "LL", "VLLM_NO_USAGE_STATS": "0", "CUDA_VISIBLE_DEVICES": "7"}, [2, 3])
+    assert env["HF_HUB_OFFLINE"] == "1" and env["NCCL_PROTO"] == "LL"
+    assert env["VLLM_NO_USAGE_STATS"] == "0"  # the deployment's own wins over the panel's default
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # the GPUs it was given win over a typed value
+    assert "CUDA_VISIBLE_DEVICES" not in engineenv.deployment_env({}, [])

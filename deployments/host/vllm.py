@@ -1,0 +1,151 @@
+"""The one client of a running vLLM server (agent and benchmark runner): health, models, a smoke-test
+chat, and readings of its Prometheus /metrics. Plain Python, no Django.
+"""
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from deployments.host.errors import HostError
+
+# A reading's keys and the vLLM metric names they come from, newest name first.
+GAUGES = {
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),  # the name before vLLM 0.10
+}
+GENERATION_TOTAL = "vllm:generation_tokens_total"
+_WANTED = {name for names in GAUGES.values() for name in names} | {GENERATION_TOTAL}
+_PREFIXES = tuple(f"{prefix}{name.removesuffix('_total')}" for name in _WANTED for prefix in ("", "# HELP ", "# TYPE "))
+# No proxy from the environment, like the benchmark load itself (the agent talks to 127.0.0.1, which
+# HTTP_PROXY without NO_PROXY would send away); urllib because a reading every tick must be cheap
+# (httpx builds an SSL context per call: ~40 ms of CPU) and quiet (httpx logs each request at INFO).
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class VllmError(HostError):
+    """The server did not answer as vLLM's OpenAI API should."""
+
+
+@dataclass
+class SmokeResult:
+    """One chat completion: the reply, any reasoning, its latency and token counts."""
+
+    reply: str
+    reasoning: str
+    latency_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int | None
+
+
+def _request(method: str, url: str, timeout: float, body: dict | None = None) -> str:
+    """The response body; VllmError on a refused connection, a timeout or an HTTP error status."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=timeout) as resp:
+            return resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        # 4xx is our request (wrong model name, bad params); 5xx may pass.
+        text = e.read().decode("utf-8", "replace")[:300]
+        raise VllmError(f"{method} {url} -> {e.code}: {text}", permanent=400 <= e.code < 500) from e
+    except (TimeoutError, socket.timeout) as e:
+        raise VllmError(f"{method} {url} timed out after {timeout} s") from e
+    except (OSError, ValueError) as e:  # URLError is an OSError; ValueError: not a URL
+        raise VllmError(f"{method} {url} failed: {e}") from e
+
+
+def health(base_url: str, timeout: float = 2.0) -> bool:
+    """True if GET {base_url}/health succeeds (vLLM answers 200 when up, 503 when its engine died)."""
+    try:
+        _request("GET", f"{base_url.rstrip('/')}/health", timeout)
+        return True
+    except VllmError:
+        return False
+
+
+def served_models(base_url: str, timeout: float = 10.0) -> list[str]:
+    """Ids of the models the server serves (GET /v1/models)."""
+    text = _request("GET", f"{base_url.rstrip('/')}/v1/models", timeout)
+    try:
+        return [m["id"] for m in json.loads(text)["data"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise VllmError(f"unexpected /v1/models: {text[:300]}", permanent=True) from e
+
+
+def smoke_test(base_url: str, model: str, question: str = "What is the capital of France?",
+               timeout: float = 60.0, max_tokens: int = 64) -> SmokeResult:
+    """Ask one non-streaming chat question and return what came back."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_tokens, "stream": False}
+    started = time.monotonic()
+    text = _request("POST", f"{base_url.rstrip('/')}/v1/chat/completions", timeout, body)
+    latency = time.monotonic() - started
+    try:
+        data = json.loads(text)
+        message = data["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise VllmError(f"unexpected chat completion: {text[:300]}", permanent=True) from e
+    usage = data.get("usage") or {}
+    details = usage.get("completion_tokens_details") or {}
+    return SmokeResult(
+        reply=message.get("content") or "",
+        # vLLM 0.32+ says `reasoning`; older servers `reasoning_content`.
+        reasoning=message.get("reasoning") or message.get("reasoning_content") or "",
+        latency_s=round(latency, 4),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        reasoning_tokens=details.get("reasoning_tokens"),
+    )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """One reading of a /metrics text: requests running and waiting summed over engines (and label
+    sets), KV-cache use of the fullest engine, and generation_tokens_total (a counter)."""
+    # Only the lines of the wanted families go to the parser: a vLLM page holds hundreds of histogram
+    # buckets, and parsing them all cost milliseconds per reading in a thread sharing the GIL with
+    # the benchmark's measuring loop.
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES))
+    values: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(wanted):
+            for s in family.samples:
+                if s.name in _WANTED and not math.isnan(s.value):
+                    values.setdefault(s.name, []).append(float(s.value))
+    except ValueError as e:
+        raise VllmError(f"unreadable /metrics: {e}", permanent=True) from e
+    reading = {}
+    for key, names in GAUGES.items():
+        series = next((values[name] for name in names if name in values), None)
+        if series:
+            reading[key] = max(series) if key == "kv_cache_usage_perc" else sum(series)
+    if GENERATION_TOTAL in values:
+        reading["generation_tokens_total"] = sum(values[GENERATION_TOTAL])
+    return reading
+
+
+def read_metrics(url: str, timeout: float = 2.0) -> dict[str, float]:
+    """One reading (see parse_metrics) of the /metrics page at `url`."""
+    return parse_metrics(_request("GET", url, timeout))
+
+
+def metrics_url(base_url: str) -> str:
+    """Where a vLLM server at `base_url` serves its Prometheus metrics."""
+    return f"{base_url.rstrip('/')}/metrics"
+
+
+def tok_s(earlier: tuple[float, dict], later: tuple[float, dict]) -> float | None:
+    """Generated tokens per second between two (time, reading) pairs, from the counter's rise; None
+    when either lacks the counter or no time passed. A counter that fell (the engine restarted) gives 0."""
+    (t1, r1), (t2, r2) = earlier, later
+    if t2 <= t1 or "generation_tokens_total" not in r1 or "generation_tokens_total" not in r2:
+        return None
+    return max(0.0, (r2["generation_tokens_total"] - r1["generation_tokens_total"]) / (t2 - t1))
