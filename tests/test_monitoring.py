@@ -74,8 +74,8 @@ def test_prometheus_reads_the_mounted_rules_and_the_token_compose_hands_it():
     assert COMPOSE["secrets"][secret] == {"environment": "METRICS_TOKEN"}
     assert COMPOSE["x-panel-env"]["METRICS_TOKEN"] == "${METRICS_TOKEN:-}"
     jobs = {job["job_name"]: job for job in PROMETHEUS["scrape_configs"]}
-    assert jobs["panel"]["authorization"]["credentials_file"] == f"/run/secrets/{secret}"
-    assert jobs["vllm"]["http_sd_configs"][0]["authorization"]["credentials_file"] == f"/run/secrets/{secret}"
+    for authorization in (jobs["panel"]["authorization"], jobs["vllm"]["http_sd_configs"][0]["authorization"]):
+        assert authorization == {"type": "Bearer", "credentials_file": f"/run/secrets/{secret}"}
 
 
 def test_prometheus_scrapes_the_panels_real_endpoints():
@@ -159,3 +159,24 @@ def fleet_for_exposition(unique):
     services.node_sample_record(deployment.node.pk, sample, {})
     BenchmarkPointFactory(run=BenchmarkRunFactory(deployment=deployment, single_stream_tok_s=70.0),
                           tpot_ms={"median": 9.0}, itl_ms={"median": 9.0})
+
+
+@pytest.mark.django_db
+def test_node_and_deployment_pages_link_to_their_dashboards_only_when_grafana_is_set(viewer_client, settings):
+    from deployments.templatetags.grafana import DASHBOARDS as LINKED
+    from tests.factories import DeploymentFactory
+
+    deployment = DeploymentFactory(name="tiny-a", status="ready")
+    pages = {"node": f"/nodes/{deployment.node.pk}/", "deployment": f"/deployments/{deployment.pk}/"}
+    names = {"node": deployment.node.name, "deployment": deployment.name}
+    settings.GRAFANA_URL = ""
+    for page in pages.values():
+        assert b"grafana-link" not in viewer_client.get(page).content
+    settings.GRAFANA_URL = "https://grafana.example.com"
+    by_uid = {d["uid"]: d for d in DASHBOARDS.values()}
+    for kind, page in pages.items():
+        uid, variable = LINKED[kind]
+        html = viewer_client.get(page).content.decode()
+        assert f'href="https://grafana.example.com/d/{uid}/?var-{variable}={names[kind]}"' in html
+        # The link opens a dashboard that exists and has that variable.
+        assert variable in {v["name"] for v in by_uid[uid]["templating"]["list"]}

@@ -1,0 +1,182 @@
+"""Scrape time of /metrics for a large fleet: 32 nodes x 8 GPUs (each node sending a telemetry
+sample every second while we measure, as agents do), 100 deployments with their timelines, model
+copies, and 1,000 benchmark runs of 3 levels each.
+
+The panel runs as in production (uvicorn serving the ASGI app, `--workers 2`), the scrapers
+authenticate with METRICS_TOKEN; `--scrapers` clients scrape back to back (Prometheus scrapes each
+target from one connection; several Prometheus replicas or a Grafana Agent add a few). The peer is
+the same server's bare /healthz under the same load, measured in the same run: the floor that
+uvicorn, Django and the network stack cost before any panel code.
+
+    python perf/metrics_scrape.py [--seconds 20] [--scrapers 2]
+
+The last line holds the figures as name=value pairs. Target: scrape_p99_ms <= 50.
+Uses DATABASE_URL when set, else a fresh SQLite file; starts its own Redis.
+"""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+TOKEN = "perf-scrape-token"
+NODES, GPUS, DEPLOYMENTS, RUNS, LEVELS = 32, 8, 100, 1000, (1, 8, 64)
+
+
+def sample(node_index: int, t: float) -> dict:
+    """One node's telemetry sample as the agent sends it (8 GPUs, one engine process each)."""
+    gib = 2**30
+    return {
+        "t": t, "nvml_error": "",
+        "gpus": [{"index": i, "uuid": f"GPU-{node_index:02d}-{i}", "memory_total": 141 * gib, "memory_used": 120 * gib,
+                  "memory_free": 21 * gib, "util_gpu": 90, "util_memory": 40, "temperature_c": 60, "power_w": 650.0,
+                  "power_limit_w": 700.0, "sm_clock_mhz": 1980, "pcie_gen": 5, "pcie_width": 16,
+                  "ecc_sbe_volatile": 0, "ecc_dbe_volatile": 0,
+                  "processes": [{"pid": 1000 + i, "pgid": 1000, "used_memory": 119 * gib, "name": "python3"}]}
+                 for i in range(GPUS)],
+        "disk": {"total": 30 * 10**12, "free": 12 * 10**12, "used": 18 * 10**12},
+        "host": {"ram_total": 2 * 2**40, "ram_available": 2**40, "load1": 12.0},
+    }
+
+
+def seed() -> list[int]:
+    """The fleet, its deployments (timelines included), copies and runs; returns the node ids."""
+    from django.utils import timezone
+
+    from benchmarks.models import BenchmarkPoint, BenchmarkRun
+    from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
+
+    now = timezone.now()
+    nodes = Node.objects.bulk_create([Node(name=f"gpu-{i:02d}", address=f"10.0.0.{i}", agent_version="0.1.0",
+                                           last_heartbeat=now, disk_total=30 * 10**12, disk_free=12 * 10**12)
+                                      for i in range(NODES)])
+    Gpu.objects.bulk_create([Gpu(node=n, index=i, uuid=f"GPU-{k:02d}-{i}", name="NVIDIA H200", memory_total=141 * 2**30)
+                             for k, n in enumerate(nodes) for i in range(GPUS)])
+    models = ModelRepo.objects.bulk_create([ModelRepo(repo_id=f"org/model-{i}", total_size=500 * 10**9) for i in range(20)])
+    ModelCopy.objects.bulk_create([ModelCopy(model=m, node=n, state="ready", bytes_done=m.total_size, bytes_total=m.total_size)
+                                   for m in models for n in nodes[:8]])
+    statuses = ["ready"] * 60 + ["stopped"] * 25 + ["failed"] * 10 + ["loading"] * 5
+    started = now - timedelta(hours=1)
+    deployments = Deployment.objects.bulk_create([
+        Deployment(name=f"d-{i}", model=models[i % 20], node=nodes[i % NODES], port=8000 + i, status=statuses[i],
+                   started=started, ready_at=started + timedelta(seconds=300), restarts=i % 3,
+                   engine_args={"tensor-parallel-size": 8}) for i in range(DEPLOYMENTS)])
+    gpus = {(g.node_id, g.index): g for g in Gpu.objects.all()}
+    Deployment.gpus.through.objects.bulk_create([
+        Deployment.gpus.through(deployment=d, gpu=gpus[(d.node_id, i)]) for d in deployments for i in range(GPUS)])
+    steps = ["queued", "model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
+    DeploymentEvent.objects.bulk_create([
+        DeploymentEvent(deployment=d, step=s, started=started + timedelta(seconds=k), ended=started + timedelta(seconds=k + 1))
+        for d in deployments for k, s in enumerate(steps)])
+    runs = BenchmarkRun.objects.bulk_create([
+        BenchmarkRun(name=f"run {i}", deployment=deployments[i % DEPLOYMENTS], status="done", served_model="m",
+                     single_stream_tok_s=80.0, finished=now, params={"levels": list(LEVELS)}) for i in range(RUNS)])
+    dist = {"mean": 50.0, "median": 48.0, "std": 5.0, "p90": 60.0, "p95": 65.0, "p99": 80.0}
+    BenchmarkPoint.objects.bulk_create([
+        BenchmarkPoint(run=r, concurrency=c, num_requests=4 * c, output_throughput=81.0 * c, ttft_ms=dist, tpot_ms=dist,
+                       itl_ms=dist, e2e_ms=dist, ttfc_ms=dist, itl_per_token_ms=dist)
+        for r in runs for c in LEVELS], batch_size=2000)
+    return [n.pk for n in nodes]
+
+
+def agents(node_ids: list[int], stop: threading.Event) -> threading.Thread:
+    """Every node sends a sample each second, as their agents do (each makes live figures stale)."""
+    from deployments import services
+
+    def run():
+        while not stop.is_set():
+            started = time.time()
+            for k, node_id in enumerate(node_ids):
+                services.node_sample_record(node_id, sample(k, time.time()), {})
+            stop.wait(max(0.0, 1.0 - (time.time() - started)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def measure(base: str, path: str, clients: int, seconds: float) -> tuple[list[float], int]:
+    """Closed-loop clients, each on its own connection; returns latencies (s) and the answer's size."""
+    import httpx
+
+    end = time.monotonic() + seconds
+    size = 0
+
+    def client(_):
+        nonlocal size
+        took = []
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
+            while time.monotonic() < end:
+                started = time.perf_counter()
+                response = http.get(path)
+                took.append(time.perf_counter() - started)
+                if response.status_code != 200:
+                    raise SystemExit(f"{path}: {response.status_code} {response.text[:200]}")
+                size = len(response.content)
+        return took
+
+    with ThreadPoolExecutor(clients) as pool:
+        return [t for took in pool.map(client, range(clients)) for t in took], size
+
+
+def pct(values, p):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] * 1000
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--scrapers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
+    args = parser.parse_args()
+
+    from controlpanel import launcher
+
+    var = Path(tempfile.mkdtemp(prefix="perf-metrics-"))
+    children = launcher.Children()
+    os.environ.update(PANEL_VAR_DIR=str(var), METRICS_TOKEN=TOKEN, DJANGO_SETTINGS_MODULE="controlpanel.settings",
+                      CHANNELS_PREFIX=f"perf{os.getpid()}")
+    os.environ["REDIS_URL"] = launcher.start_embedded_redis(children, dict(os.environ), var)
+    stop = threading.Event()
+    try:
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+        t0 = time.monotonic()
+        node_ids = seed()
+        print(f"seeded {NODES} nodes x {GPUS} GPUs, {DEPLOYMENTS} deployments, {RUNS} runs x {len(LEVELS)} levels "
+              f"in {time.monotonic() - t0:.1f} s")
+        port = launcher.free_port()
+        children.start("web", [sys.executable, "-m", "uvicorn", "controlpanel.asgi:application", "--port", str(port),
+                               "--workers", str(args.workers), "--log-level", "warning", "--no-access-log"], dict(os.environ))
+        launcher.wait_for_port(port, timeout=60)
+        base = f"http://127.0.0.1:{port}"
+        agents(node_ids, stop)
+        measure(base, "/metrics", args.scrapers, 3)  # warm-up: imports, connections, caches
+        scrapes, size = measure(base, "/metrics", args.scrapers, args.seconds)
+        floor, _ = measure(base, "/healthz", args.scrapers, args.seconds / 2)
+    finally:
+        stop.set()
+        children.stop()
+    print(f"{args.scrapers} scrapers, {args.workers} server workers, {args.seconds:.0f} s; answer {size / 1e6:.2f} MB")
+    print(f"/metrics: p50 {pct(scrapes, 50):.1f} ms  p99 {pct(scrapes, 99):.1f} ms  {len(scrapes) / args.seconds:.1f} scrapes/s")
+    print(f"/healthz floor: p50 {pct(floor, 50):.1f} ms  p99 {pct(floor, 99):.1f} ms")
+    print(" ".join([f"scrape_p50_ms={pct(scrapes, 50):.1f}", f"scrape_p99_ms={pct(scrapes, 99):.1f}",
+                    f"healthz_p99_ms={pct(floor, 99):.1f}", f"scrape_bytes={size}", f"scrapes={len(scrapes)}",
+                    f"nodes={NODES}", f"gpus={NODES * GPUS}", f"deployments={DEPLOYMENTS}", f"runs={RUNS}"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""A real Prometheus (Debian's package) scrapes the live panel with the scrape token and, through the
+panel's HTTP service discovery, the real CPU vLLM engine the panel deployed; its query API then
+answers with the panel's series, the engine's `vllm:` series labelled by the panel, and the
+DCGM-named recording rules."""
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from django.test import override_settings
+from prometheus_client.parser import text_string_to_metric_families
+
+from deployments import services
+from deployments.models import Deployment
+from tests.conftest import free_port, in_thread, wait_until
+from tests.factories import GpuFactory, NodeFactory
+from tests.test_metrics import _sample
+from tests.test_monitoring import DASHBOARDS, VLLM_NAMES, _exprs, metric_names
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parent.parent.parent
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+TOKEN = "scrape-token-for-the-e2e-test"
+
+
+def _config(panel: str, token_file: Path) -> dict:
+    """monitoring/prometheus.yml, pointed at the live panel instead of compose's 127.0.0.1:8000."""
+    config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(ROOT / "monitoring" / "dcgm-rules.yml")]
+    host = panel.removeprefix("http://")
+    for job in config["scrape_configs"]:
+        job["scrape_timeout"] = "1s"
+        if "static_configs" in job:
+            job["static_configs"] = [{"targets": [host]}]
+            job["authorization"]["credentials_file"] = str(token_file)
+        for sd in job.get("http_sd_configs", []):
+            sd["url"] = sd["url"].replace("http://127.0.0.1:8000", panel)
+            sd["refresh_interval"] = "1s"
+            sd["authorization"]["credentials_file"] = str(token_file)
+    return config
+
+
+def _query(prometheus: str, expr: str) -> list[dict]:
+    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
+        live_server_asgi, cpu_node, spawn, tmp_path, unique):
+    assert Path(PROMETHEUS).exists(), "./panel test installs Debian's prometheus package"
+    node, model = cpu_node
+    gpu_node = NodeFactory(name=f"gpu-{unique}")  # a GPU host's telemetry, as its agent would send it
+    GpuFactory(node=gpu_node, index=0, uuid="GPU-0", name="NVIDIA H200")
+    services.node_sample_record(gpu_node.pk, _sample(1_700_000_000.0, [(40, 90)]), {})
+    deployment = in_thread(services.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
+                           name=f"tiny-{unique}", env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
+                           engine_args={"max-model-len": 2048, "served-model-name": "tiny", "enforce-eager": True})
+    wait_until(lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", timeout=300, interval=1,
+               message="the engine to be ready")
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(_config(live_server_asgi, token_file)))
+    port = free_port()
+    prometheus = f"http://127.0.0.1:{port}"
+    with override_settings(METRICS_TOKEN=TOKEN):
+        spawn([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+               f"--web.listen-address=127.0.0.1:{port}"], {"PATH": "/usr/bin:/bin"}, name="prometheus")
+
+        def both_up():
+            try:
+                up = {r["metric"]["job"]: r["value"][1] for r in _query(prometheus, "up")}
+            except httpx.HTTPError:
+                return False
+            return up if up.get("panel") == "1" and up.get("vllm") == "1" else False
+
+        wait_until(both_up, timeout=90, interval=1, message="Prometheus to scrape the panel and the engine")
+        wait_until(lambda: _query(prometheus, "DCGM_FI_DEV_FB_USED"), timeout=30, interval=1,
+                   message="the recording rules' first evaluation")
+
+        online = _query(prometheus, f'panel_node_online{{node="{node.name}"}}')
+        assert [r["value"][1] for r in online] == ["1"]
+        state = _query(prometheus, f'panel_deployment_state{{deployment="{deployment.name}"}} == 1')
+        assert [r["metric"]["state"] for r in state] == ["ready"]
+        phases = {r["metric"]["phase"] for r in _query(prometheus, f'panel_deployment_load_phase_seconds{{deployment="{deployment.name}"}}')}
+        assert {"launch", "load"} <= phases
+        used = _query(prometheus, f'DCGM_FI_DEV_FB_USED{{Hostname="{gpu_node.name}", gpu="0"}}')
+        assert [float(r["value"][1]) for r in used] == [40 * 1024]  # MiB, as dcgm-exporter says it
+
+        engine = _query(prometheus, 'vllm:num_requests_running{job="vllm"}')
+        assert len(engine) == 1
+        labels = engine[0]["metric"]
+        assert (labels["node"], labels["deployment"], labels["model"]) == (node.name, deployment.name, str(model))
+        assert "gpus" not in labels  # a CPU engine: Prometheus drops a label whose value is empty
+        assert labels["instance"] == f"{node.address or '127.0.0.1'}:{deployment.port}"
+
+    # The recorded vLLM names the dashboards are checked against are what this engine serves.
+    text = httpx.get(f"http://127.0.0.1:{deployment.port}/metrics", timeout=5).text
+    served = {s.name for f in text_string_to_metric_families(text) for s in f.samples} | {
+        f.name for f in text_string_to_metric_families(text)}
+    dashboard_vllm = {n for d in DASHBOARDS.values() for e in _exprs(d) for n in metric_names(e) if n.startswith("vllm:")}
+    assert dashboard_vllm and dashboard_vllm <= served
+    assert dashboard_vllm <= VLLM_NAMES
