@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from perf.api_latency import pct  # noqa: E402  (the same percentile as the API benchmark)
+
 TOKEN = "perf-scrape-token"
 NODES, GPUS, DEPLOYMENTS, RUNS, LEVELS = 32, 8, 100, 1000, (1, 8, 64)
 
@@ -125,11 +127,6 @@ def measure(base: str, path: str, clients: int, seconds: float) -> tuple[list[fl
 
     with ThreadPoolExecutor(clients) as pool:
         return [t for took in pool.map(client, range(clients)) for t in took], size
-
-
-def pct(values, p):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] * 1000
 
 
 def main():
