@@ -1,5 +1,6 @@
 """Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
 from benchmarks.models import BenchmarkRun
+from deployments import live
 
 CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_requests", "duration_s",
                "request_throughput", "output_throughput", "total_token_throughput", "input_tokens", "output_tokens",
@@ -45,8 +46,6 @@ def environment_diff(a: BenchmarkRun, b: BenchmarkRun) -> list[tuple[str, str, s
 
 
 def export_json(runs) -> list[dict]:
-    from benchmarks.services import point_payload
-
     return [{"id": r.pk, "name": r.name, "target": r.target, "status": r.status, "params": {k: v for k, v in r.params.items() if k != "prompts"},
              "environment": r.environment, "single_stream_tok_s": r.single_stream_tok_s, "warnings": r.warnings,
-             "started": r.started, "finished": r.finished, "points": [point_payload(p) for p in r.points.all()]} for r in runs]
+             "started": r.started, "finished": r.finished, "points": [live.run_point_data(p) for p in r.points.all()]} for r in runs]

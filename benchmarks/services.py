@@ -100,23 +100,8 @@ def run_cancel(run: BenchmarkRun) -> BenchmarkRun:
         if run.status == S.QUEUED:
             run.transition(S.CANCELLED)
         run.save()
-    _publish_status(run)
+    live.send_run_status(run)
     return run
-
-
-def _publish_status(run: BenchmarkRun) -> None:
-    live.publish(live.run_topic(run.pk), "status", {
-        "status": run.status, "status_display": run.get_status_display(), "error": run.error,
-        "single_stream_tok_s": run.single_stream_tok_s, "warnings": run.warnings})
-
-
-def point_payload(p: BenchmarkPoint) -> dict:
-    return {"concurrency": p.concurrency, "output_throughput": p.output_throughput,
-            "total_token_throughput": p.total_token_throughput, "request_throughput": p.request_throughput,
-            "ttft_ms": p.ttft_ms, "ttfc_ms": p.ttfc_ms, "tpot_ms": p.tpot_ms, "itl_ms": p.itl_ms,
-            "itl_per_token_ms": p.itl_per_token_ms, "e2e_ms": p.e2e_ms, "tok_s_per_user": p.tok_s_per_user,
-            "reasoning_tokens": p.reasoning_tokens, "content_tokens": p.content_tokens, "output_tokens": p.output_tokens,
-            "num_requests": p.num_requests, "failed_requests": p.failed_requests, "server_metrics": p.server_metrics}
 
 
 def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
@@ -124,7 +109,7 @@ def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
         run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
-    live.publish(live.run_topic(run.pk), f"point.{level.concurrency}", point_payload(point))
+    live.send_run_point(run.pk, point)
     waiting = (level.server_metrics or {}).get("num_requests_waiting", {}).get("max", 0)
     if waiting > 0:
         run.warnings.append(f"At concurrency {level.concurrency} up to {waiting:.0f} requests waited in the engine's "
@@ -140,7 +125,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
     target = run_target(run)
     run.transition(S.RUNNING)
     run.save()
-    _publish_status(run)
+    live.send_run_status(run)
     started = time.monotonic()
     state = {"checked": 0.0, "cancel": False, "saved": 0.0}
 
@@ -154,9 +139,9 @@ def run_execute(run_id: int) -> BenchmarkRun:
     def on_tick(tick: runner.Tick) -> None:
         point = [round(time.monotonic() - started, 2), tick.concurrency, round(tick.tok_s, 1)]
         run.ticks = (run.ticks + [point])[-TICK_KEEP:]
-        live.publish(live.run_topic(run.pk), "tick", {"t": point[0], "concurrency": tick.concurrency, "tok_s": tick.tok_s,
-                                                      "in_flight": tick.in_flight, "completed": tick.completed,
-                                                      "failed": tick.failed, "server": tick.server}, keep=False)
+        live.send_run_tick(run.pk, live.RunTick(t=point[0], concurrency=tick.concurrency, tok_s=tick.tok_s,
+                                                in_flight=tick.in_flight, completed=tick.completed,
+                                                failed=tick.failed, server=tick.server))
         if point[0] - state["saved"] >= 5:
             state["saved"] = point[0]
             BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks)
@@ -166,7 +151,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
             return  # a level cut short is not a measurement
         _save_point(run, level)
         BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks, warnings=run.warnings)
-        _publish_status(run)
+        live.send_run_status(run)
 
     try:
         model = target.model or _served_model(target.base_url)
@@ -182,7 +167,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
         run.refresh_from_db(fields=["warnings"])
         run.transition(S.FAILED, error=getattr(exc, "message", None) or str(exc))
     run.save()
-    _publish_status(run)
+    live.send_run_status(run)
     return run
 
 

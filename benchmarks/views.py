@@ -14,6 +14,7 @@ from benchmarks.models import BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.params import ids_param, int_param
 from controlpanel.roles import is_operator, operator_required
+from deployments import live
 
 
 def run_list(request):
@@ -38,7 +39,7 @@ def run_detail(request, pk):
     run = get_object_or_404(BenchmarkRun.objects.select_related("deployment"), pk=pk)
     points = list(run.points.all())
     return render(request, "benchmarks/run_detail.html", {
-        "run": run, "points": points, "initial": {"ticks": run.ticks, "points": [services.point_payload(p) for p in points]}})
+        "run": run, "points": points, "initial": {"ticks": run.ticks, "points": [live.run_point_data(p) for p in points]}})
 
 
 @require_POST
@@ -61,7 +62,7 @@ def compare(request):
     runs = selectors.runs_with_points(_ids(request))
     diff = selectors.environment_diff(runs[0], runs[1]) if len(runs) >= 2 else []
     data = [{"id": r.pk, "name": r.name, "single_stream_tok_s": r.single_stream_tok_s,
-             "points": [services.point_payload(p) for p in r.points.all()]} for r in runs]
+             "points": [live.run_point_data(p) for p in r.points.all()]} for r in runs]
     return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
                                                        "ids": ",".join(str(r.pk) for r in runs)})
 

@@ -1,12 +1,15 @@
 """The one place that knows live group names and payload shapes, and the only caller of group_send.
 
 Browsers subscribe to topics ("fleet", "node:<id>", "deployment:<id>", "model:<id>", "run:<id>").
-Each message is {"topic", "kind", "data"}. The last message of each kind per topic is kept in Redis
-as that topic's snapshot, so a browser that (re)connects first gets the current state, then deltas.
+Each message is {"topic", "kind", "data"}, `data` being one of the payload dataclasses below as a
+JSON object. The last message of each kind per topic is kept in Redis as that topic's snapshot, so
+a browser that (re)connects first gets the current state, then deltas. Services call the send_*
+functions; the browser code in static/panel/ reads these field names.
 """
 import json
 import logging
 import re
+from dataclasses import asdict, dataclass, fields
 from typing import Any, TypedDict
 
 import redis
@@ -14,6 +17,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 from controlpanel import redisconn
+from deployments.models import Deployment, DeploymentEvent, ModelCopy
 
 TOPIC_RE = re.compile(r"^(fleet|(node|deployment|model|run):[0-9]{1,12})$")
 SNAPSHOT_TTL = 3600
@@ -22,7 +26,7 @@ SNAPSHOT_TTL = 3600
 class LiveMessage(TypedDict):
     topic: str
     kind: str
-    data: Any
+    data: dict[str, Any]  # asdict() of one of the payload dataclasses below
 
 
 def valid_topic(topic: str) -> bool:
@@ -58,7 +62,7 @@ def _snapshot_key(topic: str) -> str:
     return redisconn.key("snapshot", topic)
 
 
-def publish(topic: str, kind: str, data: Any, keep: bool = True) -> None:
+def publish(topic: str, kind: str, data: dict[str, Any], keep: bool = True) -> None:
     """Send one message to every browser watching `topic`; keep it as the topic's snapshot of `kind`."""
     message: LiveMessage = {"topic": topic, "kind": kind, "data": data}
     try:
@@ -81,9 +85,243 @@ def snapshot(topic: str) -> list[LiveMessage]:
     return [json.loads(value) for value in raw.values()]
 
 
-def kept(topics: list[str], kind: str) -> list[Any]:
+def kept(topics: list[str], kind: str) -> list[dict[str, Any] | None]:
     """The data of each topic's kept message of `kind` (None where none is kept), in one round trip."""
     pipe = redisconn.client().pipeline()
     for topic in topics:
         pipe.hget(_snapshot_key(topic), kind)
     return [json.loads(raw)["data"] if raw else None for raw in pipe.execute()]
+
+
+# --- payloads: what each kind of message carries -------------------------------------------------
+
+def _pick(cls, obj, **given):
+    """An instance of the payload dataclass `cls` from obj's attributes of the same names, plus `given`."""
+    return cls(**{f.name: given[f.name] if f.name in given else getattr(obj, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class DeploymentStatus:
+    """kind "status" on deployment:<id>, "deployment.<id>" on node:<id>."""
+
+    id: int
+    name: str
+    status: str
+    status_display: str
+    message: str
+    load_phase: str
+    load_percent: float | None
+    load_detail: dict
+    pid: int | None
+    smoke: dict
+
+    @classmethod
+    def of(cls, d: Deployment) -> "DeploymentStatus":
+        return _pick(cls, d, id=d.pk, status_display=d.get_status_display(), message=d.status_message)
+
+
+@dataclass(frozen=True)
+class TimelineStep:
+    """kind "event.<id>" on deployment:<id>: one step of the deploy timeline."""
+
+    id: int
+    step: str
+    message: str
+    level: str
+    started: str  # ISO 8601
+    ended: str | None
+    duration: float | None
+
+    @classmethod
+    def of(cls, event: DeploymentEvent) -> "TimelineStep":
+        return _pick(cls, event, id=event.pk, started=event.started.isoformat(),
+                     ended=event.ended.isoformat() if event.ended else None)
+
+
+@dataclass(frozen=True)
+class LogLines:
+    """kind "log" on deployment:<id>, not kept: new engine log lines while it loads."""
+
+    lines: list[str]
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """kind "engine" on deployment:<id>, "engine.<id>" on node:<id>: a ready engine's own /metrics."""
+
+    id: int
+    name: str
+    tok_s: float  # generation tokens per second since the previous reading
+    running: float | None
+    waiting: float | None
+    kv_cache: float | None  # fraction of the KV cache in use
+
+
+@dataclass(frozen=True)
+class NodeSample:
+    """kind "sample" on node:<id>: one telemetry sample (the agent's dict, checked against these keys)."""
+
+    t: float  # Unix time
+    gpus: list[dict]  # host/gpu.py's GpuSample as a dict; processes carry "pgid" and "deployment"
+    nvml_error: str
+    disk: dict  # total, free, used
+    host: dict  # ram_total, ram_available, load1
+
+
+@dataclass(frozen=True)
+class ModelInspected:
+    """kind "model" on model:<id>: the Hub (or the node) answered; the page reloads its details."""
+
+    inspected: bool = True
+
+
+@dataclass(frozen=True)
+class ModelInspectFailed:
+    """kind "model" on model:<id>: inspecting failed, with the reason."""
+
+    error: str
+    code: str
+
+
+@dataclass(frozen=True)
+class CopyProgress:
+    """kind "copy.<id>" on model:<id> and node:<id>: a download's progress, or its removal (state "deleted")."""
+
+    id: int
+    model: int
+    node: int
+    node_name: str
+    state: str
+    bytes_done: int
+    bytes_total: int
+    rate: float
+    seconds_left: float | None
+    files: dict  # path -> [bytes done, bytes total]
+    current_file: str | None
+    error: str
+    path: str
+
+    @classmethod
+    def of(cls, copy: ModelCopy, state: str | None = None) -> "CopyProgress":
+        return _pick(cls, copy, id=copy.pk, model=copy.model_id, node=copy.node_id, node_name=copy.node.name,
+                     state=state or copy.state, files=copy.progress.get("files", {}),
+                     current_file=copy.progress.get("current_file"))
+
+
+# Benchmark payloads are built from the benchmarks app's rows by attribute (no import of it here:
+# benchmarks depends on deployments, never the other way round).
+
+@dataclass(frozen=True)
+class RunStatus:
+    """kind "status" on run:<id>."""
+
+    status: str
+    status_display: str
+    error: str
+    single_stream_tok_s: float | None
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, run) -> "RunStatus":
+        return _pick(cls, run, status_display=run.get_status_display())
+
+
+@dataclass(frozen=True)
+class RunPoint:
+    """kind "point.<concurrency>" on run:<id>: one finished level (also the page's initial points)."""
+
+    concurrency: int
+    output_throughput: float
+    total_token_throughput: float
+    request_throughput: float
+    ttft_ms: dict  # {"mean", "median", "std", "p90", "p95", "p99"}
+    ttfc_ms: dict
+    tpot_ms: dict
+    itl_ms: dict
+    itl_per_token_ms: dict
+    e2e_ms: dict
+    tok_s_per_user: float
+    reasoning_tokens: int
+    content_tokens: int
+    output_tokens: int
+    num_requests: int
+    failed_requests: int
+    server_metrics: dict
+
+    @classmethod
+    def of(cls, point) -> "RunPoint":
+        return _pick(cls, point)
+
+
+@dataclass(frozen=True)
+class RunTick:
+    """kind "tick" on run:<id>, not kept: tok/s over time while a level runs."""
+
+    t: float  # seconds since the run started
+    concurrency: int
+    tok_s: float
+    in_flight: int
+    completed: int
+    failed: int
+    server: dict
+
+
+# --- senders: one per message, so each payload goes to the same topics every time ---------------
+
+def send_deployment_status(d: Deployment) -> None:
+    data = asdict(DeploymentStatus.of(d))
+    publish(deployment_topic(d.pk), "status", data)
+    publish(node_topic(d.node_id), f"deployment.{d.pk}", data)
+
+
+def send_timeline_step(event: DeploymentEvent) -> None:
+    publish(deployment_topic(event.deployment_id), f"event.{event.pk}", asdict(TimelineStep.of(event)))
+
+
+def send_log_lines(deployment_id: int, lines: list[str]) -> None:
+    publish(deployment_topic(deployment_id), "log", asdict(LogLines(lines)), keep=False)
+
+
+def send_engine_figures(node_id: int, figures: EngineFigures) -> None:
+    data = asdict(figures)
+    publish(deployment_topic(figures.id), "engine", data)
+    publish(node_topic(node_id), f"engine.{figures.id}", data)
+
+
+def send_node_sample(node_id: int, sample: dict) -> None:
+    publish(node_topic(node_id), "sample", asdict(NodeSample(**sample)))
+
+
+def send_model_inspected(model_id: int) -> None:
+    publish(model_topic(model_id), "model", asdict(ModelInspected()))
+
+
+def send_model_inspect_failed(model_id: int, error: str, code: str) -> None:
+    publish(model_topic(model_id), "model", asdict(ModelInspectFailed(error, code)))
+
+
+def send_copy(copy: ModelCopy) -> None:
+    send_copy_progress(CopyProgress.of(copy))
+
+
+def send_copy_progress(progress: CopyProgress) -> None:
+    data = asdict(progress)
+    publish(model_topic(progress.model), f"copy.{progress.id}", data)
+    publish(node_topic(progress.node), f"copy.{progress.id}", data)
+
+
+def send_run_status(run) -> None:
+    publish(run_topic(run.pk), "status", asdict(RunStatus.of(run)))
+
+
+def run_point_data(point) -> dict[str, Any]:
+    """A stored level as the browser gets it, live or in the page's initial data."""
+    return asdict(RunPoint.of(point))
+
+
+def send_run_point(run_id: int, point) -> None:
+    publish(run_topic(run_id), f"point.{point.concurrency}", run_point_data(point))
+
+
+def send_run_tick(run_id: int, tick: RunTick) -> None:
+    publish(run_topic(run_id), "tick", asdict(tick), keep=False)

@@ -18,30 +18,14 @@ from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo
 from deployments.services.nodes import node_enqueue
 
 __all__ = ["deployment_create", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
-           "deployment_publish", "deployment_event", "ForeignProcesses"]
-
-
-def deployment_publish(d: Deployment, **extra) -> None:
-    """Push a deployment's status (and anything extra) to its page and its node's page."""
-    payload = {"id": d.pk, "name": d.name, "status": d.status, "status_display": d.get_status_display(),
-               "message": d.status_message, "load_phase": d.load_phase, "load_percent": d.load_percent,
-               "load_detail": d.load_detail, "pid": d.pid, "smoke": d.smoke, **extra}
-    live.publish(live.deployment_topic(d.pk), "status", payload)
-    live.publish(live.node_topic(d.node_id), f"deployment.{d.pk}", payload)
+           "deployment_event", "ForeignProcesses"]
 
 
 def deployment_event(d: Deployment, step: str, message: str = "", level: str = "info", **data) -> DeploymentEvent:
     """Add a step to the timeline and push it to the page."""
     event = DeploymentEvent.objects.create(deployment=d, step=step, message=message, level=level, data=data)
-    _publish_event(event)
+    live.send_timeline_step(event)
     return event
-
-
-def _publish_event(event: DeploymentEvent) -> None:
-    live.publish(live.deployment_topic(event.deployment_id), f"event.{event.pk}", {
-        "id": event.pk, "step": event.step, "message": event.message, "level": event.level,
-        "started": event.started.isoformat(), "ended": event.ended.isoformat() if event.ended else None,
-        "duration": event.duration})
 
 
 def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
@@ -168,7 +152,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))
     deployment_event(d, "queued", "Redeploy requested" + (" with new settings." if changes else "."))
     _send_plan(d)
-    deployment_publish(d)
+    live.send_deployment_status(d)
     return d
 
 
@@ -186,7 +170,7 @@ def deployment_stop(d: Deployment) -> Deployment:
     d.save()
     deployment_event(d, "stop", "Stop requested.")
     node_enqueue(d.node, tasks.deployment_halt, d.pk)
-    deployment_publish(d)
+    live.send_deployment_status(d)
     return d
 
 

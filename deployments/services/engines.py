@@ -18,7 +18,7 @@ from controlpanel.states import InvalidTransition
 from deployments import live, secrets
 from deployments.host import engine, engineenv, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
-from deployments.services.deploys import _send_plan, deployment_event, deployment_holders, deployment_publish
+from deployments.services.deploys import _send_plan, deployment_event, deployment_holders
 from deployments.services.guards import foreign_holders
 from deployments.services.models import model_copy_download
 
@@ -57,7 +57,7 @@ def _set(d: Deployment, status: str, message: str = "") -> None:
         row.save()
     d.status, d.status_message, d.started, d.ready_at, d.stopped_at = (
         row.status, row.status_message, row.started, row.ready_at, row.stopped_at)
-    deployment_publish(d)
+    live.send_deployment_status(d)
 
 
 @contextmanager
@@ -300,7 +300,7 @@ def _stop_row(d: Deployment, message: str) -> None:
             row.status, row.status_message, row.stopped_at = S.STOPPED, message, timezone.now()
         row.save()
     d.status, d.pid, d.pgid = S.STOPPED, None, None
-    deployment_publish(row)
+    live.send_deployment_status(row)
 
 
 def _wait_memory(d: Deployment) -> str:
@@ -394,7 +394,7 @@ def _follow(d: Deployment) -> None:
                 progress.feed(line)
             if lines:
                 tail = (tail + lines)[-TAIL_LINES:]
-                live.publish(live.deployment_topic(d.pk), "log", {"lines": secrets.redact_lines(d, lines[-200:])}, keep=False)
+                live.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
             now = time.monotonic()
             current = _gpu_memory(d.gpu_indices)
             if any(abs((current.get(i) or 0) - (memory.get(i) or 0)) > 64 << 20 for i in current):
@@ -409,7 +409,7 @@ def _follow(d: Deployment) -> None:
                 Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
                                                           load_detail=d.load_detail, log_tail=d.log_tail)
                 _record_shm(d)
-                deployment_publish(d)
+                live.send_deployment_status(d)
                 if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
                     raise Aborted("stop requested")
             if not _running(d):
@@ -442,7 +442,7 @@ def _smoke(d: Deployment, base_url: str) -> None:
         Deployment.objects.filter(pk=d.pk).update(smoke=d.smoke)
         event.message = (f"{result.reply.strip()[:200]!r} in {result.latency_s:.2f} s, "
                          f"{result.completion_tokens} tokens" + (f" ({result.reasoning_tokens} reasoning)" if result.reasoning_tokens else ""))
-    deployment_publish(d)
+    live.send_deployment_status(d)
 
 
 # --- stop, persist, watch, reconcile ---------------------------------------------------------
@@ -469,11 +469,9 @@ def _step_unchecked(d: Deployment, name: str):
 
 
 def _end_event(event: DeploymentEvent) -> None:
-    from deployments.services.deploys import _publish_event
-
     event.ended = timezone.now()
     event.save()
-    _publish_event(event)
+    live.send_timeline_step(event)
 
 
 def deployment_persist_here(deployment_id: int) -> Deployment:
@@ -537,10 +535,9 @@ def deployments_metrics(node_id: int, state: dict) -> None:
         if rate is None:
             continue
         m = reading[1]
-        payload = {"id": d.pk, "name": d.name, "tok_s": rate, "running": m.get("num_requests_running"),
-                   "waiting": m.get("num_requests_waiting"), "kv_cache": m.get("kv_cache_usage_perc")}
-        live.publish(live.deployment_topic(d.pk), "engine", payload)
-        live.publish(live.node_topic(node_id), f"engine.{d.pk}", payload)
+        live.send_engine_figures(node_id, live.EngineFigures(
+            id=d.pk, name=d.name, tok_s=rate, running=m.get("num_requests_running"),
+            waiting=m.get("num_requests_waiting"), kv_cache=m.get("kv_cache_usage_perc")))
 
 
 def _crashed(d: Deployment, reason: str) -> None:

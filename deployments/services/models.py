@@ -108,7 +108,7 @@ def model_inspect(model_id: int) -> ModelRepo:
     except hub.HubError as exc:
         model.inspect_error = exc.message
         model.save(update_fields=["inspect_error"])
-        live.publish(live.model_topic(model.pk), "model", {"error": exc.message, "code": exc.code})
+        live.send_model_inspect_failed(model.pk, exc.message, exc.code)
         if not exc.permanent:
             raise
         return model
@@ -119,7 +119,7 @@ def model_inspect(model_id: int) -> ModelRepo:
     model.inspected = timezone.now()
     _apply_spec(model, info.config, [(f.path, f.size) for f in info.files])
     model.save()
-    live.publish(live.model_topic(model.pk), "model", {"inspected": True})
+    live.send_model_inspected(model.pk)
     return model
 
 
@@ -141,7 +141,7 @@ def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
     model.save()
     ModelCopy.objects.update_or_create(model=model, node=node, defaults={
         "state": ModelCopy.State.READY, "path": local.path, "bytes_done": local.total_size, "bytes_total": local.total_size})
-    live.publish(live.model_topic(model.pk), "model", {"inspected": True})
+    live.send_model_inspected(model.pk)
     return model
 
 
@@ -192,26 +192,13 @@ def model_download(model: ModelRepo, node: Node) -> ModelCopy:
                     cancel_requested=False)
     copy.save()
     node_enqueue(node, tasks.model_copy_download, copy.pk)
-    _publish_copy(copy)
+    live.send_copy(copy)
     return copy
 
 
 def _repo_info(model: ModelRepo) -> hub.RepoInfo:
     files = [hub.RepoFile(f["path"], f["size"], f.get("sha256"), f.get("blob_id")) for f in model.files]
     return hub.RepoInfo(model.repo_id, model.revision, model.commit, files, model.config or None, model.total_size)
-
-
-def _copy_payload(copy: ModelCopy) -> dict:
-    return {"id": copy.pk, "model": copy.model_id, "node": copy.node_id, "node_name": copy.node.name,
-            "state": copy.state, "bytes_done": copy.bytes_done, "bytes_total": copy.bytes_total, "rate": copy.rate,
-            "seconds_left": copy.seconds_left, "files": copy.progress.get("files", {}),
-            "current_file": copy.progress.get("current_file"), "error": copy.error, "path": copy.path}
-
-
-def _publish_copy(copy: ModelCopy) -> None:
-    payload = _copy_payload(copy)
-    live.publish(live.model_topic(copy.model_id), f"copy.{copy.pk}", payload)
-    live.publish(live.node_topic(copy.node_id), f"copy.{copy.pk}", payload)
 
 
 def model_copy_download(copy_id: int) -> ModelCopy:
@@ -223,7 +210,7 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         if copy.cancel_requested:
             copy.transition(ModelCopy.State.CANCELLED)
             copy.save()
-            _publish_copy(copy)
+            live.send_copy(copy)
             return copy
         dest = store.model_dir(copy.node.model_store or settings.MODEL_STORE, copy.model.repo_id, copy.model.revision)
         copy.transition(ModelCopy.State.DOWNLOADING, path=str(dest))
@@ -247,7 +234,7 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         ModelCopy.objects.filter(pk=copy.pk).update(bytes_done=p.bytes_done, bytes_total=p.bytes_total,
                                                     rate=p.rate_bps, progress=copy.progress, updated=timezone.now())
         last["cancel"] = ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists()
-        _publish_copy(copy)
+        live.send_copy(copy)
 
     try:
         hub.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
@@ -261,7 +248,7 @@ def model_copy_download(copy_id: int) -> ModelCopy:
     except hub.DownloadCancelled:
         copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
-        _publish_copy(copy)
+        live.send_copy(copy)
         return copy
     except hub.HubError as exc:
         if exc.code == "busy":  # a redelivered task while this copy's download runs elsewhere on the node
@@ -271,14 +258,14 @@ def model_copy_download(copy_id: int) -> ModelCopy:
                     error="", error_code="")
     copy.save()
     node_refresh_disk(copy.node, dest)
-    _publish_copy(copy)
+    live.send_copy(copy)
     return copy
 
 
 def _copy_fail(copy: ModelCopy, message: str, code: str) -> ModelCopy:
     copy.transition(ModelCopy.State.FAILED, error=message, error_code=code, rate=0.0)
     copy.save()
-    _publish_copy(copy)
+    live.send_copy(copy)
     return copy
 
 
@@ -297,7 +284,7 @@ def model_copy_cancel(copy: ModelCopy) -> ModelCopy:
         if copy.state == ModelCopy.State.QUEUED and copy.bytes_done == 0:
             copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
-    _publish_copy(copy)
+    live.send_copy(copy)
     return copy
 
 
@@ -326,7 +313,7 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
         copy.transition(ModelCopy.State.DELETING)
         copy.save()
         node_enqueue(copy.node, tasks.model_copy_remove, copy.pk)
-    _publish_copy(copy)
+    live.send_copy(copy)
     return copy
 
 
@@ -347,17 +334,16 @@ def model_copy_remove(copy_id: int) -> int:
         if _copy_users(copy).exists():  # never under a running engine, whatever let it start
             copy.transition(ModelCopy.State.READY)
             copy.save()
-            _publish_copy(copy)
+            live.send_copy(copy)
             return 0
     model_store = copy.node.model_store or settings.MODEL_STORE
     freed = 0
     if copy.path and not copy.model.local_path:  # a user's own folder is never deleted, only forgotten
         freed = store.remove(copy.path, model_store)
-    payload = {**_copy_payload(copy), "state": "deleted"}
+    gone = live.CopyProgress.of(copy, state="deleted")
     copy.delete()
     node_refresh_disk(copy.node, model_store)
-    live.publish(live.model_topic(payload["model"]), f"copy.{copy_id}", payload)
-    live.publish(live.node_topic(payload["node"]), f"copy.{copy_id}", payload)
+    live.send_copy_progress(gone)
     return freed
 
 

@@ -85,7 +85,7 @@ def node_sample_record(node_id: int, sample: dict, engines: dict[int, dict], sam
         for proc in g.get("processes") or []:
             proc["deployment"] = engines.get(proc.get("pgid")) or engines.get(proc["pid"])
     history.push(node_id, sample, sample_seconds)
-    live.publish(live.node_topic(node_id), "sample", sample)
+    live.send_node_sample(node_id, sample)
 
 
 def node_minute_record(node_id: int, aggregate: dict) -> None:

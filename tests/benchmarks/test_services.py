@@ -92,7 +92,7 @@ def test_a_cancelled_run_keeps_its_finished_levels():
             BenchmarkRun.objects.filter(pk=run.pk).update(cancel_requested=True)
 
         with mock.patch("deployments.live.publish", autospec=True), \
-             mock.patch("benchmarks.services._publish_status", autospec=True) as status:
+             mock.patch("deployments.live.send_run_status", autospec=True) as status:
             status.side_effect = lambda r: cancel_after_first(None) if r.points.exists() else None
             services.run_execute(run.pk)
     run.refresh_from_db()
