@@ -31,6 +31,8 @@ from django.db.backends.signals import connection_created
 from django.http import HttpResponse
 from rest_framework.authentication import TokenAuthentication
 
+from controlpanel.tokens import digest as token_digest
+
 from controlpanel import redisconn
 from controlpanel.roles import group_names, is_operator
 
@@ -272,6 +274,7 @@ class CachedTokenAuthentication(TokenAuthentication):
         return super().authenticate(request)
 
     def authenticate_credentials(self, key):
+        key = token_digest(key)  # the table holds digests only (controlpanel/tokens.py)
         try:
             current = request_versions(self.request)
         except redis.RedisError:

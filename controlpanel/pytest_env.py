@@ -4,8 +4,11 @@ It keeps the tests' Redis keys and Channels groups apart from a panel running on
 No Django import here: tests/gpu runs where Django is absent.
 """
 import os
+import secrets
 
 os.environ.setdefault("CHANNELS_PREFIX", "paneltest")
 # Database connections close after each request, so none is left open in a web thread when
 # pytest drops the test database (PostgreSQL refuses to drop a database in use).
 os.environ.setdefault("DB_CONN_MAX_AGE", "0")
+# The settings refuse to start without a real key; each test session gets its own.
+os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))

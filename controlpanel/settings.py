@@ -47,7 +47,27 @@ def env_secret(name, default=""):
 VAR_DIR = Path(env_str("PANEL_VAR_DIR", str(BASE_DIR / "var")))
 
 DEBUG = env_bool("DEBUG", False)
-SECRET_KEY = env_secret("SECRET_KEY") or "insecure-dev-key-set-SECRET_KEY-in-production"
+# Keys anyone can read (in this repo's history, .env.example, docs): sessions signed with them can be forged.
+PUBLISHED_SECRET_KEYS = {"change-me", "changeme", "insecure-dev-key-set-SECRET_KEY-in-production", "secret", ""}
+
+
+def _secret_key() -> str:
+    """SECRET_KEY (or SECRET_KEY_FILE), else the key `./panel start` generated in the var folder."""
+    key = env_secret("SECRET_KEY")
+    if not key and (VAR_DIR / "secret_key").is_file():
+        key = (VAR_DIR / "secret_key").read_text().strip()
+    if key in PUBLISHED_SECRET_KEYS or key.startswith("django-insecure") or len(key) < 32:
+        if DEBUG:  # a development shell: a throwaway key, sessions last as long as the process
+            import secrets
+            return secrets.token_urlsafe(50)
+        from django.core.exceptions import ImproperlyConfigured
+        raise ImproperlyConfigured(
+            "SECRET_KEY is missing, too short or a published value: set a long random one, e.g. "
+            "python -c 'import secrets; print(secrets.token_urlsafe(50))' (./panel start makes one in var/).")
+    return key
+
+
+SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 

@@ -11,6 +11,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
+from controlpanel import tokens
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_operator, operator_required
 from deployments import forms, history, selectors, services
@@ -162,5 +163,4 @@ def account_token(request):
     if request.POST.get("action") == "revoke":
         messages.success(request, "API token revoked.")
         return redirect("account")
-    token = Token.objects.create(user=request.user)
-    return render(request, "account.html", {"has_token": True, "new_token": token.key})
+    return render(request, "account.html", {"has_token": True, "new_token": tokens.issue(request.user)})

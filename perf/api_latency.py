@@ -33,9 +33,9 @@ ENDPOINTS = ["/api/runs/", "/api/runs/{run}/points/", "/api/deployments/", "/api
 def seed(points: int) -> dict:
     """Nodes, models, deployments and runs with `points` benchmark points; returns ids to query."""
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
 
     from benchmarks.models import BenchmarkPoint, BenchmarkRun
+    from controlpanel import tokens
     from deployments.models import Deployment, Gpu, ModelCopy, ModelRepo, Node
 
     user = get_user_model().objects.create_superuser("perf", "", "perf-password-1")
@@ -57,7 +57,7 @@ def seed(points: int) -> dict:
         BenchmarkPoint(run=run, concurrency=c, num_requests=4 * c, output_throughput=81.0 * c, ttft_ms=dist, tpot_ms=dist,
                        itl_ms=dist, e2e_ms=dist, ttfc_ms=dist, itl_per_token_ms=dist)
         for run in runs for c in levels], batch_size=2000)
-    return {"token": Token.objects.create(user=user).key, "run": runs[len(runs) // 2].pk,
+    return {"token": tokens.issue(user), "run": runs[len(runs) // 2].pk,
             "points": BenchmarkPoint.objects.count()}
 
 

@@ -17,15 +17,14 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture
 def operator_token(live_server_asgi, operator):
-    from rest_framework.authtoken.models import Token
-
+    from controlpanel import tokens
     from tests.factories import BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
     node = NodeFactory(name="n1")
     GpuFactory(node=node, index=0)
     ModelCopyFactory(node=node)
     BenchmarkRunFactory(deployment=DeploymentFactory(node=node, status="ready"))
-    return Token.objects.create(user=operator).key
+    return tokens.issue(operator)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import redis
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from controlpanel import apicache
+from controlpanel import apicache, tokens
 from deployments import history, selectors
 from deployments.models import Node
 from tests.conftest import ROOT, free_port
@@ -21,7 +21,7 @@ from tests.factories import DeploymentFactory, NodeFactory, UserFactory
 @pytest.fixture
 def api(operator):
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=operator).key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Token {tokens.issue(operator)}")
     return client
 
 
@@ -66,15 +66,13 @@ def test_a_new_sample_refreshes_the_live_figures_of_the_node_list(api):
 
 def test_a_revoked_token_or_a_lost_role_counts_at_once(operator):
     client = APIClient()
-    token = Token.objects.create(user=operator)
-    client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Token {tokens.issue(operator)}")
     assert client.get("/api/nodes/").status_code == 200
     assert client.get("/api/nodes/").status_code == 200
-    token.delete()
+    Token.objects.filter(user=operator).delete()
     assert client.get("/api/nodes/").status_code == 401
 
-    token = Token.objects.create(user=operator)
-    client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+    client.credentials(HTTP_AUTHORIZATION=f"Token {tokens.issue(operator)}")
     assert client.post("/api/runs/", {}, format="json").status_code == 400  # an operator: the body is checked
     operator.groups.clear()
     assert client.post("/api/runs/", {}, format="json").status_code == 403
@@ -84,7 +82,7 @@ def test_a_revoked_token_or_a_lost_role_counts_at_once(operator):
 def test_a_viewer_and_an_operator_never_share_an_answer(api, db):
     viewer = UserFactory(role="viewer")
     other = APIClient()
-    other.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=viewer).key}")
+    other.credentials(HTTP_AUTHORIZATION=f"Token {tokens.issue(viewer)}")
     NodeFactory(name="n1")
     api.get("/api/nodes/")
     other.get("/api/nodes/")
@@ -144,7 +142,7 @@ def test_a_long_poll_does_not_hold_up_other_requests(live_server_asgi, operator,
 
     monkeypatch.setattr(selectors, "deployment_wait", deployment_wait)
     deployment = DeploymentFactory()
-    headers = {"Authorization": f"Token {Token.objects.create(user=operator).key}"}
+    headers = {"Authorization": f"Token {tokens.issue(operator)}"}
     url = f"{live_server_asgi}/api/deployments/{deployment.pk}/events/"
     state = httpx.get(url, headers=headers, timeout=10).json()["state"]
     answered = []

@@ -72,8 +72,13 @@ def test_a_user_without_a_role_cannot_read_the_api(client, django_user_model):
 def test_an_api_token_authenticates_and_a_bad_one_does_not(client, viewer):
     from rest_framework.authtoken.models import Token
 
-    token = Token.objects.create(user=viewer)
-    assert client.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token {token.key}").status_code == 200
+    from controlpanel import tokens
+
+    raw = tokens.issue(viewer)
+    assert client.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token {raw}").status_code == 200
+    # Only the digest is stored: the table's key is not a usable token.
+    stored = Token.objects.get(user=viewer).key
+    assert raw not in stored and client.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token {stored}").status_code == 401
     response = client.get("/api/nodes/", HTTP_AUTHORIZATION="Token not-a-token")
     assert response.status_code == 401
     assert response.json()["error"]["message"] == "Invalid token."

@@ -15,7 +15,7 @@ from tests.conftest import ROOT, free_port, wait_until
 
 @pytest.mark.timeout(180)
 def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "PANEL_ADMIN_PASSWORD")}
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "PANEL_ADMIN_PASSWORD", "SECRET_KEY")}
     env.update(PANEL_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1", NODE_NAME="launcher-node")
     port = free_port()
     log = open(tmp_path / "launcher.log", "w+")
@@ -31,6 +31,12 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path):
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "uvicorn" in names and "celery" in names and "nodeagent" in names
+        # Secrets at rest and at start: nothing world-readable, no password or key on a command line.
+        var = tmp_path / "var"
+        assert (var / "secret_key").stat().st_mode & 0o777 == 0o600
+        assert (var / "panel.sqlite3").stat().st_mode & 0o077 == 0 and var.stat().st_mode & 0o077 == 0
+        assert password not in names and (var / "secret_key").read_text().strip() not in names
+        assert not any("PANEL_ADMIN_PASSWORD" in c.environ() or "SECRET_KEY" in c.environ() for c in children)
 
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", follow_redirects=True) as http:
             login = http.get("/accounts/login/")

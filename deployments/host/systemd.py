@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from controlpanel.privatefile import write_private
+
 UNIT_DIR = Path("/etc/systemd/system")
 _UNIT_NAME = re.compile(r"^[a-zA-Z0-9_.@-]+\.service$")
 
@@ -78,16 +80,6 @@ def render_unit(*, description: str, argv: list[str], env: dict[str, str], log_p
     return "\n".join(lines)
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write a file only root can read: created 0600 (never readable for a moment), then replaced."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def systemctl(*args: str, timeout: float = 120.0) -> str:
     """Run `systemctl ARGS`; return its stdout or raise SystemdError with its stderr."""
     try:
@@ -107,8 +99,8 @@ def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[st
     if not available():
         raise SystemdError("systemd is not available on this node (or the agent is not root)")
     if secret_env:
-        _write_private(env_file_path(name, unit_dir), env_file_text(secret_env))
-    _write_private(unit_dir / name, text)
+        write_private(env_file_path(name, unit_dir), env_file_text(secret_env))
+    write_private(unit_dir / name, text)
     systemctl("daemon-reload")
     systemctl("enable", "--now", name)
     return main_pid(name)

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from rest_framework.authtoken.models import Token
 
 from benchmarks import runner
+from controlpanel import tokens
 from deployments.host import engine
 from deployments.models import Deployment
 from tests.conftest import ROOT, VLLM, free_port, in_thread
@@ -110,7 +110,7 @@ def pinned(cpus, fn):
 
 def test_panelctl_deploys_benchmarks_and_stops_a_real_engine(cpu_node, live_server_asgi, operator, tiny_model, tmp_path):
     node, model = cpu_node
-    env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": Token.objects.create(user=operator).key,
+    env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": tokens.issue(operator),
            "PANELCTL_CONFIG": str(tmp_path / "none.json")}
     port = free_port()
 
