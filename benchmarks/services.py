@@ -7,7 +7,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlpanel.errors import ServiceError
-from benchmarks import runner
+from benchmarks import allowlist, runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from deployments import live, secrets
 from deployments.host import vllm
@@ -70,6 +70,8 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
 
     if bool(deployment) == bool(base_url):
         raise ServiceError("Benchmark either a deployment or a URL.", field="deployment")
+    if base_url:
+        allowlist.check(base_url)
     if deployment and deployment.status != Deployment.Status.READY:
         raise ServiceError(f"{deployment.name} is {deployment.get_status_display().lower()}, not ready.",
                            field="deployment", code="not_running")

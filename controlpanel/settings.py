@@ -219,6 +219,8 @@ HOST_TASK_EXPIRES_S = env_int("HOST_TASK_EXPIRES", 600)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HF_TOKEN = env_secret("HF_TOKEN")
 VLLM_BIN = env_str("VLLM_BIN", "vllm")
+# URL prefixes a benchmark may target besides deployments (benchmarks/allowlist.py); default none.
+BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")
 # Monitoring (README "Prometheus and Grafana"): a read-only secret for /metrics and the service
 # discovery (sent as `Authorization: Bearer ...`), and Grafana's URL for links from the pages.
 METRICS_TOKEN = env_secret("METRICS_TOKEN")

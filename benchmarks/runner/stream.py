@@ -10,6 +10,8 @@ import re
 import ssl
 import time
 
+from deployments.host import vllm
+
 perf_counter = time.perf_counter
 
 HEAD, SIZE, DATA, CRLF, TRAILER, LENGTH, UNTIL_CLOSE, DONE = range(8)
@@ -363,19 +365,8 @@ class Connection(asyncio.Protocol):
 
 
 def _error_message(body: str) -> str:
-    """The server's own words: OpenAI-style {"error": {"message"}}, {"message"}, {"detail"} or text."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return body.strip()[:500] or "(empty body)"
-    if isinstance(obj, dict):
-        err = obj.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:500]
-        for key in ("message", "detail", "error"):
-            if obj.get(key):
-                return str(obj[key])[:500]
-    return body.strip()[:500]
+    """The server's own words when it answered an OpenAI-style error; never the body of anything else."""
+    return vllm.openai_error(body) or vllm.NOT_OPENAI
 
 
 def tls_context(verify: bool) -> ssl.SSLContext:

@@ -27,7 +27,34 @@ _PREFIXES = tuple(f"{prefix}{name.removesuffix('_total')}" for name in _WANTED f
 # No proxy from the environment, like the benchmark load itself (the agent talks to 127.0.0.1, which
 # HTTP_PROXY without NO_PROXY would send away); urllib because a reading every tick must be cheap
 # (httpx builds an SSL context per call: ~40 ms of CPU) and quiet (httpx logs each request at INFO).
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# No redirects either: a server that answers 3xx is not an OpenAI API, and following one could send
+# the panel's request to an address nobody allowed (a metadata service, another local server).
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, "redirects are not followed", headers, fp)
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+NOT_OPENAI = "the answer is not an OpenAI API answer (not shown)"
+
+
+def openai_error(body: str) -> str | None:
+    """The message of an OpenAI-shaped error ({"error": {"message"}} or vLLM's {"object": "error", "message"}),
+    or None. Anything else a server says is never echoed: the URL may be anyone's (SSRF)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"][:300]
+    if obj.get("object") == "error" and isinstance(obj.get("message"), str):
+        return obj["message"][:300]
+    return None
 
 
 class VllmError(HostError):
@@ -55,8 +82,8 @@ def _request(method: str, url: str, timeout: float, body: dict | None = None) ->
             return resp.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         # 4xx is our request (wrong model name, bad params); 5xx may pass.
-        text = e.read().decode("utf-8", "replace")[:300]
-        raise VllmError(f"{method} {url} -> {e.code}: {text}", permanent=400 <= e.code < 500) from e
+        said = openai_error(e.read(65536).decode("utf-8", "replace")) if e.fp else None
+        raise VllmError(f"{method} {url} -> {e.code}: {said or NOT_OPENAI}", permanent=400 <= e.code < 500) from e
     except (TimeoutError, socket.timeout) as e:
         raise VllmError(f"{method} {url} timed out after {timeout} s") from e
     except (OSError, ValueError) as e:  # URLError is an OSError; ValueError: not a URL
@@ -78,7 +105,7 @@ def served_models(base_url: str, timeout: float = 10.0) -> list[str]:
     try:
         return [m["id"] for m in json.loads(text)["data"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise VllmError(f"unexpected /v1/models: {text[:300]}", permanent=True) from e
+        raise VllmError(f"unexpected /v1/models: {NOT_OPENAI}", permanent=True) from e
 
 
 def smoke_test(base_url: str, model: str, question: str = "What is the capital of France?",
@@ -93,7 +120,7 @@ def smoke_test(base_url: str, model: str, question: str = "What is the capital o
         data = json.loads(text)
         message = data["choices"][0]["message"]
     except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise VllmError(f"unexpected chat completion: {text[:300]}", permanent=True) from e
+        raise VllmError(f"unexpected chat completion: {NOT_OPENAI}", permanent=True) from e
     usage = data.get("usage") or {}
     details = usage.get("completion_tokens_details") or {}
     return SmokeResult(

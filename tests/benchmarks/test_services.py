@@ -41,7 +41,8 @@ def test_a_run_on_a_deployment_goes_to_its_node_with_an_environment_snapshot(rea
                             "so those levels measure queueing too."]
 
 
-def test_a_run_on_a_url_goes_to_the_control_worker(queued, django_capture_on_commit_callbacks):
+def test_a_run_on_a_url_goes_to_the_control_worker(queued, django_capture_on_commit_callbacks, settings):
+    settings.BENCHMARK_URL_ALLOWLIST = ["http://10.0.0.5:8000"]
     with django_capture_on_commit_callbacks(execute=True):
         run = services.run_create(base_url="http://10.0.0.5:8000", served_model="m", params={})
     assert queued.call_args.kwargs["queue"] == "control"
@@ -120,7 +121,8 @@ def test_compare_and_export_show_what_changed(viewer_client):
     assert exported[0]["points"][0]["output_throughput"] == 81.0
 
 
-def test_the_api_starts_compares_and_exports(operator, queued):
+def test_the_api_starts_compares_and_exports(operator, queued, settings):
+    settings.BENCHMARK_URL_ALLOWLIST = ["http://10.1.1.1:8000", "http://10.1.1.2:8000"]
     api = APIClient()
     api.force_authenticate(operator)
     response = api.post("/api/runs/", {"base_url": "http://10.1.1.1:8000", "levels": [1, 4, 16]}, format="json")
@@ -134,7 +136,8 @@ def test_the_api_starts_compares_and_exports(operator, queued):
     assert api.get(f"/api/runs/export/?ids={run.pk}&as=csv").content.decode().startswith("run,name")
 
 
-def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(operator, queued):
+def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(operator, queued, settings):
+    settings.BENCHMARK_URL_ALLOWLIST = ["http://10.0.0.8:8000"]
     from benchmarks.api.serializers import RunRequestSerializer
     from benchmarks.forms import RunForm
 

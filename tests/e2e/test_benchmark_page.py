@@ -20,10 +20,11 @@ def control_worker(process_env, spawn, unique):
     return spawn(argv, process_env, name="control-worker")
 
 
-def test_a_sweep_started_in_the_browser_grows_its_charts_live(logged_in_page, control_worker):
+def test_a_sweep_started_in_the_browser_grows_its_charts_live(logged_in_page, control_worker, settings):
     page = logged_in_page
     # 40 ms to the first token, then 20 ms per token: each level lasts a few seconds.
     with SchedServer(ttft_ms=40, gap_ms=20, reasoning_tokens=8) as server:
+        settings.BENCHMARK_URL_ALLOWLIST = [server.base_url]  # an admin allowed this server
         page.goto(f"{page.base_url}/benchmarks/")
         page.fill("#id_base_url", server.base_url)
         page.fill("#id_levels", "1,4,16")
