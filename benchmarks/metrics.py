@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily
 
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
+from deployments.metrics import add_sample, gauge
 
 RUN_LABELS = ["run", "deployment"]
 LEVEL_LABELS = ["run", "deployment", "level"]
@@ -31,23 +32,24 @@ LATENCIES = [
 STATS = ("median", "p99")
 
 
-def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=labels)
-
-
 class BenchmarkCollector:
-    """Every run's state and figures; a run against a bare URL has deployment="" ."""
+    """Every run's state and figures; a run against a bare URL has deployment="". Deployment names
+    come from the caller, so that what this reads (and a cache of it) does not depend on the
+    deployment table, which a loading engine writes every second."""
+
+    def __init__(self, deployment_names: dict[int, str]):
+        self.deployment_names = deployment_names
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        info = _gauge("panel_benchmark_run_info", "A run's name, model and status (value 1).",
+        info = gauge("panel_benchmark_run_info", "A run's name, model and status (value 1).",
                       RUN_LABELS + ["name", "model", "status"])
-        finished = _gauge("panel_benchmark_run_finished_timestamp_seconds", "Unix time the run ended.", RUN_LABELS)
-        single = _gauge("panel_benchmark_single_stream_tokens_per_second", "Output tokens per second of one stream alone.",
+        finished = gauge("panel_benchmark_run_finished_timestamp_seconds", "Unix time the run ended.", RUN_LABELS)
+        single = gauge("panel_benchmark_single_stream_tokens_per_second", "Output tokens per second of one stream alone.",
                         RUN_LABELS)
         targets = {}
-        for pk, name, deployment, served_model, status, ended, single_tok_s in BenchmarkRun.objects.values_list(
-                "id", "name", "deployment__name", "served_model", "status", "finished", "single_stream_tok_s"):
-            labels = targets[pk] = [str(pk), deployment or ""]
+        for pk, name, deployment_id, served_model, status, ended, single_tok_s in BenchmarkRun.objects.values_list(
+                "id", "name", "deployment_id", "served_model", "status", "finished", "single_stream_tok_s"):
+            labels = targets[pk] = [str(pk), self.deployment_names.get(deployment_id, "")]
             info.add_metric(labels + [name, served_model, status], 1)
             if ended:
                 finished.add_metric(labels, ended.timestamp())
@@ -55,22 +57,23 @@ class BenchmarkCollector:
                 single.add_metric(labels, single_tok_s)
         yield from (info, finished, single)
 
-        figures = [(_gauge(name, doc, LEVEL_LABELS), field, factor) for name, doc, field, factor in LEVEL_FIGURES]
-        latencies = [(_gauge(name, doc + " Milliseconds in the run's page, seconds here.", LEVEL_LABELS + ["stat"]), field)
+        figures = [(gauge(name, doc, LEVEL_LABELS), field, factor) for name, doc, field, factor in LEVEL_FIGURES]
+        latencies = [(gauge(name, doc + " Milliseconds in the run's page, seconds here.", LEVEL_LABELS + ["stat"]), field)
                      for name, doc, field in LATENCIES]
         fields = ["run_id", "concurrency"] + [f for _, f, _ in figures] + [f for _, f in latencies]
         for row in BenchmarkPoint.objects.values_list(*fields):
-            labels = targets.get(row[0])
-            if labels is None:  # a point written after the runs were read
+            run = targets.get(row[0])
+            if run is None:  # a point written after the runs were read
                 continue
-            labels = labels + [str(row[1])]
+            labels = {"run": run[0], "deployment": run[1], "level": str(row[1])}
+            by_stat = {stat: {**labels, "stat": stat} for stat in STATS}
             values = iter(row[2:])
             for (family, _, factor), value in zip(figures, values):
-                family.add_metric(labels, value * factor)
+                add_sample(family, labels, value * factor)
             for family, _ in latencies:
                 dist = next(values) or {}
                 for stat in STATS:
                     if dist.get(stat) is not None:
-                        family.add_metric(labels + [stat], dist[stat] / 1000)
+                        add_sample(family, by_stat[stat], dist[stat] / 1000)
         yield from (family for family, _, _ in figures)
         yield from (family for family, _ in latencies)

@@ -198,6 +198,7 @@ class _Store:
 
 answers = _Store(MAX_BYTES)  # (url, operator?) -> (snapshot, body, content type)
 tokens = _Store(10_000)  # key -> (snapshot, (user, token))
+values = _Store(64)  # key -> (snapshot, value): cached_value()
 _computing: dict = {}  # answer key -> Event, while one thread computes it
 _computing_lock = threading.Lock()
 
@@ -205,6 +206,21 @@ _computing_lock = threading.Lock()
 def clear() -> None:
     answers.clear()
     tokens.clear()
+    values.clear()
+
+
+def cached_value(key, compute, current: dict | None, live: bool = False):
+    """`compute()`, kept in this process while no table it read changed (nor the telemetry, when
+    `live`). `current`: versions() as the caller found them; None (Redis unreachable) computes."""
+    if current is None:
+        return compute()
+    found = values.get(key)
+    if found is not None and _valid(found[0], current):
+        return found[1]
+    with _recording() as tables:
+        value = compute()
+    values.put(key, (_snapshot(current, tables, live), value), 1)
+    return value
 
 
 def cached_read(live: bool = False):

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.samples import Sample
 
 from deployments import live
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, Node
@@ -37,8 +38,14 @@ GPU_FIGURES = [
 ]
 
 
-def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def add_sample(family: GaugeMetricFamily, labels: dict, value) -> None:
+    """family.add_metric without its per-sample zip: one labels dict may serve several families
+    (a GPU's figures), which controlpanel.metrics.render then writes once."""
+    family.samples.append(Sample(family.name, labels, value, None))
 
 
 def _model_label(repo_id: str, revision: str) -> str:
@@ -57,17 +64,17 @@ class FleetCollector:
             gpus.setdefault(node_id, {})[index] = (uuid, name, total)
         samples = live.kept([live.node_topic(n[0]) for n in nodes], "sample") if nodes else []
 
-        info = _gauge("panel_node_info", "A node's address, agent and engine versions, and whether NVML works (value 1).",
+        info = gauge("panel_node_info", "A node's address, agent and engine versions, and whether NVML works (value 1).",
                       ["node", "address", "agent_version", "engine_version", "nvml"])
-        online = _gauge("panel_node_online", "1 while the node's agent heartbeats, else 0.", ["node"])
-        age = _gauge("panel_node_heartbeat_age_seconds", "Seconds since the agent's last heartbeat.", ["node"])
-        disk_free = _gauge("panel_node_model_store_free_bytes", "Free space of the node's model store.", ["node"])
-        disk_total = _gauge("panel_node_model_store_size_bytes", "Size of the node's model store's file system.", ["node"])
-        gpu_count = _gauge("panel_node_gpus", "NVIDIA GPUs the agent found.", ["node"])
-        sampled = _gauge("panel_node_last_sample_timestamp_seconds", "Unix time of the node's last telemetry sample.", ["node"])
-        ram = _gauge("panel_node_memory_available_bytes", "Host RAM available, from the last sample.", ["node"])
-        load1 = _gauge("panel_node_load1", "Host load average over one minute, from the last sample.", ["node"])
-        figures = [(_gauge(name, doc, GPU_LABELS), key, factor) for name, doc, key, factor in GPU_FIGURES]
+        online = gauge("panel_node_online", "1 while the node's agent heartbeats, else 0.", ["node"])
+        age = gauge("panel_node_heartbeat_age_seconds", "Seconds since the agent's last heartbeat.", ["node"])
+        disk_free = gauge("panel_node_model_store_free_bytes", "Free space of the node's model store.", ["node"])
+        disk_total = gauge("panel_node_model_store_size_bytes", "Size of the node's model store's file system.", ["node"])
+        gpu_count = gauge("panel_node_gpus", "NVIDIA GPUs the agent found.", ["node"])
+        sampled = gauge("panel_node_last_sample_timestamp_seconds", "Unix time of the node's last telemetry sample.", ["node"])
+        ram = gauge("panel_node_memory_available_bytes", "Host RAM available, from the last sample.", ["node"])
+        load1 = gauge("panel_node_load1", "Host load average over one minute, from the last sample.", ["node"])
+        figures = [(gauge(name, doc, GPU_LABELS), key, factor) for name, doc, key, factor in GPU_FIGURES]
         for (node_id, name, address, agent_version, engine_version, heartbeat, every, total, free, nvml_error), sample \
                 in zip(nodes, samples):
             info.add_metric([name, address, agent_version, engine_version, "unavailable" if nvml_error else "ok"], 1)
@@ -89,25 +96,26 @@ class FleetCollector:
                 load1.add_metric([name], host["load1"])
             for g in sample.get("gpus") or []:
                 uuid, model_name, _ = rows.get(g["index"], (g.get("uuid"), "", None))
-                labels = [name, str(g["index"]), uuid or g.get("uuid") or "", model_name or ""]
+                labels = {"node": name, "gpu": str(g["index"]), "UUID": uuid or g.get("uuid") or "", "modelName": model_name or ""}
                 for family, key, factor in figures:
                     value = g.get(key)
                     if value is not None:
-                        family.add_metric(labels, value * factor)
+                        add_sample(family, labels, value * factor)
         yield from (info, online, age, disk_free, disk_total, gpu_count, sampled, ram, load1)
         yield from (family for family, _, _ in figures)
 
 
 class DeploymentCollector:
-    """Deployments (state, restarts, load phases, ready since) and model downloads, from their rows."""
+    """Deployments: state, restarts, load phases, ready since. Node names come from the caller, so
+    that what this reads (and a cache of it) does not depend on the node table, which every
+    heartbeat writes."""
+
+    def __init__(self, node_names: dict[int, str]):
+        self.node_names = node_names
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield from self.deployments()
-        yield from self.downloads()
-
-    def deployments(self) -> Iterator[GaugeMetricFamily]:
         rows = list(Deployment.objects.values_list(
-            "id", "name", "node__name", "model__repo_id", "model__revision", "status", "restarts", "port",
+            "id", "name", "node_id", "model__repo_id", "model__revision", "status", "restarts", "port",
             "started", "ready_at", "load_percent"))
         gpu_indices: dict[int, list[int]] = {}
         for deployment_id, index in Deployment.gpus.through.objects.values_list("deployment_id", "gpu__index"):
@@ -118,20 +126,20 @@ class DeploymentCollector:
                 "started", "id").values_list("deployment_id", "step", "started", "ended"):
             phases.setdefault(deployment_id, {})[step] = (ended - started).total_seconds()
 
-        info = _gauge("panel_deployment_info", "A deployment's GPUs and port (value 1).", DEPLOYMENT_LABELS + ["gpus", "port"])
-        state = _gauge("panel_deployment_state", "1 for the deployment's current state, 0 for the others.",
+        info = gauge("panel_deployment_info", "A deployment's GPUs and port (value 1).", DEPLOYMENT_LABELS + ["gpus", "port"])
+        state = gauge("panel_deployment_state", "1 for the deployment's current state, 0 for the others.",
                        DEPLOYMENT_LABELS + ["state"])
-        restarts = _gauge("panel_deployment_restarts", "Automatic restarts after crashes.", DEPLOYMENT_LABELS)
-        phase = _gauge("panel_deployment_load_phase_seconds",
+        restarts = gauge("panel_deployment_restarts", "Automatic restarts after crashes.", DEPLOYMENT_LABELS)
+        phase = gauge("panel_deployment_load_phase_seconds",
                        "How long each step of the deployment's timeline last took (model, gpu_memory, launch, load, "
                        "smoke_test, ...).", DEPLOYMENT_LABELS + ["phase"])
-        load = _gauge("panel_deployment_load_seconds", "From the engine's start to ready, for the last start.", DEPLOYMENT_LABELS)
-        ready = _gauge("panel_deployment_ready_since_timestamp_seconds", "Unix time the engine became ready, while it is.",
+        load = gauge("panel_deployment_load_seconds", "From the engine's start to ready, for the last start.", DEPLOYMENT_LABELS)
+        ready = gauge("panel_deployment_ready_since_timestamp_seconds", "Unix time the engine became ready, while it is.",
                        DEPLOYMENT_LABELS)
-        progress = _gauge("panel_deployment_load_progress_ratio", "Load progress while loading, 0-1.", DEPLOYMENT_LABELS)
+        progress = gauge("panel_deployment_load_progress_ratio", "Load progress while loading, 0-1.", DEPLOYMENT_LABELS)
         statuses = list(Deployment.Status.values)
-        for (pk, name, node, repo_id, revision, status, restart_count, port, started, ready_at, percent) in rows:
-            labels = [name, node, _model_label(repo_id, revision)]
+        for (pk, name, node_id, repo_id, revision, status, restart_count, port, started, ready_at, percent) in rows:
+            labels = [name, self.node_names.get(node_id, ""), _model_label(repo_id, revision)]
             info.add_metric(labels + [",".join(map(str, sorted(gpu_indices.get(pk, [])))), str(port)], 1)
             for s in statuses:
                 state.add_metric(labels + [s], 1 if s == status else 0)
@@ -146,16 +154,23 @@ class DeploymentCollector:
                 progress.add_metric(labels, percent / 100)
         yield from (info, state, restarts, phase, load, ready, progress)
 
-    def downloads(self) -> Iterator[GaugeMetricFamily]:
+
+class DownloadCollector:
+    """Model copies on nodes: state, bytes done and in all, rate (node names from the caller)."""
+
+    def __init__(self, node_names: dict[int, str]):
+        self.node_names = node_names
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["node", "model"]
-        state = _gauge("panel_download_state", "1 for the model copy's current state, 0 for the others.", labels + ["state"])
-        done = _gauge("panel_download_done_bytes", "Bytes of the model on the node so far.", labels)
-        total = _gauge("panel_download_total_bytes", "Bytes of the model in all.", labels)
-        rate = _gauge("panel_download_rate_bytes_per_second", "Recent download rate.", labels)
+        state = gauge("panel_download_state", "1 for the model copy's current state, 0 for the others.", labels + ["state"])
+        done = gauge("panel_download_done_bytes", "Bytes of the model on the node so far.", labels)
+        total = gauge("panel_download_total_bytes", "Bytes of the model in all.", labels)
+        rate = gauge("panel_download_rate_bytes_per_second", "Recent download rate.", labels)
         states = list(ModelCopy.State.values)
-        for node, repo_id, revision, current, bytes_done, bytes_total, bytes_per_s in ModelCopy.objects.values_list(
-                "node__name", "model__repo_id", "model__revision", "state", "bytes_done", "bytes_total", "rate"):
-            names = [node, _model_label(repo_id, revision)]
+        for node_id, repo_id, revision, current, bytes_done, bytes_total, bytes_per_s in ModelCopy.objects.values_list(
+                "node_id", "model__repo_id", "model__revision", "state", "bytes_done", "bytes_total", "rate"):
+            names = [self.node_names.get(node_id, ""), _model_label(repo_id, revision)]
             for s in states:
                 state.add_metric(names + [s], 1 if s == current else 0)
             done.add_metric(names, bytes_done)

@@ -136,8 +136,11 @@ def main():
     parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     args = parser.parse_args()
 
+    import logging
+
     from controlpanel import launcher
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     var = Path(tempfile.mkdtemp(prefix="perf-metrics-"))
     children = launcher.Children()
     os.environ.update(PANEL_VAR_DIR=str(var), METRICS_TOKEN=TOKEN, DJANGO_SETTINGS_MODULE="controlpanel.settings",

@@ -1,6 +1,7 @@
 """/metrics and the Prometheus service discovery: the exposition, parsed by prometheus_client,
 says what the panel's own rows and telemetry say; only viewers and the scrape token read them."""
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 from django.test import override_settings
@@ -154,3 +155,47 @@ def test_service_discovery_lists_each_ready_engine_with_its_labels(viewer_client
         "labels": {"__metrics_path__": "/metrics", "node": ready.node.name, "deployment": ready.name,
                    "model": str(ready.model), "gpus": "0,1"},
     }]
+
+
+def test_the_panels_writer_says_what_prometheus_clients_own_would(fleet):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from benchmarks.metrics import BenchmarkCollector
+    from controlpanel.metrics import render
+    from deployments.metrics import DeploymentCollector, DownloadCollector, FleetCollector
+    from deployments.models import Node
+
+    fleet["run"].name = 'sweep "b"\\ with\na newline'
+    fleet["run"].save()
+    nodes = dict(Node.objects.values_list("id", "name"))
+    collectors = [FleetCollector(), DeploymentCollector(nodes), DownloadCollector(nodes),
+                  BenchmarkCollector({fleet["ready"].pk: fleet["ready"].name})]
+    families = [family for collector in collectors for family in collector.collect()]  # one reading for both
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(mock.Mock(collect=lambda: families, describe=lambda: []))
+    parse = lambda text: sorted((s.name, sorted(s.labels.items()), s.value)  # noqa: E731
+                                for f in text_string_to_metric_families(text) for s in f.samples)
+    ours = render(families)
+    assert parse(ours) == parse(generate_latest(registry).decode())
+    assert 'name="sweep \\"b\\"\\\\ with\\na newline"' in ours
+
+
+def test_a_changed_figure_shows_at_the_next_scrape_and_a_heartbeat_rereads_no_benchmark(viewer_client, fleet):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    level = {"run": str(fleet["run"].pk), "level": "8"}
+    assert value(scrape(viewer_client), "panel_benchmark_output_tokens_per_second", **level) == 1234.5
+    services.node_heartbeat(fleet["node"].pk, disk_total=10**12, disk_free=10**11)
+    with CaptureQueriesContext(connection) as queries:
+        samples = scrape(viewer_client)
+    assert value(samples, "panel_node_model_store_free_bytes", node=fleet["node"].name) == 10**11
+    assert not [q for q in queries if "benchmarks_benchmarkpoint" in q["sql"]]  # kept from the last scrape
+    fleet["point"].output_throughput = 999.0
+    fleet["point"].save()
+    fleet["node"].name = "renamed"
+    fleet["node"].save()
+    samples = scrape(viewer_client)
+    assert value(samples, "panel_benchmark_output_tokens_per_second", **level) == 999.0
+    assert value(samples, "panel_deployment_restarts", deployment=fleet["ready"].name) == 2
+    assert value(samples, "panel_deployment_restarts", node="renamed", deployment=fleet["ready"].name) == 2
