@@ -7,8 +7,8 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
-from rest_framework.authtoken.models import Token
 
+from controlpanel import tokens
 from deployments import services
 from deployments.models import Deployment
 from tests.factories import (BenchmarkPointFactory, BenchmarkRunFactory, DeploymentEventFactory, DeploymentFactory,
@@ -133,8 +133,8 @@ def test_download_and_benchmark_figures(viewer_client, fleet):
 
 def test_metrics_need_a_viewer_an_api_token_or_the_scrape_token(client, viewer, fleet):
     assert client.get("/metrics").status_code == 401
-    token = Token.objects.create(user=viewer)
-    assert "panel_node_online" in {n for n, _ in scrape(client, HTTP_AUTHORIZATION=f"Token {token.key}")}
+    token = tokens.issue(viewer)
+    assert "panel_node_online" in {n for n, _ in scrape(client, HTTP_AUTHORIZATION=f"Token {token}")}
     with override_settings(METRICS_TOKEN="scrape-secret-1"):
         assert "panel_node_online" in {n for n, _ in scrape(client, HTTP_AUTHORIZATION="Bearer scrape-secret-1")}
         assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
