@@ -29,8 +29,10 @@ from django.apps import apps
 from django.db import transaction
 from django.db.backends.signals import connection_created
 from django.http import HttpResponse
+from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication
 
+from controlpanel import tokens as panel_tokens
 from controlpanel.tokens import digest as token_digest
 
 from controlpanel import redisconn
@@ -298,8 +300,15 @@ class CachedTokenAuthentication(TokenAuthentication):
         found = tokens.get(key)
         if found is not None and _valid(found[0], current):
             return found[1]
+        address = self.request.META.get("REMOTE_ADDR", "")
+        if panel_tokens.blocked(address):  # guessing tokens: wait for the next minute
+            raise exceptions.Throttled(wait=60, detail="Too many wrong API tokens from this address; try again in a minute.")
         with _recording() as tables:
-            user, token = super().authenticate_credentials(key)  # raises for a bad or inactive one
+            try:
+                user, token = super().authenticate_credentials(key)  # raises for a bad or inactive one
+            except exceptions.AuthenticationFailed:
+                panel_tokens.failed(address)
+                raise
             group_names(user)  # the roles, read now so that they are part of what this depends on
         tokens.put(key, (_snapshot(current, tables, live=False), (user, token)), 1)
         return user, token

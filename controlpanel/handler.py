@@ -13,13 +13,21 @@ request_finished run in that thread: CONN_MAX_AGE, health checks).
 Unlike the stock handler, a client that disconnects does not cancel its request: a synchronous
 view in a thread could not be stopped anyway.
 """
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import sync_to_async
 from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.conf import settings
+from django.http import HttpResponse
 from django.urls import set_script_prefix
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(f"The request body is over {limit // 1024} KiB.")
 
 
 class ThreadedASGIHandler(ASGIHandler):
@@ -35,8 +43,11 @@ class ThreadedASGIHandler(ASGIHandler):
 
     async def handle(self, scope, receive, send):
         try:
-            body_file = await self.read_body(receive)
+            body_file = await self.read_capped_body(scope, receive)
         except RequestAborted:
+            return
+        except BodyTooLarge as exc:
+            await self.send_response(HttpResponse(str(exc), status=413, content_type="text/plain"), send)
             return
         set_script_prefix(get_script_prefix(scope))
         try:
@@ -52,6 +63,38 @@ class ThreadedASGIHandler(ASGIHandler):
                     await self._in_thread(response.close)
         finally:
             body_file.close()
+
+    async def read_capped_body(self, scope, receive):
+        """The body, refused (BodyTooLarge) past its cap before it reaches memory or disk: a declared
+        Content-Length at once, a chunked body as soon as it passes the cap. Requests without a
+        session cookie or an Authorization header (nobody logged in yet) get a small cap."""
+        headers = dict(scope.get("headers") or [])
+        session = f"{settings.SESSION_COOKIE_NAME}=".encode()
+        credentials = b"authorization" in headers or session in headers.get(b"cookie", b"")
+        limit = settings.REQUEST_BODY_MAX if credentials else settings.ANONYMOUS_BODY_MAX
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            raise BodyTooLarge(limit)
+        body_file = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                body_file.close()
+                raise RequestAborted()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                body_file.close()
+                raise BodyTooLarge(limit)
+            body_file.write(chunk)
+            if not message.get("more_body", False):
+                break
+        body_file.seek(0)
+        return body_file
 
     async def _chunks(self, iterator):
         while (chunk := await self._in_thread(next, iterator, None)) is not None:

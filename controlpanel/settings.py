@@ -84,6 +84,7 @@ INSTALLED_APPS = [
     "rest_framework.authtoken",
     "drf_spectacular",
     "django_htmx",
+    "axes",
     "deployments",
     "benchmarks",
 ]
@@ -99,7 +100,18 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "controlpanel.middleware.LoginRequiredMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: it turns a lockout into its 429 answer
 ]
+# Login throttling (django-axes): after AXES_FAILURE_LIMIT failed logins for one user name from one
+# address, that pair is locked out for AXES_COOLOFF_MINUTES; a success resets the count.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = env_float("AXES_COOLOFF_MINUTES", 15.0) / 60  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
+# Failed API token attempts per client address and minute before 429 (controlpanel/apicache.py).
+TOKEN_FAILURES_PER_MINUTE = env_int("TOKEN_FAILURES_PER_MINUTE", 20)
 
 ROOT_URLCONF = "controlpanel.urls"
 ASGI_APPLICATION = "controlpanel.asgi.application"
@@ -207,7 +219,13 @@ SPECTACULAR_SETTINGS = {
 MODEL_STORE = env_str("MODEL_STORE", str(VAR_DIR / "models"))
 NODE_NAME = env_str("NODE_NAME", "")  # default: this machine's hostname
 WEB_GC_THRESHOLD = tuple(int(x) for x in env_list("WEB_GC_THRESHOLD", "10000,20,100"))  # see controlpanel/asgi.py
-WEB_THREADS = env_int("WEB_THREADS", 16)  # per web process: requests served at once (controlpanel/handler.py)
+WEB_THREADS = env_int("WEB_THREADS", 16)
+# Request bodies past these are refused (413) before they are stored (controlpanel/handler.py): with
+# credentials (prompt files are up to 20 MB), and without (the login form).
+REQUEST_BODY_MAX = env_int("REQUEST_BODY_MAX", 32 << 20)
+ANONYMOUS_BODY_MAX = env_int("ANONYMOUS_BODY_MAX", 64 << 10)
+# Deployment events long polls one user may hold at once, per web process (the rest answer at once).
+LONG_POLLS_PER_USER = env_int("LONG_POLLS_PER_USER", 2)  # per web process: requests served at once (controlpanel/handler.py)
 HEARTBEAT_SECONDS = env_float("HEARTBEAT_SECONDS", 5.0)
 SAMPLE_SECONDS = env_float("SAMPLE_SECONDS", 1.0)
 # On a node without GPUs the whole host is one engine's claim: vLLM engines the panel did not start

@@ -6,7 +6,9 @@ usable token. Tokens are long random strings, so a fast hash is enough (no passw
 """
 import hashlib
 import secrets
+import time
 
+from django.conf import settings
 from rest_framework.authtoken.models import Token
 
 PREFIX = "pct_"  # lets secret scanners and people recognise a panel token
@@ -23,3 +25,28 @@ def issue(user) -> str:
     Token.objects.filter(user=user).delete()
     Token.objects.create(user=user, key=digest(raw))
     return raw
+
+
+# --- throttling of wrong tokens ------------------------------------------------------------------
+
+def _failures_key(address: str) -> str:
+    from controlpanel import redisconn
+
+    return redisconn.key("token-failures", address, int(time.time() // 60))
+
+
+def blocked(address: str) -> bool:
+    """True when `address` sent more wrong tokens this minute than TOKEN_FAILURES_PER_MINUTE."""
+    from controlpanel import redisconn
+
+    return int(redisconn.client().get(_failures_key(address)) or 0) >= settings.TOKEN_FAILURES_PER_MINUTE
+
+
+def failed(address: str) -> None:
+    """Count one wrong token from `address` (kept two minutes)."""
+    from controlpanel import redisconn
+
+    pipe = redisconn.client().pipeline()
+    pipe.incr(_failures_key(address))
+    pipe.expire(_failures_key(address), 120)
+    pipe.execute()

@@ -7,6 +7,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
+from controlpanel import longpoll
 from controlpanel.apicache import cached_read
 from controlpanel.errors import ServiceError
 from controlpanel.idempotency import idempotent
@@ -179,7 +180,8 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         """Status and timeline; with `state` and `wait`, answers as soon as anything changed (a long poll)."""
         d = self.get_object()
         wait = min(int_param(request.query_params, "wait", 0), 30)
-        state, events = selectors.deployment_wait(d, _param(request, "state"), wait)
+        with longpoll.slot(request.user.pk) as may_wait:  # one user cannot hold every web thread
+            state, events = selectors.deployment_wait(d, _param(request, "state"), wait if may_wait else 0)
         d.refresh_from_db()
         return Response({"state": state, "status": d.status, "status_message": d.status_message,
                          "load_phase": d.load_phase, "load_percent": d.load_percent,

@@ -1,0 +1,97 @@
+"""Requests that cannot exhaust the server: capped bodies, bounded long polls, throttled logins and tokens."""
+import select
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from controlpanel import tokens
+from tests.factories import PASSWORD, DeploymentFactory, UserFactory
+
+GB = 1 << 30
+
+
+def _send_chunked(base: str, path: str, total: int, headers: str = "") -> tuple[bytes, int]:
+    """POST `total` bytes chunked (1 MiB chunks) until the server answers; (its answer, bytes sent)."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n{headers}\r\n".encode())
+    chunk, sent = b"x" * (1 << 20), 0
+    try:
+        while sent < total:
+            if select.select([sock], [], [], 0)[0]:
+                break  # the server answered before the body ended
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sent += len(chunk)
+        sock.settimeout(30)
+        answer = sock.recv(4096)
+    except (BrokenPipeError, ConnectionResetError):
+        answer = sock.recv(4096) if select.select([sock], [], [], 5)[0] else b""
+    finally:
+        sock.close()
+    return answer, sent
+
+
+@pytest.mark.parametrize("headers, cap", [("", 64 << 10), ("Authorization: Token not-a-token\r\n", 32 << 20)])
+def test_a_1_gb_chunked_body_is_refused_early_and_leaves_no_file(live_server_asgi, tmp_path, monkeypatch, headers, cap):
+    import tempfile
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))  # where Django would spool a large body
+    answer, sent = _send_chunked(live_server_asgi, "/healthz", GB, headers)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent < cap + (8 << 20)  # stopped right after the cap, not after a gigabyte
+    assert list(spool.iterdir()) == []
+    assert httpx.get(f"{live_server_asgi}/healthz", timeout=10).status_code == 200
+
+
+def test_fifty_long_polls_from_one_viewer_leave_the_server_answering(live_server_asgi, viewer):
+    d = DeploymentFactory()
+    headers = {"Authorization": f"Token {tokens.issue(viewer)}"}
+    url = f"{live_server_asgi}/api/deployments/{d.pk}/events/"
+    state = httpx.get(url, headers=headers, timeout=10).json()["state"]
+    finished = []
+
+    def poll():
+        httpx.get(url, params={"state": state, "wait": 8}, headers=headers, timeout=60)
+        finished.append(time.monotonic())
+
+    threads = [threading.Thread(target=poll, daemon=True) for _ in range(50)]
+    for t in threads:
+        t.start()
+    # The polls past the user's limit answer at once; the few that wait hold one thread each.
+    deadline = time.monotonic() + 30
+    while len(finished) < 48 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(finished) >= 48
+    assert httpx.get(f"{live_server_asgi}/healthz", timeout=5).status_code == 200
+    assert httpx.get(f"{live_server_asgi}/api/nodes/", headers=headers, timeout=5).status_code == 200
+    for t in threads:
+        t.join(30)
+
+
+@pytest.mark.django_db
+def test_logins_are_locked_after_repeated_failures_for_that_user(settings):
+    UserFactory(username="alice", role="viewer")
+    client = Client()
+    for _ in range(settings.AXES_FAILURE_LIMIT - 1):
+        assert client.post(reverse("login"), {"username": "alice", "password": "wrong"}).status_code == 200
+    assert client.post(reverse("login"), {"username": "alice", "password": "wrong"}).status_code == 429
+    locked = client.post(reverse("login"), {"username": "alice", "password": PASSWORD})
+    assert locked.status_code == 429 and not client.session.get("_auth_user_id")
+    other = Client().post(reverse("login"), {"username": UserFactory(role="viewer").username, "password": PASSWORD})
+    assert other.status_code == 302  # someone else from the same address still logs in
+
+
+@pytest.mark.django_db
+def test_guessing_api_tokens_is_throttled(settings, viewer):
+    settings.TOKEN_FAILURES_PER_MINUTE = 5
+    client, good = Client(REMOTE_ADDR="10.9.8.7"), tokens.issue(viewer)
+    answers = [client.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token pct_guess{i}").status_code for i in range(7)]
+    assert answers[:5] == [401] * 5 and answers[5:] == [429, 429]
+    assert Client(REMOTE_ADDR="10.9.8.6").get("/api/nodes/", HTTP_AUTHORIZATION=f"Token {good}").status_code == 200
