@@ -82,6 +82,8 @@ class BenchmarkPoint(models.Model):
     # Latency distributions in milliseconds: {"mean", "median", "std", "p90", "p95", "p99"}.
     ttft_ms = models.JSONField(default=dict)
     ttfc_ms = models.JSONField(default=dict, help_text="Time to first content token (not reasoning).")
+    ttft_vllm_bench_ms = models.JSONField(default=dict, blank=True, help_text=(
+        "TTFT as vllm bench serve counts it: to the first chunk with a choice, role-only included."))
     tpot_ms = models.JSONField(default=dict)
     itl_ms = models.JSONField(default=dict)
     itl_per_token_ms = models.JSONField(default=dict)

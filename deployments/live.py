@@ -235,6 +235,7 @@ class RunPoint:
     total_token_throughput: float
     request_throughput: float
     ttft_ms: dict  # {"mean", "median", "std", "p90", "p95", "p99"}
+    ttft_vllm_bench_ms: dict  # TTFT as vllm bench serve counts it (role-only chunk included)
     ttfc_ms: dict
     tpot_ms: dict
     itl_ms: dict

@@ -82,10 +82,17 @@ class RequestRecord:
     usage_seen: bool = False
     success: bool = False
     error: str = ""
+    first_choice: float | None = None  # the first chunk without a token that carried a choice (vLLM's role-only chunk)
 
     @property
     def ttft(self) -> float:
         return self.chunk_times[0] - self.start
+
+    @property
+    def ttft_vllm_bench(self) -> float:
+        """TTFT as vllm bench serve counts it: to the first chunk carrying a choice, role-only included."""
+        first = self.chunk_times[0] if self.first_choice is None else min(self.first_choice, self.chunk_times[0])
+        return first - self.start
 
     @property
     def e2e(self) -> float:
@@ -134,6 +141,9 @@ class LevelResult:
     e2e_ms: dict = field(default_factory=dict)
     # Ours, not in vllm bench serve.
     ttfc_ms: dict = field(default_factory=dict)  # {} when no request produced content (all reasoning)
+    # TTFT as vllm bench serve counts it (first chunk with a choice, vLLM's role-only chunk included):
+    # next to ours so a user comparing the two sees why they differ.
+    ttft_vllm_bench_ms: dict = field(default_factory=dict)
     itl_per_token_ms: dict = field(default_factory=dict)
     reasoning_tokens: int = 0
     content_tokens: int = 0

@@ -79,12 +79,13 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
     result.errors = errors
     if records:
         result.duration_s = max(r.done for r in records) - min(r.start for r in records)
-    ttfts, ttfcs, tpots, itls, itls_token, e2es, per_user = [], [], [], [], [], [], []
+    ttfts, bench_ttfts, ttfcs, tpots, itls, itls_token, e2es, per_user = [], [], [], [], [], [], [], []
     sources, exact = set(), True
     for r in ok:
         times = r.chunk_times
         ttft, e2e = times[0] - r.start, times[-1] - r.start
         ttfts.append(ttft)
+        bench_ttfts.append(r.ttft_vllm_bench)
         e2es.append(e2e)
         if r.ttfc is not None:
             ttfcs.append(r.ttfc)
@@ -103,6 +104,7 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
         result.input_tokens += r.prompt_tokens
         result.output_tokens += r.output_tokens
     result.ttft_ms, result.ttfc_ms = distribution(ttfts), distribution(ttfcs) if ttfcs else {}
+    result.ttft_vllm_bench_ms = distribution(bench_ttfts)
     result.tpot_ms, result.itl_ms = distribution(tpots), distribution(itls)
     result.itl_per_token_ms, result.e2e_ms = distribution(itls_token), distribution(e2es)
     result.tok_s_per_user = math.fsum(per_user) / len(per_user) if per_user else 0.0

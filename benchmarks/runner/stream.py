@@ -24,6 +24,7 @@ _TEXT = b'"text":'
 _CONTENT_STRING = b'"content":"'  # vLLM (pydantic) writes no space after the colon
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens":\s*(\d+)')
+_CHOICE = re.compile(rb'"choices":\s*\[\s*\{')  # a chunk with at least one choice
 KIND_CONTENT, KIND_REASONING, KIND_TOOL = ord("c"), ord("r"), ord("t")
 
 
@@ -328,8 +329,11 @@ class Connection(asyncio.Protocol):
                 self._chunk_usage(payload)
         elif payload[:6] == b"[DONE]":
             return
-        elif _COMPLETION_TOKENS in payload or b'"error"' in payload:
-            self._control(payload)
+        else:
+            if record.first_choice is None and _CHOICE.search(payload):
+                record.first_choice = t  # e.g. vLLM's role-only first chunk: vllm bench serve's TTFT ends here
+            if _COMPLETION_TOKENS in payload or b'"error"' in payload:
+                self._control(payload)
 
     def _chunk_usage(self, payload: bytes):
         """Usage inside a token chunk (continuous_usage_stats): the exact tokens of this chunk."""

@@ -31,7 +31,8 @@
       const gauge = (k) => (s[k] ? fmt(s[k].max, 0) : "—");
       return `<tr data-concurrency="${p.concurrency}"><td class="num">${p.concurrency}</td><td class="num">${fmt(p.output_throughput)}</td>` +
         `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
-        `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt(p.ttfc_ms.median)}</td>` +
+        `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt((p.ttft_vllm_bench_ms || {}).median)}</td>` +
+        `<td class="num">${fmt(p.ttfc_ms.median)}</td>` +
         `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
         `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
         `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td></tr>`;

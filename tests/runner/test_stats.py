@@ -98,3 +98,12 @@ def test_throughputs_are_counts_over_first_send_to_last_completion():
 def test_to_dict_leaves_out_the_per_request_records():
     data = summarize(1, [record(0, 0.0, [0.05], tokens=1)]).to_dict()
     assert "records" not in data and data["ttft_ms"]["median"] == pytest.approx(50.0)
+
+
+def test_ttft_as_vllm_bench_serve_counts_it_ends_at_the_role_chunk_when_one_came_first():
+    with_role = record(0, 10.0, [10.05, 10.06], tokens=2, first_choice=10.02)
+    without = record(1, 20.0, [20.04, 20.05], tokens=2)
+    level = summarize(2, [with_role, without])
+    assert level.ttft_ms["mean"] == pytest.approx(45.0)  # ours: 50 and 40 ms to the first token
+    assert level.ttft_vllm_bench_ms["mean"] == pytest.approx(30.0)  # 20 ms to the role chunk, 40 ms
+    assert "ttft_vllm_bench_ms" in level.to_dict()

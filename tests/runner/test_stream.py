@@ -124,3 +124,16 @@ def test_an_error_status_fails_the_request_with_the_servers_message(run):
 def test_a_stream_without_tokens_is_a_failure(run):
     record, _ = run([HEAD + chunked(ROLE, USAGE, sse(b"[DONE]"))])
     assert not record.success and record.error == "the stream carried no tokens"
+
+
+def test_the_role_only_chunk_is_where_vllm_bench_serves_ttft_ends_but_not_ours(run):
+    # ROLE arrives in read 0, the first token (REASON) in read 1: vllm bench serve's TTFT stops at the
+    # first chunk carrying a choice, ours at the first token.
+    record, _ = run([HEAD + chunked(ROLE)[:-5], chunked(REASON, TEXT, USAGE, sse(b"[DONE]"))])
+    assert record.first_choice == 0.0 and record.chunk_times[0] == 1.0
+    assert record.ttft_vllm_bench == 1.0 and record.ttft == 2.0  # start is -1.0
+
+
+def test_without_a_role_chunk_both_ttfts_end_at_the_first_token(run):
+    record, _ = run([HEAD + chunked(TEXT)[:-5], chunked(USAGE, sse(b"[DONE]"))])
+    assert record.first_choice is None and record.ttft_vllm_bench == record.ttft == 1.0
