@@ -10,8 +10,9 @@ first token's write time minus the request's arrival, and every gap between a st
 schedule itself would be the wrong yardstick.) To the TTFT truth we add the loopback overhead a
 client cannot avoid, measured once with a blocking raw socket at concurrency 1: the median of
 its TTFT minus the server's. Error = |client median - truth median| / truth median. Each client runs every level --rounds
-times (default 2, alternating with the other client); its best round counts, for both alike,
-since on a shared machine a round can lose its core to someone else's work.
+times (default 3), the two clients alternating which goes first in each round. Per client and level
+it prints the best, the median and the worst round: the best is the target (on a shared machine a
+round can lose its core to someone else's work), the median and the worst show how much that happens.
 
 The server sends the role chunk together with the first token, as vLLM does: vllm bench serve
 0.32 counts any chunk with choices as the first token, ours skips role-only chunks.
@@ -21,7 +22,8 @@ the end; --no-priority skips this): other work on a shared machine would otherwi
 
     python perf/bench_fidelity.py [--levels 1,64,256,1024] [--rounds 2] [--no-vllm]
 
-Last line: name=value pairs with ours_max_err_pct=... vllm_max_err_pct=... Target: ours <= 3 %.
+Last line: name=value pairs with ours_max_err_pct=... vllm_max_err_pct=... (best rounds), and
+ours_median_round_max_err_pct, ours_worst_round_max_err_pct (and vllm_...). Target: ours_max_err_pct <= 3 %.
 """
 import argparse
 import json
@@ -171,7 +173,7 @@ def main():
     parser.add_argument("--output-tokens", type=int, default=100)
     parser.add_argument("--requests-per-user", type=int, default=3)
     parser.add_argument("--min-requests", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2, help="runs per level and client; the best counts")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per level and client (best, median, worst shown)")
     parser.add_argument("--no-vllm", action="store_true", help="measure only ours")
     parser.add_argument("--no-priority", action="store_true", help="don't raise this run's CPU priority")
     args = parser.parse_args()
@@ -183,7 +185,7 @@ def main():
     server = Server(server_core, "--ttft-ms", "50", "--gap-ms", "10", "--tokens-per-chunk", "1",
                     "--role-with-first-token")
     workdir = Path(tempfile.mkdtemp(prefix="bench-fidelity-"))
-    rows, errors = [], {"ours": [], "vllm": []}
+    rows, errors, spread = [], {"ours": [], "vllm": []}, {}
     try:
         overhead = loopback_overhead_ms(server)
         print(f"server core {server_core}, client core {client_core}; loopback overhead {overhead:.3f} ms", flush=True)
@@ -194,22 +196,32 @@ def main():
         with Sweeper(spec, max(levels)) as sweeper:
             for concurrency in levels:
                 rounds = {"ours": [], "vllm": []}
-                for _ in range(args.rounds):
+
+                def ours():
                     server.stats(reset=True)
                     level = sweeper.run_level(concurrency)
                     rounds["ours"].append(("ours", concurrency, level.ttft_ms["median"], level.itl_ms["median"],
                                            server.stats(), level.output_throughput, level.failed_requests))
-                    if use_vllm:
-                        server.stats(reset=True)
-                        data = run_vllm(server.base_url, client_core, tokenizer, workdir, concurrency,
-                                        spec.num_requests(concurrency), args.output_tokens,
-                                        spec.num_warmup(concurrency))
-                        rounds["vllm"].append(("vllm", concurrency, data["median_ttft_ms"], data["median_itl_ms"],
-                                               server.stats(), data["output_throughput"], data["failed"]))
+
+                def theirs():
+                    server.stats(reset=True)
+                    data = run_vllm(server.base_url, client_core, tokenizer, workdir, concurrency,
+                                    spec.num_requests(concurrency), args.output_tokens, spec.num_warmup(concurrency))
+                    rounds["vllm"].append(("vllm", concurrency, data["median_ttft_ms"], data["median_itl_ms"],
+                                           server.stats(), data["output_throughput"], data["failed"]))
+
+                clients = [ours, theirs] if use_vllm else [ours]
+                for round_ in range(args.rounds):
+                    for run in (clients if round_ % 2 == 0 else clients[::-1]):  # alternating who goes first
+                        run()
                 for client in ("ours", "vllm"):
                     if rounds[client]:
-                        rows.append(min(rounds[client], key=lambda row: _worst_error(row, overhead)))
+                        ranked = sorted(rounds[client], key=lambda row: _worst_error(row, overhead))
+                        rows.append(ranked[0])
                         print(_row(rows[-1], overhead, errors), flush=True)
+                        for label, row in (("median", ranked[(len(ranked) - 1) // 2]), ("worst", ranked[-1])):
+                            spread.setdefault(f"{client}_{label}_round", []).append(_worst_error(row, overhead))
+                            print(f"      {label} round: " + _row(row, overhead, {}), flush=True)
     finally:
         server.close()
         restore()
@@ -219,6 +231,9 @@ def main():
     for client, concurrency, *_ in rows:
         figures[f"{client}_ttft_err_c{concurrency}"] = errors[client + "_ttft"][concurrency]
         figures[f"{client}_itl_err_c{concurrency}"] = errors[client + "_itl"][concurrency]
+    for name, worst_errors in spread.items():
+        figures[f"{name}_max_err_pct"] = max(worst_errors)
+    figures["rounds"] = args.rounds
     figures["loopback_ms"] = overhead
     print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()))
 
@@ -232,7 +247,7 @@ def _row(row, overhead, errors) -> str:
     client, concurrency, ttft, itl, truth, tok_s, failed = row
     true_ttft, true_itl = truth["ttft_median_ms"] + overhead, truth["itl_median_ms"]
     ttft_err, itl_err = error_pct(ttft, true_ttft), error_pct(itl, true_itl)
-    errors[client] += [ttft_err, itl_err]
+    errors.setdefault(client, []).extend([ttft_err, itl_err])
     errors.setdefault(client + "_ttft", {})[concurrency] = ttft_err
     errors.setdefault(client + "_itl", {})[concurrency] = itl_err
     return (f"{client:5} c={concurrency:<5} TTFT {ttft:8.2f} ms (truth {true_ttft:7.2f}, err {ttft_err:6.2f} %)  "

@@ -283,11 +283,13 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process_or_shm_file(launch_tree
     assert set(pids) <= set(engine.members(handle.pgid))
     assert {psm, raw} <= engine.shm_files(handle.pgid)
 
-    result = engine.stop(handle.pgid, term_timeout_s=1.0, kill_timeout_s=10.0)
+    term_s, kill_s = 1.0, 10.0
+    result = engine.stop(handle.pgid, term_timeout_s=term_s, kill_timeout_s=kill_s)
 
     assert result.signals_sent == ["SIGTERM", "SIGKILL"]
     assert result.survivors == [] and engine.members(handle.pgid) == []
-    assert 1.0 <= result.seconds < 10.0
+    # Relations to its own deadlines: KILL only after TERM's deadline, and done before KILL's ran out.
+    assert term_s <= result.seconds < term_s + kill_s
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
     assert not engine.alive(handle.pid, handle.create_time)
     # The resource tracker unlinks the SharedMemory; stop() removes the untracked file.
@@ -297,9 +299,10 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process_or_shm_file(launch_tree
 
 def test_stop_of_a_group_that_obeys_sigterm_sends_nothing_more(launch_tree):
     handle, pids, psm, raw = launch_tree(ignore_term=False)
-    result = engine.stop(handle.pgid, term_timeout_s=10.0)
+    term_s = 10.0
+    result = engine.stop(handle.pgid, term_timeout_s=term_s)
     assert result.signals_sent == ["SIGTERM"] and result.survivors == []
-    assert result.seconds < 5.0
+    assert result.seconds < term_s  # it returned when the group ended, not at the deadline
     assert not Path(raw).exists()
     assert engine.stop(handle.pgid).signals_sent == []
 

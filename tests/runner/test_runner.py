@@ -2,8 +2,15 @@
 
 Schedule: first token 50 ms after the request, then a chunk every 10 ms, 3 tokens per chunk,
 the first 6 tokens reasoning; 30 tokens per request, so 10 chunks: 2 reasoning, 8 content.
+
+No stopwatch claims here (how accurate the client is, is perf/bench_fidelity.py's job). Timings are
+checked as relations: never earlier than the schedule allows, and within half a chunk gap of what
+the server reports it actually did, which tells which chunk was counted — the role chunk
+comes a whole TTFT earlier, the next token chunk a whole gap later. The rest are identities
+between the reported figures and the per-request records, and counts.
 """
 import multiprocessing
+import statistics
 import threading
 import time
 
@@ -12,13 +19,28 @@ import pytest
 from benchmarks.runner import BUILTIN, COMPLETIONS, LoadSpec, RunnerError, run_level, sweep
 from tests.schedserver import SchedServer
 
-MS = 3.0  # timing tolerance: the server and the client share a 2-core machine with the rest
+GAP_MS = 10.0
+HALF_GAP = GAP_MS / 2  # which chunk was counted, not how precisely (see the docstring)
 
 
 @pytest.fixture(scope="module")
 def server():
-    with SchedServer(ttft_ms=50, gap_ms=10, tokens_per_chunk=3, reasoning_tokens=6) as running:
+    with SchedServer(ttft_ms=50, gap_ms=GAP_MS, tokens_per_chunk=3, reasoning_tokens=6) as running:
         yield running
+
+
+def truth(server) -> dict:
+    """What the server actually delivered since the last call (its TTFT and gaps), then start over."""
+    told = {"ttft_ms": statistics.median(server.server.truth_ttft or [0]) * 1000,
+            "itl_ms": statistics.median(server.server.truth_itl or [0]) * 1000}
+    server.server.truth_ttft, server.server.truth_itl = [], []
+    return told
+
+
+def assert_counted_at(measured_ms: float, truth_ms: float):
+    """Within half a gap of what the server delivered: the same chunk. (The server's truth includes
+    the warm-up requests and stamps a write after it, so it is no strict lower bound; the schedule is.)"""
+    assert abs(measured_ms - truth_ms) < HALF_GAP, (measured_ms, truth_ms)
 
 
 def spec_for(server, **overrides):
@@ -29,27 +51,55 @@ def spec_for(server, **overrides):
 
 
 @pytest.fixture(scope="module")
-def level(server):
-    return run_level(spec_for(server, min_requests=10), concurrency=2)
+def measured(server):
+    truth(server)  # from here on
+    level = run_level(spec_for(server, min_requests=10), concurrency=2)
+    return level, truth(server)
 
 
-def test_ttft_is_the_first_token_chunk_not_the_role_chunk(level):
-    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
+@pytest.fixture(scope="module")
+def level(measured):
+    return measured[0]
 
 
-def test_itl_is_every_gap_between_token_chunks(level):
-    assert level.itl_ms["median"] == pytest.approx(10, abs=MS / 3)
+def ms(values):
+    return statistics.median(values) * 1000
+
+
+def test_ttft_is_the_first_token_chunk_not_the_role_chunk(measured):
+    level, told = measured
+    assert_counted_at(level.ttft_ms["median"], told["ttft_ms"])
+    assert level.ttft_ms["median"] >= 50  # the schedule: the server never writes early
+
+
+def test_itl_is_every_gap_between_token_chunks(measured):
+    level, told = measured
     assert sum(len(r.chunk_times) - 1 for r in level.records) == 10 * 9
+    assert level.itl_ms["median"] == pytest.approx(ms([b - a for r in level.records
+                                                       for a, b in zip(r.chunk_times, r.chunk_times[1:])]))
+    assert abs(level.itl_ms["median"] - told["itl_ms"]) < HALF_GAP  # one gap per chunk, not two or none
 
 
 def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
-    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 9)
+    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3)
     assert level.tokens_per_chunk == "estimated"
 
 
 def test_tpot_and_e2e_end_at_the_last_token_chunk(level):
-    assert level.e2e_ms["median"] == pytest.approx(50 + 9 * 10, abs=2 * MS)
-    assert level.tpot_ms["median"] == pytest.approx(90 / 29, abs=0.1)
+    assert level.e2e_ms["median"] == pytest.approx(ms([r.chunk_times[-1] - r.start for r in level.records]))
+    assert level.tpot_ms["median"] == pytest.approx(ms([(r.chunk_times[-1] - r.chunk_times[0]) / 29 for r in level.records]))
+    assert all(r.done >= r.chunk_times[-1] for r in level.records)  # usage and [DONE] came after
+    assert level.e2e_ms["median"] >= 50 + 9 * GAP_MS  # the schedule's last token
+
+
+def max_in_flight(records) -> int:
+    """The most requests that were in flight at one moment."""
+    edges = sorted([(r.start, 1) for r in records] + [(r.done, -1) for r in records])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
 
 
 def test_token_counts_come_from_the_usage_chunk(level):
@@ -63,14 +113,19 @@ def test_reasoning_and_content_tokens_are_split_exactly_by_usage(level):
 
 
 def test_time_to_first_content_waits_for_the_reasoning_chunks(level):
-    assert level.ttfc_ms["median"] == pytest.approx(50 + 2 * 10, abs=MS)
+    assert bytes(level.records[0].chunk_kinds) == b"rr" + b"c" * 8
+    assert level.ttfc_ms["median"] == pytest.approx(ms([r.chunk_times[2] - r.start for r in level.records]))
+    assert abs(level.ttfc_ms["median"] - level.ttft_ms["median"] - 2 * GAP_MS) < HALF_GAP  # two chunks later
 
 
 def test_throughputs_are_counts_over_the_measured_duration(level):
-    assert 5 * 0.140 <= level.duration_s < 2.0
+    # Ten requests two at a time: five rounds one after the other, each at least the schedule's 140 ms.
+    assert level.duration_s == pytest.approx(max(r.done for r in level.records) - min(r.start for r in level.records))
+    assert level.duration_s >= 5 * 0.140
     assert level.output_throughput * level.duration_s == pytest.approx(300)
     assert level.request_throughput * level.duration_s == pytest.approx(10)
-    assert level.tok_s_per_user == pytest.approx(30 / 0.090, rel=0.05)
+    assert level.tok_s_per_user == pytest.approx(statistics.mean(
+        30 / (r.chunk_times[-1] - r.chunk_times[0]) for r in level.records))
 
 
 def test_warmup_requests_are_left_out_of_every_metric(level):
@@ -91,8 +146,9 @@ def test_two_processes_share_the_streams_and_merge_their_records(server):
     level = run_level(spec_for(server, workers=2), concurrency=4)
     assert level.workers == 2 and level.completed == 12
     assert [r.index for r in level.records] == list(range(4, 16))
-    assert level.ttft_ms["median"] == pytest.approx(50, abs=10)  # three processes on two cores here
-    assert level.duration_s < 4 * 0.140  # four streams at once (three rounds), not two after two (six)
+    assert level.ttft_ms["median"] >= 50
+    # Four streams at once (three rounds), not two after two: at some moment all four were in flight.
+    assert max_in_flight(level.records) == 4
 
 
 def test_where_processes_are_forbidden_one_thread_measures_instead(server, monkeypatch):
@@ -102,21 +158,22 @@ def test_where_processes_are_forbidden_one_thread_measures_instead(server, monke
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
     level = run_level(spec_for(server, workers=2, min_requests=2, requests_per_user=1), concurrency=2)
     assert level.workers == 1 and level.completed == 2
-    assert level.ttft_ms["median"] == pytest.approx(50, abs=10)  # this thread shares the GIL with the server
+    assert level.ttft_ms["median"] >= 50 and max_in_flight(level.records) == 2
 
 
 def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):
     level = run_level(spec_for(server, continuous_usage_stats=True, min_requests=2, requests_per_user=1), 2)
     assert level.tokens_per_chunk == "usage"
     assert all(r.chunk_tokens == [3] * 10 for r in level.records)
-    assert level.itl_per_token_ms["median"] == pytest.approx(10 / 3, abs=MS / 9)
+    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3)
 
 
 def test_completions_endpoint_streams_text_with_random_prompts(server):
+    truth(server)
     level = run_level(spec_for(server, endpoint=COMPLETIONS, prompt_source="random", input_tokens=40,
                                min_requests=2, requests_per_user=1), 2)
     assert level.completed == 2 and level.output_tokens == 60 and level.input_tokens == 80
-    assert level.ttft_ms["median"] == pytest.approx(50, abs=MS)
+    assert_counted_at(level.ttft_ms["median"], truth(server)["ttft_ms"])
     assert level.reasoning_tokens == 0
 
 
@@ -133,12 +190,13 @@ def test_sweep_reports_every_level_in_order_with_live_ticks(server):
 
 
 def test_cancel_stops_a_run_promptly_and_keeps_what_finished():
-    with SchedServer(ttft_ms=10, gap_ms=200, reasoning_tokens=0) as slow:  # 20 s per request
+    request_s = 0.010 + 99 * 0.200  # the schedule: ~20 s per request
+    with SchedServer(ttft_ms=10, gap_ms=200, reasoning_tokens=0) as slow:
         stop = threading.Event()
         threading.Timer(0.5, stop.set).start()
         started = time.monotonic()
         result = sweep(spec_for(slow, levels=(4, 8), max_tokens=100), cancel=stop)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < request_s / 2  # it did not wait for the requests to end
     assert result.cancelled and len(result.levels) == 1
     assert result.levels[0].cancelled and result.levels[0].completed == 0
 
