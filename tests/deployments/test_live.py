@@ -80,6 +80,7 @@ def test_a_runs_status_point_and_tick_go_to_the_run_page(sent):
                       "warnings": ["w"]}
     assert data["concurrency"] == 4 and data["output_throughput"] == point.output_throughput
     assert set(data) == {"concurrency", "output_throughput", "total_token_throughput", "request_throughput", "ttft_ms",
+                         "ttft_vllm_bench_ms",
                          "ttfc_ms", "tpot_ms", "itl_ms", "itl_per_token_ms", "e2e_ms", "tok_s_per_user",
                          "reasoning_tokens", "content_tokens", "output_tokens", "num_requests", "failed_requests",
                          "server_metrics"}
