@@ -9,7 +9,7 @@ from controlpanel.errors import ServiceError
 from controlpanel.params import int_param
 from controlpanel.roles import operator_required
 from deployments import engineargs, forms, privileged, secrets, selectors, services
-from deployments.host import engine, engineenv, systemd
+from deployments.host import enginecli, engineenv, systemd
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 
 
@@ -126,7 +126,7 @@ def deployment_action(request, pk, action):
 
 def _unit_text(d: Deployment) -> str:
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
-    argv = engine.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
+    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
                              d.port, "0.0.0.0", d.engine_args)
     env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices))
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,

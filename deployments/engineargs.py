@@ -7,7 +7,7 @@ import json
 import re
 import shlex
 
-from deployments.host import engine
+from deployments.host import enginecli
 
 # Environment variables a deployment may set: the engine's, the communication libraries' and CUDA's.
 ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", "NVIDIA_", "TRITON_",
@@ -125,12 +125,12 @@ def check_env(env: dict) -> dict[str, str]:
 
 
 def check_flags(flags: dict, known: set[str] | None) -> dict[str, str]:
-    """Errors for malformed or reserved flags (engine.RESERVED_FLAGS), bad values, and (when the engine's
+    """Errors for malformed or reserved flags (enginecli.RESERVED_FLAGS), bad values, and (when the engine's
     list is known) unknown ones."""
     errors = [f"--{name}: the value must be plain printable text (no shell syntax), at most {MAX_VALUE} characters"
               for name, value in flags.items()
               if not isinstance(value, (bool, int, float)) and not (isinstance(value, str) and _plain(value))]
-    errors += [message for name, message in engine.validate_args(flags, known or set()).items()
+    errors += [message for name, message in enginecli.validate_args(flags, known or set()).items()
                if known or "unknown engine flag" not in message]
     return {"extra_flags": "; ".join(dict.fromkeys(errors))} if errors else {}
 

@@ -1,4 +1,4 @@
-"""Download throughput of the panel's hub.download against huggingface_hub.snapshot_download.
+"""Download throughput of the panel's downloads.download against huggingface_hub.snapshot_download.
 
 Both fetch the same ~1 GB repo from the same local Hub-compatible server (tests/hfserver.py, in its own
 process, LFS files behind a cross-host redirect like the real Hub). The panel's time includes repo_info
@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from huggingface_hub import snapshot_download  # noqa: E402
 
-from deployments.host import hub  # noqa: E402
+from deployments.host import downloads, hub  # noqa: E402
 
 REPO = "perf/model"
 MB = 1_000_000
@@ -71,7 +71,7 @@ def cpu_seconds() -> float:
 
 def run_panel(url: str, dest: Path) -> None:
     info = hub.repo_info(REPO, endpoint=url)
-    hub.download(info, dest, endpoint=url)
+    downloads.download(info, dest, endpoint=url)
 
 
 def run_hf(url: str, dest: Path) -> None:

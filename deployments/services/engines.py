@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from controlpanel.states import InvalidTransition
 from deployments import live, secrets
-from deployments.host import engine, engineenv, gpu, ownership, systemd, vllm
+from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import _send_plan, deployment_event, deployment_holders
 from deployments.services.guards import foreign_holders
@@ -141,7 +141,7 @@ def _fail(d: Deployment, message: str, attempts: int = 30) -> None:
     except engine.EngineError:
         pass
     if d.log_path:
-        d.log_tail = "\n".join(engine.tail(Path(d.log_path), TAIL_LINES))
+        d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES))
     d.pid = d.pgid = d.pid_create_time = None
     d.marker, d.shm_files = "", []
     for attempt in range(attempts):
@@ -284,7 +284,7 @@ def _halt_engine(d: Deployment) -> str:
     if result.survivors:
         raise PlanFailed(f"PIDs {result.survivors} of {d.name} survived SIGKILL (stuck in the driver?)")
     if d.log_path:
-        d.log_tail = "\n".join(engine.tail(Path(d.log_path), TAIL_LINES))
+        d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES))
     d.pid = d.pgid = d.pid_create_time = None
     shm = f", {len(result.shm_removed)} /dev/shm files removed" if result.shm_removed else ""
     return f"{' then '.join(result.signals_sent) or 'already gone'} in {result.seconds:.1f} s{shm}"
@@ -320,7 +320,7 @@ def _launch(d: Deployment, model_path: str) -> str:
         raise PlanFailed(f"Port {d.port} is in use on {d.node}: choose another port or stop what listens there.")
     vllm_bin = settings.VLLM_BIN
     try:
-        errors = engine.validate_args(d.engine_args, engine.engine_flags(vllm_bin))
+        errors = enginecli.validate_args(d.engine_args, enginecli.engine_flags(vllm_bin))
     except engine.EngineError as exc:
         raise PlanFailed(f"Cannot run the engine: {exc}") from exc
     if errors:
@@ -329,7 +329,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     d.marker = ownership.new_marker(d.pk)
     d.log_path = str(_log_path(d))
     Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
-    argv = engine.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", d.engine_args)
+    argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", d.engine_args)
     if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
         text, secret_env = _unit(d, argv)
         d.pid = systemd.install(d.systemd_unit, text, secret_env=secret_env)
@@ -381,7 +381,7 @@ def _gpu_memory(indices: list[int]) -> dict[int, int | None]:
 
 def _follow(d: Deployment) -> None:
     """Follow the log and GPU memory until /health answers; stalled only when both stop moving."""
-    progress = engine.LoadProgress()
+    progress = enginelog.LoadProgress()
     offset, tail = 0, []
     memory = _gpu_memory(d.gpu_indices)
     moved_at = time.monotonic()
@@ -389,7 +389,7 @@ def _follow(d: Deployment) -> None:
     base_url = f"http://127.0.0.1:{d.port}"
     with _step(d, "load") as event:
         while True:
-            lines, offset = engine.read_lines(Path(d.log_path), offset)
+            lines, offset = enginelog.read_lines(Path(d.log_path), offset)
             for line in lines:
                 progress.feed(line)
             if lines:
@@ -479,7 +479,7 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
     d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
     copy = ModelCopy.objects.get(model=d.model, node=d.node)
     name = systemd.unit_name(d.name)
-    argv = engine.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args)
+    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args)
     try:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)
@@ -541,7 +541,7 @@ def deployments_metrics(node_id: int, state: dict) -> None:
 
 
 def _crashed(d: Deployment, reason: str) -> None:
-    d.log_tail = "\n".join(engine.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
+    d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
     last = d.log_tail.splitlines()[-5:]
     _fail(d, f"Crashed: {reason}. Last log lines: " + " | ".join(last))
     if d.auto_restart:
@@ -588,8 +588,8 @@ def node_engine_report(node_id: int) -> None:
     from deployments.models import Node
 
     try:
-        flags = sorted(engine.engine_flags(settings.VLLM_BIN))
+        flags = sorted(enginecli.engine_flags(settings.VLLM_BIN))
         Node.objects.filter(pk=node_id).update(engine_flags=flags, engine_error="", systemd=systemd.available(),
-                                               engine_version=engine.engine_version(settings.VLLM_BIN))
+                                               engine_version=enginecli.engine_version(settings.VLLM_BIN))
     except engine.EngineError as exc:
         Node.objects.filter(pk=node_id).update(engine_flags=[], engine_error=str(exc)[:500], systemd=systemd.available())

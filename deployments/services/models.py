@@ -9,8 +9,8 @@ from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 
 from controlpanel.errors import ServiceError
-from deployments import live, modelconfig
-from deployments.host import disk, hub, store
+from deployments import live, modelconfig, modelfit
+from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 from deployments.services.nodes import node_enqueue
 
@@ -36,8 +36,8 @@ class DiskShort(ServiceError):
 
     def __post_init__(self):
         super().__init__(
-            f"Not enough disk space on the node: needs {modelconfig.human_bytes(self.needed)}, "
-            f"has {modelconfig.human_bytes(self.free)} free. Free disk space first.",
+            f"Not enough disk space on the node: needs {modelfit.human_bytes(self.needed)}, "
+            f"has {modelfit.human_bytes(self.free)} free. Free disk space first.",
             field="node", code="disk_full")
 
 
@@ -146,14 +146,14 @@ def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
 
 
 def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
-              kv_cache_dtype: str = "auto") -> modelconfig.FitResult | None:
+              kv_cache_dtype: str = "auto") -> modelfit.FitResult | None:
     """Does the model fit the node's GPUs at TP×PP? None when the config is not known yet."""
     if not model.config:
         return None
     files = [(f["path"], f["size"]) for f in model.files]
     spec = modelconfig.parse_config(model.config, files)
     memories = [g.memory_total for g in node.gpus.all()]
-    return modelconfig.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
+    return modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
                                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
 
 
@@ -216,14 +216,14 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         copy.transition(ModelCopy.State.DOWNLOADING, path=str(dest))
         copy.save()
     info = _repo_info(copy.model)
-    needed = hub.bytes_needed(info, dest)
+    needed = downloads.bytes_needed(info, dest)
     free = disk.disk_usage(dest).free
     if needed > free:
-        return _copy_fail(copy, f"Not enough disk space on {copy.node}: needs {modelconfig.human_bytes(needed)}, "
-                                f"has {modelconfig.human_bytes(free)} free. Free disk space first.", "disk_full")
+        return _copy_fail(copy, f"Not enough disk space on {copy.node}: needs {modelfit.human_bytes(needed)}, "
+                                f"has {modelfit.human_bytes(free)} free. Free disk space first.", "disk_full")
     last = {"at": 0.0, "cancel": False}
 
-    def on_progress(p: hub.Progress) -> None:
+    def on_progress(p: downloads.Progress) -> None:
         now = time.monotonic()
         if now - last["at"] < PROGRESS_EVERY_S and p.bytes_done < p.bytes_total:
             return
@@ -237,15 +237,15 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         live.send_copy(copy)
 
     try:
-        hub.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
-                     on_progress=on_progress, should_cancel=lambda: last["cancel"])
+        downloads.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
+                           on_progress=on_progress, should_cancel=lambda: last["cancel"])
     except DatabaseError:
         # The row stays "downloading"; it stops moving, and the agent resumes it once the
         # database answers again (model_copies_stalled_resume). The partial files stay.
         log.warning("download of copy %s interrupted by the database; it resumes when it is back", copy.pk)
         close_old_connections()
         return copy
-    except hub.DownloadCancelled:
+    except downloads.DownloadCancelled:
         copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
         live.send_copy(copy)

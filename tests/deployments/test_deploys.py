@@ -134,7 +134,7 @@ class FakeHost:
         self.calls = []
         patches = {
             "engine.port_free": mock.Mock(return_value=True),
-            "engine.engine_flags": mock.Mock(return_value=FLAGS),
+            "enginecli.engine_flags": mock.Mock(return_value=FLAGS),
             "engine.launch": mock.Mock(side_effect=self.launch),
             "engine.stop": mock.Mock(return_value=engine.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
             "engine.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),

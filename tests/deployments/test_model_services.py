@@ -7,7 +7,7 @@ import pytest
 
 from controlpanel.errors import ServiceError
 from deployments import services
-from deployments.host import hub
+from deployments.host import downloads, hub
 from deployments.models import ModelCopy, ModelRepo, Secret
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
@@ -32,7 +32,7 @@ def repo_info():
 
 @pytest.fixture
 def download():
-    with mock.patch("deployments.host.hub.download", autospec=True) as fn:
+    with mock.patch("deployments.host.downloads.download", autospec=True) as fn:
         yield fn
 
 
@@ -122,7 +122,7 @@ def test_a_download_records_progress_and_ends_ready(tmp_path, download):
 
     def fake_download(info, dest, token, endpoint, on_progress, should_cancel):
         assert dest == tmp_path / "org--model" and info.commit == "f" * 40
-        on_progress(hub.Progress(4 * GB, info.total_size, {"model-00000.safetensors": (4 * GB, 5 * GB)}, 2e8, 30.0, "model-00000.safetensors"))
+        on_progress(downloads.Progress(4 * GB, info.total_size, {"model-00000.safetensors": (4 * GB, 5 * GB)}, 2e8, 30.0, "model-00000.safetensors"))
         seen = ModelCopy.objects.get(pk=copy.pk)
         assert seen.bytes_done == 4 * GB and seen.rate == 2e8
         assert seen.progress["files"]["model-00000.safetensors"] == [4 * GB, 5 * GB]
@@ -149,7 +149,7 @@ def test_the_agent_checks_the_real_disk_before_the_first_byte(tmp_path, download
 @pytest.mark.parametrize("error, state", [
     (hub.HubError("No space left on device while writing model.safetensors", True, "disk_full"), "failed"),
     (hub.HubError("The connection to the Hub broke; what was fetched is kept.", False, "unavailable"), "failed"),
-    (hub.DownloadCancelled(), "cancelled"),
+    (downloads.DownloadCancelled(), "cancelled"),
 ])
 def test_a_failed_or_cancelled_download_says_why_and_keeps_its_place(tmp_path, download, error, state):
     copy = _queued_copy(tmp_path)

@@ -243,7 +243,7 @@ def test_any_exception_mid_plan_ends_failed_with_the_engine_stopped(model, node,
     from django.db import OperationalError
 
     d = _queued(model, node)
-    with mock.patch("deployments.host.engine.read_lines", side_effect=OperationalError("server closed the connection")):
+    with mock.patch("deployments.host.enginelog.read_lines", side_effect=OperationalError("server closed the connection")):
         services.deployment_run(d.pk)
         stopped = [c.args[0] for c in host.mocks["engine.stop"].call_args_list]
     d.refresh_from_db()

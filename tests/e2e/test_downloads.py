@@ -12,7 +12,7 @@ import pytest
 from playwright.sync_api import expect
 
 from deployments import services
-from deployments.host import hub
+from deployments.host import downloads
 from deployments.models import ModelCopy, ModelRepo, Node
 from tests.conftest import agent_argv, in_thread, wait_until
 from tests.hfserver import configure, get_stats, reset_stats, serve
@@ -101,6 +101,6 @@ def test_a_download_killed_midway_resumes_after_the_agent_restarts_and_verifies(
     assert fetched_after <= remaining * 1.10, f"re-fetched {fetched_after} bytes for {remaining} remaining"
     for path in sorted(p for p in source.iterdir() if p.is_file()):
         assert _sha(dest / path.name) == _sha(path), path.name
-    assert not list((dest / hub.PARTIAL_DIR).rglob("*.part"))
+    assert not list((dest / downloads.PARTIAL_DIR).rglob("*.part"))
     expect(card.locator('[data-f="state"]')).to_have_text("Ready", timeout=15000)
     expect(card.locator('[data-f="bar"]')).to_have_attribute("style", re.compile(r"width: 100(\.0)?%"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deployments.host import engine, vllm
+from deployments.host import engine, enginecli, enginelog, vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_VENV = Path(os.environ.get("ENGINE_VENV", ROOT / ".engine-venv"))
@@ -30,7 +30,7 @@ class Server:
     port: int
     log_path: Path
     phases: list[str]
-    progress: engine.LoadProgress
+    progress: enginelog.LoadProgress
     start_s: float
 
 
@@ -44,7 +44,7 @@ def _free_port() -> int:
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
     port = _free_port()
-    argv = engine.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
+    argv = enginecli.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
         "enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny",
         "reasoning-parser": "qwen3",
     })
@@ -53,10 +53,10 @@ def server(tiny_model, tmp_path_factory):
     started = time.monotonic()
     handle = engine.launch(engine.EngineSpec(argv, env, log_path, cwd=tmp))
     base_url = f"http://127.0.0.1:{port}"
-    progress, phases, offset = engine.LoadProgress(), ["starting"], 0
+    progress, phases, offset = enginelog.LoadProgress(), ["starting"], 0
     try:
         while True:
-            lines, offset = engine.read_lines(log_path, offset)
+            lines, offset = enginelog.read_lines(log_path, offset)
             for line in lines:
                 progress.feed(line)
                 if progress.phase != phases[-1]:
@@ -64,10 +64,10 @@ def server(tiny_model, tmp_path_factory):
             if progress.phase == "server_up" and vllm.health(base_url):
                 break
             if not engine.alive(handle.pid, handle.create_time):
-                pytest.fail("engine exited while starting:\n" + "\n".join(engine.tail(log_path, 40)))
+                pytest.fail("engine exited while starting:\n" + "\n".join(enginelog.tail(log_path, 40)))
             if time.monotonic() - started > START_TIMEOUT_S:
                 pytest.fail(f"engine not up after {START_TIMEOUT_S} s in phase {progress.phase}:\n"
-                            + "\n".join(engine.tail(log_path, 40)))
+                            + "\n".join(enginelog.tail(log_path, 40)))
             time.sleep(0.2)
         yield Server(handle, base_url, port, log_path, phases, progress, time.monotonic() - started)
     finally:
@@ -111,9 +111,9 @@ def test_a_metrics_reading_counts_the_generated_tokens(server):
 
 
 def test_engine_flags_come_from_the_engine_and_catch_typos(server):
-    flags = engine.engine_flags(str(VLLM))
+    flags = enginecli.engine_flags(str(VLLM))
     assert {"--tensor-parallel-size", "--max-model-len", "--enforce-eager", "--reasoning-parser"} <= flags
-    errors = engine.validate_args({"tensor-paralel-size": 2, "max-model-len": 2048}, flags)
+    errors = enginecli.validate_args({"tensor-paralel-size": 2, "max-model-len": 2048}, flags)
     assert list(errors) == ["tensor-paralel-size"]
     assert "did you mean --tensor-parallel-size?" in errors["tensor-paralel-size"]
 

@@ -1,4 +1,4 @@
-"""deployments.host.hub against a local Hugging Face-compatible server (tests/hfserver.py)."""
+"""deployments.host.hub (metadata) and host.downloads against a local Hugging Face-compatible server (tests/hfserver.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 
-from deployments.host import hub
+from deployments.host import downloads, hub
 from tests.hfserver import configure, get_stats, reset_stats, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def assert_same_tree(source: Path, dest: Path) -> None:
     files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file() and p.name != ".gated")
     for rel in files:
         assert sha256_of(dest / rel) == sha256_of(source / rel), rel
-    assert not list((dest / hub.PARTIAL_DIR).rglob("*.part"))
+    assert not list((dest / downloads.PARTIAL_DIR).rglob("*.part"))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_repo_info_lists_files_with_sizes_hashes_commit_and_parsed_config(url, r
 def test_hf_endpoint_points_everything_at_a_mirror(url, repos, dest, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", url)
     info = hub.repo_info("org/gated", token=TOKEN)
-    hub.download(info, dest, token=TOKEN)
+    downloads.download(info, dest, token=TOKEN)
     assert_same_tree(repos / "org/gated", dest)
 
 
@@ -158,7 +158,7 @@ def test_gated_repo_with_a_wrong_token_never_shows_the_token(url):
 def test_gated_repo_with_its_token_downloads_through_the_cdn_redirect(url, repos, dest):
     info = hub.repo_info("org/gated", token=TOKEN, endpoint=url)
     assert info.config == CONFIG
-    hub.download(info, dest, token=TOKEN, endpoint=url)
+    downloads.download(info, dest, token=TOKEN, endpoint=url)
     assert_same_tree(repos / "org/gated", dest)
     # The CDN answers 400 to a forwarded token, so the shard arriving proves it was dropped.
     assert get_stats(url)["served"]["org/gated/model-00001-of-00001.safetensors"] == 2 * MB
@@ -171,7 +171,7 @@ def test_server_down_is_a_transient_unavailable_error(dest):
     assert e.value.code == "unavailable" and not e.value.permanent
     info = hub.RepoInfo("org/model", "main", "0" * 40, [hub.RepoFile("a.bin", 10, None, None)], None, 10)
     with pytest.raises(hub.HubError) as e:
-        hub.download(info, dest, endpoint=down)
+        downloads.download(info, dest, endpoint=down)
     assert e.value.code == "unavailable" and not e.value.permanent
 
 
@@ -185,27 +185,27 @@ def test_server_errors_are_transient(url):
 def test_full_download_verifies_every_file_and_leaves_no_partials(url, repos, dest):
     info = hub.repo_info("org/model", endpoint=url)
     reset_stats(url)
-    seen: list[hub.Progress] = []
-    hub.download(info, dest, endpoint=url, on_progress=seen.append)
+    seen: list[downloads.Progress] = []
+    downloads.download(info, dest, endpoint=url, on_progress=seen.append)
     assert_same_tree(repos / "org/model", dest)
     assert fetched(url) == info.total_size
     assert seen[-1].bytes_done == seen[-1].bytes_total == info.total_size
     assert all(done == total for done, total in seen[-1].files.values())
-    assert hub.bytes_needed(info, dest) == 0
+    assert downloads.bytes_needed(info, dest) == 0
 
     reset_stats(url)
-    hub.download(info, dest, endpoint=url)
+    downloads.download(info, dest, endpoint=url)
     assert fetched(url) == 0  # complete files are skipped
 
 
 def test_a_tampered_file_is_fetched_again_when_verifying(url, repos, dest):
     info = hub.repo_info("org/small", endpoint=url)
-    hub.download(info, dest, endpoint=url)
+    downloads.download(info, dest, endpoint=url)
     shard = dest / "model-00001-of-00001.safetensors"
     with open(shard, "r+b") as f:
         f.write(b"\0" * 16)
     reset_stats(url)
-    hub.download(info, dest, endpoint=url, verify=True)
+    downloads.download(info, dest, endpoint=url, verify=True)
     assert fetched(url) == 24 * MB
     assert_same_tree(repos / "org/small", dest)
 
@@ -217,37 +217,37 @@ def test_corrupt_data_from_the_server_is_rejected_and_not_kept(url, repos, dest)
         f.seek(MB)
         f.write(b"corrupted!")
     with pytest.raises(hub.HubError) as e:
-        hub.download(info, dest, endpoint=url)
+        downloads.download(info, dest, endpoint=url)
     assert e.value.code == "corrupt" and shard.name in e.value.message
     assert not (dest / shard.name).exists()
-    assert not (dest / hub.PARTIAL_DIR / f"{shard.name}.part").exists()
+    assert not (dest / downloads.PARTIAL_DIR / f"{shard.name}.part").exists()
 
 
 def test_cancel_keeps_partials_and_a_second_call_resumes(url, repos, dest):
     info = hub.repo_info("org/small", endpoint=url)
     configure(url, throttle_bps=8 * MB)
-    seen: list[hub.Progress] = []
+    seen: list[downloads.Progress] = []
     stamps: list[float] = []
 
-    def record(progress: hub.Progress) -> None:
+    def record(progress: downloads.Progress) -> None:
         seen.append(progress)
         stamps.append(time.monotonic())
 
-    with pytest.raises(hub.DownloadCancelled):
-        hub.download(info, dest, endpoint=url, chunk_bytes=1 << 20, on_progress=record,
+    with pytest.raises(downloads.DownloadCancelled):
+        downloads.download(info, dest, endpoint=url, chunk_bytes=1 << 20, on_progress=record,
                      should_cancel=lambda: seen[-1].bytes_done > 6 * MB)
-    part = dest / hub.PARTIAL_DIR / "model-00001-of-00001.safetensors.part"
+    part = dest / downloads.PARTIAL_DIR / "model-00001-of-00001.safetensors.part"
     kept = part.stat().st_size
     assert kept > 5 * MB
     assert any(2 * MB < p.rate_bps < 12 * MB and p.seconds_left for p in seen)
     assert seen[-1].current_file == "model-00001-of-00001.safetensors" and seen[-1].bytes_done > 6 * MB
-    assert min(b - a for a, b in zip(stamps, stamps[1:])) >= hub.TICK_S * 0.8  # a few per second at most
+    assert min(b - a for a, b in zip(stamps, stamps[1:])) >= downloads.TICK_S * 0.8  # a few per second at most
 
     configure(url, throttle_bps=None)
-    remaining = hub.bytes_needed(info, dest)
+    remaining = downloads.bytes_needed(info, dest)
     assert remaining <= info.total_size - kept
     reset_stats(url)
-    hub.download(info, dest, endpoint=url)
+    downloads.download(info, dest, endpoint=url)
     assert fetched(url) <= remaining * 1.1
     assert_same_tree(repos / "org/small", dest)
 
@@ -256,14 +256,14 @@ def test_a_broken_connection_keeps_the_partial_for_a_resume(url, repos, dest):
     info = hub.repo_info("org/small", endpoint=url)
     configure(url, drop_after=5 * MB)
     with pytest.raises(hub.HubError) as e:
-        hub.download(info, dest, endpoint=url)
+        downloads.download(info, dest, endpoint=url)
     assert e.value.code == "unavailable" and not e.value.permanent
-    part = dest / hub.PARTIAL_DIR / "model-00001-of-00001.safetensors.part"
+    part = dest / downloads.PARTIAL_DIR / "model-00001-of-00001.safetensors.part"
     assert part.stat().st_size == 5 * MB
 
     configure(url, drop_after=None)
     reset_stats(url)
-    hub.download(info, dest, endpoint=url)
+    downloads.download(info, dest, endpoint=url)
     assert fetched(url) == 24 * MB - 5 * MB  # the small files had arrived whole
     assert_same_tree(repos / "org/small", dest)
 
@@ -272,10 +272,10 @@ def test_a_server_ignoring_range_makes_the_resume_start_over(url, repos, dest):
     info = hub.repo_info("org/small", endpoint=url)
     configure(url, drop_after=5 * MB)
     with pytest.raises(hub.HubError):
-        hub.download(info, dest, endpoint=url)
+        downloads.download(info, dest, endpoint=url)
     configure(url, drop_after=None, ignore_range=True)
     reset_stats(url)
-    hub.download(info, dest, endpoint=url)
+    downloads.download(info, dest, endpoint=url)
     assert fetched(url) == 24 * MB
     assert_same_tree(repos / "org/small", dest)
 
@@ -283,7 +283,7 @@ def test_a_server_ignoring_range_makes_the_resume_start_over(url, repos, dest):
 def test_disk_full_midway_keeps_what_was_written(url, repos, dest):
     info = hub.repo_info("org/small", endpoint=url)
     budget = [10 * MB]
-    real_write_all = hub._write_all
+    real_write_all = downloads._write_all
 
     def write_until_full(fd, block):
         data = b"".join(block)
@@ -294,14 +294,14 @@ def test_disk_full_midway_keeps_what_was_written(url, repos, dest):
         budget[0] -= len(data)
         real_write_all(fd, block)
 
-    with mock.patch.object(hub, "_write_all", side_effect=write_until_full):
+    with mock.patch.object(downloads, "_write_all", side_effect=write_until_full):
         with pytest.raises(hub.HubError) as e:
-            hub.download(info, dest, endpoint=url, chunk_bytes=1 << 20, workers=1)
+            downloads.download(info, dest, endpoint=url, chunk_bytes=1 << 20, workers=1)
     assert e.value.code == "disk_full" and e.value.permanent
-    assert (dest / hub.PARTIAL_DIR / "model-00001-of-00001.safetensors.part").stat().st_size == 10 * MB
+    assert (dest / downloads.PARTIAL_DIR / "model-00001-of-00001.safetensors.part").stat().st_size == 10 * MB
 
     reset_stats(url)
-    hub.download(info, dest, endpoint=url)
+    downloads.download(info, dest, endpoint=url)
     assert fetched(url) <= (info.total_size - 10 * MB) * 1.1
     assert_same_tree(repos / "org/small", dest)
 
@@ -310,33 +310,33 @@ def test_a_second_download_into_the_same_folder_is_refused_while_one_runs(url, d
     import fcntl
 
     info = hub.repo_info("org/small", endpoint=url)
-    (dest / hub.PARTIAL_DIR).mkdir()
-    with open(dest / hub.PARTIAL_DIR / ".lock", "a") as held:
+    (dest / downloads.PARTIAL_DIR).mkdir()
+    with open(dest / downloads.PARTIAL_DIR / ".lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(hub.HubError) as e:
-            hub.download(info, dest, endpoint=url)
+            downloads.download(info, dest, endpoint=url)
     assert e.value.code == "busy" and not e.value.permanent
 
 
 def test_a_repo_listing_a_path_outside_the_folder_is_refused(dest):
     info = hub.RepoInfo("org/evil", "main", "0" * 40, [hub.RepoFile("../escape.txt", 3, None, None)], None, 3)
     with pytest.raises(hub.HubError) as e:
-        hub.download(info, dest / "dest", endpoint="http://127.0.0.1:9")
+        downloads.download(info, dest / "dest", endpoint="http://127.0.0.1:9")
     assert e.value.code == "bad_metadata" and not (dest / "escape.txt").exists()
 
 
 DOWNLOAD_SCRIPT = """
 import sys
 from pathlib import Path
-from deployments.host import hub
+from deployments.host import downloads, hub
 info = hub.repo_info("org/model", endpoint=sys.argv[1])
-hub.download(info, Path(sys.argv[2]), endpoint=sys.argv[1])
+downloads.download(info, Path(sys.argv[2]), endpoint=sys.argv[1])
 """
 
 
 def test_a_killed_download_resumes_without_fetching_again_what_it_had(url, repos, dest):
     info = hub.repo_info("org/model", endpoint=url)
-    part = dest / hub.PARTIAL_DIR / "model-00001-of-00003.safetensors.part"
+    part = dest / downloads.PARTIAL_DIR / "model-00001-of-00003.safetensors.part"
     configure(url, throttle_bps=60 * MB)
     cmd = [sys.executable, "-c", DOWNLOAD_SCRIPT, url, str(dest)]
     proc = subprocess.Popen(cmd, cwd=ROOT)
@@ -351,7 +351,7 @@ def test_a_killed_download_resumes_without_fetching_again_what_it_had(url, repos
         proc.kill()
     kept = part.stat().st_size
     assert BIG // 4 <= kept < BIG
-    remaining = hub.bytes_needed(info, dest)
+    remaining = downloads.bytes_needed(info, dest)
     assert remaining <= info.total_size - kept
 
     configure(url, throttle_bps=None)

@@ -1,0 +1,117 @@
+"""The engine's command line: the `vllm serve` argv built from a deployment's engine args, and the
+flags and version the installed vLLM reports (cached per binary). Plain Python, no Django.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import os
+import re
+import subprocess
+
+from deployments.host import engineenv
+from deployments.host.engine import EngineError
+
+# The panel sets these itself; the deploy form and API refuse them too (engineargs.check_flags).
+RESERVED_FLAGS = {"--host": "set by the panel", "--port": "set by the panel (the deployment's port)",
+                  "--model": "set by the panel from the model"}
+_FLAG_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+def _flag(name: str) -> str:
+    """'tensor_parallel_size' / '--tensor-parallel-size' -> '--tensor-parallel-size'."""
+    return "--" + str(name).lstrip("-").replace("_", "-")
+
+
+def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args: dict) -> list[str]:
+    """Turn {"tensor-parallel-size": 8, "enforce-eager": True} into a `vllm serve` argv (no shell)."""
+    argv = [str(vllm_bin), "serve", str(model_path), "--host", host, "--port", str(int(port))]
+    for name, value in engine_args.items():
+        if not _FLAG_RE.match(str(name).lstrip("-")):
+            raise EngineError(f"invalid engine flag name {name!r}", permanent=True)
+        flag = _flag(name)
+        if flag in RESERVED_FLAGS:
+            raise EngineError(f"{flag} is {RESERVED_FLAGS[flag]}", permanent=True)
+        # False/None leave the engine's default; vLLM spells "off" for on-by-default flags --no-X.
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@functools.lru_cache(maxsize=8)
+def _flags_cached(vllm_bin: str, mtime: float, timeout_s: float) -> frozenset[str]:
+    env = engineenv.engine_environ({})
+    try:
+        out = subprocess.run(
+            [vllm_bin, "serve", "--help=all"],
+            capture_output=True, text=True, timeout=timeout_s, env=env, stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise EngineError(f"`{vllm_bin} serve --help=all` took over {timeout_s:.0f} s") from e
+    except OSError as e:
+        raise EngineError(f"cannot run {vllm_bin}: {e}", permanent=True) from e
+    flags = set()
+    for line in out.stdout.splitlines():
+        # Option lines are indented 2 spaces: "  --tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp ..."
+        # or "  --enable-prefix-caching, --no-enable-prefix-caching"; descriptions sit deeper.
+        if re.match(r"^ {2,4}-", line):
+            flags.update(re.findall(r"(?:^|,\s*)(--[a-z0-9][a-z0-9-]*)", line.strip()))
+    if out.returncode != 0 or "--port" not in flags:
+        raise EngineError(f"`{vllm_bin} serve --help=all` failed: {out.stderr[-500:]}", permanent=True)
+    return frozenset(flags)
+
+
+@functools.lru_cache(maxsize=8)
+def _version_cached(vllm_bin: str, mtime: float, timeout_s: float) -> str:
+    env = engineenv.engine_environ({})
+    try:
+        out = subprocess.run([vllm_bin, "--version"], capture_output=True, text=True, timeout=timeout_s, env=env,
+                             stdin=subprocess.DEVNULL)
+    except (subprocess.TimeoutExpired, OSError):
+        return ""
+    versions = [line.strip() for line in out.stdout.splitlines() if re.match(r"^\d+\.\d+\S*$", line.strip())]
+    return versions[-1][:64] if out.returncode == 0 and versions else ""
+
+
+def engine_version(vllm_bin: str, timeout_s: float = 120.0) -> str:
+    """What `vllm --version` says ("0.32.0+cpu"), or "" when it cannot tell (cached per binary)."""
+    try:
+        mtime = os.stat(vllm_bin).st_mtime
+    except OSError:
+        return ""
+    return _version_cached(str(vllm_bin), mtime, timeout_s)
+
+
+def engine_flags(vllm_bin: str, timeout_s: float = 120.0) -> set[str]:
+    """The `--flags` this engine's `vllm serve` accepts, from its own --help=all (cached per binary)."""
+    try:
+        mtime = os.stat(vllm_bin).st_mtime
+    except OSError as e:
+        raise EngineError(f"no engine at {vllm_bin}: {e}", permanent=True) from e
+    return set(_flags_cached(str(vllm_bin), mtime, timeout_s))
+
+
+def validate_args(engine_args: dict, flags: set[str]) -> dict[str, str]:
+    """Map each bad key of `engine_args` to a message; unknown flags get a close-match suggestion."""
+    errors = {}
+    for name in engine_args:
+        if not _FLAG_RE.match(str(name).lstrip("-")):
+            errors[name] = f"{name!r} is not a valid flag name"
+            continue
+        flag = _flag(name)
+        if flag in RESERVED_FLAGS:
+            errors[name] = f"{flag} is {RESERVED_FLAGS[flag]}"
+        elif flag not in flags:
+            close = difflib.get_close_matches(flag, sorted(flags), n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            errors[name] = f"unknown engine flag {flag}{hint}"
+    return errors

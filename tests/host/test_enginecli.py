@@ -1,0 +1,87 @@
+"""Unit tests of deployments.host.enginecli: the `vllm serve` argv, and the flags and version an engine reports."""
+import textwrap
+
+import pytest
+
+from deployments.host import enginecli
+from deployments.host.engine import EngineError
+
+
+def test_build_argv_turns_engine_args_into_flags_without_a_shell():
+    argv = enginecli.build_argv("/venv/bin/vllm", "/models/llama", 8001, "0.0.0.0", {
+        "tensor-parallel-size": 8, "enforce-eager": True, "max-model-len": 4096,
+        "enable-prefix-caching": False, "kv-cache-dtype": None,
+        "allowed-origins": ["a", "b"], "speculative-config": {"method": "ngram"},
+        "served_model_name": "m; rm -rf /",
+    })
+    assert argv == [
+        "/venv/bin/vllm", "serve", "/models/llama", "--host", "0.0.0.0", "--port", "8001",
+        "--tensor-parallel-size", "8", "--enforce-eager", "--max-model-len", "4096",
+        "--allowed-origins", "a", "b", "--speculative-config", '{"method": "ngram"}',
+        "--served-model-name", "m; rm -rf /",
+    ]
+
+
+@pytest.mark.parametrize("name", ["port", "--host", "model", "bad flag", "x=1"])
+def test_build_argv_refuses_reserved_or_malformed_flags(name):
+    with pytest.raises(EngineError) as err:
+        enginecli.build_argv("vllm", "m", 8000, "127.0.0.1", {name: "1"})
+    assert err.value.permanent
+
+
+FLAGS = {"--tensor-parallel-size", "--enforce-eager", "--max-model-len", "--port", "--host",
+         "--enable-prefix-caching", "--no-enable-prefix-caching", "--reasoning-parser"}
+
+
+def test_validate_args_suggests_the_flag_a_typo_meant():
+    errors = enginecli.validate_args(
+        {"tensor-paralel-size": 2, "max_model_len": 4096, "enforce-eager": True,
+         "frobnicate-everything": 1, "port": 9000}, FLAGS)
+    assert set(errors) == {"tensor-paralel-size", "frobnicate-everything", "port"}
+    assert "--tensor-paralel-size" in errors["tensor-paralel-size"]
+    assert "did you mean --tensor-parallel-size?" in errors["tensor-paralel-size"]
+    assert "did you mean" not in errors["frobnicate-everything"]
+    assert "set by the panel" in errors["port"]
+
+
+def test_engine_flags_parses_the_engines_own_help_once(tmp_path):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "vllm"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo x >> {calls}
+        cat <<'EOF'
+        usage: vllm serve [model_tag] [options]
+        options:
+          --port PORT           Port number. (default: 8000)
+          --grpc                Launch the gRPC server on
+                                --not-a-flag instead of the HTTP server.
+          --tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE
+          --enable-prefix-caching, --no-enable-prefix-caching
+          -h, --help            show this help message and exit
+        EOF
+        """))
+    fake.chmod(0o755)
+    flags = enginecli.engine_flags(str(fake))
+    assert flags == {"--port", "--grpc", "--tensor-parallel-size", "--enable-prefix-caching",
+                     "--no-enable-prefix-caching", "--help"}
+    enginecli.engine_flags(str(fake))
+    assert calls.read_text().count("x") == 1
+
+
+def test_engine_version_is_what_vllm_says_after_its_log_lines(tmp_path):
+    fake = tmp_path / "vllm"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] || exit 2\n'
+                    'echo "INFO 11-29 10:00:00 [__init__.py:1] Automatically detected platform cpu."\necho 0.32.0+cpu\n')
+    fake.chmod(0o755)
+    assert enginecli.engine_version(str(fake)) == "0.32.0+cpu"
+    broken = tmp_path / "broken"
+    broken.write_text("#!/bin/sh\necho 'Traceback (most recent call last):'\nexit 1\n")
+    broken.chmod(0o755)
+    assert enginecli.engine_version(str(broken)) == "" and enginecli.engine_version(str(tmp_path / "nope")) == ""
+
+
+def test_engine_flags_of_a_missing_engine_is_a_permanent_error(tmp_path):
+    with pytest.raises(EngineError) as err:
+        enginecli.engine_flags(str(tmp_path / "nope"))
+    assert err.value.permanent
