@@ -3,18 +3,20 @@ sample every second while we measure, as agents do), 100 deployments with their 
 copies, and 1,000 benchmark runs of 3 levels each.
 
 The panel runs as in production (uvicorn serving the ASGI app, `--workers 2`), the scrapers
-authenticate with METRICS_TOKEN; `--scrapers` clients scrape back to back (Prometheus scrapes each
-target from one connection; several Prometheus replicas or a Grafana Agent add a few). The peer is
-the same server's bare /healthz under the same load, measured in the same run: the floor that
-uvicorn, Django and the network stack cost before any panel code.
+authenticate with METRICS_TOKEN and scrape as Prometheus does: each on its own connection, on a
+fixed interval (`--interval`, far denser than Prometheus' 15 s), so a scrape finds the nodes'
+samples new since the last one, as a real scrape always does. The peer is the same server's bare
+/healthz asked the same way, measured in the same run: the floor that uvicorn, Django and the
+network stack cost before any panel code.
 
-    python perf/metrics_scrape.py [--seconds 20] [--scrapers 2]
+    python perf/metrics_scrape.py [--seconds 60] [--scrapers 2] [--interval 0.5]
 
 The last line holds the figures as name=value pairs. Target: scrape_p99_ms <= 50.
 Uses DATABASE_URL when set, else a fresh SQLite file; starts its own Redis.
 """
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -105,34 +107,50 @@ def agents(node_ids: list[int], stop: threading.Event) -> threading.Thread:
     return thread
 
 
-def measure(base: str, path: str, clients: int, seconds: float) -> tuple[list[float], int]:
-    """Closed-loop clients, each on its own connection; returns latencies (s) and the answer's size."""
+def measure(base: str, path: str, clients: int, seconds: float, interval: float) -> tuple[list[float], int]:
+    """`clients` scrapers, each on its own connection asking every `interval` seconds (staggered),
+    as Prometheus does; returns latencies (s) and the answer's size."""
     import httpx
 
-    end = time.monotonic() + seconds
+    start = time.monotonic()
+    end = start + seconds
     size = 0
 
-    def client(_):
+    def client(k):
         nonlocal size
         took = []
+        next_at = start + k * interval / clients
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
-            while time.monotonic() < end:
+            while next_at < end:
+                time.sleep(max(0.0, next_at - time.monotonic()))
                 started = time.perf_counter()
                 response = http.get(path)
                 took.append(time.perf_counter() - started)
                 if response.status_code != 200:
                     raise SystemExit(f"{path}: {response.status_code} {response.text[:200]}")
                 size = len(response.content)
+                next_at = max(next_at + interval, time.monotonic())  # late: go on, no burst to catch up
         return took
 
     with ThreadPoolExecutor(clients) as pool:
         return [t for took in pool.map(client, range(clients)) for t in took], size
 
 
+def server_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by the server's processes (the uvicorn master and its workers)."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--scrapers", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--scrapers", type=int, default=2, help="Prometheus servers scraping (an HA pair by default)")
+    parser.add_argument("--interval", type=float, default=0.5,
+                        help="seconds between one scraper's scrapes (Prometheus' default is 15 s, 1 s is its usual minimum)")
     parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     args = parser.parse_args()
 
@@ -144,7 +162,7 @@ def main():
     var = Path(tempfile.mkdtemp(prefix="perf-metrics-"))
     children = launcher.Children()
     os.environ.update(PANEL_VAR_DIR=str(var), METRICS_TOKEN=TOKEN, DJANGO_SETTINGS_MODULE="controlpanel.settings",
-                      CHANNELS_PREFIX=f"perf{os.getpid()}")
+                      CHANNELS_PREFIX=f"perf{os.getpid()}", SECRET_KEY=secrets.token_urlsafe(50))
     os.environ["REDIS_URL"] = launcher.start_embedded_redis(children, dict(os.environ), var)
     stop = threading.Event()
     try:
@@ -159,22 +177,31 @@ def main():
         print(f"seeded {NODES} nodes x {GPUS} GPUs, {DEPLOYMENTS} deployments, {RUNS} runs x {len(LEVELS)} levels "
               f"in {time.monotonic() - t0:.1f} s")
         port = launcher.free_port()
-        children.start("web", [sys.executable, "-m", "uvicorn", "controlpanel.asgi:application", "--port", str(port),
+        web = children.start("web", [sys.executable, "-m", "uvicorn", "controlpanel.asgi:application", "--port", str(port),
                                "--workers", str(args.workers), "--log-level", "warning", "--no-access-log"], dict(os.environ))
         launcher.wait_for_port(port, timeout=60)
         base = f"http://127.0.0.1:{port}"
         agents(node_ids, stop)
-        measure(base, "/metrics", args.scrapers, 3)  # warm-up: imports, connections, caches
-        scrapes, size = measure(base, "/metrics", args.scrapers, args.seconds)
-        floor, _ = measure(base, "/healthz", args.scrapers, args.seconds / 2)
+        measure(base, "/metrics", 2 * args.workers, 3, 0.0)  # warm-up: imports, connections, each worker's cache
+        cpu = server_cpu_s(web.pid)
+        scrapes, size = measure(base, "/metrics", args.scrapers, args.seconds, args.interval)
+        cpu_per_scrape = (server_cpu_s(web.pid) - cpu) / len(scrapes)  # load-independent: what one scrape costs
+        cpu = server_cpu_s(web.pid)
+        floor, _ = measure(base, "/healthz", args.scrapers, args.seconds / 2, args.interval)
+        cpu_per_healthz = (server_cpu_s(web.pid) - cpu) / len(floor)
     finally:
         stop.set()
         children.stop()
-    print(f"{args.scrapers} scrapers, {args.workers} server workers, {args.seconds:.0f} s; answer {size / 1e6:.2f} MB")
-    print(f"/metrics: p50 {pct(scrapes, 50):.1f} ms  p99 {pct(scrapes, 99):.1f} ms  {len(scrapes) / args.seconds:.1f} scrapes/s")
+    print(f"{args.scrapers} scrapers every {args.interval:g} s, {args.workers} server workers, {args.seconds:.0f} s; "
+          f"answer {size / 1e6:.2f} MB; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"/metrics: p50 {pct(scrapes, 50):.1f} ms  p99 {pct(scrapes, 99):.1f} ms  max {max(scrapes) * 1000:.1f} ms  "
+          f"{len(scrapes)} scrapes")
     print(f"/healthz floor: p50 {pct(floor, 50):.1f} ms  p99 {pct(floor, 99):.1f} ms")
+    print(f"server CPU per request (uvicorn master and workers): "
+          f"/metrics {cpu_per_scrape * 1000:.1f} ms, /healthz {cpu_per_healthz * 1000:.1f} ms")
     print(" ".join([f"scrape_p50_ms={pct(scrapes, 50):.1f}", f"scrape_p99_ms={pct(scrapes, 99):.1f}",
-                    f"healthz_p99_ms={pct(floor, 99):.1f}", f"scrape_bytes={size}", f"scrapes={len(scrapes)}",
+                    f"healthz_p99_ms={pct(floor, 99):.1f}", f"scrape_cpu_ms={cpu_per_scrape * 1000:.1f}",
+                    f"healthz_cpu_ms={cpu_per_healthz * 1000:.1f}", f"load_avg={os.getloadavg()[0]:.1f}", f"scrape_bytes={size}", f"scrapes={len(scrapes)}",
                     f"nodes={NODES}", f"gpus={NODES * GPUS}", f"deployments={DEPLOYMENTS}", f"runs={RUNS}"]))
 
 

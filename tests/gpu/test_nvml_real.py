@@ -20,6 +20,7 @@ ALLOC_GIB = 8
 SMI_FIELDS = [
     "index", "uuid", "memory.total", "memory.used", "utilization.gpu", "temperature.gpu",
     "power.draw", "power.limit", "clocks.sm", "pcie.link.gen.current", "pcie.link.width.current",
+    "ecc.errors.corrected.volatile.total", "ecc.errors.uncorrected.volatile.total",
 ]
 HOLDER = (
     "import time, torch\n"
@@ -78,6 +79,8 @@ def test_sampler_figures_match_nvidia_smi(gpus):
              max(100, 0.15 * (theirs["clocks.sm"] or 0))),
             ("pcie gen", ours.pcie_gen, theirs["pcie.link.gen.current"], 0),
             ("pcie width", ours.pcie_width, theirs["pcie.link.width.current"], 0),
+            ("ecc corrected", ours.ecc_sbe_volatile, theirs["ecc.errors.corrected.volatile.total"], 0),
+            ("ecc uncorrected", ours.ecc_dbe_volatile, theirs["ecc.errors.uncorrected.volatile.total"], 0),
         ]
         for label, mine, smis, _ in pairs:
             print(f"  {label:<20} sampler {mine!s:>12}   nvidia-smi {smis!s:>12}")
@@ -85,6 +88,8 @@ def test_sampler_figures_match_nvidia_smi(gpus):
         assert ours.uuid == theirs["uuid"]
         assert ours.memory_total is not None and ours.memory_used is not None
         assert ours.memory_total // MIB == theirs["memory.total"]
+        # ECC: both unknown on a GPU without it, both counts with it (/metrics leaves unknowns out).
+        assert (ours.ecc_sbe_volatile is None) == (theirs["ecc.errors.corrected.volatile.total"] is None)
         off = [label for label, mine, smis, tol in pairs if not close(mine, smis, tol)]
         assert not off, f"sampler disagrees with nvidia-smi on {off} (None where nvidia-smi has a figure counts)"
 
