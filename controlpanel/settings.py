@@ -225,7 +225,10 @@ WEB_THREADS = env_int("WEB_THREADS", 16)
 REQUEST_BODY_MAX = env_int("REQUEST_BODY_MAX", 32 << 20)
 ANONYMOUS_BODY_MAX = env_int("ANONYMOUS_BODY_MAX", 64 << 10)
 # Deployment events long polls one user may hold at once, per web process (the rest answer at once).
-LONG_POLLS_PER_USER = env_int("LONG_POLLS_PER_USER", 2)  # per web process: requests served at once (controlpanel/handler.py)
+LONG_POLLS_PER_USER = env_int("LONG_POLLS_PER_USER", 2)
+# Seconds between an open WebSocket's checks that its session and role still hold (logout and role
+# changes also close sockets at once; this catches expiry and changes made straight in the database).
+WS_RECHECK_SECONDS = env_float("WS_RECHECK_SECONDS", 60.0)  # per web process: requests served at once (controlpanel/handler.py)
 HEARTBEAT_SECONDS = env_float("HEARTBEAT_SECONDS", 5.0)
 SAMPLE_SECONDS = env_float("SAMPLE_SECONDS", 1.0)
 # On a node without GPUs the whole host is one engine's claim: vLLM engines the panel did not start

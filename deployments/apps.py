@@ -7,5 +7,7 @@ class DeploymentsConfig(AppConfig):
 
     def ready(self):
         from controlpanel import apicache
+        from deployments import signals
 
         apicache.watch_database_writes()
+        signals.connect()

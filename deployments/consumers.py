@@ -1,9 +1,18 @@
-"""The one WebSocket consumer: authenticates, joins topic groups, forwards. No database access."""
+"""The one WebSocket consumer: authenticates, joins topic groups, forwards.
+
+No database access per message: the role is checked on connect, on a timer (WS_RECHECK_SECONDS)
+and when logout or a role change nudges the socket (deployments/wsaccess.py); a subscribe checks
+once that its objects exist.
+"""
+import asyncio
+
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
-from controlpanel.roles import is_viewer
-from deployments import live
+from deployments import live, wsaccess
+
+MAX_TOPICS = 100  # per socket: a page needs a handful; this bounds what one socket can make the server track
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
@@ -11,32 +20,61 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def connect(self):
         user = self.scope.get("user")
+        session = self.scope.get("session")
+        self.user_id = user.pk if user is not None and user.is_authenticated else None
+        self.session_key = getattr(session, "session_key", None)
         # Close with 4401/4403 so the browser helper knows not to retry forever.
-        if user is None or not user.is_authenticated:
-            await self.close(code=4401)
-            return
-        if not await database_sync_to_async(is_viewer)(user):
-            await self.close(code=4403)
+        code = await database_sync_to_async(wsaccess.close_code)(self.user_id, self.session_key)
+        if code:
+            await self.close(code=code)
             return
         self.topics = set()
+        self.groups_joined = [live.user_group(self.user_id)] + ([live.session_group(self.session_key)] if self.session_key else [])
+        for group in self.groups_joined:
+            await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
+        self.timer = asyncio.create_task(self._recheck_every(settings.WS_RECHECK_SECONDS))
 
     async def disconnect(self, code):
+        if getattr(self, "timer", None):
+            self.timer.cancel()
+        for group in getattr(self, "groups_joined", []):
+            await self.channel_layer.group_discard(group, self.channel_name)
         for topic in getattr(self, "topics", set()):
             await self.channel_layer.group_discard(live.group_name(topic), self.channel_name)
+
+    async def _recheck_every(self, seconds: float):
+        while True:
+            await asyncio.sleep(seconds)
+            await self.session_recheck({})
+
+    async def session_recheck(self, event):
+        code = await database_sync_to_async(wsaccess.close_code)(self.user_id, self.session_key)
+        if code:
+            await self.close(code=code)
+
+    async def session_end(self, event):
+        await self.close(code=4401)
 
     async def receive_json(self, content, **kwargs):
         if not isinstance(content, dict):
             return
-        for topic in content.get("subscribe", [])[:50]:
-            if not isinstance(topic, str) or not live.valid_topic(topic):
+        wanted = content.get("subscribe", [])
+        wanted = [t for t in wanted[:50] if isinstance(t, str) and live.valid_topic(t)] if isinstance(wanted, list) else []
+        exists = await database_sync_to_async(wsaccess.existing)(wanted) if wanted else set()
+        for topic in (content.get("subscribe") if isinstance(content.get("subscribe"), list) else [])[:50]:
+            if topic not in exists:
                 await self.send_json({"error": f"unknown topic {str(topic)[:80]!r}"})
                 continue
+            if topic not in self.topics and len(self.topics) >= MAX_TOPICS:
+                await self.send_json({"error": f"at most {MAX_TOPICS} topics per connection"})
+                break
             await self.channel_layer.group_add(live.group_name(topic), self.channel_name)
             self.topics.add(topic)
             for message in await database_sync_to_async(live.snapshot)(topic):
                 await self.send_json({**message, "snapshot": True})
-        for topic in content.get("unsubscribe", [])[:50]:
+        unsubscribe = content.get("unsubscribe", [])
+        for topic in (unsubscribe if isinstance(unsubscribe, list) else [])[:50]:
             if topic in self.topics:
                 await self.channel_layer.group_discard(live.group_name(topic), self.channel_name)
                 self.topics.discard(topic)

@@ -6,9 +6,11 @@ JSON object. The last message of each kind per topic is kept in Redis as that to
 a browser that (re)connects first gets the current state, then deltas. Services call the send_*
 functions; the browser code in static/panel/ reads these field names.
 """
+import asyncio
 import json
 import logging
 import re
+import threading
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypedDict
 
@@ -77,6 +79,42 @@ def publish(topic: str, kind: str, data: dict[str, Any], keep: bool = True) -> N
         # Browsers miss this update (they get a fresh snapshot on reconnect); the caller's work,
         # recorded in the database, must not fail because Redis is away.
         log.warning("live update %s/%s not sent: %s", topic, kind, exc)
+
+
+def user_group(user_id: int) -> str:
+    return f"live.user.{int(user_id)}"
+
+
+def session_group(session_key: str) -> str:
+    return f"live.session.{session_key}"
+
+
+def _send_control(group: str, kind: str) -> None:
+    def send():
+        try:
+            async_to_sync(get_channel_layer().group_send)(group, {"type": kind})
+        except (redis.RedisError, OSError) as exc:  # the sockets' timer still catches it (wsaccess.py)
+            log.warning("live %s to %s not sent: %s", kind, group, exc)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        send()
+        return
+    # Called inside a running event loop (a signal from ORM code in async code): send from a thread.
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    thread.join(5)
+
+
+def end_session(session_key: str) -> None:
+    """Close the WebSockets opened with this session (its user logged out)."""
+    _send_control(session_group(session_key), "session.end")
+
+
+def recheck_user(user_id: int) -> None:
+    """Make the user's WebSockets check their role again now (groups or account changed)."""
+    _send_control(user_group(user_id), "session.recheck")
 
 
 def snapshot(topic: str) -> list[LiveMessage]:
