@@ -115,3 +115,19 @@ def agent_alive(pid: int | None) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE and "nodeagent" in " ".join(proc.cmdline())
     except psutil.Error:
         return False
+
+
+def find(marker: str | None) -> list[int]:
+    """Live PIDs carrying `marker`: an engine launched a moment before its agent died, whose PID
+    never reached the database, is still found (and stopped or adopted) by its marker."""
+    if not marker:
+        return []
+    found = []
+    for pid in psutil.pids():
+        if marker_of(pid) == marker:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    found.append(pid)
+            except psutil.Error:
+                continue
+    return sorted(found)

@@ -172,6 +172,9 @@ def _stop_proven(d: Deployment) -> engine.StopResult | None:
     /dev/shm files it was seen holding. A group that cannot be proven ours is reported on the
     timeline and never signalled (after a reboot or PID reuse it is someone else's)."""
     result = None
+    if not d.pgid and d.marker:  # launched, but the agent died before it wrote the PID down
+        marked = ownership.find(d.marker)
+        d.pgid = _pgid(marked[0]) if marked else None
     if d.pgid and ownership.owned(d.pgid, d.marker, d.systemd_unit or None):
         result = engine.stop(d.pgid, STOP_TERM_S, STOP_KILL_S)
     elif d.pgid and engine.members(d.pgid):
@@ -181,6 +184,25 @@ def _stop_proven(d: Deployment) -> engine.StopResult | None:
         engine.remove_unused_shm(set(d.shm_files or []))
         d.shm_files = []
     return result
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _adopt_marked(d: Deployment) -> bool:
+    """An engine carrying the row's marker whose PID was never recorded: take it as the row's."""
+    marked = ownership.find(d.marker)
+    leaders = [pid for pid in marked if _pgid(pid) == pid] or marked
+    if not leaders:
+        return False
+    d.pid, d.pgid = leaders[0], _pgid(leaders[0])
+    d.pid_create_time = None
+    Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=None)
+    return _running(d)
 
 
 def _record_shm(d: Deployment) -> None:
@@ -568,7 +590,7 @@ def deployments_reconcile(node) -> dict:
     report = {"adopted": [], "failed": [], "following": []}
     _expire_queued(node.pk)
     for d in Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE - {S.QUEUED}):
-        running = _running(d)
+        running = _running(d) or (not d.pid and d.status in (S.STARTING, S.LOADING) and _adopt_marked(d))
         if d.status == S.STOPPING:
             node_enqueue(node, tasks.deployment_halt, d.pk)
         elif running and d.status == S.READY:

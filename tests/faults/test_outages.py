@@ -1,0 +1,128 @@
+"""Redis stopped for 30 s (during a load, during a download, while idle) and PostgreSQL backends
+terminated mid-plan: the node stays online (heartbeats go to the database), work in flight ends
+in the true state, and the agent takes new work once Redis is back."""
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from deployments import services
+from deployments.models import ModelCopy, ModelRepo, Node
+from tests.conftest import in_thread, wait_until
+from tests.faults.conftest import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy, set_load,
+                                   settle, sha256, stop_and_check, stop_leftover_engines)
+from tests.hfserver import configure, serve
+
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
+OUTAGE_S = float(os.environ.get("FAULT_OUTAGE_S", "30"))
+MB = 1 << 20
+
+
+def _heartbeats_during(node, seconds: float) -> list:
+    """Sample the node's heartbeat every second for `seconds`; it must keep moving."""
+    seen = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.append(Node.objects.get(pk=node.pk).last_heartbeat)
+        time.sleep(1.0)
+    return seen
+
+
+def _always_online(node, beats) -> None:
+    gaps = [(b - a).total_seconds() for a, b in zip(beats, beats[1:]) if b != a]
+    assert len(set(beats)) >= len(beats) // 3, "heartbeats stopped while Redis was down"
+    assert max(gaps, default=0) < 3 * Node.objects.get(pk=node.pk).heartbeat_seconds + 2
+
+
+@pytest.fixture
+def hub_repo(tmp_path):
+    root = tmp_path / "hub"
+    repo = root / "acme" / "outage"
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (repo / "model.safetensors").write_bytes(os.urandom(12 * MB))
+    with serve(root) as url:
+        yield url, repo
+
+
+@pytest.mark.timeout(300)
+def test_redis_down_30s_during_a_load_and_a_download_then_idle(private_redis, process_env, spawn, unique, tmp_path,
+                                                               settings, fake_model, hub_repo):
+    url, source = hub_repo
+    settings.HF_ENDPOINT = url
+    env = agent_env(process_env, tmp_path, REDIS_URL=private_redis.url, HF_ENDPOINT=url)
+    agent = Agent(spawn, env, f"redis-{unique}", tmp_path / "store")
+    node = agent.start()
+    model = add_fake_model(node, fake_model)
+
+    # 1. A load and a download both in flight when Redis goes away.
+    set_load(fake_model, OUTAGE_S / 3)
+    d = deploy(model, node)
+    hub_model = ModelRepo.objects.create(repo_id="acme/outage")
+    in_thread(services.model_inspect, hub_model.pk)
+    hub_model.refresh_from_db()
+    configure(url, throttle_bps=int(12 * MB / (OUTAGE_S / 2)))  # the download spans half the outage
+    copy = services.model_download(hub_model, node)
+    wait_until(lambda: ModelCopy.objects.get(pk=copy.pk).state == "downloading", timeout=20, message="the download")
+    wait_until(lambda: settle_state(d) == "loading", timeout=20, message="the load")
+    private_redis.stop()
+    COUNTS["redis_outages"] += 1
+    beats = _heartbeats_during(node, OUTAGE_S)
+    private_redis.start()
+    _always_online(node, beats)
+    assert settle(d, timeout=60).status == "ready"  # the load finished while Redis was away
+    assert_true_state(d, fake_model)
+    done = wait_until(lambda: (c := ModelCopy.objects.get(pk=copy.pk)).state in ("ready", "failed") and c,
+                      timeout=90, message="the download")
+    assert done.state == "ready", done.error
+    assert sha256(Path(done.path) / "model.safetensors") == sha256(source / "model.safetensors")
+
+    # 2. Idle: nothing in flight. Heartbeats go on, and work queued after Redis is back runs.
+    private_redis.stop()
+    COUNTS["redis_outages"] += 1
+    beats = _heartbeats_during(node, OUTAGE_S)
+    private_redis.start()
+    _always_online(node, beats)
+    stop_and_check(d, fake_model, timeout=60)  # a task sent after the outage reaches the agent
+    stop_leftover_engines(tmp_path)
+
+
+def settle_state(d):
+    from deployments.models import Deployment
+
+    return Deployment.objects.get(pk=d.pk).status
+
+
+@pytest.mark.timeout(180)
+def test_postgresql_backends_terminated_mid_plan_end_in_the_true_state(fault_agent, fake_model):
+    if connection.vendor != "postgresql":
+        pytest.skip("terminating backends needs PostgreSQL (CI runs this suite on it)")
+    node = fault_agent.node
+    model = add_fake_model(node, fake_model)
+    set_load(fake_model, 4.0)
+    d = deploy(model, node)
+    wait_until(lambda: settle_state(d) == "loading", timeout=30, message="the load")
+    time.sleep(1.0)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        terminated = cursor.fetchone()[0]
+    assert terminated >= 1
+    COUNTS["pg_backends_terminated"] += terminated
+    row = settle(d, timeout=60)
+    assert row.status in ("ready", "failed")
+    if row.status == "failed":
+        assert "OperationalError" in row.status_message or "InterfaceError" in row.status_message, row.status_message
+    assert_true_state(d, fake_model)
+    # The agent reconnects by itself: it heartbeats and takes new work.
+    wait_until(lambda: Node.objects.get(pk=node.pk).last_heartbeat > timezone.now() - timedelta(seconds=2),
+               timeout=20, message="heartbeats after the backends were terminated")
+    stop_and_check(d, fake_model)
+    again = deploy(model, node)
+    assert settle(again, timeout=30).status == "ready"
+    stop_and_check(again, fake_model)

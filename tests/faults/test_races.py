@@ -1,0 +1,198 @@
+"""PID reuse, a foreign process on the host, 50 concurrent claims on the same GPUs, and a delete
+racing a deploy: real agents, real processes, the real API over HTTP."""
+import os
+import shutil
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from controlpanel.errors import ServiceError
+from deployments import services
+from deployments.host import ownership
+from deployments.models import Deployment, ModelCopy, ModelRepo
+from tests.conftest import wait_until
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
+from tests.faults.conftest import (COUNTS, RNG, Agent, add_fake_model, agent_env, assert_true_state, deploy, set_load,
+                                   settle, sha256, stop_and_check, stop_leftover_engines)
+
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
+S = Deployment.Status
+
+
+@pytest.fixture
+def stranger():
+    """`setsid sleep`: someone else's process group, which the panel must never signal."""
+    # Not started as a group leader, so setsid(1) makes the new session itself and execs sleep
+    # under the same PID (as a leader it would fork and exit at once).
+    proc = subprocess.Popen(["setsid", "sleep", "600"])
+    wait_until(lambda: os.getpgid(proc.pid) == proc.pid, timeout=5, message="setsid")
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_stored_pgid_reused_by_an_unrelated_process_is_never_signalled(fault_agent, fake_model, stranger):
+    node = fault_agent.node
+    model = add_fake_model(node, fake_model)
+    # Rows whose stored PID/PGID now name the stranger (after a reboot or PID reuse), in each state
+    # the agent acts on: ready (crash watch), stopping (halt), loading (reconcile at agent start).
+    ready = DeploymentFactory(node=node, model=model, status=S.READY, pid=stranger.pid, pgid=stranger.pid,
+                              marker="1.0123456789abcdef01234567", port=9101, name="reused-ready")
+    stopping = DeploymentFactory(node=node, model=model, status=S.STOPPING, pid=stranger.pid, pgid=stranger.pid,
+                                 marker="2.0123456789abcdef01234567", port=9102, name="reused-stopping")
+    services.deployment_halt(stopping.pk)  # what the agent's halt task runs
+    settle(ready, timeout=30, states={"failed"})  # the crash watch: the engine is not there
+    loading = DeploymentFactory(node=node, model=model, status=S.LOADING, pid=stranger.pid, pgid=stranger.pid,
+                                marker="", port=9103, name="reused-loading")
+    fault_agent.restart()  # reconcile at start
+    settle(loading, timeout=30, states={"failed"})
+    COUNTS["pid_reuse_cases"] += 3
+    assert stranger.poll() is None, "the unrelated process group was signalled"
+    assert Deployment.objects.get(pk=stopping.pk).status == S.STOPPED
+    for d in (ready, stopping, loading):
+        assert d.events.filter(step="not_signalled").exists(), d.name
+
+
+@pytest.mark.timeout(120)
+def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox(process_env, spawn, unique, tmp_path,
+                                                                                fake_model, operator):
+    """On a host without GPUs the whole host is the claim: a vLLM the panel did not start holds it."""
+    agent = Agent(spawn, agent_env(process_env, tmp_path, CPU_HOST_EXCLUSIVE=1), f"foreign-{unique}", tmp_path / "store")
+    node = agent.start()
+    model = add_fake_model(node, fake_model)
+    foreign = subprocess.Popen(["bash", "-c", 'exec -a "vllm serve someone-elses-model" sleep 600'],
+                               start_new_session=True)
+    try:
+        wait_until(lambda: any(p["pid"] == foreign.pid for p in type(node).objects.get(pk=node.pk).foreign_processes),
+                   timeout=30, message="the agent to see the foreign engine")
+        from rest_framework.test import APIClient
+
+        api = APIClient()
+        api.force_authenticate(operator)
+        body = {"model": model.pk, "node": node.name, "gpus": [], "port": 18000 + os.getpid() % 1000}
+        refused = api.post("/api/deployments/", body, format="json")
+        assert refused.status_code == 409, refused.json()
+        assert f"PID {foreign.pid}" in refused.json()["error"]["message"]
+        assert foreign.poll() is None
+        # The plan itself checks too (the API's view of the host may be seconds old).
+        d = Deployment.objects.create(name=f"sneak-{unique}", model=model, node=node, port=body["port"] + 1)
+        services.deploys._send_plan(d)
+        row = settle(d, timeout=30, states={"failed"})
+        assert f"PID {foreign.pid}" in row.status_message and foreign.poll() is None
+        COUNTS["foreign_refusals"] += 2
+        # With "stop other processes on these GPUs" the operator takes the call: it is stopped. Not
+        # where other vLLM engines run on this machine (developers share one): it would stop them too.
+        others = set(ownership.engine_processes()) - {foreign.pid}
+        if others:
+            print(f"checkbox path not exercised: other vLLM processes run here ({sorted(others)[:5]})")
+            return
+        accepted = api.post("/api/deployments/", {**body, "stop_foreign": True}, format="json")
+        assert accepted.status_code == 202, accepted.json()
+        d = Deployment.objects.get(pk=accepted.json()["id"])
+        assert settle(d, timeout=60).status == "ready"
+        assert foreign.wait(5) is not None
+        stop_and_check(d, fake_model)
+    finally:
+        if foreign.poll() is None:
+            foreign.kill()
+        foreign.wait()
+        stop_leftover_engines(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_fifty_concurrent_deploys_and_restarts_on_the_same_gpus_accept_exactly_one(live_server_asgi, operator):
+    if connection.vendor != "postgresql":
+        pytest.skip("concurrent row locks are checked on PostgreSQL (CI runs this suite on it)")
+    from rest_framework.authtoken.models import Token
+
+    node = NodeFactory(name="race-01", engine_flags=["--port", "--host"])
+    for i in range(2):
+        GpuFactory(node=node, index=i)
+    copy = ModelCopyFactory(node=node, path="/models/race", state="ready")
+    stopped = [DeploymentFactory(node=node, model=copy.model, status=S.STOPPED, port=9200 + i, name=f"race-{i}")
+               for i in range(25)]
+    for d in stopped:
+        d.gpus.set(node.gpus.all())
+    token = Token.objects.create(user=operator).key
+    barrier = threading.Barrier(50)
+
+    def request(i):
+        with httpx.Client(base_url=live_server_asgi, headers={"Authorization": f"Token {token}"}, timeout=60) as client:
+            barrier.wait()
+            if i % 2:
+                return client.post(f"/api/deployments/{stopped[i // 2].pk}/restart/", json={}).status_code
+            return client.post("/api/deployments/", json={"model": copy.model.pk, "node": node.name, "gpus": [0, 1],
+                                                          "port": 9300 + i}).status_code
+
+    with ThreadPoolExecutor(50) as pool:
+        codes = list(pool.map(request, range(50)))
+    COUNTS["concurrent_claims"] += 50
+    assert sorted(codes) == [202] + [409] * 49, codes
+    claims = Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE)
+    assert claims.count() == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_delete_racing_a_deploy_has_exactly_one_winner_with_its_files_intact(fault_agent, fake_model):
+    node = fault_agent.node
+    set_load(fake_model, 0.2)
+    races = int(os.environ.get("FAULT_RACES", "5"))
+    winners = []
+    for i in range(races):
+        # A copy in the node's model store (a local folder would only be forgotten, never deleted).
+        store_dir = fault_agent.store / f"acme--race-{i}"
+        shutil.copytree(fake_model, store_dir)
+        before = {p.name: sha256(p) for p in store_dir.iterdir() if p.is_file()}
+        model = ModelRepo.objects.create(repo_id=f"acme/race-{i}", inspected=timezone.now(),
+                                         files=[{"path": name, "size": 1, "sha256": None} for name in before])
+        copy = ModelCopy.objects.create(model=model, node=node, state="ready", path=str(store_dir))
+        barrier = threading.Barrier(2)
+        results = {}
+
+        def deleting():
+            barrier.wait()
+            time.sleep(RNG.uniform(0, 0.02))  # either may get there first
+            try:
+                services.model_copy_delete(ModelCopy.objects.get(pk=copy.pk))
+                results["delete"] = "won"
+            except ServiceError as exc:
+                results["delete"] = exc.code
+            finally:
+                connection.close()
+
+        def deploying():
+            barrier.wait()
+            time.sleep(RNG.uniform(0, 0.02))
+            try:
+                results["deploy"] = deploy(model, node).pk
+            except ServiceError as exc:
+                results["deploy"] = exc.code
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=deleting), threading.Thread(target=deploying)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        COUNTS["delete_deploy_races"] += 1
+        if results["delete"] == "won":
+            assert results["deploy"] == "in_use", results
+            winners.append("delete")
+            wait_until(lambda: not ModelCopy.objects.filter(pk=copy.pk).exists(), timeout=30, message="the removal")
+            assert not store_dir.exists(), "a half-deleted folder"
+        else:
+            assert results["delete"] == "in_use" and isinstance(results["deploy"], int), results
+            winners.append("deploy")
+            d = Deployment.objects.get(pk=results["deploy"])
+            assert settle(d, timeout=30).status == "ready"
+            assert {p.name: sha256(p) for p in store_dir.iterdir() if p.is_file()} == before
+            stop_and_check(d, store_dir)
+    print(f"delete/deploy races: {races}, winners {winners}")
