@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deployments import services
-from deployments.host import hub
+from deployments.host import downloads
 from deployments.models import ModelCopy, ModelRepo
 from tests.conftest import VLLM, in_thread, wait_until
 from tests.faults.conftest import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy,
@@ -108,7 +108,7 @@ def test_agent_killed_mid_download_ten_times_resumes_and_verifies(process_env, s
         dest = Path(done.path)
         for source in sorted(p for p in (root / "acme" / f"tiny-{i}").iterdir()):
             assert sha256(dest / source.name) == sha256(source), source.name
-        assert not list((dest / hub.PARTIAL_DIR).rglob("*.part")) if (dest / hub.PARTIAL_DIR).exists() else True
+        assert not list((dest / downloads.PARTIAL_DIR).rglob("*.part")), "partial files left behind"
     COUNTS["kills_mid_download"] += KILLS
     stop_leftover_engines(tmp_path)
 
