@@ -47,12 +47,12 @@ def render(families) -> str:
     for family in families:
         doc = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
         out.append(f"# HELP {family.name} {doc}\n# TYPE {family.name} {family.type}\n")
-        for sample in family.samples:
-            labels = written.get(id(sample.labels))
+        for name, sample_labels, value, *_ in family.samples:
+            labels = written.get(id(sample_labels))
             if labels is None:
-                labels = written[id(sample.labels)] = (
-                    "{" + ",".join([f'{k}="{_escape(v)}"' for k, v in sample.labels.items()]) + "}" if sample.labels else "")
-            out.append(f"{sample.name}{labels} {_number(sample.value)}\n")
+                labels = written[id(sample_labels)] = (
+                    "{" + ",".join([f'{k}="{_escape(v)}"' for k, v in sample_labels.items()]) + "}" if sample_labels else "")
+            out.append(f"{name}{labels} {value if type(value) is int else _number(value)}\n")
     return "".join(out)
 
 
@@ -63,9 +63,11 @@ def exposition() -> bytes:
         current = apicache.versions()
     except redis.RedisError:
         current = None
-    nodes = dict(Node.objects.values_list("id", "name"))
-    deployments = dict(Deployment.objects.values_list("id", "name"))
-    parts = [render(FleetCollector().collect()).encode()]
+    nodes = dict(Node.objects.values_list("id", "name"))  # every heartbeat writes this table: read it each time
+    gpus = apicache.cached_value(("metrics", "gpus"), FleetCollector.gpu_rows, current)
+    deployments = apicache.cached_value(("metrics", "deployment names"),
+                                        lambda: dict(Deployment.objects.values_list("id", "name")), current)
+    parts = [render(FleetCollector(gpus).collect()).encode()]
     for collector, names in ((DeploymentCollector(nodes), nodes), (DownloadCollector(nodes), nodes),
                              (BenchmarkCollector(deployments), deployments)):
         key = ("metrics", type(collector).__name__, tuple(names.items()))

@@ -125,7 +125,7 @@ def snapshot(topic: str) -> list[LiveMessage]:
 
 def kept(topics: list[str], kind: str) -> list[dict[str, Any] | None]:
     """The data of each topic's kept message of `kind` (None where none is kept), in one round trip."""
-    pipe = redisconn.client().pipeline()
+    pipe = redisconn.client().pipeline(transaction=False)  # reads only: no MULTI/EXEC needed
     for topic in topics:
         pipe.hget(_snapshot_key(topic), kind)
     return [json.loads(raw)["data"] if raw else None for raw in pipe.execute()]

@@ -53,15 +53,25 @@ def _model_label(repo_id: str, revision: str) -> str:
 
 
 class FleetCollector:
-    """Nodes and their GPUs: the rows for identity, the last sample for the readings."""
+    """Nodes and their GPUs: the rows for identity, the last sample for the readings. `gpus`:
+    gpu_rows() when the caller has them (they change only when an agent registers)."""
+
+    def __init__(self, gpus: dict[int, dict[int, tuple]] | None = None):
+        self.gpus = gpus
+
+    @staticmethod
+    def gpu_rows() -> dict[int, dict[int, tuple]]:
+        """{node id: {GPU index: (UUID, name)}}."""
+        gpus: dict[int, dict[int, tuple]] = {}
+        for node_id, index, uuid, name in Gpu.objects.values_list("node_id", "index", "uuid", "name"):
+            gpus.setdefault(node_id, {})[index] = (uuid, name)
+        return gpus
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         now = time.time()
         nodes = list(Node.objects.values_list("id", "name", "address", "agent_version", "engine_version", "last_heartbeat",
                                               "heartbeat_seconds", "disk_total", "disk_free", "nvml_error"))
-        gpus: dict[int, dict[int, tuple]] = {}
-        for node_id, index, uuid, name, total in Gpu.objects.values_list("node_id", "index", "uuid", "name", "memory_total"):
-            gpus.setdefault(node_id, {})[index] = (uuid, name, total)
+        gpus = self.gpus if self.gpus is not None else self.gpu_rows()
         samples = live.kept([live.node_topic(n[0]) for n in nodes], "sample") if nodes else []
 
         info = gauge("panel_node_info", "A node's address, agent and engine versions, and whether NVML works (value 1).",
@@ -75,6 +85,8 @@ class FleetCollector:
         ram = gauge("panel_node_memory_available_bytes", "Host RAM available, from the last sample.", ["node"])
         load1 = gauge("panel_node_load1", "Host load average over one minute, from the last sample.", ["node"])
         figures = [(gauge(name, doc, GPU_LABELS), key, factor) for name, doc, key, factor in GPU_FIGURES]
+        # 13 figures x 8 GPUs x every node, each scrape: the inner loop is kept to plain appends.
+        appends = [(family.samples.append, family.name, key, factor) for family, key, factor in figures]
         for (node_id, name, address, agent_version, engine_version, heartbeat, every, total, free, nvml_error), sample \
                 in zip(nodes, samples):
             info.add_metric([name, address, agent_version, engine_version, "unavailable" if nvml_error else "ok"], 1)
@@ -95,12 +107,12 @@ class FleetCollector:
             if host.get("load1") is not None:
                 load1.add_metric([name], host["load1"])
             for g in sample.get("gpus") or []:
-                uuid, model_name, _ = rows.get(g["index"], (g.get("uuid"), "", None))
+                uuid, model_name = rows.get(g["index"], (g.get("uuid"), ""))
                 labels = {"node": name, "gpu": str(g["index"]), "UUID": uuid or g.get("uuid") or "", "modelName": model_name or ""}
-                for family, key, factor in figures:
+                for append, family_name, key, factor in appends:
                     value = g.get(key)
                     if value is not None:
-                        add_sample(family, labels, value * factor)
+                        append(Sample(family_name, labels, value * factor if factor != 1 else value, None))
         yield from (info, online, age, disk_free, disk_total, gpu_count, sampled, ram, load1)
         yield from (family for family, _, _ in figures)
 
