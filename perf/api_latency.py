@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -162,6 +163,7 @@ def main():
 
     var = tempfile.mkdtemp(prefix="perf-api-")
     os.environ["PANEL_VAR_DIR"] = var
+    os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))  # a throwaway panel: any long key
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
     import django
 

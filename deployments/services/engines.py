@@ -401,6 +401,11 @@ def _gpu_memory(indices: list[int]) -> dict[int, int | None]:
         return {}
 
 
+# While an engine loads, /health is asked this often: the moment it answers is when the deployment
+# shows ready (perf/deploy_overhead.py: health_to_ready). The heavier bookkeeping stays at once a second.
+HEALTH_POLL_S = 0.1
+
+
 def _follow(d: Deployment) -> None:
     """Follow the log and GPU memory until /health answers; stalled only when both stop moving."""
     progress = enginelog.LoadProgress()
@@ -442,7 +447,7 @@ def _follow(d: Deployment) -> None:
             if idle > d.stall_seconds:
                 raise PlanFailed(f"Stalled: neither the log nor GPU memory moved for {idle:.0f} s "
                                  f"(phase {progress.phase}, {progress.percent} %).")
-            time.sleep(0.5)
+            time.sleep(HEALTH_POLL_S)
         took = (timezone.now() - d.started).total_seconds() if d.started else 0
         event.message = f"Ready after {took:.0f} s" + (f" (weights {progress.weights_seconds:.0f} s)" if progress.weights_seconds else "") + "."
     d.load_phase, d.load_percent = "server_up", 100.0
