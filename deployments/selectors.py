@@ -1,6 +1,9 @@
 """Reads for pages and the API."""
+from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 
+from deployments import secrets
+from deployments.host import enginecli, engineenv, systemd
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 
 
@@ -35,3 +38,17 @@ def deployment_wait(deployment: Deployment, token: str, wait_s: float = 0.0) -> 
         if current != token or time.monotonic() >= deadline:
             return current, events
         time.sleep(0.5)
+
+
+def deployment_unit(d: Deployment) -> tuple[str, str]:
+    """The systemd unit that runs deployment `d`, to install by hand: its file name and its text, with
+    secret values masked (they belong in the unit's EnvironmentFile)."""
+    copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
+    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
+                                d.port, "0.0.0.0", d.engine_args)
+    name = systemd.unit_name(d.name)
+    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices))
+    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
+                               log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
+                               secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)
+    return name, secrets.redact_deployment(d, text)  # a secret flag value (--api-key) is shown masked

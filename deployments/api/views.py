@@ -198,9 +198,8 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     @action(detail=True)
     def unit(self, request, pk=None):
         """The systemd unit for this deployment, to install by hand."""
-        from deployments.deploy_views import _unit_text
-
-        return Response({"name": f"vllm-{self.get_object().name}.service", "text": _unit_text(self.get_object())})
+        name, text = selectors.deployment_unit(self.get_object())
+        return Response({"name": name, "text": text})
 
     def _accepted(self, d):
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)

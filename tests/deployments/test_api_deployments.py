@@ -84,3 +84,20 @@ def test_stop_restart_events_logs_and_unit(api, setup):
     assert api.post(f"/api/deployments/{d.pk}/restart/", {}, format="json").status_code == 409  # already queued
     assert api.post(f"/api/deployments/{d.pk}/stop/").json()["status"] == "stopping"
     assert enqueue.call_args.args[2] == d.pk
+
+
+def test_the_unit_to_install_by_hand_runs_the_copy_with_the_deployments_env_on_page_and_api(
+        api, setup, viewer_client, monkeypatch):
+    node, model, _ = setup
+    monkeypatch.setenv("AGENT_ONLY", "never in a unit")
+    d = DeploymentFactory(node=node, model=model, status="ready", port=8100, name="tiny-prod", env={"NCCL_PROTO": "LL"})
+    d.gpus.set(node.gpus.filter(index__in=[2, 3]))
+    d.refresh_from_db()
+    answer = api.get(f"/api/deployments/{d.pk}/unit/").json()
+    page = viewer_client.get(f"/deployments/{d.pk}/unit/")
+    assert page.content.decode() == answer["text"] and answer["name"] == "vllm-tiny-prod.service"
+    assert page["Content-Disposition"] == 'attachment; filename="vllm-tiny-prod.service"'
+    [exec_start] = [line for line in answer["text"].splitlines() if line.startswith("ExecStart=")]
+    assert ['"serve"', '"/models/m"'] == exec_start.split()[1:3] and '"--port" "8100"' in exec_start
+    assert 'Environment="NCCL_PROTO=LL"' in answer["text"] and 'Environment="CUDA_VISIBLE_DEVICES=2,3"' in answer["text"]
+    assert "AGENT_ONLY" not in answer["text"]

@@ -1,53 +1,16 @@
-"""Server-rendered pages. Views read through selectors and change things through services."""
-import math
-from datetime import timedelta
-
-from django.conf import settings
+"""Model pages: the model list (add from the Hub or a local folder), a model's page with its fit
+estimates and copies, downloads and copy actions."""
 from django.contrib import messages
-from django.http import Http404, HttpResponseForbidden, JsonResponse
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
-from rest_framework.authtoken.models import Token
 
-from controlpanel import tokens
 from controlpanel.errors import ServiceError
-from controlpanel.roles import is_operator, operator_required
-from deployments import forms, history, selectors, services
+from controlpanel.roles import operator_required
+from deployments import forms, selectors, services
 from deployments.models import ModelCopy, ModelRepo, Node
-
-
-def dashboard(request):
-    nodes = list(selectors.node_list())
-    return render(request, "deployments/dashboard.html", {"nodes": nodes})
-
-
-def node_list(request):
-    return render(request, "deployments/node_list.html", {"nodes": selectors.node_list()})
-
-
-def node_detail(request, pk):
-    node = get_object_or_404(selectors.node_list(), pk=pk)
-    recent = history.recent(node.pk)
-    return render(request, "deployments/node_detail.html", {
-        "node": node, "gpus": node.gpus.all(), "recent": recent, "latest": recent[-1] if recent else None,
-    })
-
-
-def node_history(request, pk):
-    """Chart data: full-rate samples after `since` (last hour), or per-minute rows for `days`."""
-    node = get_object_or_404(Node, pk=pk)
-    try:
-        since = float(request.GET.get("since", 0))
-        days = min(float(request.GET.get("days", 0)), 7.0)
-    except ValueError:
-        since = days = math.nan
-    if not (math.isfinite(since) and math.isfinite(days)) or since < 0 or days < 0:  # "x", "nan", "inf", "-1"
-        return JsonResponse({"error": "since and days must be finite numbers, 0 or more"}, status=400)
-    if days:
-        return JsonResponse({"resolution": 60, "samples": history.minutes(node.pk, timedelta(days=days))})
-    return JsonResponse({"resolution": 1, "samples": history.recent(node.pk, since)})
 
 
 def model_list(request):
@@ -128,37 +91,3 @@ def copy_action(request, pk, action):
     if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}, require_https=request.is_secure()):
         back = reverse("model-detail", args=[copy.model_id])  # never off-site: `next` came from the form
     return redirect(back)
-
-
-def panel_settings(request):
-    form = forms.HfTokenForm()
-    if request.method == "POST":
-        if not is_operator(request.user):
-            return HttpResponseForbidden("Changing settings needs the operator role.")
-        form = forms.HfTokenForm(request.POST)
-        if form.is_valid():
-            services.hf_token_set("" if form.cleaned_data["clear"] else form.cleaned_data["hf_token"])
-            messages.success(request, "Hugging Face token saved." if form.cleaned_data["hf_token"] and not form.cleaned_data["clear"]
-                             else "Hugging Face token cleared.")
-            return redirect("settings")
-    return render(request, "settings.html", {"form": form, "hf_token_set": bool(services.hf_token()),
-                                             "hf_endpoint": settings.HF_ENDPOINT})
-
-
-def deployment_list(request):
-    return render(request, "deployments/deployment_list.html", {"deployments": selectors.deployment_list()})
-
-
-def account(request):
-    token = Token.objects.filter(user=request.user).first()
-    return render(request, "account.html", {"has_token": token is not None})
-
-
-@require_POST
-def account_token(request):
-    """Create (or replace) the user's API token; it is shown once."""
-    Token.objects.filter(user=request.user).delete()
-    if request.POST.get("action") == "revoke":
-        messages.success(request, "API token revoked.")
-        return redirect("account")
-    return render(request, "account.html", {"has_token": True, "new_token": tokens.issue(request.user)})

@@ -1,5 +1,5 @@
-"""Deploy pages: the deploy form (with presets), a deployment's live page, and its actions."""
-from django.conf import settings
+"""Deployment pages: the list, the deploy form (with presets), a deployment's live page, its actions
+and its systemd unit."""
 from django.contrib import messages
 from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -9,8 +9,11 @@ from controlpanel.errors import ServiceError
 from controlpanel.params import int_param
 from controlpanel.roles import operator_required
 from deployments import engineargs, forms, privileged, secrets, selectors, services
-from deployments.host import enginecli, engineenv, systemd
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+
+
+def deployment_list(request):
+    return render(request, "deployments/deployment_list.html", {"deployments": selectors.deployment_list()})
 
 
 def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
@@ -84,7 +87,7 @@ def deploy(request, pk):
 def deployment_detail(request, pk):
     d = get_object_or_404(selectors.deployment_list(), pk=pk)
     return render(request, "deployments/deployment_detail.html", {
-        "deployment": d, "events": d.events.all(), "unit": _unit_text(d), "env": secrets.mask(d.env),
+        "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env),
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail)})
 
 
@@ -124,19 +127,9 @@ def deployment_action(request, pk, action):
     return redirect("deployment-detail", pk)
 
 
-def _unit_text(d: Deployment) -> str:
-    copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
-    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
-                             d.port, "0.0.0.0", d.engine_args)
-    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices))
-    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
-                               log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
-                               secret_env_file=str(systemd.env_file_path(systemd.unit_name(d.name))) if secret_env else None)
-    return secrets.redact_deployment(d, text)  # a secret flag value (--api-key) is shown masked
-
-
 def deployment_unit(request, pk):
     d = get_object_or_404(selectors.deployment_list(), pk=pk)
-    response = HttpResponse(_unit_text(d), content_type="text/plain; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="{systemd.unit_name(d.name)}"'
+    name, text = selectors.deployment_unit(d)
+    response = HttpResponse(text, content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
     return response

@@ -1,0 +1,41 @@
+"""The user's own pages: the account page and its API token, and the panel settings (Hugging Face token)."""
+from django.conf import settings
+from django.contrib import messages
+from django.http import HttpResponseForbidden
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+from rest_framework.authtoken.models import Token
+
+from controlpanel import tokens
+from controlpanel.roles import is_operator
+from deployments import forms, services
+
+
+def panel_settings(request):
+    form = forms.HfTokenForm()
+    if request.method == "POST":
+        if not is_operator(request.user):
+            return HttpResponseForbidden("Changing settings needs the operator role.")
+        form = forms.HfTokenForm(request.POST)
+        if form.is_valid():
+            services.hf_token_set("" if form.cleaned_data["clear"] else form.cleaned_data["hf_token"])
+            messages.success(request, "Hugging Face token saved." if form.cleaned_data["hf_token"] and not form.cleaned_data["clear"]
+                             else "Hugging Face token cleared.")
+            return redirect("settings")
+    return render(request, "settings.html", {"form": form, "hf_token_set": bool(services.hf_token()),
+                                             "hf_endpoint": settings.HF_ENDPOINT})
+
+
+def account(request):
+    token = Token.objects.filter(user=request.user).first()
+    return render(request, "account.html", {"has_token": token is not None})
+
+
+@require_POST
+def account_token(request):
+    """Create (or replace) the user's API token; it is shown once."""
+    Token.objects.filter(user=request.user).delete()
+    if request.POST.get("action") == "revoke":
+        messages.success(request, "API token revoked.")
+        return redirect("account")
+    return render(request, "account.html", {"has_token": True, "new_token": tokens.issue(request.user)})
