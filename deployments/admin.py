@@ -1,5 +1,6 @@
 from django.contrib import admin
 
+from deployments import secrets
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
 
 
@@ -38,3 +39,18 @@ class DeploymentAdmin(admin.ModelAdmin):
     list_filter = ["status", "node"]
     search_fields = ["name"]
     inlines = [DeploymentEventInline]
+    # Secrets are write-only here too (deployments/secrets.py): shown masked, edited on the panel's form.
+    exclude = ["env", "engine_args", "log_tail"]
+    readonly_fields = ["environment", "engine_flags", "log"]
+
+    @admin.display(description="Environment")
+    def environment(self, obj):
+        return secrets.mask(obj.env)
+
+    @admin.display(description="Engine flags")
+    def engine_flags(self, obj):
+        return secrets.mask(obj.engine_args)
+
+    @admin.display(description="Log tail")
+    def log(self, obj):
+        return secrets.redact_deployment(obj, obj.log_tail)

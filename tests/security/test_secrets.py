@@ -79,3 +79,11 @@ def test_an_installed_unit_and_its_secret_file_are_readable_by_root_only(tmp_pat
     unit, env_file = tmp_path / "vllm-x.service", tmp_path / "vllm-x.service.env"
     assert unit.stat().st_mode & 0o777 == 0o600 and env_file.stat().st_mode & 0o777 == 0o600
     assert env_file.read_text() == 'HF_TOKEN="a\\"b$c"\n' and "HF_TOKEN" not in unit.read_text()
+
+
+def test_the_admin_site_shows_secrets_masked(deployment, client):
+    from tests.factories import UserFactory
+
+    client.force_login(UserFactory(is_superuser=True, is_staff=True))
+    page = client.get(f"/admin/deployments/deployment/{deployment.pk}/change/").content.decode()
+    assert "NCCL_PROTO" in page and TOKEN not in page and KEY not in page
