@@ -7,20 +7,26 @@ from deployments.models import Deployment, ModelCopy, Node
 from tests.conftest import VLLM, agent_argv, in_thread, wait_until
 
 
-@pytest.fixture
-def cpu_node(process_env, spawn, unique, tmp_path, tiny_model):
+def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_env):
+    """A real node agent with the CPU engine and `model_folder` as a ready local model: (node, model, agent env)."""
     assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
     # CPU_HOST_EXCLUSIVE off: other test sessions on this shared machine run engines of their own
     # (tests/faults checks the whole-host claim with it on).
     env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path),
-               CPU_HOST_EXCLUSIVE="0")
+               CPU_HOST_EXCLUSIVE="0", **extra_env)
     name = f"cpu-{unique}"
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
-    model = in_thread(services.model_add_local, node, str(tiny_model))
+    model = in_thread(services.model_add_local, node, str(model_folder))
     wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
                message="the local model on the node")
     wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
+    return node, model, env
+
+
+@pytest.fixture
+def cpu_node(process_env, spawn, unique, tmp_path, tiny_model):
+    node, model, _ = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
     yield node, model
     # Engines run in their own sessions and outlive a killed agent: never leave one behind.
     for pgid in Deployment.objects.filter(node=node).exclude(pgid=None).values_list("pgid", flat=True):

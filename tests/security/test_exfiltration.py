@@ -9,8 +9,9 @@ import pytest
 
 from deployments import services
 from deployments.host import engine, ownership
-from deployments.models import Deployment, ModelCopy, Node
-from tests.conftest import VLLM, agent_argv, in_thread, wait_until
+from deployments.models import Deployment
+from tests.conftest import in_thread, wait_until
+from tests.e2e.conftest import start_cpu_node
 from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -41,16 +42,8 @@ def spy_model(tiny_model, tmp_path):
 
 
 def test_remote_code_in_a_deployed_model_sees_none_of_the_panels_settings(process_env, spawn, unique, tmp_path, spy_model):
-    assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
-    agent_env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-                     PANEL_VAR_DIR=str(tmp_path), CPU_HOST_EXCLUSIVE="0", HF_HOME=str(tmp_path / "hf"), **AGENT_SECRETS)
-    name = f"exfil-{unique}"
-    spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), agent_env, name=name)
-    node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
-    model = in_thread(services.model_add_local, node, str(spy_model))
-    wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
-               message="the model on the node")
-    wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
+    node, model, agent_env = start_cpu_node(process_env, spawn, unique, tmp_path, spy_model,
+                                            HF_HOME=str(tmp_path / "hf"), **AGENT_SECRETS)
     admin = UserFactory(is_superuser=True)
     d = in_thread(services.deployment_create, model=model, node=node, gpu_indices=[], port=_free_port(),
                   engine_args={"trust-remote-code": True, "enforce-eager": True, "max-model-len": 512, "max-num-seqs": 4},
