@@ -103,7 +103,7 @@ async def load(base: str, token: str, paths: list[str], clients: int, seconds: f
 def fleet(nodes: int, heartbeat_s: float, sample_s: float, written: list):
     """A fleet's writes while the block runs, as its agents make them: each of `nodes` nodes writes a
     heartbeat (a Node row) every `heartbeat_s` and a telemetry sample (Redis history; answers that carry
-    telemetry go stale) every `sample_s`. Appends the number of writes to `written`."""
+    telemetry go stale) every `sample_s`. Appends the writes per second it made to `written`."""
     import threading
 
     from django.db import connection
@@ -127,7 +127,7 @@ def fleet(nodes: int, heartbeat_s: float, sample_s: float, written: list):
             else:
                 history.push(ids[samples % len(ids)], {"t": time.time(), "gpus": [], "disk": {"free": 10**12}, "host": SAMPLE_HOST}, sample_s)
                 samples += 1
-        written.append(beats + samples)
+        written.append((beats + samples) / (time.monotonic() - started))
         connection.close()
 
     thread = threading.Thread(target=write, daemon=True)
@@ -203,7 +203,7 @@ def main():
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
     rps, floor_rps = len(api) / args.seconds, len(floor) / (args.seconds / 2)
-    writes_per_s = sum(written) / args.seconds
+    writes_per_s = written[0] if written else 0.0
     print(f"{args.clients} clients, {args.workers} server workers, {args.seconds:.0f} s; endpoints: {', '.join(ENDPOINTS)}")
     print(f"meanwhile a fleet of {args.nodes} nodes wrote {writes_per_s:.1f} times a second (a heartbeat each "
           f"{args.heartbeat_seconds:g} s, a telemetry sample each {args.sample_seconds:g} s per node)")
