@@ -12,6 +12,7 @@ from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from deployments import live, secrets
 from deployments.host import vllm
 from deployments.models import Deployment, ModelCopy
+from deployments.selectors import deployment_startup
 
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
@@ -48,6 +49,7 @@ def environment_of(d: Deployment) -> dict:
         "engine_version": d.node.engine_version, "engine_args": secrets.mask(d.engine_args), "env": secrets.mask(d.env),
         "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total} for g in d.gpus.all()],
         "model_path": copy.path if copy else "",
+        "startup": deployment_startup(d),  # seconds per start-up phase of its latest load (issue 16)
     }
 
 

@@ -28,6 +28,8 @@ class Node(models.Model):
     agent_pid = models.IntegerField(null=True, blank=True, help_text="PID of the agent that heartbeats.")
     foreign_processes = models.JSONField(default=list, blank=True,
                                          help_text="Processes on the GPUs the panel did not start, as the agent last saw them.")
+    disk_read = models.JSONField(default=dict, blank=True,
+                                 help_text="The model store's sequential read rate: {bps, bytes, cold, at} (issue 16).")
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

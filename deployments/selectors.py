@@ -52,3 +52,20 @@ def deployment_unit(d: Deployment) -> tuple[str, str]:
                                log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
                                secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)
     return name, secrets.redact_deployment(d, text)  # a secret flag value (--api-key) is shown masked
+
+
+def load_events(**lookup) -> QuerySet:
+    """Finished loads kept for history (issue 16): their data has per-phase `totals`, newest first."""
+    from deployments.models import DeploymentEvent
+    return (DeploymentEvent.objects.filter(step="load", level=DeploymentEvent.Level.INFO, ended__isnull=False,
+                                           data__has_key="totals", **lookup)
+            .select_related("deployment__node").order_by("-started"))
+
+
+def deployment_startup(d: Deployment) -> dict:
+    """The deployment's latest kept load: seconds per phase, for environment snapshots."""
+    event = load_events(deployment=d).first()
+    if not event:
+        return {}
+    totals = event.data["totals"]
+    return {"ready_s": round(sum(v for k, v in totals.items() if k != "smoke_test"), 1), "totals": totals}

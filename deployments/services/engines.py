@@ -19,6 +19,7 @@ from deployments import live, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import _send_plan, deployment_event, deployment_holders
+from deployments.services import loadtime
 from deployments.services.guards import foreign_holders
 from deployments.services.models import model_copy_download
 
@@ -409,16 +410,19 @@ HEALTH_POLL_S = 0.1
 def _follow(d: Deployment) -> None:
     """Follow the log and GPU memory until /health answers; stalled only when both stop moving."""
     progress = enginelog.LoadProgress()
+    watch = loadtime.LoadWatch(d)  # issue 16: phases, prediction, read rate
     offset, tail = 0, []
     memory = _gpu_memory(d.gpu_indices)
     moved_at = time.monotonic()
     saved_at = 0.0
     base_url = f"http://127.0.0.1:{d.port}"
     with _step(d, "load") as event:
+        watch.event_id = event.pk
         while True:
             lines, offset = enginelog.read_lines(Path(d.log_path), offset)
             for line in lines:
                 progress.feed(line)
+            watch.feed(lines)
             if lines:
                 tail = (tail + lines)[-TAIL_LINES:]
                 live.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
@@ -431,7 +435,7 @@ def _follow(d: Deployment) -> None:
                 d.load_phase, d.load_percent = progress.phase, float(progress.percent)
                 d.load_detail = {"shards_done": progress.shards_done, "shards_total": progress.shards_total,
                                  "seconds_left": progress.seconds_left, "idle_s": round(progress.idle_s(now), 1),
-                                 "gpu_memory": {str(i): m for i, m in current.items()}}
+                                 "gpu_memory": {str(i): m for i, m in current.items()}, **watch.detail()}
                 d.log_tail = "\n".join(tail)
                 Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
                                                           load_detail=d.load_detail, log_tail=d.log_tail)
@@ -450,10 +454,13 @@ def _follow(d: Deployment) -> None:
             time.sleep(HEALTH_POLL_S)
         took = (timezone.now() - d.started).total_seconds() if d.started else 0
         event.message = f"Ready after {took:.0f} s" + (f" (weights {progress.weights_seconds:.0f} s)" if progress.weights_seconds else "") + "."
+        if changes := watch.ready():
+            event.message += f" {changes[0].upper()}{changes[1:]}."
     d.load_phase, d.load_percent = "server_up", 100.0
     d.log_tail = "\n".join(tail)
     _set(d, S.READY)
     _smoke(d, base_url)
+    watch.finish()
 
 
 def _smoke(d: Deployment, base_url: str) -> None:

@@ -1,0 +1,136 @@
+"""Load time (issue 16), node side: a load's phases, its prediction from earlier loads, the loader's
+read rate against the store's own, page-cache residency, pre-warm and the store's measurement."""
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import psutil
+from django.utils import timezone
+
+from deployments import selectors
+from deployments.host import loadphases, pagecache
+from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
+
+log = logging.getLogger(__name__)
+HISTORY = 5           # earlier loads a prediction draws on
+RESIDENCY_EVERY_S = 5.0  # mincore over a big model costs a pass over its page table
+
+
+def load_key(d: Deployment) -> str:
+    """What a load's time depends on: model (and commit), flags, engine version, node."""
+    parts = {"model": d.model_id, "commit": d.model.commit, "args": d.engine_args, "env": d.env,
+             "engine": d.node.engine_version, "node": d.node_id}
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_loads = selectors.load_events
+
+
+def load_history(d: Deployment, exclude_event: int | None = None) -> tuple[list[dict], str, float, dict | None]:
+    """(totals of earlier loads, what they are, weights scale, the previous load's totals)."""
+    same = list(_loads(data__key=load_key(d)).exclude(pk=exclude_event)[:HISTORY])
+    if same:
+        return ([e.data["totals"] for e in same], f"{len(same)} earlier load{'s' * (len(same) > 1)} "
+                "of this model, flags, engine and node", 1.0, same[0].data["totals"])
+    other = _loads(data__model=d.model_id).exclude(pk=exclude_event).exclude(deployment__node=d.node).first()
+    here, there = (d.node.disk_read or {}).get("bps"), other and (other.deployment.node.disk_read or {}).get("bps")
+    if other and here and there:
+        return ([other.data["totals"]], f"this model on {other.deployment.node.name}, weights scaled by "
+                f"disk read rate ({there / 1e9:.2f} → {here / 1e9:.2f} GB/s)", there / here, None)
+    return [], "no earlier load of this model here: phases only", 1.0, None
+
+
+def _model_files(d: Deployment) -> list[Path]:
+    copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
+    try:
+        return pagecache.weight_files(copy.path) if copy and copy.path else []
+    except OSError:
+        return []
+
+
+class LoadWatch:
+    """One load followed: phases from the log, prediction, read rate, residency, free RAM."""
+
+    def __init__(self, d: Deployment):
+        self.d = d
+        self.t0 = d.started.timestamp() if d.started else time.time()
+        # A load followed again after an agent restart replays old lines at today's clock: shown, not kept.
+        self.fresh = time.time() - self.t0 < 15
+        self.clock = loadphases.PhaseClock()
+        self.history, self.basis, self.scale, self.previous = load_history(d)
+        self.files = _model_files(d)
+        self.model_bytes = sum(p.stat().st_size for p in self.files if p.exists())
+        self.io = (time.monotonic(), pagecache.process_read_bytes(d.pid) if d.pid else 0)
+        self.read_bps = 0.0
+        self.residency: pagecache.Residency | None = None
+        self.residency_at = 0.0
+        self.event_id: int | None = None
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def feed(self, lines: list[str]) -> None:
+        now = self.now()
+        for line in lines:
+            self.clock.feed(line, now)
+
+    def detail(self) -> dict:
+        """What the page shows beside the bar; called about once a second."""
+        mono = time.monotonic()
+        if self.d.pid:
+            read = pagecache.process_read_bytes(self.d.pid)
+            if mono - self.io[0] >= 1.0:
+                self.read_bps = max(0.0, (read - self.io[1]) / (mono - self.io[0]))
+                self.io = (mono, read)
+        if self.files and mono - self.residency_at >= RESIDENCY_EVERY_S:
+            self.residency_at = mono
+            try:
+                self.residency = pagecache.residency([p for p in self.files if p.exists()])
+            except (OSError, pagecache.PageCacheError):
+                self.residency = None
+        now = self.now()
+        prediction = loadphases.predict(self.clock, now, self.history, self.basis, self.scale)
+        return {"phases": self.clock.as_data(), "elapsed_s": round(now, 1), "basis": self.basis,
+                "prediction": prediction and {"total_s": prediction.total_s, "seconds_left": prediction.seconds_left,
+                                              "percent": prediction.percent},
+                "previous": self.previous, "read_bps": round(self.read_bps), "disk_bps": (self.d.node.disk_read or {}).get("bps"),
+                "model_bytes": self.model_bytes, "ram_available": psutil.virtual_memory().available,
+                "resident_bytes": self.residency.resident if self.residency else None}
+
+    def ready(self) -> str:
+        """The API answered: the smoke test starts. Returns the comparison with the previous load."""
+        self.clock.enter("smoke_test", self.now())
+        return "; ".join(loadphases.compare(self.clock.totals(), self.previous or {}))
+
+    def finish(self) -> None:
+        """The smoke test is done: keep this load's phases for history and the page."""
+        self.clock.finish(self.now())
+        data = {**self.clock.as_data(), "elapsed_s": round(self.now(), 1), "model_bytes": self.model_bytes}
+        if self.fresh:
+            data.update(key=load_key(self.d), model=self.d.model_id)
+        else:
+            data.pop("totals")  # replayed timings: not a load to learn from
+        if self.event_id:
+            DeploymentEvent.objects.filter(pk=self.event_id).update(data=data)
+        self.d.load_detail = {**self.d.load_detail, "phases": self.clock.as_data()}
+        Deployment.objects.filter(pk=self.d.pk).update(load_detail=self.d.load_detail)
+
+
+def node_measure_disk(node: Node, max_bytes: int = 1 << 30) -> dict:
+    """Measure the model store's sequential read rate (cold where it can) on the largest model files
+    here that no active engine serves, and keep it on the node."""
+    copies = ModelCopy.objects.filter(node=node).exclude(path="").select_related("model")
+    busy = set(node.deployments.filter(status__in=Deployment.ACTIVE).values_list("model_id", flat=True))
+    files, keep = [], set()
+    for copy in copies:
+        found = pagecache.weight_files(copy.path) if Path(copy.path).is_dir() else []
+        files += found
+        if copy.model_id in busy:
+            keep.update(found)
+    files.sort(key=lambda p: p.stat().st_size, reverse=True)
+    rate = pagecache.measure_read_rate(files, max_bytes=max_bytes, keep=frozenset(keep))
+    node.disk_read = {"bps": round(rate.bps), "bytes": rate.bytes, "cold": rate.cold, "at": timezone.now().isoformat()}
+    Node.objects.filter(pk=node.pk).update(disk_read=node.disk_read)
+    return node.disk_read
