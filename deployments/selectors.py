@@ -4,7 +4,7 @@ from django.db.models import Prefetch, QuerySet
 
 from deployments import secrets
 from deployments.host import enginecli, engineenv, systemd
-from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
 
 
 def node_list() -> QuerySet[Node]:
@@ -56,7 +56,6 @@ def deployment_unit(d: Deployment) -> tuple[str, str]:
 
 def load_events(**lookup) -> QuerySet:
     """Finished loads kept for history (issue 16): their data has per-phase `totals`, newest first."""
-    from deployments.models import DeploymentEvent
     return (DeploymentEvent.objects.filter(step="load", level=DeploymentEvent.Level.INFO, ended__isnull=False,
                                            data__has_key="totals", **lookup)
             .select_related("deployment__node").order_by("-started"))
