@@ -9,6 +9,7 @@ dcgm-exporter (`gpu`, `UUID`, `modelName`) plus `node`; README.md maps each one 
 import time
 from collections.abc import Iterator
 
+import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.samples import Sample
 
@@ -72,7 +73,10 @@ class FleetCollector:
         nodes = list(Node.objects.values_list("id", "name", "address", "agent_version", "engine_version", "last_heartbeat",
                                               "heartbeat_seconds", "disk_total", "disk_free", "nvml_error"))
         gpus = self.gpus if self.gpus is not None else self.gpu_rows()
-        samples = live.kept([live.node_topic(n[0]) for n in nodes], "sample") if nodes else []
+        try:
+            samples = live.kept([live.node_topic(n[0]) for n in nodes], "sample")
+        except redis.RedisError:  # the rows still say something; readings are left out, not made up
+            samples = [None] * len(nodes)
 
         info = gauge("panel_node_info", "A node's address, agent and engine versions, and whether NVML works (value 1).",
                       ["node", "address", "agent_version", "engine_version", "nvml"])

@@ -199,3 +199,14 @@ def test_a_changed_figure_shows_at_the_next_scrape_and_a_heartbeat_rereads_no_be
     assert value(samples, "panel_benchmark_output_tokens_per_second", **level) == 999.0
     assert value(samples, "panel_deployment_restarts", deployment=fleet["ready"].name) == 2
     assert value(samples, "panel_deployment_restarts", node="renamed", deployment=fleet["ready"].name) == 2
+
+
+def test_without_redis_a_scrape_still_answers_from_the_rows(viewer_client, fleet):
+    import redis
+
+    with mock.patch("deployments.live.kept", autospec=True, side_effect=redis.ConnectionError("down")), \
+            mock.patch("controlpanel.apicache.versions", autospec=True, side_effect=redis.ConnectionError("down")):
+        samples = scrape(viewer_client)
+    assert value(samples, "panel_node_online", node=fleet["node"].name) == 1
+    assert value(samples, "panel_deployment_state", deployment=fleet["ready"].name, state="ready") == 1
+    assert not [k for k in samples if k[0].startswith("panel_gpu_")]
