@@ -151,20 +151,27 @@ def cmd_model_add(panel, args):
 def cmd_deploy(panel, args):
     model_id = _model_id(panel, args.model)
     node = panel.get(f"nodes/{args.node}/")
-    engine_args = {"tensor-parallel-size": args.tp, **_pairs(args.flag, "--flag")}
-    if args.pp > 1:
-        engine_args["pipeline-parallel-size"] = args.pp
-    if args.max_model_len:
-        engine_args["max-model-len"] = args.max_model_len
-    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else [g["index"] for g in node["gpus"]][: args.tp * args.pp]
-    replace = [_deployment(panel, r)["id"] for r in args.replace or []]
+    engine_args = _pairs(args.flag, "--flag")
+    for flag, value in (("tensor-parallel-size", args.tp), ("pipeline-parallel-size", args.pp),
+                        ("max-model-len", args.max_model_len)):
+        if value:  # unset: the server's preset for the node decides, as on the deploy form
+            engine_args[flag] = value
+    gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus
+            else [g["index"] for g in node["gpus"]][: (args.tp or 1) * (args.pp or 1)])
     body = {"model": model_id, "node": args.node, "gpus": gpus, "port": args.port, "engine_args": engine_args,
-            "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "replace": replace,
-            "auto_restart": args.auto_restart}
+            "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
+            "preset": args.preset, "replace_existing": args.replace,
+            "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []]}
     if args.name:
         body["name"] = args.name
-    d = panel.post("deployments/", body, key=args.idempotency_key)
-    say(f"Deploying {d['name']} (id {d['id']}) on {args.node}, GPUs {gpus or 'none'}, port {args.port}.")
+    try:
+        d = panel.post("deployments/", body, key=args.idempotency_key)
+    except CliError as exc:
+        if exc.code == 3 and "exists already" in str(exc):
+            raise CliError(f"{exc}\n  (run again with --replace to redeploy it with these settings)", exc.code) from exc
+        raise
+    say(f"Deploying {d['name']} (id {d['id']}) on {args.node}, GPUs {d['gpus'] or 'none (CPU)'}, port {d['port']}, flags "
+        + " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in d["engine_args"].items()))
     return _wait_deployment(panel, d, args, want="ready") if args.wait else _done(d, args)
 
 
@@ -311,13 +318,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--node", required=True)
     s.add_argument("--name", default="")
     s.add_argument("--gpus", default="", help="e.g. 0,1,2,3 (default: the first TP×PP GPUs)")
-    s.add_argument("--tp", type=int, default=1)
-    s.add_argument("--pp", type=int, default=1)
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--tp", type=int, default=None, help="tensor parallel (default: the preset's)")
+    s.add_argument("--pp", type=int, default=None, help="pipeline parallel (default: 1)")
+    s.add_argument("--port", type=int, default=None, help="default: a port free on the node")
+    s.add_argument("--preset", default="auto", help="auto (the node's: one GPU, or the CPU engine), none, or a "
+                   "deploy-form preset: single-gpu, tp8-moe-int4, tp4-ep-fp8, nccl-ring-ll, cpu-test")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--flag", action="append", metavar="NAME=VALUE", help="engine flag, repeatable (NAME= for a switch)")
     s.add_argument("--env", action="append", metavar="NAME=VALUE", help="environment variable, repeatable")
-    s.add_argument("--replace", action="append", metavar="DEPLOYMENT", help="also stop this deployment first")
+    s.add_argument("--replace", action="store_true", help="a deployment with this name exists: redeploy it")
+    s.add_argument("--also-stop", action="append", metavar="DEPLOYMENT", help="also stop this deployment first")
     s.add_argument("--auto-restart", action="store_true")
     s.add_argument("--wait", action="store_true", help="wait until ready (exit 1 if it fails)")
     s.add_argument("--timeout", type=float, default=7200)

@@ -149,6 +149,7 @@ def start(args) -> int:
         env["SECRET_KEY_FILE"] = str(var_dir / "secret_key")
         ensure_secret_key(var_dir)
     env.setdefault("MODEL_STORE", str(var_dir / "models"))
+    env["PANEL_PORT"] = str(args.port)  # the deploy form never offers the panel's own port to an engine
     local_engine = BASE_DIR / ".engine-venv" / "bin" / "vllm"  # scripts/install-engine's CPU vLLM
     env.setdefault("VLLM_BIN", shutil.which("vllm") or (str(local_engine) if local_engine.exists() else "vllm"))
     children = Children()

@@ -122,6 +122,7 @@ TEMPLATES = [
         "DIRS": [BASE_DIR / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
+            "builtins": ["controlpanel.templatetags.sizes"],
             "context_processors": [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
@@ -240,6 +241,10 @@ HOST_TASK_EXPIRES_S = env_int("HOST_TASK_EXPIRES", 600)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HF_TOKEN = env_secret("HF_TOKEN")
 VLLM_BIN = env_str("VLLM_BIN", "vllm")
+# The panel's own port (set by `./panel start --port`): never offered to an engine. Engines get the
+# first port from ENGINE_PORT_FIRST that no active deployment on the node holds (deployment_free_port).
+PANEL_PORT = env_int("PANEL_PORT", 8000)
+ENGINE_PORT_FIRST = env_int("ENGINE_PORT_FIRST", 8100)
 # URL prefixes a benchmark may target besides deployments (benchmarks/allowlist.py); default none.
 BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")
 # Monitoring (README "Prometheus and Grafana"): a read-only secret for /metrics and the service

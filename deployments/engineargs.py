@@ -46,6 +46,26 @@ PRESETS = {
 }
 
 
+# Preset keys that are form fields, and the engine flag each one sets (the form's clean() does the same).
+PRESET_FLAGS = {"tp": "tensor-parallel-size", "gpu_memory_utilization": "gpu-memory-utilization",
+                "max_model_len": "max-model-len", "max_num_seqs": "max-num-seqs",
+                "expert_parallel": "enable-expert-parallel", "trust_remote_code": "trust-remote-code",
+                "reasoning_parser": "reasoning-parser", "tool_call_parser": "tool-call-parser"}
+
+
+def node_preset(has_gpus: bool) -> str:
+    """The preset that works on a node as it is: one GPU where there are GPUs, the CPU engine's otherwise."""
+    return "single-gpu" if has_gpus else "cpu-test"
+
+
+def with_preset(key: str, engine_args: dict, env: dict) -> tuple[dict, dict]:
+    """The preset's flags and environment under the caller's own (a value the caller gave wins)."""
+    preset = PRESETS[key]
+    flags = {PRESET_FLAGS[k]: v for k, v in preset.items() if k in PRESET_FLAGS}
+    flags.update(preset["flags"])
+    return {**flags, **engine_args}, {**preset["env"], **env}
+
+
 class ArgsError(ValueError):
     """What the user typed is not acceptable; `errors` maps a field to its message."""
 

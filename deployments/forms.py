@@ -24,7 +24,7 @@ class DownloadForm(forms.Form):
 
 
 class FitForm(forms.Form):
-    tp = forms.TypedChoiceField(label="Tensor parallel", coerce=int, choices=[(n, n) for n in (1, 2, 4, 8, 16)], initial=8)
+    tp = forms.TypedChoiceField(label="Tensor parallel", coerce=int, choices=[(n, n) for n in (1, 2, 4, 8, 16)], initial=1)
     kv_cache_dtype = forms.ChoiceField(label="KV cache", choices=[("auto", "auto"), ("fp8", "fp8")], initial="auto")
 
 
@@ -40,7 +40,8 @@ class DeployForm(forms.Form):
 
     name = forms.SlugField(max_length=80, required=False, help_text="Default: model and node.")
     gpus = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple, label="GPUs")
-    port = forms.IntegerField(min_value=1024, max_value=65535, initial=8000)
+    port = forms.IntegerField(min_value=1024, max_value=65535,
+                              help_text="Default: the first port free on the node (never the panel's own).")
     tp = forms.IntegerField(label="Tensor parallel", min_value=1, max_value=64, initial=1)
     pp = forms.IntegerField(label="Pipeline parallel", min_value=1, max_value=64, initial=1)
     dp = forms.IntegerField(label="Data parallel", min_value=1, max_value=64, initial=1)

@@ -150,8 +150,8 @@ def _tp_split_problem(spec: ModelSpec, tp: int) -> str | None:
 
 
 def human_bytes(n: int | float) -> str:
-    """Bytes in decimal units as storage vendors and Hugging Face show them: '547 GB', '68.4 GB'."""
+    """Bytes in binary units, the one convention of every page and of nvidia-smi: '509 GiB', '63.7 GiB'."""
     if n < 10**5:
         return f"{int(n):,} B"
-    value, unit = (n / GB, "GB") if n >= 10**8 else (n / 10**6, "MB")
+    value, unit = (n / 2**30, "GiB") if n >= 10**8 else (n / 2**20, "MiB")
     return f"{value:.1f} {unit}" if round(value, 1) < 100 else f"{value:,.0f} {unit}"

@@ -336,8 +336,8 @@ def test_kimi_k25_int4_does_not_fit_on_four_h200():
     r = fit_check(spec("kimi-k2.5-int4"), KIMI_WEIGHTS, [H200] * 8, tp=4)
     assert not r.fits
     assert r.kv_tokens == 0
-    # 547 GB of weights + 4 × 4 GiB overhead, against 4 × 141 GB × 0.90.
-    assert r.message.startswith("does not fit: needs 564 GB, has 508 GB")
+    # 547 GB (509 GiB) of weights + 4 × 4 GiB overhead, against 4 × 141 GB × 0.90 (473 GiB).
+    assert r.message.startswith("does not fit: needs 525 GiB, has 473 GiB")
 
 
 def test_fp8_kv_cache_doubles_the_tokens_that_fit_for_mla():
@@ -384,7 +384,7 @@ def test_a_shorter_max_model_len_makes_the_same_gpu_fit():
 def test_the_smallest_gpu_bounds_a_mixed_host():
     r = fit_check(spec("kimi-k2.5-int4"), KIMI_WEIGHTS, [H200] * 7 + [40 * GB], tp=8)
     assert not r.fits
-    assert r.message.startswith("does not fit: needs 72.7 GB per GPU, has 36.0 GB on the smallest GPU")
+    assert r.message.startswith("does not fit: needs 67.7 GiB per GPU, has 33.5 GiB on the smallest GPU")
 
 
 def test_glm5_nvfp4_fits_on_eight_rtx_pro_6000_with_one_full_length_sequence():
@@ -404,11 +404,14 @@ def test_fit_check_refuses_nonsense_arguments():
 # --- Formatting ---------------------------------------------------------------------------------
 
 
+GiB, MiB = 2**30, 2**20
+
+
 @pytest.mark.parametrize("n, text", [
-    (547 * GB, "547 GB"), (68_375_000_000, "68.4 GB"), (1_016 * GB, "1,016 GB"), (99.96 * GB, "100 GB"),
-    (300_000_000, "0.3 GB"), (3_500_000, "3.5 MB"), (512, "512 B"),
+    (547 * GiB, "547 GiB"), (68.4 * GiB, "68.4 GiB"), (1_016 * GiB, "1,016 GiB"), (99.96 * GiB, "100 GiB"),
+    (0.3 * GiB, "0.3 GiB"), (3.5 * MiB, "3.5 MiB"), (512, "512 B"),
 ])
-def test_human_bytes_uses_decimal_gigabytes_with_one_decimal_below_100(n, text):
+def test_human_bytes_uses_binary_gibibytes_with_one_decimal_below_100(n, text):
     assert human_bytes(n) == text
 
 

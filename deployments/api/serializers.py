@@ -3,6 +3,7 @@ from rest_framework import serializers
 
 from controlpanel.params import DB_INT_MAX
 from deployments import secrets, validators
+from deployments.engineargs import PRESETS
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
 
 
@@ -140,7 +141,13 @@ class DeployRequestSerializer(serializers.Serializer):
     name = serializers.SlugField(max_length=80, required=False, default="")
     gpus = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=1023), required=False, default=list,
                                  max_length=64)
-    port = serializers.IntegerField(min_value=1024, max_value=65535, default=8000)
+    port = serializers.IntegerField(min_value=1024, max_value=65535, required=False, default=None, allow_null=True,
+                                    help_text="Default: the first port free on the node (never the panel's own).")
+    preset = serializers.ChoiceField(choices=["auto", "none", *PRESETS], default="auto",
+                                     help_text="Flags and environment put under engine_args/env (yours win); auto: "
+                                               "one GPU on a GPU node, the CPU engine's on a node without GPUs.")
+    replace_existing = serializers.BooleanField(default=False, help_text="A deployment with this name exists: "
+                                                "redeploy it with these settings instead of answering 409.")
     engine_args = serializers.DictField(required=False, default=dict)
     env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False, default=dict)
     replace = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=DB_INT_MAX), required=False, default=list, max_length=64)

@@ -13,11 +13,11 @@ from django.utils.text import slugify
 
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_admin
-from deployments import live, privileged, secrets
+from deployments import engineargs, live, privileged, secrets
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
 from deployments.services.nodes import node_enqueue
 
-__all__ = ["deployment_create", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
+__all__ = ["deployment_create", "deployment_free_port", "deployment_default_name", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
            "deployment_event", "ForeignProcesses"]
 
 
@@ -86,8 +86,21 @@ class ForeignProcesses(ServiceError):
                          "\"stop other processes on these GPUs\".", field="gpus", code="foreign_processes")
 
 
+def deployment_free_port(node: Node) -> int:
+    """The first engine port no active deployment on the node holds, never the panel's own port."""
+    taken = set(node.deployments.filter(status__in=Deployment.ACTIVE).values_list("port", flat=True))
+    taken.add(settings.PANEL_PORT)
+    port = settings.ENGINE_PORT_FIRST
+    while port in taken:
+        port += 1
+    return port
+
+
+def deployment_default_name(model: ModelRepo, node: Node) -> str:
+    return slugify(f"{model.repo_id.split('/')[-1]}-{node.name}")[:70] or "deployment"
+
+
 def _unique_name(base: str) -> str:
-    base = slugify(base)[:70] or "deployment"
     name, n = base, 1
     while Deployment.objects.filter(name=name).exists():
         n += 1
@@ -96,18 +109,34 @@ def _unique_name(base: str) -> str:
 
 
 @transaction.atomic
-def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
+def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int | None, engine_args: dict,
                       env: dict, name: str = "", replace_ids=(), auto_restart: bool = False, stall_seconds: int = 600,
-                      stop_foreign: bool = False, user=None) -> Deployment:
-    """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load."""
+                      stop_foreign: bool = False, user=None, preset: str = "", replace_existing: bool = False) -> Deployment:
+    """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
+
+    `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
+    A stopped or failed deployment of this model on this node under the default name is deployed again
+    rather than a new `-2` row made per try; an existing name is redeployed only with `replace_existing`."""
     node = Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
+    if preset:
+        engine_args, env = engineargs.with_preset(engineargs.node_preset(node.gpus.exists()) if preset == "auto" else preset,
+                                                  engine_args, env)
+    existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
+    reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and (
+        replace_existing or (not name and existing.status in Deployment.TERMINAL))
+    if reusable:
+        return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
+                                   env=env, replace=list(replace_ids), auto_restart=auto_restart,
+                                   stall_seconds=stall_seconds, stop_foreign=stop_foreign, user=user)
+    if name and existing:
+        raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
+                           "Restart on its page) or choose another name.", field="name", code="exists")
+    port = port or deployment_free_port(node)
     _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
            replace_ids=list(replace_ids), stop_foreign=stop_foreign)
     privileged.check(engine_args=engine_args, env=env, model_dir=privileged.model_dir(model, node), admin=is_admin(user))
-    if name and Deployment.objects.filter(name=name).exists():
-        raise ServiceError(f"A deployment named {name} exists already.", field="name", code="exists")
     d = Deployment.objects.create(
-        name=name or _unique_name(f"{model.repo_id.split('/')[-1]}-{node.name}"), model=model, node=node, port=port,
+        name=name or _unique_name(deployment_default_name(model, node)), model=model, node=node, port=port,
         engine_args=engine_args, env=env, replace=list(replace_ids), auto_restart=auto_restart,
         stall_seconds=stall_seconds, stop_foreign=stop_foreign, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
@@ -140,7 +169,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
         if field in changes:
             changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
-    for field in ("port", "engine_args", "env", "auto_restart", "stall_seconds", "stop_foreign"):
+    for field in ("port", "engine_args", "env", "replace", "auto_restart", "stall_seconds", "stop_foreign"):
         if field in changes:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,

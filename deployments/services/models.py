@@ -16,7 +16,7 @@ from deployments.services.nodes import node_enqueue
 
 log = logging.getLogger(__name__)
 __all__ = [
-    "DiskShort", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
+    "DiskShort", "model_disk_check", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
     "model_download", "model_copy_download", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
     "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token", "hf_token_set",
 ]
@@ -155,6 +155,17 @@ def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_uti
     memories = [g.memory_total for g in node.gpus.all()]
     return modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
                                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+
+
+def model_disk_check(model: ModelRepo, nodes) -> list[dict]:
+    """Per node: what a download still needs against the disk free there (shown before Download)."""
+    done = dict(ModelCopy.objects.filter(model=model).values_list("node_id", "bytes_done"))
+    rows = []
+    for node in nodes:
+        needed = max(model.total_size - done.get(node.pk, 0), 0)
+        rows.append({"node": node, "needed": needed, "free": node.disk_free, "known": bool(node.disk_total),
+                     "fits": not node.disk_total or needed <= node.disk_free})
+    return rows
 
 
 # --- downloads ------------------------------------------------------------------------------

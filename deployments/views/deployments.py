@@ -40,16 +40,19 @@ def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
     return initial
 
 
-def _deploy_page(request, model, node, form, status=200):
+def _deploy_page(request, model, node, form, status=200, preset=""):
     copies = {c.node_id: c for c in ModelCopy.objects.filter(model=model)}
     holders = list(node.deployments.filter(status__in=Deployment.ACTIVE)) if node else []
     fit = None
-    if node and form.is_bound and form.is_valid():
+    if node and not node.gpus.exists():
+        fit = None  # a CPU node: the GPU fit check does not apply (the CPU engine holds the weights in RAM)
+    elif form.is_bound and form.is_valid():
         fit = services.model_fit(model, node, form.cleaned_data["tp"], form.cleaned_data["pp"])
     elif node and node.gpus.exists():
         fit = services.model_fit(model, node, int(form.initial.get("tp") or 1))
     return render(request, "deployments/deploy.html", {
         "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": engineargs.PRESETS,
+        "preset": preset or request.GET.get("preset") or (node and engineargs.node_preset(node.gpus.exists())),
         "privileged": privileged.FLAGS, "privileged_env": privileged.ENV,
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit}, status=status)
 
@@ -63,12 +66,12 @@ def deploy(request, pk):
         messages.error(request, "No node yet: start a node agent first.")
         return redirect("model-detail", pk)
     if request.method != "POST":
-        preset = engineargs.PRESETS.get(request.GET.get("preset", ""))
-        if preset is None:
-            preset = engineargs.PRESETS["single-gpu" if node.gpus.exists() else "cpu-test"]
-        initial = _initial(preset, None)
+        key = request.GET.get("preset", "")
+        key = key if key in engineargs.PRESETS else engineargs.node_preset(node.gpus.exists())
+        initial = _initial(engineargs.PRESETS[key], None)
         initial.setdefault("gpus", [str(g.index) for g in node.gpus.all()][: int(initial.get("tp") or 1)])
-        return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial))
+        initial["port"] = services.deployment_free_port(node)
+        return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key)
     form = forms.DeployForm(request.POST, node=node)
     if not form.is_valid():
         return _deploy_page(request, model, node, form, status=400)

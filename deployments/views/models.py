@@ -44,16 +44,19 @@ def model_add_local(request):
 
 def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     model = get_object_or_404(selectors.model_list(), pk=pk)
-    fit_form = forms.FitForm(request.GET or None)
-    tp, kv = 8, "auto"
+    nodes = list(Node.objects.prefetch_related("gpus"))
+    # TP defaults to what the biggest node can run, not to 8 GPUs nobody has.
+    most = max((len(n.gpus.all()) for n in nodes), default=0)
+    tp_default = max((t for t in (1, 2, 4, 8, 16) if t <= most), default=1)
+    fit_form = forms.FitForm(request.GET or None, initial={"tp": tp_default})
+    tp, kv = tp_default, "auto"
     if fit_form.is_valid():
         tp, kv = fit_form.cleaned_data["tp"], fit_form.cleaned_data["kv_cache_dtype"]
-    fits = [(node, services.model_fit(model, node, tp, kv_cache_dtype=kv)) for node in Node.objects.prefetch_related("gpus")
-            if node.gpus.all()]
+    fits = [(node, services.model_fit(model, node, tp, kv_cache_dtype=kv) if node.gpus.all() else None) for node in nodes]
     return render(request, "deployments/model_detail.html", {
-        "model": model, "fits": fits, "fit_form": fit_form if fit_form.is_bound else forms.FitForm(),
+        "model": model, "fits": fits, "fit_form": fit_form, "tp": tp,
         "download_form": download_form or forms.DownloadForm(), "disk_short": disk_short,
-        "copies": model.copies.all(),
+        "copies": model.copies.all(), "disk": services.model_disk_check(model, nodes),
     }, status=status)
 
 

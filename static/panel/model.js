@@ -1,8 +1,7 @@
 // Model page: each copy's progress (bytes, rate, time left, per file) follows live messages.
 (function () {
   const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
-  const GB = 1e9;
-  const size = (b) => (b >= GB ? (b / GB).toFixed(2) + " GB" : (b / 1e6).toFixed(1) + " MB");
+  const size = (b) => (b >= 2 ** 30 ? (b / 2 ** 30).toFixed(1) + " GiB" : (b / 2 ** 20).toFixed(1) + " MiB");
   const eta = (s) => (s == null ? "" : s > 3600 ? `${(s / 3600).toFixed(1)} h left` : s > 60 ? `${Math.round(s / 60)} min left` : `${Math.round(s)} s left`);
   Live.subscribe("model:" + MODEL.id, (msg) => {
     if (msg.kind === "model") { if (!msg.snapshot) location.reload(); return; }

@@ -33,7 +33,7 @@ def test_deploy_answers_202_with_the_deployment(api, setup):
     node, model, _ = setup
     response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0, 1], "port": 8100,
                                               "engine_args": {"tensor-parallel-size": 2, "--max-model-len": 4096},
-                                              "env": {"NCCL_PROTO": "LL"}}, format="json")
+                                              "env": {"NCCL_PROTO": "LL"}, "preset": "none"}, format="json")
     assert response.status_code == 202, response.json()
     d = Deployment.objects.get()
     assert response.json()["id"] == d.pk and d.engine_args == {"tensor-parallel-size": 2, "max-model-len": 4096}

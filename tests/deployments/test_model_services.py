@@ -13,11 +13,11 @@ from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, Mod
 
 pytestmark = pytest.mark.django_db
 CONFIGS = Path(__file__).resolve().parent.parent / "fixtures" / "configs"
-GB = 10**9
+GiB = 2**30
 
 
 def _info(config_name="deepseek-v3.json", shard_gb=(5, 5)):
-    files = [hub.RepoFile(f"model-{i:05d}.safetensors", int(gb * GB), "a" * 64, "b" * 40) for i, gb in enumerate(shard_gb)]
+    files = [hub.RepoFile(f"model-{i:05d}.safetensors", int(gb * GiB), "a" * 64, "b" * 40) for i, gb in enumerate(shard_gb)]
     files.append(hub.RepoFile("config.json", 1000, None, "c" * 40))
     return hub.RepoInfo("org/model", "main", "f" * 40, files, json.loads((CONFIGS / config_name).read_text()),
                         sum(f.size for f in files))
@@ -52,7 +52,7 @@ def test_inspect_records_files_commit_and_what_the_config_says(repo_info):
     model = ModelRepoFactory(repo_id="org/model", total_size=0)
     services.model_inspect(model.pk)
     model.refresh_from_db()
-    assert model.commit == "f" * 40 and len(model.files) == 3 and model.total_size == 10 * GB + 1000
+    assert model.commit == "f" * 40 and len(model.files) == 3 and model.total_size == 10 * GiB + 1000
     assert (model.architecture, model.attention, model.num_layers, model.hidden_size) == ("DeepseekV3ForCausalLM", "mla", 61, 7168)
     assert (model.num_experts, model.num_shared_experts, model.experts_per_token) == (256, 1, 8)
     assert model.quant_method == "fp8" and model.kv_lora_rank == 512
@@ -84,13 +84,13 @@ def test_the_token_comes_from_the_panel_setting_and_is_passed_only_to_the_hub(re
 
 def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists_what_to_delete(enqueued):
     model = _inspected()
-    node = NodeFactory(disk_total=20 * GB, disk_free=3 * GB)
-    idle = ModelCopyFactory(node=node, bytes_done=7 * GB)
-    busy = ModelCopyFactory(node=node, bytes_done=2 * GB)
+    node = NodeFactory(disk_total=20 * GiB, disk_free=3 * GiB)
+    idle = ModelCopyFactory(node=node, bytes_done=7 * GiB)
+    busy = ModelCopyFactory(node=node, bytes_done=2 * GiB)
     DeploymentFactory(node=node, model=busy.model, status="ready")
     with pytest.raises(services.DiskShort) as short:
         services.model_download(model, node)
-    assert "needs 10.0 GB, has 3.0 GB free" in short.value.message
+    assert "needs 10.0 GiB, has 3.0 GiB free" in short.value.message
     assert [(c["id"], c["in_use"]) for c in short.value.candidates] == [(idle.pk, False), (busy.pk, True)]
     enqueued.assert_not_called()
     assert not ModelCopy.objects.filter(model=model, state="queued").exists()
@@ -98,7 +98,7 @@ def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists
 
 def test_download_is_queued_on_the_nodes_own_queue(enqueued):
     model = _inspected()
-    node = NodeFactory(disk_total=100 * GB, disk_free=50 * GB)
+    node = NodeFactory(disk_total=100 * GiB, disk_free=50 * GiB)
     copy = services.model_download(model, node)
     assert copy.state == "queued" and copy.bytes_total == model.total_size
     assert enqueued.call_args.args[0] == node and enqueued.call_args.args[2] == copy.pk
@@ -113,7 +113,7 @@ def test_download_of_a_model_not_yet_read_is_refused(enqueued):
 
 def _queued_copy(tmp_path):
     model = _inspected()
-    node = NodeFactory(model_store=str(tmp_path), disk_total=100 * GB, disk_free=50 * GB)
+    node = NodeFactory(model_store=str(tmp_path), disk_total=100 * GiB, disk_free=50 * GiB)
     return ModelCopy.objects.create(model=model, node=node, state="queued", bytes_total=model.total_size)
 
 
@@ -122,14 +122,14 @@ def test_a_download_records_progress_and_ends_ready(tmp_path, download):
 
     def fake_download(info, dest, token, endpoint, on_progress, should_cancel):
         assert dest == tmp_path / "org--model" and info.commit == "f" * 40
-        on_progress(downloads.Progress(4 * GB, info.total_size, {"model-00000.safetensors": (4 * GB, 5 * GB)}, 2e8, 30.0, "model-00000.safetensors"))
+        on_progress(downloads.Progress(4 * GiB, info.total_size, {"model-00000.safetensors": (4 * GiB, 5 * GiB)}, 2e8, 30.0, "model-00000.safetensors"))
         seen = ModelCopy.objects.get(pk=copy.pk)
-        assert seen.bytes_done == 4 * GB and seen.rate == 2e8
-        assert seen.progress["files"]["model-00000.safetensors"] == [4 * GB, 5 * GB]
+        assert seen.bytes_done == 4 * GiB and seen.rate == 2e8
+        assert seen.progress["files"]["model-00000.safetensors"] == [4 * GiB, 5 * GiB]
 
     download.side_effect = fake_download
     with mock.patch("deployments.host.disk.disk_usage", autospec=True) as usage:
-        usage.return_value = mock.Mock(total=100 * GB, free=50 * GB)
+        usage.return_value = mock.Mock(total=100 * GiB, free=50 * GiB)
         services.model_copy_download(copy.pk)
     copy.refresh_from_db()
     assert copy.state == "ready" and copy.bytes_done == copy.bytes_total and copy.path == str(tmp_path / "org--model")
@@ -138,12 +138,12 @@ def test_a_download_records_progress_and_ends_ready(tmp_path, download):
 def test_the_agent_checks_the_real_disk_before_the_first_byte(tmp_path, download):
     copy = _queued_copy(tmp_path)
     with mock.patch("deployments.host.disk.disk_usage", autospec=True) as usage:
-        usage.return_value = mock.Mock(total=100 * GB, free=1 * GB)
+        usage.return_value = mock.Mock(total=100 * GiB, free=1 * GiB)
         services.model_copy_download(copy.pk)
     download.assert_not_called()
     copy.refresh_from_db()
     assert copy.state == "failed" and copy.error_code == "disk_full"
-    assert "needs 10.0 GB, has 1.0 GB free" in copy.error
+    assert "needs 10.0 GiB, has 1.0 GiB free" in copy.error
 
 
 @pytest.mark.parametrize("error, state", [
@@ -171,13 +171,13 @@ def test_a_redelivered_task_leaves_a_running_download_alone(tmp_path, download):
 
 def test_cancel_then_retry_resumes(tmp_path, enqueued):
     copy = _queued_copy(tmp_path)
-    ModelCopy.objects.filter(pk=copy.pk).update(state="downloading", bytes_done=GB)
+    ModelCopy.objects.filter(pk=copy.pk).update(state="downloading", bytes_done=GiB)
     copy = services.model_copy_cancel(copy)
     assert copy.cancel_requested and copy.state == "downloading"  # the agent stops at its next check
     ModelCopy.objects.filter(pk=copy.pk).update(state="cancelled")
     copy.refresh_from_db()
     copy = services.model_copy_retry(copy)
-    assert copy.state == "queued" and copy.bytes_done == GB and not copy.cancel_requested
+    assert copy.state == "queued" and copy.bytes_done == GiB and not copy.cancel_requested
 
 
 def test_a_copy_in_use_by_a_running_deployment_cannot_be_deleted(enqueued):
@@ -227,7 +227,7 @@ def test_fit_check_uses_the_nodes_gpus(enqueued):
     model = _inspected()
     node = NodeFactory()
     for i in range(8):
-        GpuFactory(node=node, index=i, memory_total=141 * GB)
+        GpuFactory(node=node, index=i, memory_total=141 * GiB)
     fit = services.model_fit(model, node, tp=8)
     assert fit.fits and "tokens of KV cache at TP=8" in fit.message
     assert not services.model_fit(model, node, tp=16).fits

@@ -4,7 +4,7 @@ from unittest import mock
 import pytest
 
 from deployments.models import ModelRepo
-from tests.deployments.test_model_services import GB, _inspected
+from tests.deployments.test_model_services import GiB, _inspected
 from tests.factories import ModelCopyFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -38,12 +38,12 @@ def test_a_viewer_sees_no_forms_and_cannot_post(viewer_client):
 
 def test_a_short_disk_shows_the_figures_and_delete_buttons(operator_client):
     model = _inspected()
-    node = NodeFactory(disk_total=20 * GB, disk_free=2 * GB)
-    other = ModelCopyFactory(node=node, bytes_done=12 * GB)
+    node = NodeFactory(disk_total=20 * GiB, disk_free=2 * GiB)
+    other = ModelCopyFactory(node=node, bytes_done=12 * GiB)
     response = operator_client.post(f"/models/{model.pk}/download/", {"node": node.pk})
     page = response.content.decode()
     assert response.status_code == 409
-    assert "needs 10.0 GB, has 2.0 GB free. Free disk space first." in page
+    assert "needs 10.0 GiB, has 2.0 GiB free. Free disk space first." in page
     assert f"/copies/{other.pk}/delete/" in page
 
 

@@ -81,7 +81,7 @@ def test_a_download_killed_midway_resumes_after_the_agent_restarts_and_verifies(
     page.click("#download-form button[type=submit]")
     card = page.locator(".copy").first
     expect(card.locator('[data-f="state"]')).to_have_text("Downloading", timeout=30000)
-    expect(card.locator('[data-f="text"]')).to_contain_text("MB/s", timeout=30000)
+    expect(card.locator('[data-f="text"]')).to_contain_text("MiB/s", timeout=30000)
 
     copy = ModelCopy.objects.get(model=model, node=node)
     dest = Path(store) / "acme--tiny-llama"

@@ -1,0 +1,108 @@
+"""Defaults that work on the node they run on (issue 14): a free engine port, the node's preset applied by
+the server for the API, the CLI and the form alike, and a deploy that is tried again reusing its row."""
+from unittest import mock
+
+import pytest
+from django.urls import reverse
+
+from deployments import services
+from deployments.models import Deployment
+from tests.deployments.test_api_deployments import api  # noqa: F401  (an operator's API client)
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def cpu_node():
+    node = NodeFactory(name="cpu-01")
+    copy = ModelCopyFactory(node=node, path="/models/m")
+    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True), \
+         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
+        yield node, copy.model
+
+
+def test_free_port_is_never_the_panels_and_skips_active_deployments(settings, cpu_node):
+    node, model = cpu_node
+    settings.PANEL_PORT, settings.ENGINE_PORT_FIRST = 8100, 8100
+    DeploymentFactory(node=node, port=8101, status=Deployment.Status.READY)
+    DeploymentFactory(node=node, port=8102, status=Deployment.Status.STOPPED)  # a stopped one frees its port
+    assert services.deployment_free_port(node) == 8102
+
+
+def test_api_deploy_with_no_field_on_a_cpu_node_gets_the_cpu_preset_and_a_free_port(settings, api, cpu_node):
+    node, model = cpu_node
+    response = api.post("/api/deployments/", {"model": model.pk, "node": node.name}, format="json")
+    assert response.status_code == 202, response.json()
+    d = Deployment.objects.get()
+    assert d.engine_args["enforce-eager"] is True and d.env["VLLM_CPU_KVCACHE_SPACE"]
+    assert d.port != settings.PANEL_PORT and d.port >= settings.ENGINE_PORT_FIRST
+
+
+def test_api_deploy_keeps_the_callers_flags_over_the_preset(api, cpu_node):
+    node, model = cpu_node
+    response = api.post("/api/deployments/", {"model": model.pk, "node": node.name,
+                                              "engine_args": {"max-model-len": 512}}, format="json")
+    assert response.status_code == 202, response.json()
+    assert Deployment.objects.get().engine_args["max-model-len"] == 512
+
+
+def test_api_deploy_on_a_gpu_node_gets_the_one_gpu_preset_not_the_cpu_one(api):
+    node = NodeFactory(name="gpu-02")
+    GpuFactory(node=node, index=0)
+    model = ModelCopyFactory(node=node, path="/models/m").model
+    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True):
+        response = api.post("/api/deployments/", {"model": model.pk, "node": node.name, "gpus": [0]}, format="json")
+    assert response.status_code == 202, response.json()
+    d = Deployment.objects.get()
+    assert "enforce-eager" not in d.engine_args and "VLLM_CPU_KVCACHE_SPACE" not in d.env
+
+
+def test_a_failed_deploy_tried_again_reuses_its_row(api, cpu_node):
+    node, model = cpu_node
+    first = api.post("/api/deployments/", {"model": model.pk, "node": node.name}, format="json").json()
+    Deployment.objects.filter(pk=first["id"]).update(status=Deployment.Status.FAILED)
+    again = api.post("/api/deployments/", {"model": model.pk, "node": node.name}, format="json")
+    assert again.status_code == 202, again.json()
+    assert again.json()["id"] == first["id"] and Deployment.objects.count() == 1
+    assert Deployment.objects.get().status == Deployment.Status.QUEUED
+
+
+def test_an_existing_name_is_redeployed_only_when_asked(api, cpu_node):
+    node, model = cpu_node
+    body = {"model": model.pk, "node": node.name, "name": "mine"}
+    first = api.post("/api/deployments/", body, format="json").json()
+    Deployment.objects.filter(pk=first["id"]).update(status=Deployment.Status.READY)
+    refused = api.post("/api/deployments/", body, format="json")
+    assert refused.status_code == 409 and "--replace" in refused.json()["error"]["message"]
+    replaced = api.post("/api/deployments/", {**body, "replace_existing": True, "engine_args": {"max-num-seqs": 8}},
+                        format="json")
+    assert replaced.status_code == 202, replaced.json()
+    d = Deployment.objects.get()
+    assert replaced.json()["id"] == d.pk and d.engine_args["max-num-seqs"] == 8 and d.status == Deployment.Status.QUEUED
+
+
+def test_deploy_form_on_a_cpu_node_names_the_cpu_preset_and_a_free_port(settings, client, operator, cpu_node):
+    node, model = cpu_node
+    client.force_login(operator)
+    page = client.get(reverse("model-deploy", args=[model.pk]) + f"?node={node.pk}").content.decode()
+    assert '<option value="cpu-test" selected>' in page
+    assert f'name="port" value="{settings.ENGINE_PORT_FIRST}"' in page and "One GPU</option>" in page
+
+
+def test_model_page_says_a_cpu_node_runs_it_and_shows_the_disk_check_before_download(client, operator):
+    node = NodeFactory(name="cpu-02", disk_free=2**30, disk_total=4 * 2**30)
+    model = ModelRepoFactory(total_size=3 * 2**30, config={"architectures": ["LlamaForCausalLM"]}, files=[])
+    client.force_login(operator)
+    page = client.get(reverse("model-detail", args=[model.pk])).content.decode()
+    assert "No node with GPUs" not in page and "CPU engine" in page and "does not fit" not in page
+    disk = page[page.index('id="disk-check"'):]
+    assert f'data-node="{node.name}"' in disk and "3.0 GiB" in disk and "not enough room" in disk
+    assert '<option value="1" selected>1</option>' in page  # TP follows the nodes' GPU count, not 8
+
+
+def test_pages_write_sizes_in_binary_units_with_the_unit(client, operator):
+    node = NodeFactory(disk_free=5 * 2**30, disk_total=10 * 2**30)
+    client.force_login(operator)
+    page = client.get(reverse("node-detail", args=[node.pk])).content.decode()
+    assert "5.0 GiB" in page and " GB" not in page and " MB" not in page
