@@ -1,10 +1,15 @@
 """panelctl: the panel's REST API from scripts and terminals.
 
     export PANEL_URL=http://panel:8000 PANEL_TOKEN=...   (or: panelctl login --url ... --token ...)
+    panelctl list nodes                                  # what the panel sees (also: models, deployments, runs)
+    panelctl model-add Qwen/Qwen3-0.6B                   # then: panelctl list models
+    panelctl deploy Qwen/Qwen3-0.6B --node cpu-01 --wait # the node's preset and a free port, as on the form
+    panelctl deploy Qwen/Qwen3-0.6B --node cpu-01 --replace --flag max-num-seqs=8 --wait   # redeploy it changed
     panelctl deploy moonshotai/Kimi-K2.5 --node gpu-01 --tp 8 --env NCCL_PROTO=LL --wait
-    panelctl bench kimi-gpu-01 --concurrency 1,8,64 --wait --json
-    panelctl nodes
-    panelctl stop kimi-gpu-01 --wait
+    panelctl status deployment qwen3-0-6b-cpu-01
+    panelctl bench qwen3-0-6b-cpu-01 --wait             # twice, then:
+    panelctl compare 1 2
+    panelctl stop qwen3-0-6b-cpu-01 --wait
 
 Progress goes to stderr, results to stdout (--json for machines). Exit codes:
   0 done  1 the deploy/benchmark failed  2 bad input  3 conflict (busy, in use)
@@ -128,16 +133,16 @@ def cmd_nodes(panel, args):
     lines = []
     for n in nodes:
         gpus = n["live"]["gpus"] if n.get("live") else []
-        mem = ", ".join(f"{g['index']}:{(g['memory_used'] or 0) / 2**30:.0f}/{(g['memory_total'] or 0) / 2**30:.0f}G" for g in gpus)
+        mem = ", ".join(f"{g['index']}:{(g['memory_used'] or 0) / 2**30:.0f}/{(g['memory_total'] or 0) / 2**30:.0f} GiB" for g in gpus)
         lines.append(f"{n['name']:<20} {'online' if n['online'] else 'OFFLINE':<8} {len(n['gpus'])} GPU(s) "
-                     f"disk free {n['disk_free'] / 1e9:,.0f} GB  {mem or n['nvml_error'] or ''}")
+                     f"disk free {n['disk_free'] / 2**30:,.1f} GiB  {mem or n['nvml_error'] or ''}")
     _emit(nodes, args.json, lines)
     return 0
 
 
 def cmd_models(panel, args):
     models = panel.get("models/")["results"]
-    _emit(models, args.json, [f"{m['id']:>4} {m['repo_id']:<40} {m['architecture'] or '?':<28} {m['total_size'] / 1e9:,.1f} GB"
+    _emit(models, args.json, [f"{m['id']:>4} {m['repo_id']:<40} {m['architecture'] or '?':<28} {m['total_size'] / 2**30:,.1f} GiB"
                               for m in models])
     return 0
 
@@ -264,6 +269,41 @@ def cmd_bench(panel, args):
     return TIMED_OUT
 
 
+def cmd_deployments(panel, args):
+    items = panel.get("deployments/")["results"]
+    _emit(items, args.json, [f"{d['id']:>4} {d['name']:<32} {d['status']:<10} {d['node']:<16} port {d['port']:<6} "
+                             f"GPUs {','.join(map(str, d['gpus'])) or 'none (CPU)'}" for d in items])
+    return 0
+
+
+LISTS = {"nodes": cmd_nodes, "models": cmd_models, "deployments": cmd_deployments}
+
+
+def cmd_list(panel, args):
+    return (LISTS.get(args.kind) or cmd_runs)(panel, args)
+
+
+def cmd_status(panel, args):
+    """One object in full: a deployment or node by name, a model by repo id, a run by id."""
+    if args.kind == "deployment":
+        item = _deployment(panel, args.ref)
+        lines = [f"{item['name']}: {item['status']}" + (f" — {item['status_message']}" if item["status_message"] else ""),
+                 f"  node {item['node']}, port {item['port']}, GPUs {item['gpus'] or 'none (CPU)'}",
+                 f"  flags {' '.join(f'--{k}' if v is True else f'--{k} {v}' for k, v in item['engine_args'].items())}"]
+    elif args.kind == "node":
+        item = panel.get(f"nodes/{args.ref}/")
+        lines = [f"{item['name']}: {'online' if item['online'] else 'OFFLINE'}, {len(item['gpus'])} GPU(s), "
+                 f"disk free {item['disk_free'] / 2**30:,.1f} GiB"]
+    elif args.kind == "model":
+        item = panel.get(f"models/{_model_id(panel, args.ref)}/")
+        lines = [f"{item['repo_id']}: {item['architecture'] or '?'}, {item['total_size'] / 2**30:,.1f} GiB"]
+    else:
+        item = panel.get(f"runs/{args.ref}/")
+        lines = [f"Run {item['id']} {item['status']}: {item['name']}"]
+    _emit(item, args.json, lines)
+    return 0
+
+
 def cmd_runs(panel, args):
     runs = panel.get("runs/")["results"]
     _emit(runs, args.json, [f"{r['id']:>4} {r['status']:<10} {r['name']}" for r in runs])
@@ -357,6 +397,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_bench)
     sub.add_parser("runs", help="benchmark runs").set_defaults(fn=cmd_runs)
+    sub.add_parser("deployments", help="deployments, their status, node, port and GPUs").set_defaults(fn=cmd_deployments)
+    s = sub.add_parser("list", help="list nodes, models, deployments or runs (a table, or --json)")
+    s.add_argument("kind", choices=["nodes", "models", "deployments", "runs"])
+    s.set_defaults(fn=cmd_list)
+    s = sub.add_parser("status", help="one deployment, node, model (repo id) or run (id) in full")
+    s.add_argument("kind", choices=["deployment", "node", "model", "run"])
+    s.add_argument("ref")
+    s.set_defaults(fn=cmd_status)
     for name, fn in (("compare", cmd_compare), ("export", cmd_export)):
         s = sub.add_parser(name, help=f"{name} runs by id")
         s.add_argument("runs", nargs="+")

@@ -5,6 +5,7 @@ from unittest import mock
 import pytest
 from django.urls import reverse
 
+from controlpanel import cli
 from deployments import services
 from deployments.models import Deployment
 from tests.deployments.test_api_deployments import api  # noqa: F401  (an operator's API client)
@@ -106,3 +107,45 @@ def test_pages_write_sizes_in_binary_units_with_the_unit(client, operator):
     client.force_login(operator)
     page = client.get(reverse("node-detail", args=[node.pk])).content.decode()
     assert "5.0 GiB" in page and " GB" not in page and " MB" not in page
+
+
+class ApiPanel(cli.Panel):
+    """panelctl's client answered by the API in-process (the real views and serializers)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def call(self, method, path, params=None, json=None, headers=None):
+        response = (self.client.get(f"/api/{path}", params or {}) if method == "GET"
+                    else self.client.post(f"/api/{path}", json or {}, format="json"))
+        if response.status_code >= 400:
+            raise cli.CliError(response.json()["error"]["message"], cli.EXIT.get(response.status_code, 6))
+        return response.json()
+
+
+def test_panelctl_lists_deployments_and_shows_one(api, cpu_node, capsys):
+    node, model = cpu_node
+    DeploymentFactory(name="tiny-cpu", node=node, model=model, status=Deployment.Status.READY,
+                      engine_args={"enforce-eager": True, "max-model-len": 2048})
+    args = cli.parser().parse_args(["list", "deployments"])
+    assert args.fn(ApiPanel(api), args) == 0
+    assert "tiny-cpu" in capsys.readouterr().out
+    args = cli.parser().parse_args(["status", "deployment", "tiny-cpu"])
+    assert args.fn(ApiPanel(api), args) == 0
+    shown = capsys.readouterr().out
+    assert "tiny-cpu: ready" in shown and "--enforce-eager --max-model-len 2048" in shown and "none (CPU)" in shown
+
+
+def test_panelctl_deploy_to_an_existing_name_says_to_replace_then_redeploys(api, cpu_node, capsys):
+    node, model = cpu_node
+    argv = ["deploy", str(model.pk), "--node", node.name, "--name", "mine"]
+    args = cli.parser().parse_args(argv)
+    assert args.fn(ApiPanel(api), args) == 0
+    Deployment.objects.filter(name="mine").update(status=Deployment.Status.READY)
+    with pytest.raises(cli.CliError, match="--replace") as refused:
+        args.fn(ApiPanel(api), args)
+    assert refused.value.code == 3
+    args = cli.parser().parse_args([*argv, "--replace"])
+    assert args.fn(ApiPanel(api), args) == 0
+    d = Deployment.objects.get()
+    assert d.status == Deployment.Status.QUEUED and d.engine_args["enforce-eager"] is True  # the CPU preset, as the form
