@@ -68,6 +68,8 @@ class DeployForm(forms.Form):
     stop_foreign = forms.BooleanField(required=False, label="Stop other processes on these GPUs",
                                       help_text="Processes the panel did not start (never display servers). "
                                                 "Without this, a deploy onto GPUs others use is refused, naming them.")
+    prewarm = forms.BooleanField(required=False, label="Pre-warm: read the model into the page cache first",
+                                 help_text="In parallel, while other engines stop and before launch, when free RAM allows.")
     stall_seconds = forms.IntegerField(min_value=30, max_value=86400, initial=600, label="Stalled after (s)",
                                        help_text="No fixed load timeout: a load fails only when neither log nor GPU memory moved this long.")
 

@@ -251,6 +251,7 @@ class Deployment(Transitions, models.Model):
     marker = models.CharField(max_length=64, blank=True, help_text="PANEL_ENGINE value of the running engine: proves it is ours.")
     shm_files = models.JSONField(default=list, blank=True, help_text="/dev/shm files the engine held, removed once it is gone.")
     stop_foreign = models.BooleanField(default=False, help_text="Stop other (non-panel) processes on the chosen GPUs.")
+    prewarm = models.BooleanField(default=False, help_text="Read the model's shards into the page cache while others stop (issue 16).")
     expires_at = models.DateTimeField(null=True, blank=True, help_text="A queued plan not started by then is dropped.")
     load_phase = models.CharField(max_length=64, blank=True)
     load_percent = models.FloatField(null=True, blank=True)

@@ -130,7 +130,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
 class DeploymentDetailSerializer(DeploymentSerializer):
     class Meta(DeploymentSerializer.Meta):
         fields = DeploymentSerializer.Meta.fields + ["smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
-                                                     "replace", "base_url", "stop_foreign", "expires_at", "expired"]
+                                                     "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired"]
 
 
 class DeployRequestSerializer(serializers.Serializer):
@@ -155,6 +155,8 @@ class DeployRequestSerializer(serializers.Serializer):
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, default=600)
     stop_foreign = serializers.BooleanField(default=False, help_text="Stop processes the panel did not start on the "
                                             "chosen GPUs (never display servers); without it such a deploy answers 409.")
+    prewarm = serializers.BooleanField(default=False, help_text="Read the model's shards into the page cache while other "
+                                       "engines stop, before launch, when free RAM allows.")
 
     def validate_engine_args(self, value):
         from deployments import engineargs
@@ -189,6 +191,7 @@ class RedeploySerializer(serializers.Serializer):
     auto_restart = serializers.BooleanField(required=False)
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
     stop_foreign = serializers.BooleanField(required=False)
+    prewarm = serializers.BooleanField(required=False)
 
     validate_engine_args = DeployRequestSerializer.validate_engine_args
     validate_env = DeployRequestSerializer.validate_env

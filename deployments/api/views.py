@@ -143,7 +143,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         d = services.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
                                        engine_args=v["engine_args"], env=v["env"], name=v["name"], replace_ids=v["replace"],
                                        auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
-                                       stop_foreign=v["stop_foreign"], user=request.user,
+                                       stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
                                        preset="" if v["preset"] == "none" else v["preset"],
                                        replace_existing=v["replace_existing"])
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)

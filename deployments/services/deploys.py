@@ -111,7 +111,7 @@ def _unique_name(base: str) -> str:
 @transaction.atomic
 def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int | None, engine_args: dict,
                       env: dict, name: str = "", replace_ids=(), auto_restart: bool = False, stall_seconds: int = 600,
-                      stop_foreign: bool = False, user=None, preset: str = "", replace_existing: bool = False) -> Deployment:
+                      stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
 
     `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
@@ -127,7 +127,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     if reusable:
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
                                    env=env, replace=list(replace_ids), auto_restart=auto_restart,
-                                   stall_seconds=stall_seconds, stop_foreign=stop_foreign, user=user)
+                                   stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user)
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
                            "Restart on its page) or choose another name.", field="name", code="exists")
@@ -138,7 +138,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     d = Deployment.objects.create(
         name=name or _unique_name(deployment_default_name(model, node)), model=model, node=node, port=port,
         engine_args=engine_args, env=env, replace=list(replace_ids), auto_restart=auto_restart,
-        stall_seconds=stall_seconds, stop_foreign=stop_foreign, created_by=user)
+        stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
     _send_plan(d)
@@ -169,7 +169,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
         if field in changes:
             changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
-    for field in ("port", "engine_args", "env", "replace", "auto_restart", "stall_seconds", "stop_foreign"):
+    for field in ("port", "engine_args", "env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm"):
         if field in changes:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,

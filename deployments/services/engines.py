@@ -93,11 +93,15 @@ def deployment_run(deployment_id: int) -> Deployment:
         with _step(d, "model") as event:
             model_path = _ensure_model(d)
             event.message = f"{d.model} is at {model_path}."
+        warm = loadtime.Prewarm(model_path) if d.prewarm else None  # reads while the others stop
         _set(d, S.STOPPING_OTHERS)
         with _step(d, "stop_others") as event:
             event.message = _stop_holders(d)
         with _step(d, "gpu_memory") as event:
             event.message = _wait_memory(d)
+        if warm:
+            with _step(d, "prewarm") as event:
+                event.message = warm.wait(event)
         _set(d, S.STARTING)
         with _step(d, "launch") as event:
             event.message = _launch(d, model_path)

@@ -28,7 +28,7 @@ def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
                    "kv_cache_dtype": args.pop("kv-cache-dtype", "auto"), "reasoning_parser": args.pop("reasoning-parser", ""),
                    "tool_call_parser": args.pop("tool-call-parser", ""), "trust_remote_code": args.pop("trust-remote-code", False),
                    "served_model_name": args.pop("served-model-name", ""), "auto_restart": deployment.auto_restart,
-                   "stop_foreign": deployment.stop_foreign, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
+                   "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
         args.pop("enable-auto-tool-choice", None)
         initial["extra_flags"] = " ".join(engineargs.argv_words(args))
         initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env).items())
@@ -80,7 +80,7 @@ def deploy(request, pk):
         d = services.deployment_create(
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
-            stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], user=request.user)
+            stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, model, node, form, status=409)
@@ -107,7 +107,7 @@ def deployment_edit(request, pk):
     try:
         services.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
-                                     stop_foreign=data["stop_foreign"], user=request.user)
+                                     stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, d.model, d.node, form, status=409)

@@ -35,6 +35,7 @@
     if (d.resident_bytes != null && d.model_bytes) disk.push(`in page cache ${gb(d.resident_bytes)} of ${gb(d.model_bytes)}`);
     if (d.ram_available != null && d.model_bytes) disk.push(`free RAM ${gb(d.ram_available)} for a ${gb(d.model_bytes)} model`);
     $("load-disk").textContent = disk.join(" · ");
+    $("load-recommend").innerHTML = (d.recommend || []).map((r) => `<li>${esc(r)}</li>`).join("");
     if (d.prediction && D.status !== "ready") $("load-bar").style.width = d.prediction.percent + "%";
   }
 

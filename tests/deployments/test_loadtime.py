@@ -10,7 +10,12 @@ from benchmarks.services import environment_of
 from deployments import selectors
 from deployments.models import DeploymentEvent, Node
 from deployments.services import loadtime
+from deployments import services
+from deployments.models import Deployment
+from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401 - fixtures of the plan's tests
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
+
+S = Deployment.Status
 from tests.host.test_loadphases import CPU_LOG
 
 pytestmark = pytest.mark.django_db
@@ -106,3 +111,57 @@ def test_a_run_environment_carries_the_deployments_start_up():
     startup = environment_of(d)["startup"]
     assert startup["totals"] == event.data["totals"]
     assert startup["ready_s"] == pytest.approx(sum(v for k, v in event.data["totals"].items() if k != "smoke_test"), abs=0.1)
+
+
+def test_prewarm_reads_the_model_into_the_page_cache_and_says_so_on_its_step(tmp_path):
+    from deployments.host import pagecache
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"model-{i}.safetensors").write_bytes(os.urandom(2 << 20))
+    os.sync()
+    files = pagecache.weight_files(folder)
+    for p in files:
+        pagecache.drop(p)
+    warm = loadtime.Prewarm(str(folder), workers=3)
+    event = DeploymentEvent.objects.create(deployment=DeploymentFactory(), step="prewarm")
+    message = warm.wait(event)
+    assert pagecache.residency(files).percent == 100
+    assert "100 % of the model is in the page cache" in message and warm.done == warm.total == 6 << 20
+
+
+def test_prewarm_is_skipped_with_a_reason_when_the_model_does_not_fit_in_free_ram(tmp_path, monkeypatch):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
+    monkeypatch.setattr(loadtime, "PREWARM_RAM_SHARE", 0.0)
+    warm = loadtime.Prewarm(str(tmp_path))
+    message = warm.wait(DeploymentEvent.objects.create(deployment=DeploymentFactory(), step="prewarm"))
+    assert message.startswith("Skipped: the model") and "free RAM" in message
+
+
+def test_the_recommendation_names_prefetch_only_where_this_vllm_offers_it(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
+    d = DeploymentFactory(node=NodeFactory(engine_flags=["safetensors-load-strategy", "load-format"]))
+    ModelCopyFactory(model=d.model, node=d.node, path=str(tmp_path))
+    assert any(r.startswith("--safetensors-load-strategy prefetch") for r in loadtime.load_recommendation(d))
+    d.engine_args = {"safetensors-load-strategy": "prefetch"}
+    assert loadtime.load_recommendation(d) == []  # already chosen
+    old = DeploymentFactory(model=d.model, node=NodeFactory(engine_flags=["load-format"]))
+    ModelCopyFactory(model=d.model, node=old.node, path=str(tmp_path))
+    assert loadtime.load_recommendation(old) == []
+
+
+def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_loads_phases(model, node, host, tmp_path):
+    from deployments.host import pagecache
+    folder = tmp_path / "m"
+    folder.mkdir(exist_ok=True)
+    (folder / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    d = _queued(model, node, prewarm=True)
+    services.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.READY
+    assert [e.step for e in d.events.all()] == ["model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"]
+    assert "100 % of the model is in the page cache" in d.events.get(step="prewarm").message
+    assert pagecache.resident_bytes(folder / "model.safetensors") == 1 << 20
+    load = d.events.get(step="load")
+    assert {"process", "weights", "api_up", "smoke_test"} <= set(load.data["totals"])
+    assert d.load_detail["phases"]["segments"][0][0] == "process"
