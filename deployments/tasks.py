@@ -61,6 +61,12 @@ def deployment_halt(deployment_id: int) -> None:
     services.deployment_halt(deployment_id)
 
 
+@shared_task(name="deployments.deployment_forget")
+def deployment_forget(deployment_id: int) -> None:
+    """On a node: remove a deleted deployment's systemd unit, then the deployment."""
+    services.deployment_forget(deployment_id)
+
+
 @shared_task(name="deployments.deployment_persist")
 def deployment_persist(deployment_id: int) -> None:
     """On a node: install a deployment as a systemd unit."""

@@ -62,6 +62,7 @@ OPERATOR_ANSWERS = {
     ("DELETE", "/api/copies/{id}/"): (409, "in_use"),  # the ready deployment uses the copy
     ("POST", "/api/copies/{id}/cancel/"): (409, "not_running"),
     ("POST", "/api/copies/{id}/retry/"): (409, "not_failed"),
+    ("DELETE", "/api/deployments/{id}/"): (409, "busy"),  # the ready deployment must be stopped first
     ("POST", "/api/deployments/"): (400, "invalid"),  # model and node are required
     ("POST", "/api/deployments/{id}/persist/"): (400, "no_systemd"),
     ("POST", "/api/deployments/{id}/restart/"): (400, "invalid"),  # the factory's deployment has no GPUs

@@ -203,6 +203,12 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         name, text = selectors.deployment_unit(self.get_object())
         return Response({"name": name, "text": text})
 
+    @extend_schema(request=None, responses={202: None, 204: None})
+    def destroy(self, request, pk=None):
+        """Forget a stopped or failed deployment (204); a systemd unit is removed on its node first (202)."""
+        gone = services.deployment_delete(self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT if gone else status.HTTP_202_ACCEPTED)
+
     def _accepted(self, d):
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 

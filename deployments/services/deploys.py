@@ -18,7 +18,8 @@ from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo
 from deployments.services.nodes import node_enqueue
 
 __all__ = ["deployment_create", "deployment_free_port", "deployment_default_name", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
-           "deployment_event", "ForeignProcesses"]
+           "deployment_event", "ForeignProcesses",
+           "deployment_delete"]
 
 
 def deployment_event(d: Deployment, step: str, message: str = "", level: str = "info", **data) -> DeploymentEvent:
@@ -201,6 +202,23 @@ def deployment_stop(d: Deployment) -> Deployment:
     node_enqueue(d.node, tasks.deployment_halt, d.pk)
     live.send_deployment_status(d)
     return d
+
+
+def deployment_delete(d: Deployment) -> bool:
+    """Forget a stopped or failed deployment: at once (True), or, when it was made a systemd unit,
+    once its node has removed the unit (False), so nothing the panel installed outlives it."""
+    from deployments import tasks
+
+    with transaction.atomic():
+        d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
+        if d.status not in Deployment.TERMINAL:
+            raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; stop it first.", code="busy")
+        if d.systemd_unit:
+            deployment_event(d, "delete", f"Removing {d.systemd_unit} from {d.node}, then this deployment.")
+            node_enqueue(d.node, tasks.deployment_forget, d.pk)
+            return False
+        d.delete()
+        return True
 
 
 @transaction.atomic

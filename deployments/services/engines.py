@@ -26,7 +26,7 @@ from deployments.services.models import model_copy_download
 log = logging.getLogger(__name__)
 __all__ = ["deployment_run", "deployment_halt", "deployment_follow", "deployment_persist_here", "deployments_watch",
            "deployments_metrics",
-           "deployments_reconcile", "node_engine_report", "PlanFailed"]
+           "deployments_reconcile", "node_engine_report", "PlanFailed", "deployment_forget"]
 S = Deployment.Status
 MEMORY_TIMEOUT_S = float(os.environ.get("DEPLOY_MEMORY_TIMEOUT", "180"))
 STOP_TERM_S, STOP_KILL_S = 30.0, 10.0
@@ -535,6 +535,20 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
     return d
 
 
+def deployment_forget(deployment_id: int) -> None:
+    """On the node: remove a deleted deployment's systemd unit, then the deployment."""
+    d = Deployment.objects.filter(pk=deployment_id).first()
+    if d is None or d.status not in Deployment.TERMINAL:
+        return
+    if d.systemd_unit:
+        try:
+            systemd.uninstall(d.systemd_unit)
+        except systemd.SystemdError as exc:
+            deployment_event(d, "delete", f"Not deleted: {exc}", level=DeploymentEvent.Level.ERROR)
+            return
+    d.delete()
+
+
 def deployments_watch(node_id: int, state: dict) -> None:
     """One pass of crash detection for ready engines: process gone or /health failing three times."""
     now = time.monotonic()
@@ -605,6 +619,10 @@ def deployments_reconcile(node) -> dict:
 
     report = {"adopted": [], "failed": [], "following": []}
     _expire_queued(node.pk)
+    # A plan the killed agent had taken from the queue but not started stays unacked in the broker
+    # until the visibility timeout: send it again (a duplicate finds the row moved on and returns).
+    for d in Deployment.objects.filter(node=node, status=S.QUEUED):
+        node_enqueue(node, tasks.deployment_run, d.pk)
     for d in Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE - {S.QUEUED}):
         running = _running(d) or (not d.pid and d.status in (S.STARTING, S.LOADING) and _adopt_marked(d))
         if d.status == S.STOPPING:

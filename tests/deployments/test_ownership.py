@@ -296,3 +296,31 @@ def test_a_download_whose_row_stopped_moving_is_queued_again():
     with mock.patch("deployments.services.models.node_enqueue", autospec=True) as enqueue:
         assert services.model_copies_stalled_resume(copy.node_id) == [copy.pk]
     assert enqueue.call_args.args[2] == copy.pk and moving.pk not in services.model_copies_stalled_resume(copy.node_id)
+
+
+def test_deleting_a_persisted_deployment_removes_its_unit_on_the_node_first(model, node):
+    d = DeploymentFactory(node=node, model=model, status=S.STOPPED, systemd_unit="vllm-gone.service", port=9008)
+    with mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as enqueue:
+        assert services.deployment_delete(d) is False  # the node removes the unit, then the row
+    assert enqueue.call_args.args[2] == d.pk and Deployment.objects.filter(pk=d.pk).exists()
+    with mock.patch("deployments.host.systemd.systemctl", autospec=True) as systemctl:
+        services.deployment_forget(d.pk)
+    assert mock.call("disable", "--now", "vllm-gone.service") in systemctl.call_args_list
+    assert not Deployment.objects.filter(pk=d.pk).exists()
+
+
+def test_a_running_deployment_cannot_be_deleted_and_a_plain_one_goes_at_once(model, node):
+    running = DeploymentFactory(node=node, model=model, status=S.READY, port=9009)
+    with pytest.raises(ServiceError, match="stop it first") as exc:
+        services.deployment_delete(running)
+    assert exc.value.code == "busy"
+    stopped = DeploymentFactory(node=node, model=model, status=S.FAILED, port=9010)
+    assert services.deployment_delete(stopped) is True and not Deployment.objects.filter(pk=stopped.pk).exists()
+
+
+def test_an_agent_restart_sends_again_the_plans_it_had_taken_but_not_started(model, node):
+    d = DeploymentFactory(node=node, model=model, status=S.QUEUED, port=9011,
+                          expires_at=timezone.now() + timedelta(minutes=5))
+    with mock.patch("deployments.services.nodes.node_enqueue", autospec=True) as enqueue:
+        services.deployments_reconcile(node)
+    assert [c.args[2] for c in enqueue.call_args_list] == [d.pk]

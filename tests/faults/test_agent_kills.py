@@ -129,8 +129,9 @@ def test_agent_killed_while_the_real_engine_loads_adopts_or_stops_it(process_env
     node = agent.start()
     wait_until(lambda: type(node).objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
     model = add_fake_model(node, tiny_model)
-    d = services.deployment_create(model=model, node=node, gpu_indices=[], port=_port(), env={},
-                                   engine_args={"enforce-eager": True, "max-model-len": 512})
+    d = services.deployment_create(model=model, node=node, gpu_indices=[], port=_port(),
+                                   env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
+                                   engine_args={"enforce-eager": True, "max-model-len": 2048})
     wait_until(lambda: settle_state(d) == "loading", timeout=60, message="the real engine to load")
     time.sleep(random_moment(1.0, 8.0))
     agent.restart()

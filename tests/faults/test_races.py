@@ -110,7 +110,7 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox(p
 def test_fifty_concurrent_deploys_and_restarts_on_the_same_gpus_accept_exactly_one(live_server_asgi, operator):
     if connection.vendor != "postgresql":
         pytest.skip("concurrent row locks are checked on PostgreSQL (CI runs this suite on it)")
-    from rest_framework.authtoken.models import Token
+    from controlpanel import tokens
 
     node = NodeFactory(name="race-01", engine_flags=["--port", "--host"])
     for i in range(2):
@@ -120,7 +120,7 @@ def test_fifty_concurrent_deploys_and_restarts_on_the_same_gpus_accept_exactly_o
                for i in range(25)]
     for d in stopped:
         d.gpus.set(node.gpus.all())
-    token = Token.objects.create(user=operator).key
+    token = tokens.issue(operator)
     barrier = threading.Barrier(50)
 
     def request(i):
