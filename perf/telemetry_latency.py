@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -33,6 +34,7 @@ def setup_django(var_dir: str) -> None:
     os.environ["PANEL_VAR_DIR"] = var_dir
     os.environ.setdefault("CHANNELS_PREFIX", "perf-telemetry")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
+    os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))  # a throwaway panel: any long key
     import django
 
     django.setup()
