@@ -1,4 +1,7 @@
 """Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
+import csv
+import io
+
 from benchmarks.models import BenchmarkRun
 from deployments import live
 
@@ -20,6 +23,15 @@ def csv_rows(runs):
                    p.reasoning_tokens, p.content_tokens, p.tok_s_per_user, p.ttft_ms.get("median"), p.ttft_ms.get("p99"),
                    p.ttft_vllm_bench_ms.get("median"), p.ttfc_ms.get("median"), p.tpot_ms.get("median"), p.itl_ms.get("median"),
                    p.itl_per_token_ms.get("median"), p.e2e_ms.get("median")]
+
+
+def export_csv(runs) -> str:
+    """One CSV row per level of each run, with a header (the pages' and the API's export)."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(CSV_COLUMNS)
+    writer.writerows(csv_rows(runs))
+    return out.getvalue()
 
 
 def _flatten(env: dict, prefix: str = "") -> dict[str, str]:

@@ -1,5 +1,4 @@
 """Benchmark pages: runs with a new-run form, a run's live page, comparison, exports."""
-import csv
 import json
 
 from django.contrib import messages
@@ -76,9 +75,6 @@ def export(request, fmt, pk=None):
         response = HttpResponse(json.dumps(selectors.export_json(runs), cls=DjangoJSONEncoder, indent=1),
                                 content_type="application/json")
     else:
-        response = HttpResponse(content_type="text/csv")
-        writer = csv.writer(response)
-        writer.writerow(selectors.CSV_COLUMNS)
-        writer.writerows(selectors.csv_rows(runs))
+        response = HttpResponse(selectors.export_csv(runs), content_type="text/csv")
     response["Content-Disposition"] = f'attachment; filename="benchmarks-{"-".join(map(str, ids))}.{fmt}"'
     return response

@@ -16,12 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_fidelity import VLLM, Server, cores, make_tokenizer, raise_priority, run_vllm  # noqa: E402
-
 from benchmarks.runner import LoadSpec, Sweeper  # noqa: E402
+from vllmbench import VLLM, Server, cores, make_tokenizer, raise_priority, run_vllm  # noqa: E402
 
 
 def main():

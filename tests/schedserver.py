@@ -400,6 +400,9 @@ def main(argv=None):
         pass
 
 
+# _new_loop and _raise_fd_limit repeat benchmarks/runner/sweep.py's on purpose: this server is the
+# yardstick the runner is measured against (tests, perf/), so it shares no code with the runner, and
+# it runs as a plain script.
 def _new_loop():
     try:
         import uvloop

@@ -1,6 +1,3 @@
-import csv
-import io
-
 from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
@@ -72,9 +69,5 @@ class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
         """Runs and their points as JSON, or one CSV row per level (`?as=csv`)."""
         runs = selectors.runs_with_points(_ids(request))
         if request.query_params.get("as") == "csv":
-            out = io.StringIO()
-            writer = csv.writer(out)
-            writer.writerow(selectors.CSV_COLUMNS)
-            writer.writerows(selectors.csv_rows(runs))
-            return HttpResponse(out.getvalue(), content_type="text/csv")
+            return HttpResponse(selectors.export_csv(runs), content_type="text/csv")
         return Response(selectors.export_json(runs))

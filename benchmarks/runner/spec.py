@@ -3,24 +3,21 @@ import copy
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from deployments.host.errors import HostError
+
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-class RunnerError(Exception):
+class RunnerError(HostError):
     """A benchmark could not run; `permanent` says whether retrying the same spec can help."""
-
-    def __init__(self, message: str, permanent: bool = False):
-        super().__init__(message)
-        self.permanent = permanent
 
 
 class PromptError(RunnerError):
     """Prompts (an uploaded JSONL) are unusable; the message names the line and the problem."""
 
-    def __init__(self, message: str):
-        super().__init__(message, permanent=True)
+    PERMANENT = True
 
 
 @dataclass

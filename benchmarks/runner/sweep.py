@@ -58,7 +58,7 @@ class _Command:
     tick_s: float
 
 
-def _new_loop():
+def _new_loop():  # tests/schedserver.py has its own copy: see there why
     try:
         import uvloop
     except ImportError:

@@ -17,17 +17,13 @@ from pathlib import Path
 import psutil
 
 from deployments.host import engineenv
+from deployments.host.errors import HostError
 
 SHM_DIR = Path("/dev/shm")
 
 
-class EngineError(Exception):
-    """An engine could not be launched, inspected or stopped; `permanent` means retrying cannot help."""
-
-    def __init__(self, message: str, permanent: bool = False):
-        super().__init__(message)
-        self.message = message
-        self.permanent = permanent
+class EngineError(HostError):
+    """An engine could not be launched, inspected or stopped."""
 
 
 @dataclass

@@ -11,26 +11,26 @@ from typing import TypeVar
 
 import pynvml
 
+from deployments.host.errors import HostError
+
 GIB = 1024**3
 POWER_LIMIT_TTL_S = 10.0
 T = TypeVar("T")
 
 
-class NvmlUnavailable(Exception):
+class NvmlUnavailable(HostError):
     """NVML cannot start: the node has no usable NVIDIA GPU (no driver, no library)."""
 
-    permanent = True
+    PERMANENT = True
 
     def __init__(self, reason: str):
         super().__init__(f"no NVIDIA GPU on this node: {reason}")
         self.reason = reason
 
 
-class MemoryNotReleased(Exception):
-    """Processes still hold GPU memory after the wait ran out."""
-
-    # A stuck process may still exit later; the caller decides whether to wait again.
-    permanent = False
+class MemoryNotReleased(HostError):
+    """Processes still hold GPU memory after the wait ran out (not permanent: a stuck process may
+    still exit later; the caller decides whether to wait again)."""
 
     def __init__(self, pids_still_holding: dict[int, int | None], timeout_s: float | None = None):
         held = ", ".join(

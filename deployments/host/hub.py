@@ -20,6 +20,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from deployments.host.errors import HostError
+
 DEFAULT_ENDPOINT = "https://huggingface.co"
 METADATA_TIMEOUT_S = 30.0
 MAX_CONFIG_BYTES = 16 << 20
@@ -39,13 +41,11 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     *_importable("requests", "RequestException"))
 
 
-class HubError(Exception):
-    """A Hub failure with a user-facing message; permanent=True when retrying cannot help."""
+class HubError(HostError):
+    """A Hub failure with a user-facing message and a code the pages and the API show."""
 
     def __init__(self, message: str, permanent: bool, code: str):
-        super().__init__(message)
-        self.message = message
-        self.permanent = permanent
+        super().__init__(message, permanent)
         self.code = code
 
     def __reduce__(self):  # so it survives pickling (Celery results, multiprocessing)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 
+from deployments.host.errors import HostError
+
 CHUNK = 8 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -25,10 +27,10 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctype
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-class PageCacheError(Exception):
-    def __init__(self, message: str, permanent: bool = True):
-        super().__init__(message)
-        self.permanent = permanent
+class PageCacheError(HostError):
+    """Page-cache residency could not be read or changed."""
+
+    PERMANENT = True
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:

@@ -8,15 +8,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from deployments.host.errors import HostError
+
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-class StoreError(Exception):
-    """A model-store operation refused or failed; permanent=True when retrying cannot help."""
+class StoreError(HostError):
+    """A model-store operation refused or failed."""
 
-    def __init__(self, message: str, permanent: bool = True):
-        super().__init__(message)
-        self.permanent = permanent
+    PERMANENT = True
 
 
 @dataclass(frozen=True)

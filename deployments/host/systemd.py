@@ -11,17 +11,16 @@ import subprocess
 from pathlib import Path
 
 from controlpanel.privatefile import write_private
+from deployments.host.errors import HostError
 
 UNIT_DIR = Path("/etc/systemd/system")
 _UNIT_NAME = re.compile(r"^[a-zA-Z0-9_.@-]+\.service$")
 
 
-class SystemdError(Exception):
+class SystemdError(HostError):
     """systemd is not usable here, or a systemctl call failed."""
 
-    def __init__(self, message: str, permanent: bool = True):
-        super().__init__(message)
-        self.message, self.permanent = message, permanent
+    PERMANENT = True
 
 
 def unit_name(deployment_name: str) -> str:

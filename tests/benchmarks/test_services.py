@@ -109,7 +109,7 @@ def test_an_unreachable_server_fails_the_run_with_a_clear_message():
     assert run.status == "failed" and "connect" in run.error
 
 
-def test_compare_and_export_show_what_changed(viewer_client):
+def test_compare_and_export_show_what_changed(viewer_client, viewer):
     a = BenchmarkRunFactory(environment={"engine_args": {"tensor-parallel-size": 8}, "env": {"NCCL_PROTO": "Simple"}})
     b = BenchmarkRunFactory(environment={"engine_args": {"tensor-parallel-size": 8}, "env": {"NCCL_PROTO": "LL"}})
     BenchmarkPointFactory(run=a, concurrency=1, output_throughput=81.0)
@@ -120,6 +120,9 @@ def test_compare_and_export_show_what_changed(viewer_client):
     assert csv_text.splitlines()[0].startswith("run,name,target,concurrency") and ",81.0," in csv_text and ",61.0," in csv_text
     exported = viewer_client.get(f"/benchmarks/{a.pk}/export.json").json()
     assert exported[0]["points"][0]["output_throughput"] == 81.0
+    api = APIClient()
+    api.force_authenticate(viewer)
+    assert api.get(f"/api/runs/export/?ids={a.pk},{b.pk}&as=csv").content.decode() == csv_text  # one export
 
 
 def test_the_api_starts_compares_and_exports(operator, queued, settings):
