@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.samples import Sample
+from django.db.models import F
 
 from deployments import live
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, Node
@@ -138,7 +139,7 @@ class DeploymentCollector:
             gpu_indices.setdefault(deployment_id, []).append(index)
         phases: dict[int, dict[str, float]] = {}
         # Each step's latest run: a restart or a redeploy writes the steps again.
-        for deployment_id, step, started, ended in DeploymentEvent.objects.filter(ended__isnull=False).order_by(
+        for deployment_id, step, started, ended in DeploymentEvent.objects.filter(ended__isnull=False).exclude(ended=F("started")).order_by(
                 "started", "id").values_list("deployment_id", "step", "started", "ended"):
             phases.setdefault(deployment_id, {})[step] = (ended - started).total_seconds()
 

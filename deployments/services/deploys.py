@@ -22,9 +22,13 @@ __all__ = ["deployment_create", "deployment_free_port", "deployment_default_name
            "deployment_delete"]
 
 
-def deployment_event(d: Deployment, step: str, message: str = "", level: str = "info", **data) -> DeploymentEvent:
-    """Add a step to the timeline and push it to the page."""
-    event = DeploymentEvent.objects.create(deployment=d, step=step, message=message, level=level, data=data)
+def deployment_event(d: Deployment, step: str, message: str = "", level: str = "info", ongoing: bool = False,
+                     **data) -> DeploymentEvent:
+    """Add a step to the timeline and push it to the page. Only an `ongoing` step is ended later; any other
+    event is a moment (queued, stop requested, failed), ended as it starts, so no row shows "…" forever."""
+    now = timezone.now()
+    event = DeploymentEvent.objects.create(deployment=d, step=step, message=message, level=level, data=data,
+                                           started=now, ended=None if ongoing else now)
     live.send_timeline_step(event)
     return event
 

@@ -66,7 +66,7 @@ def _step(d: Deployment, name: str):
     """A timeline step: start and end times, and its message (set `event.message` inside)."""
     if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
         raise Aborted("stop requested")
-    event = deployment_event(d, name, "…")
+    event = deployment_event(d, name, "…", ongoing=True)
     try:
         yield event
     except Exception as exc:
@@ -499,7 +499,7 @@ def deployment_halt(deployment_id: int) -> Deployment:
 @contextmanager
 def _step_unchecked(d: Deployment, name: str):
     """A timeline step that runs even while the deployment is stopping."""
-    event = deployment_event(d, name, "…")
+    event = deployment_event(d, name, "…", ongoing=True)
     try:
         yield event
     finally:

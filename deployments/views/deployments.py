@@ -91,7 +91,8 @@ def deployment_detail(request, pk):
     d = get_object_or_404(selectors.deployment_list(), pk=pk)
     return render(request, "deployments/deployment_detail.html", {
         "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env),
-        "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail)})
+        "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
+        "terminal": [str(s) for s in Deployment.TERMINAL]})
 
 
 @operator_required

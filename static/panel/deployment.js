@@ -5,6 +5,7 @@
   const gib = (b) => (b / 2 ** 30).toFixed(1) + " GiB";
   const $ = (id) => document.getElementById(id);
   const logEl = $("log");
+  let ended = $("status").classList.contains("stopped") || $("status").classList.contains("failed");
   const PHASES = { starting: "Starting", loading_weights: "Loading weights", weights_loaded: "Weights loaded",
     profiling_kv_cache: "Profiling KV cache", graph_capture: "Capturing graphs", server_up: "Server up" };
 
@@ -16,6 +17,13 @@
       $("status-message").textContent = s.message || "";
       $("status-message").className = s.status === "failed" ? "errorlist" : "muted";
       $("pid").textContent = s.pid || "—";
+      // What the page offers and shows follows the state: nothing to stop once stopped, no live rate either.
+      ended = s.status === "stopped" || s.status === "failed";
+      document.querySelector('[data-action="stop"]')?.toggleAttribute("hidden", ended);
+      if (ended) {
+        $("engine-now").textContent = "—";
+        document.querySelectorAll("#timeline td.num").forEach((td) => { if (td.textContent === "…") td.textContent = "—"; });
+      }
       if (s.load_phase) $("load-phase").textContent = PHASES[s.load_phase] || s.load_phase;
       if (s.load_percent != null) $("load-bar").style.width = s.load_percent + "%";
       const d = s.load_detail || {};
@@ -40,8 +48,9 @@
       }
       row.className = e.level;
       row.innerHTML = `<td>${esc(e.step)}</td><td>${new Date(e.started).toLocaleTimeString([], { hour12: false })}</td>` +
-        `<td class="num">${e.duration != null ? e.duration.toFixed(1) + " s" : "…"}</td><td>${esc(e.message)}</td>`;
+        `<td class="num">${e.ended && e.ended === e.started ? "—" : e.duration != null ? e.duration.toFixed(1) + " s" : "…"}</td><td>${esc(e.message)}</td>`;
     } else if (msg.kind === "engine") {
+      if (ended) return;  // a last sample sent as the engine stopped is not "now"
       const e = msg.data;
       $("engine-now").textContent = `${e.tok_s.toFixed(1)} tok/s · ${e.running ?? "?"} running, ${e.waiting ?? "?"} waiting` +
         (e.kv_cache != null ? ` · KV cache ${(100 * e.kv_cache).toFixed(0)} %` : "");

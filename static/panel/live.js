@@ -50,3 +50,9 @@
     },
   };
 })();
+
+// A destructive button (Stop, Delete) says what it does and asks first: <button data-confirm="Stop x?">.
+document.addEventListener("submit", (event) => {
+  const button = event.submitter;
+  if (button?.dataset.confirm && !window.confirm(button.dataset.confirm)) event.preventDefault();
+}, true);

@@ -13,6 +13,11 @@
     const state = card.querySelector('[data-f="state"]');
     state.textContent = c.state.charAt(0).toUpperCase() + c.state.slice(1);
     state.className = "badge " + c.state;
+    // Only the actions that apply now: no Cancel/Retry/Delete on a ready copy but Delete, no Retry while it runs.
+    const can = { cancel: ["queued", "downloading"], retry: ["failed", "cancelled"], delete: ["ready", "failed", "cancelled"] };
+    for (const [action, states] of Object.entries(can)) {
+      card.querySelector(`[data-action="${action}"]`)?.toggleAttribute("hidden", !states.includes(c.state));
+    }
     const pct = c.bytes_total ? (100 * c.bytes_done) / c.bytes_total : 0;
     card.querySelector('[data-f="bar"]').style.width = pct.toFixed(1) + "%";
     const rate = c.state === "downloading" && c.rate ? ` · ${size(c.rate)}/s · ${eta(c.seconds_left)}` : "";

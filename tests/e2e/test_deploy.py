@@ -56,8 +56,11 @@ def test_deploy_watch_it_load_replace_it_and_stop_it_in_a_browser(logged_in_page
     assert engine.members(first.pgid) == [] and engine.port_free("0.0.0.0", first_port)
 
     second = Deployment.objects.get(name="tiny-b")
+    page.once("dialog", lambda dialog: dialog.accept())  # Stop asks first
     page.click('button[data-action="stop"]')
     expect(page.locator("#status")).to_have_text("Stopped", timeout=60_000)
+    expect(page.locator('button[data-action="stop"]')).to_be_hidden()  # nothing left to stop
+    expect(page.locator("#engine-now")).to_have_text("—")  # no "Engine now 0.0 tok/s" after the end
     expect(page.locator("#timeline")).to_contain_text("Engine stopped")
     assert engine.members(second.pgid) == [] and engine.port_free("0.0.0.0", second.port)
     assert "Starting vLLM server" in Deployment.objects.get(pk=second.pk).log_tail  # kept after the end

@@ -1,0 +1,26 @@
+"""What the pages show the same way everywhere: sizes in binary units (GiB, MiB) as the JS writes them, and
+engine flags as the command line."""
+from django import template
+
+register = template.Library()
+
+
+@register.filter
+def gib(value) -> str:
+    """1610612736 -> "1.5 GiB"; under a GiB in MiB, so a small model does not read "0.0 GiB"."""
+    try:
+        size = int(value or 0)
+    except (TypeError, ValueError):
+        return "—"
+    if size >= 2**30:
+        return f"{size / 2**30:,.1f} GiB"
+    return f"{size / 2**20:,.1f} MiB"
+
+
+@register.filter
+def flags(engine_args) -> str:
+    """{"enforce-eager": True, "tensor-parallel-size": 1} -> "--enforce-eager --tensor-parallel-size 1", exactly as
+    the engine's command line gets them (a switch has no value; 1 is a value, not True), copyable into a shell."""
+    from deployments.engineargs import argv_words
+
+    return " ".join(argv_words(engine_args or {}))

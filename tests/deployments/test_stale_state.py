@@ -1,0 +1,60 @@
+"""Every page tells the current truth (issue 14): actions by state, flags as the command line, timeline rows that
+end, sizes with their unit. Each case is one a newcomer met: a regression test per stale state."""
+import pytest
+
+from deployments import services
+from deployments.models import Deployment, ModelCopy
+from tests.factories import BenchmarkRunFactory, DeploymentFactory, ModelCopyFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def _button(page: str, action: str) -> str:
+    start = page.index(f'data-action="{action}"')
+    return page[start:page.index(">", start)]
+
+
+def test_a_ready_copy_offers_only_delete_and_delete_asks_first(operator_client):
+    copy = ModelCopyFactory(state=ModelCopy.State.READY)
+    page = operator_client.get(f"/models/{copy.model.pk}/").content.decode()
+    assert "hidden" in _button(page, "cancel") and "hidden" in _button(page, "retry")
+    assert "hidden" not in _button(page, "delete") and "data-confirm=" in _button(page, "delete")
+
+
+def test_a_downloading_copy_offers_cancel_only(operator_client):
+    copy = ModelCopyFactory(state=ModelCopy.State.DOWNLOADING)
+    page = operator_client.get(f"/models/{copy.model.pk}/").content.decode()
+    assert "hidden" not in _button(page, "cancel")
+    assert "hidden" in _button(page, "retry") and "hidden" in _button(page, "delete")
+
+
+def test_a_stopped_deployment_offers_no_stop(operator_client):
+    d = DeploymentFactory(status=Deployment.Status.STOPPED)
+    page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
+    assert "hidden" in _button(page, "stop")
+    running = DeploymentFactory(status=Deployment.Status.READY)
+    page = operator_client.get(f"/deployments/{running.pk}/").content.decode()
+    assert "hidden" not in _button(page, "stop") and "data-confirm=" in _button(page, "stop")
+
+
+def test_engine_flags_show_as_the_command_line_keeping_every_value(operator_client):
+    d = DeploymentFactory(engine_args={"tensor-parallel-size": 1, "gpu-memory-utilization": 0.9, "enforce-eager": True})
+    page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
+    assert "--tensor-parallel-size 1 --gpu-memory-utilization 0.9 --enforce-eager</code>" in page
+
+
+def test_the_compare_page_shows_a_switch_without_true(viewer_client):
+    a = BenchmarkRunFactory(environment={"engine_args": {"enforce-eager": True, "max-num-seqs": 8}})
+    b = BenchmarkRunFactory(environment={"engine_args": {"enforce-eager": True}})
+    page = viewer_client.get(f"/benchmarks/compare/?runs={a.pk}&runs={b.pk}").content.decode()
+    assert "--enforce-eager --max-num-seqs 8</code>" in page and "--enforce-eager True" not in page
+
+
+def test_a_queued_row_in_the_timeline_is_a_moment_not_a_step_left_open(operator_client):
+    d = DeploymentFactory(status=Deployment.Status.STOPPED)
+    queued = services.deployment_event(d, "queued", "Queued.")
+    step = services.deployment_event(d, "load", "…", ongoing=True)
+    assert queued.ended == queued.started and step.ended is None
+    page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
+    timeline = page[page.index('id="timeline"'):page.index("</table>", page.index('id="timeline"'))]
+    assert "…</td>" not in timeline.replace("<td>…</td>", "")  # no TOOK cell waits forever on a stopped deployment
