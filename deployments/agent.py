@@ -79,6 +79,7 @@ class Agent:
     def _report_engine(self) -> None:
         try:
             services.node_engine_report(self.node_id)
+            services.node_measure_disk_once(self.node_id)  # issue 16: the store's read rate, once
         finally:
             close_old_connections()
 

@@ -71,3 +71,9 @@ def deployment_forget(deployment_id: int) -> None:
 def deployment_persist(deployment_id: int) -> None:
     """On a node: install a deployment as a systemd unit."""
     services.deployment_persist_here(deployment_id)
+
+
+@shared_task(name="deployments.node_measure_disk")
+def node_measure_disk(node_id: int) -> None:
+    """On a node: measure the model store's sequential read rate (issue 16)."""
+    services.node_measure_disk(node_id)

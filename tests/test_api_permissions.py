@@ -69,6 +69,7 @@ OPERATOR_ANSWERS = {
     ("POST", "/api/deployments/{id}/stop/"): (202, None),
     ("POST", "/api/models/"): (400, "invalid"),
     ("POST", "/api/models/{id}/download/"): (400, "invalid"),  # node is required
+    ("POST", "/api/nodes/{name}/measure-disk/"): (202, None),
     ("POST", "/api/runs/"): (400, "invalid"),  # a deployment or a base_url is required
     ("POST", "/api/runs/{id}/cancel/"): (202, None),
 }

@@ -45,7 +45,7 @@ class NodeSerializer(serializers.ModelSerializer):
         model = Node
         fields = ["id", "name", "queue", "address", "agent_version", "online", "last_heartbeat", "heartbeat_seconds",
                   "model_store", "disk_total", "disk_free", "nvml_error", "engine_version", "engine_error", "systemd",
-                  "gpus", "live"]
+                  "gpus", "live", "disk_read"]
 
     def get_live(self, node) -> dict | None:
         from deployments import history

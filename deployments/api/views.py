@@ -28,6 +28,15 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     def list(self, request, *args, **kwargs):
         return super().list(request, *args, **kwargs)
 
+    @extend_schema(request=None, responses={202: serializers.NodeSerializer})
+    @action(detail=True, methods=["post"], url_path="measure-disk")
+    def measure_disk(self, request, name=None):
+        """Measure the model store's sequential read rate on the node (cold cache where it can, at idle
+        priority, never evicting a running engine's files); the result lands in `disk_read`."""
+        node = self.get_object()
+        services.node_measure_disk_request(node)
+        return Response(serializers.NodeSerializer(node).data, status=status.HTTP_202_ACCEPTED)
+
 
 class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     lookup_value_regex = r"[0-9]+"

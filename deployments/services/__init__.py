@@ -4,3 +4,4 @@ from deployments.services.models import *  # noqa: F401,F403
 from deployments.services.deploys import *  # noqa: F401,F403
 from deployments.services.engines import *  # noqa: F401,F403
 from deployments.services.guards import *  # noqa: F401,F403
+from deployments.services.loadtime import *  # noqa: F401,F403

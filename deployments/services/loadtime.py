@@ -15,6 +15,7 @@ from deployments.host import loadphases, pagecache
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 
 log = logging.getLogger(__name__)
+__all__ = ["node_measure_disk", "node_measure_disk_once", "node_measure_disk_request"]
 HISTORY = 5           # earlier loads a prediction draws on
 RESIDENCY_EVERY_S = 5.0  # mincore over a big model costs a pass over its page table
 
@@ -120,9 +121,10 @@ class LoadWatch:
         Deployment.objects.filter(pk=self.d.pk).update(load_detail=self.d.load_detail)
 
 
-def node_measure_disk(node: Node, max_bytes: int = 1 << 30) -> dict:
+def node_measure_disk(node_id: int, max_bytes: int = 1 << 30) -> dict:
     """Measure the model store's sequential read rate (cold where it can) on the largest model files
     here that no active engine serves, and keep it on the node."""
+    node = Node.objects.get(pk=node_id)
     copies = ModelCopy.objects.filter(node=node).exclude(path="").select_related("model")
     busy = set(node.deployments.filter(status__in=Deployment.ACTIVE).values_list("model_id", flat=True))
     files, keep = [], set()
@@ -211,3 +213,21 @@ def load_recommendation(d: Deployment) -> list[str]:
                        "another --load-format this vLLM offers (e.g. fastsafetensors, runai_streamer; see "
                        "`vllm serve --help=all`) may read faster.")
     return out
+
+
+def node_measure_disk_request(node: Node) -> None:
+    """Queue a measurement of the store's read rate on the node (on demand)."""
+    from deployments import tasks
+    from deployments.services.nodes import node_enqueue
+
+    node_enqueue(node, tasks.node_measure_disk, node.pk)
+
+
+def node_measure_disk_once(node_id: int) -> dict:
+    """At agent start: measure the store once, when it was never measured and holds a model."""
+    if Node.objects.filter(pk=node_id, disk_read={}).exists() and ModelCopy.objects.filter(node_id=node_id).exclude(path="").exists():
+        try:
+            return node_measure_disk(node_id)
+        except (OSError, pagecache.PageCacheError) as exc:
+            log.info("node %s: store read rate not measured: %s", node_id, exc)
+    return {}

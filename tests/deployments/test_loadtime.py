@@ -2,6 +2,7 @@
 the store's read rate, and start-up in run environments."""
 import os
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 from django.utils import timezone
@@ -99,7 +100,7 @@ def test_measuring_the_store_keeps_its_rate_on_the_node(tmp_path):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(os.urandom(2 << 20))
     ModelCopyFactory(node=node, path=str(folder))
-    result = loadtime.node_measure_disk(node, max_bytes=1 << 20)
+    result = loadtime.node_measure_disk(node.pk, max_bytes=1 << 20)
     assert result["bytes"] == 1 << 20 and result["bps"] > 0
     assert Node.objects.get(pk=node.pk).disk_read["bps"] == result["bps"]
 
@@ -165,3 +166,20 @@ def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_load
     load = d.events.get(step="load")
     assert {"process", "weights", "api_up", "smoke_test"} <= set(load.data["totals"])
     assert d.load_detail["phases"]["segments"][0][0] == "process"
+
+
+def test_the_agent_measures_a_store_once_and_an_operator_can_ask_again(tmp_path, operator_client, django_capture_on_commit_callbacks):
+    node = NodeFactory()
+    assert loadtime.node_measure_disk_once(node.pk) == {}  # no model here yet: nothing to read
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    ModelCopyFactory(node=node, path=str(folder))
+    first = loadtime.node_measure_disk_once(node.pk)
+    assert first["bytes"] == 1 << 20
+    assert loadtime.node_measure_disk_once(node.pk) == {}  # once
+    with mock.patch("deployments.tasks.node_measure_disk.apply_async", autospec=True) as sent, \
+            django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(f"/api/nodes/{node.name}/measure-disk/")
+    assert response.status_code == 202 and response.json()["disk_read"]["bps"] == first["bps"]
+    assert sent.call_args.kwargs["queue"] == node.queue
