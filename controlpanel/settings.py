@@ -154,7 +154,13 @@ REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("CHANNELS_PREFIX", "panel")},
+        # channels-redis waits up to 5 s in each BZPOPMIN and redis-py's asyncio socket timeout is 5 s too: an
+        # idle socket's wait raced its own timeout (redis TimeoutError, the live socket dropped). The read may
+        # take the blocking wait plus a slow (embedded, busy) Redis's answer time; a lost connection is retried.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": env_int("REDIS_SOCKET_TIMEOUT", 30),
+                              "socket_connect_timeout": 5, "socket_keepalive": True, "retry_on_timeout": True,
+                              "health_check_interval": 30}],
+                   "prefix": env_str("CHANNELS_PREFIX", "panel")},
     }
 }
 

@@ -99,3 +99,21 @@ def test_the_tests_keep_their_redis_keys_apart_from_a_running_panel():
     live.publish(topic, "sample", {"seq": 1})
     written = [k.decode() for k in redisconn.client().scan_iter(f"*:snapshot:{topic}")]
     assert written and not any(key.startswith("panel:") for key in written), written
+
+
+def test_a_live_socket_waiting_longer_than_redis_answers_is_not_dropped():
+    """channels-redis blocks 5 s per BZPOPMIN; redis-py's asyncio default socket timeout is also 5 s, so an idle
+    socket's receive died with redis TimeoutError now and then (the web log's drops). It must just keep waiting."""
+    import asyncio
+
+    from channels.layers import get_channel_layer
+
+    async def idle_receive():
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+        try:
+            await asyncio.wait_for(layer.receive(channel), timeout=layer.brpop_timeout * 2 + 1)
+        except asyncio.TimeoutError:
+            return "still waiting"  # ours: nothing came, and Redis never failed the wait
+
+    assert run_async(idle_receive()) == "still waiting"

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from collections import deque
@@ -446,3 +447,6 @@ def download(info: RepoInfo, dest: Path, token: str | None = None, endpoint: str
             raise HubError(f"Another download into {dest} is running.", False, "busy") from None
         _Download(info, dest, token, endpoint_url(endpoint), chunk_bytes, max(1, workers)).run(
             verify, on_progress, should_cancel)
+    # Every file is complete and verified: the partials' folder has nothing left to resume (a later
+    # download of the same copy hashes the complete files again instead of trusting the ledger).
+    shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)

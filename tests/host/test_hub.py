@@ -362,3 +362,10 @@ def test_a_killed_download_resumes_without_fetching_again_what_it_had(url, repos
     ranges = [r["range"] for r in stats["requests"] if r["path"] == part.name[:-5]]
     assert ranges and ranges[0].startswith("bytes=") and int(ranges[0][6:-1]) >= BIG // 4
     assert_same_tree(repos / "org/model", dest)
+
+
+def test_a_finished_download_leaves_no_partial_folder(url, repos, dest):
+    info = hub.repo_info("org/small", endpoint=url)
+    downloads.download(info, dest, endpoint=url)
+    assert not (dest / downloads.PARTIAL_DIR).exists()
+    assert_same_tree(repos / "org/small", dest)
