@@ -33,16 +33,20 @@
         `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
         `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt((p.ttft_vllm_bench_ms || {}).median)}</td>` +
         `<td class="num">${fmt(p.ttfc_ms.median)}</td>` +
-        `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
+        `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt((p.itl_per_token_ms || {}).median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
         `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
         `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td></tr>`;
     }).join("");
+    const single = points.get(1);
+    if (single) document.getElementById("single-stream-output").textContent = fmt(single.output_throughput) + " tok/s";
   }
   drawTicks();
   drawPoints();
 
+  let ended = ["done", "failed", "cancelled"].some((s) => document.getElementById("run-status")?.classList.contains(s));
   Live.subscribe("run:" + R.id, (msg) => {
     if (msg.kind === "tick") {
+      if (ended) return;
       const d = msg.data;
       if (!ticks.length || d.t > ticks[ticks.length - 1].t) ticks.push({ t: d.t, c: d.concurrency, v: d.tok_s });
       drawTicks();
@@ -59,7 +63,11 @@
       document.getElementById("run-error").textContent = s.error || "";
       if (s.single_stream_tok_s != null) document.getElementById("single-stream").textContent = fmt(s.single_stream_tok_s) + " tok/s";
       document.getElementById("warnings").innerHTML = (s.warnings || []).map((w) => `<li>${w.replace(/[&<>]/g, "")}</li>`).join("");
-      if (["done", "failed", "cancelled"].includes(s.status)) document.getElementById("cancel")?.remove();
+      if (["done", "failed", "cancelled"].includes(s.status)) {
+        document.getElementById("cancel")?.remove();
+        document.getElementById("now").textContent = "—";  // nothing is in flight once the run has ended
+        ended = true;
+      }
     }
   });
 })();

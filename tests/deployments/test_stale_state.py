@@ -58,3 +58,14 @@ def test_a_queued_row_in_the_timeline_is_a_moment_not_a_step_left_open(operator_
     page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
     timeline = page[page.index('id="timeline"'):page.index("</table>", page.index('id="timeline"'))]
     assert "…</td>" not in timeline.replace("<td>…</td>", "")  # no TOOK cell waits forever on a stopped deployment
+
+
+def test_every_figure_on_the_run_page_has_a_definition_one_hover_away(viewer_client):
+    import re
+
+    run = BenchmarkRunFactory(environment={})
+    page = viewer_client.get(f"/benchmarks/{run.pk}/").content.decode()
+    heads = re.findall(r"<th[ >][^>]*>", page[page.index('id="points"'):page.index("</thead>", page.index('id="points"'))])
+    assert len(heads) >= 14 and all('title="' in th for th in heads)
+    assert "ITL per token med" in page and "ITL per chunk med" in page  # both, labelled
+    assert 'id="single-stream" title="Decode rate at concurrency 1' in page and "output incl. TTFT" in page
