@@ -5,7 +5,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from deployments.models import ModelCopy, ModelRepo
-from tests.deployments.test_model_services import GB, _inspected
+from tests.deployments.test_model_services import GiB, _inspected
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -67,7 +67,7 @@ def test_a_viewer_cannot_add_or_download(viewer_api):
 
 def test_download_answers_202_with_the_copy_to_follow(api):
     model = _inspected()
-    NodeFactory(name="gpu-01", disk_total=100 * GB, disk_free=90 * GB)
+    NodeFactory(name="gpu-01", disk_total=100 * GiB, disk_free=90 * GiB)
     response = api.post(f"/api/models/{model.pk}/download/", {"node": "gpu-01"}, format="json")
     assert response.status_code == 202
     copy = ModelCopy.objects.get(model=model)
@@ -77,12 +77,12 @@ def test_download_answers_202_with_the_copy_to_follow(api):
 
 def test_a_short_disk_answers_409_with_figures_and_what_to_delete(api):
     model = _inspected()
-    node = NodeFactory(name="gpu-02", disk_total=20 * GB, disk_free=GB)
-    other = ModelCopyFactory(node=node, bytes_done=15 * GB)
+    node = NodeFactory(name="gpu-02", disk_total=20 * GiB, disk_free=GiB)
+    other = ModelCopyFactory(node=node, bytes_done=15 * GiB)
     response = api.post(f"/api/models/{model.pk}/download/", {"node": "gpu-02"}, format="json")
     assert response.status_code == 409
     error = response.json()["error"]
-    assert error["code"] == "disk_full" and error["needed"] == model.total_size and error["free"] == GB
+    assert error["code"] == "disk_full" and error["needed"] == model.total_size and error["free"] == GiB
     assert error["candidates"][0]["id"] == other.pk and "node" in error["fields"]
 
 
@@ -90,7 +90,7 @@ def test_fit_answers_with_the_figures(api):
     model = _inspected()
     node = NodeFactory(name="h200")
     for i in range(8):
-        GpuFactory(node=node, index=i, memory_total=141 * GB)
+        GpuFactory(node=node, index=i, memory_total=141 * GiB)
     fit = api.get(f"/api/models/{model.pk}/fit/?node=h200&tp=8").json()
     assert fit["fits"] is True and fit["kv_tokens"] > 0 and fit["tp"] == 8
     assert api.get(f"/api/models/{model.pk}/fit/?node=h200&tp=0").status_code == 400
