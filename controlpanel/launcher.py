@@ -183,7 +183,7 @@ def start(args) -> int:
         print("\n" + "=" * 64)
         print(f"  vLLM panel is up: {url}")
         if password:
-            print(f"  First admin:  {username}  /  {password}   (shown once; change it on the admin page)")
+            print(f"  First admin:  {username}  /  {password}   (shown once; change it on the account page, /account/)")
         else:
             print(f"  Log in with your existing admin account ({username} by default).")
         print(f"  Redis: {re.sub(r':[^:@/]*@', ':***@', env['REDIS_URL'])}   Node: {node_name}   Ctrl-C stops everything.")

@@ -1,6 +1,8 @@
 """The user's own pages: the account page and its API token, and the panel settings (Hugging Face token)."""
 from django.conf import settings
 from django.contrib import messages
+from django.contrib.auth import update_session_auth_hash
+from django.contrib.auth.forms import PasswordChangeForm
 from django.http import HttpResponseForbidden
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
@@ -27,8 +29,15 @@ def panel_settings(request):
 
 
 def account(request):
+    """The account page; a POST changes the user's own password (old one first), keeping this session."""
+    form = PasswordChangeForm(request.user, request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        update_session_auth_hash(request, form.save())
+        messages.success(request, "Password changed.")
+        return redirect("account")
     token = Token.objects.filter(user=request.user).first()
-    return render(request, "account.html", {"has_token": token is not None})
+    return render(request, "account.html", {"has_token": token is not None, "password_form": form},
+                  status=400 if form.is_bound else 200)
 
 
 @require_POST

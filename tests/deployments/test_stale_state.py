@@ -69,3 +69,19 @@ def test_every_figure_on_the_run_page_has_a_definition_one_hover_away(viewer_cli
     assert len(heads) >= 14 and all('title="' in th for th in heads)
     assert "ITL per token med" in page and "ITL per chunk med" in page  # both, labelled
     assert 'id="single-stream" title="Decode rate at concurrency 1' in page and "output incl. TTFT" in page
+
+
+def test_a_user_changes_their_own_password_on_the_account_page(client, viewer):
+    viewer.set_password("old-password-123")
+    viewer.save()
+    viewer_client = client
+    viewer_client.force_login(viewer)
+    wrong = viewer_client.post("/account/", {"old_password": "nope", "new_password1": "N3w-pass-long!",
+                                             "new_password2": "N3w-pass-long!"})
+    assert wrong.status_code == 400 and 'id="password-form"' in wrong.content.decode()
+    done = viewer_client.post("/account/", {"old_password": "old-password-123", "new_password1": "N3w-pass-long!",
+                                            "new_password2": "N3w-pass-long!"})
+    assert done.status_code == 302
+    viewer.refresh_from_db()
+    assert viewer.check_password("N3w-pass-long!")
+    assert viewer_client.get("/account/").status_code == 200  # the session survived the change
