@@ -61,3 +61,15 @@ def export_json(runs) -> list[dict]:
     return [{"id": r.pk, "name": r.name, "target": r.target, "status": r.status, "params": {k: v for k, v in r.params.items() if k != "prompts"},
              "environment": r.environment, "single_stream_tok_s": r.single_stream_tok_s, "warnings": r.warnings,
              "started": r.started, "finished": r.finished, "points": [live.run_point_data(p) for p in r.points.all()]} for r in runs]
+
+
+def default_levels(deployment) -> list[int]:
+    """Sweep levels that fit what the deployment can run at once: powers of two up to its --max-num-seqs
+    (beyond it requests only queue in the engine); a CPU deployment without one stops at 64."""
+    from benchmarks import runner
+
+    limit = int((deployment.engine_args.get("max-num-seqs") or 0) if deployment else 0)
+    if not limit and deployment and not deployment.gpu_indices:
+        limit = 64
+    return [c for c in runner.DEFAULT_LEVELS if not limit or c <= limit]
+

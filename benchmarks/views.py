@@ -14,10 +14,13 @@ from controlpanel.errors import ServiceError
 from controlpanel.params import ids_param, int_param
 from controlpanel.roles import is_operator, operator_required
 from deployments import live
+from deployments.models import Deployment
 
 
 def run_list(request):
-    form = RunForm(initial={"deployment": int_param(request.GET, "deployment")})
+    chosen = Deployment.objects.filter(pk=int_param(request.GET, "deployment") or 0).first()
+    form = RunForm(initial={"deployment": chosen and chosen.pk,
+                            "levels": ",".join(map(str, selectors.default_levels(chosen)))})
     if request.method == "POST":
         if not is_operator(request.user):
             return HttpResponseForbidden("Starting a benchmark needs the operator role.")

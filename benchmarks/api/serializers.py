@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from benchmarks import runner
+from benchmarks import runner, selectors
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from deployments.models import Deployment
 
@@ -26,7 +26,8 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
 
 
 class RunRequestSerializer(serializers.Serializer):
-    """A sweep against a deployment (by id) or a URL; levels default to 1, 2, 4, … 1024."""
+    """A sweep against a deployment (by id) or a URL; levels default to 1, 2, 4, … up to what the deployment
+    runs at once (its --max-num-seqs; 64 on a CPU node), 1024 for a URL."""
 
     deployment = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all(), required=False, allow_null=True)
     base_url = serializers.URLField(required=False, allow_blank=True, max_length=500)
@@ -34,7 +35,7 @@ class RunRequestSerializer(serializers.Serializer):
                                           error_messages={"invalid": "A model name: letters, digits and . / : @ + - _"})
     name = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
     levels = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=4096), min_length=1, max_length=20,
-                                   default=list(runner.DEFAULT_LEVELS))
+                                   required=False)
     endpoint = serializers.ChoiceField(choices=[runner.CHAT, runner.COMPLETIONS], default=default("endpoint"))
     prompt_source = serializers.ChoiceField(choices=["builtin", "random", "jsonl"], default=default("prompt_source"))
     prompts_jsonl = serializers.CharField(required=False, allow_blank=True, max_length=20 * 2**20)
@@ -55,4 +56,6 @@ class RunRequestSerializer(serializers.Serializer):
             except runner.PromptError as exc:
                 raise serializers.ValidationError({"prompts_jsonl": [str(exc)]}) from exc
         data.pop("prompts_jsonl", None)
+        if not data.get("levels"):
+            data["levels"] = selectors.default_levels(data.get("deployment"))
         return data

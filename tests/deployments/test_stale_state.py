@@ -85,3 +85,13 @@ def test_a_user_changes_their_own_password_on_the_account_page(client, viewer):
     viewer.refresh_from_db()
     assert viewer.check_password("N3w-pass-long!")
     assert viewer_client.get("/account/").status_code == 200  # the session survived the change
+
+
+def test_default_benchmark_levels_stop_at_what_the_deployment_runs_at_once(operator_client):
+    from benchmarks import selectors
+
+    cpu = DeploymentFactory(engine_args={"max-num-seqs": 16})
+    assert selectors.default_levels(cpu) == [1, 2, 4, 8, 16]
+    assert max(selectors.default_levels(DeploymentFactory(engine_args={}))) == 64  # a CPU node without the flag
+    page = operator_client.get(f"/benchmarks/?deployment={cpu.pk}").content.decode()
+    assert 'value="1,2,4,8,16"' in page
