@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from benchmarks import allowlist, runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
+from controlpanel.errors import ServiceError
+from controlpanel.queue import enqueue
 from deployments import live, secrets
 from deployments.host import vllm
 from deployments.models import Deployment, ModelCopy
@@ -68,8 +69,6 @@ def _warnings(params: dict, d: Deployment | None) -> list[str]:
 def run_create(*, params: dict, deployment: Deployment | None = None, base_url: str = "", served_model: str = "",
                name: str = "", user=None) -> BenchmarkRun:
     """Create a sweep and queue it: on the deployment's node, or on the control worker for a URL."""
-    from benchmarks import tasks
-
     if bool(deployment) == bool(base_url):
         raise ServiceError("Benchmark either a deployment or a URL.", field="deployment")
     if base_url:
@@ -90,7 +89,7 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
         environment=environment_of(deployment) if deployment else {"base_url": base_url, "model": served_model},
         warnings=_warnings(params, deployment))
     target = run_target(run)
-    transaction.on_commit(lambda: tasks.run_execute.apply_async(args=[run.pk], queue=target.queue))
+    enqueue("benchmarks.run_execute", args=[run.pk], queue=target.queue)
     return run
 
 

@@ -11,8 +11,9 @@ from dataclasses import asdict
 
 from django.db import close_old_connections
 
-from deployments import history, services
+from deployments import history
 from deployments.host import disk, gpu
+from deployments.services import guards, loadtime, nodes, reconcile, repos, watch
 
 log = logging.getLogger(__name__)
 ENGINES_REFRESH_S = 5.0  # how often the agent re-reads which process groups belong to deployments
@@ -47,7 +48,7 @@ class Agent:
             self.nvml_error = ""
         except gpu.NvmlUnavailable as exc:
             gpus, self.nvml_error = [], str(exc)
-        node = services.node_register(
+        node = nodes.node_register(
             name=self.name, address=self.address, agent_version=self.version, model_store=self.model_store,
             heartbeat_seconds=self.heartbeat_seconds, gpus=gpus, nvml_error=self.nvml_error,
             agent_host=socket.gethostname(), agent_pid=os.getpid(),
@@ -65,10 +66,10 @@ class Agent:
 
         try:
             node = Node.objects.get(pk=self.node_id)
-            resumed = services.model_copies_resume(node)
+            resumed = repos.model_copies_resume(node)
             if resumed:
                 log.info("node %s: resuming %d unfinished download(s)", self.name, len(resumed))
-            report = services.deployments_reconcile(node)
+            report = reconcile.deployments_reconcile(node)
             if any(report.values()):
                 log.info("node %s: deployments after restart: %s", self.name, report)
             self._reconciled = True
@@ -78,8 +79,8 @@ class Agent:
 
     def _report_engine(self) -> None:
         try:
-            services.node_engine_report(self.node_id)
-            services.node_measure_disk_once(self.node_id)  # issue 16: the store's read rate, once
+            reconcile.node_engine_report(self.node_id)
+            loadtime.node_measure_disk_once(self.node_id)  # issue 16: the store's read rate, once
         finally:
             close_old_connections()
 
@@ -92,22 +93,22 @@ class Agent:
         sample = self.sample()
         # The database first: heartbeat, crash watch and foreign holders must not depend on Redis.
         if now - self._last_heartbeat >= self.heartbeat_seconds:
-            services.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
+            nodes.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
             self._last_heartbeat = now
         if not self._reconciled:
             self._reconcile()
         if now - self._engines_at >= ENGINES_REFRESH_S:
-            self._engines, self._engines_at = services.node_engines(self.node_id), now
-            self._foreign = services.node_foreign_record(self.node_id, self._foreign)
-            services.model_copies_stalled_resume(self.node_id)
+            self._engines, self._engines_at = nodes.node_engines(self.node_id), now
+            self._foreign = guards.node_foreign_record(self.node_id, self._foreign)
+            repos.model_copies_stalled_resume(self.node_id)
         if now - self._watched_at >= WATCH_EVERY_S:
             self._watched_at = now
-            services.deployments_watch(self.node_id, self._watch_state)
-            services.deployments_metrics(self.node_id, self._metrics_state)
+            watch.deployments_watch(self.node_id, self._watch_state)
+            watch.deployments_metrics(self.node_id, self._metrics_state)
         closed = self.minutes.add(sample)
         if closed:
-            services.node_minute_record(self.node_id, closed)
-        services.node_sample_record(self.node_id, sample, self._engines, self.sample_seconds)
+            nodes.node_minute_record(self.node_id, closed)
+        nodes.node_sample_record(self.node_id, sample, self._engines, self.sample_seconds)
         return sample
 
     def sample(self) -> dict:

@@ -8,6 +8,7 @@ class DeploymentsConfig(AppConfig):
     def ready(self):
         from controlpanel import apicache
         from deployments import signals
+        from deployments import tasks  # noqa: F401 - registers the tasks services enqueue by name
 
         apicache.watch_database_writes()
         signals.connect()

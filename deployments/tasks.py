@@ -7,8 +7,8 @@ import socket
 
 from celery import shared_task
 
-from deployments import services
 from deployments.host import hub
+from deployments.services import loadtime, plan, repos, watch
 
 
 @shared_task(name="deployments.node_ping")
@@ -22,58 +22,58 @@ def node_ping() -> dict:
 @shared_task(name="deployments.model_inspect", autoretry_for=(hub.HubError,), retry_backoff=5, max_retries=5)
 def model_inspect(model_id: int) -> None:
     """Fetch a repo's files and config from the Hub (retried while the Hub is unreachable)."""
-    services.model_inspect(model_id)
+    repos.model_inspect(model_id)
 
 
 @shared_task(name="deployments.model_inspect_local")
 def model_inspect_local(model_id: int, node_id: int) -> None:
     """On a node: read a local model folder."""
-    services.model_inspect_local(model_id, node_id)
+    repos.model_inspect_local(model_id, node_id)
 
 
 @shared_task(name="deployments.model_copy_download")
 def model_copy_download(copy_id: int) -> None:
     """On a node: download (or resume) a model copy."""
-    services.model_copy_download(copy_id)
+    repos.model_copy_download(copy_id)
 
 
 @shared_task(name="deployments.model_copy_remove")
 def model_copy_remove(copy_id: int) -> None:
     """On a node: delete a model copy's files."""
-    services.model_copy_remove(copy_id)
+    repos.model_copy_remove(copy_id)
 
 
 @shared_task(name="deployments.deployment_run")
 def deployment_run(deployment_id: int) -> None:
     """On a node: run the deploy plan."""
-    services.deployment_run(deployment_id)
+    plan.deployment_run(deployment_id)
 
 
 @shared_task(name="deployments.deployment_follow")
 def deployment_follow(deployment_id: int) -> None:
     """On a node: follow an engine that was loading when the agent restarted."""
-    services.deployment_follow(deployment_id)
+    plan.deployment_follow(deployment_id)
 
 
 @shared_task(name="deployments.deployment_halt")
 def deployment_halt(deployment_id: int) -> None:
     """On a node: stop a deployment's engine."""
-    services.deployment_halt(deployment_id)
+    watch.deployment_halt(deployment_id)
 
 
 @shared_task(name="deployments.deployment_forget")
 def deployment_forget(deployment_id: int) -> None:
     """On a node: remove a deleted deployment's systemd unit, then the deployment."""
-    services.deployment_forget(deployment_id)
+    watch.deployment_forget(deployment_id)
 
 
 @shared_task(name="deployments.deployment_persist")
 def deployment_persist(deployment_id: int) -> None:
     """On a node: install a deployment as a systemd unit."""
-    services.deployment_persist_here(deployment_id)
+    plan.deployment_persist_here(deployment_id)
 
 
 @shared_task(name="deployments.node_measure_disk")
 def node_measure_disk(node_id: int) -> None:
     """On a node: measure the model store's sequential read rate (issue 16)."""
-    services.node_measure_disk(node_id)
+    loadtime.node_measure_disk(node_id)

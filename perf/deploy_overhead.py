@@ -181,10 +181,10 @@ def main():
 
             wait(lambda: Node.objects.filter(name=NODE).exclude(engine_flags=[]).exists(), 180,
                  "the node agent and its engine's flags")
-            from deployments import services
             from deployments.models import ModelCopy
+            from deployments.services import repos
 
-            model = services.model_add_local(Node.objects.get(name=NODE), str(TINY_MODEL))  # as tests/e2e do
+            model = repos.model_add_local(Node.objects.get(name=NODE), str(TINY_MODEL))  # as tests/e2e do
             wait(lambda: ModelCopy.objects.filter(model=model, state="ready").exists(), 120, "the local model on the node")
             api.get("/api/deployments/").raise_for_status()  # a running panel has served requests before a deploy
             rows = [one_round(api, model.pk, i) for i in range(args.rounds)]

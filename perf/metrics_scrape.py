@@ -93,13 +93,13 @@ def seed() -> list[int]:
 
 def agents(node_ids: list[int], stop: threading.Event) -> threading.Thread:
     """Every node sends a sample each second, as their agents do (each makes live figures stale)."""
-    from deployments import services
+    from deployments.services import nodes
 
     def run():
         while not stop.is_set():
             started = time.time()
             for k, node_id in enumerate(node_ids):
-                services.node_sample_record(node_id, sample(k, time.time()), {})
+                nodes.node_sample_record(node_id, sample(k, time.time()), {})
             stop.wait(max(0.0, 1.0 - (time.time() - started)))
 
     thread = threading.Thread(target=run, daemon=True)

@@ -9,7 +9,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlpanel import tokens
-from deployments import services
+from deployments.services import nodes
 from deployments.models import Deployment
 from tests.factories import (BenchmarkPointFactory, BenchmarkRunFactory, DeploymentEventFactory, DeploymentFactory,
                              GpuFactory, ModelCopyFactory, NodeFactory)
@@ -51,7 +51,7 @@ def fleet(unique):
     gpus = [GpuFactory(node=node, index=i, uuid=f"GPU-{i}", name="NVIDIA H200") for i in range(2)]
     offline = NodeFactory(name=f"old-{unique}", last_heartbeat=timezone.now() - timedelta(minutes=5))
     sample = _sample(1_700_000_000.5, [(40, 90), (10, 0)])
-    services.node_sample_record(node.pk, sample, {})
+    nodes.node_sample_record(node.pk, sample, {})
     started = timezone.now() - timedelta(minutes=3)
     ready = DeploymentFactory(node=node, status="ready", started=started, ready_at=started + timedelta(seconds=95),
                               restarts=2)
@@ -186,7 +186,7 @@ def test_a_changed_figure_shows_at_the_next_scrape_and_a_heartbeat_rereads_no_be
 
     level = {"run": str(fleet["run"].pk), "level": "8"}
     assert value(scrape(viewer_client), "panel_benchmark_output_tokens_per_second", **level) == 1234.5
-    services.node_heartbeat(fleet["node"].pk, disk_total=10**12, disk_free=10**11)
+    nodes.node_heartbeat(fleet["node"].pk, disk_total=10**12, disk_free=10**11)
     with CaptureQueriesContext(connection) as queries:
         samples = scrape(viewer_client)
     assert value(samples, "panel_node_model_store_free_bytes", node=fleet["node"].name) == 10**11

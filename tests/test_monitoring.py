@@ -149,14 +149,14 @@ def test_the_name_check_sees_names_and_nothing_else():
 @pytest.fixture
 def fleet_for_exposition(unique):
     """One of everything, so every family of the exposition has a sample."""
-    from deployments import services
+    from deployments.services import nodes
     from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory, DeploymentFactory, GpuFactory
 
     deployment = DeploymentFactory(status="ready")
     GpuFactory(node=deployment.node, index=0)
     sample = _sample(1_700_000_000.0, [(40, 90)])
     sample["gpus"][0].update(ecc_sbe_volatile=0, ecc_dbe_volatile=0)
-    services.node_sample_record(deployment.node.pk, sample, {})
+    nodes.node_sample_record(deployment.node.pk, sample, {})
     BenchmarkPointFactory(run=BenchmarkRunFactory(deployment=deployment, single_stream_tok_s=70.0),
                           tpot_ms={"median": 9.0}, itl_ms={"median": 9.0})
 

@@ -13,7 +13,8 @@ from controlpanel.errors import ServiceError
 from controlpanel.idempotency import idempotent
 from controlpanel.params import int_param
 
-from deployments import secrets, selectors, services
+from deployments import secrets, selectors
+from deployments.services import deploys, loadtime, repos
 from deployments.api import serializers
 from deployments.models import ModelCopy
 
@@ -34,7 +35,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         """Measure the model store's sequential read rate on the node (cold cache where it can, at idle
         priority, never evicting a running engine's files); the result lands in `disk_read`."""
         node = self.get_object()
-        services.node_measure_disk_request(node)
+        loadtime.node_measure_disk_request(node)
         return Response(serializers.NodeSerializer(node).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -59,8 +60,8 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         data = serializers.ModelAddSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
-        model = (services.model_add_local(v["node"], v["local_path"]) if v.get("local_path")
-                 else services.model_add(v["repo_id"], v["revision"]))
+        model = (repos.model_add_local(v["node"], v["local_path"]) if v.get("local_path")
+                 else repos.model_add(v["repo_id"], v["revision"]))
         return Response(serializers.ModelRepoSerializer(model).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(parameters=[serializers.FitQuerySerializer], responses=dict)
@@ -70,7 +71,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         query = serializers.FitQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         q = query.validated_data
-        result = services.model_fit(self.get_object(), q["node"], q["tp"], q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
+        result = repos.model_fit(self.get_object(), q["node"], q["tp"], q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
         if result is None:
             raise ServiceError("The model's config has not been read yet.", field="model", code="not_inspected")
         return Response(asdict(result))
@@ -82,7 +83,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         """Download the model to a node; refused with 409 and what could be deleted when the disk is short."""
         body = serializers.NodeChoiceSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        copy = services.model_download(self.get_object(), body.validated_data["node"])
+        copy = repos.model_download(self.get_object(), body.validated_data["node"])
         return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -105,7 +106,7 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
 
     def destroy(self, request, pk=None):
         """Delete the copy's files on its node (409 while a deployment uses it)."""
-        copy = services.model_copy_delete(self.get_object())
+        copy = repos.model_copy_delete(self.get_object())
         return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: serializers.ModelCopySerializer})
@@ -113,7 +114,7 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
     @idempotent
     def cancel(self, request, pk=None):
         """Stop a download; what was fetched stays for a retry."""
-        copy = services.model_copy_cancel(self.get_object())
+        copy = repos.model_copy_cancel(self.get_object())
         return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: serializers.ModelCopySerializer})
@@ -121,7 +122,7 @@ class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
     @idempotent
     def retry(self, request, pk=None):
         """Queue a failed or cancelled download again; it resumes."""
-        copy = services.model_copy_retry(self.get_object())
+        copy = repos.model_copy_retry(self.get_object())
         return Response(serializers.ModelCopySerializer(copy).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -149,7 +150,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         body = serializers.DeployRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         v = body.validated_data
-        d = services.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
+        d = deploys.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
                                        engine_args=v["engine_args"], env=v["env"], name=v["name"], replace_ids=v["replace"],
                                        auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
                                        stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
@@ -162,7 +163,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     @idempotent
     def stop(self, request, pk=None):
         """Stop the engine (its whole process group or its systemd unit)."""
-        return self._accepted(services.deployment_stop(self.get_object()))
+        return self._accepted(deploys.deployment_stop(self.get_object()))
 
     @extend_schema(request=serializers.RedeploySerializer, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])
@@ -174,14 +175,14 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         changes = dict(body.validated_data)
         if "gpus" in changes:
             changes["gpu_indices"] = sorted(set(changes.pop("gpus")))
-        return self._accepted(services.deployment_redeploy(self.get_object(), user=request.user, **changes))
+        return self._accepted(deploys.deployment_redeploy(self.get_object(), user=request.user, **changes))
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])
     @idempotent
     def persist(self, request, pk=None):
         """Install the deployment as a systemd unit on its node."""
-        return self._accepted(services.deployment_persist(self.get_object()))
+        return self._accepted(deploys.deployment_persist(self.get_object()))
 
     @extend_schema(parameters=[OpenApiParameter("state", str, description="the `state` of your last answer"),
                                OpenApiParameter("wait", int, description="seconds to wait for a change (max 30)")],

@@ -1,7 +1,7 @@
-"""Writes that span models, the queue, the channel layer or a host, one module per subject."""
-from deployments.services.nodes import *  # noqa: F401,F403
-from deployments.services.models import *  # noqa: F401,F403
-from deployments.services.deploys import *  # noqa: F401,F403
-from deployments.services.engines import *  # noqa: F401,F403
-from deployments.services.guards import *  # noqa: F401,F403
-from deployments.services.loadtime import *  # noqa: F401,F403
+"""Writes that span models, the queue, the channel layer or a host, one module per subject; import
+the module you use (`from deployments.services import deploys`).
+
+Control plane: nodes (registration, telemetry, routing host work), repos (models and their copies),
+deploys (create, redeploy, stop, persist). On the node: plan (the deploy plan), watch (stop, crashes,
+live figures), reconcile (agent start), steps (their shared building blocks), guards (foreign GPU holders).
+"""

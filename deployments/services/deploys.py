@@ -1,7 +1,7 @@
 """Services for deployments, control-plane side: create, redeploy, restart, stop, persist.
 
 Each one validates, writes the row and sends the work to the node's agent
-(deployments.services.engines runs it there).
+(deployments.services.plan and .watch run it there).
 """
 from dataclasses import dataclass
 from datetime import timedelta
@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.utils.text import slugify
 
 from controlpanel.errors import ServiceError
+from controlpanel.queue import enqueue
 from controlpanel.roles import is_admin
 from deployments import engineargs, live, privileged, secrets
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
@@ -146,19 +147,16 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
-    _send_plan(d)
+    send_plan(d)
     return d
 
 
-def _send_plan(d: Deployment, countdown: int = 0) -> None:
+def send_plan(d: Deployment, countdown: int = 0) -> None:
     """Queue the plan with an expiry: a node that comes back later does nothing (the row says so)."""
-    from deployments import tasks
-
     expires = settings.HOST_TASK_EXPIRES_S + countdown
     d.expires_at = timezone.now() + timedelta(seconds=expires)
     Deployment.objects.filter(pk=d.pk).update(expires_at=d.expires_at)
-    transaction.on_commit(lambda: tasks.deployment_run.apply_async(args=[d.pk], queue=d.node.queue, countdown=countdown,
-                                                                   expires=expires))
+    enqueue("deployments.deployment_run", args=[d.pk], queue=d.node.queue, countdown=countdown, expires=expires)
 
 
 @transaction.atomic
@@ -185,7 +183,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     d.save()
     d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))
     deployment_event(d, "queued", "Redeploy requested" + (" with new settings." if changes else "."))
-    _send_plan(d)
+    send_plan(d)
     live.send_deployment_status(d)
     return d
 
@@ -193,8 +191,6 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
 @transaction.atomic
 def deployment_stop(d: Deployment) -> Deployment:
     """Stop the engine (its whole process group, or its systemd unit) on the node."""
-    from deployments import tasks
-
     d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
     if d.status in Deployment.TERMINAL:
         raise ServiceError(f"{d.name} is already {d.get_status_display().lower()}.", code="not_running")
@@ -203,7 +199,7 @@ def deployment_stop(d: Deployment) -> Deployment:
     d.transition(Deployment.Status.STOPPING)
     d.save()
     deployment_event(d, "stop", "Stop requested.")
-    node_enqueue(d.node, tasks.deployment_halt, d.pk)
+    node_enqueue(d.node, "deployments.deployment_halt", d.pk)
     live.send_deployment_status(d)
     return d
 
@@ -211,15 +207,13 @@ def deployment_stop(d: Deployment) -> Deployment:
 def deployment_delete(d: Deployment) -> bool:
     """Forget a stopped or failed deployment: at once (True), or, when it was made a systemd unit,
     once its node has removed the unit (False), so nothing the panel installed outlives it."""
-    from deployments import tasks
-
     with transaction.atomic():
         d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
         if d.status not in Deployment.TERMINAL:
             raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; stop it first.", code="busy")
         if d.systemd_unit:
             deployment_event(d, "delete", f"Removing {d.systemd_unit} from {d.node}, then this deployment.")
-            node_enqueue(d.node, tasks.deployment_forget, d.pk)
+            node_enqueue(d.node, "deployments.deployment_forget", d.pk)
             return False
         d.delete()
         return True
@@ -228,8 +222,6 @@ def deployment_delete(d: Deployment) -> bool:
 @transaction.atomic
 def deployment_persist(d: Deployment) -> Deployment:
     """Ask the node to install the deployment as a systemd unit that survives reboots."""
-    from deployments import tasks
-
     d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
     if not d.node.systemd:
         raise ServiceError(f"{d.node} cannot install systemd units (no systemd, or the agent is not root); "
@@ -237,5 +229,5 @@ def deployment_persist(d: Deployment) -> Deployment:
     if d.status != Deployment.Status.READY:
         raise ServiceError("Only a ready deployment can be made a service.", code="not_running")
     deployment_event(d, "persist", "Installing as a systemd service.")
-    node_enqueue(d.node, tasks.deployment_persist, d.pk)
+    node_enqueue(d.node, "deployments.deployment_persist", d.pk)
     return d

@@ -13,6 +13,7 @@ from django.utils import timezone
 from deployments import live, selectors
 from deployments.host import loadphases, pagecache
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
+from deployments.services.nodes import node_enqueue
 
 log = logging.getLogger(__name__)
 __all__ = ["node_measure_disk", "node_measure_disk_once", "node_measure_disk_request"]
@@ -217,10 +218,7 @@ def load_recommendation(d: Deployment) -> list[str]:
 
 def node_measure_disk_request(node: Node) -> None:
     """Queue a measurement of the store's read rate on the node (on demand)."""
-    from deployments import tasks
-    from deployments.services.nodes import node_enqueue
-
-    node_enqueue(node, tasks.node_measure_disk, node.pk)
+    node_enqueue(node, "deployments.node_measure_disk", node.pk)
 
 
 def node_measure_disk_once(node_id: int) -> dict:

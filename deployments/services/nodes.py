@@ -1,9 +1,11 @@
 """Services for nodes: registration, heartbeats, telemetry, routing host work."""
 import logging
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlpanel.queue import enqueue
 from deployments import history, live
 from deployments.models import Deployment, Gpu, Node
 
@@ -58,14 +60,11 @@ def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: in
     Node.objects.filter(pk=node_id).update(**fields)
 
 
-def node_enqueue(node: Node, task, *args, **kwargs) -> None:
-    """Send a host task to the node's own queue once the current transaction commits."""
-    from django.conf import settings
-
+def node_enqueue(node: Node, task_name: str, *args) -> None:
+    """Send a host task (by name) to the node's own queue once the current transaction commits."""
     # The expiry drops work a node that was offline would run days later; the agent re-queues at
     # its start what it still owes (unfinished downloads and stops), from the rows.
-    transaction.on_commit(lambda: task.apply_async(args=args, kwargs=kwargs, queue=node.queue,
-                                                   expires=settings.HOST_TASK_EXPIRES_S))
+    enqueue(task_name, args=list(args), queue=node.queue, expires=settings.HOST_TASK_EXPIRES_S)
 
 
 def node_engines(node_id: int) -> dict[int, dict]:

@@ -10,7 +10,8 @@ from rest_framework.authtoken.models import Token
 
 from controlpanel import tokens
 from controlpanel.roles import is_operator
-from deployments import forms, services
+from deployments import forms
+from deployments.services import repos
 
 
 def panel_settings(request):
@@ -20,11 +21,11 @@ def panel_settings(request):
             return HttpResponseForbidden("Changing settings needs the operator role.")
         form = forms.HfTokenForm(request.POST)
         if form.is_valid():
-            services.hf_token_set("" if form.cleaned_data["clear"] else form.cleaned_data["hf_token"])
+            repos.hf_token_set("" if form.cleaned_data["clear"] else form.cleaned_data["hf_token"])
             messages.success(request, "Hugging Face token saved." if form.cleaned_data["hf_token"] and not form.cleaned_data["clear"]
                              else "Hugging Face token cleared.")
             return redirect("settings")
-    return render(request, "settings.html", {"form": form, "hf_token_set": bool(services.hf_token()),
+    return render(request, "settings.html", {"form": form, "hf_token_set": bool(repos.hf_token()),
                                              "hf_endpoint": settings.HF_ENDPOINT})
 
 

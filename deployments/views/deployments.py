@@ -8,8 +8,9 @@ from django.views.decorators.http import require_POST
 from controlpanel.errors import ServiceError
 from controlpanel.params import int_param
 from controlpanel.roles import operator_required
-from deployments import engineargs, forms, privileged, secrets, selectors, services
+from deployments import engineargs, forms, privileged, secrets, selectors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+from deployments.services import deploys, repos
 
 
 def deployment_list(request):
@@ -47,9 +48,9 @@ def _deploy_page(request, model, node, form, status=200, preset=""):
     if node and not node.gpus.exists():
         fit = None  # a CPU node: the GPU fit check does not apply (the CPU engine holds the weights in RAM)
     elif form.is_bound and form.is_valid():
-        fit = services.model_fit(model, node, form.cleaned_data["tp"], form.cleaned_data["pp"])
+        fit = repos.model_fit(model, node, form.cleaned_data["tp"], form.cleaned_data["pp"])
     elif node and node.gpus.exists():
-        fit = services.model_fit(model, node, int(form.initial.get("tp") or 1))
+        fit = repos.model_fit(model, node, int(form.initial.get("tp") or 1))
     return render(request, "deployments/deploy.html", {
         "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": engineargs.PRESETS,
         "preset": preset or request.GET.get("preset") or (node and engineargs.node_preset(node.gpus.exists())),
@@ -70,14 +71,14 @@ def deploy(request, pk):
         key = key if key in engineargs.PRESETS else engineargs.node_preset(node.gpus.exists())
         initial = _initial(engineargs.PRESETS[key], None)
         initial.setdefault("gpus", [str(g.index) for g in node.gpus.all()][: int(initial.get("tp") or 1)])
-        initial["port"] = services.deployment_free_port(node)
+        initial["port"] = deploys.deployment_free_port(node)
         return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key)
     form = forms.DeployForm(request.POST, node=node)
     if not form.is_valid():
         return _deploy_page(request, model, node, form, status=400)
     data = form.cleaned_data
     try:
-        d = services.deployment_create(
+        d = deploys.deployment_create(
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
@@ -106,7 +107,7 @@ def deployment_edit(request, pk):
         return _deploy_page(request, d.model, d.node, form, status=400)
     data = form.cleaned_data
     try:
-        services.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
+        deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
     except ServiceError as exc:
@@ -119,7 +120,7 @@ def deployment_edit(request, pk):
 @operator_required
 def deployment_action(request, pk, action):
     d = get_object_or_404(Deployment, pk=pk)
-    act = {"stop": services.deployment_stop, "restart": services.deployment_redeploy, "persist": services.deployment_persist}
+    act = {"stop": deploys.deployment_stop, "restart": deploys.deployment_redeploy, "persist": deploys.deployment_persist}
     if action not in act:
         raise Http404
     try:

@@ -9,8 +9,9 @@ from django.views.decorators.http import require_POST
 
 from controlpanel.errors import ServiceError
 from controlpanel.roles import operator_required
-from deployments import forms, selectors, services
+from deployments import forms, selectors
 from deployments.models import ModelCopy, ModelRepo, Node
+from deployments.services import repos
 
 
 def model_list(request):
@@ -25,7 +26,7 @@ def model_add(request):
     if not form.is_valid():
         return render(request, "deployments/model_list.html", {
             "models": selectors.model_list(), "add_form": form, "local_form": forms.LocalModelForm()}, status=400)
-    model = services.model_add(form.cleaned_data["repo_id"], form.cleaned_data["revision"] or "main")
+    model = repos.model_add(form.cleaned_data["repo_id"], form.cleaned_data["revision"] or "main")
     messages.success(request, f"Added {model}; reading its files and config from the Hub.")
     return redirect("model-detail", model.pk)
 
@@ -37,7 +38,7 @@ def model_add_local(request):
     if not form.is_valid():
         return render(request, "deployments/model_list.html", {
             "models": selectors.model_list(), "add_form": forms.ModelAddForm(), "local_form": form}, status=400)
-    model = services.model_add_local(form.cleaned_data["node"], form.cleaned_data["path"])
+    model = repos.model_add_local(form.cleaned_data["node"], form.cleaned_data["path"])
     messages.success(request, f"Reading {form.cleaned_data['path']} on {form.cleaned_data['node']}.")
     return redirect("model-detail", model.pk)
 
@@ -52,11 +53,11 @@ def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     tp, kv = tp_default, "auto"
     if fit_form.is_valid():
         tp, kv = fit_form.cleaned_data["tp"], fit_form.cleaned_data["kv_cache_dtype"]
-    fits = [(node, services.model_fit(model, node, tp, kv_cache_dtype=kv) if node.gpus.all() else None) for node in nodes]
+    fits = [(node, repos.model_fit(model, node, tp, kv_cache_dtype=kv) if node.gpus.all() else None) for node in nodes]
     return render(request, "deployments/model_detail.html", {
         "model": model, "fits": fits, "fit_form": fit_form, "tp": tp,
         "download_form": download_form or forms.DownloadForm(), "disk_short": disk_short,
-        "copies": model.copies.all(), "disk": services.model_disk_check(model, nodes),
+        "copies": model.copies.all(), "disk": repos.model_disk_check(model, nodes),
     }, status=status)
 
 
@@ -68,8 +69,8 @@ def model_download(request, pk):
     if not form.is_valid():
         return model_detail(request, pk, download_form=form, status=400)
     try:
-        services.model_download(model, form.cleaned_data["node"])
-    except services.DiskShort as short:
+        repos.model_download(model, form.cleaned_data["node"])
+    except repos.DiskShort as short:
         return model_detail(request, pk, download_form=form, disk_short=short, status=409)
     except ServiceError as exc:
         form.add_error("node", exc.message)
@@ -82,7 +83,7 @@ def model_download(request, pk):
 @operator_required
 def copy_action(request, pk, action):
     copy = get_object_or_404(ModelCopy.objects.select_related("model", "node"), pk=pk)
-    act = {"cancel": services.model_copy_cancel, "retry": services.model_copy_retry, "delete": services.model_copy_delete}
+    act = {"cancel": repos.model_copy_cancel, "retry": repos.model_copy_retry, "delete": repos.model_copy_delete}
     if action not in act:
         raise Http404
     try:

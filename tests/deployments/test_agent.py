@@ -34,7 +34,7 @@ def _sample(i, used_gib=10, procs=(), power=None):
 @pytest.fixture(autouse=True)
 def no_engine_report():
     """Asking `vllm serve --help=all` is the engine's business, tested in tests/host."""
-    with mock.patch("deployments.services.node_engine_report", autospec=True) as report:
+    with mock.patch("deployments.services.reconcile.node_engine_report", autospec=True) as report:
         yield report
 
 
@@ -169,13 +169,14 @@ def test_the_history_endpoint_serves_recent_samples_and_minutes(agent, published
 
 
 def test_host_work_is_sent_to_the_nodes_own_queue_after_commit(django_capture_on_commit_callbacks):
-    from deployments import services, tasks
+    from deployments import tasks
+    from deployments.services import nodes
     from tests.factories import NodeFactory
 
     node = NodeFactory(name="gpu-09")
     with mock.patch.object(tasks.node_ping, "apply_async", autospec=True) as apply_async:
         with django_capture_on_commit_callbacks(execute=False) as callbacks:
-            services.node_enqueue(node, tasks.node_ping)
+            nodes.node_enqueue(node, "deployments.node_ping")
         apply_async.assert_not_called()  # nothing leaves before the transaction commits
         callbacks[0]()
     assert apply_async.call_args.kwargs["queue"] == "node.gpu-09"

@@ -27,8 +27,8 @@ def viewer_api(viewer):
 
 @pytest.fixture(autouse=True)
 def no_queue():
-    with mock.patch("deployments.tasks.model_inspect.delay", autospec=True) as inspect, \
-         mock.patch("deployments.services.models.node_enqueue", autospec=True):
+    with mock.patch("deployments.tasks.model_inspect.apply_async", autospec=True) as inspect, \
+         mock.patch("deployments.services.repos.node_enqueue", autospec=True):
         yield inspect
 
 
@@ -38,7 +38,7 @@ def test_adding_a_repo_answers_202_and_queues_the_inspection(api, no_queue, djan
     assert response.status_code == 202
     model = ModelRepo.objects.get(repo_id="moonshotai/Kimi-K2.5")
     assert response.json()["id"] == model.pk and model.revision == "main"
-    no_queue.assert_called_once_with(model.pk)
+    no_queue.assert_called_once_with(args=[model.pk])
 
 
 @pytest.mark.parametrize("body, field", [

@@ -3,6 +3,7 @@
 Host modules (engine, gpu, vllm, systemd) are replaced at their boundary; the real engine runs
 in tests/e2e/test_deploy.py and tests/host/test_engine_real.py.
 """
+import contextlib
 import itertools
 import threading
 import time
@@ -14,7 +15,8 @@ from unittest import mock
 import pytest
 
 from controlpanel.errors import ServiceError
-from deployments import live, services
+from deployments import live
+from deployments.services import deploys, plan, reconcile, watch
 from deployments.forms import DeployForm
 from deployments.host import engine, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
@@ -50,7 +52,7 @@ def sent():
 def _create(model, node, **kw):
     args = {"model": model, "node": node, "gpu_indices": [0, 1], "port": 8000,
             "engine_args": {"tensor-parallel-size": 2}, "env": {}}
-    return services.deployment_create(**{**args, **kw})
+    return deploys.deployment_create(**{**args, **kw})
 
 
 def test_a_deploy_is_queued_on_the_nodes_own_queue(model, node, sent, django_capture_on_commit_callbacks):
@@ -175,18 +177,26 @@ class FakeHost:
             p.stop()
 
 
+@contextlib.contextmanager
+def _clock(monotonic):
+    """The node-side services' clock (plan, watch, steps); sleeping returns at once."""
+    fake = SimpleNamespace(monotonic=monotonic, sleep=lambda s: None, time=time.time)
+    with contextlib.ExitStack() as stack:
+        for module in ("plan", "watch", "steps"):
+            stack.enter_context(mock.patch(f"deployments.services.{module}.time", fake))
+        yield
+
+
 def fake_clock(start, step):
     """The plan's own clock, jumping `step` seconds per reading (Redis and asyncio keep the real one)."""
     ticks = itertools.count(start, step)
-    return mock.patch("deployments.services.engines.time", SimpleNamespace(
-        monotonic=lambda: next(ticks), sleep=lambda s: None, time=time.time))
+    return _clock(lambda: next(ticks))
 
 
 @pytest.fixture
 def host(tmp_path, settings):
     settings.VAR_DIR = tmp_path
-    with mock.patch("deployments.services.engines.time", SimpleNamespace(
-            monotonic=time.monotonic, sleep=lambda s: None, time=time.time)), FakeHost(tmp_path) as fake:
+    with _clock(time.monotonic), FakeHost(tmp_path) as fake:
         yield fake
 
 
@@ -201,7 +211,7 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
     holder = DeploymentFactory(node=node, status=S.READY, pid=777, pgid=777, port=9000, name="old")
     holder.gpus.set(node.gpus.filter(index__in=[1]))
     d = _queued(model, node)
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY and d.pid == 4242 and d.load_percent == 100.0
     assert [e.step for e in d.events.all()] == ["model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
@@ -209,7 +219,7 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
     assert Deployment.objects.get(pk=holder.pk).status == S.STOPPED
     host.mocks["engine.stop"].assert_called_once_with(777, 30.0, 10.0)
     assert "old (SIGTERM in 0.4 s, 1 /dev/shm files removed)" in d.events.get(step="stop_others").message
-    host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=services.engines.MEMORY_TIMEOUT_S)
+    host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=plan.MEMORY_TIMEOUT_S)
     argv, env = host.spec.argv, host.spec.env
     assert argv[1:3] == ["serve", model.copies.get().path] and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_PROTO"] == "LL"
@@ -220,7 +230,7 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
 def test_gpu_memory_that_never_comes_back_fails_naming_the_pids(model, node, host):
     host.mocks["gpu.wait_memory_released"].side_effect = gpu.MemoryNotReleased({31337: 40 * 2**30}, 180)
     d = _queued(model, node)
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and "PID 31337 holds 40.0 GiB" in d.status_message
     host.mocks["engine.launch"].assert_not_called()
@@ -230,7 +240,7 @@ def test_gpu_memory_that_never_comes_back_fails_naming_the_pids(model, node, hos
 def test_a_port_in_use_fails_before_launch(model, node, host):
     host.mocks["engine.port_free"].return_value = False
     d = _queued(model, node)
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and "Port 8000 is in use" in d.status_message
     host.mocks["engine.launch"].assert_not_called()
@@ -239,8 +249,8 @@ def test_a_port_in_use_fails_before_launch(model, node, host):
 def test_a_plan_does_not_download_a_copy_that_is_being_deleted(model, node, host):
     model.copies.update(state="deleting")
     d = _queued(model, node)
-    with mock.patch("deployments.services.engines.model_copy_download", autospec=True) as download:
-        services.deployment_run(d.pk)
+    with mock.patch("deployments.services.plan.model_copy_download", autospec=True) as download:
+        plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and f"The model's copy on {node} is deleting" in d.status_message
     download.assert_not_called()
@@ -256,7 +266,7 @@ def test_an_engine_that_dies_while_loading_fails_with_its_error(model, node, hos
 
     host.mocks["engine.launch"].side_effect = launch
     d = _queued(model, node)
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and "CUDA out of memory" in d.status_message and d.pid is None
 
@@ -265,7 +275,7 @@ def test_a_load_is_stalled_only_when_neither_log_nor_memory_moves(model, node, h
     host.health_after = 10**9
     with fake_clock(start=1000, step=50):
         d = _queued(model, node, stall_seconds=120)
-        services.deployment_run(d.pk)
+        plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and d.status_message.startswith("Stalled: neither the log nor GPU memory moved")
     host.mocks["engine.stop"].assert_called_with(4242, 30.0, 10.0)
@@ -278,10 +288,10 @@ def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
         Deployment.objects.filter(pk=d.pk).update(status=S.STOPPING)
 
     host.mocks["gpu.wait_memory_released"].side_effect = stop_meanwhile
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     host.mocks["engine.launch"].assert_not_called()
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPING  # the halt task finishes the stop
-    services.deployment_halt(d.pk)
+    watch.deployment_halt(d.pk)
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPED
 
 
@@ -293,7 +303,7 @@ def test_a_crashed_engine_is_failed_with_its_last_lines_and_restarted_with_backo
     host.alive = False
     with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True) as run, \
          django_capture_on_commit_callbacks(execute=True):
-        services.deployments_watch(node.pk, {})
+        watch.deployments_watch(node.pk, {})
     d.refresh_from_db()
     assert d.status == S.QUEUED and d.restarts == 1
     assert run.call_args.kwargs["countdown"] == 10
@@ -308,7 +318,7 @@ def test_health_must_fail_three_times_before_a_live_engine_counts_as_crashed(mod
     state = {}
     with fake_clock(start=0, step=10):
         for expected in (S.READY, S.READY, S.FAILED):
-            services.deployments_watch(node.pk, state)
+            watch.deployments_watch(node.pk, state)
             assert Deployment.objects.get(pk=d.pk).status == expected
 
 
@@ -317,8 +327,8 @@ def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, h
     loading = DeploymentFactory(model=model, node=node, status=S.LOADING, pid=2, pgid=2, port=8002)
     gone = DeploymentFactory(model=model, node=node, status=S.READY, pid=3, pgid=3, port=8003)
     host.mocks["engine.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
-    with mock.patch("deployments.services.nodes.node_enqueue", autospec=True) as enqueue:
-        report = services.deployments_reconcile(node)
+    with mock.patch("deployments.services.reconcile.node_enqueue", autospec=True) as enqueue:
+        report = reconcile.deployments_reconcile(node)
     assert report == {"adopted": [ready.name], "following": [loading.name], "failed": [gone.name]}
     assert enqueue.call_args.args[2] == loading.pk
     assert Deployment.objects.get(pk=gone.pk).status == S.FAILED
@@ -335,7 +345,7 @@ def test_the_systemd_unit_runs_the_same_engine_and_kills_its_whole_group():
 def test_persisting_needs_a_node_with_systemd(model, node):
     d = DeploymentFactory(model=model, node=node, status=S.READY)
     with pytest.raises(ServiceError, match="cannot install systemd units"):
-        services.deployment_persist(d)
+        deploys.deployment_persist(d)
 
 
 def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model, node, host, tmp_path):
@@ -344,7 +354,7 @@ def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model
     d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), port=8000)
     with mock.patch("deployments.host.systemd.install", autospec=True, return_value=5555) as install, \
          mock.patch("os.getpgid", return_value=5555):
-        services.deployment_persist_here(d.pk)
+        plan.deployment_persist_here(d.pk)
     d.refresh_from_db()
     assert install.call_args.args[0] == f"vllm-{d.name}.service" and "ExecStart=" in install.call_args.args[1]
     assert d.systemd_unit == f"vllm-{d.name}.service" and d.pid == 5555 and d.status == S.READY
@@ -378,9 +388,9 @@ def test_engine_figures_are_published_with_tok_s_from_the_counters_rise(model, n
     state = {}
     try:
         with fake_clock(start=0, step=2):
-            services.deployments_metrics(node.pk, state)
+            watch.deployments_metrics(node.pk, state)
             assert not [m for m in live.snapshot(live.deployment_topic(d.pk)) if m["kind"] == "engine"]
-            services.deployments_metrics(node.pk, state)
+            watch.deployments_metrics(node.pk, state)
     finally:
         server.shutdown()
         server.server_close()

@@ -6,8 +6,8 @@ import pytest
 from django.urls import reverse
 
 from controlpanel import cli
-from deployments import services
 from deployments.models import Deployment
+from deployments.services import deploys
 from tests.deployments.test_api_deployments import api  # noqa: F401  (an operator's API client)
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
@@ -28,7 +28,7 @@ def test_free_port_is_never_the_panels_and_skips_active_deployments(settings, cp
     settings.PANEL_PORT, settings.ENGINE_PORT_FIRST = 8100, 8100
     DeploymentFactory(node=node, port=8101, status=Deployment.Status.READY)
     DeploymentFactory(node=node, port=8102, status=Deployment.Status.STOPPED)  # a stopped one frees its port
-    assert services.deployment_free_port(node) == 8102
+    assert deploys.deployment_free_port(node) == 8102
 
 
 def test_api_deploy_with_no_field_on_a_cpu_node_gets_the_cpu_preset_and_a_free_port(settings, api, cpu_node):

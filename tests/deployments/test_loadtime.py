@@ -10,9 +10,9 @@ from django.utils import timezone
 from benchmarks.services import environment_of
 from deployments import selectors
 from deployments.models import DeploymentEvent, Node
-from deployments.services import loadtime
-from deployments import services
 from deployments.models import Deployment
+from deployments.services import loadtime
+from deployments.services import plan
 from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401 - fixtures of the plan's tests
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
 
@@ -157,7 +157,7 @@ def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_load
     folder.mkdir(exist_ok=True)
     (folder / "model.safetensors").write_bytes(os.urandom(1 << 20))
     d = _queued(model, node, prewarm=True)
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY
     assert [e.step for e in d.events.all()] == ["model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"]

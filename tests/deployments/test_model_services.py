@@ -6,9 +6,9 @@ from unittest import mock
 import pytest
 
 from controlpanel.errors import ServiceError
-from deployments import services
 from deployments.host import downloads, hub
 from deployments.models import ModelCopy, ModelRepo, Secret
+from deployments.services import repos
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -38,19 +38,19 @@ def download():
 
 @pytest.fixture
 def enqueued():
-    with mock.patch("deployments.services.models.node_enqueue", autospec=True) as fn:
+    with mock.patch("deployments.services.repos.node_enqueue", autospec=True) as fn:
         yield fn
 
 
 def _inspected(**kwargs):
     model = ModelRepoFactory(repo_id="org/model", **kwargs)
     with mock.patch("deployments.host.hub.repo_info", autospec=True, return_value=_info()):
-        return services.model_inspect(model.pk)
+        return repos.model_inspect(model.pk)
 
 
 def test_inspect_records_files_commit_and_what_the_config_says(repo_info):
     model = ModelRepoFactory(repo_id="org/model", total_size=0)
-    services.model_inspect(model.pk)
+    repos.model_inspect(model.pk)
     model.refresh_from_db()
     assert model.commit == "f" * 40 and len(model.files) == 3 and model.total_size == 10 * GiB + 1000
     assert (model.architecture, model.attention, model.num_layers, model.hidden_size) == ("DeepseekV3ForCausalLM", "mla", 61, 7168)
@@ -62,7 +62,7 @@ def test_inspect_records_files_commit_and_what_the_config_says(repo_info):
 def test_an_unknown_repo_leaves_a_clear_message_and_is_not_retried(repo_info):
     repo_info.side_effect = hub.HubError("Repository org/nope was not found on https://hub.", True, "not_found")
     model = ModelRepoFactory(repo_id="org/nope")
-    services.model_inspect(model.pk)
+    repos.model_inspect(model.pk)
     model.refresh_from_db()
     assert model.inspect_error == "Repository org/nope was not found on https://hub." and not model.inspected
 
@@ -70,16 +70,16 @@ def test_an_unknown_repo_leaves_a_clear_message_and_is_not_retried(repo_info):
 def test_an_unreachable_hub_is_raised_so_the_task_retries(repo_info):
     repo_info.side_effect = hub.HubError("Cannot reach the Hub.", False, "unavailable")
     with pytest.raises(hub.HubError):
-        services.model_inspect(ModelRepoFactory().pk)
+        repos.model_inspect(ModelRepoFactory().pk)
 
 
 def test_the_token_comes_from_the_panel_setting_and_is_passed_only_to_the_hub(repo_info):
-    services.hf_token_set("hf_secret_value")
-    services.model_inspect(ModelRepoFactory().pk)
+    repos.hf_token_set("hf_secret_value")
+    repos.model_inspect(ModelRepoFactory().pk)
     assert repo_info.call_args.kwargs["token"] == "hf_secret_value"
     assert "hf_secret_value" not in repr(Secret.objects.get()) + str(Secret.objects.get())
-    services.hf_token_set("")
-    assert services.hf_token() == ""
+    repos.hf_token_set("")
+    assert repos.hf_token() == ""
 
 
 def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists_what_to_delete(enqueued):
@@ -88,8 +88,8 @@ def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists
     idle = ModelCopyFactory(node=node, bytes_done=7 * GiB)
     busy = ModelCopyFactory(node=node, bytes_done=2 * GiB)
     DeploymentFactory(node=node, model=busy.model, status="ready")
-    with pytest.raises(services.DiskShort) as short:
-        services.model_download(model, node)
+    with pytest.raises(repos.DiskShort) as short:
+        repos.model_download(model, node)
     assert "needs 10.0 GiB, has 3.0 GiB free" in short.value.message
     assert [(c["id"], c["in_use"]) for c in short.value.candidates] == [(idle.pk, False), (busy.pk, True)]
     enqueued.assert_not_called()
@@ -99,16 +99,16 @@ def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists
 def test_download_is_queued_on_the_nodes_own_queue(enqueued):
     model = _inspected()
     node = NodeFactory(disk_total=100 * GiB, disk_free=50 * GiB)
-    copy = services.model_download(model, node)
+    copy = repos.model_download(model, node)
     assert copy.state == "queued" and copy.bytes_total == model.total_size
     assert enqueued.call_args.args[0] == node and enqueued.call_args.args[2] == copy.pk
     with pytest.raises(ServiceError, match="already queued"):
-        services.model_download(model, node)
+        repos.model_download(model, node)
 
 
 def test_download_of_a_model_not_yet_read_is_refused(enqueued):
     with pytest.raises(ServiceError, match="not been inspected"):
-        services.model_download(ModelRepoFactory(), NodeFactory())
+        repos.model_download(ModelRepoFactory(), NodeFactory())
 
 
 def _queued_copy(tmp_path):
@@ -130,7 +130,7 @@ def test_a_download_records_progress_and_ends_ready(tmp_path, download):
     download.side_effect = fake_download
     with mock.patch("deployments.host.disk.disk_usage", autospec=True) as usage:
         usage.return_value = mock.Mock(total=100 * GiB, free=50 * GiB)
-        services.model_copy_download(copy.pk)
+        repos.model_copy_download(copy.pk)
     copy.refresh_from_db()
     assert copy.state == "ready" and copy.bytes_done == copy.bytes_total and copy.path == str(tmp_path / "org--model")
 
@@ -139,7 +139,7 @@ def test_the_agent_checks_the_real_disk_before_the_first_byte(tmp_path, download
     copy = _queued_copy(tmp_path)
     with mock.patch("deployments.host.disk.disk_usage", autospec=True) as usage:
         usage.return_value = mock.Mock(total=100 * GiB, free=1 * GiB)
-        services.model_copy_download(copy.pk)
+        repos.model_copy_download(copy.pk)
     download.assert_not_called()
     copy.refresh_from_db()
     assert copy.state == "failed" and copy.error_code == "disk_full"
@@ -154,7 +154,7 @@ def test_the_agent_checks_the_real_disk_before_the_first_byte(tmp_path, download
 def test_a_failed_or_cancelled_download_says_why_and_keeps_its_place(tmp_path, download, error, state):
     copy = _queued_copy(tmp_path)
     download.side_effect = error
-    services.model_copy_download(copy.pk)
+    repos.model_copy_download(copy.pk)
     copy.refresh_from_db()
     assert copy.state == state
     if state == "failed":
@@ -165,18 +165,18 @@ def test_a_failed_or_cancelled_download_says_why_and_keeps_its_place(tmp_path, d
 def test_a_redelivered_task_leaves_a_running_download_alone(tmp_path, download):
     copy = _queued_copy(tmp_path)
     download.side_effect = hub.HubError("Another download into ... is running.", False, "busy")
-    services.model_copy_download(copy.pk)
+    repos.model_copy_download(copy.pk)
     assert ModelCopy.objects.get(pk=copy.pk).state == "downloading"
 
 
 def test_cancel_then_retry_resumes(tmp_path, enqueued):
     copy = _queued_copy(tmp_path)
     ModelCopy.objects.filter(pk=copy.pk).update(state="downloading", bytes_done=GiB)
-    copy = services.model_copy_cancel(copy)
+    copy = repos.model_copy_cancel(copy)
     assert copy.cancel_requested and copy.state == "downloading"  # the agent stops at its next check
     ModelCopy.objects.filter(pk=copy.pk).update(state="cancelled")
     copy.refresh_from_db()
-    copy = services.model_copy_retry(copy)
+    copy = repos.model_copy_retry(copy)
     assert copy.state == "queued" and copy.bytes_done == GiB and not copy.cancel_requested
 
 
@@ -184,7 +184,7 @@ def test_a_copy_in_use_by_a_running_deployment_cannot_be_deleted(enqueued):
     copy = ModelCopyFactory()
     DeploymentFactory(node=copy.node, model=copy.model, status="loading", name="kimi-prod")
     with pytest.raises(ServiceError, match="in use .* by kimi-prod"):
-        services.model_copy_delete(copy)
+        repos.model_copy_delete(copy)
     assert ModelCopy.objects.get(pk=copy.pk).state == "ready"
 
 
@@ -194,13 +194,13 @@ def test_delete_removes_the_files_inside_the_store_only(tmp_path, enqueued):
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"x" * 1000)
     copy = ModelCopyFactory(node=NodeFactory(model_store=str(store)), path=str(folder))
-    services.model_copy_delete(copy)
+    repos.model_copy_delete(copy)
     assert ModelCopy.objects.get(pk=copy.pk).state == "deleting"
-    assert services.model_copy_remove(copy.pk) == 1000
+    assert repos.model_copy_remove(copy.pk) == 1000
     assert not folder.exists() and not ModelCopy.objects.filter(pk=copy.pk).exists()
     outside = ModelCopyFactory(node=NodeFactory(model_store=str(store)), path=str(tmp_path), state="deleting")
     with pytest.raises(Exception, match="not inside the model store"):
-        services.model_copy_remove(outside.pk)
+        repos.model_copy_remove(outside.pk)
     assert tmp_path.exists()
 
 
@@ -209,7 +209,7 @@ def test_an_agent_restart_queues_its_unfinished_downloads_again(enqueued):
     running = ModelCopyFactory(node=node, state="downloading")
     ModelCopyFactory(node=node, state="ready")
     ModelCopyFactory(node=node, state="failed")
-    assert services.model_copies_resume(node) == [running.pk]
+    assert repos.model_copies_resume(node) == [running.pk]
 
 
 def test_a_local_folder_becomes_a_ready_copy_on_its_node(tmp_path):
@@ -217,7 +217,7 @@ def test_a_local_folder_becomes_a_ready_copy_on_its_node(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     node = NodeFactory()
     model = ModelRepo.objects.create(repo_id="local/m", revision="x", local_path=str(tmp_path))
-    services.model_inspect_local(model.pk, node.pk)
+    repos.model_inspect_local(model.pk, node.pk)
     model.refresh_from_db()
     assert model.attention == "gqa" and model.num_kv_heads == 8 and model.total_size > 4096
     assert ModelCopy.objects.get(model=model, node=node).state == "ready"
@@ -228,6 +228,6 @@ def test_fit_check_uses_the_nodes_gpus(enqueued):
     node = NodeFactory()
     for i in range(8):
         GpuFactory(node=node, index=i, memory_total=141 * GiB)
-    fit = services.model_fit(model, node, tp=8)
+    fit = repos.model_fit(model, node, tp=8)
     assert fit.fits and "tokens of KV cache at TP=8" in fit.message
-    assert not services.model_fit(model, node, tp=16).fits
+    assert not repos.model_fit(model, node, tp=16).fits

@@ -14,9 +14,9 @@ import pytest
 from django.utils import timezone
 
 from controlpanel.errors import ServiceError
-from deployments import services
 from deployments.host import engine, ownership, store
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
+from deployments.services import deploys, nodes, plan, reconcile, repos, watch
 from tests.deployments.test_deploys import _create, _queued, host, model, node, sent  # noqa: F401
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
@@ -49,7 +49,7 @@ def _alive(proc) -> bool:
 def test_a_stored_pgid_now_naming_someone_elses_process_is_never_signalled(sleeper):
     stranger = sleeper()
     d = DeploymentFactory(status=S.STOPPING, pid=stranger.pid, pgid=stranger.pid, marker="1.deadbeef")
-    services.deployment_halt(d.pk)
+    watch.deployment_halt(d.pk)
     time.sleep(0.2)
     assert _alive(stranger)
     d.refresh_from_db()
@@ -61,7 +61,7 @@ def test_a_stored_pgid_now_naming_someone_elses_process_is_never_signalled(sleep
 def test_a_row_from_before_markers_proves_nothing_and_is_not_signalled(sleeper):
     stranger = sleeper()
     d = DeploymentFactory(status=S.READY, pid=stranger.pid, pgid=stranger.pid, marker="")
-    services.deployments_watch(d.node_id, {})
+    watch.deployments_watch(d.node_id, {})
     assert _alive(stranger)
     assert Deployment.objects.get(pk=d.pk).status == S.FAILED  # the engine is not there: the true state
 
@@ -71,7 +71,7 @@ def test_an_engine_carrying_its_marker_is_stopped_with_its_whole_group(sleeper):
     ours = sleeper(env={**os.environ, ownership.MARKER_VAR: marker})
     d = DeploymentFactory(status=S.STOPPING, pid=ours.pid, pgid=ours.pid, marker=marker)
     assert ownership.owned(ours.pid, marker) and not ownership.owned(ours.pid, "7.other")
-    services.deployment_halt(d.pk)
+    watch.deployment_halt(d.pk)
     ours.wait(5)
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPED
 
@@ -79,7 +79,7 @@ def test_an_engine_carrying_its_marker_is_stopped_with_its_whole_group(sleeper):
 def test_the_panel_sets_the_marker_and_pci_bus_order_itself(model, node, host):
     d = _queued(model, node)
     Deployment.objects.filter(pk=d.pk).update(env={ownership.MARKER_VAR: "forged"})
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert host.spec.env[ownership.MARKER_VAR] == d.marker and d.marker.startswith(f"{d.pk}.")
     assert host.spec.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
@@ -89,7 +89,7 @@ def test_a_crashed_engines_shm_files_are_removed_when_the_panel_learns_it_died(t
     left = Path("/dev/shm") / f"psm_paneltest_{os.getpid()}"
     left.write_bytes(b"x")
     d = DeploymentFactory(status=S.READY, pid=2 ** 22 + 1, pgid=2 ** 22 + 1, marker="1.x", shm_files=[str(left)])
-    services.deployments_watch(d.node_id, {})
+    watch.deployments_watch(d.node_id, {})
     assert not left.exists() and Deployment.objects.get(pk=d.pk).status == S.FAILED
 
 
@@ -110,7 +110,7 @@ def test_a_foreign_process_on_the_gpus_fails_the_plan_naming_it_and_is_not_signa
     stranger = sleeper()
     d = _queued(model, node)
     host.mocks["gpu.processes_on"].return_value = _holder(stranger.pid)
-    services.deployment_run(d.pk)
+    plan.deployment_run(d.pk)
     stops = host.mocks["engine.stop"].call_args_list
     d.refresh_from_db()
     assert d.status == S.FAILED and f"PID {stranger.pid}" in d.status_message and "2048 MiB" in d.status_message
@@ -129,7 +129,7 @@ def test_with_the_checkbox_foreign_processes_are_stopped_but_never_a_display_ser
         held = _holder(stranger.pid)
         held[0] += _holder(xorg.pid)[0]
         host.mocks["gpu.processes_on"].return_value = held
-        services.deployment_run(d.pk)
+        plan.deployment_run(d.pk)
         stopped = [c.args[0] for c in host.mocks["engine.stop"].call_args_list]
     assert stranger.pid in stopped and xorg.pid not in stopped
     assert Deployment.objects.get(pk=d.pk).status == S.READY
@@ -169,7 +169,7 @@ def test_restarting_another_deployment_onto_claimed_gpus_is_refused(model, node,
     second = DeploymentFactory(node=node, model=model, status=S.STOPPED, port=9001, name="second")
     second.gpus.set(node.gpus.filter(index__in=[1]))
     with pytest.raises(ServiceError, match=f"{first.name} is queued") as exc:
-        services.deployment_redeploy(second)
+        deploys.deployment_redeploy(second)
     assert exc.value.code == "gpus_busy"
 
 
@@ -179,7 +179,7 @@ def test_an_auto_restart_never_lands_on_gpus_someone_took_meanwhile(model, node)
     crashed.gpus.set(node.gpus.filter(index__in=[3]))
     taker = DeploymentFactory(node=node, model=model, status=S.LOADING, port=9003, name="taker")
     taker.gpus.set(node.gpus.filter(index__in=[3]))  # e.g. claimed while `crashy` was failed between restarts
-    services.deployments_watch(node.pk, {})
+    watch.deployments_watch(node.pk, {})
     crashed.refresh_from_db()
     assert crashed.status == S.FAILED and crashed.restarts == 0
     assert "taker uses its GPUs" in crashed.events.filter(step="auto_restart").last().message
@@ -189,8 +189,8 @@ def test_the_launch_step_refuses_when_another_deployment_holds_the_gpus(model, n
     d = _queued(model, node)
     other = DeploymentFactory(node=node, model=model, status=S.STARTING, port=9004, name="sneaky")
     other.gpus.set(node.gpus.filter(index__in=[0]))
-    with mock.patch("deployments.services.engines._stop_holders", return_value="skipped"):
-        services.deployment_run(d.pk)
+    with mock.patch("deployments.services.plan._stop_holders", return_value="skipped"):
+        plan.deployment_run(d.pk)
     assert not host.mocks["engine.launch"].called
     d.refresh_from_db()
     assert d.status == S.FAILED and "sneaky (starting) holds GPUs 0, 1" in d.status_message
@@ -220,7 +220,7 @@ def test_removal_never_runs_under_an_engine_that_uses_the_folder(model, node, tm
     (folder / "w.safetensors").write_bytes(b"w")
     ModelCopy.objects.filter(pk=copy.pk).update(state=ModelCopy.State.DELETING)
     DeploymentFactory(node=node, model=model, status=S.LOADING, port=9005)
-    assert services.model_copy_remove(copy.pk) == 0
+    assert repos.model_copy_remove(copy.pk) == 0
     assert (folder / "w.safetensors").exists() and ModelCopy.objects.get(pk=copy.pk).state == ModelCopy.State.READY
 
 
@@ -228,10 +228,10 @@ def test_stopping_a_persisted_deployment_disables_its_unit_and_starting_enables_
     d = DeploymentFactory(node=node, model=model, status=S.STOPPING, systemd_unit="vllm-x.service", port=9006)
     with mock.patch("deployments.host.systemd.systemctl", autospec=True) as systemctl, \
             mock.patch("deployments.host.systemd.install", autospec=True, return_value=os.getpid()) as install:
-        services.deployment_halt(d.pk)
+        watch.deployment_halt(d.pk)
         assert systemctl.call_args_list == [mock.call("disable", "--now", "vllm-x.service")]
         q = _queued(model, node, systemd_unit="vllm-y.service", name="y")
-        services.deployment_run(q.pk)
+        plan.deployment_run(q.pk)
     assert Deployment.objects.get(pk=q.pk).status == S.READY
     name, text = install.call_args.args
     assert name == "vllm-y.service" and f"{ownership.MARKER_VAR}=" in text and "CUDA_DEVICE_ORDER" in text
@@ -244,7 +244,7 @@ def test_any_exception_mid_plan_ends_failed_with_the_engine_stopped(model, node,
 
     d = _queued(model, node)
     with mock.patch("deployments.host.enginelog.read_lines", side_effect=OperationalError("server closed the connection")):
-        services.deployment_run(d.pk)
+        plan.deployment_run(d.pk)
         stopped = [c.args[0] for c in host.mocks["engine.stop"].call_args_list]
     d.refresh_from_db()
     assert d.status == S.FAILED and "OperationalError" in d.status_message and stopped == [4242]
@@ -253,7 +253,7 @@ def test_any_exception_mid_plan_ends_failed_with_the_engine_stopped(model, node,
 def test_a_plan_the_node_never_started_in_time_ends_saying_nothing_was_done():
     d = DeploymentFactory(status=S.QUEUED, expires_at=timezone.now() - timedelta(seconds=1))
     fresh = DeploymentFactory(node=d.node, status=S.QUEUED, expires_at=timezone.now() + timedelta(minutes=5), port=9007)
-    services.deployments_reconcile(d.node)
+    reconcile.deployments_reconcile(d.node)
     d.refresh_from_db()
     assert d.status == S.FAILED and "node was offline); nothing was done" in d.status_message
     assert Deployment.objects.get(pk=fresh.pk).status == S.QUEUED
@@ -281,30 +281,30 @@ def test_live_updates_never_fail_the_caller_while_redis_is_away():
 
 def test_a_second_agent_under_a_name_that_heartbeats_refuses_to_start(sleeper):
     kw = dict(name="gpu-07", address="", agent_version="t", model_store="/m", heartbeat_seconds=5, gpus=[])
-    services.node_register(**kw, agent_host="host-a", agent_pid=os.getpid())
-    with pytest.raises(services.AgentConflict, match="already has a running agent"):
-        services.node_register(**kw, agent_host="host-b", agent_pid=1234)
+    nodes.node_register(**kw, agent_host="host-a", agent_pid=os.getpid())
+    with pytest.raises(nodes.AgentConflict, match="already has a running agent"):
+        nodes.node_register(**kw, agent_host="host-b", agent_pid=1234)
     # the same host's agent killed a moment ago (its PID is gone): the restart goes ahead
     Node.objects.filter(name="gpu-07").update(agent_pid=2 ** 22 + 5)
-    assert services.node_register(**kw, agent_host="host-a", agent_pid=4321).agent_pid == 4321
+    assert nodes.node_register(**kw, agent_host="host-a", agent_pid=4321).agent_pid == 4321
 
 
 def test_a_download_whose_row_stopped_moving_is_queued_again():
     copy = ModelCopyFactory(state=ModelCopy.State.DOWNLOADING)
     ModelCopy.objects.filter(pk=copy.pk).update(updated=timezone.now() - timedelta(minutes=5))
     moving = ModelCopyFactory(node=copy.node, state=ModelCopy.State.DOWNLOADING)
-    with mock.patch("deployments.services.models.node_enqueue", autospec=True) as enqueue:
-        assert services.model_copies_stalled_resume(copy.node_id) == [copy.pk]
-    assert enqueue.call_args.args[2] == copy.pk and moving.pk not in services.model_copies_stalled_resume(copy.node_id)
+    with mock.patch("deployments.services.repos.node_enqueue", autospec=True) as enqueue:
+        assert repos.model_copies_stalled_resume(copy.node_id) == [copy.pk]
+    assert enqueue.call_args.args[2] == copy.pk and moving.pk not in repos.model_copies_stalled_resume(copy.node_id)
 
 
 def test_deleting_a_persisted_deployment_removes_its_unit_on_the_node_first(model, node):
     d = DeploymentFactory(node=node, model=model, status=S.STOPPED, systemd_unit="vllm-gone.service", port=9008)
     with mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as enqueue:
-        assert services.deployment_delete(d) is False  # the node removes the unit, then the row
+        assert deploys.deployment_delete(d) is False  # the node removes the unit, then the row
     assert enqueue.call_args.args[2] == d.pk and Deployment.objects.filter(pk=d.pk).exists()
     with mock.patch("deployments.host.systemd.systemctl", autospec=True) as systemctl:
-        services.deployment_forget(d.pk)
+        watch.deployment_forget(d.pk)
     assert mock.call("disable", "--now", "vllm-gone.service") in systemctl.call_args_list
     assert not Deployment.objects.filter(pk=d.pk).exists()
 
@@ -312,15 +312,15 @@ def test_deleting_a_persisted_deployment_removes_its_unit_on_the_node_first(mode
 def test_a_running_deployment_cannot_be_deleted_and_a_plain_one_goes_at_once(model, node):
     running = DeploymentFactory(node=node, model=model, status=S.READY, port=9009)
     with pytest.raises(ServiceError, match="stop it first") as exc:
-        services.deployment_delete(running)
+        deploys.deployment_delete(running)
     assert exc.value.code == "busy"
     stopped = DeploymentFactory(node=node, model=model, status=S.FAILED, port=9010)
-    assert services.deployment_delete(stopped) is True and not Deployment.objects.filter(pk=stopped.pk).exists()
+    assert deploys.deployment_delete(stopped) is True and not Deployment.objects.filter(pk=stopped.pk).exists()
 
 
 def test_an_agent_restart_sends_again_the_plans_it_had_taken_but_not_started(model, node):
     d = DeploymentFactory(node=node, model=model, status=S.QUEUED, port=9011,
                           expires_at=timezone.now() + timedelta(minutes=5))
     with mock.patch("deployments.services.nodes.node_enqueue", autospec=True) as enqueue:
-        services.deployments_reconcile(node)
+        reconcile.deployments_reconcile(node)
     assert [c.args[2] for c in enqueue.call_args_list] == [d.pk]

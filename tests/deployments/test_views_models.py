@@ -12,8 +12,8 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def no_queue():
-    with mock.patch("deployments.tasks.model_inspect.delay", autospec=True), \
-         mock.patch("deployments.services.models.node_enqueue", autospec=True) as enqueue:
+    with mock.patch("deployments.tasks.model_inspect.apply_async", autospec=True), \
+         mock.patch("deployments.services.repos.node_enqueue", autospec=True) as enqueue:
         yield enqueue
 
 

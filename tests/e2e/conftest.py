@@ -1,9 +1,9 @@
 """Fixtures for the end-to-end tests: a node agent with the real CPU vLLM engine."""
 import pytest
 
-from deployments import services
 from deployments.host import engine
 from deployments.models import Deployment, ModelCopy, Node
+from deployments.services import repos
 from tests.conftest import VLLM, agent_argv, in_thread, wait_until
 
 
@@ -17,7 +17,7 @@ def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_e
     name = f"cpu-{unique}"
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
-    model = in_thread(services.model_add_local, node, str(model_folder))
+    model = in_thread(repos.model_add_local, node, str(model_folder))
     wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
                message="the local model on the node")
     wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")

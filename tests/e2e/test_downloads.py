@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from deployments import services
 from deployments.host import downloads
+from deployments.services import repos
 from deployments.models import ModelCopy, ModelRepo, Node
 from tests.conftest import agent_argv, in_thread, wait_until
 from tests.hfserver import configure, get_stats, reset_stats, serve
@@ -69,7 +69,7 @@ def test_a_download_killed_midway_resumes_after_the_agent_restarts_and_verifies(
     node = wait_until(lambda: Node.objects.filter(name=name, disk_total__gt=0).first(), timeout=60, message="the agent")
 
     model = ModelRepo.objects.create(repo_id="acme/tiny-llama")
-    in_thread(services.model_inspect, model.pk)
+    in_thread(repos.model_inspect, model.pk)
     model.refresh_from_db()
     assert model.attention == "gqa" and model.total_size > 225 * MB
 

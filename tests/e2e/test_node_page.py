@@ -7,7 +7,7 @@ import time
 import pytest
 from playwright.sync_api import expect
 
-from deployments import services
+from deployments.services import nodes
 from deployments.models import Node
 from tests.conftest import agent_argv, in_thread, wait_until
 from tests.factories import DeploymentFactory, GpuFactory, NodeFactory
@@ -30,7 +30,7 @@ def _sample(t, used_gib, util, pid=None):
 
 
 def _record(node, sample, engines=None):
-    in_thread(services.node_sample_record, node.pk, sample, engines or services.node_engines(node.pk))
+    in_thread(nodes.node_sample_record, node.pk, sample, engines or nodes.node_engines(node.pk))
 
 
 def test_gpu_charts_move_live_and_recover_a_dropped_connection_without_a_gap(logged_in_page, unique):

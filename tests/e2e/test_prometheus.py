@@ -11,7 +11,7 @@ import yaml
 from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments import services
+from deployments.services import deploys, nodes
 from deployments.models import Deployment
 from tests.conftest import free_port, in_thread, wait_until
 from tests.factories import GpuFactory, NodeFactory
@@ -54,8 +54,8 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
     node, model = cpu_node
     gpu_node = NodeFactory(name=f"gpu-{unique}")  # a GPU host's telemetry, as its agent would send it
     GpuFactory(node=gpu_node, index=0, uuid="GPU-0", name="NVIDIA H200")
-    services.node_sample_record(gpu_node.pk, _sample(1_700_000_000.0, [(40, 90)]), {})
-    deployment = in_thread(services.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
+    nodes.node_sample_record(gpu_node.pk, _sample(1_700_000_000.0, [(40, 90)]), {})
+    deployment = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
                            name=f"tiny-{unique}", env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
                            engine_args={"max-model-len": 2048, "served-model-name": "tiny", "enforce-eager": True})
     wait_until(lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", timeout=300, interval=1,

@@ -93,19 +93,19 @@ def fault_agent(process_env, spawn, unique, tmp_path):
 
 def add_fake_model(node, folder):
     """Register the fake model folder on the node (its agent reads it) and wait until it is a ready copy."""
-    from deployments import services
     from deployments.models import ModelCopy
+    from deployments.services import repos
 
-    model = services.model_add_local(node, str(folder))
+    model = repos.model_add_local(node, str(folder))
     wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=30,
                message="the local model on the node")
     return model
 
 
 def deploy(model, node, **kw):
-    from deployments import services
+    from deployments.services import deploys
 
-    return services.deployment_create(model=model, node=node, gpu_indices=[], port=free_port(), engine_args={},
+    return deploys.deployment_create(model=model, node=node, gpu_indices=[], port=free_port(), engine_args={},
                                       env={}, **kw)
 
 
@@ -197,12 +197,12 @@ def assert_true_state(d, folder):
 
 def stop_and_check(d, folder, timeout=30):
     """Stop a ready deployment through the service and check nothing is left behind."""
-    from deployments import services
     from deployments.models import Deployment
+    from deployments.services import deploys
 
     row = Deployment.objects.get(pk=d.pk)
     if row.status in Deployment.ACTIVE:
-        services.deployment_stop(row)
+        deploys.deployment_stop(row)
         settle(d, timeout=timeout, states={"stopped", "failed"})
     wait_until(lambda: not engines_under(folder), timeout=15, message="the engine to be gone")
     assert_true_state(d, folder)

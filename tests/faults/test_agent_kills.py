@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments import services
 from deployments.host import downloads
 from deployments.models import ModelCopy, ModelRepo
+from deployments.services import deploys, repos
 from tests.conftest import VLLM, in_thread, wait_until
 from tests.faults.conftest import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy,
                                    random_moment, set_load, settle, sha256, stop_and_check, stop_leftover_engines)
@@ -58,7 +58,7 @@ def test_agent_killed_mid_stop_ten_times_ends_stopped_with_nothing_left(fault_ag
     for _ in range(KILLS):
         d = deploy(model, node)
         assert settle(d, timeout=30).status == "ready"
-        services.deployment_stop(d)
+        deploys.deployment_stop(d)
         time.sleep(random_moment(0.0, 0.6))
         fault_agent.restart()
         row = settle(d, timeout=60, states={"stopped", "failed"})
@@ -95,9 +95,9 @@ def test_agent_killed_mid_download_ten_times_resumes_and_verifies(process_env, s
     configure(url, throttle_bps=2 * MB)  # ~1.5 s a download: the kill lands inside it
     for i in range(KILLS):
         model = ModelRepo.objects.create(repo_id=f"acme/tiny-{i}")
-        in_thread(services.model_inspect, model.pk)
+        in_thread(repos.model_inspect, model.pk)
         model.refresh_from_db()
-        copy = services.model_download(model, node)
+        copy = repos.model_download(model, node)
         wait_until(lambda: ModelCopy.objects.get(pk=copy.pk).state == "downloading", timeout=20,
                    message="the download to start")
         time.sleep(random_moment(0.0, 1.2))
@@ -129,7 +129,7 @@ def test_agent_killed_while_the_real_engine_loads_adopts_or_stops_it(process_env
     node = agent.start()
     wait_until(lambda: type(node).objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
     model = add_fake_model(node, tiny_model)
-    d = services.deployment_create(model=model, node=node, gpu_indices=[], port=_port(),
+    d = deploys.deployment_create(model=model, node=node, gpu_indices=[], port=_port(),
                                    env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
                                    engine_args={"enforce-eager": True, "max-model-len": 2048})
     wait_until(lambda: settle_state(d) == "loading", timeout=120, message="the real engine to load")

@@ -11,8 +11,8 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from deployments import services
 from deployments.models import ModelCopy, ModelRepo, Node
+from deployments.services import repos
 from tests.conftest import in_thread, wait_until
 from tests.faults.conftest import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy, set_load,
                                    settle, sha256, stop_and_check, stop_leftover_engines)
@@ -64,10 +64,10 @@ def test_redis_down_30s_during_a_load_and_a_download_then_idle(private_redis, pr
     set_load(fake_model, OUTAGE_S / 3)
     d = deploy(model, node)
     hub_model = ModelRepo.objects.create(repo_id="acme/outage")
-    in_thread(services.model_inspect, hub_model.pk)
+    in_thread(repos.model_inspect, hub_model.pk)
     hub_model.refresh_from_db()
     configure(url, throttle_bps=int(12 * MB / (OUTAGE_S / 2)))  # the download spans half the outage
-    copy = services.model_download(hub_model, node)
+    copy = repos.model_download(hub_model, node)
     wait_until(lambda: ModelCopy.objects.get(pk=copy.pk).state == "downloading", timeout=20, message="the download")
     wait_until(lambda: settle_state(d) == "loading", timeout=20, message="the load")
     private_redis.stop()

@@ -13,9 +13,9 @@ from django.db import connection
 from django.utils import timezone
 
 from controlpanel.errors import ServiceError
-from deployments import services
 from deployments.host import ownership
 from deployments.models import Deployment, ModelCopy, ModelRepo
+from deployments.services import deploys, repos, watch
 from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
 from tests.faults.conftest import (COUNTS, RNG, Agent, add_fake_model, agent_env, assert_true_state, deploy, set_load,
@@ -47,7 +47,7 @@ def test_a_stored_pgid_reused_by_an_unrelated_process_is_never_signalled(fault_a
                               marker="1.0123456789abcdef01234567", port=9101, name="reused-ready")
     stopping = DeploymentFactory(node=node, model=model, status=S.STOPPING, pid=stranger.pid, pgid=stranger.pid,
                                  marker="2.0123456789abcdef01234567", port=9102, name="reused-stopping")
-    services.deployment_halt(stopping.pk)  # what the agent's halt task runs
+    watch.deployment_halt(stopping.pk)  # what the agent's halt task runs
     settle(ready, timeout=30, states={"failed"})  # the crash watch: the engine is not there
     loading = DeploymentFactory(node=node, model=model, status=S.LOADING, pid=stranger.pid, pgid=stranger.pid,
                                 marker="", port=9103, name="reused-loading")
@@ -83,7 +83,7 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox(p
         assert foreign.poll() is None
         # The plan itself checks too (the API's view of the host may be seconds old).
         d = Deployment.objects.create(name=f"sneak-{unique}", model=model, node=node, port=body["port"] + 1)
-        services.deploys._send_plan(d)
+        deploys._send_plan(d)
         row = settle(d, timeout=30, states={"failed"})
         assert f"PID {foreign.pid}" in row.status_message and foreign.poll() is None
         COUNTS["foreign_refusals"] += 2
@@ -160,7 +160,7 @@ def test_a_delete_racing_a_deploy_has_exactly_one_winner_with_its_files_intact(f
             barrier.wait()
             time.sleep(RNG.uniform(0, 0.02))  # either may get there first
             try:
-                services.model_copy_delete(ModelCopy.objects.get(pk=copy.pk))
+                repos.model_copy_delete(ModelCopy.objects.get(pk=copy.pk))
                 results["delete"] = "won"
             except ServiceError as exc:
                 results["delete"] = exc.code

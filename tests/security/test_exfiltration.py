@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from deployments import services
 from deployments.host import engine, ownership
 from deployments.models import Deployment
+from deployments.services import deploys
 from tests.conftest import in_thread, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.factories import UserFactory
@@ -45,7 +45,7 @@ def test_remote_code_in_a_deployed_model_sees_none_of_the_panels_settings(proces
     node, model, agent_env = start_cpu_node(process_env, spawn, unique, tmp_path, spy_model,
                                             HF_HOME=str(tmp_path / "hf"), **AGENT_SECRETS)
     admin = UserFactory(is_superuser=True)
-    d = in_thread(services.deployment_create, model=model, node=node, gpu_indices=[], port=_free_port(),
+    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=_free_port(),
                   engine_args={"trust-remote-code": True, "enforce-eager": True, "max-model-len": 512, "max-num-seqs": 4},
                   env={"VLLM_CPU_KVCACHE_SPACE": "1"}, user=admin)
     try:

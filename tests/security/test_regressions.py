@@ -6,7 +6,7 @@ import pytest
 from celery.app.task import Task
 from rest_framework.test import APIClient
 
-from deployments import services
+from deployments.services import repos
 from deployments.host import hub, store
 from deployments.models import ModelRepo
 from tests.factories import ModelCopyFactory, ModelRepoFactory, NodeFactory
@@ -26,7 +26,7 @@ def test_a_config_without_num_hidden_layers_says_why_instead_of_reading_forever(
     info = hub.RepoInfo("org/odd", "main", "f" * 40, [hub.RepoFile("config.json", 10, None, "c" * 40)],
                         {"architectures": ["OddForCausalLM"], "hidden_size": 64}, 10)
     with mock.patch("deployments.host.hub.repo_info", autospec=True, return_value=info):
-        services.model_inspect(model.pk)
+        repos.model_inspect(model.pk)
     model.refresh_from_db()
     assert model.inspected and "num_hidden_layers" in model.inspect_error
     NodeFactory().gpus.create(index=0, uuid="GPU-x", name="H200", memory_total=141 * 10**9)

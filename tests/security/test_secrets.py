@@ -6,7 +6,8 @@ from celery.app.task import Task
 from rest_framework.test import APIClient
 
 from benchmarks import services as bench
-from deployments import secrets, services
+from deployments import secrets
+from deployments.services import deploys
 from deployments.host import systemd
 from tests.factories import DeploymentFactory, ModelCopyFactory
 
@@ -55,7 +56,7 @@ def test_the_edit_form_shows_masks_and_a_mask_sent_back_keeps_the_stored_secret(
     page = operator_client.get(f"/deployments/{deployment.pk}/edit/").content.decode()
     assert TOKEN not in page and KEY not in page and secrets.MASK in page
     with mock.patch.object(Task, "apply_async", autospec=True):
-        services.deployment_redeploy(deployment, env={"HF_TOKEN": secrets.MASK, "NCCL_PROTO": "Simple"},
+        deploys.deployment_redeploy(deployment, env={"HF_TOKEN": secrets.MASK, "NCCL_PROTO": "Simple"},
                                      engine_args={"api-key": secrets.MASK, "max-num-seqs": 8})
     deployment.refresh_from_db()
     assert deployment.env == {"HF_TOKEN": TOKEN, "NCCL_PROTO": "Simple"} and deployment.engine_args["api-key"] == KEY

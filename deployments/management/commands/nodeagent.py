@@ -35,7 +35,7 @@ class Command(BaseCommand):
         settings.NODE_NAME = name
         agent = Agent(name=name, model_store=model_store, address=address or _own_address(),
                       version=AGENT_VERSION, sample_seconds=sample_seconds, heartbeat_seconds=heartbeat_seconds)
-        from deployments.services import AgentConflict
+        from deployments.services.nodes import AgentConflict
 
         try:
             agent.register()

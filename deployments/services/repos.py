@@ -9,6 +9,7 @@ from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 
 from controlpanel.errors import ServiceError
+from controlpanel.queue import enqueue
 from deployments import live, modelconfig, modelfit
 from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
@@ -58,21 +59,17 @@ def hf_token_set(value: str) -> None:
 
 def model_add(repo_id: str, revision: str = "main") -> ModelRepo:
     """Add a Hub repo (or find it) and fetch its files and config on the control worker."""
-    from deployments import tasks
-
     model, _ = ModelRepo.objects.get_or_create(repo_id=repo_id, revision=revision or "main")
-    transaction.on_commit(lambda: tasks.model_inspect.delay(model.pk))
+    enqueue("deployments.model_inspect", args=[model.pk])
     return model
 
 
 def model_add_local(node: Node, path: str) -> ModelRepo:
     """Add a model folder already on a node; that node's agent reads it."""
-    from deployments import tasks
-
     repo_id = "local/" + (Path(path).name or "model")
     model, _ = ModelRepo.objects.get_or_create(repo_id=repo_id, revision=f"{node.name}:{path}"[:200],
                                                defaults={"local_path": path})
-    node_enqueue(node, tasks.model_inspect_local, model.pk, node.pk)
+    node_enqueue(node, "deployments.model_inspect_local", model.pk, node.pk)
     return model
 
 
@@ -184,8 +181,6 @@ def _deletable(node: Node, exclude: ModelCopy | None = None) -> list[dict]:
 @transaction.atomic
 def model_download(model: ModelRepo, node: Node) -> ModelCopy:
     """Queue a download of the model to the node, after checking the node has room for it."""
-    from deployments import tasks
-
     if model.local_path:
         raise ServiceError("This model is a local folder; it cannot be downloaded.", field="model")
     if not model.inspected or not model.files:
@@ -202,7 +197,7 @@ def model_download(model: ModelRepo, node: Node) -> ModelCopy:
     copy.transition(ModelCopy.State.QUEUED, bytes_total=model.total_size, error="", error_code="",
                     cancel_requested=False)
     copy.save()
-    node_enqueue(node, tasks.model_copy_download, copy.pk)
+    node_enqueue(node, "deployments.model_copy_download", copy.pk)
     live.send_copy(copy)
     return copy
 
@@ -308,8 +303,6 @@ def model_copy_retry(copy: ModelCopy) -> ModelCopy:
 
 def model_copy_delete(copy: ModelCopy) -> ModelCopy:
     """Delete a copy's files on its node; refused while a deployment uses the model there."""
-    from deployments import tasks
-
     with transaction.atomic():
         # The node's row lock is the one deploys take: a delete and a deploy racing are decided one
         # after the other, and exactly one wins (a deploy refuses a copy being deleted).
@@ -323,7 +316,7 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
             raise ServiceError("Cancel the download first.", code="busy")
         copy.transition(ModelCopy.State.DELETING)
         copy.save()
-        node_enqueue(copy.node, tasks.model_copy_remove, copy.pk)
+        node_enqueue(copy.node, "deployments.model_copy_remove", copy.pk)
     live.send_copy(copy)
     return copy
 
@@ -358,32 +351,31 @@ def model_copy_remove(copy_id: int) -> int:
     return freed
 
 
+def _copy_task(copy: ModelCopy) -> str:
+    """The host task that finishes what the copy's state says is under way."""
+    return "deployments.model_copy_remove" if copy.state == ModelCopy.State.DELETING else "deployments.model_copy_download"
+
+
 def model_copies_stalled_resume(node_id: int) -> list[int]:
     """Queue again the copies whose download or deletion stopped moving (a lost task, a worker hit
     by a database or Redis outage); a download still running answers "busy" and nothing changes."""
     from datetime import timedelta
-
-    from deployments import tasks
 
     node = Node.objects.get(pk=node_id)
     stalled = ModelCopy.objects.filter(node=node, state__in=ModelCopy.ACTIVE,
                                        updated__lt=timezone.now() - timedelta(seconds=STALLED_S))
     resumed = []
     for copy in stalled:
-        task = tasks.model_copy_remove if copy.state == ModelCopy.State.DELETING else tasks.model_copy_download
         ModelCopy.objects.filter(pk=copy.pk).update(updated=timezone.now())  # once per stall, not every pass
-        node_enqueue(node, task, copy.pk)
+        node_enqueue(node, _copy_task(copy), copy.pk)
         resumed.append(copy.pk)
     return resumed
 
 
 def model_copies_resume(node: Node) -> list[int]:
     """On agent start: queue again the downloads and deletions that a stopped agent left unfinished."""
-    from deployments import tasks
-
     resumed = []
     for copy in ModelCopy.objects.filter(node=node, state__in=ModelCopy.ACTIVE):
-        task = tasks.model_copy_remove if copy.state == ModelCopy.State.DELETING else tasks.model_copy_download
-        node_enqueue(node, task, copy.pk)
+        node_enqueue(node, _copy_task(copy), copy.pk)
         resumed.append(copy.pk)
     return resumed

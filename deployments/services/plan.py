@@ -1,0 +1,338 @@
+"""The deploy plan on the node, step by step: model, stop holders, memory back, launch, load,
+smoke test; following a load after an agent restart; re-launching under systemd (persist)."""
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from controlpanel.states import InvalidTransition
+from deployments import live, secrets
+from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
+from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
+from deployments.services.deploys import deployment_event, deployment_holders
+from deployments.services import loadtime
+from deployments.services.guards import foreign_holders
+from deployments.services.repos import model_copy_download
+from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, engine_running,
+                                        fail, halt_engine, mark_stopped, move, record_shm, step)
+
+log = logging.getLogger(__name__)
+S = Deployment.Status
+MEMORY_TIMEOUT_S = float(os.environ.get("DEPLOY_MEMORY_TIMEOUT", "180"))
+# A deploy waiting on a download gives up when the download's row has not moved for this long
+# (its worker died, or Redis/the database went away and did not come back).
+DOWNLOAD_STALL_S = float(os.environ.get("DEPLOY_DOWNLOAD_STALL", "300"))
+
+
+def deployment_run(deployment_id: int) -> Deployment:
+    """The deploy plan, step by step: model, stop holders, memory back, launch, load, smoke test."""
+    d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
+    if d.status != S.QUEUED:
+        return d  # stopped or already running: a stale or duplicate message
+    try:
+        move(d, S.PREPARING)
+        with step(d, "model") as event:
+            model_path = _ensure_model(d)
+            event.message = f"{d.model} is at {model_path}."
+        warm = loadtime.Prewarm(model_path) if d.prewarm else None  # reads while the others stop
+        move(d, S.STOPPING_OTHERS)
+        with step(d, "stop_others") as event:
+            event.message = _stop_holders(d)
+        with step(d, "gpu_memory") as event:
+            event.message = _wait_memory(d)
+        if warm:
+            with step(d, "prewarm") as event:
+                event.message = warm.wait(event)
+        move(d, S.STARTING)
+        with step(d, "launch") as event:
+            event.message = _launch(d, model_path)
+        move(d, S.LOADING)
+        _follow(d)
+    except Aborted:
+        log.info("deployment %s: plan aborted by a stop request", d.name)
+    except (PlanFailed, engine.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
+        fail(d, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a Redis or database blip must not leave the row mid-plan
+        log.exception("deployment %s: the plan broke", d.name)
+        fail(d, f"The plan broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
+    return d
+
+
+def deployment_follow(deployment_id: int) -> Deployment:
+    """Follow an engine that is already loading (after an agent restart) until it is ready."""
+    d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
+    if d.status not in (S.STARTING, S.LOADING) or not d.pid:
+        return d
+    try:
+        if d.status == S.STARTING:
+            move(d, S.LOADING)
+        _follow(d)
+    except Aborted:
+        pass
+    except (PlanFailed, engine.EngineError) as exc:
+        fail(d, str(exc))
+    except Exception as exc:  # noqa: BLE001 - see deployment_run
+        log.exception("deployment %s: following the load broke", d.name)
+        fail(d, f"Following the load broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
+    return d
+
+
+def _ensure_model(d: Deployment) -> str:
+    """The model's folder on this node; downloads it first (in this worker) when it is not here."""
+    copy, _ = ModelCopy.objects.get_or_create(model=d.model, node=d.node)
+    if copy.state != ModelCopy.State.READY:
+        if copy.state == ModelCopy.State.DOWNLOADING:
+            while copy.state == ModelCopy.State.DOWNLOADING:
+                if (timezone.now() - copy.updated).total_seconds() > DOWNLOAD_STALL_S:
+                    raise PlanFailed(f"The download of {d.model} made no progress for {DOWNLOAD_STALL_S:.0f} s.")
+                if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+                    raise Aborted("stop requested")
+                time.sleep(2)
+                copy.refresh_from_db()
+        else:
+            with transaction.atomic():
+                copy = ModelCopy.objects.select_for_update().get(pk=copy.pk)
+                try:
+                    copy.transition(ModelCopy.State.QUEUED, bytes_total=d.model.total_size, cancel_requested=False)
+                except InvalidTransition as exc:  # being deleted
+                    raise PlanFailed(f"The model's copy on {d.node} is {copy.get_state_display().lower()}.") from exc
+                copy.save()
+            copy = model_copy_download(copy.pk)
+        if copy.state != ModelCopy.State.READY:
+            raise PlanFailed(f"The model could not be downloaded: {copy.error or copy.state}")
+    ModelCopy.objects.filter(pk=copy.pk).update(last_used=timezone.now())
+    return copy.path
+
+
+def _stop_holders(d: Deployment) -> str:
+    """Stop deployments on the chosen GPUs (and those asked for), then stray GPU processes."""
+    indices = d.gpu_indices
+    others = Deployment.objects.filter(node=d.node, status__in=Deployment.ACTIVE).exclude(pk=d.pk)
+    targets = list(deployment_holders(d.node, indices, exclude=d)) + list(others.filter(pk__in=d.replace))
+    done = []
+    if d.pid or d.systemd_unit:  # a redeploy: our own previous engine goes first
+        result = halt_engine(d)
+        done.append(f"the previous engine of {d.name} ({result})")
+    for other in {o.pk: o for o in targets}.values():
+        if other.status != S.STOPPING:
+            try:
+                move(other, S.STOPPING, f"stopped to make room for {d.name}")
+            except Aborted:
+                continue
+        result = halt_engine(other)
+        mark_stopped(other, f"stopped to make room for {d.name}")
+        done.append(f"{other.name} ({result})")
+    strays = _stop_foreign(d)
+    if strays:
+        done.append("other processes " + ", ".join(strays))
+    return "Stopped " + "; ".join(done) + "." if done else "Nothing held the chosen GPUs."
+
+
+def _stop_foreign(d: Deployment) -> list[str]:
+    """Processes on the chosen GPUs (the whole host without GPUs) that the panel did not start:
+    the plan fails naming them, unless the deploy asked to stop them; display servers never."""
+    foreign = foreign_holders(d.node_id, d.gpu_indices)
+    if not foreign:
+        return []
+    blocking = [p for p in foreign if not p["display"]]
+    if blocking and not d.stop_foreign:
+        raise PlanFailed("Other processes hold the chosen GPUs: " + "; ".join(
+            f"PID {p['pid']} ({p['user']}: {p['command'][:80]}{', ' + str(p['memory'] >> 20) + ' MiB' if p['memory'] else ''})"
+            for p in blocking) + ". Stop them, or deploy with \"stop other processes on these GPUs\".")
+    stopped = []
+    for p in blocking:
+        try:
+            pgid = os.getpgid(p["pid"])
+        except OSError:
+            continue  # gone, or in another PID namespace
+        if pgid in (os.getpgrp(), os.getsid(0)):
+            raise PlanFailed(f"PID {p['pid']} holding the GPUs is in the agent's own process group")
+        try:
+            result = engine.stop(pgid, STOP_TERM_S, STOP_KILL_S)
+        except engine.EngineError as exc:
+            raise PlanFailed(f"cannot stop PID {p['pid']} holding the GPUs: {exc}") from exc
+        stopped.append(f"PID {p['pid']} of {p['user']} ({', '.join(result.signals_sent) or 'already gone'})")
+    return stopped
+
+
+def _wait_memory(d: Deployment) -> str:
+    indices = d.gpu_indices
+    if not indices:
+        return "No GPUs chosen (CPU engine): nothing to wait for."
+    started = time.monotonic()
+    try:
+        gpu.wait_memory_released(indices, pids=None, timeout_s=MEMORY_TIMEOUT_S)
+    except gpu.NvmlUnavailable:
+        return "No NVIDIA GPU on this node: skipped."
+    return f"GPU memory of GPUs {', '.join(map(str, indices))} released after {time.monotonic() - started:.1f} s."
+
+
+def _launch(d: Deployment, model_path: str) -> str:
+    if not engine.port_free("0.0.0.0", d.port):
+        raise PlanFailed(f"Port {d.port} is in use on {d.node}: choose another port or stop what listens there.")
+    vllm_bin = settings.VLLM_BIN
+    try:
+        errors = enginecli.validate_args(d.engine_args, enginecli.engine_flags(vllm_bin))
+    except engine.EngineError as exc:
+        raise PlanFailed(f"Cannot run the engine: {exc}") from exc
+    if errors:
+        raise PlanFailed("; ".join(errors.values()))
+    _claim(d)
+    d.marker = ownership.new_marker(d.pk)
+    d.log_path = str(_log_path(d))
+    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
+    argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", d.engine_args)
+    if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
+        text, secret_env = _unit(d, argv)
+        d.pid = systemd.install(d.systemd_unit, text, secret_env=secret_env)
+        d.pgid, d.pid_create_time = os.getpgid(d.pid), None
+    else:
+        # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there.
+        handle = engine.launch(engine.EngineSpec(argv=argv, env=_engine_env(d), log_path=Path(d.log_path),
+                                                 cwd=Path(model_path)))
+        d.pid, d.pgid, d.pid_create_time = handle.pid, handle.pgid, handle.create_time
+    Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=d.pid_create_time)
+    return f"PID {d.pid}: {' '.join(argv[:3])} … (log {d.log_path})"
+
+
+def _engine_env(d: Deployment) -> dict[str, str]:
+    """The engine's environment. The marker is set here, by the panel, never inherited: it is
+    what later proves the process is this deployment's engine."""
+    return {**engineenv.deployment_env(d.env, d.gpu_indices), ownership.MARKER_VAR: d.marker}
+
+
+def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
+    """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
+    env, secret_env = secrets.split(_engine_env(d))
+    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", env=env, log_path=d.log_path, argv=argv,
+                               secret_env_file=str(systemd.env_file_path(d.systemd_unit)) if secret_env else None)
+    return text, secret_env
+
+
+def _claim(d: Deployment) -> None:
+    """Last check before an engine starts, under the node lock every claiming path takes: no other
+    active deployment holds these GPUs (the whole host on a node without GPUs)."""
+    with transaction.atomic():
+        Node.objects.select_for_update().get(pk=d.node_id)
+        clash = deployment_holders(d.node, d.gpu_indices, exclude=d).first()
+        if clash:
+            raise PlanFailed(f"{clash.name} ({clash.get_status_display().lower()}) holds "
+                             f"{'GPUs ' + ', '.join(map(str, d.gpu_indices)) if d.gpu_indices else 'this host'}.")
+
+
+def _gpu_memory(indices: list[int]) -> dict[int, int | None]:
+    if not indices:
+        return {}
+    try:
+        return {s.index: s.memory_used for s in gpu.sample(indices)}
+    except gpu.NvmlUnavailable:
+        return {}
+
+
+# While an engine loads, /health is asked this often: the moment it answers is when the deployment
+# shows ready (perf/deploy_overhead.py: health_to_ready). The heavier bookkeeping stays at once a second.
+HEALTH_POLL_S = 0.1
+
+
+def _follow(d: Deployment) -> None:
+    """Follow the log and GPU memory until /health answers; stalled only when both stop moving."""
+    progress = enginelog.LoadProgress()
+    watch = loadtime.LoadWatch(d)  # issue 16: phases, prediction, read rate
+    offset, tail = 0, []
+    memory = _gpu_memory(d.gpu_indices)
+    moved_at = time.monotonic()
+    saved_at = 0.0
+    base_url = f"http://127.0.0.1:{d.port}"
+    with step(d, "load") as event:
+        watch.event_id = event.pk
+        while True:
+            lines, offset = enginelog.read_lines(Path(d.log_path), offset)
+            for line in lines:
+                progress.feed(line)
+            watch.feed(lines)
+            if lines:
+                tail = (tail + lines)[-TAIL_LINES:]
+                live.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
+            now = time.monotonic()
+            current = _gpu_memory(d.gpu_indices)
+            if any(abs((current.get(i) or 0) - (memory.get(i) or 0)) > 64 << 20 for i in current):
+                memory, moved_at = current, now
+            if now - saved_at >= 1.0:
+                saved_at = now
+                d.load_phase, d.load_percent = progress.phase, float(progress.percent)
+                d.load_detail = {"shards_done": progress.shards_done, "shards_total": progress.shards_total,
+                                 "seconds_left": progress.seconds_left, "idle_s": round(progress.idle_s(now), 1),
+                                 "gpu_memory": {str(i): m for i, m in current.items()}, **watch.detail()}
+                d.log_tail = "\n".join(tail)
+                Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
+                                                          load_detail=d.load_detail, log_tail=d.log_tail)
+                record_shm(d)
+                live.send_deployment_status(d)
+                if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+                    raise Aborted("stop requested")
+            if not engine_running(d):
+                raise PlanFailed(f"The engine exited while loading: {progress.error or (tail[-1] if tail else 'no output')}")
+            if vllm.health(base_url, timeout=1.0):
+                break
+            idle = min(progress.idle_s(now), now - moved_at)
+            if idle > d.stall_seconds:
+                raise PlanFailed(f"Stalled: neither the log nor GPU memory moved for {idle:.0f} s "
+                                 f"(phase {progress.phase}, {progress.percent} %).")
+            time.sleep(HEALTH_POLL_S)
+        took = (timezone.now() - d.started).total_seconds() if d.started else 0
+        event.message = f"Ready after {took:.0f} s" + (f" (weights {progress.weights_seconds:.0f} s)" if progress.weights_seconds else "") + "."
+        if changes := watch.ready():
+            event.message += f" {changes[0].upper()}{changes[1:]}."
+    d.load_phase, d.load_percent = "server_up", 100.0
+    d.log_tail = "\n".join(tail)
+    move(d, S.READY)
+    _smoke(d, base_url)
+    watch.finish()
+
+
+def _smoke(d: Deployment, base_url: str) -> None:
+    with step(d, "smoke_test") as event:
+        try:
+            name = d.served_model_name or (vllm.served_models(base_url) or [""])[0]
+            result = vllm.smoke_test(base_url, name)
+        except vllm.VllmError as exc:
+            event.level = DeploymentEvent.Level.WARNING
+            event.message = f"The engine is up but the smoke test failed: {exc}"
+            return
+        d.smoke = asdict(result)
+        Deployment.objects.filter(pk=d.pk).update(smoke=d.smoke)
+        event.message = (f"{result.reply.strip()[:200]!r} in {result.latency_s:.2f} s, "
+                         f"{result.completion_tokens} tokens" + (f" ({result.reasoning_tokens} reasoning)" if result.reasoning_tokens else ""))
+    live.send_deployment_status(d)
+
+
+def deployment_persist_here(deployment_id: int) -> Deployment:
+    """Install the deployment as a systemd unit; the unit then owns the engine."""
+    d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
+    copy = ModelCopy.objects.get(model=d.model, node=d.node)
+    name = systemd.unit_name(d.name)
+    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args)
+    try:
+        # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
+        Deployment.objects.filter(pk=d.pk).update(pid=None)
+        halt_engine(d)
+        d.marker = ownership.new_marker(d.pk)
+        d.systemd_unit = name
+        text, secret_env = _unit(d, argv)
+        d.pid = systemd.install(name, text, secret_env=secret_env)
+        d.pgid, d.pid_create_time = os.getpgid(d.pid), None
+        move(d, S.LOADING, f"restarting under systemd as {name}")
+        deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
+        _follow(d)
+    except (systemd.SystemdError, PlanFailed, engine.EngineError, OSError, Aborted) as exc:
+        fail(d, f"Could not make it a service: {exc}")
+    return d
+
+
+def _log_path(d: Deployment) -> Path:
+    return Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-{int(time.time())}.log"

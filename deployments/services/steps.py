@@ -1,0 +1,197 @@
+"""Node-side building blocks of deployment work: status moves a stop request can interrupt,
+timeline steps, stopping an engine that is provably ours, and failing a deployment.
+
+Used by plan.py (deploy, follow, persist), watch.py (stop, crashes) and reconcile.py (agent start).
+"""
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+
+from controlpanel.states import InvalidTransition
+from deployments import live
+from deployments.host import engine, enginelog, ownership, systemd
+from deployments.models import Deployment, DeploymentEvent
+from deployments.services.deploys import deployment_event
+
+log = logging.getLogger(__name__)
+S = Deployment.Status
+STOP_TERM_S, STOP_KILL_S = 30.0, 10.0
+TAIL_LINES = 400
+
+
+class PlanFailed(Exception):
+    """A deploy step failed; the message says why, for the timeline and the status."""
+
+
+class Aborted(Exception):
+    """Someone asked to stop the deployment while its plan ran."""
+
+
+def move(d: Deployment, status: str, message: str = "") -> None:
+    """Move to `status` unless the row moved meanwhile (a stop request): then abort the plan."""
+    with transaction.atomic():
+        row = Deployment.objects.select_for_update().get(pk=d.pk)
+        try:
+            row.transition(status, message)
+        except InvalidTransition as exc:
+            raise Aborted(str(exc)) from exc
+        for field in ("pid", "pgid", "pid_create_time", "log_path", "load_phase", "load_percent", "load_detail",
+                      "smoke", "log_tail", "systemd_unit", "marker", "shm_files"):
+            setattr(row, field, getattr(d, field))
+        row.save()
+    d.status, d.status_message, d.started, d.ready_at, d.stopped_at = (
+        row.status, row.status_message, row.started, row.ready_at, row.stopped_at)
+    live.send_deployment_status(d)
+
+
+@contextmanager
+def step(d: Deployment, name: str):
+    """A timeline step: start and end times, and its message (set `event.message` inside)."""
+    if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+        raise Aborted("stop requested")
+    event = deployment_event(d, name, "…", ongoing=True)
+    try:
+        yield event
+    except Exception as exc:
+        event.level = DeploymentEvent.Level.ERROR
+        event.message = str(exc) or exc.__class__.__name__
+        raise
+    finally:
+        _end_event(event)
+
+
+@contextmanager
+def step_unchecked(d: Deployment, name: str):
+    """A timeline step that runs even while the deployment is stopping."""
+    event = deployment_event(d, name, "…", ongoing=True)
+    try:
+        yield event
+    finally:
+        _end_event(event)
+
+
+def _end_event(event: DeploymentEvent) -> None:
+    event.ended = timezone.now()
+    event.save()
+    live.send_timeline_step(event)
+
+
+def fail(d: Deployment, message: str, attempts: int = 30) -> None:
+    """Mark failed with the reason and the last log lines; never leave an engine of ours running.
+
+    Retried while the database is away (a dropped connection, a restart): the row must not stay
+    mid-plan once it is back."""
+    try:
+        _stop_proven(d)
+    except engine.EngineError:
+        pass
+    if d.log_path:
+        d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES))
+    d.pid = d.pgid = d.pid_create_time = None
+    d.marker, d.shm_files = "", []
+    for attempt in range(attempts):
+        try:
+            if connection.connection is not None and not connection.in_atomic_block:
+                connection.close_if_unusable_or_obsolete()
+            try:
+                move(d, S.FAILED, message)
+            except Aborted:
+                mark_stopped(d, message)
+            deployment_event(d, "failed", message, level=DeploymentEvent.Level.ERROR)
+            return
+        except DatabaseError:
+            log.warning("deployment %s: cannot record the failure yet (database away), retrying", d.name)
+            connection.close()
+            time.sleep(min(2.0, 0.1 * 2 ** attempt))
+    raise PlanFailed(f"{d.name}: could not record the failure: the database stayed away")
+
+
+def engine_running(d: Deployment) -> bool:
+    """The deployment's engine leader runs and is provably ours (marker or systemd unit)."""
+    return bool(d.pid) and engine.alive(d.pid, d.pid_create_time or 0.0) and ownership.pid_owned(
+        d.pid, d.marker, d.systemd_unit or None)
+
+
+def _stop_proven(d: Deployment) -> engine.StopResult | None:
+    """Stop the deployment's process group only when it is provably its engine, then clean the
+    /dev/shm files it was seen holding. A group that cannot be proven ours is reported on the
+    timeline and never signalled (after a reboot or PID reuse it is someone else's)."""
+    result = None
+    if not d.pgid and d.marker:  # launched, but the agent died before it wrote the PID down
+        marked = ownership.find(d.marker)
+        d.pgid = _pgid(marked[0]) if marked else None
+    if d.pgid and ownership.owned(d.pgid, d.marker, d.systemd_unit or None):
+        result = engine.stop(d.pgid, STOP_TERM_S, STOP_KILL_S)
+    elif d.pgid and engine.members(d.pgid):
+        deployment_event(d, "not_signalled", f"Process group {d.pgid} runs but does not carry this deployment's "
+                         "marker: it is not provably ours, so it was left alone.", level=DeploymentEvent.Level.WARNING)
+    if not (result and result.survivors):
+        engine.remove_unused_shm(set(d.shm_files or []))
+        d.shm_files = []
+    return result
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def adopt_marked(d: Deployment) -> bool:
+    """An engine carrying the row's marker whose PID was never recorded: take it as the row's."""
+    marked = ownership.find(d.marker)
+    leaders = [pid for pid in marked if _pgid(pid) == pid] or marked
+    if not leaders:
+        return False
+    d.pid, d.pgid = leaders[0], _pgid(leaders[0])
+    d.pid_create_time = None
+    Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=None)
+    return engine_running(d)
+
+
+def record_shm(d: Deployment) -> None:
+    """Remember the engine's /dev/shm files while it runs: after a crash nothing names them."""
+    if d.pgid and d.marker:
+        seen = sorted(set(d.shm_files or []) | engine.shm_files(d.pgid))
+        if seen != (d.shm_files or []):
+            d.shm_files = seen
+            Deployment.objects.filter(pk=d.pk).update(shm_files=seen)
+
+
+def halt_engine(d: Deployment) -> str:
+    """Stop one deployment's engine: its systemd unit or its whole process group; say how."""
+    if d.systemd_unit:
+        systemd.disable(d.systemd_unit)  # a stopped deployment must not come back at the next boot
+    if not d.pgid:
+        _stop_proven(d)  # its /dev/shm files, if a crash left them
+        return "not running"
+    result = _stop_proven(d)
+    if result is None:
+        d.pid = d.pgid = d.pid_create_time = None
+        return "not running (its process group was not provably ours; left alone)"
+    if result.survivors:
+        raise PlanFailed(f"PIDs {result.survivors} of {d.name} survived SIGKILL (stuck in the driver?)")
+    if d.log_path:
+        d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES))
+    d.pid = d.pgid = d.pid_create_time = None
+    shm = f", {len(result.shm_removed)} /dev/shm files removed" if result.shm_removed else ""
+    return f"{' then '.join(result.signals_sent) or 'already gone'} in {result.seconds:.1f} s{shm}"
+
+
+def mark_stopped(d: Deployment, message: str) -> None:
+    with transaction.atomic():
+        row = Deployment.objects.select_for_update().get(pk=d.pk)
+        row.pid = row.pgid = row.pid_create_time = None
+        row.marker, row.shm_files = "", d.shm_files or []
+        row.log_tail = d.log_tail or row.log_tail
+        if row.status != S.STOPPED:
+            row.status, row.status_message, row.stopped_at = S.STOPPED, message, timezone.now()
+        row.save()
+    d.status, d.pid, d.pgid = S.STOPPED, None, None
+    live.send_deployment_status(row)

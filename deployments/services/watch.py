@@ -1,0 +1,104 @@
+"""Engines on this node after they started: stop on request, crash detection (with auto-restart),
+queued plans that expired, the live figures of ready engines, and forgetting a deleted one."""
+import time
+from pathlib import Path
+
+from django.db import transaction
+from django.utils import timezone
+
+from deployments import live
+from deployments.host import enginelog, systemd, vllm
+from deployments.models import Deployment, DeploymentEvent, Node
+from deployments.services.deploys import deployment_event, deployment_holders, send_plan
+from deployments.services.steps import (TAIL_LINES, engine_running, fail, halt_engine, mark_stopped, record_shm,
+                                        step_unchecked)
+
+S = Deployment.Status
+
+
+def deployment_halt(deployment_id: int) -> Deployment:
+    """Stop a deployment's engine on this node and mark it stopped."""
+    d = Deployment.objects.select_related("node").get(pk=deployment_id)
+    if d.status != S.STOPPING:
+        return d
+    with step_unchecked(d, "stopped") as event:
+        event.message = "Engine stopped: " + halt_engine(d) + "."
+    mark_stopped(d, "stopped by request")
+    return d
+
+
+def deployment_forget(deployment_id: int) -> None:
+    """On the node: remove a deleted deployment's systemd unit, then the deployment."""
+    d = Deployment.objects.filter(pk=deployment_id).first()
+    if d is None or d.status not in Deployment.TERMINAL:
+        return
+    if d.systemd_unit:
+        try:
+            systemd.uninstall(d.systemd_unit)
+        except systemd.SystemdError as exc:
+            deployment_event(d, "delete", f"Not deleted: {exc}", level=DeploymentEvent.Level.ERROR)
+            return
+    d.delete()
+
+
+def deployments_watch(node_id: int, state: dict) -> None:
+    """One pass of crash detection for ready engines: process gone or /health failing three times."""
+    now = time.monotonic()
+    for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
+        alive = engine_running(d)
+        failures = state.setdefault(d.pk, 0)
+        if alive and now - state.get(f"checked:{d.pk}", -1e9) >= 5:
+            state[f"checked:{d.pk}"] = now
+            record_shm(d)
+            state[d.pk] = 0 if vllm.health(f"http://127.0.0.1:{d.port}", timeout=2.0) else failures + 1
+        if alive and state[d.pk] < 3:
+            continue
+        reason = "the engine process exited" if not alive else "/health failed 3 times in a row"
+        _crashed(d, reason)
+        state.pop(d.pk, None)
+    expire_queued(node_id)
+
+
+def expire_queued(node_id: int) -> None:
+    """Queued plans the node never started in time (it was offline, or the broker lost the task)
+    end failed, saying nothing was done: the task itself expired and will not run."""
+    for d in Deployment.objects.filter(node_id=node_id, status=S.QUEUED, expires_at__lt=timezone.now()):
+        fail(d, "The plan expired before this node ran it (the node was offline); nothing was done.")
+
+
+def deployments_metrics(node_id: int, state: dict) -> None:
+    """Live engine figures for ready deployments, benchmark or not: generation tok/s from the rate of
+    vllm:generation_tokens_total, running and waiting requests, KV-cache use."""
+    for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
+        try:
+            reading = (time.monotonic(), vllm.read_metrics(vllm.metrics_url(f"http://127.0.0.1:{d.port}"), timeout=2.0))
+        except vllm.VllmError:
+            continue
+        before, state[d.pk] = state.get(d.pk), reading
+        rate = vllm.tok_s(before, reading) if before else None
+        if rate is None:
+            continue
+        m = reading[1]
+        live.send_engine_figures(node_id, live.EngineFigures(
+            id=d.pk, name=d.name, tok_s=rate, running=m.get("num_requests_running"),
+            waiting=m.get("num_requests_waiting"), kv_cache=m.get("kv_cache_usage_perc")))
+
+
+def _crashed(d: Deployment, reason: str) -> None:
+    d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
+    last = d.log_tail.splitlines()[-5:]
+    fail(d, f"Crashed: {reason}. Last log lines: " + " | ".join(last))
+    if d.auto_restart:
+        delay = min(600, 10 * 2 ** d.restarts)
+        with transaction.atomic():
+            Node.objects.select_for_update().get(pk=d.node_id)  # the lock every claiming path takes
+            row = Deployment.objects.select_for_update().get(pk=d.pk)
+            clash = deployment_holders(d.node, d.gpu_indices, exclude=d).first()
+            if clash:
+                deployment_event(d, "auto_restart", f"Not restarted: {clash.name} uses its GPUs now.")
+                return
+            row.restarts += 1
+            row.transition(S.QUEUED)
+            row.save()
+            send_plan(row, countdown=delay)
+        deployment_event(d, "auto_restart", f"Restarting in {delay} s (restart {row.restarts}).")
