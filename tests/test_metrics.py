@@ -9,8 +9,8 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlpanel import tokens
-from deployments.services import nodes
 from deployments.models import Deployment
+from deployments.services import nodes
 from tests.factories import (BenchmarkPointFactory, BenchmarkRunFactory, DeploymentEventFactory, DeploymentFactory,
                              GpuFactory, ModelCopyFactory, NodeFactory)
 

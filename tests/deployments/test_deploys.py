@@ -16,10 +16,10 @@ import pytest
 
 from controlpanel.errors import ServiceError
 from deployments import live
-from deployments.services import deploys, plan, reconcile, watch
 from deployments.forms import DeployForm
 from deployments.host import engine, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
+from deployments.services import deploys, plan, reconcile, watch
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

@@ -12,8 +12,8 @@ import pytest
 from playwright.sync_api import expect
 
 from deployments.host import downloads
-from deployments.services import repos
 from deployments.models import ModelCopy, ModelRepo, Node
+from deployments.services import repos
 from tests.conftest import agent_argv, in_thread, wait_until
 from tests.hfserver import configure, get_stats, reset_stats, serve
 

@@ -7,8 +7,8 @@ import time
 import pytest
 from playwright.sync_api import expect
 
-from deployments.services import nodes
 from deployments.models import Node
+from deployments.services import nodes
 from tests.conftest import agent_argv, in_thread, wait_until
 from tests.factories import DeploymentFactory, GpuFactory, NodeFactory
 

@@ -11,8 +11,8 @@ import yaml
 from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.services import deploys, nodes
 from deployments.models import Deployment
+from deployments.services import deploys, nodes
 from tests.conftest import free_port, in_thread, wait_until
 from tests.factories import GpuFactory, NodeFactory
 from tests.test_metrics import _sample

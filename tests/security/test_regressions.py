@@ -6,9 +6,9 @@ import pytest
 from celery.app.task import Task
 from rest_framework.test import APIClient
 
-from deployments.services import repos
 from deployments.host import hub, store
 from deployments.models import ModelRepo
+from deployments.services import repos
 from tests.factories import ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

@@ -7,8 +7,8 @@ from rest_framework.test import APIClient
 
 from benchmarks import services as bench
 from deployments import secrets
-from deployments.services import deploys
 from deployments.host import systemd
+from deployments.services import deploys
 from tests.factories import DeploymentFactory, ModelCopyFactory
 
 pytestmark = pytest.mark.django_db
