@@ -216,7 +216,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     @extend_schema(request=None, responses={202: None, 204: None})
     def destroy(self, request, pk=None):
         """Forget a stopped or failed deployment (204); a systemd unit is removed on its node first (202)."""
-        gone = services.deployment_delete(self.get_object())
+        gone = deploys.deployment_delete(self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT if gone else status.HTTP_202_ACCEPTED)
 
     def _accepted(self, d):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db
 
 
 def _load(d, lines=CPU_LOG.splitlines(), pid=None):
-    """Follow a load as engines._follow does: a `load` step, lines fed, ready, smoke test done."""
+    """Follow a load as plan._follow does: a `load` step, lines fed, ready, smoke test done."""
     d.started, d.pid = timezone.now() - timedelta(seconds=1), pid
     watch = loadtime.LoadWatch(d)
     event = DeploymentEvent.objects.create(deployment=d, step="load", message="…")
