@@ -321,6 +321,6 @@ def test_a_running_deployment_cannot_be_deleted_and_a_plain_one_goes_at_once(mod
 def test_an_agent_restart_sends_again_the_plans_it_had_taken_but_not_started(model, node):
     d = DeploymentFactory(node=node, model=model, status=S.QUEUED, port=9011,
                           expires_at=timezone.now() + timedelta(minutes=5))
-    with mock.patch("deployments.services.nodes.node_enqueue", autospec=True) as enqueue:
+    with mock.patch("deployments.services.reconcile.node_enqueue", autospec=True) as enqueue:
         reconcile.deployments_reconcile(node)
-    assert [c.args[2] for c in enqueue.call_args_list] == [d.pk]
+    assert [c.args[1:] for c in enqueue.call_args_list] == [("deployments.deployment_run", d.pk)]
