@@ -14,9 +14,9 @@ from controlpanel.idempotency import idempotent
 from controlpanel.params import int_param
 
 from deployments import secrets, selectors
-from deployments.services import deploys, loadtime, repos
 from deployments.api import serializers
 from deployments.models import ModelCopy
+from deployments.services import deploys, loadtime, repos
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
