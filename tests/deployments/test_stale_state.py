@@ -2,8 +2,8 @@
 end, sizes with their unit. Each case is one a newcomer met: a regression test per stale state."""
 import pytest
 
-from deployments import services
 from deployments.models import Deployment, ModelCopy
+from deployments.services import deploys
 from tests.factories import BenchmarkRunFactory, DeploymentFactory, ModelCopyFactory
 
 pytestmark = pytest.mark.django_db
@@ -52,8 +52,8 @@ def test_the_compare_page_shows_a_switch_without_true(viewer_client):
 
 def test_a_queued_row_in_the_timeline_is_a_moment_not_a_step_left_open(operator_client):
     d = DeploymentFactory(status=Deployment.Status.STOPPED)
-    queued = services.deployment_event(d, "queued", "Queued.")
-    step = services.deployment_event(d, "load", "…", ongoing=True)
+    queued = deploys.deployment_event(d, "queued", "Queued.")
+    step = deploys.deployment_event(d, "load", "…", ongoing=True)
     assert queued.ended == queued.started and step.ended is None
     page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
     timeline = page[page.index('id="timeline"'):page.index("</table>", page.index('id="timeline"'))]
