@@ -47,7 +47,7 @@ def environment_of(d: Deployment) -> dict:
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
     return {
         "deployment": d.name, "model": str(d.model), "model_commit": d.model.commit, "node": d.node.name,
-        "engine_version": d.node.engine_version, "engine_args": secrets.mask(d.engine_args), "env": secrets.mask(d.env),
+        "engine_version": d.node.engine_version, "engine_args": secrets.mask(d.engine_args), "env": secrets.mask(d.env, secrets.marked(d)),
         "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total} for g in d.gpus.all()],
         "model_path": copy.path if copy else "",
         "startup": deployment_startup(d),  # seconds per start-up phase of its latest load (issue 16)

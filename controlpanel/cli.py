@@ -165,7 +165,7 @@ def cmd_deploy(panel, args):
             else [g["index"] for g in node["gpus"]][: (args.tp or 1) * (args.pp or 1)])
     body = {"model": model_id, "node": args.node, "gpus": gpus, "port": args.port, "engine_args": engine_args,
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
-            "preset": args.preset, "replace_existing": args.replace,
+            "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
             "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []]}
     if args.name:
         body["name"] = args.name
@@ -368,6 +368,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--flag", action="append", metavar="NAME=VALUE", help="engine flag, repeatable (NAME= for a switch)")
     s.add_argument("--env", action="append", metavar="NAME=VALUE", help="environment variable, repeatable")
+    s.add_argument("--secret-env", action="append", metavar="NAME",
+                   help="keep this --env variable secret (masked everywhere), repeatable")
     s.add_argument("--replace", action="store_true", help="a deployment with this name exists: redeploy it")
     s.add_argument("--also-stop", action="append", metavar="DEPLOYMENT", help="also stop this deployment first")
     s.add_argument("--auto-restart", action="store_true")

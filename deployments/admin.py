@@ -45,7 +45,7 @@ class DeploymentAdmin(admin.ModelAdmin):
 
     @admin.display(description="Environment")
     def environment(self, obj):
-        return secrets.mask(obj.env)
+        return secrets.mask(obj.env, secrets.marked(obj))
 
     @admin.display(description="Engine flags")
     def engine_flags(self, obj):

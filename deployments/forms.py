@@ -3,7 +3,7 @@ import re
 
 from django import forms
 
-from deployments import validators
+from deployments import secrets, validators
 from deployments.models import Deployment, Node
 
 
@@ -62,6 +62,9 @@ class DeployForm(forms.Form):
                                   help_text="More engine flags, e.g. --enable-prefix-caching --max-num-batched-tokens 8192")
     env = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}), label="Environment",
                           help_text="NAME=VALUE per line: NCCL_*, VLLM_*, CUDA_*, TORCH_*, …")
+    secret_env = forms.CharField(required=False, max_length=2000, label="Secret variables",
+                                 help_text="Names from Environment to keep secret, e.g. MY_VAR OTHER_VAR: never shown "
+                                           "again, kept out of unit text and logs (*_TOKEN, *_KEY, … are secret anyway).")
     replace = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
                                         label="Also stop", help_text="Deployments on the chosen GPUs are stopped anyway.")
     auto_restart = forms.BooleanField(required=False, label="Restart automatically after a crash (with backoff)")
@@ -123,6 +126,9 @@ class DeployForm(forms.Form):
                                **engineargs.check_env(env)}.items():
             self.add_error(field, message)
         data["engine_args"], data["env_vars"] = flags, env
+        data["secret_names"] = [n for n in re.split(r"[\s,]+", data.get("secret_env") or "") if n]
+        if problem := secrets.check_marked(data["secret_names"], env):
+            self.add_error("secret_env", problem)
         data["gpu_indices"] = sorted(int(i) for i in data["gpus"])
         data["replace_ids"] = [int(i) for i in data["replace"]]
         return data

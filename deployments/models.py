@@ -241,6 +241,8 @@ class Deployment(Transitions, models.Model):
     port = models.PositiveIntegerField()
     engine_args = models.JSONField(default=dict, blank=True, help_text="vLLM flags, e.g. {'tensor-parallel-size': 8}.")
     env = models.JSONField(default=dict, blank=True, help_text="Extra environment (NCCL_*, VLLM_*, CUDA_*).")
+    secret_env = models.JSONField(default=list, blank=True,
+                                  help_text="Names in env the user marked secret: masked like secret-looking names.")
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
     status_message = models.TextField(blank=True)
     pid = models.IntegerField(null=True, blank=True)

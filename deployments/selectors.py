@@ -47,7 +47,7 @@ def deployment_unit(d: Deployment) -> tuple[str, str]:
     argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
                                 d.port, "0.0.0.0", d.engine_args)
     name = systemd.unit_name(d.name)
-    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices))
+    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices), secrets.marked(d))
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
                                log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
                                secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)

@@ -123,14 +123,14 @@ class DeploymentSerializer(serializers.ModelSerializer):
         data = super().to_representation(instance)
         for field in ("engine_args", "env"):  # secrets are write-only (deployments/secrets.py)
             if field in data:
-                data[field] = secrets.mask(data[field])
+                data[field] = secrets.mask(data[field], secrets.marked(instance))
         return data
 
 
 class DeploymentDetailSerializer(DeploymentSerializer):
     class Meta(DeploymentSerializer.Meta):
         fields = DeploymentSerializer.Meta.fields + ["smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
-                                                     "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired"]
+                                                     "secret_env", "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired"]
 
 
 class DeployRequestSerializer(serializers.Serializer):
@@ -150,6 +150,8 @@ class DeployRequestSerializer(serializers.Serializer):
                                                 "redeploy it with these settings instead of answering 409.")
     engine_args = serializers.DictField(required=False, default=dict)
     env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False, default=dict)
+    secret_env = serializers.ListField(child=serializers.CharField(max_length=200), required=False, default=list, max_length=100,
+                                       help_text="Names in env to keep secret (masked everywhere, like *_TOKEN).")
     replace = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=DB_INT_MAX), required=False, default=list, max_length=64)
     auto_restart = serializers.BooleanField(default=False)
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, default=600)
@@ -182,12 +184,19 @@ class DeployRequestSerializer(serializers.Serializer):
             raise serializers.ValidationError(errors["env"])
         return value
 
+    def validate(self, attrs):
+        env = attrs.get("env", getattr(self.instance, "env", None) or {})
+        if problem := secrets.check_marked(attrs.get("secret_env", ()), env):
+            raise serializers.ValidationError({"secret_env": [problem]})
+        return attrs
+
 
 class RedeploySerializer(serializers.Serializer):
     gpus = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=1023), required=False, max_length=64)
     port = serializers.IntegerField(min_value=1024, max_value=65535, required=False)
     engine_args = serializers.DictField(required=False)
     env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False)
+    secret_env = serializers.ListField(child=serializers.CharField(max_length=200), required=False, max_length=100)
     auto_restart = serializers.BooleanField(required=False)
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
     stop_foreign = serializers.BooleanField(required=False)

@@ -151,7 +151,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         body.is_valid(raise_exception=True)
         v = body.validated_data
         d = deploys.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
-                                       engine_args=v["engine_args"], env=v["env"], name=v["name"], replace_ids=v["replace"],
+                                       engine_args=v["engine_args"], env=v["env"], secret_env=v["secret_env"], name=v["name"], replace_ids=v["replace"],
                                        auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
                                        stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
                                        preset="" if v["preset"] == "none" else v["preset"],

@@ -116,7 +116,7 @@ def _unique_name(base: str) -> str:
 
 @transaction.atomic
 def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int | None, engine_args: dict,
-                      env: dict, name: str = "", replace_ids=(), auto_restart: bool = False, stall_seconds: int = 600,
+                      env: dict, name: str = "", replace_ids=(), secret_env=(), auto_restart: bool = False, stall_seconds: int = 600,
                       stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
 
@@ -127,12 +127,14 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     if preset:
         engine_args, env = engineargs.with_preset(engineargs.node_preset(node.gpus.exists()) if preset == "auto" else preset,
                                                   engine_args, env)
+    if problem := secrets.check_marked(secret_env, env):
+        raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
     reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and (
         replace_existing or (not name and existing.status in Deployment.TERMINAL))
     if reusable:
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
-                                   env=env, replace=list(replace_ids), auto_restart=auto_restart,
+                                   env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
                                    stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user)
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
@@ -143,7 +145,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     privileged.check(engine_args=engine_args, env=env, model_dir=privileged.model_dir(model, node), admin=is_admin(user))
     d = Deployment.objects.create(
         name=name or _unique_name(deployment_default_name(model, node)), model=model, node=node, port=port,
-        engine_args=engine_args, env=env, replace=list(replace_ids), auto_restart=auto_restart,
+        engine_args=engine_args, env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
         stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
@@ -172,7 +174,11 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
         if field in changes:
             changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
-    for field in ("port", "engine_args", "env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm"):
+    if "env" in changes and "secret_env" not in changes:  # marks of variables no longer set go with them
+        changes["secret_env"] = [n for n in d.secret_env if n in changes["env"]]
+    if problem := secrets.check_marked(changes.get("secret_env", ()), changes.get("env", d.env)):
+        raise ServiceError(problem, field="secret_env")
+    for field in ("port", "engine_args", "env", "secret_env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm"):
         if field in changes:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,

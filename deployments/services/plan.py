@@ -208,7 +208,7 @@ def _engine_env(d: Deployment) -> dict[str, str]:
 
 def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
     """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
-    env, secret_env = secrets.split(_engine_env(d))
+    env, secret_env = secrets.split(_engine_env(d), secrets.marked(d))
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", env=env, log_path=d.log_path, argv=argv,
                                secret_env_file=str(systemd.env_file_path(d.systemd_unit)) if secret_env else None)
     return text, secret_env

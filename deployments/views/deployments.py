@@ -32,7 +32,8 @@ def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
                    "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
         args.pop("enable-auto-tool-choice", None)
         initial["extra_flags"] = " ".join(engineargs.argv_words(args))
-        initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env).items())
+        initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env, secrets.marked(deployment)).items())
+        initial["secret_env"] = " ".join(secrets.marked(deployment))
         return initial
     preset = dict(preset or {})
     initial = {k: v for k, v in preset.items() if k not in ("label", "flags", "env")}
@@ -80,7 +81,7 @@ def deploy(request, pk):
     try:
         d = deploys.deployment_create(
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
-            env=data["env_vars"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
+            env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
@@ -91,7 +92,7 @@ def deploy(request, pk):
 def deployment_detail(request, pk):
     d = get_object_or_404(selectors.deployment_list(), pk=pk)
     return render(request, "deployments/deployment_detail.html", {
-        "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env),
+        "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env, secrets.marked(d)),
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
         "terminal": [str(s) for s in Deployment.TERMINAL]})
 
@@ -108,7 +109,7 @@ def deployment_edit(request, pk):
     data = form.cleaned_data
     try:
         deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
-                                     env=data["env_vars"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
+                                     env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)

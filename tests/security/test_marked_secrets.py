@@ -1,0 +1,69 @@
+"""Env variables marked secret on the form/API are masked exactly like secret-looking names (issue 13 item 3)."""
+from unittest import mock
+
+import pytest
+from celery.app.task import Task
+from rest_framework.test import APIClient
+
+from benchmarks import services as bench
+from deployments import live, secrets
+from deployments.services import deploys, plan
+from tests.factories import DeploymentFactory, ModelCopyFactory
+
+pytestmark = pytest.mark.django_db
+VALUE = "hunter2-value"
+
+
+def _deployment(marked):
+    copy = ModelCopyFactory(path="/models/org/m")
+    return DeploymentFactory(node=copy.node, model=copy.model, status="ready", secret_env=marked,
+                             env={"VLLM_MY_VAR": VALUE, "NCCL_PROTO": "LL"}, log_tail=f"INFO starting with VLLM_MY_VAR={VALUE}")
+
+
+@pytest.mark.parametrize("marked", [["VLLM_MY_VAR"], []])
+def test_a_marked_variable_is_masked_everywhere_and_an_unmarked_one_shown(marked, viewer, viewer_client):
+    d = _deployment(marked)
+    client = APIClient()
+    client.force_authenticate(viewer)
+    texts = {url: client.get(url).content.decode() for url in (
+        f"/api/deployments/{d.pk}/", "/api/deployments/", f"/api/deployments/{d.pk}/logs/", f"/api/deployments/{d.pk}/unit/")}
+    texts.update({url: viewer_client.get(url).content.decode() for url in (
+        f"/deployments/{d.pk}/", f"/deployments/{d.pk}/unit/")})
+    unit_text, unit_secret = plan._unit(d, ["vllm", "serve"])
+    texts["unit text"] = unit_text
+    with mock.patch.object(Task, "apply_async", autospec=True):
+        run = bench.run_create(params={}, deployment=d)
+    texts["run environment"] = str(run.environment)
+    for url in (f"/benchmarks/{run.pk}/export.json", f"/benchmarks/{run.pk}/export.csv"):
+        texts[url] = viewer_client.get(url).content.decode()
+    with mock.patch.object(live, "send_log_lines") as send:
+        live.send_log_lines(d.pk, secrets.redact_lines(d, [f"VLLM_MY_VAR={VALUE}"]))
+    texts["live log"] = str(send.call_args)
+    if marked:
+        leaks = [where for where, text in texts.items() if VALUE in text]
+        assert leaks == [] and unit_secret == {"VLLM_MY_VAR": VALUE}
+        assert client.get(f"/api/deployments/{d.pk}/").json()["env"] == {"VLLM_MY_VAR": secrets.MASK, "NCCL_PROTO": "LL"}
+    else:
+        assert client.get(f"/api/deployments/{d.pk}/").json()["env"] == {"VLLM_MY_VAR": VALUE, "NCCL_PROTO": "LL"}
+        assert VALUE in texts["unit text"] and VALUE in texts["live log"] and unit_secret == {}
+
+
+def test_the_edit_form_masks_a_marked_variable_and_a_mask_sent_back_keeps_it(operator_client):
+    d = _deployment(["VLLM_MY_VAR"])
+    page = operator_client.get(f"/deployments/{d.pk}/edit/").content.decode()
+    assert VALUE not in page and secrets.MASK in page and 'value="VLLM_MY_VAR"' in page
+    with mock.patch.object(Task, "apply_async", autospec=True):
+        deploys.deployment_redeploy(d, env={"VLLM_MY_VAR": secrets.MASK, "NCCL_PROTO": "Simple"})
+    d.refresh_from_db()
+    assert d.env == {"VLLM_MY_VAR": VALUE, "NCCL_PROTO": "Simple"} and d.secret_env == ["VLLM_MY_VAR"]
+
+
+def test_the_api_refuses_a_marked_name_that_is_not_in_env(operator):
+    d = _deployment([])
+    client = APIClient()
+    client.force_authenticate(operator)
+    response = client.post("/api/deployments/", {"model": d.model.pk, "node": d.node.name, "env": {"VLLM_MY_VAR": "x"},
+                                                 "secret_env": ["OTHER"], "preset": "none"}, format="json")
+    assert response.status_code == 400 and "OTHER" in str(response.json()["error"]["fields"]["secret_env"]), response.json()
+    response = client.post(f"/api/deployments/{d.pk}/restart/", {"secret_env": ["OTHER"]}, format="json")
+    assert response.status_code == 400 and "OTHER" in response.content.decode()
