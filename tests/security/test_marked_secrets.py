@@ -67,3 +67,23 @@ def test_the_api_refuses_a_marked_name_that_is_not_in_env(operator):
     assert response.status_code == 400 and "OTHER" in str(response.json()["error"]["fields"]["secret_env"]), response.json()
     response = client.post(f"/api/deployments/{d.pk}/restart/", {"secret_env": ["OTHER"]}, format="json")
     assert response.status_code == 400 and "OTHER" in response.content.decode()
+
+
+def test_the_form_reads_marked_names_and_refuses_one_not_in_env():
+    from deployments.forms import DeployForm
+
+    node = _deployment([]).node
+    data = {"port": 8001, "tp": 1, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
+            "stall_seconds": 600, "env": "VLLM_MY_VAR=x\nNCCL_PROTO=LL"}
+    form = DeployForm({**data, "secret_env": "VLLM_MY_VAR, NCCL_PROTO"}, node=node)
+    assert form.is_valid(), form.errors
+    assert form.cleaned_data["secret_names"] == ["VLLM_MY_VAR", "NCCL_PROTO"]
+    form = DeployForm({**data, "secret_env": "OTHER"}, node=node)
+    assert not form.is_valid() and "OTHER" in form.errors["secret_env"][0]
+
+
+def test_panelctl_deploy_sends_secret_env():
+    from controlpanel import cli
+
+    args = cli.parser().parse_args(["deploy", "org/m", "--node", "n", "--env", "VLLM_MY_VAR=x", "--secret-env", "VLLM_MY_VAR"])
+    assert args.secret_env == ["VLLM_MY_VAR"]
