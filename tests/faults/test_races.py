@@ -83,7 +83,7 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox(p
         assert foreign.poll() is None
         # The plan itself checks too (the API's view of the host may be seconds old).
         d = Deployment.objects.create(name=f"sneak-{unique}", model=model, node=node, port=body["port"] + 1)
-        deploys._send_plan(d)
+        deploys.send_plan(d)
         row = settle(d, timeout=30, states={"failed"})
         assert f"PID {foreign.pid}" in row.status_message and foreign.poll() is None
         COUNTS["foreign_refusals"] += 2
