@@ -74,11 +74,31 @@ def publish(topic: str, kind: str, data: dict[str, Any], keep: bool = True) -> N
             pipe.hset(key, kind, json.dumps(message))
             pipe.expire(key, SNAPSHOT_TTL)
             pipe.execute()
-        async_to_sync(get_channel_layer().group_send)(group_name(topic), {"type": "live.message", "message": message})
     except (redis.RedisError, OSError) as exc:
         # Browsers miss this update (they get a fresh snapshot on reconnect); the caller's work,
         # recorded in the database, must not fail because Redis is away.
         log.warning("live update %s/%s not sent: %s", topic, kind, exc)
+        return
+    _group_send(group_name(topic), {"type": "live.message", "message": message}, f"update {topic}/{kind}")
+
+
+def _group_send(group: str, event: dict, what: str) -> None:
+    """group_send from sync code, also when this thread runs an event loop (ORM signals in async code,
+    Playwright's sync API in the tests): async_to_sync refuses such a thread, so send from another one."""
+    def send():
+        try:
+            async_to_sync(get_channel_layer().group_send)(group, event)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("live %s not sent: %s", what, exc)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        send()
+        return
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    thread.join(5)
 
 
 def user_group(user_id: int) -> str:
@@ -90,21 +110,7 @@ def session_group(session_key: str) -> str:
 
 
 def _send_control(group: str, kind: str) -> None:
-    def send():
-        try:
-            async_to_sync(get_channel_layer().group_send)(group, {"type": kind})
-        except (redis.RedisError, OSError) as exc:  # the sockets' timer still catches it (wsaccess.py)
-            log.warning("live %s to %s not sent: %s", kind, group, exc)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        send()
-        return
-    # Called inside a running event loop (a signal from ORM code in async code): send from a thread.
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    thread.join(5)
+    _group_send(group, {"type": kind}, f"{kind} to {group}")
 
 
 def end_session(session_key: str) -> None:
