@@ -43,7 +43,9 @@ def _config(panel: str, token_file: Path) -> dict:
 
 
 def _query(prometheus: str, expr: str) -> list[dict]:
-    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()
+    response = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5)
+    response.raise_for_status()  # while its storage starts, Prometheus answers 503 in plain text
+    answer = response.json()
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
 
@@ -73,7 +75,7 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
         def both_up():
             try:
                 up = {r["metric"]["job"]: r["value"][1] for r in _query(prometheus, "up")}
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # not up yet, or not JSON yet
                 return False
             return up if up.get("panel") == "1" and up.get("vllm") == "1" else False
 
