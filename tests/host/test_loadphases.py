@@ -7,7 +7,7 @@ from deployments.host import loadphases
 from deployments.host.loadphases import PhaseClock, compare, predict, replay
 
 # A real vLLM 0.32.0 CPU engine's log (--enforce-eager), recorded by an e2e deploy on 2026-12-01.
-CPU_LOG = (Path(__file__).parent.parent / "fixtures" / "enginelogs" / "cpu-vllm-0.32-eager.log").read_text()
+CPU_LOG = (Path(__file__).parent.parent / "fixtures" / "enginelogs" / "cpu-vllm-0.32-eager.txt").read_text()
 
 # GPU lines as vLLM 0.32 formats them (its logger calls; FACTS.md), with a TP=8 P2P check and compile.
 GPU_LOG = """\
