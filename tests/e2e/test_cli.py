@@ -161,9 +161,10 @@ def test_panelctl_deploys_benchmarks_and_stops_a_real_engine(cpu_node, live_serv
               f"({ours[case]['tok_s'] / theirs[case]['tok_s']:.3f}); median TTFT ours {ours[case]['ttft']:.2f}, as vllm bench "
               f"serve counts it {ours[case]['ttft_vllm_bench']:.2f} vs {theirs[case]['ttft']:.2f} ms "
               f"(its rounds spread {theirs[case]['ttft_spread']:.2f} ms)")
-        # 0.10 held at stop 9; this session's clean runs read 0.82-1.108, single rounds 148-215 tok/s, with the engine
-        # pinned as before: a regression in the comparison's stability, to be found (see the closing note).
-        assert ours[case]["tok_s"] == pytest.approx(theirs[case]["tok_s"], rel=0.30)
+        # On a quiet machine: 0.979 (c=1, long), 1.019 (c=4), 0.996 (c=1, short), rounds within 4 %. Runs that
+        # read 0.77-0.87 shared the two cores with other test sessions' engines: then every round of either
+        # client spread 148-215 tok/s (the engine starved, not the client's count wrong).
+        assert ours[case]["tok_s"] == pytest.approx(theirs[case]["tok_s"], rel=0.10)
     # TTFT is compared on one stream. With several, closed-loop users fall into step differently
     # under each client (vllm bench serve starts them all at once after its warm-up), and the engine's
     # own TTFT (its /metrics histogram) then differed by ~8 % between the clients' runs: a property
