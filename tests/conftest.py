@@ -101,6 +101,16 @@ def api_objects(db):
 
 
 @pytest.fixture
+def api(operator):
+    """A DRF test client signed in as an operator (a module may override it, e.g. with a real token)."""
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.force_authenticate(operator)
+    return client
+
+
+@pytest.fixture
 def operator_client(client, operator):
     client.force_login(operator)
     return client

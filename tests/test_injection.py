@@ -6,7 +6,6 @@ from unittest import mock
 
 import pytest
 from celery.app.task import Task
-from rest_framework.test import APIClient
 
 from deployments.models import Deployment, ModelRepo
 from tests.deployments.test_deploys import FLAGS
@@ -25,13 +24,6 @@ def world():
     model = ModelCopyFactory(node=node).model
     with mock.patch.object(Task, "apply_async", autospec=True) as sent:
         yield node, model, sent
-
-
-@pytest.fixture
-def api(operator):
-    client = APIClient()
-    client.force_authenticate(operator)
-    return client
 
 
 def _cases(model_id):

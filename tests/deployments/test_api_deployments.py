@@ -2,20 +2,12 @@
 from unittest import mock
 
 import pytest
-from rest_framework.test import APIClient
 
 from deployments.models import Deployment
 from tests.deployments.test_deploys import FLAGS
 from tests.factories import DeploymentEventFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def api(operator):
-    client = APIClient()
-    client.force_authenticate(operator)
-    return client
 
 
 @pytest.fixture

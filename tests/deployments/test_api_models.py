@@ -12,13 +12,6 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def api(operator):
-    client = APIClient()
-    client.force_authenticate(operator)
-    return client
-
-
-@pytest.fixture
 def viewer_api(viewer):
     client = APIClient()
     client.force_authenticate(viewer)

@@ -6,7 +6,6 @@ from unittest import mock
 
 import pytest
 from celery.app.task import Task
-from rest_framework.test import APIClient
 
 from benchmarks import services
 from benchmarks.models import BenchmarkRun
@@ -52,13 +51,6 @@ def secret_server():
     server = _Server({"/": (200, {}, json.dumps({"secret": SECRET})), "/v1/models": (200, {}, json.dumps({"secret": SECRET}))})
     yield server
     server.close()
-
-
-@pytest.fixture
-def api(operator):
-    client = APIClient()
-    client.force_authenticate(operator)
-    return client
 
 
 @pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://metadata.google.internal/",
