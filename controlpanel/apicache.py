@@ -6,8 +6,9 @@ a database execute wrapper sees every statement, in every process, so each commi
 UPDATE/DELETE bumps the version of the table it wrote (ORM, bulk update or raw SQL alike; a write
 it cannot attribute, such as TRUNCATE, bumps them all), and the SELECTs run while an answer is
 computed name the tables it depends on. Answers that carry telemetry also depend on "live", which
-each new sample bumps (history.push). So a heartbeat makes the node lists stale but not the
-benchmark lists, and no answer is ever served after a change it depends on.
+each new sample bumps (history.push), and so does a heartbeat: an UPDATE that sets only the
+columns in LIVE_COLUMNS. So a heartbeat makes the node list stale but not the deployment, copy
+or benchmark lists, and no answer is ever served after a change it depends on.
 
 A request reads all versions in one Redis round trip; while nothing it depends on changed, the
 answer costs no query. After a change, one request per process recomputes an answer and
@@ -42,12 +43,18 @@ log = logging.getLogger(__name__)
 LIVE = "live"  # bumped by each telemetry sample
 EVERYTHING = "*"  # bumped by a write whose table cannot be told
 UNWATCHED_TABLES = {"django_session"}  # logins and page visits change no API answer
+# Columns every agent writes on its own schedule (a heartbeat each 5 s per node): an UPDATE that sets
+# only these makes only the answers that show them stale, those cached with live=True (the node
+# list), not every answer that reads the table (a node's name in the deployment or copy lists).
+LIVE_COLUMNS = {"deployments_node": {"last_heartbeat", "disk_total", "disk_free"}}
 MAX_BYTES = 32 * 2**20  # answers kept per web process
 MAX_ENTRY = 2 * 2**20
 _WRITE_HEADS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "TRUNCATE")
 _WRITE_RE = re.compile(r'^\s*(?:INSERT\s+(?:OR\s+\w+\s+)?INTO|REPLACE\s+INTO|UPDATE|DELETE\s+FROM)\s+"?(\w+)"?', re.I)
 _ANY_WRITE_RE = re.compile(r"\b(?:INSERT|UPDATE|DELETE|REPLACE|TRUNCATE)\b", re.I)
 _READ_RE = re.compile(r'\b(?:FROM|JOIN)\s+"?(\w+)"?', re.I)
+_SET_RE = re.compile(r'^\s*UPDATE\s+"?\w+"?\s+SET\s+(.*?)\s+WHERE\s', re.I | re.S)
+_SET_COLUMN_RE = re.compile(r'"?(\w+)"?\s*=\s*(?:%s|\?)\s*(?:,|$)')
 
 
 def _vkey(name: str) -> str:
@@ -127,6 +134,8 @@ def _watch(execute, sql, params, many, context):
     if head.startswith(_WRITE_HEADS) or (not head.startswith("SELECT") and _ANY_WRITE_RE.search(sql)):
         match = _WRITE_RE.match(sql)
         table = match[1] if match else EVERYTHING  # TRUNCATE, WITH ... UPDATE: who knows what changed
+        if table in LIVE_COLUMNS and _sets_only(sql, LIVE_COLUMNS[table]):
+            table = LIVE
         if table not in UNWATCHED_TABLES:
             _bump_quietly(table)  # now, for readers on this connection (inside the transaction)
             connection = context["connection"]
@@ -137,6 +146,16 @@ def _watch(execute, sql, params, many, context):
         if tables is not None:
             tables.update(_READ_RE.findall(sql))
     return result
+
+
+def _sets_only(sql: str, columns: set) -> bool:
+    """Whether `sql` is an UPDATE that sets nothing but plain parameters into `columns`."""
+    found = _SET_RE.match(sql)
+    if not found:
+        return False
+    assignments = found[1].split(",")
+    names = [_SET_COLUMN_RE.fullmatch(a.strip() + ",") for a in assignments]
+    return all(names) and {n[1] for n in names} <= columns
 
 
 class _recording:
@@ -218,6 +237,9 @@ def cached_value(key, compute, current: dict | None, live: bool = False):
         return compute()
     found = values.get(key)
     if found is not None and _valid(found[0], current):
+        outer = getattr(_reading, "tables", None)
+        if outer is not None:  # an answer cached around this one depends on what this one read
+            outer.update(name for name, _ in found[0] if name != EVERYTHING)
         return found[1]
     with _recording() as tables:
         value = compute()

@@ -12,11 +12,12 @@ import math
 import redis
 from django.http import HttpResponse
 from drf_spectacular.utils import extend_schema
+from prometheus_client.core import CounterMetricFamily
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.views import APIView
 
 from benchmarks.metrics import BenchmarkCollector
-from controlpanel import apicache
+from controlpanel import apicache, livedrops
 from controlpanel.scrape import ScrapeAccess
 from deployments.metrics import DeploymentCollector, DownloadCollector, FleetCollector
 from deployments.models import Deployment, Node
@@ -67,12 +68,21 @@ def exposition() -> bytes:
     gpus = apicache.cached_value(("metrics", "gpus"), FleetCollector.gpu_rows, current)
     deployments = apicache.cached_value(("metrics", "deployment names"),
                                         lambda: dict(Deployment.objects.values_list("id", "name")), current)
-    parts = [render(FleetCollector(gpus).collect()).encode()]
+    parts = [render(FleetCollector(gpus).collect()).encode(), render(_live()).encode()]
     for collector, names in ((DeploymentCollector(nodes), nodes), (DownloadCollector(nodes), nodes),
                              (BenchmarkCollector(deployments), deployments)):
         key = ("metrics", type(collector).__name__, tuple(names.items()))
         parts.append(apicache.cached_value(key, lambda c=collector: render(c.collect()).encode(), current))
     return b"".join(parts)
+
+
+def _live():
+    try:
+        dropped = livedrops.dropped()
+    except redis.RedisError:
+        return
+    yield CounterMetricFamily("panel_live_dropped_messages", "Live messages the Channels layer dropped because a "
+                              "socket's queue was full (LIVE_CHANNEL_CAPACITY); 0 while every browser keeps up.", value=dropped)
 
 
 class PlainTextRenderer(BaseRenderer):

@@ -6,9 +6,10 @@ class DeploymentsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
-        from controlpanel import apicache
+        from controlpanel import apicache, livedrops
         from deployments import signals
         from deployments import tasks  # noqa: F401 - registers the tasks services enqueue by name
 
         apicache.watch_database_writes()
+        livedrops.count_drops()
         signals.connect()

@@ -10,7 +10,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from deployments import live, wsaccess
+from deployments import live, livefeed, wsaccess
 
 MAX_TOPICS = 100  # per socket: a page needs a handful; this bounds what one socket can make the server track
 
@@ -29,6 +29,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=code)
             return
         self.topics = set()
+        self.fleet = None  # livefeed.Subscriber while the socket watches the fleet page
         self.groups_joined = [live.user_group(self.user_id)] + ([live.session_group(self.session_key)] if self.session_key else [])
         for group in self.groups_joined:
             await self.channel_layer.group_add(group, self.channel_name)
@@ -38,6 +39,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code):
         if getattr(self, "timer", None):
             self.timer.cancel()
+        self._leave_fleet()
         for group in getattr(self, "groups_joined", []):
             await self.channel_layer.group_discard(group, self.channel_name)
         for topic in getattr(self, "topics", set()):
@@ -73,11 +75,27 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             self.topics.add(topic)
             for message in await database_sync_to_async(live.snapshot)(topic):
                 await self.send_json({**message, "snapshot": True})
+            if topic == live.FLEET and self.fleet is None:
+                # Join the feed first, then read the state: a change in between comes twice, never
+                # not at all (the page keeps each node's newest sample time).
+                self.fleet = livefeed.Subscriber(self._send_text)
+                await livefeed.feed().join(self.fleet)
+                await self.send(text_data=live.fleet_message(await database_sync_to_async(live.fleet_state)(), snapshot=True))
         unsubscribe = content.get("unsubscribe", [])
         for topic in (unsubscribe if isinstance(unsubscribe, list) else [])[:50]:
             if topic in self.topics:
                 await self.channel_layer.group_discard(live.group_name(topic), self.channel_name)
                 self.topics.discard(topic)
+                if topic == live.FLEET:
+                    self._leave_fleet()
+
+    def _leave_fleet(self):
+        if getattr(self, "fleet", None) is not None:
+            livefeed.feed().leave(self.fleet)
+            self.fleet = None
+
+    async def _send_text(self, text: str):
+        await self.send(text_data=text)
 
     async def live_message(self, event):
         await self.send_json(event["message"])

@@ -55,6 +55,14 @@ def latest(node_id: int) -> dict | None:
     return json.loads(raw) if raw else None
 
 
+def latest_many(node_ids: list[int]) -> dict[int, dict | None]:
+    """latest() of each node, in one round trip."""
+    pipe = redisconn.client().pipeline(transaction=False)
+    for node_id in node_ids:
+        pipe.lindex(_key(node_id), -1)
+    return {node_id: json.loads(raw) if raw else None for node_id, raw in zip(node_ids, pipe.execute())}
+
+
 def minutes(node_id: int, since: timedelta) -> list[dict]:
     """Per-minute rows of the last `since` (at most a week)."""
     start = timezone.now() - min(since, RETENTION)

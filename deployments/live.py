@@ -9,13 +9,13 @@ functions; the browser code in static/panel/ reads these field names.
 import asyncio
 import json
 import logging
+import os
 import re
 import threading
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypedDict
 
 import redis
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 from controlpanel import redisconn
@@ -64,15 +64,30 @@ def _snapshot_key(topic: str) -> str:
     return redisconn.key("snapshot", topic)
 
 
-def publish(topic: str, kind: str, data: dict[str, Any], keep: bool = True) -> None:
-    """Send one message to every browser watching `topic`; keep it as the topic's snapshot of `kind`."""
+def fleet_state_key() -> str:
+    """Redis hash: node id -> that node's FleetNode (JSON), the fleet page's whole state."""
+    return redisconn.key("fleet", "state")
+
+
+def fleet_channel() -> str:
+    """Redis pub/sub channel: "<node id> <FleetNode JSON>" each time a node's state changes; every web
+    process's fleet feed (deployments/livefeed.py) coalesces them for its own fleet-page sockets."""
+    return redisconn.key("fleet", "changes")
+
+
+def publish(topic: str, kind: str, data: dict[str, Any], keep: bool = True, also=None) -> None:
+    """Send one message to every browser watching `topic`; keep it as the topic's snapshot of `kind`.
+    `also(pipe)` adds commands to the same Redis round trip."""
     message: LiveMessage = {"topic": topic, "kind": kind, "data": data}
     try:
-        if keep:
-            key = _snapshot_key(topic)
+        if keep or also:
             pipe = redisconn.client().pipeline()
-            pipe.hset(key, kind, json.dumps(message))
-            pipe.expire(key, SNAPSHOT_TTL)
+            if keep:
+                key = _snapshot_key(topic)
+                pipe.hset(key, kind, json.dumps(message))
+                pipe.expire(key, SNAPSHOT_TTL)
+            if also:
+                also(pipe)
             pipe.execute()
     except (redis.RedisError, OSError) as exc:
         # Browsers miss this update (they get a fresh snapshot on reconnect); the caller's work,
@@ -82,23 +97,31 @@ def publish(topic: str, kind: str, data: dict[str, Any], keep: bool = True) -> N
     _group_send(group_name(topic), {"type": "live.message", "message": message}, f"update {topic}/{kind}")
 
 
-def _group_send(group: str, event: dict, what: str) -> None:
-    """group_send from sync code, also when this thread runs an event loop (ORM signals in async code,
-    Playwright's sync API in the tests): async_to_sync refuses such a thread, so send from another one."""
-    def send():
-        try:
-            async_to_sync(get_channel_layer().group_send)(group, event)
-        except (redis.RedisError, OSError) as exc:
-            log.warning("live %s not sent: %s", what, exc)
+_sender: dict = {"pid": None, "loop": None}
+_sender_lock = threading.Lock()
 
+
+def _sender_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for sends from sync code (started on first use, again in a forked child)."""
+    with _sender_lock:
+        if _sender["pid"] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="live-sender", daemon=True).start()
+            _sender.update(pid=os.getpid(), loop=loop)
+        return _sender["loop"]
+
+
+def _group_send(group: str, event: dict, what: str) -> None:
+    """group_send from sync code, on one event loop per process kept for it: its Redis connections stay
+    open (async_to_sync made a thread, a loop and a new connection for every message, ~1 ms each for
+    each of a fleet's samples), and a caller whose thread runs a loop (ORM signals in async code,
+    Playwright's sync API in the tests) is served the same way."""
+    future = asyncio.run_coroutine_threadsafe(get_channel_layer().group_send(group, event), _sender_loop())
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        send()
-        return
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    thread.join(5)
+        future.result(5)
+    except (redis.RedisError, OSError, TimeoutError) as exc:
+        future.cancel()
+        log.warning("live %s not sent: %s", what, exc or "timed out")
 
 
 def user_group(user_id: int) -> str:
@@ -210,6 +233,22 @@ class NodeSample:
     nvml_error: str
     disk: dict  # total, free, used
     host: dict  # ram_total, ram_available, load1
+
+
+@dataclass(frozen=True)
+class FleetNode:
+    """One node in kind "nodes" on fleet ({"nodes": {"<node id>": FleetNode}}, only the nodes that
+    changed since the socket's last message): what a fleet card shows, from the node's sample."""
+
+    t: float
+    gpus: list[dict]  # index, memory_used, memory_total, util_gpu
+    disk: dict  # total, free
+
+    @classmethod
+    def of(cls, sample: dict) -> "FleetNode":
+        return cls(t=sample["t"], disk={"total": sample["disk"].get("total"), "free": sample["disk"].get("free")},
+                   gpus=[{"index": g["index"], "memory_used": g.get("memory_used"), "memory_total": g.get("memory_total"),
+                          "util_gpu": g.get("util_gpu")} for g in sample["gpus"]])
 
 
 @dataclass(frozen=True)
@@ -334,7 +373,27 @@ def send_engine_figures(node_id: int, figures: EngineFigures) -> None:
 
 
 def send_node_sample(node_id: int, sample: dict) -> None:
-    publish(node_topic(node_id), "sample", asdict(NodeSample(**sample)))
+    data = asdict(NodeSample(**sample))
+    fleet_node = json.dumps(asdict(FleetNode.of(data)), separators=(",", ":"))
+
+    def to_fleet(pipe):  # in the node topic's round trip: the fleet page's state, then its change
+        pipe.hset(fleet_state_key(), str(node_id), fleet_node)
+        pipe.expire(fleet_state_key(), SNAPSHOT_TTL)
+        pipe.publish(fleet_channel(), f"{node_id} {fleet_node}")
+
+    publish(node_topic(node_id), "sample", data, also=to_fleet)
+
+
+def fleet_state() -> dict[str, str]:
+    """Every node's FleetNode as JSON text, by node id (text): the fleet page's snapshot."""
+    return {k.decode(): v.decode() for k, v in redisconn.client().hgetall(fleet_state_key()).items()}
+
+
+def fleet_message(nodes: dict[str, str], snapshot: bool = False) -> str:
+    """The WebSocket text of kind "nodes" on fleet from FleetNode JSON texts, without decoding them."""
+    body = ",".join(f'"{node_id}":{text}' for node_id, text in nodes.items())
+    tail = ',"snapshot":true' if snapshot else ""
+    return f'{{"topic":"{FLEET}","kind":"nodes","data":{{"nodes":{{{body}}}}}{tail}}}'
 
 
 def send_model_inspected(model_id: int) -> None:

@@ -68,3 +68,19 @@ def deployment_startup(d: Deployment) -> dict:
         return {}
     totals = event.data["totals"]
     return {"ready_s": round(sum(v for k, v in totals.items() if k != "smoke_test"), 1), "totals": totals}
+
+
+def node_live_fields(node_ids: list[int]) -> dict[int, dict]:
+    """What changes with every heartbeat and sample in a node's API answer (NodeSerializer's names):
+    last heartbeat, online, disk figures and the last sample; one query and one Redis round trip."""
+    from rest_framework.fields import DateTimeField
+
+    from deployments import history
+
+    stamp = DateTimeField().to_representation
+    latest = history.latest_many(node_ids)
+    found = {}
+    for node in Node.objects.filter(pk__in=node_ids).only("id", "last_heartbeat", "heartbeat_seconds", "disk_total", "disk_free"):
+        found[node.pk] = {"online": node.online, "last_heartbeat": stamp(node.last_heartbeat) if node.last_heartbeat else None,
+                          "disk_total": node.disk_total, "disk_free": node.disk_free, "live": latest[node.pk]}
+    return found

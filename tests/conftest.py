@@ -61,7 +61,7 @@ def _fresh_live_state():
 
     client = redisconn.client()
     prefix = os.environ["CHANNELS_PREFIX"]
-    for pattern in (f"{prefix}:snapshot:*", f"{prefix}:history:*"):
+    for pattern in (f"{prefix}:snapshot:*", f"{prefix}:history:*", f"{prefix}:fleet:*"):
         keys = list(client.scan_iter(pattern, count=1000))
         if keys:
             client.delete(*keys)

@@ -169,3 +169,36 @@ def test_the_threaded_handler_serves_static_files_pages_and_bad_requests(live_se
     assert page.status_code == 302 and page.headers["location"].startswith("/accounts/login/")
     assert page.headers["x-frame-options"] == "DENY"
     assert httpx.get(f"{live_server_asgi}/healthz", headers={"host": "evil.example"}, timeout=10).status_code == 400
+
+
+def test_a_heartbeat_makes_only_the_node_list_stale(api, django_assert_num_queries):
+    from deployments.services import nodes
+
+    node = NodeFactory(name="n1", address="10.0.0.1")
+    DeploymentFactory(node=node)
+    deployments = api.get("/api/deployments/").json()
+    copies = api.get("/api/copies/").json()
+    assert api.get("/api/nodes/").json()["results"][0]["disk_free"] != 4 * 10**11
+    nodes.node_heartbeat(node.pk, disk_total=10**12, disk_free=4 * 10**11)  # what each agent writes every 5 s
+    with django_assert_num_queries(0):  # they show node names, never heartbeats: still cached
+        assert api.get("/api/deployments/").json() == deployments
+        assert api.get("/api/copies/").json() == copies
+    shown = api.get("/api/nodes/").json()["results"][0]
+    assert (shown["disk_free"], shown["online"]) == (4 * 10**11, True)
+    assert shown["last_heartbeat"] == Node.objects.get(pk=node.pk).last_heartbeat.isoformat().replace("+00:00", "Z")
+    Node.objects.filter(pk=node.pk).update(address="10.0.0.2", last_heartbeat=None)  # not a heartbeat: lists refresh
+    assert addresses(api) == {"n1": "10.0.0.2"}
+    assert api.get("/api/nodes/").json()["results"][0]["online"] is False
+
+
+def test_the_node_list_rebuilt_for_a_sample_still_follows_its_rows(api):
+    from deployments.models import Gpu
+    from tests.factories import GpuFactory
+
+    node = NodeFactory(name="n1")
+    GpuFactory(node=node, index=0, memory_total=10)
+    assert api.get("/api/nodes/").json()["results"][0]["gpus"][0]["memory_total"] == 10
+    history.push(node.pk, {"t": time.time(), "gpus": [], "disk": {"free": 1}, "host": {"ram_available": 1, "load1": 0.0}})
+    assert api.get("/api/nodes/").json()["results"][0]["live"]["disk_free"] == 1  # rebuilt around the kept rows
+    Gpu.objects.filter(node=node).update(memory_total=20)
+    assert api.get("/api/nodes/").json()["results"][0]["gpus"][0]["memory_total"] == 20

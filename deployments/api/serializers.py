@@ -48,6 +48,8 @@ class NodeSerializer(serializers.ModelSerializer):
                   "gpus", "live", "disk_read"]
 
     def get_live(self, node) -> dict | None:
+        if "latest" in self.context:  # read by the caller for the whole list (deployments.selectors.node_live_fields)
+            return self.context["latest"].get(node.pk)
         from deployments import history
 
         return history.latest(node.pk)

@@ -18,7 +18,7 @@ from deployments.services.nodes import node_enqueue
 log = logging.getLogger(__name__)
 __all__ = [
     "DiskShort", "model_disk_check", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
-    "model_download", "model_copy_download", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
+    "model_download", "model_copy_download", "model_copy_progress", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
     "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token", "hf_token_set",
 ]
 PROGRESS_EVERY_S = 0.5  # how often a running download writes its progress and checks for cancel
@@ -234,13 +234,7 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         if now - last["at"] < PROGRESS_EVERY_S and p.bytes_done < p.bytes_total:
             return
         last["at"] = now
-        copy.bytes_done, copy.bytes_total, copy.rate = p.bytes_done, p.bytes_total, p.rate_bps
-        copy.progress = {"files": {k: list(v) for k, v in p.files.items()}, "current_file": p.current_file,
-                         "seconds_left": p.seconds_left}
-        ModelCopy.objects.filter(pk=copy.pk).update(bytes_done=p.bytes_done, bytes_total=p.bytes_total,
-                                                    rate=p.rate_bps, progress=copy.progress, updated=timezone.now())
-        last["cancel"] = ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists()
-        live.send_copy(copy)
+        last["cancel"] = model_copy_progress(copy, p)
 
     try:
         downloads.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
@@ -266,6 +260,19 @@ def model_copy_download(copy_id: int) -> ModelCopy:
     node_refresh_disk(copy.node, dest)
     live.send_copy(copy)
     return copy
+
+
+def model_copy_progress(copy: ModelCopy, p: downloads.Progress) -> bool:
+    """Record a download's progress on its row and on the model's and node's pages; returns whether
+    a cancel was asked meanwhile."""
+    copy.bytes_done, copy.bytes_total, copy.rate = p.bytes_done, p.bytes_total, p.rate_bps
+    copy.progress = {"files": {k: list(v) for k, v in p.files.items()}, "current_file": p.current_file,
+                     "seconds_left": p.seconds_left}
+    ModelCopy.objects.filter(pk=copy.pk).update(bytes_done=p.bytes_done, bytes_total=p.bytes_total,
+                                                rate=p.rate_bps, progress=copy.progress, updated=timezone.now())
+    cancel = ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists()
+    live.send_copy(copy)
+    return cancel
 
 
 def _copy_fail(copy: ModelCopy, message: str, code: str) -> ModelCopy:

@@ -21,7 +21,10 @@
     socket.onopen = () => {
       retry = 0;
       setState("live");
-      if (handlers.size) socket.send(JSON.stringify({ subscribe: [...handlers.keys()] }));
+      const topics = [...handlers.keys()];
+      for (let i = 0; i < topics.length; i += 50) {  // the server reads at most 50 topics a message
+        socket.send(JSON.stringify({ subscribe: topics.slice(i, i + 50) }));
+      }
     };
     socket.onmessage = (event) => {
       const msg = JSON.parse(event.data);

@@ -67,6 +67,20 @@ def test_a_node_sample_with_a_missing_or_unknown_key_is_refused_before_it_reache
         live.send_node_sample(9, {**sample, "gpu": []})
 
 
+def test_a_node_sample_also_sets_the_fleet_pages_state_to_what_a_node_card_shows():
+    import json
+
+    gpu = {"index": 0, "memory_used": 5, "memory_total": 10, "util_gpu": 50, "temperature_c": 40, "power_w": 100.0}
+    sample = {"t": 1.0, "gpus": [gpu], "nvml_error": "", "disk": {"total": 8, "free": 3, "used": 5},
+              "host": {"ram_total": 1, "ram_available": 1, "load1": 0.0}}
+    live.send_node_sample(9, sample)
+    shown = {"t": 1.0, "gpus": [{"index": 0, "memory_used": 5, "memory_total": 10, "util_gpu": 50}],
+             "disk": {"total": 8, "free": 3}}  # static/panel/fleet.js reads these
+    assert {k: json.loads(v) for k, v in live.fleet_state().items()} == {"9": shown}
+    assert json.loads(live.fleet_message(live.fleet_state(), snapshot=True)) == {
+        "topic": "fleet", "kind": "nodes", "data": {"nodes": {"9": shown}}, "snapshot": True}
+
+
 def test_a_runs_status_point_and_tick_go_to_the_run_page(sent):
     run = BenchmarkRunFactory(status="running", warnings=["w"])
     point = BenchmarkPointFactory(run=run, concurrency=4)

@@ -1,0 +1,169 @@
+"""The fleet page's feed: one coalesced message per tick per socket with only the nodes that changed,
+a slow socket skipping to the latest state, drops of the Channels layer counted, and the fleet
+load model (tests/fleetsim.py) driving the real agent code."""
+import asyncio
+import json
+import re
+from dataclasses import asdict
+import threading
+import time
+import uuid
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from channels_redis.core import RedisChannelLayer
+from django.conf import settings
+
+from controlpanel import livedrops
+from controlpanel.metrics import exposition
+from deployments import live, livefeed
+from deployments.models import ModelCopy, Node
+from deployments.services import nodes
+from tests import fleetsim
+from tests.conftest import run_async
+from tests.factories import NodeFactory, UserFactory
+
+
+def _cookie(client, user) -> bytes:
+    client.force_login(user)
+    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
+
+
+async def _socket(client, user) -> WebsocketCommunicator:
+    cookie = await sync_to_async(_cookie)(client, user)
+    ws = WebsocketCommunicator(live_app(), "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"),
+                                                                 (b"host", b"localhost")])
+    connected, _ = await ws.connect()
+    assert connected
+    return ws
+
+
+def live_app():
+    from controlpanel.asgi import application
+
+    return application
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_fleet_page_gets_the_state_then_one_message_per_tick_with_the_nodes_that_changed(client, settings):
+    settings.LIVE_TICK_S = 1.0  # wide, so that the three samples below surely fall in one tick after the first
+    run_async(_coalesced(client))
+
+
+async def _coalesced(client):
+    user = await sync_to_async(UserFactory)(role="viewer")
+    fleet = [await sync_to_async(NodeFactory)(name=f"feed-{i}") for i in range(4)]
+    before = fleetsim.synthetic_sample(0, 2, time.time() - 5)
+    await sync_to_async(nodes.node_sample_record)(fleet[0].pk, before, {})
+    ws = await _socket(client, user)
+    await ws.send_json_to({"subscribe": ["fleet"]})
+    snapshot = await ws.receive_json_from(timeout=5)
+    assert snapshot["snapshot"] and snapshot["kind"] == "nodes"
+    assert snapshot["data"]["nodes"] == {str(fleet[0].pk): json.loads(json.dumps(asdict(live.FleetNode.of(before))))}
+
+    samples = {node.pk: fleetsim.synthetic_sample(node.pk, 2, time.time()) for node in fleet[1:]}
+    for node_id, sample in samples.items():
+        await sync_to_async(nodes.node_sample_record)(node_id, sample, {})
+    got, messages = {}, 0
+    while len(got) < 3:
+        message = await ws.receive_json_from(timeout=5)
+        messages += 1
+        assert (message["topic"], message["kind"]) == ("fleet", "nodes") and "snapshot" not in message
+        got.update(message["data"]["nodes"])
+    # The first change goes out at once, the ones within the same tick together.
+    assert messages <= 2
+    assert got == {str(k): {"t": s["t"], "disk": {"total": s["disk"]["total"], "free": s["disk"]["free"]},
+                            "gpus": [{"index": g["index"], "memory_used": g["memory_used"], "memory_total": g["memory_total"],
+                                      "util_gpu": g["util_gpu"]} for g in s["gpus"]]}
+                   for k, s in samples.items()}
+    assert await ws.receive_nothing(timeout=0.3)  # and nothing else: no message per node, no repeat
+    await ws.disconnect()
+
+
+def test_a_slow_browser_skips_to_the_latest_state_of_each_node():
+    async def scenario():
+        gate, sent = asyncio.Event(), []
+
+        async def send(text):
+            sent.append(json.loads(text))
+            await gate.wait()
+
+        def offer(nodes):
+            subscriber.offer(nodes, live.fleet_message(nodes))
+
+        subscriber = livefeed.Subscriber(send)
+        superseded = livefeed.counts["superseded"]
+        offer({"1": '{"t":1}'})
+        await asyncio.sleep(0)  # the first goes out and its send hangs: the browser reads slowly
+        offer({"1": '{"t":2}'})
+        offer({"1": '{"t":3}', "2": '{"t":3}'})
+        gate.set()
+        while len(sent) < 2:
+            await asyncio.sleep(0.01)
+        subscriber.close()
+        return sent, livefeed.counts["superseded"] - superseded
+
+    sent, superseded = asyncio.run(scenario())
+    assert [m["data"]["nodes"] for m in sent] == [{"1": {"t": 1}}, {"1": {"t": 3}, "2": {"t": 3}}]
+    assert superseded == 1  # node 1 at t=2 was never shown: the browser went straight to t=3
+
+
+@pytest.mark.django_db
+def test_messages_the_channel_layer_drops_are_counted_and_exported():
+    layer = RedisChannelLayer(hosts=[settings.REDIS_URL], capacity=1, prefix=f"drops{uuid.uuid4().hex[:8]}")
+    livedrops.count_drops()
+    before = livedrops.dropped()
+
+    async def send_three():
+        channel = await layer.new_channel()
+        await layer.group_add("slow", channel)
+        for i in range(3):  # nobody reads: the first fills the socket's queue, the next two are dropped
+            await layer.group_send("slow", {"type": "live.message", "n": i})
+        await layer.flush()
+
+    asyncio.run(send_three())
+    assert livedrops.dropped() - before == 2
+    exported = re.search(r"^panel_live_dropped_messages_total (\S+)$", exposition().decode(), re.M)
+    assert exported and float(exported[1]) == livedrops.dropped()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_fleet_model_drives_the_real_agent_code_for_many_nodes_in_one_process():
+    fleet = fleetsim.Fleet([f"sim-{i}" for i in range(3)], gpus=2, engines=1, downloads=1)
+    try:
+        stop = threading.Event()
+        runner = threading.Thread(target=fleet.run, args=(4.5, stop))  # the crash watch reads engines every 2 s
+        runner.start()
+        runner.join(30)
+    finally:
+        fleet.close()
+    published = fleet.published()
+    assert sorted(Node.objects.filter(name__startswith="sim-").values_list("pk", flat=True)) == sorted(published)
+    assert all(len(ts) >= 2 for ts in published.values())  # every node ticked more than once
+    state = live.fleet_state()
+    assert {int(k): json.loads(v)["t"] for k, v in state.items()} == {k: ts[-1] for k, ts in published.items()}
+    assert all(n.last_heartbeat is not None and n.disk_total for n in Node.objects.filter(pk__in=published))
+    engine = fleet.agents[0]
+    figures = {m["kind"]: m["data"] for m in live.snapshot(live.deployment_topic(engine.deployment_id))}
+    assert figures["engine"]["running"] == 4.0 and figures["engine"]["tok_s"] > 0  # its engine's figures reached its page
+    copy = ModelCopy.objects.get(pk=fleet.agents[1].copy.pk)
+    assert copy.state == ModelCopy.State.DOWNLOADING and copy.bytes_done > 0  # the download reported progress
+
+
+def test_browsers_are_spread_over_the_pages_in_a_fleets_proportions():
+    plan = fleetsim.pages(list(range(1, 129)), [1, 2, 3], 50)
+    kinds = [topics[0].split(":")[0] for topics in plan]
+    assert (kinds.count("fleet"), kinds.count("node"), kinds.count("deployment")) == (30, 15, 5)
+
+
+def test_the_account_counts_a_sample_a_watching_browser_never_got_as_lost():
+    published = {1: [10.0, 11.0, 12.0, 13.0, 14.0], 2: [10.5, 11.5, 12.5, 13.5, 14.5]}
+    fleet = {"topics": ["fleet"], "ready": 8.0, "samples": [[1, 10.0, 10.01], [2, 10.5, 10.52], [1, 11.0, 11.02],
+                                                            [1, 12.0, 12.01], [2, 12.5, 12.51], [1, 17.0, 17.0]]}
+    node = {"topics": ["node:2"], "ready": 8.0, "samples": [[2, 10.5, 10.5], [2, 11.5, 11.5], [2, 17.0, 17.0]]}
+    result = fleetsim.account(published, [fleet, node], margin=2.0)
+    # ready + 2 <= t <= last arrival - 2: fleet expects 1@10,11,12,13,14 and 2@10.5..14.5 and missed 2@11.5,
+    # 1@13, 2@13.5, 1@14, 2@14.5; the node page expects 2@10.5..14.5 and missed three.
+    assert (result["expected"], result["lost"]) == (15, 8)
+    assert len(result["latencies"]) == 9
