@@ -40,6 +40,9 @@ class RunForm(forms.Form):
     requests_per_user = forms.IntegerField(
         min_value=1, max_value=1000, initial=default("requests_per_user"),
         help_text=f"Requests per level = max({default('min_requests')}, this × concurrency).")
+    stop_when_saturated = forms.BooleanField(
+        required=False, initial=default("stop_when_saturated"), label="Stop once the engine saturates",
+        help_text="Skip the higher levels once throughput stays flat while latency or the engine's queue climbs.")
 
     def clean_levels(self):
         return parse_levels(self.cleaned_data["levels"])
@@ -64,5 +67,5 @@ class RunForm(forms.Form):
     def params(self) -> dict:
         data = self.cleaned_data
         keys = ("levels", "endpoint", "prompt_source", "input_tokens", "max_tokens", "ignore_eos", "temperature",
-                "requests_per_user", "prompts")
+                "requests_per_user", "prompts", "stop_when_saturated")
         return {k: data[k] for k in keys if k in data}

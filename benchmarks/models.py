@@ -89,6 +89,11 @@ class BenchmarkPoint(models.Model):
     itl_per_token_ms = models.JSONField(default=dict)
     e2e_ms = models.JSONField(default=dict)
     server_metrics = models.JSONField(default=dict, help_text="/metrics gauges scraped during the level.")
+    prompt_tokens_requested = models.PositiveIntegerField(null=True, blank=True, help_text=(
+        "Prompt length asked for (random prompts), in the served model's tokens."))
+    prompt_tokens_mean = models.FloatField(default=0.0, help_text="Mean prompt tokens the server counted (usage).")
+    prompt_tokens_counted_by = models.CharField(max_length=64, blank=True, help_text=(
+        "How random prompts were sized: the server's /tokenize, the tokenizer files, or words."))
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -18,7 +18,7 @@ from deployments.selectors import deployment_startup
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
 SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
-               "min_requests", "requests_per_user", "warmup_per_user")
+               "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated")
 DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS),
             **{k: runner.spec_default(k) for k in SPEC_PARAMS if k != "prompts"}}
 TICK_KEEP = 20_000  # points of the tok/s-over-time chart kept per run
@@ -161,9 +161,15 @@ def run_execute(run_id: int) -> BenchmarkRun:
         if model != run.served_model:
             run.served_model = model
             BenchmarkRun.objects.filter(pk=run.pk).update(served_model=model)
-        spec = runner.LoadSpec(base_url=target.base_url, model=model, **_spec_params(run.params))
+        spec = runner.LoadSpec(base_url=target.base_url, model=model, **_spec_params(run.params),
+                               tokenizer_path=run.environment.get("model_path", "") if run.deployment_id else "")
         result = runner.sweep(spec, on_level=on_level, on_tick=on_tick, cancel=cancelled)
         run.refresh_from_db(fields=["warnings"])
+        if result.saturated:
+            skipped = [c for c in run.params["levels"] if c > result.levels[-1].concurrency]
+            run.warnings.append(f"Stopped after concurrency {result.levels[-1].concurrency}: the engine saturated "
+                                f"({result.saturated}). Not run: {', '.join(map(str, skipped))}. "
+                                "Untick “Stop once the engine saturates” to measure every level.")
         run.single_stream_tok_s = result.single_stream_tok_s
         run.transition(S.CANCELLED if result.cancelled else S.DONE)
     except (runner.RunnerError, ServiceError) as exc:

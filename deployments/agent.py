@@ -40,6 +40,7 @@ class Agent:
         self._watched_at = -1e9
         self._reconciled = False
         self._foreign: list[dict] = []
+        self._net: tuple[float, int, int] | None = None  # (time, sent, received) of the previous sample
 
     def register(self) -> None:
         """Create or update this node and its GPUs."""
@@ -93,7 +94,8 @@ class Agent:
         sample = self.sample()
         # The database first: heartbeat, crash watch and foreign holders must not depend on Redis.
         if now - self._last_heartbeat >= self.heartbeat_seconds:
-            nodes.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"])
+            nodes.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"],
+                                 ram_total=sample["host"]["ram_total"], cpu_count=sample["host"]["cpu_count"])
             self._last_heartbeat = now
         if not self._reconciled:
             self._reconcile()
@@ -112,7 +114,7 @@ class Agent:
         return sample
 
     def sample(self) -> dict:
-        """GPUs, disk of the model store and host load, as one JSON-able dict."""
+        """GPUs, disk of the model store, and the host's CPU, RAM, load and network rates, as one JSON-able dict."""
         taken = time.time()
         gpus = []
         if not self.nvml_error:
@@ -122,12 +124,19 @@ class Agent:
                 self.nvml_error = str(exc)
         usage = disk.disk_usage(self.model_store)
         host = disk.host_stats()
+        rx = tx = None
+        if self._net and taken > self._net[0]:
+            elapsed = taken - self._net[0]
+            tx = max(0.0, (host.net_sent - self._net[1]) / elapsed)
+            rx = max(0.0, (host.net_recv - self._net[2]) / elapsed)
+        self._net = (taken, host.net_sent, host.net_recv)
         return {
             "t": taken,
             "gpus": gpus,
             "nvml_error": self.nvml_error,
             "disk": {"total": usage.total, "free": usage.free, "used": usage.used},
-            "host": {"ram_total": host.ram_total, "ram_available": host.ram_available, "load1": host.load1},
+            "host": {"ram_total": host.ram_total, "ram_available": host.ram_available, "load1": host.load1,
+                     "cpu_count": host.cpu_count, "cpu_percent": host.cpu_percent, "net_rx_bps": rx, "net_tx_bps": tx},
         }
 
     def loop(self, stop: threading.Event) -> None:

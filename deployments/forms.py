@@ -20,7 +20,8 @@ class LocalModelForm(forms.Form):
 
 
 class DownloadForm(forms.Form):
-    node = forms.ModelChoiceField(queryset=Node.objects.all())
+    # No empty choice: with one node (the first hour's case) Download works without touching the field.
+    node = forms.ModelChoiceField(queryset=Node.objects.all(), empty_label=None)
 
 
 class FitForm(forms.Form):

@@ -18,7 +18,9 @@ def _key(node_id: int) -> str:
 
 
 def compact(sample: dict) -> dict:
-    """The chartable part of a sample: per GPU memory, utilization, temperature and power."""
+    """The chartable part of a sample: per GPU memory, utilization, temperature and power; the host's
+    CPU, RAM, model-store disk and network."""
+    host = sample["host"]
     return {
         "t": sample["t"],
         "gpus": [
@@ -27,8 +29,13 @@ def compact(sample: dict) -> dict:
             for g in sample.get("gpus", [])
         ],
         "disk_free": sample["disk"]["free"],
-        "ram_available": sample["host"]["ram_available"],
-        "load1": sample["host"]["load1"],
+        "disk_total": sample["disk"].get("total"),
+        "ram_available": host["ram_available"],
+        "ram_total": host.get("ram_total"),
+        "load1": host["load1"],
+        "cpu_percent": host.get("cpu_percent"),
+        "net_rx_bps": host.get("net_rx_bps"),
+        "net_tx_bps": host.get("net_tx_bps"),
     }
 
 
@@ -102,8 +109,11 @@ class MinuteAggregator:
                 for i, rows in sorted(gpus.items())
             ],
             "disk_free": self.samples[-1]["disk_free"],
+            "disk_total": self.samples[-1].get("disk_total"),
             "ram_available": _mean(s["ram_available"] for s in self.samples),
+            "ram_total": self.samples[-1].get("ram_total"),
             "load1": _mean(s["load1"] for s in self.samples),
+            **{key: _mean(s.get(key) for s in self.samples) for key in ("cpu_percent", "net_rx_bps", "net_tx_bps")},
             "samples": len(self.samples),
         }
 

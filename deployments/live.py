@@ -232,7 +232,7 @@ class NodeSample:
     gpus: list[dict]  # host/gpu.py's GpuSample as a dict; processes carry "pgid" and "deployment"
     nvml_error: str
     disk: dict  # total, free, used
-    host: dict  # ram_total, ram_available, load1
+    host: dict  # ram_total, ram_available, load1, cpu_count, cpu_percent, net_rx_bps, net_tx_bps (None at first)
 
 
 @dataclass(frozen=True)
@@ -331,6 +331,9 @@ class RunPoint:
     num_requests: int
     failed_requests: int
     server_metrics: dict
+    prompt_tokens_requested: int | None  # random prompts: the length asked for, in the model's tokens
+    prompt_tokens_mean: float  # what the server counted (usage.prompt_tokens), per request
+    prompt_tokens_counted_by: str
 
     @classmethod
     def of(cls, point) -> "RunPoint":

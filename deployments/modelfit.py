@@ -43,6 +43,11 @@ class FitResult:
     message: str
 
 
+def default_tp(gpu_count: int) -> int:
+    """The TP a node's GPU count suggests: the largest power of two it has (1 without GPUs)."""
+    return max((t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpu_count), default=1)
+
+
 def kv_bytes_per_token(spec: ModelSpec, kv_cache_dtype: str = "auto", tp: int = 1, pp: int = 1) -> int:
     """KV-cache bytes one token takes on one GPU of a TP×PP layout (tp=pp=1: the whole model)."""
     if kv_cache_dtype == "auto":
@@ -155,3 +160,42 @@ def human_bytes(n: int | float) -> str:
         return f"{int(n):,} B"
     value, unit = (n / 2**30, "GiB") if n >= 10**8 else (n / 2**20, "MiB")
     return f"{value:.1f} {unit}" if round(value, 1) < 100 else f"{value:,.0f} {unit}"
+
+
+# What a CPU engine holds besides weights and its KV cache: three processes (API server, EngineCore,
+# Worker) measured at about 3 GiB together with a tiny model (FACTS.md), most of it torch and vLLM.
+CPU_RUNTIME_BYTES = 3 * GiB
+CPU_MIN_CORES = 2  # vLLM's CPU worker binds OpenMP threads to cores; one core leaves the API server none
+
+
+@dataclass
+class CpuFitResult:
+    """Whether a model fits a CPU node's RAM (weights, VLLM_CPU_KVCACHE_SPACE, the engine's processes)."""
+
+    fits: bool
+    needed_bytes: int
+    ram_total: int
+    cpu_count: int
+    message: str
+    known: bool = True  # False until the node has reported its RAM
+    kind: str = "cpu"
+
+
+def cpu_fit_check(weight_bytes: int, ram_total: int, cpu_count: int, kv_cache_bytes: int,
+                  runtime_bytes: int = CPU_RUNTIME_BYTES) -> CpuFitResult:
+    """Estimate whether the CPU engine fits the host: weights + KV-cache space + its processes within RAM."""
+    needed = weight_bytes + kv_cache_bytes + runtime_bytes
+    parts = (f"weights {human_bytes(weight_bytes)} + KV cache {human_bytes(kv_cache_bytes)} "
+             f"+ ~{human_bytes(runtime_bytes)} for the engine's processes")
+    if not ram_total:
+        return CpuFitResult(False, needed, 0, cpu_count,
+                            f"unknown until the node reports its RAM; needs ~{human_bytes(needed)} ({parts})", known=False)
+    if needed > ram_total:
+        return CpuFitResult(False, needed, ram_total, cpu_count,
+                            f"does not fit: needs ~{human_bytes(needed)} of RAM ({parts}), the host has {human_bytes(ram_total)}")
+    if cpu_count and cpu_count < CPU_MIN_CORES:
+        return CpuFitResult(False, needed, ram_total, cpu_count,
+                            f"does not fit: the CPU engine needs {CPU_MIN_CORES} cores, the host has {cpu_count}")
+    cores = f" on {cpu_count} cores" if cpu_count else ""
+    return CpuFitResult(True, needed, ram_total, cpu_count,
+                        f"fits in RAM: ~{human_bytes(needed)} of {human_bytes(ram_total)} ({parts}){cores}")

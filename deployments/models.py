@@ -19,6 +19,8 @@ class Node(models.Model):
     model_store = models.CharField(max_length=1024, blank=True)
     disk_total = models.BigIntegerField(default=0)
     disk_free = models.BigIntegerField(default=0)
+    ram_total = models.BigIntegerField(default=0, help_text="Host RAM in bytes (what a CPU engine holds weights in).")
+    cpu_count = models.PositiveIntegerField(default=0, help_text="Logical CPUs of the host.")
     nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML is unavailable, if it is.")
     engine_version = models.CharField(max_length=64, blank=True)
     engine_flags = models.JSONField(default=list, blank=True, help_text="Flags the node's `vllm serve` accepts.")

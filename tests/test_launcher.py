@@ -11,12 +11,24 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, free_port, wait_until
+from tests.hfserver import serve
 
 
-@pytest.mark.timeout(180)
-def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path):
+@pytest.fixture
+def slow_hub(tmp_path):
+    """A Hugging Face-compatible server with a 40 MB model sent at 2 MB/s: a download still running at Ctrl-C."""
+    repo = tmp_path / "hub" / "acme" / "slow"
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    (repo / "model.safetensors").write_bytes(os.urandom(40 << 20))
+    with serve(tmp_path / "hub", throttle_bps=2 << 20) as url:
+        yield url
+
+
+@pytest.mark.timeout(240)
+def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, slow_hub):
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "PANEL_ADMIN_PASSWORD", "SECRET_KEY")}
-    env.update(PANEL_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1", NODE_NAME="launcher-node")
+    env.update(PANEL_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1", NODE_NAME="launcher-node", HF_ENDPOINT=slow_hub)
     port = free_port()
     log = open(tmp_path / "launcher.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(port)],
@@ -46,13 +58,27 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path):
             assert home.url.path == "/" and "Fleet" in home.text
             nodes = wait_until(lambda: http.get("/api/nodes/").json()["results"], timeout=60, message="the local node")
             assert nodes[0]["name"] == "launcher-node" and nodes[0]["online"]
+
+            # A download still running when Ctrl-C comes (the first hour's case): no traceback at the stop.
+            def csrf(path):
+                return re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', http.get(path).text).group(1)
+
+            added = http.post("/models/add/", data={"repo_id": "acme/slow", "revision": "main",
+                                                    "csrfmiddlewaretoken": csrf("/models/")})
+            model_path = added.url.path
+            wait_until(lambda: http.get(f"/api{model_path}").json()["total_size"] > 0, timeout=60,
+                       message="the model read from the hub")
+            http.post(f"{model_path}download/", data={"node": nodes[0]["id"], "csrfmiddlewaretoken": csrf(model_path)})
+            wait_until(lambda: any(c["state"] == "downloading" and c["bytes_done"] > 0
+                                   for c in http.get(f"/api{model_path}").json()["copies"]), timeout=60, message="the download")
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
     time.sleep(0.5)
     assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
     log.seek(0)
-    assert "Stopping" in log.read()
+    output = log.read()
+    assert "Stopping" in output and "Traceback" not in output, output[output.find("Stopping"):][:4000]
 
 
 def test_a_second_start_does_not_print_a_new_password(tmp_path):

@@ -46,6 +46,9 @@ class RunRequestSerializer(serializers.Serializer):
     requests_per_user = serializers.IntegerField(min_value=1, max_value=1000, default=default("requests_per_user"))
     min_requests = serializers.IntegerField(min_value=1, max_value=100_000, default=default("min_requests"))
     warmup_per_user = serializers.IntegerField(min_value=0, max_value=100, default=default("warmup_per_user"))
+    stop_when_saturated = serializers.BooleanField(default=default("stop_when_saturated"), help_text=(
+        "End the sweep once a level shows the engine saturated (throughput flat while latency or the waiting "
+        "queue climbs); false measures every level."))
 
     def validate(self, data):
         if bool(data.get("deployment")) == bool(data.get("base_url")):

@@ -4,6 +4,7 @@ import random
 from urllib.parse import urlsplit
 
 from .spec import CHAT, COMPLETIONS, LoadSpec, PromptError, RunnerError
+from .tokens import PromptLengths
 
 MAX_JSONL_LINES = 100_000
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -26,16 +27,6 @@ BUILTIN = [
     "Draft a README introduction for an open-source tool that benchmarks LLM inference servers.",
     "Compare the climates of Norway and New Zealand and how they shape daily life.",
 ]
-
-# Common short words: each is about one token for BPE vocabularies, so n words ~ n tokens.
-_WORDS = (
-    "the of and to in is was for on that with as by at from it his an were are which this be "
-    "or has had not but one new first also after who two its they have more her been other when "
-    "time would there all she into some year can out over only may most about up so world many "
-    "then where these used such between state city part through during well three around made "
-    "under work water long large high place under house group people light early number small"
-).split()
-
 
 def load_jsonl(text: str, endpoint: str = CHAT) -> list[dict]:
     """Validate uploaded JSONL: one {"prompt": str} or {"messages": [...]} object per line."""
@@ -86,13 +77,13 @@ def _entry(obj, number: int, endpoint: str) -> dict:
     return entry
 
 
-def random_prompt(rng: random.Random, tokens: int) -> str:
-    """About `tokens` tokens of random common words (a word-based approximation)."""
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, tokens)))
+def random_prompt(rng: random.Random, tokens: int, lengths: PromptLengths | None = None) -> str:
+    """Random common words the endpoint counts as `tokens` tokens (one token per word without `lengths`)."""
+    return (lengths or PromptLengths()).prompt(rng, tokens)
 
 
-def prompt_entries(spec: LoadSpec, count: int) -> list[dict]:
-    """`count` entries cycling through the spec's prompt source."""
+def prompt_entries(spec: LoadSpec, count: int, lengths: PromptLengths | None = None) -> list[dict]:
+    """`count` entries cycling through the spec's prompt source; random ones sized by `lengths`."""
     if spec.prompt_source == "jsonl":
         if not spec.prompts:
             raise PromptError("prompt_source is jsonl but no prompts were loaded")
@@ -100,7 +91,7 @@ def prompt_entries(spec: LoadSpec, count: int) -> list[dict]:
     elif spec.prompt_source == "random":
         rng = random.Random(spec.seed)
         # Distinct prompts defeat prefix caching, like vllm bench serve's random dataset.
-        return [{"prompt": random_prompt(rng, spec.input_tokens)} for _ in range(count)]
+        return [{"prompt": random_prompt(rng, spec.input_tokens, lengths)} for _ in range(count)]
     elif spec.prompt_source == "builtin":
         base = [{"prompt": p} for p in BUILTIN]
     else:

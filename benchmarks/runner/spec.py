@@ -29,7 +29,7 @@ class LoadSpec:
     endpoint: str = CHAT  # CHAT or COMPLETIONS
     prompt_source: str = "random"  # "random" (like vllm bench serve's dataset) | "builtin" | "jsonl"
     prompts: list = field(default_factory=list)  # entries from load_jsonl() for "jsonl"
-    input_tokens: int = 128  # length of "random" prompts (about one token per word)
+    input_tokens: int = 128  # length of "random" prompts in the served model's tokens (see tokens.py)
     max_tokens: int = 128
     ignore_eos: bool = True  # every request generates max_tokens, so levels compare like for like
     temperature: float = 0.0
@@ -48,6 +48,8 @@ class LoadSpec:
     scrape_metrics: bool = True
     verify_tls: bool = True
     seed: int = 0
+    tokenizer_path: str = ""  # the model's folder (tokenizer.json), for prompt lengths when there is no /tokenize
+    stop_when_saturated: bool = True  # end the sweep once a level shows the engine saturated (saturation.py)
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_user * concurrency)
@@ -152,6 +154,11 @@ class LevelResult:
     errors: list = field(default_factory=list)  # distinct error messages, at most 10
     workers: int = 1
     cancelled: bool = False
+    # Prompt length: what was asked (random prompts; None for built-in or uploaded ones), the mean the
+    # server counted (usage.prompt_tokens), and how the prompts were sized.
+    prompt_tokens_requested: int | None = None
+    prompt_tokens_mean: float = 0.0
+    prompt_tokens_counted_by: str = ""
     records: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,6 +172,7 @@ class SweepResult:
 
     levels: list = field(default_factory=list)
     cancelled: bool = False
+    saturated: str = ""  # why the sweep stopped before its last level (saturation.py), "" if it did not
 
     @property
     def single_stream_tok_s(self) -> float | None:

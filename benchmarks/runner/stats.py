@@ -111,6 +111,7 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
     result.tokens_per_chunk = "usage" if ok and exact else "estimated"
     sources.discard("none")
     result.reasoning_split = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
+    result.prompt_tokens_mean = result.input_tokens / len(ok) if ok else 0.0
     if result.duration_s > 0:
         result.request_throughput = result.completed / result.duration_s
         result.output_throughput = result.output_tokens / result.duration_s

@@ -23,10 +23,12 @@ from deployments.host import vllm
 
 from .load import Pool, run_share
 from .prompts import Target, prompt_entries, request_body
+from .saturation import saturated
 from .scrape import Sampler
 from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
 from .stats import summarize
 from .stream import Counters
+from .tokens import WORDS_ONLY, PromptLengths, prompt_lengths
 
 STREAMS_PER_WORKER = 256  # auto mode: one more process per this many streams
 BUSY_POLL_STREAMS = 256  # auto mode: a process with this many streams polls instead of sleeping
@@ -167,6 +169,14 @@ class Sweeper:
         self.target = Target(spec)
         self.workers = Workers(spec, spec.workers or auto_workers(max_concurrency))
         self.snapshots = {wid: (0, 0, 0, 0, 0, 0) for wid in range(self.workers.count)}
+        self.lengths = None
+
+    def prompt_lengths(self) -> PromptLengths:
+        """Word costs in the served model's tokens, measured once (random prompts only)."""
+        if self.lengths is None:
+            self.lengths = (prompt_lengths(self.spec, self.target.root_url) if self.spec.prompt_source == "random"
+                            else PromptLengths(WORDS_ONLY))
+        return self.lengths
 
     def __enter__(self):
         return self
@@ -178,7 +188,7 @@ class Sweeper:
         warmup, measured = self.spec.num_warmup(concurrency), self.spec.num_requests(concurrency)
         cache = {}
         requests = []
-        for index, entry in enumerate(prompt_entries(self.spec, warmup + measured)):
+        for index, entry in enumerate(prompt_entries(self.spec, warmup + measured, self.prompt_lengths())):
             data = cache.get(id(entry))
             if data is None:
                 data = cache[id(entry)] = self.target.request_bytes(request_body(self.spec, entry))
@@ -213,6 +223,9 @@ class Sweeper:
         records.sort(key=lambda r: r.index)
         result = summarize(concurrency, records, warmup=warmup, workers=active, cancelled=was_cancelled)
         result.peak_tok_s = peak
+        if spec.prompt_source == "random":
+            result.prompt_tokens_requested = spec.input_tokens
+            result.prompt_tokens_counted_by = self.prompt_lengths().source
         if sampler:
             result.server_metrics = sampler.summary()
         return result
@@ -285,7 +298,8 @@ def run_level(spec: LoadSpec, concurrency: int, on_tick=None, cancel=None) -> Le
 
 
 def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None) -> SweepResult:
-    """Measure every level of `spec.levels` in order; stops early on cancel.
+    """Measure every level of `spec.levels` in order; stops early on cancel, and once the engine
+    saturates unless spec.stop_when_saturated is off (then result.saturated says why).
 
     on_level(LevelResult) after each level, on_tick(Tick) every spec.tick_s; both run in this
     process. `cancel` is a callable, or an asyncio/threading Event, checked between requests.
@@ -312,4 +326,8 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None) -> SweepResu
                 first = level.errors[0] if level.errors else "unknown error"
                 raise RunnerError(f"every request at concurrency {concurrency} failed: {first}",
                                   permanent=first.startswith("HTTP 4"))
+            if spec.stop_when_saturated and concurrency != levels[-1]:
+                result.saturated = saturated(result.levels)
+                if result.saturated:
+                    break
     return result

@@ -17,7 +17,7 @@ from controlpanel.errors import ServiceError
 from controlpanel.idempotency import idempotent
 from controlpanel.params import int_param
 
-from deployments import secrets, selectors
+from deployments import modelfit, secrets, selectors
 from deployments.api import serializers
 from deployments.models import ModelCopy
 from deployments.services import deploys, loadtime, repos
@@ -90,7 +90,8 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         query = serializers.FitQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         q = query.validated_data
-        result = repos.model_fit(self.get_object(), q["node"], q["tp"], q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
+        tp = q.get("tp") or modelfit.default_tp(q["node"].gpus.count())
+        result = repos.model_fit(self.get_object(), q["node"], tp, q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
         if result is None:
             raise ServiceError("The model's config has not been read yet.", field="model", code="not_inspected")
         return Response(asdict(result))

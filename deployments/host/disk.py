@@ -21,7 +21,7 @@ class DiskUsage:
 
 @dataclass(frozen=True)
 class HostStats:
-    """Memory in bytes, load averages and CPU count of the host."""
+    """Memory in bytes, load averages, CPU count and use, and network byte counters of the host."""
 
     ram_total: int
     ram_available: int
@@ -29,6 +29,9 @@ class HostStats:
     load5: float
     load15: float
     cpu_count: int
+    cpu_percent: float = 0.0  # all cores, since the previous call (0.0 at the first)
+    net_sent: int = 0  # bytes since boot, all interfaces but loopback
+    net_recv: int = 0
 
 
 def disk_usage(path: str | os.PathLike) -> DiskUsage:
@@ -42,9 +45,13 @@ def disk_usage(path: str | os.PathLike) -> DiskUsage:
 
 
 def host_stats() -> HostStats:
-    """Memory, load and CPU count of the host right now."""
+    """Memory, load, CPU and network counters of the host right now."""
     memory = psutil.virtual_memory()
     load1, load5, load15 = os.getloadavg()
+    sent = recv = 0
+    for name, counters in psutil.net_io_counters(pernic=True).items():
+        if name != "lo":
+            sent, recv = sent + counters.bytes_sent, recv + counters.bytes_recv
     return HostStats(
         ram_total=memory.total,
         ram_available=memory.available,
@@ -52,4 +59,7 @@ def host_stats() -> HostStats:
         load5=load5,
         load15=load15,
         cpu_count=os.cpu_count() or 1,
+        cpu_percent=psutil.cpu_percent(interval=None),
+        net_sent=sent,
+        net_recv=recv,
     )

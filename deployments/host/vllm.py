@@ -176,3 +176,23 @@ def tok_s(earlier: tuple[float, dict], later: tuple[float, dict]) -> float | Non
     if t2 <= t1 or "generation_tokens_total" not in r1 or "generation_tokens_total" not in r2:
         return None
     return max(0.0, (r2["generation_tokens_total"] - r1["generation_tokens_total"]) / (t2 - t1))
+
+
+def tokenize(base_url: str, model: str, *, prompt: str | None = None, messages: list | None = None,
+             add_special_tokens: bool | None = None, timeout: float = 10.0) -> list[int]:
+    """Token ids the server's tokenizer gives a prompt (POST /tokenize, a vLLM extra): a `prompt` as
+    /v1/completions would see it, or `messages` rendered through the chat template with the generation
+    prompt, as /v1/chat/completions would. VllmError (permanent) when the server has no /tokenize."""
+    body: dict = {"model": model}
+    if messages is not None:
+        body["messages"] = messages
+    else:
+        body["prompt"] = prompt or ""
+    if add_special_tokens is not None:
+        body["add_special_tokens"] = add_special_tokens
+    text = _request("POST", f"{base_url.rstrip('/')}/tokenize", timeout, body)
+    try:
+        tokens = json.loads(text)["tokens"]
+        return [int(t) for t in tokens]
+    except (ValueError, KeyError, TypeError) as e:
+        raise VllmError(f"unexpected /tokenize answer: {NOT_OPENAI}", permanent=True) from e

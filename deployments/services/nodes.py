@@ -52,11 +52,14 @@ def node_register(*, name: str, address: str, agent_version: str, model_store: s
     return node
 
 
-def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: int | None = None) -> None:
-    """Record that a node's agent is alive, with its model store's disk figures."""
+def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: int | None = None,
+                   ram_total: int | None = None, cpu_count: int | None = None) -> None:
+    """Record that a node's agent is alive, with its model store's disk figures, RAM and cores."""
     fields = {"last_heartbeat": timezone.now()}
     if disk_total is not None:
         fields.update(disk_total=disk_total, disk_free=disk_free)
+    if ram_total is not None:
+        fields.update(ram_total=ram_total, cpu_count=cpu_count or 0)
     Node.objects.filter(pk=node_id).update(**fields)
 
 

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
-from deployments import live, modelconfig, modelfit
+from deployments import engineargs, live, modelconfig, modelfit
 from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 from deployments.services.nodes import node_enqueue
@@ -143,11 +143,18 @@ def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
 
 
 def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
-              kv_cache_dtype: str = "auto") -> modelfit.FitResult | None:
-    """Does the model fit the node's GPUs at TP×PP? None when the config is not known yet."""
+              kv_cache_dtype: str = "auto") -> modelfit.FitResult | modelfit.CpuFitResult | None:
+    """Does the model fit the node's GPUs at TP×PP (a node without GPUs: its RAM and cores, for the CPU
+    engine)? None when the config (GPUs) or the size (CPU) is not known yet."""
+    files = [(f["path"], f["size"]) for f in model.files]
+    if not node.gpus.all():
+        weights = modelconfig.weight_bytes(files) or model.total_size
+        if not weights:
+            return None
+        kv_gib = float(engineargs.PRESETS[engineargs.node_preset(False)]["env"]["VLLM_CPU_KVCACHE_SPACE"])
+        return modelfit.cpu_fit_check(weights, node.ram_total, node.cpu_count, int(kv_gib * 2**30))
     if not model.config:
         return None
-    files = [(f["path"], f["size"]) for f in model.files]
     spec = modelconfig.parse_config(model.config, files)
     memories = [g.memory_total for g in node.gpus.all()]
     return modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,

@@ -47,7 +47,7 @@ def _deploy_page(request, model, node, form, status=200, preset=""):
     holders = list(node.deployments.filter(status__in=Deployment.ACTIVE)) if node else []
     fit = None
     if node and not node.gpus.exists():
-        fit = None  # a CPU node: the GPU fit check does not apply (the CPU engine holds the weights in RAM)
+        fit = repos.model_fit(model, node, 1)  # a CPU node: its RAM and cores
     elif form.is_bound and form.is_valid():
         fit = repos.model_fit(model, node, form.cleaned_data["tp"], form.cleaned_data["pp"])
     elif node and node.gpus.exists():

@@ -9,7 +9,7 @@ from django.views.decorators.http import require_POST
 
 from controlpanel.errors import ServiceError
 from controlpanel.roles import operator_required
-from deployments import forms, selectors
+from deployments import forms, modelfit, selectors
 from deployments.models import ModelCopy, ModelRepo, Node
 from deployments.services import repos
 
@@ -48,12 +48,12 @@ def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     nodes = list(Node.objects.prefetch_related("gpus"))
     # TP defaults to what the biggest node can run, not to 8 GPUs nobody has.
     most = max((len(n.gpus.all()) for n in nodes), default=0)
-    tp_default = max((t for t in (1, 2, 4, 8, 16) if t <= most), default=1)
+    tp_default = modelfit.default_tp(most)
     fit_form = forms.FitForm(request.GET or None, initial={"tp": tp_default})
     tp, kv = tp_default, "auto"
     if fit_form.is_valid():
         tp, kv = fit_form.cleaned_data["tp"], fit_form.cleaned_data["kv_cache_dtype"]
-    fits = [(node, repos.model_fit(model, node, tp, kv_cache_dtype=kv) if node.gpus.all() else None) for node in nodes]
+    fits = [(node, repos.model_fit(model, node, tp, kv_cache_dtype=kv)) for node in nodes]
     return render(request, "deployments/model_detail.html", {
         "model": model, "fits": fits, "fit_form": fit_form, "tp": tp,
         "download_form": download_form or forms.DownloadForm(), "disk_short": disk_short,

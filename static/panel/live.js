@@ -6,6 +6,7 @@
   const handlers = new Map(); // topic -> [fn]
   let socket = null;
   let retry = 0;
+  let timer = null;
   let closedForGood = false;
 
   function setState(state) {
@@ -16,6 +17,7 @@
 
   function connect() {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
+    timer = null;
     socket = new WebSocket(`${scheme}://${location.host}/ws/live/`);
     setState("connecting");
     socket.onopen = () => {
@@ -38,9 +40,21 @@
       if (event.code === 4401 || event.code === 4403) { closedForGood = true; setState("denied"); return; }
       setState("reconnecting");
       const delay = Math.min(10000, 500 * 2 ** retry++);
-      setTimeout(connect, delay);
+      timer = setTimeout(connect, delay);
     };
   }
+
+  // After an action (a click, a submit, the tab shown again, the network back) a socket waiting out
+  // its backoff reconnects at once: the indicator never sits on "reconnecting" while the server is up.
+  function reconnectNow() {
+    if (closedForGood || !timer || !socket || socket.readyState !== WebSocket.CLOSED) return;
+    clearTimeout(timer);
+    timer = null;
+    retry = 0;
+    connect();
+  }
+  for (const type of ["click", "submit", "focus", "online"]) window.addEventListener(type, reconnectNow, true);
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) reconnectNow(); });
 
   window.Live = {
     socket() { return socket; },  // for tests that simulate a dropped connection

@@ -4,7 +4,8 @@
   const size = (b) => (b >= 2 ** 30 ? (b / 2 ** 30).toFixed(1) + " GiB" : (b / 2 ** 20).toFixed(1) + " MiB");
   const eta = (s) => (s == null ? "" : s > 3600 ? `${(s / 3600).toFixed(1)} h left` : s > 60 ? `${Math.round(s / 60)} min left` : `${Math.round(s)} s left`);
   Live.subscribe("model:" + MODEL.id, (msg) => {
-    if (msg.kind === "model") { if (!msg.snapshot) location.reload(); return; }
+    // Read while the page loaded (the snapshot says so, and the page was rendered unread): reload too.
+    if (msg.kind === "model") { if (!msg.snapshot || (!MODEL.inspected && msg.data.inspected)) location.reload(); return; }
     if (!msg.kind.startsWith("copy.")) return;
     const c = msg.data;
     const card = document.querySelector(`.copy[data-copy="${c.id}"]`);

@@ -1,4 +1,5 @@
-// Node page: live per-GPU memory and utilization charts, GPU table, process table, host figures.
+// Node page: live host charts (CPU, RAM, disk, network) on every node, per-GPU memory and utilization
+// charts where there are GPUs, GPU table, process table, host figures.
 // History comes with the page; live samples are appended; after a reconnect the gap is fetched
 // from the history endpoint, so the chart never shows a hole or a stale value.
 (function () {
@@ -41,6 +42,27 @@
   } : {};
   window.nodeCharts = charts;
 
+  // Host charts: each line is a function of a compact sample (null where an older sample lacks it).
+  const MiB = 2 ** 20;
+  const diff = (a, b, scale) => (a == null || b == null ? null : (a - b) / scale);
+  const HOST = {
+    cpu: [["CPU %", "#2563eb", (s) => s.cpu_percent ?? null]],
+    ram: [["RAM used GiB", "#16a34a", (s) => diff(s.ram_total, s.ram_available, GiB)]],
+    disk: [["Model store used GiB", "#d97706", (s) => diff(s.disk_total, s.disk_free, GiB)]],
+    net: [["received MiB/s", "#7c3aed", (s) => (s.net_rx_bps == null ? null : s.net_rx_bps / MiB)],
+          ["sent MiB/s", "#dc2626", (s) => (s.net_tx_bps == null ? null : s.net_tx_bps / MiB)]],
+  };
+  const hostSeries = (list, lines) => [list.map((s) => s.t), ...lines.map(([, , get]) => list.map(get))];
+  const hostCharts = {};
+  for (const [key, lines] of Object.entries(HOST)) {
+    const el = document.getElementById("chart-host-" + key);
+    if (!el) continue;
+    hostCharts[key] = new uPlot({ width: Math.max(300, el.clientWidth), height: 180, scales: { x: { time: true } },
+      series: [{}, ...lines.map(([label, stroke]) => ({ label, stroke, width: 1.5 }))], axes: [{}, { size: 50 }] },
+    hostSeries(visible(), lines), el);
+  }
+  window.hostCharts = hostCharts;
+
   function visible() {
     if (minuteMode) return minuteSamples;
     const cutoff = Date.now() / 1000 - windowSeconds;
@@ -52,11 +74,14 @@
     const shown = visible();
     if (charts.mem) charts.mem.setData(seriesFor(shown, "memory_used", GiB));
     if (charts.util) charts.util.setData(seriesFor(shown, "util_gpu", 1));
+    for (const [key, chart] of Object.entries(hostCharts)) chart.setData(hostSeries(shown, HOST[key]));
     document.documentElement.dataset.points = shown.length;
   }
 
   function compact(s) {
-    return { t: s.t, disk_free: s.disk.free, ram_available: s.host.ram_available, load1: s.host.load1,
+    return { t: s.t, disk_free: s.disk.free, disk_total: s.disk.total, ram_available: s.host.ram_available,
+      ram_total: s.host.ram_total, load1: s.host.load1, cpu_percent: s.host.cpu_percent,
+      net_rx_bps: s.host.net_rx_bps, net_tx_bps: s.host.net_tx_bps,
       gpus: s.gpus.map((g) => ({ index: g.index, memory_used: g.memory_used, memory_total: g.memory_total,
         util_gpu: g.util_gpu, temperature_c: g.temperature_c, power_w: g.power_w })) };
   }
@@ -71,7 +96,8 @@
   function showTables(s) {
     document.getElementById("disk").textContent = `${fmtGiB(s.disk.free)} free of ${fmtGiB(s.disk.total)}`;
     document.getElementById("ram").textContent = `${fmtGiB(s.host.ram_available)} of ${fmtGiB(s.host.ram_total)}`;
-    document.getElementById("load").textContent = s.host.load1.toFixed(2);
+    document.getElementById("load").textContent = s.host.load1.toFixed(2) +
+      (s.host.cpu_percent == null ? "" : ` · CPU ${s.host.cpu_percent.toFixed(0)} % of ${s.host.cpu_count} cores`);
     document.getElementById("last-sample").textContent = new Date(s.t * 1000).toLocaleTimeString();
     const procRows = [];
     for (const g of s.gpus) {

@@ -31,6 +31,7 @@
       const gauge = (k) => (s[k] ? fmt(s[k].max, 0) : "—");
       return `<tr data-concurrency="${p.concurrency}"><td class="num">${p.concurrency}</td><td class="num">${fmt(p.output_throughput)}</td>` +
         `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
+        `<td class="num" data-f="prompt-tokens" title="${p.prompt_tokens_counted_by ? "sized by " + p.prompt_tokens_counted_by : "prompts as written"}">${p.prompt_tokens_requested ?? "—"} / ${fmt(p.prompt_tokens_mean)}</td>` +
         `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt((p.ttft_vllm_bench_ms || {}).median)}</td>` +
         `<td class="num">${fmt(p.ttfc_ms.median)}</td>` +
         `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt((p.itl_per_token_ms || {}).median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +

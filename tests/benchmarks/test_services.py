@@ -109,6 +109,19 @@ def test_an_unreachable_server_fails_the_run_with_a_clear_message():
     assert run.status == "failed" and "connect" in run.error
 
 
+def test_a_sweep_stopped_at_saturation_says_where_why_and_which_levels_it_skipped():
+    run = BenchmarkRun.objects.create(base_url="http://127.0.0.1:9", served_model="m",
+                                      params={**services.DEFAULTS, "levels": [1, 2, 4, 8, 16]})
+    stopped = runner.SweepResult(levels=[runner.LevelResult(concurrency=c) for c in (1, 2, 4)],
+                                 saturated="output throughput 1350 tok/s at concurrency 4 against 1300 at 2")
+    with mock.patch("benchmarks.runner.sweep", autospec=True, return_value=stopped) as sweep, \
+         mock.patch("deployments.live.publish", autospec=True):
+        services.run_execute(run.pk)
+    run.refresh_from_db()
+    assert run.status == "done" and sweep.call_args.args[0].stop_when_saturated is True
+    assert any("Stopped after concurrency 4" in w and "Not run: 8, 16" in w and "1350 tok/s" in w for w in run.warnings)
+
+
 def test_compare_and_export_show_what_changed(viewer_client, viewer):
     a = BenchmarkRunFactory(environment={"engine_args": {"tensor-parallel-size": 8}, "env": {"NCCL_PROTO": "Simple"}})
     b = BenchmarkRunFactory(environment={"engine_args": {"tensor-parallel-size": 8}, "env": {"NCCL_PROTO": "LL"}})
@@ -147,7 +160,8 @@ def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(oper
 
     spec = runner.LoadSpec(base_url="http://x", model="m")
     form = RunForm()
-    for name in ("prompt_source", "ignore_eos", "input_tokens", "max_tokens", "temperature", "requests_per_user"):
+    for name in ("prompt_source", "ignore_eos", "input_tokens", "max_tokens", "temperature", "requests_per_user",
+                 "stop_when_saturated"):
         assert form.fields[name].initial == getattr(spec, name), name
     api = RunRequestSerializer(data={"base_url": "http://10.0.0.9:8000"})
     assert api.is_valid(), api.errors

@@ -180,3 +180,16 @@ def test_host_work_is_sent_to_the_nodes_own_queue_after_commit(django_capture_on
         apply_async.assert_not_called()  # nothing leaves before the transaction commits
         callbacks[0]()
     assert apply_async.call_args.kwargs["queue"] == "node.gpu-09"
+
+
+def test_a_sample_carries_the_hosts_cpu_and_network_rates_and_the_heartbeat_its_ram_and_cores(agent, published):
+    first = agent.tick(now=10_000.0)
+    time.sleep(0.05)
+    second = agent.tick(now=10_001.0)
+    assert first["host"]["net_rx_bps"] is None  # no rate before a second reading
+    assert second["host"]["net_rx_bps"] >= 0 and second["host"]["net_tx_bps"] >= 0
+    assert 0 <= second["host"]["cpu_percent"] <= 100 and second["host"]["cpu_count"] >= 1
+    node = Node.objects.get(pk=agent.node_id)
+    assert node.ram_total == second["host"]["ram_total"] and node.cpu_count == second["host"]["cpu_count"]
+    kept = history.latest(agent.node_id)
+    assert kept["cpu_percent"] == second["host"]["cpu_percent"] and kept["ram_total"] == node.ram_total

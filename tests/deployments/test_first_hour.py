@@ -92,14 +92,28 @@ def test_deploy_form_on_a_cpu_node_names_the_cpu_preset_and_a_free_port(settings
 
 
 def test_model_page_says_a_cpu_node_runs_it_and_shows_the_disk_check_before_download(client, operator):
-    node = NodeFactory(name="cpu-02", disk_free=2**30, disk_total=4 * 2**30)
+    node = NodeFactory(name="cpu-02", disk_free=2**30, disk_total=4 * 2**30, ram_total=16 * 2**30, cpu_count=2)
     model = ModelRepoFactory(total_size=3 * 2**30, config={"architectures": ["LlamaForCausalLM"]}, files=[])
     client.force_login(operator)
     page = client.get(reverse("model-detail", args=[model.pk])).content.decode()
-    assert "No node with GPUs" not in page and "CPU engine" in page and "does not fit" not in page
+    assert "No node with GPUs" not in page and "does not fit" not in page
+    fits = page[page.index('id="fits"'):page.index("</table>", page.index('id="fits"'))]
+    assert "2 cores, 16.0 GiB RAM" in fits and "fits in RAM" in fits and "needs 1 GPUs" not in fits
     disk = page[page.index('id="disk-check"'):]
     assert f'data-node="{node.name}"' in disk and "3.0 GiB" in disk and "not enough room" in disk
     assert '<option value="1" selected>1</option>' in page  # TP follows the nodes' GPU count, not 8
+
+
+def test_the_fit_check_weighs_a_cpu_node_by_its_ram(client, operator, api):
+    small = NodeFactory(name="cpu-small", ram_total=4 * 2**30, cpu_count=2)
+    unknown = NodeFactory(name="cpu-new")
+    model = ModelRepoFactory(total_size=3 * 2**30, config={"architectures": ["LlamaForCausalLM"]}, files=[])
+    client.force_login(operator)
+    page = client.get(reverse("model-detail", args=[model.pk])).content.decode()
+    assert "does not fit: needs ~7.0 GiB of RAM" in page and "unknown until the node reports its RAM" in page
+    answer = api.get(f"/api/models/{model.pk}/fit/", {"node": small.name, "tp": 1}).json()
+    assert answer["kind"] == "cpu" and answer["fits"] is False and answer["ram_total"] == 4 * 2**30
+    assert unknown.ram_total == 0
 
 
 def test_pages_write_sizes_in_binary_units_with_the_unit(client, operator):
@@ -149,3 +163,23 @@ def test_panelctl_deploy_to_an_existing_name_says_to_replace_then_redeploys(api,
     assert args.fn(ApiPanel(api), args) == 0
     d = Deployment.objects.get()
     assert d.status == Deployment.Status.QUEUED and d.engine_args["enforce-eager"] is True  # the CPU preset, as the form
+
+
+def test_every_node_page_has_host_charts_and_gpu_charts_only_where_there_are_gpus(client, operator):
+    cpu = NodeFactory(name="cpu-charts", nvml_error="NVML Shared Library Not Found", cpu_count=2)
+    gpu = NodeFactory(name="gpu-charts")
+    GpuFactory(node=gpu, index=0)
+    client.force_login(operator)
+    cpu_page = client.get(reverse("node-detail", args=[cpu.pk])).content.decode()
+    gpu_page = client.get(reverse("node-detail", args=[gpu.pk])).content.decode()
+    for chart in ("chart-host-cpu", "chart-host-ram", "chart-host-disk", "chart-host-net"):
+        assert f'id="{chart}"' in cpu_page and f'id="{chart}"' in gpu_page
+    assert 'id="chart-mem"' not in cpu_page and 'id="chart-mem"' in gpu_page
+
+
+def test_default_levels_on_a_cpu_node_follow_its_cores():
+    from benchmarks import selectors
+
+    node = NodeFactory(name="two-cores", cpu_count=2)
+    d = DeploymentFactory(node=node, engine_args={"max-num-seqs": 64})
+    assert selectors.default_levels(d) == [1, 2, 4, 8, 16, 32]  # 16 streams a core, under its max-num-seqs

@@ -61,6 +61,15 @@ def test_the_compare_page_shows_a_switch_without_true(viewer_client):
     assert "--enforce-eager True" not in page
 
 
+def test_what_changed_on_the_compare_page_reads_as_the_command_line(viewer_client):
+    a = BenchmarkRunFactory(environment={"engine_args": {"enforce-eager": True, "max-num-seqs": 8}})
+    b = BenchmarkRunFactory(environment={"engine_args": {"max-num-seqs": 16}})
+    page = viewer_client.get(f"/benchmarks/compare/?runs={a.pk}&runs={b.pk}").content.decode()
+    diff = page[page.index('id="diff"'):page.index("</table>", page.index('id="diff"'))]
+    assert '<code class="cmdline">--enforce-eager</code>' in diff and "True" not in diff
+    assert '<code class="cmdline">--max-num-seqs 8</code>' in diff and '<code class="cmdline">--max-num-seqs 16</code>' in diff
+
+
 def test_a_queued_row_in_the_timeline_is_a_moment_not_a_step_left_open(operator_client):
     d = DeploymentFactory(status=Deployment.Status.STOPPED)
     queued = deploys.deployment_event(d, "queued", "Queued.")

@@ -8,7 +8,8 @@ from tests.conftest import VLLM, agent_argv, in_thread, wait_until
 
 
 def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_env):
-    """A real node agent with the CPU engine and `model_folder` as a ready local model: (node, model, agent env)."""
+    """A real node agent with the CPU engine and `model_folder` as a ready local model: (node, model, agent env);
+    without a folder, no model (None)."""
     assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
     # CPU_HOST_EXCLUSIVE off: other test sessions on this shared machine run engines of their own
     # (tests/faults checks the whole-host claim with it on).
@@ -17,6 +18,9 @@ def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_e
     name = f"cpu-{unique}"
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
+    if model_folder is None:
+        wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
+        return node, None, env
     model = in_thread(repos.model_add_local, node, str(model_folder))
     wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
                message="the local model on the node")

@@ -1,0 +1,139 @@
+"""The first hour (issue 14) on the real CPU engine: a newcomer's journey in Chromium that changes no
+field from its default, `panelctl deploy` with nothing but the model, and random prompts that are as
+long, in the served model's tokens, as asked."""
+import json
+import os
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from playwright.sync_api import expect
+
+from benchmarks import runner
+from benchmarks.models import BenchmarkRun
+from benchmarks.runner import tokens
+from controlpanel import tokens as api_tokens
+from deployments.host import engine
+from deployments.models import Deployment, ModelCopy
+from tests.e2e.conftest import start_cpu_node
+from tests.e2e.test_cli import panelctl
+from tests.hfserver import serve
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+LOAD_TIMEOUT_MS = 300_000  # a CPU engine starts in ~25-70 s on 2 shared cores
+RUN_TIMEOUT_MS = 300_000
+
+
+@pytest.fixture
+def stop_engines():
+    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
+    yield
+    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
+        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+
+
+@pytest.fixture
+def hub_with_tiny_model(tmp_path, tiny_model):
+    """A Hugging Face-compatible server holding the tiny model as acme/tiny-chat."""
+    repo = tmp_path / "hub" / "acme" / "tiny-chat"
+    shutil.copytree(tiny_model, repo)
+    with serve(tmp_path / "hub") as url:
+        yield url
+
+
+def _sweep(spec):
+    with ThreadPoolExecutor(1) as pool:  # a thread: Playwright may own this loop
+        return pool.submit(runner.sweep, spec).result(600)
+
+
+def test_panelctl_deploy_with_only_the_model_is_ready_and_prompts_are_as_long_as_asked(
+        process_env, spawn, unique, tmp_path, tiny_model, live_server_asgi, operator, stop_engines):
+    node, model, _ = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
+    env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": api_tokens.issue(operator),
+           "PANELCTL_CONFIG": str(tmp_path / "none.json")}
+    code, out, err = panelctl(env, "deploy", str(model.pk), "--wait", "--json")
+    assert code == 0, err
+    deployed = json.loads(out)
+    assert deployed["status"] == "ready" and deployed["node"] == node.name and deployed["smoke"]["completion_tokens"] > 0
+
+    # Random prompts sized with the server's /tokenize: what the server counts (usage.prompt_tokens) is
+    # what was asked, within 2 tokens, through the chat template and without one.
+    d = Deployment.objects.get(pk=deployed["id"])
+    for endpoint in (runner.CHAT, runner.COMPLETIONS):
+        for asked in (32, 100):
+            spec = runner.LoadSpec(base_url=f"http://127.0.0.1:{d.port}", model=d.served_model_name, endpoint=endpoint,
+                                   prompt_source="random", input_tokens=asked, max_tokens=4, levels=(1,),
+                                   min_requests=6, requests_per_user=1, warmup_per_user=0, scrape_metrics=False)
+            level = _sweep(spec).levels[0]
+            assert level.completed == 6 and level.prompt_tokens_counted_by == tokens.SERVER
+            counted = [r.prompt_tokens for r in level.records if r.success]
+            print(f"{endpoint} asked {asked}: the server counted {counted}")
+            assert all(abs(n - asked) <= 2 for n in counted), (endpoint, asked, counted)
+            assert level.prompt_tokens_requested == asked and abs(level.prompt_tokens_mean - asked) <= 2
+
+    code, _, err = panelctl(env, "stop", d.name, "--wait")
+    assert code == 0, err
+
+
+def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_default(
+        logged_in_page, hub_with_tiny_model, process_env, spawn, unique, tmp_path, settings, stop_engines):
+    url = hub_with_tiny_model
+    settings.HF_ENDPOINT = url
+    env = dict(process_env, HF_ENDPOINT=url)
+    spawn([sys.executable, "-m", "celery", "-A", "controlpanel", "worker", "-Q", "control", "-n", f"control-{unique}@%h",
+           "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"], env, name="control-worker")
+    node, _, _ = start_cpu_node(env, spawn, unique, tmp_path, None)
+    page = logged_in_page
+
+    # Add the model: its repo id is the one thing a newcomer types.
+    page.goto(f"{page.base_url}/models/")
+    page.fill("#add-model input[name=repo_id]", "acme/tiny-chat")
+    page.click("#add-model button[type=submit]")
+    expect(page.locator("#architecture")).to_have_text("LlamaForCausalLM", timeout=60_000)
+    expect(page.locator("#fits")).to_contain_text("fits in RAM")  # the CPU node, weighed by its RAM
+    expect(page.locator("#disk-check")).to_contain_text("room")  # the disk check, before Download
+
+    page.click("#download-form button[type=submit]")
+    card = page.locator(".copy").first
+    expect(card.locator('[data-f="state"]')).to_have_text("Ready", timeout=120_000)
+    assert ModelCopy.objects.get(node=node).state == "ready"
+
+    page.reload()  # the Deploy button shows once the model is read
+    page.click("#deploy-button")
+    page.click("#deploy-form button[type=submit]")
+    expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)
+    expect(page.locator("#live-state")).to_have_text("live")
+    deployment = Deployment.objects.get(node=node)
+    assert deployment.engine_args.get("enforce-eager") is True  # the CPU preset, applied by the server
+
+    for _ in range(2):
+        page.goto(f"{page.base_url}/deployments/{deployment.pk}/")
+        page.click("text=Benchmark…")
+        expect(page.locator("#id_deployment")).to_have_value(str(deployment.pk))
+        page.click("#run-form button[type=submit]")
+        expect(page.locator("#run-status")).to_have_text("Done", timeout=RUN_TIMEOUT_MS)
+        expect(page.locator("#live-state")).to_have_text("live")
+        first_row = page.locator('#points tr[data-concurrency="1"] [data-f="prompt-tokens"]')
+        asked, measured = (float(x) for x in first_row.inner_text().split(" / "))
+        assert asked == runner.spec_default("input_tokens") and abs(measured - asked) <= 2
+    runs = list(BenchmarkRun.objects.filter(deployment=deployment).order_by("pk"))
+    assert [r.status for r in runs] == ["done", "done"]
+    levels = runs[0].params["levels"]
+    assert max(levels) <= 16 * (node.cpu_count or 4) and max(levels) < 1024  # levels that fit the node
+    print(f"levels {levels}; measured {[p.concurrency for p in runs[0].points.all()]}; warnings {runs[0].warnings}")
+
+    page.goto(f"{page.base_url}/benchmarks/")
+    for run in runs:
+        page.check(f'input[name=runs][value="{run.pk}"]')
+    page.click("text=Compare selected")
+    expect(page.locator("h1")).to_contain_text("Compare")
+    for run in runs:
+        expect(page.locator("body")).to_contain_text(run.name)
+
+    page.goto(f"{page.base_url}/deployments/{deployment.pk}/")
+    page.once("dialog", lambda dialog: dialog.accept())  # Stop asks first
+    page.click('button[data-action="stop"]')
+    expect(page.locator("#status")).to_have_text("Stopped", timeout=60_000)
+    expect(page.locator("#live-state")).to_have_text("live")  # right after the action, not "reconnecting"
+    assert engine.members(Deployment.objects.get(pk=deployment.pk).pgid) == []
