@@ -169,7 +169,8 @@ def run_execute(run_id: int) -> BenchmarkRun:
             skipped = [c for c in run.params["levels"] if c > result.levels[-1].concurrency]
             run.warnings.append(f"Stopped after concurrency {result.levels[-1].concurrency}: the engine saturated "
                                 f"({result.saturated}). Not run: {', '.join(map(str, skipped))}. "
-                                "Untick “Stop once the engine saturates” to measure every level.")
+                                "To measure every level, untick “Stop once the engine saturates” (API: stop_when_saturated "
+                                "false; panelctl bench --past-saturation).")
         run.single_stream_tok_s = result.single_stream_tok_s
         run.transition(S.CANCELLED if result.cancelled else S.DONE)
     except (runner.RunnerError, ServiceError) as exc:

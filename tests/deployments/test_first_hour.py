@@ -165,6 +165,19 @@ def test_panelctl_deploy_to_an_existing_name_says_to_replace_then_redeploys(api,
     assert d.status == Deployment.Status.QUEUED and d.engine_args["enforce-eager"] is True  # the CPU preset, as the form
 
 
+def test_panelctl_deploy_without_a_node_takes_the_one_holding_the_model_ready(api, cpu_node):
+    node, model = cpu_node
+    NodeFactory(name="empty-02")  # a second node, without the model
+    args = cli.parser().parse_args(["deploy", str(model.pk)])
+    assert args.fn(ApiPanel(api), args) == 0
+    assert Deployment.objects.get().node == node
+    elsewhere = ModelRepoFactory()
+    args = cli.parser().parse_args(["deploy", str(elsewhere.pk)])
+    with pytest.raises(cli.CliError, match="Give --node") as refused:
+        args.fn(ApiPanel(api), args)
+    assert refused.value.code == 2
+
+
 def test_every_node_page_has_host_charts_and_gpu_charts_only_where_there_are_gpus(client, operator):
     cpu = NodeFactory(name="cpu-charts", nvml_error="NVML Shared Library Not Found", cpu_count=2)
     gpu = NodeFactory(name="gpu-charts")

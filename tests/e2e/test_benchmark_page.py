@@ -39,6 +39,7 @@ def test_a_sweep_started_in_the_browser_grows_its_charts_live(logged_in_page, co
         wait_until(lambda: levels() >= 1, timeout=60, message="the first level's point")
         wait_until(lambda: ticks() > first, timeout=60, message="more ticks while the run goes on")
         expect(page.locator("#run-status")).to_have_text("Done", timeout=120_000)
+        expect(page.locator("#now")).to_have_text("—")  # a finished run has nothing in flight
         assert levels() == 3
         assert page.evaluate("window.runCharts.scaling.data[0]") == [1, 4, 16]
         row = page.locator('#points tr[data-concurrency="1"]')

@@ -92,7 +92,7 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
     page.click("#add-model button[type=submit]")
     expect(page.locator("#architecture")).to_have_text("LlamaForCausalLM", timeout=60_000)
     expect(page.locator("#fits")).to_contain_text("fits in RAM")  # the CPU node, weighed by its RAM
-    expect(page.locator("#disk-check")).to_contain_text("room")  # the disk check, before Download
+    expect(page.locator("#disk-check .badge.ok")).to_have_text("room")  # the disk check, before Download
 
     page.click("#download-form button[type=submit]")
     card = page.locator(".copy").first
@@ -113,6 +113,7 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
         expect(page.locator("#id_deployment")).to_have_value(str(deployment.pk))
         page.click("#run-form button[type=submit]")
         expect(page.locator("#run-status")).to_have_text("Done", timeout=RUN_TIMEOUT_MS)
+        expect(page.locator("#now")).to_have_text("—")  # a finished run has nothing in flight
         expect(page.locator("#live-state")).to_have_text("live")
         first_row = page.locator('#points tr[data-concurrency="1"] [data-f="prompt-tokens"]')
         asked, measured = (float(x) for x in first_row.inner_text().split(" / "))
