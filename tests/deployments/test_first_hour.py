@@ -8,7 +8,6 @@ from django.urls import reverse
 from controlpanel import cli
 from deployments.models import Deployment
 from deployments.services import deploys
-from tests.deployments.test_api_deployments import api  # noqa: F401  (an operator's API client)
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
