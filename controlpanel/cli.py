@@ -166,19 +166,24 @@ def _deploy_node(panel: Panel, model_id: int) -> str:
 
 def cmd_deploy(panel, args):
     model_id = _model_id(panel, args.model)
-    args.node = args.node or _deploy_node(panel, model_id)
-    node = panel.get(f"nodes/{args.node}/")
+    args.node = args.node or [_deploy_node(panel, model_id)]
+    head, *others = args.node  # --node a --node b: a multi-node deployment, a the head (issue 17)
+    node = panel.get(f"nodes/{head}/")
     engine_args = _pairs(args.flag, "--flag")
     for flag, value in (("tensor-parallel-size", args.tp), ("pipeline-parallel-size", args.pp),
                         ("max-model-len", args.max_model_len)):
         if value:  # unset: the server's preset for the node decides, as on the deploy form
             engine_args[flag] = value
-    gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus
-            else [g["index"] for g in node["gpus"]][: (args.tp or 1) * (args.pp or 1)])
-    body = {"model": model_id, "node": args.node, "gpus": gpus, "port": args.port, "engine_args": engine_args,
+    per_node = max(1, (args.tp or 1) * (args.pp or 1) // len(args.node))
+    gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus else [g["index"] for g in node["gpus"]][:per_node])
+    workers = [{"node": name, "gpus": gpus if args.gpus else [g["index"] for g in panel.get(f"nodes/{name}/")["gpus"]][:per_node]}
+               for name in others]
+    body = {"model": model_id, "node": head, "gpus": gpus, "workers": workers, "port": args.port, "engine_args": engine_args,
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
             "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []]}
+    if others and args.master_port:
+        body["master_port"] = args.master_port
     if args.name:
         body["name"] = args.name
     try:
@@ -187,7 +192,7 @@ def cmd_deploy(panel, args):
         if exc.code == 3 and "exists already" in str(exc):
             raise CliError(f"{exc}\n  (run again with --replace to redeploy it with these settings)", exc.code) from exc
         raise
-    say(f"Deploying {d['name']} (id {d['id']}) on {args.node}, GPUs {d['gpus'] or 'none (CPU)'}, port {d['port']}, flags "
+    say(f"Deploying {d['name']} (id {d['id']}) on {' + '.join(args.node)}, GPUs {d['gpus'] or 'none (CPU)'}, port {d['port']}, flags "
         + " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in d["engine_args"].items()))
     return _wait_deployment(panel, d, args, want="ready") if args.wait else _done(d, args)
 
@@ -374,7 +379,10 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("deploy", help="deploy a model (id or repo id) to a node")
     s.add_argument("model")
-    s.add_argument("--node", default="", help="default: the node with a ready copy of the model (or the only node)")
+    s.add_argument("--node", action="append", default=[],
+                   help="default: the node with a ready copy of the model (or the only node); repeat for a "
+                        "multi-node deployment: the first is the head, the others run headless ranks")
+    s.add_argument("--master-port", type=int, default=None, help="multi-node: the head's port the ranks meet at")
     s.add_argument("--name", default="")
     s.add_argument("--gpus", default="", help="e.g. 0,1,2,3 (default: the first TP×PP GPUs)")
     s.add_argument("--tp", type=int, default=None, help="tensor parallel (default: the preset's)")

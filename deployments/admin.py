@@ -1,7 +1,7 @@
 from django.contrib import admin
 
 from deployments import secrets
-from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
 
 
 class GpuInline(admin.TabularInline):
@@ -33,12 +33,21 @@ class DeploymentEventInline(admin.TabularInline):
     extra = 0
 
 
+class DeploymentRankInline(admin.TabularInline):
+    """A multi-node deployment's worker ranks (issue 17); the log tail stays on the panel's page (redacted)."""
+
+    model = DeploymentRank
+    extra = 0
+    fields = ["rank", "node", "gpu_indices", "state", "message", "pid", "load_phase", "load_percent"]
+    readonly_fields = fields
+
+
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
     list_display = ["name", "model", "node", "port", "status", "created"]
     list_filter = ["status", "node"]
     search_fields = ["name"]
-    inlines = [DeploymentEventInline]
+    inlines = [DeploymentRankInline, DeploymentEventInline]
     # Secrets are write-only here too (deployments/secrets.py): shown masked, edited on the panel's form.
     exclude = ["env", "engine_args", "log_tail"]
     readonly_fields = ["environment", "engine_flags", "log"]

@@ -74,6 +74,14 @@ class DeployForm(forms.Form):
                                                 "Without this, a deploy onto GPUs others use is refused, naming them.")
     prewarm = forms.BooleanField(required=False, label="Pre-warm: read the model into the page cache first",
                                  help_text="In parallel, while other engines stop and before launch, when free RAM allows.")
+    workers = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple, label="Also on nodes (multi-node)",
+                                        help_text="This node is the head (rank 0); each node ticked runs a headless rank. "
+                                                  "TP × PP × DP is split evenly over all of them.")
+    worker_gpus = forms.CharField(required=False, max_length=2000, label="GPUs on the other nodes",
+                                  help_text="node=0,1,2,3 per node, space-separated (default: as many as here, from GPU 0; "
+                                            "none on a CPU node).")
+    master_port = forms.IntegerField(required=False, min_value=1024, max_value=65535, label="Master port (multi-node)",
+                                     help_text="The head's port the ranks meet at (default: the first free from 29500).")
     stall_seconds = forms.IntegerField(min_value=30, max_value=86400, initial=600, label="Stalled after (s)",
                                        help_text="No fixed load timeout: a load fails only when neither log nor GPU memory moved this long.")
 
@@ -84,6 +92,8 @@ class DeployForm(forms.Form):
         self.node = node
         self.fields["gpus"].choices = [(str(g.index), f"GPU {g.index} · {g.name}") for g in node.gpus.all()]
         others = node.deployments.filter(status__in=Deployment.ACTIVE)
+        self.fields["workers"].choices = [(n.name, n.name + ("" if n.online else " (offline)"))
+                                          for n in Node.objects.exclude(pk=node.pk)]
         self.fields["replace"].choices = [(str(d.pk), f"{d.name} ({d.get_status_display().lower()})") for d in others]
 
     def clean(self):
@@ -132,4 +142,24 @@ class DeployForm(forms.Form):
             self.add_error("secret_env", problem)
         data["gpu_indices"] = sorted(int(i) for i in data["gpus"])
         data["replace_ids"] = [int(i) for i in data["replace"]]
+        data["placement"] = self._placement(data)
         return data
+
+    WORKER_GPUS = re.compile(r"^([a-z0-9-]+)=(\d{1,4}(?:,\d{1,4})*)?$")
+
+    def _placement(self, data) -> list:
+        """The worker nodes ticked and their GPUs (multinode.Worker)."""
+        from deployments.services.multinode import Worker
+
+        given = {}
+        for word in (data.get("worker_gpus") or "").split():
+            match = self.WORKER_GPUS.match(word)
+            if not match or match.group(1) not in data["workers"]:
+                self.add_error("worker_gpus", f"{word[:40]!r}: write node=0,1 for a node ticked above.")
+                return []
+            given[match.group(1)] = sorted({int(i) for i in (match.group(2) or "").split(",") if i})
+        workers = []
+        for node in Node.objects.filter(name__in=data["workers"]).order_by("name"):
+            default = [g.index for g in node.gpus.all()][: len(data["gpu_indices"])]
+            workers.append(Worker(node, given.get(node.name, default)))
+        return workers

@@ -263,6 +263,8 @@ class Deployment(Transitions, models.Model):
     restarts = models.PositiveIntegerField(default=0)
     replace = models.JSONField(default=list, blank=True, help_text="Deployments the plan stops first (ids).")
     stall_seconds = models.PositiveIntegerField(default=600, help_text="Fail a load when neither log nor GPU memory moved for this long.")
+    master_port = models.PositiveIntegerField(null=True, blank=True,
+                                              help_text="Multi-node (issue 17): the head's --master-port the worker ranks join.")
     load_detail = models.JSONField(default=dict, blank=True, help_text="Shards, seconds left, ...")
     smoke = models.JSONField(default=dict, blank=True, help_text="The smoke test's reply, reasoning, latency, tokens.")
     log_tail = models.TextField(blank=True, help_text="The engine log's last lines, kept after it ends.")
@@ -309,6 +311,56 @@ class Deployment(Transitions, models.Model):
     @property
     def gpu_indices(self) -> list[int]:
         return sorted(g.index for g in self.gpus.all())
+
+
+class DeploymentRank(models.Model):
+    """One worker node's part of a multi-node deployment (issue 17): its rank, its GPUs and the headless
+    engine that node's agent launches and owns. The head (rank 0) is the Deployment row itself."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        PREPARING = "preparing", "Preparing"  # model copy, stopping holders on its node
+        PREPARED = "prepared", "Prepared"
+        PREFLIGHT = "preflight", "Pre-flight"  # the head listens on its master port: connect and report
+        REACHED = "reached", "Reached the head"
+        LAUNCH = "launch", "Launch"  # the head says go
+        LOADING = "loading", "Loading"
+        RUNNING = "running", "Running"
+        STOPPING = "stopping", "Stopping"
+        STOPPED = "stopped", "Stopped"
+        FAILED = "failed", "Failed"
+
+    ENDED = frozenset({State.STOPPED, State.FAILED})
+    ENGINE = frozenset({State.LOADING, State.RUNNING})  # its engine should be running
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="ranks")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="ranks")
+    rank = models.PositiveSmallIntegerField(help_text="--node-rank (the head is 0).")
+    gpu_indices = models.JSONField(default=list, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    message = models.TextField(blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    pgid = models.IntegerField(null=True, blank=True)
+    pid_create_time = models.FloatField(null=True, blank=True)
+    marker = models.CharField(max_length=64, blank=True)
+    log_path = models.CharField(max_length=1024, blank=True)
+    shm_files = models.JSONField(default=list, blank=True)
+    load_phase = models.CharField(max_length=64, blank=True)
+    load_percent = models.FloatField(null=True, blank=True)
+    log_tail = models.TextField(blank=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["deployment", "rank"]
+        constraints = [models.UniqueConstraint(fields=["deployment", "rank"], name="rank_unique_per_deployment"),
+                       models.UniqueConstraint(fields=["deployment", "node"], name="rank_one_per_node")]
+
+    def __str__(self):
+        return f"{self.deployment} rank {self.rank} on {self.node}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.deployment.name} rank {self.rank} ({self.node.name})"
 
 
 class DeploymentEvent(models.Model):

@@ -8,7 +8,7 @@ import socket
 from celery import shared_task
 
 from deployments.host import hub
-from deployments.services import loadtime, plan, repos, watch
+from deployments.services import loadtime, plan, ranks, repos, watch
 
 
 @shared_task(name="deployments.node_ping")
@@ -77,3 +77,21 @@ def deployment_persist(deployment_id: int) -> None:
 def node_measure_disk(node_id: int) -> None:
     """On a node: measure the model store's sequential read rate (issue 16)."""
     loadtime.node_measure_disk(node_id)
+
+
+@shared_task(name="deployments.rank_run")
+def rank_run(rank_id: int) -> None:
+    """On a worker node: prepare, pre-flight and launch its rank of a multi-node deployment (issue 17)."""
+    ranks.rank_run(rank_id)
+
+
+@shared_task(name="deployments.rank_halt")
+def rank_halt(rank_id: int) -> None:
+    """On a worker node: stop its rank of a multi-node deployment."""
+    ranks.rank_halt(rank_id)
+
+
+@shared_task(name="deployments.deployment_rank_lost")
+def deployment_rank_lost(deployment_id: int, rank_id: int) -> None:
+    """On the head's node: a worker rank died; fail the whole deployment."""
+    ranks.deployment_rank_lost(deployment_id, rank_id)

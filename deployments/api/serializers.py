@@ -4,7 +4,7 @@ from rest_framework import serializers
 from controlpanel.params import DB_INT_MAX
 from deployments import secrets, validators
 from deployments.engineargs import PRESETS
-from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
 
 
 class NodeField(serializers.SlugRelatedField):
@@ -130,14 +130,35 @@ class DeploymentSerializer(serializers.ModelSerializer):
         return data
 
 
+class RankSerializer(serializers.ModelSerializer):
+    """A worker node's rank of a multi-node deployment (issue 17)."""
+
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = DeploymentRank
+        fields = ["rank", "node", "gpu_indices", "state", "message", "pid", "load_phase", "load_percent"]
+
+
 class DeploymentDetailSerializer(DeploymentSerializer):
+    ranks = RankSerializer(many=True, read_only=True)
+
     class Meta(DeploymentSerializer.Meta):
-        fields = DeploymentSerializer.Meta.fields + ["smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
+        fields = DeploymentSerializer.Meta.fields + ["master_port", "ranks", "smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
                                                      "secret_env", "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired"]
 
 
+class WorkerSerializer(serializers.Serializer):
+    """One more node of a multi-node placement and its GPUs (none on a CPU node)."""
+
+    node = NodeField()
+    gpus = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=1023), required=False, default=list,
+                                 max_length=64)
+
+
 class DeployRequestSerializer(serializers.Serializer):
-    """A deploy: engine flags as a dict ({"tensor-parallel-size": 8}), environment as a dict."""
+    """A deploy: engine flags as a dict ({"tensor-parallel-size": 8}), environment as a dict; `workers`
+    spread it over more nodes (issue 17: `node` is the head, rank 0)."""
 
     model = serializers.PrimaryKeyRelatedField(queryset=ModelRepo.objects.all())
     node = NodeField()
@@ -162,6 +183,10 @@ class DeployRequestSerializer(serializers.Serializer):
                                             "chosen GPUs (never display servers); without it such a deploy answers 409.")
     prewarm = serializers.BooleanField(default=False, help_text="Read the model's shards into the page cache while other "
                                        "engines stop, before launch, when free RAM allows.")
+    workers = WorkerSerializer(many=True, required=False, default=list, max_length=63,
+                               help_text="Multi-node: more nodes, each with its GPUs; TP × PP × DP is split evenly over all.")
+    master_port = serializers.IntegerField(min_value=1024, max_value=65535, required=False, default=None, allow_null=True,
+                                           help_text="Multi-node: the head's port the ranks meet at (default: from 29500).")
 
     def validate_engine_args(self, value):
         from deployments import engineargs

@@ -20,7 +20,7 @@ from controlpanel.params import int_param
 from deployments import modelfit, secrets, selectors
 from deployments.api import serializers
 from deployments.models import ModelCopy
-from deployments.services import deploys, loadtime, repos
+from deployments.services import deploys, loadtime, multinode, repos
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
@@ -175,7 +175,8 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
                                        auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
                                        stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
                                        preset="" if v["preset"] == "none" else v["preset"],
-                                       replace_existing=v["replace_existing"])
+                                       replace_existing=v["replace_existing"], master_port=v["master_port"],
+                                       workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})

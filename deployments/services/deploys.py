@@ -15,10 +15,11 @@ from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
 from controlpanel.roles import is_admin
 from deployments import engineargs, live, privileged, secrets
-from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
+from deployments.services import multinode
 from deployments.services.nodes import node_enqueue
 
-__all__ = ["deployment_create", "deployment_free_port", "deployment_default_name", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
+__all__ = ["deployment_ranks_stop", "deployment_create", "deployment_free_port", "deployment_default_name", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
            "deployment_event", "ForeignProcesses",
            "deployment_delete"]
 
@@ -35,16 +36,22 @@ def deployment_event(d: Deployment, step: str, message: str = "", level: str = "
 
 
 def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
-    """Active deployments on the node that hold any of these GPUs; on a node without GPUs, the
-    whole host is the claim: every active deployment there."""
+    """Active deployments that hold any of these GPUs of the node, as its head or as a worker rank
+    (issue 17); on a node without GPUs, the whole host is the claim: every active deployment there."""
     holders = node.deployments.filter(status__in=Deployment.ACTIVE)
-    if gpu_indices or node.gpus.exists():
+    has_gpus = bool(gpu_indices) or node.gpus.exists()
+    if has_gpus:
         holders = holders.filter(gpus__index__in=gpu_indices).distinct()
+    ranks = DeploymentRank.objects.filter(node=node, deployment__status__in=Deployment.ACTIVE).exclude(
+        state__in=DeploymentRank.ENDED).values_list("deployment_id", "gpu_indices")
+    as_rank = [pk for pk, held in ranks if not has_gpus or set(held or []) & set(gpu_indices)]
+    if as_rank:
+        holders = Deployment.objects.filter(pk__in=[*holders.values_list("pk", flat=True), *as_rank])
     return holders.exclude(pk=exclude.pk) if exclude else holders
 
 
 def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
-           replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False) -> None:
+           replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False, nnodes: int = 1) -> None:
     """Refuse what cannot work before anything is stopped or started. Callers hold the node's
     row lock, so two claims on one node's GPUs are decided one after the other."""
     gpus = {g.index for g in node.gpus.all()}
@@ -54,7 +61,7 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
                 * int(engine_args.get("data-parallel-size", 1)))
     if gpus and not gpu_indices:
         raise ServiceError("Choose the GPUs to serve on.", field="gpus")
-    if gpus and parallel > len(gpu_indices):
+    if gpus and nnodes == 1 and parallel > len(gpu_indices):  # over several nodes: multinode.check splits it
         raise ServiceError(f"TP × PP × DP = {parallel} needs {parallel} GPUs; {len(gpu_indices)} chosen.", field="tp")
     busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in Deployment.IN_FLIGHT]
     if busy:
@@ -117,12 +124,15 @@ def _unique_name(base: str) -> str:
 @transaction.atomic
 def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int | None, engine_args: dict,
                       env: dict, name: str = "", replace_ids=(), secret_env=(), auto_restart: bool = False, stall_seconds: int = 600,
-                      stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False) -> Deployment:
+                      stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False,
+                      workers=(), master_port: int | None = None) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
 
     `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
     A stopped or failed deployment of this model on this node under the default name is deployed again
-    rather than a new `-2` row made per try; an existing name is redeployed only with `replace_existing`."""
+    rather than a new `-2` row made per try; an existing name is redeployed only with `replace_existing`.
+    `workers` (multinode.Worker: node and GPUs) spread it over more nodes, `node` being the head (issue 17)."""
+    workers = multinode.lock_nodes(node, list(workers)) if workers else []  # every node's lock, in id order
     node = Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
     if preset:
         engine_args, env = engineargs.with_preset(engineargs.node_preset(node.gpus.exists()) if preset == "auto" else preset,
@@ -130,8 +140,8 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     if problem := secrets.check_marked(secret_env, env):
         raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
-    reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and (
-        replace_existing or (not name and existing.status in Deployment.TERMINAL))
+    reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and not workers and not (
+        existing.master_port) and (replace_existing or (not name and existing.status in Deployment.TERMINAL))
     if reusable:
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
                                    env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
@@ -141,14 +151,23 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                            "Restart on its page) or choose another name.", field="name", code="exists")
     port = port or deployment_free_port(node)
     _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
-           replace_ids=list(replace_ids), stop_foreign=stop_foreign)
+           replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers))
+    if workers:
+        multinode.check(model=model, head=node, head_gpus=gpu_indices, workers=workers, engine_args=engine_args,
+                        master_port=master_port)
     privileged.check(engine_args=engine_args, env=env, model_dir=privileged.model_dir(model, node), admin=is_admin(user))
     d = Deployment.objects.create(
         name=name or _unique_name(deployment_default_name(model, node)), model=model, node=node, port=port,
         engine_args=engine_args, env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
         stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
-    deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
+    if workers:
+        multinode.place(d, workers, master_port)
+        deployment_event(d, "queued", f"Queued over {1 + len(workers)} nodes: head {node} (GPUs {gpu_indices or 'none, CPU'}, "
+                         f"port {port}, master port {d.master_port}); " + "; ".join(
+                             f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})" for i, w in enumerate(workers, 1)) + ".")
+    else:
+        deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
     send_plan(d)
     return d
 
@@ -182,7 +201,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         if field in changes:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
-           replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign)
+           replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + d.ranks.count())
     privileged.check(engine_args=d.engine_args, env=d.env, model_dir=privileged.model_dir(d.model, d.node),
                      admin=is_admin(user), old_args=old_args, old_env=old_env)
     d.transition(Deployment.Status.QUEUED)  # from ready too: the plan stops the running engine first
@@ -206,8 +225,21 @@ def deployment_stop(d: Deployment) -> Deployment:
     d.save()
     deployment_event(d, "stop", "Stop requested.")
     node_enqueue(d.node, "deployments.deployment_halt", d.pk)
+    deployment_ranks_stop(d)  # every worker rank on its own node, at once
     live.send_deployment_status(d)
     return d
+
+
+def deployment_ranks_stop(d: Deployment) -> int:
+    """Stop every worker rank of a multi-node deployment still on, each on its own node's queue
+    (issue 17: Stop, a failure or a crash of any rank ends them all); how many were asked."""
+    asked = 0
+    for r in d.ranks.select_related("node").exclude(state__in=DeploymentRank.ENDED):
+        DeploymentRank.objects.filter(pk=r.pk).exclude(state__in=DeploymentRank.ENDED).update(
+            state=DeploymentRank.State.STOPPING)
+        enqueue("deployments.rank_halt", args=[r.pk], queue=r.node.queue)
+        asked += 1
+    return asked
 
 
 def deployment_delete(d: Deployment) -> bool:
@@ -234,6 +266,9 @@ def deployment_persist(d: Deployment) -> Deployment:
                            "download the unit file and install it by hand.", code="no_systemd")
     if d.status != Deployment.Status.READY:
         raise ServiceError("Only a ready deployment can be made a service.", code="not_running")
+    if d.master_port:
+        raise ServiceError("A multi-node deployment cannot be made a systemd service yet (one unit per node is "
+                           "not built): its agents own its ranks.", code="multinode")
     deployment_event(d, "persist", "Installing as a systemd service.")
     node_enqueue(d.node, "deployments.deployment_persist", d.pk)
     return d

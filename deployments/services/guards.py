@@ -2,7 +2,7 @@
 from django.conf import settings
 
 from deployments.host import gpu, ownership
-from deployments.models import Deployment, Node
+from deployments.models import Deployment, DeploymentRank, Node
 
 __all__ = ["foreign_holders", "node_foreign_record"]
 
@@ -29,6 +29,7 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None) -> list[dict]:
                 entry["gpus"].append(index)
     ours = set(Deployment.objects.filter(node_id=node_id, status__in=Deployment.ACTIVE).exclude(marker="")
                .values_list("marker", flat=True))
+    ours |= set(DeploymentRank.objects.filter(node_id=node_id).exclude(marker="").values_list("marker", flat=True))
     found = []
     for pid in sorted(holders):
         if ownership.marker_of(pid) in ours:

@@ -15,7 +15,7 @@ from deployments import live, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import deployment_event, deployment_holders
-from deployments.services import loadtime
+from deployments.services import loadtime, ranks
 from deployments.services.guards import foreign_holders
 from deployments.services.repos import model_copy_download
 from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, engine_running,
@@ -36,6 +36,8 @@ def deployment_run(deployment_id: int) -> Deployment:
         return d  # stopped or already running: a stale or duplicate message
     try:
         move(d, S.PREPARING)
+        if d.master_port:  # issue 17: every worker node prepares its rank meanwhile
+            ranks.ranks_send(d)
         with step(d, "model") as event:
             model_path = _ensure_model(d)
             event.message = f"{d.model} is at {model_path}."
@@ -48,7 +50,13 @@ def deployment_run(deployment_id: int) -> Deployment:
         if warm:
             with step(d, "prewarm") as event:
                 event.message = warm.wait(event)
+        if d.master_port:
+            with step(d, "preflight") as event:
+                event.message = ranks.head_preflight(d)
         move(d, S.STARTING)
+        if d.master_port:  # workers first, as vLLM's multi-node launch needs
+            with step(d, "launch_workers") as event:
+                event.message = ranks.head_launch_workers(d)
         with step(d, "launch") as event:
             event.message = _launch(d, model_path)
         move(d, S.LOADING)
@@ -119,6 +127,9 @@ def _stop_holders(d: Deployment) -> str:
         result = halt_engine(d)
         done.append(f"the previous engine of {d.name} ({result})")
     for other in {o.pk: o for o in targets}.values():
+        if other.node_id != d.node_id:  # issue 17: its head runs elsewhere; only Stop ends all its ranks
+            raise PlanFailed(f"{other.name} (a multi-node deployment with its head on {other.node}) has a rank on "
+                             f"{d.node}: stop it first.")
         if other.status != S.STOPPING:
             try:
                 move(other, S.STOPPING, f"stopped to make room for {d.name}")
@@ -186,7 +197,8 @@ def _launch(d: Deployment, model_path: str) -> str:
     d.marker = ownership.new_marker(d.pk)
     d.log_path = str(_log_path(d))
     Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
-    argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", d.engine_args)
+    args = {**d.engine_args, **ranks.multinode_args(d, 0, d.ranks.count() + 1)} if d.master_port else d.engine_args
+    argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", args)
     if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
         text, secret_env = _unit(d, argv)
         d.pid = systemd.install(d.systemd_unit, text, secret_env=secret_env)
@@ -203,7 +215,9 @@ def _launch(d: Deployment, model_path: str) -> str:
 def _engine_env(d: Deployment) -> dict[str, str]:
     """The engine's environment. The marker is set here, by the panel, never inherited: it is
     what later proves the process is this deployment's engine."""
-    return {**engineenv.deployment_env(d.env, d.gpu_indices), ownership.MARKER_VAR: d.marker}
+    own = ranks.rank_env(d, ranks.head_address(d), d.gpu_indices) if d.master_port else engineenv.deployment_env(
+        d.env, d.gpu_indices)
+    return {**own, ownership.MARKER_VAR: d.marker}
 
 
 def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
@@ -268,6 +282,9 @@ def _follow(d: Deployment) -> None:
                 d.load_detail = {"shards_done": progress.shards_done, "shards_total": progress.shards_total,
                                  "seconds_left": progress.seconds_left, "idle_s": round(progress.idle_s(now), 1),
                                  "gpu_memory": {str(i): m for i, m in current.items()}, **watch.detail()}
+                if d.master_port:  # every node's load side by side; a failed worker rank fails the plan
+                    d.load_detail["nodes"] = ranks.ranks_progress(d)
+                    ranks.ranks_check(d)
                 d.log_tail = "\n".join(tail)
                 Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
                                                           load_detail=d.load_detail, log_tail=d.log_tail)

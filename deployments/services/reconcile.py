@@ -6,6 +6,7 @@ from deployments.host import engine, enginecli, systemd
 from deployments.models import Deployment, Node
 from deployments.services.deploys import deployment_event
 from deployments.services.nodes import node_enqueue
+from deployments.services.ranks import ranks_reconcile
 from deployments.services.steps import adopt_marked, engine_running, fail
 from deployments.services.watch import expire_queued
 
@@ -33,6 +34,9 @@ def deployments_reconcile(node) -> dict:
         else:
             report["failed"].append(d.name)
             fail(d, "The node agent restarted and the engine is not running (or the plan was interrupted); redeploy it.")
+    ranked = ranks_reconcile(node)  # issue 17: this node's worker ranks: adopted, or their group failed
+    report["adopted"] += ranked["adopted"]
+    report["failed"] += ranked["failed"]
     return report
 
 

@@ -16,7 +16,7 @@ from controlpanel.states import InvalidTransition
 from deployments import live
 from deployments.host import engine, enginelog, ownership, systemd
 from deployments.models import Deployment, DeploymentEvent
-from deployments.services.deploys import deployment_event
+from deployments.services.deploys import deployment_event, deployment_ranks_stop
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -101,8 +101,11 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
             try:
                 move(d, S.FAILED, message)
             except Aborted:
+                if Deployment.objects.filter(pk=d.pk, status=S.FAILED).exists():
+                    return  # failed already by another path (a rank lost while the watch saw the head die)
                 mark_stopped(d, message)
             deployment_event(d, "failed", message, level=DeploymentEvent.Level.ERROR)
+            deployment_ranks_stop(d)  # issue 17: any rank failing ends every other rank
             return
         except DatabaseError:
             log.warning("deployment %s: cannot record the failure yet (database away), retrying", d.name)
@@ -194,4 +197,5 @@ def mark_stopped(d: Deployment, message: str) -> None:
             row.status, row.status_message, row.stopped_at = S.STOPPED, message, timezone.now()
         row.save()
     d.status, d.pid, d.pgid = S.STOPPED, None, None
+    deployment_ranks_stop(row)
     live.send_deployment_status(row)

@@ -10,6 +10,7 @@ from deployments import live
 from deployments.host import enginelog, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, Node
 from deployments.services.deploys import deployment_event, deployment_holders, send_plan
+from deployments.services.ranks import ranks_watch
 from deployments.services.steps import (TAIL_LINES, engine_running, fail, halt_engine, mark_stopped, record_shm,
                                         step_unchecked)
 
@@ -54,8 +55,9 @@ def deployments_watch(node_id: int, state: dict) -> None:
         if alive and state[d.pk] < 3:
             continue
         reason = "the engine process exited" if not alive else "/health failed 3 times in a row"
-        _crashed(d, reason)
+        deployment_crashed(d, reason)
         state.pop(d.pk, None)
+    ranks_watch(node_id)  # issue 17: worker ranks this node runs for multi-node deployments
     expire_queued(node_id)
 
 
@@ -84,7 +86,11 @@ def deployments_metrics(node_id: int, state: dict) -> None:
             waiting=m.get("num_requests_waiting"), kv_cache=m.get("kv_cache_usage_perc")))
 
 
-def _crashed(d: Deployment, reason: str) -> None:
+def deployment_crashed(d: Deployment, reason: str) -> None:
+    """Fail a ready deployment whose engine (or, issue 17, any rank) died; auto-restart it as a whole with backoff."""
+    lost = d.ranks.select_related("node").filter(state="failed").first()
+    if lost:  # issue 17: the head often dies because a worker rank did; say which
+        reason = f"rank {lost.rank} on node {lost.node.name} died ({lost.message}), then {reason}"
     d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
     last = d.log_tail.splitlines()[-5:]
     fail(d, f"Crashed: {reason}. Last log lines: " + " | ".join(last))

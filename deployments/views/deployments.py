@@ -82,7 +82,8 @@ def deploy(request, pk):
         d = deploys.deployment_create(
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
-            stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
+            stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
+            workers=data["placement"], master_port=data["master_port"])
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, model, node, form, status=409)

@@ -29,6 +29,11 @@
       const d = s.load_detail || {};
       $("load-shards").textContent = d.shards_total ? `Weight shards ${d.shards_done} / ${d.shards_total}` : "";
       $("load-eta").textContent = d.seconds_left != null ? `~${Math.round(d.seconds_left)} s left` : "";
+      if (d.nodes && $("nodes")) {  // a multi-node deployment: every node's load side by side
+        $("nodes").querySelector("tbody").innerHTML = d.nodes.map((n) => `<tr data-rank="${esc(n.rank)}"><td>${esc(n.rank)}${n.rank ? "" : " (head)"}</td>` +
+          `<td>${esc(n.node)}</td><td>${esc(n.state)}</td><td>${esc(PHASES[n.phase] || n.phase || "—")}</td>` +
+          `<td class="num">${Math.round(n.percent || 0)} %</td></tr>`).join("");
+      }
       if (s.smoke && s.smoke.reply !== undefined) {
         $("smoke").innerHTML = `<div><strong>Reply:</strong> <span id="smoke-reply">${esc(s.smoke.reply)}</span></div>` +
           (s.smoke.reasoning ? `<div class="muted"><strong>Reasoning:</strong> ${esc(s.smoke.reasoning.slice(0, 300))}</div>` : "") +

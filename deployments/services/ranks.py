@@ -1,0 +1,348 @@
+"""Multi-node deployments (issue 17), node side: the head's plan coordinates the worker ranks through
+their nodes' own queues and the database, and each worker node's agent launches and owns its rank.
+
+The order, as vLLM's `--nnodes` launch needs it (tensor/pipeline parallel over the mp executor):
+  1. the head's plan sends `rank_run` to every worker node; each prepares (model copy, holders on
+     its node stopped) while the head prepares its own;
+  2. pre-flight: the head listens on its master port, each worker opens a TCP connection to the
+     head's address and reports; one that cannot fails the plan naming both nodes;
+  3. workers launch `vllm serve … --headless --node-rank R` first, then the head (rank 0);
+  4. health and smoke test on the head. Any rank dying fails the whole deployment and every other
+     rank is stopped; Stop stops all ranks.
+"""
+import logging
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from controlpanel.queue import enqueue
+from deployments.host import engine, enginecli, engineenv, enginelog, ownership, preflight
+from deployments.models import Deployment, DeploymentRank, ModelCopy
+from deployments.services.deploys import deployment_event, deployment_holders
+from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, halt_engine,
+                                        mark_stopped, move)
+
+log = logging.getLogger(__name__)
+S = Deployment.Status
+R = DeploymentRank.State
+PREPARE_TIMEOUT_S = 900.0  # a worker node downloading the model reports progress on its own copy row
+PREFLIGHT_TIMEOUT_S = 30.0
+REACH_TIMEOUT_S = 5.0
+LAUNCH_TIMEOUT_S = 60.0
+POLL_S = 0.1
+
+
+def head_address(d: Deployment) -> str:
+    """The address worker nodes reach the head at (its agent's --address)."""
+    return d.node.address or "127.0.0.1"
+
+
+def multinode_args(d: Deployment, rank: int, nnodes: int) -> dict:
+    """The flags vLLM's multi-node launch needs on rank `rank` (workers run headless)."""
+    args = {"nnodes": nnodes, "node-rank": rank, "master-addr": head_address(d), "master-port": d.master_port}
+    if rank:
+        args["headless"] = True
+    return args
+
+
+def rank_env(d: Deployment, address: str, gpu_indices) -> dict:
+    """The rank's engine environment: the deployment's, plus the address vLLM advertises for this node."""
+    return {**engineenv.deployment_env(d.env, gpu_indices), "VLLM_HOST_IP": address}
+
+
+# --- the head's side of the plan ------------------------------------------------------------------
+
+def ranks_send(d: Deployment) -> None:
+    """Start every worker rank's part of the plan on its own node."""
+    for r in d.ranks.select_related("node"):
+        DeploymentRank.objects.filter(pk=r.pk).update(state=R.PENDING, message="", load_phase="", load_percent=None)
+        enqueue("deployments.rank_run", args=[r.pk], queue=r.node.queue, expires=settings.HOST_TASK_EXPIRES_S)
+
+
+def _failed(d: Deployment) -> None:
+    bad = d.ranks.select_related("node").filter(state=R.FAILED).first()
+    if bad:
+        raise PlanFailed(f"Rank {bad.rank} on node {bad.node.name}: {bad.message or 'failed'}")
+
+
+def ranks_wait(d: Deployment, states: set, timeout_s: float, what: str) -> None:
+    """Wait until every worker rank is in one of `states`; a failed rank or a stop request ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _failed(d)
+        if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+            raise Aborted("stop requested")
+        late = d.ranks.select_related("node").exclude(state__in=states)
+        if not late.exists():
+            return
+        if time.monotonic() > deadline:
+            raise PlanFailed(f"{what}: no answer within {timeout_s:.0f} s from node(s) "
+                             + ", ".join(f"{r.node.name} ({r.get_state_display().lower()})" for r in late)
+                             + "; is their agent running?")
+        time.sleep(POLL_S)
+
+
+def _set(d: Deployment, state: str) -> None:
+    d.ranks.exclude(state__in=DeploymentRank.ENDED).update(state=state, updated=timezone.now())
+
+
+def head_preflight(d: Deployment) -> str:
+    """Listen on the master port; every worker node connects to the head's address and reports."""
+    address = head_address(d)
+    ranks_wait(d, {R.PREPARED}, PREPARE_TIMEOUT_S, "Preparing the worker nodes")
+    try:
+        listener = preflight.Listener(d.master_port)
+    except preflight.PreflightError as exc:
+        raise PlanFailed(f"Head node {d.node.name}: {exc.message} (the master port must be free there)") from exc
+    with listener:
+        _set(d, R.PREFLIGHT)
+        ranks_wait(d, {R.REACHED}, PREFLIGHT_TIMEOUT_S, f"Pre-flight to head node {d.node.name} at {address}:{d.master_port}")
+    names = ", ".join(d.ranks.values_list("node__name", flat=True))
+    return f"Worker node(s) {names} reached head node {d.node.name} at {address}:{d.master_port}."
+
+
+def head_launch_workers(d: Deployment) -> str:
+    """Workers first: each node's agent launches its headless rank; the head launches after."""
+    _set(d, R.LAUNCH)
+    ranks_wait(d, {R.LOADING, R.RUNNING}, LAUNCH_TIMEOUT_S, "Launching the worker ranks")
+    return "; ".join(f"rank {r.rank} on {r.node.name}: PID {r.pid}" for r in d.ranks.select_related("node")) + "."
+
+
+def ranks_check(d: Deployment) -> None:
+    """While the head loads or serves: a failed worker rank fails the plan."""
+    if d.master_port:
+        _failed(d)
+
+
+def ranks_progress(d: Deployment) -> list[dict]:
+    """Every node's load, head first, for the page's side-by-side view."""
+    rows = [{"node": d.node.name, "rank": 0, "state": d.status, "phase": d.load_phase, "percent": d.load_percent}]
+    rows += [{"node": r.node.name, "rank": r.rank, "state": r.state, "phase": r.load_phase, "percent": r.load_percent}
+             for r in d.ranks.select_related("node")]
+    return rows
+
+
+def deployment_rank_lost(deployment_id: int, rank_id: int) -> None:
+    """On the head's node: a worker rank died. A ready deployment fails here (its engine and every other
+    rank stopped, auto-restarted as a whole when asked); a plan still running notices the failed rank itself."""
+    from deployments.services.watch import deployment_crashed  # watch imports this module
+
+    d = Deployment.objects.select_related("node", "model").get(pk=deployment_id)
+    if d.status == S.READY:
+        deployment_crashed(d, "every other rank was stopped")
+
+
+# --- a worker node's side -------------------------------------------------------------------------
+
+def _rank(rank_id: int) -> DeploymentRank:
+    return DeploymentRank.objects.select_related("deployment__node", "deployment__model", "node").get(pk=rank_id)
+
+
+def _note(r: DeploymentRank, state: str | None = None, message: str | None = None, **fields) -> None:
+    if state:
+        fields["state"] = state
+    if message is not None:
+        fields["message"] = message
+    for k, v in fields.items():
+        setattr(r, k, v)
+    # No live status from here: r.deployment may be stale; the head's plan publishes every node's load.
+    DeploymentRank.objects.filter(pk=r.pk).update(updated=timezone.now(), **fields)
+
+
+def _await(r: DeploymentRank, state: str) -> None:
+    """Wait for the head to move this rank to `state`; a deployment that ended or a stop aborts."""
+    while True:
+        r.refresh_from_db(fields=["state"])
+        status = Deployment.objects.filter(pk=r.deployment_id).values_list("status", flat=True).first()
+        if r.state == state:
+            return
+        if r.state in DeploymentRank.ENDED | {R.STOPPING} or status not in Deployment.ACTIVE or status == S.STOPPING:
+            raise Aborted("the deployment ended")
+        time.sleep(POLL_S)
+
+
+def rank_run(rank_id: int) -> DeploymentRank:
+    """On a worker node: prepare, pre-flight to the head, launch the headless rank when told, follow its load."""
+    r = _rank(rank_id)
+    d = r.deployment
+    if r.state != R.PENDING or d.status not in Deployment.IN_FLIGHT:
+        return r
+    where = f"node {r.node.name}"
+    try:
+        _note(r, R.PREPARING, "")
+        if r.pgid:
+            _halt(r)  # a previous run's engine of this rank goes first
+        model_path = _model_path(r)
+        stopped = _stop_holders(r)
+        deployment_event(d, f"prepare@{r.node.name}", f"Rank {r.rank}: model at {model_path}; {stopped}", node=r.node.name)
+        _note(r, R.PREPARED)
+        _await(r, R.PREFLIGHT)
+        address = head_address(d)
+        try:
+            took = preflight.reach(address, d.master_port, REACH_TIMEOUT_S)
+        except preflight.PreflightError as exc:
+            raise PlanFailed(f"worker node {r.node.name} cannot reach head node {d.node.name} at "
+                             f"{address}:{d.master_port}: {exc.message}") from exc
+        deployment_event(d, f"preflight@{r.node.name}", f"Reached head node {d.node.name} at {address}:{d.master_port} "
+                         f"in {took * 1000:.1f} ms.", node=r.node.name)
+        _note(r, R.REACHED)
+        _await(r, R.LAUNCH)
+        _launch(r, model_path)
+        _note(r, R.LOADING)
+        _follow(r)
+    except Aborted:
+        _halt(r)
+        _note(r, R.STOPPED, "stopped: the deployment ended")
+    except (PlanFailed, engine.EngineError) as exc:
+        _give_up(r, str(exc) if where in str(exc) else f"{where}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a database blip must not leave the rank mid-plan
+        log.exception("rank %s: the plan broke", r)
+        _give_up(r, f"{where}: the rank's plan broke ({exc.__class__.__name__}: {exc})")
+    return r
+
+
+def _give_up(r: DeploymentRank, message: str) -> None:
+    _halt(r)
+    _note(r, R.FAILED, message)
+    deployment_event(r.deployment, f"failed@{r.node.name}", message, level="error", node=r.node.name)
+
+
+def _model_path(r: DeploymentRank) -> str:
+    copy = ModelCopy.objects.filter(model=r.deployment.model, node=r.node).first()
+    if copy is None or copy.state != ModelCopy.State.READY:
+        state = copy.get_state_display().lower() if copy else "not there"
+        raise PlanFailed(f"the model {r.deployment.model} is {state} on node {r.node.name}; download it there first")
+    ModelCopy.objects.filter(pk=copy.pk).update(last_used=timezone.now())
+    return copy.path
+
+
+def _stop_holders(r: DeploymentRank) -> str:
+    """Single-node deployments on this node's chosen GPUs (the whole host without GPUs) are stopped;
+    another multi-node deployment's rank is refused (stop that deployment first)."""
+    d = r.deployment
+    done = []
+    for other in deployment_holders(r.node, r.gpu_indices, exclude=d):
+        if other.node_id != r.node_id:
+            raise PlanFailed(f"node {r.node.name} is held by {other.name} (a multi-node deployment): stop it first")
+        if other.status != S.STOPPING:
+            try:
+                move(other, S.STOPPING, f"stopped to make room for {d.name}")
+            except Aborted:
+                continue
+        done.append(f"{other.name} ({halt_engine(other)})")
+        mark_stopped(other, f"stopped to make room for {d.name}")
+    return ("stopped " + "; ".join(done)) if done else "nothing held it"
+
+
+def _launch(r: DeploymentRank, model_path: str) -> None:
+    d = r.deployment
+    nnodes = d.ranks.count() + 1
+    args = {**d.engine_args, **multinode_args(d, r.rank, nnodes)}
+    argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, "0.0.0.0", args)
+    marker = ownership.new_marker(d.pk)
+    log_path = Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-rank{r.rank}-{int(time.time())}.log"
+    env = {**rank_env(d, r.node.address or "127.0.0.1", r.gpu_indices), ownership.MARKER_VAR: marker}
+    _note(r, marker=marker, log_path=str(log_path))
+    handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path)))
+    _note(r, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
+    deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: PID {handle.pid}, --headless --node-rank {r.rank} "
+                     f"(log {log_path})", node=r.node.name)
+
+
+def rank_running(r: DeploymentRank) -> bool:
+    return bool(r.pid) and engine.alive(r.pid, r.pid_create_time or 0.0) and ownership.pid_owned(r.pid, r.marker)
+
+
+def _follow(r: DeploymentRank) -> None:
+    """Follow the rank's log until the head is ready (then the agent's watch takes over)."""
+    progress = enginelog.LoadProgress()
+    offset, tail, saved = 0, [], 0.0
+    while True:
+        lines, offset = enginelog.read_lines(Path(r.log_path), offset)
+        for line in lines:
+            progress.feed(line)
+        tail = (tail + lines)[-TAIL_LINES:]
+        status = Deployment.objects.filter(pk=r.deployment_id).values_list("status", flat=True).first()
+        if not rank_running(r):
+            raise PlanFailed(f"node {r.node.name}: the rank's engine exited: "
+                             f"{progress.error or (tail[-1] if tail else 'no output')}")
+        if status == S.READY:
+            _note(r, R.RUNNING, "", load_phase="server_up", load_percent=100.0, log_tail="\n".join(tail))
+            return
+        r.refresh_from_db(fields=["state"])
+        if status not in Deployment.ACTIVE or status == S.STOPPING or r.state == R.STOPPING:
+            raise Aborted("the deployment ended")
+        if time.monotonic() - saved >= 1.0:
+            saved = time.monotonic()
+            _note(r, load_phase=progress.phase, load_percent=float(progress.percent), log_tail="\n".join(tail))
+        time.sleep(0.5)
+
+
+def _halt(r: DeploymentRank) -> str:
+    """Stop the rank's engine group when it is provably ours; clean its /dev/shm files."""
+    result = None
+    if not r.pgid and r.marker:
+        marked = ownership.find(r.marker)
+        r.pgid = marked[0] if marked else None
+    if r.pgid and ownership.owned(r.pgid, r.marker):
+        shm = engine.shm_files(r.pgid)
+        result = engine.stop(r.pgid, STOP_TERM_S, STOP_KILL_S)
+        engine.remove_unused_shm(shm | set(r.shm_files or []))
+    tail = "\n".join(enginelog.tail(Path(r.log_path), TAIL_LINES)) if r.log_path else r.log_tail
+    _note(r, pid=None, pgid=None, pid_create_time=None, marker="", log_tail=tail)
+    if result and result.survivors:
+        raise PlanFailed(f"PIDs {result.survivors} of rank {r.rank} on {r.node.name} survived SIGKILL")
+    return f"{' then '.join(result.signals_sent) or 'already gone'} in {result.seconds:.1f} s" if result else "not running"
+
+
+def rank_halt(rank_id: int) -> DeploymentRank:
+    """On a worker node: stop the rank's engine; a failed rank stays failed, any other ends stopped."""
+    r = _rank(rank_id)
+    how = _halt(r)
+    r.refresh_from_db(fields=["state"])
+    if r.state != R.FAILED:
+        _note(r, R.STOPPED, f"stopped ({how})")
+    deployment_event(r.deployment, f"stopped@{r.node.name}", f"Rank {r.rank} on {r.node.name}: {how}.", node=r.node.name)
+    return r
+
+
+def ranks_watch(node_id: int) -> None:
+    """One pass over the worker ranks this node runs: a dead rank fails the whole deployment (its head's
+    node does that, stopping every other rank)."""
+    for r in DeploymentRank.objects.select_related("deployment__node", "node").filter(node_id=node_id,
+                                                                                      state__in=DeploymentRank.ENGINE):
+        if r.pid is None or rank_running(r):
+            if r.state == R.LOADING and r.deployment.status == S.READY and r.pid:
+                _note(r, R.RUNNING)  # its rank_run task ended (an agent restart) before the head was ready
+            continue
+        with transaction.atomic():
+            row = DeploymentRank.objects.select_for_update().get(pk=r.pk)
+            if row.state not in DeploymentRank.ENGINE or row.pid != r.pid:
+                continue
+            row.state, row.message = R.FAILED, "its engine process exited"
+            row.save(update_fields=["state", "message", "updated"])
+        _give_up(r, f"node {r.node.name}: rank {r.rank}'s engine process exited")
+        enqueue("deployments.deployment_rank_lost", args=[r.deployment_id, r.pk], queue=r.deployment.node.queue)
+
+
+def ranks_reconcile(node) -> dict:
+    """On agent start: a rank whose engine still runs for an active deployment is adopted; any other
+    is failed and its deployment told (the head fails the whole group)."""
+    report = {"adopted": [], "failed": []}
+    for r in DeploymentRank.objects.select_related("deployment__node", "node").filter(node=node).exclude(
+            state__in=DeploymentRank.ENDED):
+        d = r.deployment
+        if r.state == R.STOPPING:
+            enqueue("deployments.rank_halt", args=[r.pk], queue=node.queue)
+        elif r.state in DeploymentRank.ENGINE and rank_running(r) and d.status in Deployment.ACTIVE - {S.STOPPING}:
+            report["adopted"].append(str(r))
+            deployment_event(d, f"adopted@{node.name}", f"The agent of {node.name} restarted and adopted rank {r.rank} "
+                             f"(PID {r.pid}).", node=node.name)
+        else:
+            report["failed"].append(str(r))
+            _give_up(r, f"node {node.name}: the agent restarted and rank {r.rank} was not running")
+            enqueue("deployments.deployment_rank_lost", args=[d.pk, r.pk], queue=d.node.queue)
+    return report

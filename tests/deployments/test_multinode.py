@@ -1,0 +1,204 @@
+"""Multi-node placements (issue 17): what is refused before anything starts, naming the nodes; the ranks
+and master port written; the API, the deploy form and the claim across nodes; the pre-flight socket.
+
+The real two-agent, real-engine run is tests/e2e/test_multinode.py.
+"""
+import socket
+from unittest import mock
+
+import pytest
+from rest_framework.test import APIClient
+
+from controlpanel.errors import ServiceError
+from deployments.forms import DeployForm
+from deployments.host import preflight
+from deployments.models import DeploymentRank
+from deployments.services import deploys, multinode, ranks
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+FLAGS = sorted({"--tensor-parallel-size", "--pipeline-parallel-size", "--port", "--host", "--nnodes", "--node-rank",
+                "--master-addr", "--master-port", "--headless", "--enforce-eager", "--gpu-memory-utilization"})
+
+
+def _node(name, gpus=2, version="0.32.0", flags=FLAGS):
+    node = NodeFactory(name=name, engine_version=version, engine_flags=flags)
+    for i in range(gpus):
+        GpuFactory(node=node, index=i, memory_total=141 * 10**9)
+    return node
+
+
+@pytest.fixture
+def nodes():
+    return _node("gpu-a"), _node("gpu-b")
+
+
+@pytest.fixture
+def model(nodes):
+    model = ModelRepoFactory(files=[{"path": "a", "size": 1}])
+    for node in nodes:
+        ModelCopyFactory(model=model, node=node, path=f"/models/{node.name}")
+    return model
+
+
+@pytest.fixture
+def sent():
+    with mock.patch("deployments.services.deploys.enqueue", autospec=True) as enqueue, \
+         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
+        yield enqueue
+
+
+def _deploy(model, head, worker, tp=4, worker_gpus=(0, 1), **kw):
+    return deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000,
+                                     engine_args={"tensor-parallel-size": tp, **kw.pop("args", {})}, env={},
+                                     workers=[multinode.Worker(worker, list(worker_gpus))], **kw)
+
+
+def test_a_placement_writes_one_rank_per_worker_node_and_a_master_port(model, nodes, sent):
+    head, worker = nodes
+    d = _deploy(model, head, worker)
+    assert [(r.rank, r.node.name, r.gpu_indices) for r in d.ranks.all()] == [(1, "gpu-b", [0, 1])]
+    assert d.master_port == multinode.MASTER_PORT_FIRST
+    assert "rank 1 on gpu-b" in d.events.get(step="queued").message
+    assert sent.call_args.kwargs["queue"] == "node.gpu-a"  # the head's plan coordinates the ranks
+
+
+def test_nodes_running_different_engine_versions_are_refused_naming_them(model, nodes, sent):
+    head, worker = nodes
+    worker.engine_version = "0.31.0"
+    worker.save()
+    with pytest.raises(ServiceError) as err:
+        _deploy(model, head, worker)
+    assert "gpu-a runs 0.32.0" in err.value.message and "gpu-b runs 0.31.0" in err.value.message
+    assert err.value.code == "engine_versions"
+
+
+def test_a_layout_that_does_not_split_evenly_over_the_nodes_is_refused(model, nodes, sent):
+    head, worker = nodes
+    with pytest.raises(ServiceError, match="TP × PP × DP = 3 cannot be split evenly over 2 nodes"):
+        _deploy(model, head, worker, tp=3)
+    with pytest.raises(ServiceError, match="runs 2 rank.s. per node; 1 GPU.s. chosen on gpu-b"):
+        _deploy(model, head, worker, worker_gpus=[0])
+
+
+def test_an_offline_worker_node_a_missing_model_copy_or_an_engine_without_nnodes_is_refused(model, nodes, sent):
+    head, worker = nodes
+    worker.last_heartbeat = None
+    worker.save()
+    with pytest.raises(ServiceError, match="gpu-b are offline"):
+        _deploy(model, head, worker)
+    third = _node("gpu-c")
+    with pytest.raises(ServiceError, match="is not on gpu-c"):
+        _deploy(model, head, third)
+    old = _node("gpu-d", flags=[f for f in FLAGS if f != "--nnodes"])
+    ModelCopyFactory(model=model, node=old)
+    with pytest.raises(ServiceError, match="engine on gpu-d has no --nnodes"):
+        _deploy(model, head, old)
+
+
+def test_the_flags_the_panel_sets_per_rank_are_refused_from_the_user(model, nodes, sent):
+    head, worker = nodes
+    with pytest.raises(ServiceError, match="--node-rank is set by the panel"):
+        _deploy(model, head, worker, args={"node-rank": 1})
+
+
+def test_gpus_a_worker_rank_holds_are_busy_for_a_deploy_on_that_node(model, nodes, sent):
+    head, worker = nodes
+    d = _deploy(model, head, worker)
+    assert list(deploys.deployment_holders(worker, [1])) == [d]
+    assert list(deploys.deployment_holders(worker, [5])) == []
+    with pytest.raises(ServiceError, match="busy"):
+        deploys.deployment_create(model=model, node=worker, gpu_indices=[0], port=8001,
+                                  engine_args={"tensor-parallel-size": 1}, env={})
+
+
+def test_stop_asks_every_worker_rank_to_stop_on_its_own_node(model, nodes, sent):
+    head, worker = nodes
+    d = _deploy(model, head, worker)
+    sent.reset_mock()
+    deploys.deployment_stop(d)
+    assert mock.call("deployments.rank_halt", args=[d.ranks.get().pk], queue="node.gpu-b") in sent.call_args_list
+    assert d.ranks.get().state == DeploymentRank.State.STOPPING
+
+
+def test_the_head_and_workers_get_vllms_multi_node_flags(model, nodes, sent):
+    head, worker = nodes
+    d = _deploy(model, head, worker)
+    assert ranks.multinode_args(d, 0, 2) == {"nnodes": 2, "node-rank": 0, "master-addr": head.address,
+                                             "master-port": d.master_port}
+    assert ranks.multinode_args(d, 1, 2)["headless"] is True
+
+
+def test_the_api_takes_workers_and_answers_400_for_an_unknown_node(model, nodes, sent):
+    head, worker = nodes
+    api = APIClient()
+    api.force_authenticate(UserFactory(role="operator"))
+    body = {"model": model.pk, "node": head.name, "gpus": [0, 1], "preset": "none",
+            "engine_args": {"tensor-parallel-size": 4}, "workers": [{"node": worker.name, "gpus": [0, 1]}]}
+    answer = api.post("/api/deployments/", body, format="json")
+    assert answer.status_code == 202, answer.content
+    assert answer.json()["ranks"][0]["node"] == "gpu-b" and answer.json()["master_port"]
+    answer = api.post("/api/deployments/", {**body, "name": "x", "workers": [{"node": "nope"}]}, format="json")
+    assert answer.status_code == 400 and "workers" in answer.json()
+
+
+def test_the_deploy_form_takes_other_nodes_and_their_gpus(model, nodes):
+    head, worker = nodes
+    form = DeployForm({"port": 8000, "tp": 4, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
+                       "gpus": ["0", "1"], "workers": ["gpu-b"], "worker_gpus": "gpu-b=0,1", "stall_seconds": 600},
+                      node=head)
+    assert form.is_valid(), form.errors
+    assert [(w.node.name, w.gpu_indices) for w in form.cleaned_data["placement"]] == [("gpu-b", [0, 1])]
+    form = DeployForm({"port": 8000, "tp": 4, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
+                       "workers": ["gpu-b"], "worker_gpus": "gpu-x=0", "stall_seconds": 600}, node=head)
+    assert not form.is_valid() and "worker_gpus" in form.errors
+
+
+def test_a_model_too_big_for_all_nodes_gpus_is_refused():
+    head, worker = _node("big-a", gpus=1), _node("big-b", gpus=1)
+    model = ModelRepoFactory(files=[{"path": "model.safetensors", "size": 400 * 10**9}], total_size=400 * 10**9,
+                             config={"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+                                     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                                     "vocab_size": 128256, "max_position_embeddings": 8192})
+    for node in (head, worker):
+        ModelCopyFactory(model=model, node=node)
+    with pytest.raises(ServiceError, match="Over big-a, big-b"):
+        deploys.deployment_create(model=model, node=head, gpu_indices=[0], port=8000,
+                                  engine_args={"tensor-parallel-size": 2}, env={},
+                                  workers=[multinode.Worker(worker, [0])])
+
+
+def test_the_preflight_listener_is_reached_and_a_closed_port_is_not():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with preflight.Listener(port):
+        assert preflight.reach("127.0.0.1", port, timeout_s=2) < 2
+        with pytest.raises(preflight.PreflightError, match="in use|cannot listen"):
+            preflight.Listener(port)
+    with pytest.raises(preflight.PreflightError, match=f"cannot connect to 127.0.0.1:{port}"):
+        preflight.reach("127.0.0.1", port, timeout_s=2)
+
+
+def test_a_dead_worker_rank_fails_its_group_from_the_head(model, nodes, sent):
+    head, worker = nodes
+    d = _deploy(model, head, worker)
+    rank = d.ranks.get()
+    DeploymentRank.objects.filter(pk=rank.pk).update(state="running", pid=999999, marker="x")
+    with mock.patch("deployments.services.ranks.enqueue", autospec=True) as told:
+        ranks.ranks_watch(worker.pk)
+    rank.refresh_from_db()
+    assert rank.state == "failed" and "engine process exited" in rank.message
+    told.assert_called_once_with("deployments.deployment_rank_lost", args=[d.pk, rank.pk], queue="node.gpu-a")
+    d.status = "ready"
+    d.save()
+    with mock.patch("deployments.services.steps._stop_proven", autospec=True):
+        ranks.deployment_rank_lost(d.pk, rank.pk)
+    d.refresh_from_db()
+    assert d.status == "failed" and "rank 1 on node gpu-b died" in d.status_message
+
+
+def test_a_deployment_from_a_single_node_is_not_a_holder_elsewhere(model, nodes):
+    head, worker = nodes
+    DeploymentFactory(node=head, model=model, status="ready")
+    assert list(deploys.deployment_holders(worker, [0])) == []
