@@ -36,7 +36,7 @@ def exception_handler(exc, context):
     if isinstance(data, dict) and "detail" in data and len(data) == 1:
         message = str(data["detail"])
     elif isinstance(data, dict):
-        fields = {key: [str(m) for m in (value if isinstance(value, list) else [value])] for key, value in data.items()}
+        fields = {key: _messages(value) for key, value in data.items()}
         message = "Invalid input." if fields else "Error."
     else:
         message = "; ".join(str(m) for m in data) if isinstance(data, list) else str(data)
@@ -46,3 +46,12 @@ def exception_handler(exc, context):
         code = codes if isinstance(codes, str) else code
     response.data = {"error": {"code": code, "message": message, "fields": fields}}
     return response
+
+
+def _messages(value, path: str = "") -> list[str]:
+    """Plain messages of one field; a nested one (a list of objects: "workers") says where: "0.node: …"."""
+    if isinstance(value, dict):
+        return [m for key, inner in value.items() for m in _messages(inner, f"{path}{key}.")]
+    if isinstance(value, list):
+        return [m for inner in value for m in _messages(inner, path)]
+    return [f"{path[:-1]}: {value}" if path else str(value)]

@@ -7,14 +7,13 @@ import socket
 from unittest import mock
 
 import pytest
-from rest_framework.test import APIClient
 
 from controlpanel.errors import ServiceError
 from deployments.forms import DeployForm
 from deployments.host import preflight
 from deployments.models import DeploymentRank
 from deployments.services import deploys, multinode, ranks
-from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, UserFactory
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
 FLAGS = sorted({"--tensor-parallel-size", "--pipeline-parallel-size", "--port", "--host", "--nnodes", "--node-rank",
@@ -129,17 +128,16 @@ def test_the_head_and_workers_get_vllms_multi_node_flags(model, nodes, sent):
     assert ranks.multinode_args(d, 1, 2)["headless"] is True
 
 
-def test_the_api_takes_workers_and_answers_400_for_an_unknown_node(model, nodes, sent):
+def test_the_api_takes_workers_and_answers_400_for_an_unknown_node(model, nodes, sent, api):
     head, worker = nodes
-    api = APIClient()
-    api.force_authenticate(UserFactory(role="operator"))
     body = {"model": model.pk, "node": head.name, "gpus": [0, 1], "preset": "none",
             "engine_args": {"tensor-parallel-size": 4}, "workers": [{"node": worker.name, "gpus": [0, 1]}]}
     answer = api.post("/api/deployments/", body, format="json")
     assert answer.status_code == 202, answer.content
     assert answer.json()["ranks"][0]["node"] == "gpu-b" and answer.json()["master_port"]
     answer = api.post("/api/deployments/", {**body, "name": "x", "workers": [{"node": "nope"}]}, format="json")
-    assert answer.status_code == 400 and "workers" in answer.json()
+    assert answer.status_code == 400
+    assert answer.json()["error"]["fields"]["workers"] == ["0.node: Object with name=nope does not exist."]
 
 
 def test_the_deploy_form_takes_other_nodes_and_their_gpus(model, nodes):

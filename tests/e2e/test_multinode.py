@@ -86,8 +86,8 @@ def test_two_node_deployment_is_ready_answers_and_stops_as_one(two_nodes):
     d = _settle(Deployment.objects.get(name="tiny-2n"), {"ready", "failed"})
     assert d.status == "ready", f"{d.status_message}\n{d.log_tail[-3000:]}"
     rank = DeploymentRank.objects.get(deployment=d)
-    wait_until(lambda: (d := Deployment.objects.get(pk=d.pk)).smoke, timeout=120, message="the smoke test")
-    d = Deployment.objects.get(pk=d.pk)
+    d = wait_until(lambda: (row := Deployment.objects.get(pk=rank.deployment_id)).smoke and row, timeout=120,
+                   message="the smoke test")
     assert d.smoke["completion_tokens"] > 0
     rank = wait_until(lambda: (r := DeploymentRank.objects.get(pk=rank.pk)).state == "running" and r, timeout=30,
                       message="the worker rank running")
