@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('deployments', '0011_deployment_secret_env'),
+        ('deployments', '0012_node_ram_cores'),
     ]
 
     operations = [
