@@ -52,7 +52,7 @@ def test_a_sweep_started_in_the_browser_grows_its_charts_live(logged_in_page, co
     # The row shows what was measured, each figure in its column; and the schedule's order holds: the
     # first content token never before 40 ms + 8 × 20 ms, and after the first (reasoning) token.
     point = run.points.get(concurrency=1)
-    shown = [float(x) for x in cells[4].split(" / ")] + [float(cells[5]), float(cells[6])]
+    shown = [float(x) for x in cells[5].split(" / ")] + [float(cells[6]), float(cells[7])]
     stored = [point.ttft_ms["median"], point.ttft_ms["p99"], point.ttft_vllm_bench_ms["median"], point.ttfc_ms["median"]]
     assert shown == pytest.approx(stored, abs=0.051)  # one decimal as the page rounds it
     assert 40 <= point.ttft_ms["median"] < 40 + 8 * 20 <= point.ttfc_ms["median"]
