@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import asdict
 
+import redis
 from django.db import close_old_connections
 
 from deployments import history
@@ -92,17 +93,22 @@ class Agent:
         """Take one sample of the host, publish it, and heartbeat when due; returns the sample."""
         now = time.monotonic() if now is None else now
         sample = self.sample()
-        # The database first: heartbeat, crash watch and foreign holders must not depend on Redis.
+        if now - self._engines_at >= ENGINES_REFRESH_S:  # what the sample's GPU processes belong to
+            self._engines, self._engines_at = nodes.node_engines(self.node_id), now
+            self._foreign = guards.node_foreign_record(self.node_id, self._foreign)
+            repos.model_copies_stalled_resume(self.node_id)
+        # The sample first: the crash watch below may wait seconds on an engine's /health, and browsers
+        # would see the sample that much later. Heartbeat and crash watch must not depend on Redis.
+        try:
+            nodes.node_sample_record(self.node_id, sample, self._engines, self.sample_seconds)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("node %s: sample not recorded: %s", self.name, exc)
         if now - self._last_heartbeat >= self.heartbeat_seconds:
             nodes.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"],
                                  ram_total=sample["host"]["ram_total"], cpu_count=sample["host"]["cpu_count"])
             self._last_heartbeat = now
         if not self._reconciled:
             self._reconcile()
-        if now - self._engines_at >= ENGINES_REFRESH_S:
-            self._engines, self._engines_at = nodes.node_engines(self.node_id), now
-            self._foreign = guards.node_foreign_record(self.node_id, self._foreign)
-            repos.model_copies_stalled_resume(self.node_id)
         if now - self._watched_at >= WATCH_EVERY_S:
             self._watched_at = now
             watch.deployments_watch(self.node_id, self._watch_state)
@@ -110,7 +116,6 @@ class Agent:
         closed = self.minutes.add(sample)
         if closed:
             nodes.node_minute_record(self.node_id, closed)
-        nodes.node_sample_record(self.node_id, sample, self._engines, self.sample_seconds)
         return sample
 
     def sample(self) -> dict:
