@@ -105,7 +105,7 @@ class Agent:
             log.warning("node %s: sample not recorded: %s", self.name, exc)
         if now - self._last_heartbeat >= self.heartbeat_seconds:
             nodes.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"],
-                                 ram_total=sample["host"]["ram_total"], cpu_count=sample["host"]["cpu_count"])
+                                 ram_total=sample["host"].get("ram_total"), cpu_count=sample["host"].get("cpu_count"))
             self._last_heartbeat = now
         if not self._reconciled:
             self._reconcile()
