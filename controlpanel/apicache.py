@@ -46,7 +46,7 @@ UNWATCHED_TABLES = {"django_session"}  # logins and page visits change no API an
 # Columns every agent writes on its own schedule (a heartbeat each 5 s per node): an UPDATE that sets
 # only these makes only the answers that show them stale, those cached with live=True (the node
 # list), not every answer that reads the table (a node's name in the deployment or copy lists).
-LIVE_COLUMNS = {"deployments_node": {"last_heartbeat", "disk_total", "disk_free"}}
+LIVE_COLUMNS = {"deployments_node": {"last_heartbeat", "disk_total", "disk_free", "ram_total", "cpu_count"}}
 MAX_BYTES = 32 * 2**20  # answers kept per web process
 MAX_ENTRY = 2 * 2**20
 _WRITE_HEADS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "TRUNCATE")

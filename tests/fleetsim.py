@@ -47,7 +47,8 @@ def synthetic_sample(seed: int, gpus: int, t: float) -> dict:
                   "processes": []}
                  for i in range(gpus)],
         "disk": {"total": 30 * 10**12, "free": 12 * 10**12 - wobble, "used": 18 * 10**12 + wobble},
-        "host": {"ram_total": 2 * 2**40, "ram_available": 2**40, "load1": 12.0},
+        "host": {"ram_total": 2 * 2**40, "ram_available": 2**40, "load1": 12.0, "cpu_count": 224, "cpu_percent": 30.0,
+                 "net_rx_bps": 1e8, "net_tx_bps": 1e8},
     }
 
 
