@@ -104,7 +104,7 @@ def test_a_slow_browser_skips_to_the_latest_state_of_each_node():
         subscriber.close()
         return sent, livefeed.counts["superseded"] - superseded
 
-    sent, superseded = asyncio.run(scenario())
+    sent, superseded = run_async(scenario())  # on its own loop: Playwright may own this thread's
     assert [m["data"]["nodes"] for m in sent] == [{"1": {"t": 1}}, {"1": {"t": 3}, "2": {"t": 3}}]
     assert superseded == 1  # node 1 at t=2 was never shown: the browser went straight to t=3
 
@@ -122,7 +122,7 @@ def test_messages_the_channel_layer_drops_are_counted_and_exported():
             await layer.group_send("slow", {"type": "live.message", "n": i})
         await layer.flush()
 
-    asyncio.run(send_three())
+    run_async(send_three())
     assert livedrops.dropped() - before == 2
     exported = re.search(r"^panel_live_dropped_messages_total (\S+)$", exposition().decode(), re.M)
     assert exported and float(exported[1]) == livedrops.dropped()
