@@ -94,6 +94,8 @@ class BenchmarkPoint(models.Model):
     prompt_tokens_mean = models.FloatField(default=0.0, help_text="Mean prompt tokens the server counted (usage).")
     prompt_tokens_counted_by = models.CharField(max_length=64, blank=True, help_text=(
         "How random prompts were sized: the server's /tokenize, the tokenizer files, or words."))
+    samples = models.JSONField(default=dict, blank=True, help_text=(
+        "Per-request figures behind the distributions (tok_s, ttft_ms, tpot_ms), for a study's bootstrap."))
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -102,3 +104,116 @@ class BenchmarkPoint(models.Model):
 
     def __str__(self):
         return f"{self.run} c={self.concurrency}"
+
+
+class Study(Transitions, models.Model):
+    """A tuning study: a deployment's baseline and variants, each redeployed and benchmarked in repeats."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        RUNNING = "running", "Running"
+        PAUSED = "paused", "Paused"
+        FINISHING = "finishing", "Restoring the deployment"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled"
+
+    # Advanced by the node agent's study driver one step at a time (benchmarks.studies.study_step).
+    DRIVEN = frozenset({Status.QUEUED, Status.RUNNING, Status.FINISHING})
+    ACTIVE = DRIVEN | {Status.PAUSED}
+    TERMINAL = frozenset({Status.DONE, Status.FAILED, Status.CANCELLED})
+    TRANSITIONS = {
+        Status.QUEUED: {Status.RUNNING, Status.CANCELLED, Status.FAILED},
+        Status.RUNNING: {Status.PAUSED, Status.FINISHING, Status.FAILED},
+        Status.PAUSED: {Status.RUNNING, Status.FINISHING, Status.FAILED},
+        Status.FINISHING: {Status.DONE, Status.CANCELLED, Status.FAILED},
+    }
+
+    name = models.CharField(max_length=200, blank=True)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="studies")
+    status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED)
+    error = models.TextField(blank=True)
+    repeats = models.PositiveSmallIntegerField(default=3)
+    order = models.CharField(max_length=16, default="interleaved", help_text="interleaved (A B C A B C) or random_blocks.")
+    workload = models.JSONField(default=dict, help_text="The benchmark params every trial runs (levels, prompts, lengths).")
+    base_engine_args = models.JSONField(default=dict, help_text="The deployment's flags when the study was made.")
+    base_env = models.JSONField(default=dict, help_text="The deployment's environment when the study was made.")
+    rule = models.JSONField(default=dict, help_text='How the winner is chosen: {"kind": "throughput", "level": 16}, ...')
+    finish_with = models.CharField(max_length=10, default="baseline", help_text="What runs at the end: baseline or winner.")
+    estimate_s = models.FloatField(null=True, blank=True, help_text="Predicted duration when it was made.")
+    cancel_requested = models.BooleanField(default=False)
+    pause_requested = models.BooleanField(default=False)
+    finish_trial = models.JSONField(default=dict, blank=True, help_text="The closing redeploy: {engine_args, env, sent, agent_pid}.")
+    results = models.JSONField(default=dict, blank=True, help_text="Estimates, comparisons and verdicts (benchmarks.studies).")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created = models.DateTimeField(auto_now_add=True)
+    started = models.DateTimeField(null=True, blank=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+        verbose_name_plural = "studies"
+
+    def __str__(self):
+        return self.name or f"study {self.pk}"
+
+    def entered(self, status) -> None:
+        if status == self.Status.RUNNING and not self.started:
+            self.started = timezone.now()
+        elif status in self.TERMINAL:
+            self.finished = timezone.now()
+
+
+class StudyVariant(models.Model):
+    """One setting under test: changes to the baseline's flags and environment (the baseline has none)."""
+
+    study = models.ForeignKey(Study, on_delete=models.CASCADE, related_name="variants")
+    position = models.PositiveSmallIntegerField()
+    name = models.CharField(max_length=120)
+    is_baseline = models.BooleanField(default=False)
+    engine_args = models.JSONField(default=dict, blank=True, help_text="Flags set (a false value removes the flag).")
+    env = models.JSONField(default=dict, blank=True, help_text="Environment variables set (an empty value removes one).")
+    failed = models.TextField(blank=True, help_text="Why it could not start or crashed; its later trials are skipped.")
+
+    class Meta:
+        ordering = ["study", "position"]
+        constraints = [models.UniqueConstraint(fields=["study", "position"], name="variant_unique_position")]
+
+    def __str__(self):
+        return self.name
+
+
+class StudyTrial(models.Model):
+    """One repeat of one variant: a redeploy with its settings, then the workload as a benchmark run."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        DEPLOYING = "deploying", "Deploying"
+        BENCHMARKING = "benchmarking", "Benchmarking"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+        SKIPPED = "skipped", "Skipped"
+
+    OPEN = frozenset({Status.PENDING, Status.DEPLOYING, Status.BENCHMARKING})
+    study = models.ForeignKey(Study, on_delete=models.CASCADE, related_name="trials")
+    variant = models.ForeignKey(StudyVariant, on_delete=models.CASCADE, related_name="trials")
+    position = models.PositiveIntegerField(help_text="Its place in the study's order.")
+    repeat = models.PositiveSmallIntegerField()
+    status = models.CharField(max_length=14, choices=Status.choices, default=Status.PENDING)
+    run = models.ForeignKey(BenchmarkRun, null=True, blank=True, on_delete=models.SET_NULL, related_name="trials")
+    attempts = models.PositiveSmallIntegerField(default=0)
+    agent_pid = models.IntegerField(null=True, blank=True, help_text="The node agent when the step was sent.")
+    error = models.TextField(blank=True)
+    startup = models.JSONField(default=dict, blank=True, help_text="Seconds per start-up phase of this trial's load.")
+    ready_s = models.FloatField(null=True, blank=True, help_text="Redeploy sent -> ready and smoke-tested.")
+    overhead_s = models.FloatField(null=True, blank=True, help_text="The panel's own time beyond start-up and benchmark.")
+    started = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["study", "position"]
+        constraints = [models.UniqueConstraint(fields=["study", "position"], name="trial_unique_position")]
+
+    def __str__(self):
+        return f"{self.variant} #{self.repeat}"

@@ -107,8 +107,23 @@ def run_cancel(run: BenchmarkRun) -> BenchmarkRun:
     return run
 
 
+def run_abandon(run: BenchmarkRun, reason: str) -> BenchmarkRun:
+    """Mark a run failed whose measuring process is gone (its node agent was killed): nothing will end it."""
+    with transaction.atomic():
+        run = BenchmarkRun.objects.select_for_update().get(pk=run.pk)
+        if run.status not in BenchmarkRun.ACTIVE:
+            return run
+        if run.status == S.QUEUED:
+            run.transition(S.RUNNING)
+        run.transition(S.FAILED, error=reason, cancel_requested=True)
+        run.save()
+    live.send_run_status(run)
+    return run
+
+
 def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
     values = level.to_dict()
+    values["samples"] = runner.request_samples(level.records)
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
         run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from benchmarks import views
+from benchmarks import studyviews, views
 
 urlpatterns = [
     path("", views.run_list, name="run-list"),
@@ -9,4 +9,9 @@ urlpatterns = [
     path("<id:pk>/", views.run_detail, name="run-detail"),
     path("<id:pk>/cancel/", views.run_cancel, name="run-cancel"),
     path("<id:pk>/export.<str:fmt>", views.export, name="run-export-one"),
+    path("studies/", studyviews.study_list, name="study-list"),
+    path("studies/<id:pk>/", studyviews.study_detail, name="study-detail"),
+    path("studies/<id:pk>/apply/", studyviews.study_apply, name="study-apply"),
+    path("studies/<id:pk>/export.csv", studyviews.study_export, name="study-export"),
+    path("studies/<id:pk>/<str:action>/", studyviews.study_control, name="study-control"),
 ]

@@ -10,6 +10,7 @@
     panelctl bench qwen3-0-6b-cpu-01 --wait             # twice, then:
     panelctl compare 1 2
     panelctl stop qwen3-0-6b-cpu-01 --wait
+    panelctl tune start qwen3-0-6b-cpu-01 --vary max-num-seqs=8,16 --concurrency 16 --wait   # see controlpanel/clitune.py
 
 Progress goes to stderr, results to stdout (--json for machines). Exit codes:
   0 done  1 the deploy/benchmark failed  2 bad input  3 conflict (busy, in use)
@@ -351,6 +352,17 @@ def cmd_export(panel, args):
     return 0
 
 
+def with_common(sub, common):
+    """Subcommands of `sub` get the `common` options (--json, --idempotency-key) after their name."""
+    add = sub.add_parser
+
+    def add_parser(name, **kwargs):
+        return add(name, parents=[common], **kwargs)
+
+    sub.add_parser = add_parser
+    return sub
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="panelctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="panel URL (PANEL_URL)")
@@ -358,13 +370,7 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print results as JSON")
     common.add_argument("--idempotency-key", default=None, help="retry-safe key for calls that start work")
-    sub = p.add_subparsers(dest="command", required=True)
-    add = sub.add_parser
-
-    def add_parser(name, **kwargs):
-        return add(name, parents=[common], **kwargs)
-
-    sub.add_parser = add_parser
+    sub = with_common(p.add_subparsers(dest="command", required=True), common)
 
     s = sub.add_parser("login", help="save the panel URL and token")
     s.add_argument("--url", required=True, dest="url")
@@ -443,6 +449,9 @@ def parser() -> argparse.ArgumentParser:
         if name == "export":
             s.add_argument("--csv", action="store_true")
         s.set_defaults(fn=fn)
+    from controlpanel import clitune  # it imports this module's helpers
+
+    clitune.add(sub, common)
     return p
 
 

@@ -1,6 +1,7 @@
 """The one place that knows live group names and payload shapes, and the only caller of group_send.
 
-Browsers subscribe to topics ("fleet", "node:<id>", "deployment:<id>", "model:<id>", "run:<id>").
+Browsers subscribe to topics ("fleet", "node:<id>", "deployment:<id>", "model:<id>", "run:<id>",
+"study:<id>").
 Each message is {"topic", "kind", "data"}, `data` being one of the payload dataclasses below as a
 JSON object. The last message of each kind per topic is kept in Redis as that topic's snapshot, so
 a browser that (re)connects first gets the current state, then deltas. Services call the send_*
@@ -21,7 +22,7 @@ from channels.layers import get_channel_layer
 from controlpanel import redisconn
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 
-TOPIC_RE = re.compile(r"^(fleet|(node|deployment|model|run):[0-9]{1,12})$")
+TOPIC_RE = re.compile(r"^(fleet|(node|deployment|model|run|study):[0-9]{1,12})$")
 SNAPSHOT_TTL = 3600
 
 
@@ -54,6 +55,10 @@ def model_topic(model_id: int) -> str:
 
 def run_topic(run_id: int) -> str:
     return f"run:{run_id}"
+
+
+def study_topic(study_id: int) -> str:
+    return f"study:{study_id}"
 
 
 log = logging.getLogger(__name__)
@@ -432,3 +437,9 @@ def send_run_point(run_id: int, point) -> None:
 
 def send_run_tick(run_id: int, tick: RunTick) -> None:
     publish(run_topic(run_id), "tick", asdict(tick), keep=False)
+
+
+def send_study(study_id: int, data: dict[str, Any]) -> None:
+    """kind "study" on study:<id>: the whole study as benchmarks.studyresults.study_live builds it (status,
+    variants, the variant x level matrix of trials, the trial in progress, results once done)."""
+    publish(study_topic(study_id), "study", data)

@@ -14,7 +14,8 @@ from controlpanel.roles import is_viewer
 
 # topic kind -> (app label, model name)
 _MODELS = {"node": ("deployments", "Node"), "deployment": ("deployments", "Deployment"),
-           "model": ("deployments", "ModelRepo"), "run": ("benchmarks", "BenchmarkRun")}
+           "model": ("deployments", "ModelRepo"), "run": ("benchmarks", "BenchmarkRun"),
+           "study": ("benchmarks", "Study")}
 
 
 def close_code(user_id: int | None, session_key: str | None) -> int | None:

@@ -89,15 +89,17 @@ def api_objects(db):
 
     from celery.app.task import Task
 
-    from tests.factories import BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
+    from tests.factories import (BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory,
+                                 StudyFactory)
 
     node = NodeFactory(name="n1")
     GpuFactory(node=node, index=0)
     copy = ModelCopyFactory(node=node)
     d = DeploymentFactory(node=node, model=copy.model, status="ready")
     run = BenchmarkRunFactory(deployment=d)
+    study = StudyFactory(deployment=d)
     with mock.patch.object(Task, "apply_async", autospec=True):
-        yield {"nodes": node, "models": copy.model, "copies": copy, "deployments": d, "runs": run}
+        yield {"nodes": node, "models": copy.model, "copies": copy, "deployments": d, "runs": run, "studies": study}
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.utils import timezone
 
-from benchmarks.models import BenchmarkPoint, BenchmarkRun
+from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, ModelRepo, Node
 
 PASSWORD = "pw-for-tests-1"
@@ -102,3 +102,23 @@ class BenchmarkPointFactory(factory.django.DjangoModelFactory):
     concurrency = factory.Sequence(lambda n: 2**n)
     output_throughput = 1000.0
     ttft_ms = factory.LazyFunction(lambda: {"median": 50.0})
+
+
+class StudyFactory(factory.django.DjangoModelFactory):
+    """A queued study of a deployment with its baseline and one variant, one repeat each."""
+
+    class Meta:
+        model = Study
+        skip_postgeneration_save = True
+
+    deployment = factory.SubFactory(DeploymentFactory)
+    workload = factory.LazyFunction(lambda: {"levels": [1]})
+    repeats = 1
+
+    @factory.post_generation
+    def variants(self, create, extracted, **kwargs):
+        if create:
+            base = StudyVariant.objects.create(study=self, position=0, name="baseline", is_baseline=True)
+            other = StudyVariant.objects.create(study=self, position=1, name="seqs 8", engine_args={"max-num-seqs": 8})
+            StudyTrial.objects.create(study=self, variant=base, position=0, repeat=1)
+            StudyTrial.objects.create(study=self, variant=other, position=1, repeat=1)

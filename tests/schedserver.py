@@ -13,7 +13,10 @@ a client's measurement is compared with). Also /v1/models, /metrics (vllm: names
 import argparse
 import asyncio
 import gc
+import heapq
+import itertools
 import json
+import random
 import statistics
 import threading
 import sys
@@ -45,6 +48,9 @@ class Schedule:
     spin_us: float = 1500.0  # busy-wait the last stretch: loop timers are only ~1 ms precise
     kv_capacity: int = 1024  # running requests that make kv_cache_usage_perc read 1.0
     role_with_first_token: bool = False  # like vLLM: the role chunk leaves with the first token
+    # Each request's gap drawn from gap_ms * (1 ± jitter), uniformly (perf/tune_verdicts.py's noise).
+    jitter: float = 0.0
+    seed: int = 0
 
 
 class Lateness:
@@ -79,11 +85,11 @@ class Lateness:
 class _Stream:
     """One response in flight: its transport, its framed chunks and which one is next."""
 
-    __slots__ = ("transport", "frames", "sizes", "next", "anchor", "last", "done")
+    __slots__ = ("transport", "frames", "sizes", "next", "anchor", "last", "done", "gap")
 
-    def __init__(self, transport, frames, sizes, anchor):
+    def __init__(self, transport, frames, sizes, anchor, gap=0.0):
         self.transport, self.frames, self.sizes, self.anchor = transport, frames, sizes, anchor
-        self.next, self.last = 0, 0.0
+        self.next, self.last, self.gap = 0, 0.0, gap
         self.done = asyncio.get_running_loop().create_future()
 
 
@@ -95,7 +101,10 @@ class Server:
         # Two queues kept in deadline order without a heap: first chunks (anchor + TTFT, anchors
         # only grow) and next chunks (each write schedules its stream one gap later, in order).
         self.firsts: deque = deque()
-        self.nexts: deque = deque()
+        # With jitter each stream has its own gap: next chunks are kept in a heap instead.
+        self.nexts = [] if schedule.jitter else deque()
+        self._rng = random.Random(schedule.seed)
+        self._seq = itertools.count()
         self.lateness = Lateness()
         self.truth_ttft: list[float] = []  # first-token write minus request read, as it happened
         self.truth_itl: list[float] = []  # gaps between a stream's writes, as they happened
@@ -131,7 +140,7 @@ class Server:
             await asyncio.gather(self._task, return_exceptions=True)
         for queue in (self.firsts, self.nexts):
             while queue:
-                _resolve(queue.popleft()[1].done)
+                _resolve((queue.popleft() if isinstance(queue, deque) else queue.pop())[-1].done)
 
     async def health(self, request):
         return web.Response(text="")
@@ -223,7 +232,8 @@ class Server:
             if sch.zero_delay:
                 await self._blast(transport, frames, sizes)
             else:
-                stream = _Stream(transport, frames, sizes, anchor)
+                gap = sch.gap_ms / 1000 * (1 + self._rng.uniform(-sch.jitter, sch.jitter))
+                stream = _Stream(transport, frames, sizes, anchor, gap)
                 self.firsts.append((anchor + sch.ttft_ms / 1000, stream))
                 self._poke(anchor + sch.ttft_ms / 1000)
                 await stream.done
@@ -275,9 +285,13 @@ class Server:
 
     def _write_due(self, queue, now, budget, gap, first):
         counts, truth = self.lateness.counts, self.truth_ttft if first else self.truth_itl
-        nexts, popleft, clock, generated = self.nexts, queue.popleft, perf_counter, 0
+        heap = not isinstance(queue, deque)
+        nexts, popleft, clock, generated = self.nexts, (None if heap else queue.popleft), perf_counter, 0
         while queue and budget and queue[0][0] <= now:
-            deadline, stream = popleft()
+            if heap:
+                deadline, _, stream = heapq.heappop(queue)
+            else:
+                deadline, stream = popleft()
             budget -= 1
             i = stream.next
             try:
@@ -293,7 +307,10 @@ class Server:
             generated += stream.sizes[i]
             stream.next = i = i + 1
             if i < len(stream.frames):
-                nexts.append((deadline + gap, stream))
+                if heap or not isinstance(nexts, deque):
+                    heapq.heappush(nexts, (deadline + stream.gap, next(self._seq), stream))
+                else:
+                    nexts.append((deadline + gap, stream))
             else:
                 _resolve(stream.done)
         self.generation_tokens_total += generated

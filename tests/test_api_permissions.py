@@ -72,6 +72,12 @@ OPERATOR_ANSWERS = {
     ("POST", "/api/nodes/{name}/measure-disk/"): (202, None),
     ("POST", "/api/runs/"): (400, "invalid"),  # a deployment or a base_url is required
     ("POST", "/api/runs/{id}/cancel/"): (202, None),
+    ("POST", "/api/studies/"): (400, "invalid"),  # a deployment is required
+    ("POST", "/api/studies/preview/"): (400, "invalid"),
+    ("POST", "/api/studies/{id}/pause/"): (202, None),
+    ("POST", "/api/studies/{id}/resume/"): (409, "not_paused"),
+    ("POST", "/api/studies/{id}/cancel/"): (202, None),
+    ("POST", "/api/studies/{id}/apply/"): (400, "invalid"),  # no winner yet, none chosen
 }
 
 

@@ -10,7 +10,7 @@ default = runner.spec_default
 class BenchmarkPointSerializer(serializers.ModelSerializer):
     class Meta:
         model = BenchmarkPoint
-        exclude = ["run"]
+        exclude = ["run", "samples"]  # per-request figures: for studies' statistics, not for reading
 
 
 class BenchmarkRunSerializer(serializers.ModelSerializer):

@@ -9,11 +9,11 @@ content token, per-token ITL, reasoning/content split, tok/s per user) are label
 from .prompts import BUILTIN, load_jsonl
 from .spec import (CHAT, COMPLETIONS, DEFAULT_LEVELS, LevelResult, LoadSpec, PromptError, RequestRecord,
                    RunnerError, SweepResult, Tick, spec_default)
-from .stats import distribution, percentile, summarize
+from .stats import distribution, percentile, request_samples, summarize
 from .sweep import Sweeper, run_level, sweep
 
 __all__ = [
     "BUILTIN", "CHAT", "COMPLETIONS", "DEFAULT_LEVELS", "LevelResult", "LoadSpec", "PromptError",
     "RequestRecord", "RunnerError", "SweepResult", "Sweeper", "Tick", "distribution", "load_jsonl",
-    "percentile", "run_level", "spec_default", "summarize", "sweep",
+    "percentile", "request_samples", "run_level", "spec_default", "summarize", "sweep",
 ]

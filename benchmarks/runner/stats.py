@@ -117,3 +117,27 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
         result.output_throughput = result.output_tokens / result.duration_s
         result.total_token_throughput = (result.input_tokens + result.output_tokens) / result.duration_s
     return result
+
+
+MAX_SAMPLES = 2000
+
+
+def request_samples(records: list[RequestRecord], limit: int = MAX_SAMPLES) -> dict[str, list[float]]:
+    """Per-request figures of the successful measured requests, for a study's bootstrap: output tok/s
+    per user (after the first token), TTFT and TPOT in ms; at most `limit` of each, evenly picked."""
+    tok_s, ttft, tpot = [], [], []
+    for r in records:
+        if not r.success or not r.chunk_times:
+            continue
+        first, e2e = r.ttft, r.e2e
+        ttft.append(round(first * 1000.0, 3))
+        if e2e > first and r.output_tokens:
+            tok_s.append(round(r.output_tokens / (e2e - first), 3))
+        if r.output_tokens > 1:
+            tpot.append(round((e2e - first) / (r.output_tokens - 1) * 1000.0, 4))
+
+    def thin(values):
+        step = max(1, -(-len(values) // limit))
+        return values[::step]
+
+    return {"tok_s": thin(tok_s), "ttft_ms": thin(ttft), "tpot_ms": thin(tpot)}

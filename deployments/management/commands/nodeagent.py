@@ -44,6 +44,7 @@ class Command(BaseCommand):
         self.stdout.write(f"node {name}: queue node.{name}, model store {model_store}, {agent.describe()}")
         stop = threading.Event()
         threading.Thread(target=agent.loop, args=(stop,), name="sampler", daemon=True).start()
+        threading.Thread(target=agent.study_loop, args=(stop,), name="studies", daemon=True).start()
         try:
             close_old_connections()
             # The worker consumes this node's queue only; other nodes' work never lands here.

@@ -1,0 +1,253 @@
+"""Reads of tuning studies: per-variant estimates, comparisons with the baseline and verdicts (with
+benchmarks.tunestats), the winner by the study's rule, the Pareto front, the live matrix, estimates."""
+import csv
+import io
+
+from benchmarks import tunestats
+from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
+from deployments.models import DeploymentEvent
+from deployments.selectors import load_events
+
+# metric -> (label, kind of bootstrap replicate, higher is better, the point's value, its per-request samples)
+METRICS = {
+    "throughput": ("output tok/s", tunestats.SCALED, True, lambda p: p.output_throughput, "tok_s"),
+    "per_user": ("tok/s per user", tunestats.MEAN, True, lambda p: p.tok_s_per_user, "tok_s"),
+    "ttft_median_ms": ("TTFT median (ms)", tunestats.MEDIAN, False, lambda p: p.ttft_ms.get("median"), "ttft_ms"),
+    "tpot_median_ms": ("TPOT median (ms)", tunestats.MEDIAN, False, lambda p: p.tpot_ms.get("median"), "tpot_ms"),
+    "ttft_p95_ms": ("TTFT p95 (ms)", tunestats.SCALED, False, lambda p: p.ttft_ms.get("p95"), None),
+}
+DEFAULT_READY_S = 120.0  # a deployment never loaded before: a guess for the estimate
+START = ("start time (s)", tunestats.SCALED, False)
+RULES = {"throughput": "max output tok/s at level N", "single_stream": "max single-stream tok/s",
+         "throughput_under_ttft": "max output tok/s at level N with TTFT p95 within a budget"}
+# NCCL's documentation lists these under "Debugging": not for production, nor to be kept in scripts;
+# a winner that depends on one is applied only after the user confirms.
+NCCL_DEBUG_VARS = frozenset(f"NCCL_{n}" for n in (
+    "ALGO", "PROTO", "BUFFSIZE", "LL_BUFFSIZE", "LL128_BUFFSIZE", "NTHREADS", "MAX_NCHANNELS", "MIN_NCHANNELS",
+    "MAX_NRINGS", "MIN_NRINGS", "MAX_CTAS", "MIN_CTAS", "CHECKS_DISABLE", "CHECK_POINTERS", "LAUNCH_MODE",
+    "IGNORE_CPU_AFFINITY", "IGNORE_DISABLED_P2P", "DEBUG", "DEBUG_FILE", "DEBUG_SUBSYS", "COLLNET_ENABLE",
+    "COLLNET_NODE_THRESHOLD", "TOPO_FILE", "TOPO_DUMP_FILE", "GRAPH_FILE", "GRAPH_DUMP_FILE", "SET_THREAD_NAME",
+    "NVB_DISABLE", "PXN_DISABLE", "P2P_PXN_LEVEL", "RUNTIME_CONNECT", "GRAPH_REGISTER", "LOCAL_REGISTER",
+    "LEGACY_CUDA_REGISTER", "SET_STACK_SIZE", "GRAPH_MIXING_SUPPORT", "DMABUF_ENABLE", "P2P_NET_CHUNKSIZE",
+    "P2P_NVL_CHUNKSIZE", "P2P_PCI_CHUNKSIZE", "P2P_LL_THRESHOLD", "SINGLE_RING_THRESHOLD", "LL_THRESHOLD",
+    "TREE_THRESHOLD"))
+
+
+def debug_vars(variant: StudyVariant) -> list[str]:
+    """NCCL debugging variables the variant sets."""
+    return sorted(n for n in variant.env if n in NCCL_DEBUG_VARS)
+
+
+def _key(metric: str, level: int) -> str:
+    return f"{metric}@{level}"
+
+
+def _repeats(study: Study) -> dict[int, dict[str, list[tunestats.Repeat]]]:
+    """variant id -> "metric@level" (and "start_s") -> its repeats, from the finished trials."""
+    trials = list(study.trials.filter(status=StudyTrial.Status.DONE).select_related("run"))
+    points = BenchmarkPoint.objects.filter(run__in=[t.run_id for t in trials if t.run_id])
+    by_run: dict[int, list[BenchmarkPoint]] = {}
+    for p in points:
+        by_run.setdefault(p.run_id, []).append(p)
+    out: dict[int, dict[str, list[tunestats.Repeat]]] = {}
+    for t in trials:
+        figures = out.setdefault(t.variant_id, {})
+        if t.ready_s is not None:
+            figures.setdefault("start_s", []).append(tunestats.Repeat(t.ready_s))
+        for p in by_run.get(t.run_id, []):
+            for metric, (_, _, _, value, samples) in METRICS.items():
+                v = value(p)
+                if v is not None:
+                    reqs = tuple((p.samples or {}).get(samples) or ()) if samples else ()
+                    figures.setdefault(_key(metric, p.concurrency), []).append(tunestats.Repeat(float(v), reqs))
+    return out
+
+
+def _kind(key: str) -> tuple[str, bool]:
+    if key == "start_s":
+        return START[1], START[2]
+    _, kind, higher, _, _ = METRICS[key.split("@")[0]]
+    return kind, higher
+
+
+def _as_dict(obj) -> dict | None:
+    return None if obj is None else {k: (round(v, 6) if isinstance(v, float) else v) for k, v in obj.__dict__.items()}
+
+
+def compute(study: Study, n_boot: int = 2000) -> dict:
+    """Estimates, comparisons with the baseline and verdicts per variant; the winner; the Pareto front."""
+    variants = list(study.variants.all())
+    repeats = _repeats(study)
+    baseline = next(v for v in variants if v.is_baseline)
+    base = repeats.get(baseline.pk, {})
+    levels = study.workload.get("levels", [])
+    rows = []
+    for v in variants:
+        figures = repeats.get(v.pk, {})
+        estimates = {k: _as_dict(tunestats.estimate(r, _kind(k)[0], n_boot=n_boot)) for k, r in figures.items()}
+        comparisons = {}
+        if not v.is_baseline:
+            for k, r in figures.items():
+                if k in base:
+                    kind, higher = _kind(k)
+                    comparisons[k] = _as_dict(tunestats.compare(base[k], r, kind, higher, n_boot=n_boot))
+        rows.append({"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,
+                     "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v),
+                     "repeats_done": len(figures.get(_key("throughput", levels[0]), [])) if levels else 0,
+                     "estimates": estimates, "comparisons": comparisons})
+    gpus = max(1, study.deployment.gpus.count())
+    front = _pareto(rows, levels, gpus)
+    winner, why = choose_winner(rows, study.rule, levels)
+    return {"levels": levels, "metrics": {k: m[0] for k, m in METRICS.items()} | {"start_s": START[0]},
+            "variants": rows, "pareto": front, "winner": winner, "winner_why": why, "rule": study.rule, "gpus": gpus}
+
+
+def _median(row: dict, key: str) -> float | None:
+    est = row["estimates"].get(key)
+    return est["median"] if est else None
+
+
+def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int | None, str]:
+    """The variant the rule prefers among those that ran; it wins only when its verdict against the
+    baseline on the rule's metric is "better" — otherwise the baseline stays (the difference was noise)."""
+    kind = rule.get("kind", "throughput")
+    level = int(rule.get("level") or (levels[-1] if levels else 1))
+    if kind == "single_stream":
+        key = _key("per_user", min(levels) if levels else 1)
+    else:
+        key = _key("throughput", level)
+    candidates = [r for r in rows if not r["failed"] and _median(r, key) is not None]
+    if kind == "throughput_under_ttft":
+        budget = float(rule.get("ttft_p95_ms") or 0)
+        candidates = [r for r in candidates if (_median(r, _key("ttft_p95_ms", level)) or 0) <= budget]
+    if not candidates:
+        return None, "No variant has results that fit the rule."
+    best = max(candidates, key=lambda r: _median(r, key))
+    baseline = next((r for r in rows if r["is_baseline"]), None)
+    if best["is_baseline"]:
+        return best["id"], "The baseline is the best by the rule."
+    verdict = (best["comparisons"].get(key) or {}).get("verdict")
+    if verdict != tunestats.BETTER:
+        return (baseline["id"] if baseline else None), (
+            f"{best['name']} measured highest, but not significantly better than the baseline: the baseline stays.")
+    return best["id"], f"{best['name']} is significantly better than the baseline by the rule."
+
+
+def _pareto(rows: list[dict], levels: list[int], gpus: int) -> list[dict]:
+    """tok/s per user against total tok/s (and per GPU) for each variant and level; `front` marks
+    the points no other point beats on both."""
+    points = []
+    for r in rows:
+        for level in levels:
+            total, per_user = _median(r, _key("throughput", level)), _median(r, _key("per_user", level))
+            if total is not None and per_user is not None:
+                points.append({"variant": r["id"], "name": r["name"], "level": level, "total": round(total, 1),
+                               "per_gpu": round(total / gpus, 1), "per_user": round(per_user, 2)})
+    front = set(tunestats.pareto([(f"{p['variant']}@{p['level']}", p["total"], p["per_user"]) for p in points]))
+    for p in points:
+        p["front"] = f"{p['variant']}@{p['level']}" in front
+    return points
+
+
+def finishing_variant(study: Study) -> StudyVariant | None:
+    """What runs at the end: the winner when asked for and found (and not cancelled), else the baseline."""
+    if study.finish_with != "winner" or study.cancel_requested:
+        return None
+    winner = (study.results or {}).get("winner")
+    variant = study.variants.filter(pk=winner, is_baseline=False).first() if winner else None
+    return variant
+
+
+def trial_times(trial: StudyTrial) -> tuple[dict, float | None]:
+    """(seconds per start-up phase of the trial's load, the panel's own overhead): the overhead is the
+    trial's wall time less the plan's steps (stop, memory, launch, load, smoke test) and the benchmark run."""
+    events = list(DeploymentEvent.objects.filter(deployment_id=trial.study.deployment_id, started__gte=trial.started,
+                                                 ended__isnull=False).exclude(step="queued").order_by("started"))
+    load = next((e for e in events if e.step == "load"), None)
+    startup = (load.data or {}).get("totals") or {} if load else {}
+    if trial.finished is None or trial.run_id is None or not events:
+        return startup, None
+    run = BenchmarkRun.objects.filter(pk=trial.run_id).first()
+    if not run or not run.started or not run.finished:
+        return startup, None
+    plan_steps = [e for e in events if e.started <= (trial.ready_at or trial.finished) and e.step != "queued"]
+    engine_s = sum((e.ended - e.started).total_seconds() for e in plan_steps if e.step != "load") + (
+        (load.ended - load.started).total_seconds() if load else 0.0)
+    bench_s = (run.finished - run.started).total_seconds()
+    wall = (trial.finished - trial.started).total_seconds()
+    return startup, round(max(0.0, wall - engine_s - bench_s), 3)
+
+
+def past_times(d, workload: dict) -> tuple[float, float, str]:
+    """(seconds to redeploy, seconds per workload, where they come from) for the estimate."""
+    event = load_events(deployment=d).first()
+    ready_s = round(sum(v for v in event.data["totals"].values()), 1) if event else DEFAULT_READY_S
+    basis = "its last load" if event else "no load of it recorded yet: a guess"
+    levels = sorted(workload.get("levels") or [])
+    runs = BenchmarkRun.objects.filter(deployment=d, status=BenchmarkRun.Status.DONE).exclude(started=None).exclude(finished=None)
+    same = [r for r in runs[:20] if sorted(r.params.get("levels") or []) == levels]
+    if same:
+        bench_s = (same[0].finished - same[0].started).total_seconds()
+        basis += "; its last run of these levels"
+    else:
+        # Unknown: about a request's length (max_tokens at ~20 tok/s per user) per request per user.
+        per_request = float(workload.get("max_tokens", 128)) / 20.0
+        bench_s = sum(per_request * max(workload.get("requests_per_user", 4) + workload.get("warmup_per_user", 1),
+                                        workload.get("min_requests", 32) / max(c, 1)) for c in levels)
+        basis += "; no run of these levels yet: a guess"
+    return ready_s, round(bench_s, 1), basis
+
+
+def _cell(trial: StudyTrial, points: dict) -> dict:
+    return {"id": trial.pk, "variant": trial.variant_id, "repeat": trial.repeat, "status": trial.status,
+            "error": trial.error, "run": trial.run_id, "ready_s": trial.ready_s, "overhead_s": trial.overhead_s,
+            "startup": trial.startup, "points": points.get(trial.run_id, {})}
+
+
+def study_live(study: Study) -> dict:
+    """The study as its page shows it: status, variants, every trial with its levels' tok/s (the matrix),
+    the trial in progress and, once done, the results."""
+    trials = list(study.trials.select_related("variant"))
+    run_ids = [t.run_id for t in trials if t.run_id]
+    points: dict = {}
+    for p in BenchmarkPoint.objects.filter(run__in=run_ids).values("run_id", "concurrency", "output_throughput",
+                                                                    "tok_s_per_user", "ttft_ms"):
+        points.setdefault(p["run_id"], {})[str(p["concurrency"])] = {
+            "tok_s": round(p["output_throughput"], 1), "per_user": round(p["tok_s_per_user"], 2),
+            "ttft_median_ms": round((p["ttft_ms"] or {}).get("median", 0.0), 1)}
+    current = next((t for t in trials if t.status in (StudyTrial.Status.DEPLOYING, StudyTrial.Status.BENCHMARKING)), None)
+    done = sum(t.status not in StudyTrial.OPEN for t in trials)
+    return {"id": study.pk, "status": study.status, "status_display": study.get_status_display(), "error": study.error,
+            "pause_requested": study.pause_requested, "cancel_requested": study.cancel_requested,
+            "levels": study.workload.get("levels", []), "trials_done": done, "trials_total": len(trials),
+            "variants": [{"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,
+                          "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v)}
+                         for v in study.variants.all()],
+            "trials": [_cell(t, points) for t in trials],
+            "current": current and {"trial": current.pk, "variant": current.variant_id, "status": current.status,
+                                    "run": current.run_id, "deployment": study.deployment_id},
+            "results": study.results or None}
+
+
+EXPORT_COLUMNS = ["study", "variant", "baseline", "repeat", "trial_status", "error", "ready_s", "overhead_s", "run",
+                  "concurrency", "output_throughput", "tok_s_per_user", "ttft_median_ms", "ttft_p95_ms", "tpot_median_ms"]
+
+
+def export_csv(study: Study) -> str:
+    """One row per trial and level (a trial without results: one row with its status and error)."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(EXPORT_COLUMNS)
+    trials = list(study.trials.select_related("variant"))
+    points: dict = {}
+    for p in BenchmarkPoint.objects.filter(run__in=[t.run_id for t in trials if t.run_id]):
+        points.setdefault(p.run_id, []).append(p)
+    for t in trials:
+        head = [study.pk, t.variant.name, t.variant.is_baseline, t.repeat, t.status, t.error, t.ready_s, t.overhead_s, t.run_id]
+        rows = points.get(t.run_id) if t.status == StudyTrial.Status.DONE else None
+        if not rows:
+            writer.writerow(head + [""] * 6)
+        for p in rows or []:
+            writer.writerow(head + [p.concurrency, p.output_throughput, p.tok_s_per_user, p.ttft_ms.get("median"),
+                                    p.ttft_ms.get("p95"), p.tpot_ms.get("median")])
+    return out.getvalue()

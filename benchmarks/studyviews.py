@@ -1,0 +1,166 @@
+"""Tuning study pages (issue 15): the list with a new-study form (preview, then start), a study's
+live page (matrix, verdicts, Pareto view, winner), its controls and the winner's apply."""
+from django import forms
+from django.contrib import messages
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from benchmarks import studies, studyresults
+from benchmarks.forms import parse_levels
+from benchmarks.models import Study, StudyVariant
+from controlpanel.errors import ServiceError
+from controlpanel.roles import is_operator, operator_required
+from deployments.models import Deployment
+
+
+class StudyForm(forms.Form):
+    deployment = forms.ModelChoiceField(queryset=Deployment.objects.filter(status__in=["ready", "stopped", "failed"]),
+                                        help_text="Its settings now are the baseline.")
+    name = forms.CharField(required=False, max_length=200)
+    variants = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3, "placeholder": "max-num-seqs=16\nNCCL_PROTO=LL NCCL_ALGO=Ring"}),
+                               help_text="One variant a line: NAME=VALUE pairs (upper case: environment, else engine flags).")
+    dimensions = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2, "placeholder": "NCCL_PROTO=LL,LL128,Simple"}),
+                                 help_text="One dimension a line: NAME=V1,V2,…; every combination is a variant.")
+    levels = forms.CharField(initial="1,16", label="Concurrency levels")
+    max_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
+    input_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
+    requests_per_user = forms.IntegerField(min_value=1, max_value=1000, initial=4)
+    repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved.")
+    order = forms.ChoiceField(choices=[("interleaved", "interleaved (A B C A B C)"), ("random_blocks", "randomised blocks")])
+    rule = forms.ChoiceField(choices=list(studyresults.RULES.items()), initial="throughput", label="Winner rule")
+    rule_level = forms.IntegerField(min_value=1, max_value=4096, required=False, label="Rule's level N",
+                                    help_text="Default: the highest level.")
+    ttft_p95_ms = forms.FloatField(min_value=0, required=False, label="TTFT p95 budget (ms)")
+    finish_with = forms.ChoiceField(choices=[("baseline", "redeploy the baseline"), ("winner", "redeploy the winner")],
+                                    label="At the end")
+
+    def clean_levels(self):
+        return parse_levels(self.cleaned_data["levels"])
+
+    @staticmethod
+    def _pairs(line: str) -> dict:
+        out = {"engine_args": {}, "env": {}}
+        for word in line.split():
+            name, sep, value = word.partition("=")
+            if not sep or not name:
+                raise forms.ValidationError(f"{word[:40]!r}: write NAME=VALUE")
+            if name.isupper():
+                out["env"][name] = value
+            else:
+                out["engine_args"][name.lstrip("-")] = True if value == "" else _value(value)
+        return out
+
+    def clean(self):
+        data = super().clean()
+        try:
+            variants = [{"name": "", **self._pairs(line)} for line in (data.get("variants") or "").splitlines() if line.strip()]
+            dims = {}
+            for line in (data.get("dimensions") or "").splitlines():
+                if line.strip():
+                    name, sep, values = line.strip().partition("=")
+                    if not sep or not values:
+                        raise forms.ValidationError(f"{line[:40]!r}: write NAME=V1,V2")
+                    dims[name] = [v if name.isupper() else _value(v) for v in values.split(",")]
+        except forms.ValidationError as exc:
+            self.add_error("variants", exc)
+            return data
+        data["variant_list"] = studies.expand_variants(variants, dims)
+        if not data["variant_list"]:
+            self.add_error("variants", "Add at least one variant or dimension.")
+        if data.get("rule") == "throughput_under_ttft" and data.get("ttft_p95_ms") is None:
+            self.add_error("ttft_p95_ms", "Give the budget for this rule.")
+        return data
+
+    def create_args(self) -> dict:
+        data = self.cleaned_data
+        rule = {"kind": data["rule"]}
+        if data.get("rule_level"):
+            rule["level"] = data["rule_level"]
+        if data.get("ttft_p95_ms") is not None:
+            rule["ttft_p95_ms"] = data["ttft_p95_ms"]
+        return {"deployment": data["deployment"], "variants": data["variant_list"], "repeats": data["repeats"],
+                "order": data["order"], "rule": rule, "finish_with": data["finish_with"], "name": data["name"],
+                "workload": {"levels": data["levels"], "max_tokens": data["max_tokens"], "input_tokens": data["input_tokens"],
+                             "requests_per_user": data["requests_per_user"]}}
+
+
+def _value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def study_list(request):
+    form, preview = StudyForm(), None
+    if request.method == "POST":
+        if not is_operator(request.user):
+            return HttpResponse("Starting a study needs the operator role.", status=403)
+        form = StudyForm(request.POST)
+        if form.is_valid():
+            args = form.create_args()
+            try:
+                if "preview" in request.POST:
+                    studies.validate_variants(args["deployment"], args["variants"], request.user)
+                    preview = studies.study_preview(args["deployment"], args["variants"], args["repeats"], args["workload"])
+                    preview["names"] = ["baseline"] + [v["name"] for v in args["variants"]]
+                else:
+                    study = studies.study_create(**args, user=request.user)
+                    return redirect("study-detail", study.pk)
+            except ServiceError as exc:
+                form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+    return render(request, "benchmarks/study_list.html", {
+        "form": form, "preview": preview, "studies": Study.objects.select_related("deployment")[:200]},
+        status=400 if form.errors else 200)
+
+
+def study_detail(request, pk):
+    study = get_object_or_404(Study.objects.select_related("deployment"), pk=pk)
+    return render(request, "benchmarks/study_detail.html", {
+        "study": study, "initial": studyresults.study_live(study), "rules": studyresults.RULES})
+
+
+@require_POST
+@operator_required
+def study_control(request, pk, action):
+    service = {"pause": studies.study_pause, "resume": studies.study_resume, "cancel": studies.study_cancel}.get(action)
+    if service is None:
+        return HttpResponse("No such action.", status=404)
+    try:
+        service(get_object_or_404(Study, pk=pk))
+    except ServiceError as exc:
+        messages.error(request, exc.message)
+    return redirect("study-detail", pk)
+
+
+@require_POST
+@operator_required
+def study_apply(request, pk):
+    study = get_object_or_404(Study, pk=pk)
+    variant = StudyVariant.objects.filter(study=study, pk=request.POST.get("variant", "0") if
+                                          str(request.POST.get("variant", "")).isdigit() else 0).first()
+    if variant is None:
+        messages.error(request, "Choose a variant of this study.")
+        return redirect("study-detail", pk)
+    names = studyresults.debug_vars(variant)
+    if names and request.POST.get("confirm_debug") != "on":
+        messages.error(request, f"{variant.name} sets {', '.join(names)}, which NCCL's documentation lists for debugging, "
+                                "not for production: tick the confirmation to apply it anyway.")
+        return redirect("study-detail", pk)
+    try:
+        d = studies.study_apply(study, variant, user=request.user, persist=request.POST.get("persist") == "on")
+        messages.success(request, f"Redeploying {d.name} with {variant.name}.")
+        return redirect("deployment-detail", d.pk)
+    except ServiceError as exc:
+        messages.error(request, exc.message)
+    return redirect("study-detail", pk)
+
+
+def study_export(request, pk):
+    study = get_object_or_404(Study, pk=pk)
+    response = HttpResponse(studyresults.export_csv(study), content_type="text/csv")
+    response["Content-Disposition"] = f'attachment; filename="study-{study.pk}.csv"'
+    return response

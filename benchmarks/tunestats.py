@@ -1,0 +1,165 @@
+"""Statistics of a tuning study (no Django): medians, bootstrap confidence intervals over repeats
+and requests, differences against the baseline and a verdict per metric.
+
+A variant's figure for one metric is a list of repeats, each a value (the repeat's output tok/s, its
+median TTFT, ...) and, when known, the per-request values behind it. A bootstrap replicate picks
+repeats with replacement and, inside each picked repeat, its requests with replacement; so both
+host drift between repeats and request-to-request noise widen the interval.
+
+With few repeats a percentile interval is too narrow: resampling n values sees only (n-1)/n of
+their spread, and its tails are normal where a small sample's are Student's t. The interval around
+the difference is widened by sqrt(n/(n-1)) * t(df)/z for that reason (n = the fewer repeats of the
+two; df = n_a + n_b - 2), which keeps the false "significant" rate near 5 % at 3 repeats
+(perf/tune_verdicts.py measures it).
+"""
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Sequence
+
+BETTER, WORSE, SAME = "better", "worse", "no significant difference"
+Z975 = 1.959964
+# Student's t, two-sided 95 %, by degrees of freedom (1-30); beyond 30 the normal quantile is close.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+# How a repeat's replicate is made from its resampled requests:
+SCALED = "scaled"  # the repeat's value times mean(resampled) / mean(all): throughput from per-request tok/s
+MEAN = "mean"  # the mean of the resampled requests (tok/s per user)
+MEDIAN = "median"  # the median of the resampled requests (TTFT, TPOT medians)
+MAX_REQUESTS = 400  # per repeat in a replicate: more adds time, not accuracy
+
+
+@dataclass
+class Repeat:
+    """One repeat's figure and the per-request figures behind it (empty: the value alone is resampled)."""
+
+    value: float
+    requests: Sequence[float] = field(default_factory=tuple)
+
+
+@dataclass
+class Estimate:
+    """A variant's figure: the median of its repeats and a 95 % interval of the mean over repeats."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+
+@dataclass
+class Comparison:
+    """A variant against the baseline: the difference (variant - baseline), absolute and relative, with
+    95 % intervals, and the verdict for a metric where `higher_is_better` (or lower, for latencies)."""
+
+    diff: float
+    low: float
+    high: float
+    rel: float | None  # difference / baseline, as a fraction
+    rel_low: float | None
+    rel_high: float | None
+    verdict: str
+
+
+def t975(df: int) -> float:
+    return T975[df - 1] if 1 <= df <= len(T975) else Z975
+
+
+def widening(n_a: int, n_b: int) -> float:
+    """How much wider than the percentile interval the reported one is (see the module's docstring)."""
+    n = min(n_a, n_b)
+    if n < 2:
+        return 1.0
+    return math.sqrt(n / (n - 1)) * t975(n_a + n_b - 2) / Z975
+
+
+def _replicate_repeat(repeat: Repeat, kind: str, rng: random.Random) -> float:
+    reqs = repeat.requests
+    if not reqs:
+        return repeat.value
+    if len(reqs) > MAX_REQUESTS:
+        reqs = reqs[:: math.ceil(len(reqs) / MAX_REQUESTS)]
+    pick = rng.choices(reqs, k=len(reqs))
+    if kind == MEDIAN:
+        return statistics.median(pick)
+    mean = math.fsum(pick) / len(pick)
+    if kind == MEAN:
+        return mean
+    base = math.fsum(reqs) / len(reqs)
+    return repeat.value * mean / base if base else repeat.value
+
+
+def _center(repeats: Sequence[Repeat]) -> float:
+    return math.fsum(r.value for r in repeats) / len(repeats)
+
+
+def replicates(repeats: Sequence[Repeat], kind: str, n_boot: int, rng: random.Random) -> list[float]:
+    """Bootstrap replicates of the mean over repeats (repeats, then requests inside each, resampled)."""
+    out = []
+    n = len(repeats)
+    for _ in range(n_boot):
+        picked = [repeats[rng.randrange(n)] for _ in range(n)]
+        out.append(math.fsum(_replicate_repeat(r, kind, rng) for r in picked) / n)
+    return out
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    rank = (len(sorted_values) - 1) * q
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+def _interval(center: float, reps: list[float], widen: float) -> tuple[float, float]:
+    ordered = sorted(reps)
+    mean = math.fsum(ordered) / len(ordered)
+    return (center + widen * (_quantile(ordered, 0.025) - mean), center + widen * (_quantile(ordered, 0.975) - mean))
+
+
+def estimate(repeats: Sequence[Repeat], kind: str = SCALED, n_boot: int = 2000, seed: int = 0) -> Estimate | None:
+    """The median of the repeats and a 95 % interval of their mean; None without repeats."""
+    repeats = [r for r in repeats if r.value is not None]
+    if not repeats:
+        return None
+    rng = random.Random(seed)
+    low, high = _interval(_center(repeats), replicates(repeats, kind, n_boot, rng), widening(len(repeats), len(repeats)))
+    return Estimate(median=statistics.median(r.value for r in repeats), low=low, high=high, n=len(repeats))
+
+
+def compare(baseline: Sequence[Repeat], variant: Sequence[Repeat], kind: str = SCALED, higher_is_better: bool = True,
+            n_boot: int = 2000, seed: int = 0) -> Comparison | None:
+    """The variant's difference from the baseline with its 95 % interval and the verdict; None when
+    either side has no repeat. The verdict is "better"/"worse" only when the interval excludes zero."""
+    baseline = [r for r in baseline if r.value is not None]
+    variant = [r for r in variant if r.value is not None]
+    if not baseline or not variant:
+        return None
+    rng = random.Random(seed)
+    reps_b = replicates(baseline, kind, n_boot, rng)
+    reps_v = replicates(variant, kind, n_boot, rng)
+    center_b, center_v = _center(baseline), _center(variant)
+    diff = center_v - center_b
+    low, high = _interval(diff, [v - b for v, b in zip(reps_v, reps_b)], widening(len(baseline), len(variant)))
+    if low > 0:
+        verdict = BETTER if higher_is_better else WORSE
+    elif high < 0:
+        verdict = WORSE if higher_is_better else BETTER
+    else:
+        verdict = SAME
+    rel = rel_low = rel_high = None
+    if center_b:
+        rels = sorted(v / b - 1 for v, b in zip(reps_v, reps_b) if b)
+        if rels:
+            rel = center_v / center_b - 1
+            rel_low, rel_high = _interval(rel, rels, widening(len(baseline), len(variant)))
+    return Comparison(diff=diff, low=low, high=high, rel=rel, rel_low=rel_low, rel_high=rel_high, verdict=verdict)
+
+
+def pareto(points: Sequence[tuple[str, float, float]]) -> list[str]:
+    """Names of the points (name, x, y) that no other point beats on both x and y (higher is better)."""
+    front = []
+    for name, x, y in points:
+        if not any((ox >= x and oy >= y) and (ox > x or oy > y) for _, ox, oy in points):
+            front.append(name)
+    return front

@@ -1,0 +1,109 @@
+// Study page: the variant × level matrix fills in as trials finish; verdicts, Pareto view and winner
+// once results exist; the variant being loaded or measured shows its load progress and live tok/s.
+(function () {
+  const S = window.STUDY;
+  let study = JSON.parse(document.getElementById("initial").textContent);
+  let runTopic = null;
+  const esc = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
+  const fmt = (v, d = 1) => (v == null ? "—" : Number(v).toLocaleString(undefined, { maximumFractionDigits: d, minimumFractionDigits: d }));
+  const pct = (v) => (v == null ? "—" : (v >= 0 ? "+" : "") + (100 * v).toFixed(1) + " %");
+  const el = (id) => document.getElementById(id);
+  const paretoEl = el("chart-pareto");
+  const pareto = new uPlot({ width: Math.max(300, paretoEl.clientWidth), height: 240, mode: 2,
+    scales: { x: { time: false } }, series: [{}, { label: "variants", stroke: "#2563eb", points: { size: 8, fill: "#2563eb" }, paths: () => null }],
+    axes: [{ label: "total tok/s" }, { label: "tok/s per user", size: 60 }] }, [null, [[], []]], paretoEl);
+  window.studyView = { pareto, cells: () => document.querySelectorAll("#matrix span[data-tok-s]").length };
+
+  function matrix() {
+    const levels = study.levels;
+    el("matrix").querySelector("thead").innerHTML = "<tr><th>Variant</th>" + levels.map((c) => `<th class="num">c=${c}</th>`).join("") + "<th>Trials</th></tr>";
+    el("matrix").querySelector("tbody").innerHTML = study.variants.map((v) => {
+      const trials = study.trials.filter((t) => t.variant === v.id);
+      const cells = levels.map((c) => `<td class="num">` + trials.map((t) => {
+        const p = t.points[String(c)];
+        if (p && t.status === "done") return `<span data-tok-s="${p.tok_s}" data-repeat="${t.repeat}">${fmt(p.tok_s, 0)}</span>`;
+        return `<span class="muted" title="${esc(t.error)}">${t.status === "pending" ? "·" : t.status === "skipped" ? "–" : t.status === "failed" ? "✗" : "…"}</span>`;
+      }).join(" ") + "</td>");
+      const flags = [...Object.entries(v.env).map(([k, x]) => `${k}=${x}`), ...Object.entries(v.engine_args).map(([k, x]) => `--${k} ${x}`)].join(" ");
+      const debug = v.debug_vars.length ? ` <span class="badge failed" title="NCCL's documentation lists these for debugging, not production">debug: ${esc(v.debug_vars.join(", "))}</span>` : "";
+      return `<tr data-variant="${v.id}"><td><strong>${esc(v.name)}</strong>${v.is_baseline ? " (baseline)" : ""}${debug}<div class="muted">${esc(flags)}</div>` +
+        (v.failed ? `<div class="errorlist">failed: ${esc(v.failed)}</div>` : "") + `</td>${cells.join("")}` +
+        `<td>${trials.filter((t) => !["pending", "deploying", "benchmarking"].includes(t.status)).length}/${trials.length}</td></tr>`;
+    }).join("");
+    const runs = study.trials.filter((t) => t.run && t.status === "done").map((t) => t.run);
+    el("compare-runs").href = "/benchmarks/compare/?runs=" + runs.slice(0, 12).join(",");
+  }
+
+  function verdicts() {
+    const r = study.results;
+    const body = el("verdicts").querySelector("tbody");
+    if (!r) { body.innerHTML = `<tr><td colspan="5" class="muted">Once the study has finished.</td></tr>`; return; }
+    const rows = [];
+    for (const v of r.variants) {
+      for (const [key, est] of Object.entries(v.estimates)) {
+        if (!est) continue;
+        const [metric, level] = key.split("@");
+        const cmp = v.comparisons[key];
+        const label = (r.metrics[metric] || metric) + (level ? ` at c=${level}` : "");
+        rows.push(`<tr data-variant="${v.id}" data-key="${key}"><td>${esc(v.name)}</td><td>${esc(label)}</td>` +
+          `<td class="num">${fmt(est.median)} [${fmt(est.low)}, ${fmt(est.high)}]</td>` +
+          `<td class="num">${cmp ? `${pct(cmp.rel)} [${pct(cmp.rel_low)}, ${pct(cmp.rel_high)}]` : "—"}</td>` +
+          `<td class="verdict">${cmp ? esc(cmp.verdict) : v.is_baseline ? "baseline" : "—"}</td></tr>`);
+      }
+      if (v.failed) rows.push(`<tr data-variant="${v.id}"><td>${esc(v.name)}</td><td colspan="3" class="errorlist">${esc(v.failed)}</td><td class="verdict">failed</td></tr>`);
+    }
+    body.innerHTML = rows.join("");
+    const points = r.pareto || [];
+    pareto.setData([null, [points.map((p) => p.total), points.map((p) => p.per_user)]]);
+    el("pareto").querySelector("tbody").innerHTML = points.map((p) => `<tr><td>${esc(p.name)}</td><td class="num">${p.level}</td>` +
+      `<td class="num">${fmt(p.total)}</td><td class="num">${fmt(p.per_gpu)}</td><td class="num">${fmt(p.per_user, 2)}</td><td>${p.front ? "★" : ""}</td></tr>`).join("");
+    const winner = r.variants.find((v) => v.id === r.winner);
+    el("winner").textContent = winner ? `${winner.name}: ${r.winner_why}` : r.winner_why || "—";
+    const form = el("apply-form");
+    if (form && ["done", "cancelled", "failed"].includes(study.status)) {
+      form.hidden = false;
+      const select = el("apply-variant");
+      select.innerHTML = r.variants.filter((v) => !v.failed).map((v) => `<option value="${v.id}" ${v.id === r.winner ? "selected" : ""}>${esc(v.name)}${v.id === r.winner ? " (winner)" : ""}</option>`).join("");
+      const warn = () => {
+        const v = r.variants.find((x) => String(x.id) === select.value);
+        const names = v ? v.debug_vars : [];
+        el("debug-warning").hidden = el("confirm-label").hidden = !names.length;
+        el("debug-warning").textContent = names.length ? `${v.name} sets ${names.join(", ")}: NCCL's documentation lists these for debugging, not for production.` : "";
+      };
+      select.onchange = warn;
+      warn();
+    }
+  }
+
+  function status() {
+    const badge = el("study-status");
+    badge.textContent = study.status_display;
+    badge.className = "badge " + study.status;
+    el("study-error").textContent = study.error || "";
+    el("progress").textContent = `${study.trials_done} / ${study.trials_total} trials` + (study.pause_requested ? " · pausing after this trial" : "") + (study.cancel_requested ? " · cancelling" : "");
+    document.querySelectorAll("#controls form[data-when]").forEach((f) => { f.hidden = !f.dataset.when.split(" ").includes(study.status); });
+    const c = study.current;
+    if (!c) { el("now").textContent = ["finishing"].includes(study.status) ? "restoring the deployment" : "—"; return; }
+    const v = study.variants.find((x) => x.id === c.variant);
+    el("now").dataset.variant = v ? v.name : "";
+    if (c.status === "deploying" && !el("now").textContent.startsWith(v.name)) el("now").textContent = `${v.name}: redeploying…`;
+    if (c.run && runTopic !== "run:" + c.run) {
+      runTopic = "run:" + c.run;
+      const topic = runTopic;
+      Live.subscribe(topic, (msg) => {
+        if (msg.kind !== "tick" || runTopic !== topic || !study.current) return;
+        el("now").textContent = `${v.name}: concurrency ${msg.data.concurrency}, ${fmt(msg.data.tok_s)} tok/s, ${msg.data.completed} done`;
+      });
+    }
+  }
+
+  function draw() { status(); matrix(); verdicts(); }
+  draw();
+  Live.subscribe("study:" + S.id, (msg) => { if (msg.kind === "study") { study = msg.data; draw(); } });
+  Live.subscribe("deployment:" + S.deployment, (msg) => {
+    if (msg.kind !== "status" || !study.current || study.current.status !== "deploying") return;
+    const v = study.variants.find((x) => x.id === study.current.variant);
+    const d = msg.data;
+    el("now").textContent = `${v ? v.name : ""}: ${d.status_display}` + (d.status === "loading" ? ` · ${d.load_phase || "starting"} ${fmt(d.load_percent || 0, 0)} %` : "");
+  });
+})();

@@ -1,0 +1,236 @@
+"""Tuning studies: validation before anything starts, the step-by-step state machine (the node side
+is played by setting rows as the plan and the run would), failures, agent restarts, pause, cancel,
+apply, and the API's roles. The real engine runs them in tests/e2e/test_tune.py."""
+import random
+from datetime import timedelta
+from unittest import mock
+
+import pytest
+from celery.app.task import Task
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from benchmarks import studies, studyresults
+from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial
+from controlpanel.errors import ServiceError
+from deployments.models import Deployment, DeploymentEvent
+from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+FLAGS = ["--max-num-seqs", "--max-model-len", "--enforce-eager", "--served-model-name", "--port", "--host"]
+WORKLOAD = {"levels": [1, 4], "max_tokens": 16, "requests_per_user": 1, "min_requests": 4}
+
+
+@pytest.fixture
+def sent():
+    with mock.patch.object(Task, "apply_async", autospec=True) as apply_async:
+        yield apply_async
+
+
+@pytest.fixture
+def d(sent):
+    node = NodeFactory(name="cpu-01", engine_flags=FLAGS, agent_pid=100)
+    copy = ModelCopyFactory(node=node)
+    return DeploymentFactory(node=node, model=copy.model, status="ready", engine_args={"max-num-seqs": 16},
+                             env={"VLLM_CPU_KVCACHE_SPACE": "1"}, ready_at=timezone.now() - timedelta(hours=1))
+
+
+def make(d, variants=None, repeats=2, **kw):
+    variants = variants or [{"name": "one seq", "engine_args": {"max-num-seqs": 1}, "env": {}}]
+    return studies.study_create(deployment=d, variants=variants, workload=WORKLOAD, repeats=repeats, **kw)
+
+
+def comes_up(d):
+    """The plan on the node: the engine loaded, the API answers, the smoke test ended."""
+    now = timezone.now()
+    DeploymentEvent.objects.create(deployment=d, step="load", started=now, ended=now,
+                                   data={"totals": {"process": 2.0, "weights": 3.0, "smoke_test": 0.5}})
+    DeploymentEvent.objects.create(deployment=d, step="smoke_test", started=now, ended=now)
+    Deployment.objects.filter(pk=d.pk).update(status="ready", ready_at=now)
+
+
+def measured(run, tok_s, seed=0):
+    """The run on the node: each level done, with per-request samples."""
+    rng = random.Random(seed)
+    for c in WORKLOAD["levels"]:
+        per_request = [tok_s * (1 + rng.uniform(-0.02, 0.02)) for _ in range(8)]
+        BenchmarkPoint.objects.create(run=run, concurrency=c, output_throughput=tok_s * c, tok_s_per_user=tok_s,
+                                      ttft_ms={"median": 10.0, "p95": 12.0}, tpot_ms={"median": 1000 / tok_s},
+                                      samples={"tok_s": per_request, "ttft_ms": [10.0] * 8, "tpot_ms": [1000 / tok_s] * 8})
+    now = timezone.now()
+    BenchmarkRun.objects.filter(pk=run.pk).update(status="done", started=now, finished=now)
+
+
+def step(study):
+    return studies.study_step(study.pk)
+
+
+def current(study):
+    return study.trials.filter(status__in=StudyTrial.OPEN).select_related("variant").first()
+
+
+def run_through(study, d, speed):
+    """Play the node's side until the study leaves RUNNING; `speed` maps a variant name to its tok/s."""
+    for _ in range(100):
+        study = step(study)
+        if study.status != "running":
+            return study
+        trial = current(study)
+        row = Deployment.objects.get(pk=d.pk)
+        if trial and trial.status == "deploying" and row.status == "queued":
+            if trial.variant.engine_args.get("max-num-seqs") == "oops":
+                Deployment.objects.filter(pk=d.pk).update(status="failed", status_message="The engine exited while "
+                                                          "loading: invalid int value: 'oops'", stopped_at=timezone.now())
+            else:
+                comes_up(d)
+        elif trial and trial.status == "benchmarking":
+            measured(trial.run, speed[trial.variant.name], seed=trial.pk)
+    raise AssertionError("the study did not finish")
+
+
+def test_a_study_counts_its_trials_and_estimates_from_the_deployments_last_load(d):
+    comes_up(d)
+    study = make(d, variants=None, repeats=3)
+    assert study.trials.count() == 6 and study.variants.count() == 2
+    assert list(study.trials.values_list("variant__position", "repeat")) == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
+    ready_s, _, basis = studyresults.past_times(d, study.workload)
+    assert ready_s == 5.5 and "its last load" in basis
+    assert study.estimate_s > 7 * ready_s
+
+
+def test_dimensions_make_every_combination_with_env_and_flags_told_apart():
+    variants = studies.expand_variants([], {"NCCL_PROTO": ["LL", "Simple"], "--max-num-seqs": [8, 16, 32]})
+    assert len(variants) == 6
+    assert variants[0] == {"name": "NCCL_PROTO=LL, --max-num-seqs 8", "engine_args": {"max-num-seqs": 8},
+                           "env": {"NCCL_PROTO": "LL"}}
+
+
+def test_random_blocks_run_each_variant_once_per_block():
+    order = studies.schedule(4, 3, "random_blocks", seed=7)
+    for block in range(3):
+        assert sorted(v for v, r in order[block * 4:(block + 1) * 4]) == [0, 1, 2, 3]
+        assert {r for _, r in order[block * 4:(block + 1) * 4]} == {block + 1}
+
+
+def test_unknown_flags_and_disallowed_env_are_refused_before_anything_starts(d):
+    with pytest.raises(ServiceError, match="unknown engine flag --max-num-seq"):
+        make(d, variants=[{"name": "typo", "engine_args": {"max-num-seq": 1}, "env": {}}])
+    with pytest.raises(ServiceError, match="not allowed"):
+        make(d, variants=[{"name": "env", "engine_args": {}, "env": {"LD_PRELOAD": "x"}}])
+    assert not Study.objects.exists() and Deployment.objects.get(pk=d.pk).status == "ready"
+
+
+def test_a_study_runs_interleaved_trials_judges_them_and_restores_the_baseline(d):
+    study = make(d)
+    study = run_through(study, d, {"baseline": 100.0, "one seq": 20.0})
+    assert study.status == "finishing"
+    trials = list(study.trials.select_related("variant"))
+    assert [t.variant.name for t in trials] == ["baseline", "one seq", "baseline", "one seq"]
+    assert all(t.status == "done" and t.startup["weights"] == 3.0 and t.overhead_s is not None for t in trials)
+    one = next(r for r in study.results["variants"] if r["name"] == "one seq")
+    assert one["comparisons"]["throughput@4"]["verdict"] == "worse"
+    assert one["comparisons"]["ttft_median_ms@4"]["verdict"] == "no significant difference"
+    assert study.results["winner"] == study.variants.get(is_baseline=True).pk
+    # The last trial left --max-num-seqs 1: the baseline is redeployed, and the study ends once it runs.
+    assert Deployment.objects.get(pk=d.pk).engine_args == {"max-num-seqs": 16}
+    comes_up(d)
+    assert step(study).status == "done"
+
+
+def test_a_variant_that_fails_to_start_is_recorded_and_the_study_goes_on(d):
+    study = make(d, variants=[{"name": "bad", "engine_args": {"max-num-seqs": "oops"}, "env": {}},
+                              {"name": "more", "engine_args": {"max-num-seqs": 32}, "env": {}}])
+    study = run_through(study, d, {"baseline": 100.0, "more": 150.0})
+    bad = study.variants.get(name="bad")
+    assert "invalid int value" in bad.failed
+    assert list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped"]
+    more = next(r for r in study.results["variants"] if r["name"] == "more")
+    assert more["comparisons"]["throughput@4"]["verdict"] == "better"
+    assert study.results["winner"] == study.variants.get(name="more").pk
+
+
+def test_a_run_left_by_a_killed_agent_is_abandoned_and_the_trial_run_again(d):
+    study = make(d)
+    step(study)
+    comes_up(d)
+    study = step(study)
+    trial = current(study)
+    assert trial.status == "benchmarking"
+    run_id = trial.run_id
+    type(d.node).objects.filter(pk=d.node_id).update(agent_pid=200)  # a new agent registered
+    step(study)
+    trial.refresh_from_db()
+    assert trial.status == "pending" and trial.attempts == 1 and "agent restarted" in trial.error
+    assert BenchmarkRun.objects.get(pk=run_id).status == "failed"
+    step(study)
+    trial.refresh_from_db()
+    assert trial.status == "deploying" and trial.attempts == 2
+
+
+def test_pause_waits_for_the_trial_in_progress_and_resume_continues(d):
+    study = make(d)
+    step(study)
+    studies.study_pause(study)
+    comes_up(d)
+    study = step(study)  # the trial in progress goes on: its run starts
+    measured(current(study).run, 100.0)
+    study = step(study)
+    assert study.status == "running"
+    study = step(study)
+    assert study.status == "paused" and current(study).status == "pending"
+    with pytest.raises(ServiceError):
+        studies.study_pause(study)
+    studies.study_resume(study)
+    study = step(study)
+    assert study.status == "running" and current(study).status == "deploying"
+
+
+def test_cancel_stops_the_run_in_progress_and_ends_with_the_baseline(d):
+    study = make(d)
+    step(study)
+    comes_up(d)
+    study = step(study)
+    run = current(study).run
+    studies.study_cancel(study)
+    study = step(study)
+    assert study.status == "finishing" and BenchmarkRun.objects.get(pk=run.pk).cancel_requested
+    BenchmarkRun.objects.filter(pk=run.pk).update(status="cancelled", finished=timezone.now())
+    step(study)
+    step(study)  # baseline settings and ready: nothing to redeploy
+    study.refresh_from_db()
+    assert study.status == "cancelled"
+    assert list(study.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped", "skipped"]
+
+
+def test_applying_a_winner_that_sets_an_nccl_debug_variable_asks_for_confirmation(d):
+    operator = UserFactory(role="operator")
+    study = make(d, variants=[{"name": "LL", "engine_args": {}, "env": {"NCCL_PROTO": "LL"}}], repeats=1)
+    Study.objects.filter(pk=study.pk).update(status="done")
+    variant = study.variants.get(name="LL")
+    api = APIClient()
+    api.force_authenticate(operator)
+    answer = api.post(f"/api/studies/{study.pk}/apply/", {"variant": variant.pk}, format="json")
+    assert answer.status_code == 409 and "NCCL_PROTO" in answer.json()["error"]["message"]
+    answer = api.post(f"/api/studies/{study.pk}/apply/", {"variant": variant.pk, "confirm_debug": True}, format="json")
+    assert answer.status_code == 202
+    row = Deployment.objects.get(pk=d.pk)
+    assert row.status == "queued" and row.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "NCCL_PROTO": "LL"}
+
+
+def test_the_api_lets_operators_start_studies_and_viewers_only_watch(d):
+    body = {"deployment": d.pk, "variants": [{"engine_args": {"max-num-seqs": 1}}], "workload": WORKLOAD, "repeats": 2}
+    viewer, operator = APIClient(), APIClient()
+    viewer.force_authenticate(UserFactory(role="viewer"))
+    operator.force_authenticate(UserFactory(role="operator"))
+    assert viewer.post("/api/studies/", body, format="json").status_code == 403
+    preview = operator.post("/api/studies/preview/", body, format="json")
+    assert preview.status_code == 200 and preview.json()["trials"] == 4 and preview.json()["variants"] == 2
+    bad = operator.post("/api/studies/", {**body, "variants": [{"engine_args": {"max-num-seq": 1}}]}, format="json")
+    assert bad.status_code == 400 and "unknown engine flag" in bad.json()["error"]["message"]
+    created = operator.post("/api/studies/", body, format="json")
+    assert created.status_code == 202
+    shown = viewer.get(f"/api/studies/{created.json()['id']}/").json()
+    assert shown["live"]["trials_total"] == 4 and shown["live"]["variants"][1]["name"] == "--max-num-seqs 1"
+    assert viewer.post(f"/api/studies/{created.json()['id']}/cancel/").status_code == 403
+    again = operator.post("/api/studies/", body, format="json")
+    assert again.status_code == 409

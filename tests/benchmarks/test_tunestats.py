@@ -1,0 +1,103 @@
+"""The statistics of tuning studies on synthetic samples whose answers are known (no Django)."""
+import math
+import random
+
+import pytest
+
+from benchmarks import tunestats
+from benchmarks.runner.spec import RequestRecord
+from benchmarks.runner.stats import request_samples
+from benchmarks.tunestats import BETTER, SAME, WORSE, Repeat
+
+
+def noisy(center: float, n: int, spread: float, rng: random.Random) -> list[float]:
+    return [center * (1 + rng.uniform(-spread, spread)) for _ in range(n)]
+
+
+def repeats_of(values_per_repeat: list[list[float]]) -> list[Repeat]:
+    """Repeats whose value is their requests' mean (as throughput follows the mean per-request speed)."""
+    return [Repeat(sum(v) / len(v), tuple(v)) for v in values_per_repeat]
+
+
+def test_identical_constant_repeats_give_a_zero_width_interval_and_no_significant_difference():
+    same = [Repeat(100.0), Repeat(100.0), Repeat(100.0)]
+    est = tunestats.estimate(same)
+    assert (est.median, est.low, est.high, est.n) == (100.0, 100.0, 100.0, 3)
+    cmp = tunestats.compare(same, list(same))
+    assert cmp.diff == 0 and cmp.low == 0 == cmp.high and cmp.verdict == SAME and cmp.rel == 0
+
+
+def test_a_variant_twice_as_fast_is_better_by_about_100_percent():
+    rng = random.Random(1)
+    base = repeats_of([noisy(100, 30, 0.05, rng) for _ in range(3)])
+    fast = repeats_of([noisy(200, 30, 0.05, rng) for _ in range(3)])
+    cmp = tunestats.compare(base, fast)
+    assert cmp.verdict == BETTER
+    assert cmp.low > 0 and cmp.rel_low > 0.8 and cmp.rel_high < 1.2 and cmp.rel == pytest.approx(1.0, abs=0.05)
+    assert tunestats.compare(fast, base).verdict == WORSE
+
+
+def test_for_a_latency_lower_is_better():
+    rng = random.Random(2)
+    slow = [Repeat(v) for v in noisy(80, 3, 0.01, rng)]
+    quick = [Repeat(v) for v in noisy(40, 3, 0.01, rng)]
+    assert tunestats.compare(slow, quick, higher_is_better=False).verdict == BETTER
+    assert tunestats.compare(quick, slow, higher_is_better=False).verdict == WORSE
+
+
+def test_the_median_of_repeats_is_reported_and_the_interval_holds_the_mean():
+    est = tunestats.estimate([Repeat(1.0), Repeat(2.0), Repeat(10.0)])
+    assert est.median == 2.0
+    assert est.low < 13 / 3 < est.high
+
+
+def test_a_median_metric_resamples_the_requests_median():
+    # One repeat, requests 1..99: the median is 50 and its bootstrap interval is about ±1.96·sqrt(n)/2 ranks.
+    est = tunestats.estimate([Repeat(50.0, tuple(float(i) for i in range(1, 100)))], kind=tunestats.MEDIAN)
+    assert est.median == 50.0
+    assert 35 < est.low < 50 < est.high < 65
+
+
+def test_the_interval_is_widened_for_few_repeats_as_students_t_says():
+    assert tunestats.widening(3, 3) == pytest.approx(math.sqrt(1.5) * 2.776 / 1.959964, rel=1e-4)
+    assert tunestats.widening(1, 5) == 1.0
+    assert tunestats.widening(100, 100) == pytest.approx(math.sqrt(100 / 99), rel=1e-3)
+
+
+def test_identical_variants_are_rarely_called_different_and_a_clear_difference_is_found():
+    """Across seeded synthetic studies (3 repeats, requests with ±5 % jitter), the false "significant" rate
+    of identical variants stays near the 5 % the interval promises, and a 10 % difference is always found."""
+    rng = random.Random(3)
+    false = found = 0
+    studies = 60
+    for i in range(studies):
+        a = repeats_of([noisy(100, 16, 0.05, rng) for _ in range(3)])
+        b = repeats_of([noisy(100, 16, 0.05, rng) for _ in range(3)])
+        c = repeats_of([noisy(110, 16, 0.05, rng) for _ in range(3)])
+        false += tunestats.compare(a, b, n_boot=300, seed=i).verdict != SAME
+        found += tunestats.compare(a, c, n_boot=300, seed=i).verdict == BETTER
+    assert false <= studies * 0.1
+    assert found == studies
+
+
+def test_missing_repeats_give_no_answer_rather_than_a_wrong_one():
+    assert tunestats.estimate([]) is None
+    assert tunestats.compare([], [Repeat(1.0)]) is None
+
+
+def test_the_pareto_front_keeps_points_nothing_beats_on_both_axes():
+    points = [("a", 100, 10), ("b", 200, 5), ("c", 150, 4), ("d", 50, 12), ("e", 100, 9)]
+    assert tunestats.pareto(points) == ["a", "b", "d"]
+
+
+def test_per_request_samples_come_from_the_records():
+    def record(start, first, last, tokens):
+        return RequestRecord(index=0, start=start, chunk_times=[first, last], output_tokens=tokens, success=True)
+
+    samples = request_samples([record(0.0, 0.1, 1.1, 101), record(0.0, 0.2, 0.7, 51),
+                               RequestRecord(index=2, success=False)])
+    assert samples["tok_s"] == [101.0, 102.0]
+    assert samples["ttft_ms"] == [100.0, 200.0]
+    assert samples["tpot_ms"] == [10.0, 10.0]
+    many = request_samples([record(0.0, 0.1, 1.1, 101)] * 5000)
+    assert len(many["tok_s"]) == 1667 and len(many["tok_s"]) <= 2000

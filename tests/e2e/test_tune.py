@@ -1,0 +1,82 @@
+"""A tuning study end to end on the real CPU engine, started through the REST API and driven by a real
+node agent: --max-num-seqs 16 against a baseline of 1 at concurrency 16 is "better", a variant identical
+to the baseline shows "no significant difference", a variant with an invalid flag value is recorded as
+failed while the study finishes, and the agent killed (SIGKILL) while a variant loads resumes the study.
+
+One study covers the four, so the engine loads as few times as it can (each load takes ~30 s here)."""
+import os
+import signal
+
+import pytest
+from rest_framework.test import APIClient
+
+from benchmarks.models import Study, StudyTrial
+from deployments.models import Deployment, Node
+from deployments.services import deploys
+from tests.conftest import agent_argv, free_port, in_thread, wait_until
+from tests.factories import UserFactory
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+# Short answers, no warmup, 16 requests at concurrency 16: about a second per trial at --max-num-seqs 1.
+WORKLOAD = {"levels": [16], "max_tokens": 32, "input_tokens": 32, "requests_per_user": 1, "min_requests": 16,
+            "warmup_per_user": 0}
+
+
+def settled(d, states=("ready", "failed")):
+    return wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status in states and row, timeout=300,
+                      interval=0.5, message=f"deployment {d.pk} to be {' or '.join(states)}")
+
+
+def restart_agent(spawn, env, node, tmp_path):
+    """SIGKILL the node agent (its engines live on in their own sessions) and start a new one."""
+    old = Node.objects.get(pk=node.pk).agent_pid
+    os.killpg(old, signal.SIGKILL)
+    spawn(agent_argv(node.name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=f"{node.name}-again")
+    wait_until(lambda: Node.objects.get(pk=node.pk).agent_pid not in (None, old), timeout=90, interval=0.5,
+               message="the new agent to register")
+
+
+def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent_kill(
+        process_env, spawn, unique, tmp_path, tiny_model):
+    from tests.e2e.conftest import start_cpu_node
+
+    node, model, env = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
+    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(), preset="auto",
+                  engine_args={"served-model-name": "tiny", "max-num-seqs": 1}, env={})
+    assert settled(d).status == "ready"
+    api = APIClient()
+    api.force_authenticate(UserFactory(role="operator"))
+    body = {"deployment": d.pk, "repeats": 2, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 16},
+            "variants": [{"name": "sixteen", "engine_args": {"max-num-seqs": 16}},
+                         {"name": "same", "engine_args": {"max-num-seqs": 1}},
+                         {"name": "bad", "engine_args": {"dtype": "no-such-dtype"}}]}
+    unknown = api.post("/api/studies/", {**body, "variants": [{"engine_args": {"max-num-seqz": 4}}]}, format="json")
+    assert unknown.status_code == 400 and "unknown engine flag --max-num-seqz" in unknown.json()["error"]["message"]
+    created = api.post("/api/studies/", body, format="json")
+    assert created.status_code == 202, created.content
+    study = Study.objects.get(pk=created.json()["id"])
+
+    # The second trial ("sixteen", repeat 1) loading: the agent is killed and started again.
+    wait_until(lambda: study.trials.filter(position=1, status="deploying").exists()
+               and Deployment.objects.get(pk=d.pk).status == "loading", timeout=300, interval=0.2,
+               message="the second trial to be loading")
+    restart_agent(spawn, env, node, tmp_path)
+
+    study = wait_until(lambda: (row := Study.objects.get(pk=study.pk)).status in Study.TERMINAL and row, timeout=900,
+                       interval=1, message="the study to finish")
+    assert study.status == "done", study.error
+    verdicts = {r["name"]: r["comparisons"].get("throughput@16", {}).get("verdict") for r in study.results["variants"]}
+    assert verdicts["sixteen"] == "better"
+    assert verdicts["same"] == "no significant difference"
+    bad = study.variants.get(name="bad")
+    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped"]
+    good = study.trials.exclude(variant=bad)
+    assert set(good.values_list("status", flat=True)) == {StudyTrial.Status.DONE}
+    assert all(t.run.points.get(concurrency=16).samples["tok_s"] for t in good)
+    assert good.exclude(startup={}).exists()  # phases of a load the agent was not killed in
+    assert study.results["winner"] == study.variants.get(name="sixteen").pk
+    # The end: the deployment runs the baseline's settings again.
+    row = settled(d, ("ready",))
+    assert row.engine_args["max-num-seqs"] == 1 and "dtype" not in row.engine_args
+    shown = api.get(f"/api/studies/{study.pk}/").json()
+    assert shown["live"]["trials_done"] == 8 and shown["status"] == "done"

@@ -1,0 +1,74 @@
+"""The study page in a real browser: an operator counts and starts a study in the form, watches the
+variant × level matrix fill in live, reads the verdicts, and applies a winner that sets an NCCL
+debugging variable only after confirming. A real node agent drives it with tests/faults' fake vLLM
+(loads in half a second, streams tokens), so the page, not the engine, is what is tested here."""
+import json
+
+import pytest
+from playwright.sync_api import expect
+
+from benchmarks.models import Study
+from deployments.models import Deployment
+from deployments.services import deploys
+from tests.conftest import free_port, in_thread, wait_until
+from tests.faults.conftest import Agent, add_fake_model, agent_env, set_load, stop_leftover_engines
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def fake_deployment(process_env, spawn, unique, tmp_path):
+    folder = tmp_path / "fake-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                    "hidden_size": 64, "num_hidden_layers": 2,
+                                                    "num_attention_heads": 2, "vocab_size": 256}))
+    set_load(folder, 0.5)
+    agent = Agent(spawn, agent_env(process_env, tmp_path), f"tune-{unique}", tmp_path / "store")
+    node = agent.start()
+    model = in_thread(add_fake_model, node, folder)
+    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
+                  engine_args={"served-model-name": "fake", "max-num-seqs": 4}, env={}, name=f"fake-{unique}")
+    wait_until(lambda: Deployment.objects.get(pk=d.pk).status == "ready", timeout=60, message="the fake deployment")
+    yield d
+    stop_leftover_engines(tmp_path)
+
+
+def test_a_study_started_on_the_page_fills_its_matrix_live_and_applies_a_winner_with_confirmation(
+        logged_in_page, fake_deployment):
+    page, d = logged_in_page, fake_deployment
+    page.goto(f"{page.base_url}/benchmarks/studies/")
+    page.select_option("#id_deployment", str(d.pk))
+    page.fill("#id_dimensions", "NCCL_PROTO=LL,Simple")
+    page.fill("#id_levels", "1,4")
+    page.fill("#id_max_tokens", "16")
+    page.fill("#id_requests_per_user", "2")
+    page.fill("#id_repeats", "2")
+    page.click("#preview-button")
+    expect(page.locator("#preview")).to_contain_text("3 variants")
+    expect(page.locator("#preview")).to_contain_text("6 trials")
+    page.click("#start")
+    expect(page.locator("h1")).to_contain_text("tuning")
+    study = Study.objects.latest("pk")
+    cells = lambda: page.evaluate("window.studyView.cells()")  # noqa: E731
+    wait_until(lambda: cells() >= 2, timeout=120, message="the first trial's levels in the matrix")
+    first = cells()
+    assert first < 12  # 3 variants x 2 levels x 2 repeats: it fills in as trials land, not at the end
+    expect(page.locator("#study-status")).to_have_text("Done", timeout=180_000)
+    assert cells() == 12
+    expect(page.locator("#verdicts tbody tr").first).to_be_visible()
+    verdicts = page.locator("#verdicts td.verdict").all_inner_texts()
+    assert {"better", "worse", "no significant difference"} & set(verdicts)
+    expect(page.locator("#pareto tbody tr")).to_have_count(6)
+    # Apply NCCL_PROTO=LL: it is a debugging variable, so the page asks for a confirmation first.
+    ll = study.variants.get(name="NCCL_PROTO=LL")
+    page.select_option("#apply-variant", str(ll.pk))
+    expect(page.locator("#debug-warning")).to_contain_text("NCCL_PROTO")
+    page.click("#apply")
+    expect(page.locator(".messages")).to_contain_text("tick the confirmation")
+    assert Deployment.objects.get(pk=d.pk).env.get("NCCL_PROTO") is None
+    page.select_option("#apply-variant", str(ll.pk))
+    page.check("#confirm-debug")
+    page.click("#apply")
+    wait_until(lambda: Deployment.objects.get(pk=d.pk).env.get("NCCL_PROTO") == "LL", timeout=30,
+               message="the deployment redeployed with the variant")
