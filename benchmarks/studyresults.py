@@ -2,16 +2,23 @@
 benchmarks.tunestats), the winner by the study's rule, the Pareto front, the live matrix, estimates."""
 import csv
 import io
+import statistics
 
 from benchmarks import tunestats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
 from deployments.selectors import load_events
 
+def _median_rate(point) -> float | None:
+    rates = (point.samples or {}).get("tok_s")
+    return statistics.median(rates) if rates else point.tok_s_per_user
+
+
 # metric -> (label, kind of bootstrap replicate, higher is better, the point's value, its per-request samples)
 METRICS = {
-    "throughput": ("output tok/s", tunestats.SCALED, True, lambda p: p.output_throughput, "tok_s"),
-    "per_user": ("tok/s per user", tunestats.MEAN, True, lambda p: p.tok_s_per_user, "tok_s"),
+    "throughput": ("output tok/s", tunestats.INVERSE, True, lambda p: p.output_throughput, "e2e_ms"),
+    # The median request's rate: a mean of rates is dominated by a request whose chunks arrived at once.
+    "per_user": ("tok/s per user (median)", tunestats.MEDIAN, True, _median_rate, "tok_s"),
     "ttft_median_ms": ("TTFT median (ms)", tunestats.MEDIAN, False, lambda p: p.ttft_ms.get("median"), "ttft_ms"),
     "tpot_median_ms": ("TPOT median (ms)", tunestats.MEDIAN, False, lambda p: p.tpot_ms.get("median"), "tpot_ms"),
     "ttft_p95_ms": ("TTFT p95 (ms)", tunestats.SCALED, False, lambda p: p.ttft_ms.get("p95"), None),

@@ -24,7 +24,11 @@ Z975 = 1.959964
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 # How a repeat's replicate is made from its resampled requests:
-SCALED = "scaled"  # the repeat's value times mean(resampled) / mean(all): throughput from per-request tok/s
+SCALED = "scaled"  # the repeat's value times mean(resampled) / mean(all)
+# The repeat's value times mean(all) / mean(resampled): throughput from per-request end-to-end times (at a
+# fixed concurrency, throughput goes as 1 / the mean request time). Times, not per-request rates: a rate
+# divides by a request's decode time, which is near zero when a busy client reads many chunks at once.
+INVERSE = "inverse"
 MEAN = "mean"  # the mean of the resampled requests (tok/s per user)
 MEDIAN = "median"  # the median of the resampled requests (TTFT, TPOT medians)
 MAX_REQUESTS = 400  # per repeat in a replicate: more adds time, not accuracy
@@ -87,6 +91,8 @@ def _replicate_repeat(repeat: Repeat, kind: str, rng: random.Random) -> float:
     if kind == MEAN:
         return mean
     base = math.fsum(reqs) / len(reqs)
+    if kind == INVERSE:
+        return repeat.value * base / mean if mean else repeat.value
     return repeat.value * mean / base if base else repeat.value
 
 

@@ -70,9 +70,9 @@ def verdicts(studies: int, repeats: int) -> dict:
                 for name, sweeper in sweepers.items():  # interleaved, as a study runs them
                     level = sweeper.run_level(CONCURRENCY)
                     samples = runner.request_samples(level.records)
-                    reps[name].append(tunestats.Repeat(level.output_throughput, tuple(samples["tok_s"])))
-            same = tunestats.compare(reps["base"], reps["same"], seed=i)
-            slower = tunestats.compare(reps["base"], reps["slower"], seed=i)
+                    reps[name].append(tunestats.Repeat(level.output_throughput, tuple(samples["e2e_ms"])))
+            same = tunestats.compare(reps["base"], reps["same"], tunestats.INVERSE, seed=i)
+            slower = tunestats.compare(reps["base"], reps["slower"], tunestats.INVERSE, seed=i)
             false += same.verdict != tunestats.SAME
             detected += slower.verdict == tunestats.WORSE
             if i % 10 == 9 or i == studies - 1:

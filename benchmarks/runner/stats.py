@@ -124,13 +124,15 @@ MAX_SAMPLES = 2000
 
 def request_samples(records: list[RequestRecord], limit: int = MAX_SAMPLES) -> dict[str, list[float]]:
     """Per-request figures of the successful measured requests, for a study's bootstrap: output tok/s
-    per user (after the first token), TTFT and TPOT in ms; at most `limit` of each, evenly picked."""
-    tok_s, ttft, tpot = [], [], []
+    per user (after the first token), TTFT, TPOT and end-to-end time in ms; at most `limit` of each,
+    evenly picked."""
+    tok_s, ttft, tpot, e2es = [], [], [], []
     for r in records:
         if not r.success or not r.chunk_times:
             continue
         first, e2e = r.ttft, r.e2e
         ttft.append(round(first * 1000.0, 3))
+        e2es.append(round(e2e * 1000.0, 3))
         if e2e > first and r.output_tokens:
             tok_s.append(round(r.output_tokens / (e2e - first), 3))
         if r.output_tokens > 1:
@@ -140,4 +142,4 @@ def request_samples(records: list[RequestRecord], limit: int = MAX_SAMPLES) -> d
         step = max(1, -(-len(values) // limit))
         return values[::step]
 
-    return {"tok_s": thin(tok_s), "ttft_ms": thin(ttft), "tpot_ms": thin(tpot)}
+    return {"tok_s": thin(tok_s), "ttft_ms": thin(ttft), "tpot_ms": thin(tpot), "e2e_ms": thin(e2es)}

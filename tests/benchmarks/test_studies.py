@@ -56,7 +56,8 @@ def measured(run, tok_s, seed=0):
         per_request = [tok_s * (1 + rng.uniform(-0.02, 0.02)) for _ in range(8)]
         BenchmarkPoint.objects.create(run=run, concurrency=c, output_throughput=tok_s * c, tok_s_per_user=tok_s,
                                       ttft_ms={"median": 10.0, "p95": 12.0}, tpot_ms={"median": 1000 / tok_s},
-                                      samples={"tok_s": per_request, "ttft_ms": [10.0] * 8, "tpot_ms": [1000 / tok_s] * 8})
+                                      samples={"tok_s": per_request, "ttft_ms": [10.0] * 8, "tpot_ms": [1000 / tok_s] * 8,
+                                               "e2e_ms": [16_000 / r for r in per_request]})
     now = timezone.now()
     BenchmarkRun.objects.filter(pk=run.pk).update(status="done", started=now, finished=now)
 
@@ -202,13 +203,10 @@ def test_cancel_stops_the_run_in_progress_and_ends_with_the_baseline(d):
     assert list(study.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped", "skipped"]
 
 
-def test_applying_a_winner_that_sets_an_nccl_debug_variable_asks_for_confirmation(d):
-    operator = UserFactory(role="operator")
+def test_applying_a_winner_that_sets_an_nccl_debug_variable_asks_for_confirmation(d, api):
     study = make(d, variants=[{"name": "LL", "engine_args": {}, "env": {"NCCL_PROTO": "LL"}}], repeats=1)
     Study.objects.filter(pk=study.pk).update(status="done")
     variant = study.variants.get(name="LL")
-    api = APIClient()
-    api.force_authenticate(operator)
     answer = api.post(f"/api/studies/{study.pk}/apply/", {"variant": variant.pk}, format="json")
     assert answer.status_code == 409 and "NCCL_PROTO" in answer.json()["error"]["message"]
     answer = api.post(f"/api/studies/{study.pk}/apply/", {"variant": variant.pk, "confirm_debug": True}, format="json")
@@ -217,11 +215,10 @@ def test_applying_a_winner_that_sets_an_nccl_debug_variable_asks_for_confirmatio
     assert row.status == "queued" and row.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "NCCL_PROTO": "LL"}
 
 
-def test_the_api_lets_operators_start_studies_and_viewers_only_watch(d):
+def test_the_api_lets_operators_start_studies_and_viewers_only_watch(d, api):
     body = {"deployment": d.pk, "variants": [{"engine_args": {"max-num-seqs": 1}}], "workload": WORKLOAD, "repeats": 2}
-    viewer, operator = APIClient(), APIClient()
+    viewer, operator = APIClient(), api
     viewer.force_authenticate(UserFactory(role="viewer"))
-    operator.force_authenticate(UserFactory(role="operator"))
     assert viewer.post("/api/studies/", body, format="json").status_code == 403
     preview = operator.post("/api/studies/preview/", body, format="json")
     assert preview.status_code == 200 and preview.json()["trials"] == 4 and preview.json()["variants"] == 2

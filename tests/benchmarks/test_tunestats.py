@@ -37,6 +37,22 @@ def test_a_variant_twice_as_fast_is_better_by_about_100_percent():
     assert tunestats.compare(fast, base).verdict == WORSE
 
 
+def test_throughput_follows_request_times_and_a_bunched_request_does_not_blow_it_up():
+    """At a fixed concurrency throughput goes as 1 / the mean request time: resampling times keeps the
+    interval tight even when one request's rate is absurd (its chunks arrived in one read)."""
+    rng = random.Random(4)
+    slow = [Repeat(100.0, tuple(noisy(1000, 30, 0.05, rng))) for _ in range(3)]
+    fast = [Repeat(200.0, tuple(noisy(500, 30, 0.05, rng))) for _ in range(3)]
+    cmp = tunestats.compare(slow, fast, kind=tunestats.INVERSE)
+    assert cmp.verdict == BETTER and 0.9 < cmp.rel_low < cmp.rel < cmp.rel_high < 1.1
+    rates = [Repeat(100.0, tuple(noisy(100, 29, 0.05, rng)) + (50_000.0,)) for _ in range(3)]
+    est = tunestats.estimate(rates, kind=tunestats.SCALED)
+    assert est.high - est.low > 100  # a mean of rates is at the mercy of the outlier
+    times = [Repeat(100.0, tuple(noisy(1000, 29, 0.05, rng)) + (900.0,)) for _ in range(3)]
+    est = tunestats.estimate(times, kind=tunestats.INVERSE)
+    assert est.high - est.low < 5
+
+
 def test_for_a_latency_lower_is_better():
     rng = random.Random(2)
     slow = [Repeat(v) for v in noisy(80, 3, 0.01, rng)]
@@ -99,5 +115,6 @@ def test_per_request_samples_come_from_the_records():
     assert samples["tok_s"] == [101.0, 102.0]
     assert samples["ttft_ms"] == [100.0, 200.0]
     assert samples["tpot_ms"] == [10.0, 10.0]
+    assert samples["e2e_ms"] == [1100.0, 700.0]
     many = request_samples([record(0.0, 0.1, 1.1, 101)] * 5000)
     assert len(many["tok_s"]) == 1667 and len(many["tok_s"]) <= 2000

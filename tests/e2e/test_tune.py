@@ -8,18 +8,16 @@ import os
 import signal
 
 import pytest
-from rest_framework.test import APIClient
 
 from benchmarks.models import Study, StudyTrial
 from deployments.models import Deployment, Node
 from deployments.services import deploys
 from tests.conftest import agent_argv, free_port, in_thread, wait_until
-from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
-# Short answers, no warmup, 16 requests at concurrency 16: about a second per trial at --max-num-seqs 1.
-WORKLOAD = {"levels": [16], "max_tokens": 32, "input_tokens": 32, "requests_per_user": 1, "min_requests": 16,
-            "warmup_per_user": 0}
+# 16 warmup requests, then 32 of 64 tokens at concurrency 16: a few seconds per trial at --max-num-seqs 1.
+WORKLOAD = {"levels": [16], "max_tokens": 64, "input_tokens": 32, "requests_per_user": 2, "min_requests": 32,
+            "warmup_per_user": 1}
 
 
 def settled(d, states=("ready", "failed")):
@@ -37,16 +35,14 @@ def restart_agent(spawn, env, node, tmp_path):
 
 
 def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent_kill(
-        process_env, spawn, unique, tmp_path, tiny_model):
+        process_env, spawn, unique, tmp_path, tiny_model, api):
     from tests.e2e.conftest import start_cpu_node
 
     node, model, env = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(), preset="auto",
                   engine_args={"served-model-name": "tiny", "max-num-seqs": 1}, env={})
     assert settled(d).status == "ready"
-    api = APIClient()
-    api.force_authenticate(UserFactory(role="operator"))
-    body = {"deployment": d.pk, "repeats": 2, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 16},
+    body = {"deployment": d.pk, "repeats": 3, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 16},
             "variants": [{"name": "sixteen", "engine_args": {"max-num-seqs": 16}},
                          {"name": "same", "engine_args": {"max-num-seqs": 1}},
                          {"name": "bad", "engine_args": {"dtype": "no-such-dtype"}}]}
@@ -65,11 +61,13 @@ def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent
     study = wait_until(lambda: (row := Study.objects.get(pk=study.pk)).status in Study.TERMINAL and row, timeout=900,
                        interval=1, message="the study to finish")
     assert study.status == "done", study.error
-    verdicts = {r["name"]: r["comparisons"].get("throughput@16", {}).get("verdict") for r in study.results["variants"]}
-    assert verdicts["sixteen"] == "better"
-    assert verdicts["same"] == "no significant difference"
+    figures = {r["name"]: (r["estimates"].get("throughput@16"), r["comparisons"].get("throughput@16") or {})
+               for r in study.results["variants"]}
+    verdicts = {name: cmp.get("verdict") for name, (_, cmp) in figures.items()}
+    assert verdicts["sixteen"] == "better", figures
+    assert verdicts["same"] == "no significant difference", figures
     bad = study.variants.get(name="bad")
-    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped"]
+    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped"]
     good = study.trials.exclude(variant=bad)
     assert set(good.values_list("status", flat=True)) == {StudyTrial.Status.DONE}
     assert all(t.run.points.get(concurrency=16).samples["tok_s"] for t in good)
@@ -79,4 +77,4 @@ def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent
     row = settled(d, ("ready",))
     assert row.engine_args["max-num-seqs"] == 1 and "dtype" not in row.engine_args
     shown = api.get(f"/api/studies/{study.pk}/").json()
-    assert shown["live"]["trials_done"] == 8 and shown["status"] == "done"
+    assert shown["live"]["trials_done"] == 12 and shown["status"] == "done"

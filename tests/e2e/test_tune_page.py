@@ -70,5 +70,5 @@ def test_a_study_started_on_the_page_fills_its_matrix_live_and_applies_a_winner_
     page.select_option("#apply-variant", str(ll.pk))
     page.check("#confirm-debug")
     page.click("#apply")
-    wait_until(lambda: Deployment.objects.get(pk=d.pk).env.get("NCCL_PROTO") == "LL", timeout=30,
-               message="the deployment redeployed with the variant")
+    expect(page.locator(".messages")).to_contain_text("Redeploying", timeout=30_000)  # on the deployment's page
+    assert Deployment.objects.get(pk=d.pk).env.get("NCCL_PROTO") == "LL"
