@@ -39,14 +39,6 @@ FAKE_VLLM = ROOT / "tests" / "faults" / "fakevllm" / "vllm"
 CONCURRENCY, TOKENS, REQUESTS, GAP_MS, TTFT_MS, JITTER = 4, 24, 16, 2.0, 5.0, 0.05
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def verdicts(studies: int, repeats: int) -> dict:
     from benchmarks import runner, tunestats
     from tests.schedserver import SchedServer
@@ -140,7 +132,9 @@ def overhead(repeats: int) -> dict:
                   f"panel overhead {t.overhead_s:.2f} s", flush=True)
         if study.status != "done" or not trials:
             raise SystemExit(f"the study ended {study.status}: {study.error}")
-        values = [t.overhead_s for t in trials]
+        from benchmarks.runner.stats import percentile
+
+        values = sorted(t.overhead_s for t in trials)
         return {"overhead_p50_s": statistics.median(values), "overhead_p95_s": percentile(values, 95)}
     finally:
         try:
