@@ -63,7 +63,9 @@
     if (form && ["done", "cancelled", "failed"].includes(study.status)) {
       form.hidden = false;
       const select = el("apply-variant");
+      const chosen = select.value;  // a live update redraws the options: keep what the user picked
       select.innerHTML = r.variants.filter((v) => !v.failed).map((v) => `<option value="${v.id}" ${v.id === r.winner ? "selected" : ""}>${esc(v.name)}${v.id === r.winner ? " (winner)" : ""}</option>`).join("");
+      if (chosen && [...select.options].some((o) => o.value === chosen)) select.value = chosen;
       const warn = () => {
         const v = r.variants.find((x) => String(x.id) === select.value);
         const names = v ? v.debug_vars : [];
@@ -86,7 +88,7 @@
     if (!c) { el("now").textContent = ["finishing"].includes(study.status) ? "restoring the deployment" : "—"; return; }
     const v = study.variants.find((x) => x.id === c.variant);
     el("now").dataset.variant = v ? v.name : "";
-    if (c.status === "deploying" && !el("now").textContent.startsWith(v.name)) el("now").textContent = `${v.name}: redeploying…`;
+    if (v && c.status === "deploying" && !el("now").textContent.startsWith(v.name)) el("now").textContent = `${v.name}: redeploying…`;
     if (c.run && runTopic !== "run:" + c.run) {
       runTopic = "run:" + c.run;
       const topic = runTopic;
