@@ -2,7 +2,7 @@
 
 Verdicts, no engine: many small studies against three OpenAI-compatible test servers with a known
 schedule (tests/schedserver.py), each request's token gap drawn from the schedule's gap ± 5 %
-(uniform): "base" and "same" share a schedule, "slower" is 5 % slower. Each study runs the
+(uniform): "base" and "same" share a schedule, "slower" takes 5 % longer per request. Each study runs the
 default 3 repeats interleaved (base same slower base same slower …) with the real load generator
 (benchmarks.runner) and judges output tok/s with benchmarks.tunestats, as the panel does:
 
@@ -45,7 +45,8 @@ def verdicts(studies: int, repeats: int) -> dict:
 
     servers = {"base": SchedServer(ttft_ms=TTFT_MS, gap_ms=GAP_MS, jitter=JITTER, seed=1),
                "same": SchedServer(ttft_ms=TTFT_MS, gap_ms=GAP_MS, jitter=JITTER, seed=2),
-               "slower": SchedServer(ttft_ms=TTFT_MS, gap_ms=GAP_MS * 1.05, jitter=JITTER, seed=3)}
+               # Every request takes 5 % longer (first token and gaps): 1/1.05 of the throughput.
+               "slower": SchedServer(ttft_ms=TTFT_MS * 1.05, gap_ms=GAP_MS * 1.05, jitter=JITTER, seed=3)}
     sweepers = {}
     false = detected = 0
     started = time.monotonic()
