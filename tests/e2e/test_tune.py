@@ -14,7 +14,7 @@ from deployments.models import Deployment, Node
 from deployments.services import deploys
 from tests.conftest import agent_argv, free_port, in_thread, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 # 16 warmup requests, then 96 of 64 tokens at concurrency 16 (six rounds at --max-num-seqs 16, so one
 # stall of this shared machine's cores does not make a trial), ~12 s per trial at --max-num-seqs 1.
 WORKLOAD = {"levels": [16], "max_tokens": 64, "input_tokens": 32, "requests_per_user": 6, "min_requests": 96,
@@ -35,15 +35,26 @@ def restart_agent(spawn, env, node, tmp_path):
                message="the new agent to register")
 
 
-def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent_kill(
-        process_env, spawn, unique, tmp_path, tiny_model, api):
+@pytest.fixture
+def tune_node(process_env, spawn, unique, tmp_path, tiny_model):
+    """cpu_node's agent, with the environment it runs in (to start it again)."""
+    from deployments.host import engine
     from tests.e2e.conftest import start_cpu_node
 
     node, model, env = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
+    yield node, model, env
+    # Engines run in their own sessions and outlive a killed agent: never leave one behind.
+    for pgid in Deployment.objects.filter(node=node).exclude(pgid=None).values_list("pgid", flat=True):
+        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+
+
+def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent_kill(
+        tune_node, spawn, tmp_path, api):
+    node, model, env = tune_node
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(), preset="auto",
                   engine_args={"served-model-name": "tiny", "max-num-seqs": 1}, env={})
     assert settled(d).status == "ready"
-    body = {"deployment": d.pk, "repeats": 3, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 16},
+    body = {"deployment": d.pk, "repeats": 4, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 16},
             "variants": [{"name": "sixteen", "engine_args": {"max-num-seqs": 16}},
                          {"name": "same", "engine_args": {"max-num-seqs": 1}},
                          {"name": "bad", "engine_args": {"dtype": "no-such-dtype"}}]}
@@ -68,7 +79,7 @@ def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent
     assert verdicts["sixteen"] == "better", figures
     assert verdicts["same"] == "no significant difference", figures
     bad = study.variants.get(name="bad")
-    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped"]
+    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped", "skipped"]
     good = study.trials.exclude(variant=bad)
     assert set(good.values_list("status", flat=True)) == {StudyTrial.Status.DONE}
     assert all(t.run.points.get(concurrency=16).samples["tok_s"] for t in good)
@@ -78,4 +89,4 @@ def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent
     row = settled(d, ("ready",))
     assert row.engine_args["max-num-seqs"] == 1 and "dtype" not in row.engine_args
     shown = api.get(f"/api/studies/{study.pk}/").json()
-    assert shown["live"]["trials_done"] == 12 and shown["status"] == "done"
+    assert shown["live"]["trials_done"] == 16 and shown["status"] == "done"

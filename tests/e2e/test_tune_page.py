@@ -31,6 +31,7 @@ def fake_deployment(process_env, spawn, unique, tmp_path):
                   engine_args={"served-model-name": "fake", "max-num-seqs": 4}, env={}, name=f"fake-{unique}")
     wait_until(lambda: Deployment.objects.get(pk=d.pk).status == "ready", timeout=60, message="the fake deployment")
     yield d
+    agent.kill()  # first, so it starts no engine (the last redeploy) after the check below
     stop_leftover_engines(tmp_path)
 
 
