@@ -5,6 +5,7 @@ import asyncio
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.conf import settings
@@ -66,7 +67,9 @@ def test_a_browser_on_one_web_process_sees_what_is_done_through_the_other(proces
             fleet = await _next(ws, lambda m: m["kind"] == "nodes" and str(node.pk) in m["data"]["nodes"])
             assert fleet["data"]["nodes"][str(node.pk)]["t"] == sample["t"]
 
-    asyncio.run(watch_a_then_act_on_b())
+    # A thread of its own: in the whole suite Playwright's event loop already runs on this one.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, watch_a_then_act_on_b()).result()
     assert all(p.poll() is None for p in procs)
 
 
