@@ -7,7 +7,7 @@ class BenchmarksConfig(AppConfig):
 
     def ready(self):
         from benchmarks import studies, tasks  # noqa: F401 - registers the tasks services enqueue by name
-        from deployments import agent
+        from deployments import drivers
 
-        if studies.studies_drive not in agent.STUDY_DRIVERS:  # the node agent steps tuning studies
-            agent.STUDY_DRIVERS.append(studies.studies_drive)
+        if studies.studies_drive not in drivers.STUDY_DRIVERS:  # the node agent steps tuning studies
+            drivers.STUDY_DRIVERS.append(studies.studies_drive)

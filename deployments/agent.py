@@ -12,14 +12,13 @@ from dataclasses import asdict
 import redis
 from django.db import close_old_connections
 
-from deployments import history
+from deployments import drivers, history
 from deployments.host import disk, gpu
 from deployments.services import guards, loadtime, nodes, reconcile, repos, watch
 
 log = logging.getLogger(__name__)
 ENGINES_REFRESH_S = 5.0  # how often the agent re-reads which process groups belong to deployments
 WATCH_EVERY_S = 2.0  # crash detection of ready engines (their /health is asked every 5 s)
-STUDY_DRIVERS: list = []  # callables(node_id) -> steps taken; filled by benchmarks' AppConfig.ready
 STUDY_STEP_S = 0.5  # how often tuning studies are stepped: bounds the panel's overhead between a study's steps
 
 
@@ -123,8 +122,8 @@ class Agent:
     def drive_studies(self) -> int:
         """One step of each tuning study on this node's deployments (issue 15): the study's state lives in
         the database, so the next agent continues where a killed one stopped. The benchmarks app registers
-        its driver (STUDY_DRIVERS) when it loads: it depends on deployments, never the other way round."""
-        return sum(drive(self.node_id) or 0 for drive in STUDY_DRIVERS)
+        its driver (drivers.STUDY_DRIVERS) when it loads: it depends on deployments, never the other way round."""
+        return sum(drive(self.node_id) or 0 for drive in drivers.STUDY_DRIVERS)
 
     def study_loop(self, stop: threading.Event, every_s: float = STUDY_STEP_S) -> None:
         """Step studies every `every_s` in a thread of their own, so a slow step never delays a sample."""
