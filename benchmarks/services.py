@@ -1,5 +1,6 @@
 """Benchmark runs: create (validated, with an environment snapshot), execute next to the engine,
 cancel, and compare. The load generator itself is benchmarks/runner (no Django)."""
+import shlex
 import time
 from dataclasses import dataclass
 
@@ -11,9 +12,10 @@ from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
 from deployments import live, secrets
-from deployments.host import vllm
+from deployments.host import engine, vllm
 from deployments.models import Deployment, ModelCopy
 from deployments.selectors import deployment_startup
+from deployments.services.steps import engine_running
 
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
@@ -52,6 +54,14 @@ def environment_of(d: Deployment) -> dict:
         "model_path": copy.path if copy else "",
         "startup": deployment_startup(d),  # seconds per start-up phase of its latest load (issue 16)
     }
+
+
+def engine_command(d: Deployment | None) -> str:
+    """The command line of the engine the run measures, read from the running process on this node
+    (what ran, not what the row says), secrets redacted; "" when there is none provably ours here."""
+    if d is None or not engine_running(d):
+        return ""
+    return secrets.redact_deployment(d, shlex.join(engine.command_line(d.pid)))
 
 
 def _warnings(params: dict, d: Deployment | None) -> list[str]:
@@ -142,6 +152,8 @@ def run_execute(run_id: int) -> BenchmarkRun:
         return run
     target = run_target(run)
     run.transition(S.RUNNING)
+    if command := engine_command(run.deployment):
+        run.environment = {**run.environment, "engine_command": command}
     run.save()
     live.send_run_status(run)
     started = time.monotonic()

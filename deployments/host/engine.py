@@ -103,6 +103,14 @@ def alive(pid: int, create_time: float = 0.0) -> bool:
         return False
 
 
+def command_line(pid: int) -> list[str]:
+    """The process's argv ([] when it is gone or not readable)."""
+    try:
+        return psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
 def members(pgid: int) -> list[int]:
     """Live pids in process group or session `pgid` (zombies excluded)."""
     found = []

@@ -26,6 +26,23 @@ def settled(d, states=("ready", "failed")):
                       interval=0.5, message=f"deployment {d.pk} to be {' or '.join(states)}")
 
 
+def served_seqs(run) -> str | None:
+    """--max-num-seqs of the engine process the run measured (from its recorded command line)."""
+    words = run.environment.get("engine_command", "").split()
+    return words[words.index("--max-num-seqs") + 1] if "--max-num-seqs" in words else None
+
+
+def trial_table(study) -> list[tuple]:
+    """Each trial as run: variant, status, attempts, the flags its run recorded, output tok/s at 16."""
+    rows = []
+    for t in study.trials.select_related("variant", "run").order_by("position"):
+        point = t.run.points.filter(concurrency=16).first() if t.run else None
+        rows.append((t.position, t.variant.name, t.status, t.attempts, t.error[:60],
+                     served_seqs(t.run) if t.run else None,
+                     point and round(point.output_throughput, 1)))
+    return rows
+
+
 def restart_agent(spawn, env, node, tmp_path):
     """SIGKILL the node agent (its engines live on in their own sessions) and start a new one."""
     old = Node.objects.get(pk=node.pk).agent_pid
@@ -76,11 +93,14 @@ def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent
     figures = {r["name"]: (r["estimates"].get("throughput@16"), r["comparisons"].get("throughput@16") or {})
                for r in study.results["variants"]}
     verdicts = {name: cmp.get("verdict") for name, (_, cmp) in figures.items()}
-    assert verdicts["sixteen"] == "better", figures
-    assert verdicts["same"] == "no significant difference", figures
     bad = study.variants.get(name="bad")
-    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped", "skipped"]
     good = study.trials.exclude(variant=bad)
+    # Each trial measured an engine launched with its variant's settings (read from the process).
+    assert {(t.variant.name, served_seqs(t.run)) for t in good.select_related("variant", "run")} == {
+        ("baseline", "1"), ("sixteen", "16"), ("same", "1")}, trial_table(study)
+    assert verdicts["sixteen"] == "better", (figures, trial_table(study))
+    assert verdicts["same"] == "no significant difference", (figures, trial_table(study))
+    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped", "skipped"]
     assert set(good.values_list("status", flat=True)) == {StudyTrial.Status.DONE}
     # Per-request figures kept for the bootstrap (tok/s per user may be empty: a request whose chunks all
     # arrived in one read has no time after its first token).
