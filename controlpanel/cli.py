@@ -6,6 +6,7 @@
     panelctl deploy Qwen/Qwen3-0.6B --node cpu-01 --wait # the node's preset and a free port, as on the form
     panelctl deploy Qwen/Qwen3-0.6B --node cpu-01 --replace --flag max-num-seqs=8 --wait   # redeploy it changed
     panelctl deploy moonshotai/Kimi-K2.5 --node gpu-01 --tp 8 --env NCCL_PROTO=LL --wait
+    panelctl deploy moonshotai/Kimi-K2.5 --node gpu-01 --node gpu-02:0,1,2,3,4,5,6,7 --tp 8 --pp 2 --wait  # two nodes
     panelctl status deployment qwen3-0-6b-cpu-01
     panelctl bench qwen3-0-6b-cpu-01 --wait             # twice, then:
     panelctl compare 1 2
@@ -165,9 +166,28 @@ def _deploy_node(panel: Panel, model_id: int) -> str:
     raise CliError(f"Give --node: {'copies are ready on ' + ', '.join(ready) if ready else 'the nodes are ' + ', '.join(names) or 'no node yet'}.", 2)
 
 
+def _indices(text: str, what: str) -> list[int]:
+    try:
+        return [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise CliError(f"{what}: GPU indices are numbers separated by commas, e.g. 0,1 (got {text!r}).", 2) from None
+
+
+def _placement(values: list[str]) -> dict:
+    """--node a --node b:0,1 → {"a": None, "b": [0, 1]} in order (None: GPUs from --gpus or the default)."""
+    placement = {}
+    for value in values:
+        name, _, gpus = value.partition(":")
+        if name in placement:
+            raise CliError(f"--node {name} is given twice: each node appears once (the first is the head).", 2)
+        placement[name] = _indices(gpus, f"--node {value}") if gpus else None
+    return placement
+
+
 def cmd_deploy(panel, args):
     model_id = _model_id(panel, args.model)
-    args.node = args.node or [_deploy_node(panel, model_id)]
+    placement = _placement(args.node or [_deploy_node(panel, model_id)])
+    args.node = list(placement)
     head, *others = args.node  # --node a --node b: a multi-node deployment, a the head (issue 17)
     node = panel.get(f"nodes/{head}/")
     engine_args = _pairs(args.flag, "--flag")
@@ -176,9 +196,17 @@ def cmd_deploy(panel, args):
         if value:  # unset: the server's preset for the node decides, as on the deploy form
             engine_args[flag] = value
     per_node = max(1, (args.tp or 1) * (args.pp or 1) // len(args.node))
-    gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus else [g["index"] for g in node["gpus"]][:per_node])
-    workers = [{"node": name, "gpus": gpus if args.gpus else [g["index"] for g in panel.get(f"nodes/{name}/")["gpus"]][:per_node]}
-               for name in others]
+
+    def gpus_on(name: str, info: dict | None = None) -> list[int]:
+        """NAME:0,1 names them; else --gpus; else the node's first TP×PP / nodes GPUs."""
+        if placement[name] is not None:
+            return placement[name]
+        if args.gpus:
+            return _indices(args.gpus, "--gpus")
+        return [g["index"] for g in (info or panel.get(f"nodes/{name}/"))["gpus"]][:per_node]
+
+    gpus = gpus_on(head, node)
+    workers = [{"node": name, "gpus": gpus_on(name)} for name in others]
     body = {"model": model_id, "node": head, "gpus": gpus, "workers": workers, "port": args.port, "engine_args": engine_args,
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
@@ -387,7 +415,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("model")
     s.add_argument("--node", action="append", default=[],
                    help="default: the node with a ready copy of the model (or the only node); repeat for a "
-                        "multi-node deployment: the first is the head, the others run headless ranks")
+                        "multi-node deployment: the first is the head, the others run headless ranks; "
+                        "NAME:0,1 picks that node's GPUs")
     s.add_argument("--master-port", type=int, default=None, help="multi-node: the head's port the ranks meet at")
     s.add_argument("--name", default="")
     s.add_argument("--gpus", default="", help="e.g. 0,1,2,3 (default: the first TP×PP GPUs)")

@@ -91,6 +91,12 @@ def rank_halt(rank_id: int) -> None:
     ranks.rank_halt(rank_id)
 
 
+@shared_task(name="deployments.rank_forget")
+def rank_forget(rank_id: int) -> None:
+    """On a worker node: remove a deleted persisted deployment's rank unit."""
+    ranks.rank_forget(rank_id)
+
+
 @shared_task(name="deployments.deployment_rank_lost")
 def deployment_rank_lost(deployment_id: int, rank_id: int) -> None:
     """On the head's node: a worker rank died; fail the whole deployment."""

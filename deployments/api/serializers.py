@@ -229,6 +229,8 @@ class RedeploySerializer(serializers.Serializer):
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
     stop_foreign = serializers.BooleanField(required=False)
     prewarm = serializers.BooleanField(required=False)
+    workers = WorkerSerializer(many=True, required=False, max_length=63,
+                               help_text="Multi-node: the worker nodes and their GPUs from now on (default: as placed).")
 
     validate_engine_args = DeployRequestSerializer.validate_engine_args
     validate_env = DeployRequestSerializer.validate_env

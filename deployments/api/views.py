@@ -196,6 +196,8 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         changes = dict(body.validated_data)
         if "gpus" in changes:
             changes["gpu_indices"] = sorted(set(changes.pop("gpus")))
+        if "workers" in changes:
+            changes["workers"] = [multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in changes["workers"]]
         return self._accepted(deploys.deployment_redeploy(self.get_object(), user=request.user, **changes))
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})

@@ -23,8 +23,9 @@ class SystemdError(HostError):
     PERMANENT = True
 
 
-def unit_name(deployment_name: str) -> str:
-    return f"vllm-{deployment_name}.service"
+def unit_name(deployment_name: str, rank: int = 0) -> str:
+    """The unit of a deployment's engine; a worker rank of a multi-node deployment has its own on its node."""
+    return f"vllm-{deployment_name}.rank{rank}.service" if rank else f"vllm-{deployment_name}.service"
 
 
 def available() -> bool:
@@ -119,12 +120,17 @@ def start(name: str) -> int:
 
 
 def uninstall(name: str, unit_dir: Path = UNIT_DIR) -> None:
-    systemctl("disable", "--now", name)
+    disable(name)
     (unit_dir / name).unlink(missing_ok=True)
     env_file_path(name, unit_dir).unlink(missing_ok=True)
     systemctl("daemon-reload")
 
 
 def disable(name: str) -> None:
-    """Stop the unit and keep it from starting at boot (a stopped deployment stays stopped)."""
-    systemctl("disable", "--now", name)
+    """Stop the unit and keep it from starting at boot (a stopped deployment stays stopped); a unit
+    never installed here (an engine being moved under systemd) has nothing to stop."""
+    try:
+        systemctl("disable", "--now", name)
+    except SystemdError as exc:
+        if "does not exist" not in str(exc) and "not loaded" not in str(exc):
+            raise

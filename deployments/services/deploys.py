@@ -140,12 +140,13 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     if problem := secrets.check_marked(secret_env, env):
         raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
-    reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and not workers and not (
+    reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and bool(workers) == bool(
         existing.master_port) and (replace_existing or (not name and existing.status in Deployment.TERMINAL))
     if reusable:
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
                                    env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
-                                   stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user)
+                                   stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user,
+                                   **({"workers": workers} if workers else {}))
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
                            "Restart on its page) or choose another name.", field="name", code="exists")
@@ -182,7 +183,9 @@ def send_plan(d: Deployment, countdown: int = 0) -> None:
 
 @transaction.atomic
 def deployment_redeploy(d: Deployment, **changes) -> Deployment:
-    """Run the plan again (restart), optionally with changed settings; a running engine is stopped first."""
+    """Run the plan again (restart), optionally with changed settings; a running engine is stopped first.
+    A multi-node deployment's placement is checked again (issue 17); `workers` (multinode.Worker) changes it."""
+    workers = _redeploy_workers(d, changes.pop("workers", None))  # every node's lock, in id order
     Node.objects.select_for_update().get(pk=d.node_id)  # the lock every claiming path takes
     d = Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
     if d.status in Deployment.IN_FLIGHT:
@@ -201,16 +204,40 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         if field in changes:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
-           replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + d.ranks.count())
+           replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers))
+    if d.master_port:  # nodes online, GPUs free, the same engine everywhere, the model there or downloadable
+        multinode.check(model=d.model, head=d.node, head_gpus=gpu_indices, workers=workers, engine_args=d.engine_args,
+                        master_port=d.master_port)
     privileged.check(engine_args=d.engine_args, env=d.env, model_dir=privileged.model_dir(d.model, d.node),
                      admin=is_admin(user), old_args=old_args, old_env=old_env)
     d.transition(Deployment.Status.QUEUED)  # from ready too: the plan stops the running engine first
     d.save()
     d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))
-    deployment_event(d, "queued", "Redeploy requested" + (" with new settings." if changes else "."))
+    placed = ""
+    if d.master_port and [(w.node.pk, w.gpu_indices) for w in workers] != [(r.node_id, r.gpu_indices) for r in d.ranks.all()]:
+        multinode.place(d, workers, d.master_port)
+        placed = " on new worker nodes: " + "; ".join(f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})"
+                                                      for i, w in enumerate(workers, 1))
+    deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changes else "")) + ".")
     send_plan(d)
     live.send_deployment_status(d)
     return d
+
+
+def _redeploy_workers(d: Deployment, workers) -> list[multinode.Worker]:
+    """The worker nodes a redeploy runs on, their rows locked: the current ranks', or a new placement."""
+    d = Deployment.objects.get(pk=d.pk)
+    current = [multinode.Worker(r.node, r.gpu_indices) for r in d.ranks.select_related("node")]
+    if workers is None:
+        return multinode.lock_nodes(d.node, current) if current else []
+    workers = list(workers)
+    if not d.master_port or not workers:
+        raise ServiceError("A redeploy keeps a deployment on one node or over several: deploy a new one to change that.",
+                           field="workers")
+    if d.systemd_unit and [(w.node.pk, sorted(w.gpu_indices)) for w in workers] != [(w.node.pk, w.gpu_indices) for w in current]:
+        raise ServiceError(f"{d.name} runs as systemd units on its nodes: delete it and deploy anew to move its ranks.",
+                           field="workers", code="persisted")
+    return multinode.lock_nodes(d.node, workers)
 
 
 @transaction.atomic
@@ -249,6 +276,13 @@ def deployment_delete(d: Deployment) -> bool:
         d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
         if d.status not in Deployment.TERMINAL:
             raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; stop it first.", code="busy")
+        if d.systemd_unit and d.ranks.exists():  # issue 17: every worker node removes its rank's unit, then the head
+            workers = ", ".join(d.ranks.values_list("node__name", flat=True))
+            deployment_event(d, "delete", f"Removing each rank's unit from {workers}, then {d.systemd_unit} from {d.node}, "
+                             "then this deployment.")
+            for r in d.ranks.select_related("node"):
+                node_enqueue(r.node, "deployments.rank_forget", r.pk)
+            return False
         if d.systemd_unit:
             deployment_event(d, "delete", f"Removing {d.systemd_unit} from {d.node}, then this deployment.")
             node_enqueue(d.node, "deployments.deployment_forget", d.pk)
@@ -259,16 +293,15 @@ def deployment_delete(d: Deployment) -> bool:
 
 @transaction.atomic
 def deployment_persist(d: Deployment) -> Deployment:
-    """Ask the node to install the deployment as a systemd unit that survives reboots."""
+    """Ask the node to install the deployment as a systemd unit that survives reboots (multi-node: the head's
+    node restarts the group with one unit per node)."""
     d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
-    if not d.node.systemd:
-        raise ServiceError(f"{d.node} cannot install systemd units (no systemd, or the agent is not root); "
+    nodes = [d.node, *(r.node for r in d.ranks.select_related("node"))]  # issue 17: one unit per node
+    if without := [n.name for n in nodes if not n.systemd]:
+        raise ServiceError(f"{', '.join(without)} cannot install systemd units (no systemd, or the agent is not root); "
                            "download the unit file and install it by hand.", code="no_systemd")
     if d.status != Deployment.Status.READY:
         raise ServiceError("Only a ready deployment can be made a service.", code="not_running")
-    if d.master_port:
-        raise ServiceError("A multi-node deployment cannot be made a systemd service yet (one unit per node is "
-                           "not built): its agents own its ranks.", code="multinode")
     deployment_event(d, "persist", "Installing as a systemd service.")
     node_enqueue(d.node, "deployments.deployment_persist", d.pk)
     return d

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from controlpanel.errors import ServiceError
 from deployments import engineargs, modelconfig, modelfit
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
+from deployments.services import repos
 
 # vLLM's multi-node launch (mp executor) needs these on every node.
 NEEDED_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
@@ -35,7 +36,8 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
           master_port: int | None) -> None:
     """Refuse a placement that cannot work, naming the nodes: offline agents, different engine versions,
     an engine without the multi-node flags, GPUs that are not there or busy, a layout the nodes cannot
-    split, a model that does not fit or is missing on a worker. Callers hold every node's row lock."""
+    split, a model that does not fit, or a worker node without the model that cannot download it there.
+    Callers hold every node's row lock."""
     from deployments.services.deploys import deployment_holders
 
     names = [w.node.name for w in workers]
@@ -78,12 +80,30 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
             raise ServiceError(f"{node.name} is busy: {busy[0].name} is {busy[0].get_status_display().lower()}.",
                                field="workers", code="gpus_busy")
     for w in workers:
-        if not ModelCopy.objects.filter(model=model, node=w.node, state=ModelCopy.State.READY).exists():
-            raise ServiceError(f"{model} is not on {w.node.name}: download it there first (every node loads its own copy).",
-                               field="workers", code="not_on_node")
+        _check_copy(model, w.node)
     _check_fit(model, nodes, [head_gpus, *(w.gpu_indices for w in workers)], engine_args)
     if master_port is not None and master_port < 1024:
         raise ServiceError("The master port must be 1024 or above.", field="master_port")
+
+
+def _check_copy(model: ModelRepo, node: Node) -> None:
+    """A worker node loads its own copy: there already, or downloaded there by its rank's prepare step
+    when the model comes from a hub and the node's disk has room for what is still missing."""
+    copy = ModelCopy.objects.filter(model=model, node=node).first()
+    if copy and copy.state == ModelCopy.State.READY:
+        return
+    if copy and copy.state == ModelCopy.State.DELETING:
+        raise ServiceError(f"{model} is being deleted on {node.name}; download it there again after that.",
+                           field="workers", code="in_use")
+    if model.local_path or not model.files:
+        raise ServiceError(f"{model} is not on {node.name} and cannot be downloaded there "
+                           f"({'a local folder' if model.local_path else 'not inspected yet'}): copy it there first "
+                           "(every node loads its own copy).", field="workers", code="not_on_node")
+    room = repos.model_disk_check(model, [node])[0]
+    if not room["fits"]:
+        raise ServiceError(f"Not enough disk space on {node.name} to download {model} there: needs "
+                           f"{modelfit.human_bytes(room['needed'])}, has {modelfit.human_bytes(room['free'])} free.",
+                           field="workers", code="disk_full")
 
 
 def _check_fit(model: ModelRepo, nodes: list[Node], indices: list[list], engine_args: dict) -> None:

@@ -4,29 +4,25 @@ import logging
 import os
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel.states import InvalidTransition
 from deployments import live, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import deployment_event, deployment_holders
 from deployments.services import loadtime, ranks
 from deployments.services.guards import foreign_holders
-from deployments.services.repos import model_copy_download
 from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, engine_running,
-                                        fail, halt_engine, mark_stopped, move, record_shm, step)
+                                        fail, halt_engine, mark_stopped, model_ready, move, record_shm, step, unit_text)
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
 MEMORY_TIMEOUT_S = float(os.environ.get("DEPLOY_MEMORY_TIMEOUT", "180"))
-# A deploy waiting on a download gives up when the download's row has not moved for this long
-# (its worker died, or Redis/the database went away and did not come back).
-DOWNLOAD_STALL_S = float(os.environ.get("DEPLOY_DOWNLOAD_STALL", "300"))
 
 
 def deployment_run(deployment_id: int) -> Deployment:
@@ -39,7 +35,7 @@ def deployment_run(deployment_id: int) -> Deployment:
         if d.master_port:  # issue 17: every worker node prepares its rank meanwhile
             ranks.ranks_send(d)
         with step(d, "model") as event:
-            model_path = _ensure_model(d)
+            model_path = model_ready(d, d.node)
             event.message = f"{d.model} is at {model_path}."
         warm = loadtime.Prewarm(model_path) if d.prewarm else None  # reads while the others stop
         move(d, S.STOPPING_OTHERS)
@@ -88,33 +84,6 @@ def deployment_follow(deployment_id: int) -> Deployment:
         log.exception("deployment %s: following the load broke", d.name)
         fail(d, f"Following the load broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
     return d
-
-
-def _ensure_model(d: Deployment) -> str:
-    """The model's folder on this node; downloads it first (in this worker) when it is not here."""
-    copy, _ = ModelCopy.objects.get_or_create(model=d.model, node=d.node)
-    if copy.state != ModelCopy.State.READY:
-        if copy.state == ModelCopy.State.DOWNLOADING:
-            while copy.state == ModelCopy.State.DOWNLOADING:
-                if (timezone.now() - copy.updated).total_seconds() > DOWNLOAD_STALL_S:
-                    raise PlanFailed(f"The download of {d.model} made no progress for {DOWNLOAD_STALL_S:.0f} s.")
-                if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
-                    raise Aborted("stop requested")
-                time.sleep(2)
-                copy.refresh_from_db()
-        else:
-            with transaction.atomic():
-                copy = ModelCopy.objects.select_for_update().get(pk=copy.pk)
-                try:
-                    copy.transition(ModelCopy.State.QUEUED, bytes_total=d.model.total_size, cancel_requested=False)
-                except InvalidTransition as exc:  # being deleted
-                    raise PlanFailed(f"The model's copy on {d.node} is {copy.get_state_display().lower()}.") from exc
-                copy.save()
-            copy = model_copy_download(copy.pk)
-        if copy.state != ModelCopy.State.READY:
-            raise PlanFailed(f"The model could not be downloaded: {copy.error or copy.state}")
-    ModelCopy.objects.filter(pk=copy.pk).update(last_used=timezone.now())
-    return copy.path
 
 
 def _stop_holders(d: Deployment) -> str:
@@ -221,11 +190,8 @@ def _engine_env(d: Deployment) -> dict[str, str]:
 
 
 def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
-    """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
-    env, secret_env = secrets.split(_engine_env(d), secrets.marked(d))
-    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", env=env, log_path=d.log_path, argv=argv,
-                               secret_env_file=str(systemd.env_file_path(d.systemd_unit)) if secret_env else None)
-    return text, secret_env
+    """The head's unit text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
+    return unit_text(d, argv, _engine_env(d), d.log_path)
 
 
 def _claim(d: Deployment) -> None:
@@ -331,6 +297,8 @@ def _smoke(d: Deployment, base_url: str) -> None:
 def deployment_persist_here(deployment_id: int) -> Deployment:
     """Install the deployment as a systemd unit; the unit then owns the engine."""
     d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
+    if d.master_port:
+        return _persist_group(d)
     copy = ModelCopy.objects.get(model=d.model, node=d.node)
     name = systemd.unit_name(d.name)
     argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args)
@@ -349,6 +317,24 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
     except (systemd.SystemdError, PlanFailed, engine.EngineError, OSError, Aborted) as exc:
         fail(d, f"Could not make it a service: {exc}")
     return d
+
+
+def _persist_group(d: Deployment) -> Deployment:
+    """Multi-node (issue 17): the whole group starts again under systemd, one unit per node. The plan runs
+    as a redeploy does: each worker node's agent installs its rank's unit (workers first, as vLLM's launch
+    needs), then this node the head's."""
+    with transaction.atomic():
+        row = Deployment.objects.select_for_update().get(pk=d.pk)
+        if row.status != S.READY:
+            return row  # stopped or failed meanwhile
+        row.systemd_unit = systemd.unit_name(d.name)
+        row.transition(S.QUEUED, "restarting every rank under systemd",
+                       expires_at=timezone.now() + timedelta(seconds=settings.HOST_TASK_EXPIRES_S))
+        row.save()
+    units = [f"{row.systemd_unit} on {d.node}", *(f"{systemd.unit_name(d.name, r.rank)} on {r.node}"
+                                                 for r in d.ranks.select_related("node"))]
+    deployment_event(d, "persist", "Restarting every rank under systemd, one unit per node: " + ", ".join(units) + ".")
+    return deployment_run(d.pk)
 
 
 def _log_path(d: Deployment) -> Path:

@@ -2,16 +2,19 @@
 their nodes' own queues and the database, and each worker node's agent launches and owns its rank.
 
 The order, as vLLM's `--nnodes` launch needs it (tensor/pipeline parallel over the mp executor):
-  1. the head's plan sends `rank_run` to every worker node; each prepares (model copy, holders on
-     its node stopped) while the head prepares its own;
+  1. the head's plan sends `rank_run` to every worker node; each prepares (model copy, downloaded
+     there when missing; holders on its node stopped) while the head prepares its own;
   2. pre-flight: the head listens on its master port, each worker opens a TCP connection to the
      head's address and reports; one that cannot fails the plan naming both nodes;
   3. workers launch `vllm serve … --headless --node-rank R` first, then the head (rank 0);
   4. health and smoke test on the head. Any rank dying fails the whole deployment and every other
-     rank is stopped; Stop stops all ranks.
+     rank is stopped; Stop stops all ranks. A persisted deployment runs every rank under a systemd
+     unit of its own node (the same order: each agent installs its rank's unit when told to launch).
 """
 import logging
+import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -19,11 +22,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlpanel.queue import enqueue
-from deployments.host import engine, enginecli, engineenv, enginelog, ownership, preflight
+from deployments.host import engine, enginecli, engineenv, enginelog, ownership, preflight, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
 from deployments.services.deploys import deployment_event, deployment_holders
+from deployments.services.nodes import node_enqueue
 from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, halt_engine,
-                                        mark_stopped, move)
+                                        mark_stopped, model_ready, move, unit_install)
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -78,11 +82,17 @@ def ranks_wait(d: Deployment, states: set, timeout_s: float, what: str) -> None:
         late = d.ranks.select_related("node").exclude(state__in=states)
         if not late.exists():
             return
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and not _downloading(d, late):
             raise PlanFailed(f"{what}: no answer within {timeout_s:.0f} s from node(s) "
                              + ", ".join(f"{r.node.name} ({r.get_state_display().lower()})" for r in late)
                              + "; is their agent running?")
         time.sleep(POLL_S)
+
+
+def _downloading(d: Deployment, late) -> bool:
+    """A late worker node still downloading the model (its copy's row moved within a minute): not late."""
+    return ModelCopy.objects.filter(model=d.model, node__in=late.values("node"), state=ModelCopy.State.DOWNLOADING,
+                                    updated__gt=timezone.now() - timedelta(seconds=60)).exists()
 
 
 def _set(d: Deployment, state: str) -> None:
@@ -175,7 +185,7 @@ def rank_run(rank_id: int) -> DeploymentRank:
         _note(r, R.PREPARING, "")
         if r.pgid:
             _halt(r)  # a previous run's engine of this rank goes first
-        model_path = _model_path(r)
+        model_path = model_ready(d, r.node)  # downloaded here, through this node's own download path
         stopped = _stop_holders(r)
         deployment_event(d, f"prepare@{r.node.name}", f"Rank {r.rank}: model at {model_path}; {stopped}", node=r.node.name)
         _note(r, R.PREPARED)
@@ -210,15 +220,6 @@ def _give_up(r: DeploymentRank, message: str) -> None:
     deployment_event(r.deployment, f"failed@{r.node.name}", message, level="error", node=r.node.name)
 
 
-def _model_path(r: DeploymentRank) -> str:
-    copy = ModelCopy.objects.filter(model=r.deployment.model, node=r.node).first()
-    if copy is None or copy.state != ModelCopy.State.READY:
-        state = copy.get_state_display().lower() if copy else "not there"
-        raise PlanFailed(f"the model {r.deployment.model} is {state} on node {r.node.name}; download it there first")
-    ModelCopy.objects.filter(pk=copy.pk).update(last_used=timezone.now())
-    return copy.path
-
-
 def _stop_holders(r: DeploymentRank) -> str:
     """Single-node deployments on this node's chosen GPUs (the whole host without GPUs) are stopped;
     another multi-node deployment's rank is refused (stop that deployment first)."""
@@ -246,9 +247,15 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
     log_path = Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-rank{r.rank}-{int(time.time())}.log"
     env = {**rank_env(d, r.node.address or "127.0.0.1", r.gpu_indices), ownership.MARKER_VAR: marker}
     _note(r, marker=marker, log_path=str(log_path))
-    handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path)))
-    _note(r, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
-    deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: PID {handle.pid}, --headless --node-rank {r.rank} "
+    if d.systemd_unit:  # persisted: this node's own unit runs the rank, enabled for the next boot
+        pid = unit_install(d, argv, env, str(log_path), rank=r.rank)
+        _note(r, pid=pid, pgid=os.getpgid(pid), pid_create_time=None)
+        how = f"under {systemd.unit_name(d.name, r.rank)}"
+    else:
+        handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path)))
+        _note(r, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
+        how = f"PID {handle.pid}"
+    deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, --headless --node-rank {r.rank} "
                      f"(log {log_path})", node=r.node.name)
 
 
@@ -282,8 +289,11 @@ def _follow(r: DeploymentRank) -> None:
 
 
 def _halt(r: DeploymentRank) -> str:
-    """Stop the rank's engine group when it is provably ours; clean its /dev/shm files."""
+    """Stop the rank's engine group when it is provably ours (its unit first, when persisted, so it stays
+    stopped after a reboot); clean its /dev/shm files."""
     result = None
+    if r.deployment.systemd_unit:
+        systemd.disable(systemd.unit_name(r.deployment.name, r.rank))
     if not r.pgid and r.marker:
         marked = ownership.find(r.marker)
         r.pgid = marked[0] if marked else None
@@ -301,11 +311,13 @@ def _halt(r: DeploymentRank) -> str:
 def rank_halt(rank_id: int) -> DeploymentRank:
     """On a worker node: stop the rank's engine; a failed rank stays failed, any other ends stopped."""
     r = _rank(rank_id)
+    if r.state not in DeploymentRank.ENDED | {R.STOPPING}:
+        return r  # a newer plan (an auto-restart) owns the rank now; its rank_run stops this engine itself
     how = _halt(r)
-    r.refresh_from_db(fields=["state"])
-    if r.state != R.FAILED:
-        _note(r, R.STOPPED, f"stopped ({how})")
+    DeploymentRank.objects.filter(pk=r.pk, state=R.STOPPING).update(state=R.STOPPED, message=f"stopped ({how})",
+                                                                      updated=timezone.now())
     deployment_event(r.deployment, f"stopped@{r.node.name}", f"Rank {r.rank} on {r.node.name}: {how}.", node=r.node.name)
+    r.refresh_from_db(fields=["state", "message"])
     return r
 
 
@@ -346,3 +358,20 @@ def ranks_reconcile(node) -> dict:
             _give_up(r, f"node {node.name}: the agent restarted and rank {r.rank} was not running")
             enqueue("deployments.deployment_rank_lost", args=[d.pk, r.pk], queue=d.node.queue)
     return report
+
+
+def rank_forget(rank_id: int) -> None:
+    """On a worker node, for a deleted persisted deployment: remove its rank's unit; the last rank gone,
+    the head's node removes its own unit and the deployment."""
+    r = DeploymentRank.objects.select_related("deployment__node", "node").filter(pk=rank_id).first()
+    if r is None or r.deployment.status not in Deployment.TERMINAL:
+        return
+    d = r.deployment
+    try:
+        systemd.uninstall(systemd.unit_name(d.name, r.rank))
+    except systemd.SystemdError as exc:
+        deployment_event(d, "delete", f"Not deleted: {r.node.name}: {exc}", level="error", node=r.node.name)
+        return
+    r.delete()
+    if not d.ranks.exists():
+        node_enqueue(d.node, "deployments.deployment_forget", d.pk)

@@ -1,7 +1,8 @@
 """Node-side building blocks of deployment work: status moves a stop request can interrupt,
 timeline steps, stopping an engine that is provably ours, and failing a deployment.
 
-Used by plan.py (deploy, follow, persist), watch.py (stop, crashes) and reconcile.py (agent start).
+Used by plan.py (deploy, follow, persist), ranks.py (a worker node's rank), watch.py (stop, crashes)
+and reconcile.py (agent start).
 """
 import logging
 import os
@@ -13,15 +14,19 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from controlpanel.states import InvalidTransition
-from deployments import live
+from deployments import live, secrets
 from deployments.host import engine, enginelog, ownership, systemd
-from deployments.models import Deployment, DeploymentEvent
+from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import deployment_event, deployment_ranks_stop
+from deployments.services.repos import model_copy_download
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
 STOP_TERM_S, STOP_KILL_S = 30.0, 10.0
 TAIL_LINES = 400
+# A deploy waiting on a download gives up when the download's row has not moved for this long
+# (its worker died, or Redis/the database went away and did not come back).
+DOWNLOAD_STALL_S = float(os.environ.get("DEPLOY_DOWNLOAD_STALL", "300"))
 
 
 class PlanFailed(Exception):
@@ -199,3 +204,46 @@ def mark_stopped(d: Deployment, message: str) -> None:
     d.status, d.pid, d.pgid = S.STOPPED, None, None
     deployment_ranks_stop(row)
     live.send_deployment_status(row)
+
+
+def model_ready(d: Deployment, node: Node) -> str:
+    """The model's folder on `node` (the head's, or a worker rank's, issue 17); downloaded first, in this
+    worker and with the copy's live progress, when it is not there. A stop request aborts the wait."""
+    copy, _ = ModelCopy.objects.get_or_create(model=d.model, node=node)
+    if copy.state != ModelCopy.State.READY:
+        if copy.state == ModelCopy.State.DOWNLOADING:
+            while copy.state == ModelCopy.State.DOWNLOADING:
+                if (timezone.now() - copy.updated).total_seconds() > DOWNLOAD_STALL_S:
+                    raise PlanFailed(f"The download of {d.model} to {node} made no progress for {DOWNLOAD_STALL_S:.0f} s.")
+                if not Deployment.objects.filter(pk=d.pk, status__in=Deployment.ACTIVE - {S.STOPPING}).exists():
+                    raise Aborted("stop requested")
+                time.sleep(2)
+                copy.refresh_from_db()
+        else:
+            with transaction.atomic():
+                copy = ModelCopy.objects.select_for_update().get(pk=copy.pk)
+                try:
+                    copy.transition(ModelCopy.State.QUEUED, bytes_total=d.model.total_size, cancel_requested=False)
+                except InvalidTransition as exc:  # being deleted
+                    raise PlanFailed(f"The model's copy on {node} is {copy.get_state_display().lower()}.") from exc
+                copy.save()
+            copy = model_copy_download(copy.pk)
+        if copy.state != ModelCopy.State.READY:
+            raise PlanFailed(f"The model could not be downloaded to {node}: {copy.error or copy.state}")
+    ModelCopy.objects.filter(pk=copy.pk).update(last_used=timezone.now())
+    return copy.path
+
+
+def unit_install(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0) -> int:
+    """Install and start one engine of `d` as a systemd unit (the head's, or worker rank `rank`'s); its PID."""
+    text, secret_env = unit_text(d, argv, env, log_path, rank)
+    return systemd.install(systemd.unit_name(d.name, rank), text, secret_env=secret_env)
+
+
+def unit_text(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0) -> tuple[str, dict]:
+    """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
+    env, secret_env = secrets.split(env, secrets.marked(d))
+    text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})" + (f", rank {rank}" if rank else ""), env=env,
+                               log_path=log_path, argv=argv, secret_env_file=str(
+                                   systemd.env_file_path(systemd.unit_name(d.name, rank))) if secret_env else None)
+    return text, secret_env

@@ -88,6 +88,8 @@ def deployments_metrics(node_id: int, state: dict) -> None:
 
 def deployment_crashed(d: Deployment, reason: str) -> None:
     """Fail a ready deployment whose engine (or, issue 17, any rank) died; auto-restart it as a whole with backoff."""
+    if not Deployment.objects.filter(pk=d.pk, status=S.READY).exists():
+        return  # failed or restarted already: the head's engine and a worker rank were seen dying at once
     lost = d.ranks.select_related("node").filter(state="failed").first()
     if lost:  # issue 17: the head often dies because a worker rank did; say which
         reason = f"rank {lost.rank} on node {lost.node.name} died ({lost.message}), then {reason}"
@@ -99,9 +101,13 @@ def deployment_crashed(d: Deployment, reason: str) -> None:
         with transaction.atomic():
             Node.objects.select_for_update().get(pk=d.node_id)  # the lock every claiming path takes
             row = Deployment.objects.select_for_update().get(pk=d.pk)
-            clash = deployment_holders(d.node, d.gpu_indices, exclude=d).first()
+            if row.status != S.FAILED:
+                return  # moved on meanwhile (a stop, a redeploy)
+            # Restarted as a whole (issue 17): the plan runs every rank again, so every node's GPUs must be free.
+            places = [(d.node, d.gpu_indices), *((r.node, r.gpu_indices) for r in d.ranks.select_related("node"))]
+            clash = next(((n, c) for n, indices in places if (c := deployment_holders(n, indices, exclude=d).first())), None)
             if clash:
-                deployment_event(d, "auto_restart", f"Not restarted: {clash.name} uses its GPUs now.")
+                deployment_event(d, "auto_restart", f"Not restarted: {clash[1].name} uses its GPUs on {clash[0]} now.")
                 return
             row.restarts += 1
             row.transition(S.QUEUED)

@@ -34,6 +34,9 @@ def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
         initial["extra_flags"] = " ".join(engineargs.argv_words(args))
         initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env, secrets.marked(deployment)).items())
         initial["secret_env"] = " ".join(secrets.marked(deployment))
+        placed = deployment.ranks.select_related("node")  # issue 17: the worker nodes as placed, to keep or change
+        initial["workers"] = [r.node.name for r in placed]
+        initial["worker_gpus"] = " ".join(f"{r.node.name}={','.join(map(str, r.gpu_indices))}" for r in placed)
         return initial
     preset = dict(preset or {})
     initial = {k: v for k, v in preset.items() if k not in ("label", "flags", "env")}
@@ -109,9 +112,10 @@ def deployment_edit(request, pk):
         return _deploy_page(request, d.model, d.node, form, status=400)
     data = form.cleaned_data
     try:
+        placement = {"workers": data["placement"]} if d.master_port or data["placement"] else {}
         deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
-                                     stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user)
+                                     stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user, **placement)
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, d.model, d.node, form, status=409)

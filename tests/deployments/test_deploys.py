@@ -249,7 +249,7 @@ def test_a_port_in_use_fails_before_launch(model, node, host):
 def test_a_plan_does_not_download_a_copy_that_is_being_deleted(model, node, host):
     model.copies.update(state="deleting")
     d = _queued(model, node)
-    with mock.patch("deployments.services.plan.model_copy_download", autospec=True) as download:
+    with mock.patch("deployments.services.steps.model_copy_download", autospec=True) as download:
         plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and f"The model's copy on {node} is deleting" in d.status_message

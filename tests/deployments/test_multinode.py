@@ -7,13 +7,16 @@ import socket
 from unittest import mock
 
 import pytest
+from django.utils import timezone
 
+from benchmarks import studies
+from controlpanel import cli
 from controlpanel.errors import ServiceError
 from deployments.forms import DeployForm
 from deployments.host import preflight
-from deployments.models import DeploymentRank
-from deployments.services import deploys, multinode, ranks
-from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
+from deployments.models import Deployment, DeploymentRank, Node
+from deployments.services import deploys, multinode, ranks, watch
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, StudyFactory
 
 pytestmark = pytest.mark.django_db
 FLAGS = sorted({"--tensor-parallel-size", "--pipeline-parallel-size", "--port", "--host", "--nnodes", "--node-rank",
@@ -80,19 +83,36 @@ def test_a_layout_that_does_not_split_evenly_over_the_nodes_is_refused(model, no
         _deploy(model, head, worker, worker_gpus=[0])
 
 
-def test_an_offline_worker_node_a_missing_model_copy_or_an_engine_without_nnodes_is_refused(model, nodes, sent):
+def test_an_offline_worker_node_or_an_engine_without_nnodes_is_refused(model, nodes, sent):
     head, worker = nodes
     worker.last_heartbeat = None
     worker.save()
     with pytest.raises(ServiceError, match="gpu-b are offline"):
         _deploy(model, head, worker)
-    third = _node("gpu-c")
-    with pytest.raises(ServiceError, match="is not on gpu-c"):
-        _deploy(model, head, third)
     old = _node("gpu-d", flags=[f for f in FLAGS if f != "--nnodes"])
     ModelCopyFactory(model=model, node=old)
     with pytest.raises(ServiceError, match="engine on gpu-d has no --nnodes"):
         _deploy(model, head, old)
+
+
+def test_a_worker_without_the_model_is_accepted_when_it_can_download_it_there_and_refused_naming_it_otherwise(
+        model, nodes, sent):
+    head, _ = nodes
+    roomy = _node("gpu-c")
+    d = _deploy(model, head, roomy)  # its rank's prepare step downloads the model on gpu-c
+    assert d.ranks.get().node == roomy
+    Deployment.objects.filter(pk=d.pk).update(status="stopped")
+    small = _node("gpu-d")
+    small.disk_free = model.total_size // 2
+    small.save()
+    with pytest.raises(ServiceError, match="Not enough disk space on gpu-d to download") as err:
+        _deploy(model, head, small, name="on-small")
+    assert err.value.code == "disk_full"
+    local = ModelRepoFactory(local_path="/srv/tiny", files=[{"path": "a", "size": 1}])
+    ModelCopyFactory(model=local, node=head)
+    with pytest.raises(ServiceError, match="not on gpu-c and cannot be downloaded there .a local folder.") as err:
+        _deploy(local, head, roomy, name="local")
+    assert err.value.code == "not_on_node"
 
 
 def test_the_flags_the_panel_sets_per_rank_are_refused_from_the_user(model, nodes, sent):
@@ -200,3 +220,124 @@ def test_a_deployment_from_a_single_node_is_not_a_holder_elsewhere(model, nodes)
     head, worker = nodes
     DeploymentFactory(node=head, model=model, status="ready")
     assert list(deploys.deployment_holders(worker, [0])) == []
+
+
+# --- a redeploy checks the placement again (issue 17 item 3) ------------------------------------
+
+def _ready(d):
+    Deployment.objects.filter(pk=d.pk).update(status="ready")
+    return Deployment.objects.get(pk=d.pk)
+
+
+def test_a_redeploy_and_a_studys_redeploy_check_the_placement_again_naming_the_node(model, nodes, sent):
+    head, worker = nodes
+    d = _ready(_deploy(model, head, worker))
+    Node.objects.filter(pk=worker.pk).update(last_heartbeat=None)
+    with pytest.raises(ServiceError, match="gpu-b are offline"):
+        deploys.deployment_redeploy(d, engine_args={"tensor-parallel-size": 4, "max-num-seqs": 8})
+    study = StudyFactory(deployment=d, status="done")
+    with pytest.raises(ServiceError, match="gpu-b are offline"):
+        studies.study_apply(study, study.variants.get(position=1))
+    Node.objects.filter(pk=worker.pk).update(last_heartbeat=timezone.now(), engine_version="0.31.0")
+    with pytest.raises(ServiceError, match="gpu-b runs 0.31.0"):
+        deploys.deployment_redeploy(d)
+    Node.objects.filter(pk=worker.pk).update(engine_version="0.32.0")
+    other = DeploymentFactory(node=worker, model=model, status="loading", port=9001, name="other")
+    other.gpus.set(worker.gpus.filter(index=1))
+    with pytest.raises(ServiceError, match="gpu-b is busy: other is loading"):
+        deploys.deployment_redeploy(d)
+    assert Deployment.objects.get(pk=d.pk).status == "ready"  # nothing was queued
+    Deployment.objects.filter(pk=other.pk).update(status="stopped")
+    assert deploys.deployment_redeploy(d).status == "queued"
+
+
+def test_a_redeploy_takes_new_worker_nodes_from_the_api_and_refuses_what_it_cannot_change(model, nodes, sent, api):
+    head, worker = nodes
+    _node("gpu-c")  # no copy there: its rank downloads the model
+    d = _ready(_deploy(model, head, worker))
+    answer = api.post(f"/api/deployments/{d.pk}/restart/", {"workers": [{"node": "gpu-c", "gpus": [0, 1]}]}, format="json")
+    assert answer.status_code == 202, answer.content
+    assert [(r["rank"], r["node"], r["gpu_indices"]) for r in answer.json()["ranks"]] == [(1, "gpu-c", [0, 1])]
+    assert "on new worker nodes: rank 1 on gpu-c" in d.events.filter(step="queued").last().message
+    answer = api.post(f"/api/deployments/{d.pk}/restart/", {"workers": [{"node": "nope"}]}, format="json")
+    assert answer.status_code == 400
+
+    d = _ready(d)
+    Deployment.objects.filter(pk=d.pk).update(systemd_unit=f"vllm-{d.name}.service")
+    with pytest.raises(ServiceError, match="runs as systemd units on its nodes") as err:
+        deploys.deployment_redeploy(d, workers=[multinode.Worker(worker, [0, 1])])
+    assert err.value.code == "persisted"
+    single = _ready(deploys.deployment_create(model=model, node=worker, gpu_indices=[0], port=8001,
+                                              engine_args={"tensor-parallel-size": 1}, env={}))
+    with pytest.raises(ServiceError, match="deploy a new one to change that"):
+        deploys.deployment_redeploy(single, workers=[multinode.Worker(head, [0])])
+
+
+def test_the_edit_page_shows_the_placement_and_a_redeploy_from_it_moves_a_rank(model, nodes, sent, operator_client):
+    head, worker = nodes
+    _node("gpu-c")
+    d = _ready(_deploy(model, head, worker))
+    assert "gpu-b=0,1" in operator_client.get(f"/deployments/{d.pk}/edit/").content.decode()
+    form = {"port": 8000, "tp": 4, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
+            "gpus": ["0", "1"], "workers": ["gpu-c"], "worker_gpus": "gpu-c=0,1", "stall_seconds": 600}
+    answer = operator_client.post(f"/deployments/{d.pk}/edit/", form)
+    assert answer.status_code == 302, answer.content.decode()[-2000:]
+    assert [(r.node.name, r.gpu_indices) for r in d.ranks.all()] == [("gpu-c", [0, 1])]
+
+
+# --- if any rank dies: failed, or restarted as a whole -------------------------------------------
+
+def _three_nodes(model, nodes, **kw):
+    head, worker = nodes
+    third = _node("gpu-c")
+    d = deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={},
+                                  engine_args={"tensor-parallel-size": 6}, workers=[multinode.Worker(worker, [0, 1]),
+                                                                                   multinode.Worker(third, [0, 1])], **kw)
+    return _ready(d), third
+
+
+def test_auto_restart_after_a_rank_dies_runs_every_rank_again(model, nodes, sent):
+    d, third = _three_nodes(model, nodes, auto_restart=True)
+    dead, other = d.ranks.order_by("rank")
+    DeploymentRank.objects.filter(pk__in=[dead.pk, other.pk]).update(state="running")
+    DeploymentRank.objects.filter(pk=dead.pk).update(state="failed", message="its engine process exited")
+    sent.reset_mock()
+    ranks.deployment_rank_lost(d.pk, dead.pk)
+    d.refresh_from_db()
+    assert d.status == "queued" and d.restarts == 1 and "rank 1 on node gpu-b died" in d.events.get(step="failed").message
+    calls = {c.args[0]: c.kwargs for c in sent.call_args_list}
+    assert calls["deployments.deployment_run"]["queue"] == "node.gpu-a" and calls["deployments.deployment_run"]["countdown"] == 10
+    assert calls["deployments.rank_halt"] == {"args": [other.pk], "queue": "node.gpu-c"}  # the live rank stopped first
+    assert DeploymentRank.objects.get(pk=other.pk).state == "stopping"
+    watch.deployment_crashed(d, "the engine process exited")  # the head's watch saw its engine die too: one restart
+    d.refresh_from_db()
+    assert d.status == "queued" and d.restarts == 1
+
+    # The restarted plan (on the head) sends every rank its part again, the dead one included.
+    with mock.patch("deployments.services.ranks.enqueue", autospec=True) as told:
+        ranks.ranks_send(d)
+    assert sorted((c.kwargs["args"][0], c.kwargs["queue"]) for c in told.call_args_list) == [
+        (dead.pk, "node.gpu-b"), (other.pk, "node.gpu-c")]
+    ranks.rank_halt(other.pk)  # the crash's stop, arriving late on a busy node, leaves the new run alone
+    assert set(d.ranks.values_list("state", flat=True)) == {"pending"}
+
+
+def test_auto_restart_is_not_tried_when_a_worker_nodes_gpus_were_taken_meanwhile(model, nodes, sent):
+    d, third = _three_nodes(model, nodes, auto_restart=True)
+    dead = d.ranks.get(rank=1)
+    DeploymentRank.objects.filter(deployment=d).update(state="running")
+    DeploymentRank.objects.filter(pk=dead.pk).update(state="failed")
+    taker = DeploymentFactory(node=third, model=model, status="ready", port=9002, name="taker")
+    taker.gpus.set(third.gpus.filter(index=0))
+    ranks.deployment_rank_lost(d.pk, dead.pk)
+    d.refresh_from_db()
+    assert d.status == "failed" and d.restarts == 0
+    assert "Not restarted: taker uses its GPUs on gpu-c now." in d.events.get(step="auto_restart").message
+
+
+def test_panelctl_takes_each_node_once_the_first_as_head_each_with_its_own_gpus():
+    assert cli._placement(["gpu-a", "gpu-b:2,3"]) == {"gpu-a": None, "gpu-b": [2, 3]}
+    with pytest.raises(cli.CliError, match="--node gpu-a is given twice"):
+        cli._placement(["gpu-a", "gpu-a:1"])
+    with pytest.raises(cli.CliError, match="GPU indices are numbers separated by commas"):
+        cli._placement(["gpu-a", "gpu-b:x"])
