@@ -4,20 +4,27 @@ model stores and queues) run one real CPU-engine deployment with vLLM's own mult
 
 Ready, smoke test answered on the head, stopped as one with no process left on either "node"; one
 rank killed ends the whole deployment failed with the other rank stopped; a worker that cannot
-reach the head's port fails the pre-flight naming both nodes.
+reach the head's port fails the pre-flight naming both nodes. Through panelctl, `--node a --node b`
+with the model on neither node: each node downloads its own copy from a Hub-compatible server, one
+endpoint answers, and `panelctl stop` ends every rank.
 """
+import json
 import os
 import shutil
 import signal
+import urllib.request
 
 import pytest
 from rest_framework.test import APIClient
 
+from controlpanel import tokens
 from deployments.host import engine, ownership
-from deployments.models import Deployment, DeploymentRank, ModelCopy, Node
+from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.services import deploys, multinode, repos
-from tests.conftest import VLLM, agent_argv, free_port, wait_until
+from tests.conftest import VLLM, agent_argv, free_port, in_thread, wait_until
+from tests.e2e.test_cli import panelctl
 from tests.factories import UserFactory
+from tests.hfserver import serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 LOAD_TIMEOUT_S = 420  # two engines start on 2 shared cores
@@ -140,6 +147,69 @@ def test_a_worker_that_cannot_reach_the_head_fails_the_preflight_naming_both_nod
     assert f"worker node {worker.name} cannot reach head node {head.name} at 192.0.2.1:{d.master_port}" in d.status_message
     assert not d.pid and DeploymentRank.objects.get(deployment=d).pid is None  # nothing was launched
     assert "launch" not in set(d.events.values_list("step", flat=True))
+
+
+@pytest.fixture
+def hub_tiny(tmp_path, tiny_model):
+    """A Hugging Face-compatible server holding the tiny model as acme/tiny-2n."""
+    shutil.copytree(tiny_model, tmp_path / "hub" / "acme" / "tiny-2n")
+    with serve(tmp_path / "hub") as url:
+        yield url
+
+
+def test_panelctl_deploys_over_two_nodes_each_downloading_its_copy_and_stops_every_rank(
+        hub_tiny, process_env, spawn, unique, tmp_path, live_server_asgi, operator, settings):
+    settings.HF_ENDPOINT = hub_tiny
+    env = dict(process_env, HF_ENDPOINT=hub_tiny)
+    head, head_store = _agent(spawn, env, tmp_path, f"mn-a-{unique}")
+    worker, worker_store = _agent(spawn, env, tmp_path, f"mn-b-{unique}")
+    model = ModelRepo.objects.create(repo_id="acme/tiny-2n")
+    in_thread(repos.model_inspect, model.pk)
+    model.refresh_from_db()
+    assert model.files and model.total_size and not ModelCopy.objects.filter(model=model).exists()  # on neither node
+    cli = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": tokens.issue(operator),
+           "PANELCTL_CONFIG": str(tmp_path / "none.json")}
+    port = free_port()
+    try:
+        code, out, err = panelctl(cli, "deploy", str(model.pk), "--node", head.name, "--node", worker.name, "--tp", "2",
+                                  "--preset", "none", "--name", "cli-2n", "--port", str(port), "--master-port", str(free_port()),
+                                  *(f"--flag={k}=" if v is True else f"--flag={k}={v}" for k, v in ENGINE_ARGS.items()
+                                    if k != "tensor-parallel-size"),
+                                  *(f"--env={k}={v}" for k, v in ENGINE_ENV.items()), "--wait", "--json", "--timeout",
+                                  str(LOAD_TIMEOUT_S))
+        d = Deployment.objects.get(name="cli-2n")
+        assert code == 0, f"{err}\n{d.status_message}\n{d.log_tail[-3000:]}"
+        assert json.loads(out)["status"] == "ready" and json.loads(out)["smoke"]["completion_tokens"] > 0
+        assert f"Deploying cli-2n (id {d.pk}) on {head.name} + {worker.name}" in err
+        # Each node downloaded its own copy into its own store (the worker's in its rank's prepare step).
+        for node, store in ((head, head_store), (worker, worker_store)):
+            copy = ModelCopy.objects.get(model=model, node=node)
+            assert copy.state == "ready" and copy.path.startswith(str(store)) and copy.bytes_done == model.total_size
+        assert str(worker_store) in d.events.get(step=f"prepare@{worker.name}").message
+
+        # The one endpoint answers (the head; the worker rank computes half of every layer).
+        ask = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content":
+               "Name three rivers of Europe and say which one of them is the longest, please."}]}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(ask).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            reply = json.load(answer)
+        assert reply["usage"]["completion_tokens"] > 0 and reply["choices"][0]["message"]["content"]
+
+        rank = wait_until(lambda: (r := DeploymentRank.objects.get(deployment=d)).state == "running" and r, timeout=30,
+                          message="the worker rank running")
+        d = Deployment.objects.get(pk=d.pk)
+        groups = [(d.pgid, d.marker), (rank.pgid, rank.marker)]
+        code, _, err = panelctl(cli, "stop", "cli-2n", "--wait", "--timeout", "120")
+        assert code == 0, err
+        wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120, message="the rank stopped")
+        assert all(_gone(pgid, marker) for pgid, marker in groups), "an engine process of a stopped rank is left"
+        assert engine.port_free("0.0.0.0", port)
+    finally:  # engines outlive killed agents: never leave one behind
+        for d in Deployment.objects.filter(node=head):
+            for pgid in [d.pgid, *d.ranks.values_list("pgid", flat=True)]:
+                if pgid:
+                    engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 def _cmdline(pid) -> list[str]:
