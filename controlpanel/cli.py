@@ -192,10 +192,10 @@ def cmd_deploy(panel, args):
     node = panel.get(f"nodes/{head}/")
     engine_args = _pairs(args.flag, "--flag")
     for flag, value in (("tensor-parallel-size", args.tp), ("pipeline-parallel-size", args.pp),
-                        ("max-model-len", args.max_model_len)):
+                        ("data-parallel-size", args.dp), ("max-model-len", args.max_model_len)):
         if value:  # unset: the server's preset for the node decides, as on the deploy form
             engine_args[flag] = value
-    per_node = max(1, (args.tp or 1) * (args.pp or 1) // len(args.node))
+    per_node = max(1, (args.tp or 1) * (args.pp or 1) * (args.dp or 1) // len(args.node))
 
     def gpus_on(name: str, info: dict | None = None) -> list[int]:
         """NAME:0,1 names them; else --gpus; else the node's first TP×PP / nodes GPUs."""
@@ -417,11 +417,14 @@ def parser() -> argparse.ArgumentParser:
                    help="default: the node with a ready copy of the model (or the only node); repeat for a "
                         "multi-node deployment: the first is the head, the others run headless ranks; "
                         "NAME:0,1 picks that node's GPUs")
-    s.add_argument("--master-port", type=int, default=None, help="multi-node: the head's port the ranks meet at")
+    s.add_argument("--master-port", type=int, default=None, help="multi-node: the head's port the ranks meet at "
+                   "(its DP RPC port with --dp above 1)")
     s.add_argument("--name", default="")
     s.add_argument("--gpus", default="", help="e.g. 0,1,2,3 (default: the first TP×PP GPUs)")
     s.add_argument("--tp", type=int, default=None, help="tensor parallel (default: the preset's)")
     s.add_argument("--pp", type=int, default=None, help="pipeline parallel (default: 1)")
+    s.add_argument("--dp", type=int, default=None, help="data-parallel replicas of TP×PP GPUs (default: 1); over "
+                   "several nodes each node runs whole replicas")
     s.add_argument("--port", type=int, default=None, help="default: a port free on the node")
     s.add_argument("--preset", default="auto", help="auto (the node's: one GPU, or the CPU engine), none, or a "
                    "deploy-form preset: single-gpu, tp8-moe-int4, tp4-ep-fp8, nccl-ring-ll, cpu-test")

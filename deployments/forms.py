@@ -45,7 +45,8 @@ class DeployForm(forms.Form):
                               help_text="Default: the first port free on the node (never the panel's own).")
     tp = forms.IntegerField(label="Tensor parallel", min_value=1, max_value=64, initial=1)
     pp = forms.IntegerField(label="Pipeline parallel", min_value=1, max_value=64, initial=1)
-    dp = forms.IntegerField(label="Data parallel", min_value=1, max_value=64, initial=1)
+    dp = forms.IntegerField(label="Data parallel (replicas)", min_value=1, max_value=64, initial=1,
+                            help_text="Replicas of TP × PP GPUs each; over several nodes each node runs whole replicas.")
     expert_parallel = forms.BooleanField(required=False, label="Expert parallel (MoE)")
     max_model_len = forms.IntegerField(required=False, min_value=16, max_value=10_000_000, label="Max model length")
     gpu_memory_utilization = forms.FloatField(min_value=0.05, max_value=0.99, initial=0.9, label="GPU memory utilization")
@@ -76,12 +77,14 @@ class DeployForm(forms.Form):
                                  help_text="In parallel, while other engines stop and before launch, when free RAM allows.")
     workers = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple, label="Also on nodes (multi-node)",
                                         help_text="This node is the head (rank 0); each node ticked runs a headless rank. "
-                                                  "TP × PP × DP is split evenly over all of them.")
+                                                  "With DP 1, TP × PP is split evenly over all of them; with DP > 1, "
+                                                  "each node runs its GPUs / (TP × PP) replicas (CPU nodes: DP / nodes).")
     worker_gpus = forms.CharField(required=False, max_length=2000, label="GPUs on the other nodes",
                                   help_text="node=0,1,2,3 per node, space-separated (default: as many as here, from GPU 0; "
                                             "none on a CPU node).")
     master_port = forms.IntegerField(required=False, min_value=1024, max_value=65535, label="Master port (multi-node)",
-                                     help_text="The head's port the ranks meet at (default: the first free from 29500).")
+                                     help_text="The head's port the ranks meet at, its DP RPC port with DP > 1 "
+                                               "(default: the first free from 29500).")
     stall_seconds = forms.IntegerField(min_value=30, max_value=86400, initial=600, label="Stalled after (s)",
                                        help_text="No fixed load timeout: a load fails only when neither log nor GPU memory moved this long.")
 

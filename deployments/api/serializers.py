@@ -184,9 +184,12 @@ class DeployRequestSerializer(serializers.Serializer):
     prewarm = serializers.BooleanField(default=False, help_text="Read the model's shards into the page cache while other "
                                        "engines stop, before launch, when free RAM allows.")
     workers = WorkerSerializer(many=True, required=False, default=list, max_length=63,
-                               help_text="Multi-node: more nodes, each with its GPUs; TP × PP × DP is split evenly over all.")
+                               help_text="Multi-node: more nodes, each with its GPUs. With data-parallel-size 1, TP × PP is "
+                                         "split evenly over all; above 1, each node runs its GPUs / (TP × PP) replicas "
+                                         "(CPU nodes: data-parallel-size / nodes) with vLLM's data-parallel launch.")
     master_port = serializers.IntegerField(min_value=1024, max_value=65535, required=False, default=None, allow_null=True,
-                                           help_text="Multi-node: the head's port the ranks meet at (default: from 29500).")
+                                           help_text="Multi-node: the head's port the ranks meet at, its DP RPC port "
+                                                     "with data-parallel-size > 1 (default: from 29500).")
 
     def validate_engine_args(self, value):
         from deployments import engineargs

@@ -165,7 +165,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     if workers:
         multinode.place(d, workers, master_port)
         deployment_event(d, "queued", f"Queued over {1 + len(workers)} nodes: head {node} (GPUs {gpu_indices or 'none, CPU'}, "
-                         f"port {port}, master port {d.master_port}); " + "; ".join(
+                         f"port {port}, {multinode.port_name(engine_args)} {d.master_port}); " + "; ".join(
                              f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})" for i, w in enumerate(workers, 1)) + ".")
     else:
         deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")

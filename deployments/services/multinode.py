@@ -2,8 +2,9 @@
 anything starts, and write one rank row per worker node. deployments/services/ranks.py runs it.
 
 A placement is the head (the deployment's node and GPUs, rank 0) plus worker nodes, each with its
-GPUs; the parallel layout is the engine's TP × PP (× DP) over all of them, as vLLM's `--nnodes` launch
-splits it: world size / nodes processes on every node.
+GPUs. The parallel layout decides the launch: with DP 1, vLLM's `--nnodes` launch splits TP × PP over
+all of them (world size / nodes processes on every node); with DP > 1, its data-parallel launch runs
+whole replicas (TP × PP each) on every node, the head's API server balancing over all of them.
 """
 from dataclasses import dataclass
 
@@ -12,11 +13,15 @@ from deployments import engineargs, modelconfig, modelfit
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.services import repos
 
-# vLLM's multi-node launch (mp executor) needs these on every node.
+# vLLM's multi-node launch (mp executor) needs these on every node; its data-parallel launch the second set.
 NEEDED_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+DP_NEEDED_FLAGS = ("--data-parallel-size", "--data-parallel-size-local", "--data-parallel-start-rank",
+                   "--data-parallel-address", "--data-parallel-rpc-port", "--headless")
 MASTER_PORT_FIRST = 29500
-# Set by the panel on every rank (services/ranks.py); refused in a user's engine flags.
-MULTINODE_FLAGS = ("nnodes", "node-rank", "master-addr", "master-port", "headless")
+# Set by the panel on every rank (services/ranks.py); refused in a user's engine flags. A fixed
+# --data-parallel-rank would switch vLLM to external load balancing, which no rank here runs.
+MULTINODE_FLAGS = ("nnodes", "node-rank", "master-addr", "master-port", "headless", "data-parallel-size-local",
+                   "data-parallel-start-rank", "data-parallel-address", "data-parallel-rpc-port", "data-parallel-rank")
 
 
 @dataclass
@@ -27,9 +32,55 @@ class Worker:
     gpu_indices: list
 
 
+def layout(engine_args: dict) -> tuple[int, int, int]:
+    """(TP, PP, DP) of the engine flags: TP × PP GPUs per replica, DP replicas."""
+    return (int(engine_args.get("tensor-parallel-size", 1)), int(engine_args.get("pipeline-parallel-size", 1)),
+            int(engine_args.get("data-parallel-size", 1)))
+
+
 def world_size(engine_args: dict) -> int:
-    return (int(engine_args.get("tensor-parallel-size", 1)) * int(engine_args.get("pipeline-parallel-size", 1))
-            * int(engine_args.get("data-parallel-size", 1)))
+    tp, pp, dp = layout(engine_args)
+    return tp * pp * dp
+
+
+def data_parallel(engine_args: dict) -> bool:
+    """Whether a multi-node deployment runs vLLM's data-parallel launch (DP > 1) rather than `--nnodes`."""
+    return layout(engine_args)[2] > 1
+
+
+def dp_split(engine_args: dict, chosen: list[tuple[str, list]]) -> list[int]:
+    """Replicas per node (head first, given as (node name, chosen GPUs)) of a data-parallel layout: a GPU
+    node runs its chosen GPUs / (TP × PP); nodes without GPUs (CPU engines) share the replicas evenly,
+    each running TP × PP processes per replica. Refuses a split that does not add up, naming the nodes."""
+    tp, pp, dp = layout(engine_args)
+    per_replica, names = tp * pp, [name for name, _ in chosen]
+    on_cpu = [name for name, gpus in chosen if not gpus]
+    if on_cpu and len(on_cpu) != len(chosen):
+        raise ServiceError(f"A data-parallel layout runs on GPUs on every node or on none: no GPU chosen on "
+                           f"{', '.join(on_cpu)}.", field="workers")
+    if on_cpu:
+        if dp % len(chosen):
+            raise ServiceError(f"DP = {dp} replicas cannot be split evenly over the {len(chosen)} CPU nodes "
+                               f"{', '.join(names)}.", field="dp")
+        return [dp // len(chosen)] * len(chosen)
+    for name, gpus in chosen:
+        if len(gpus) % per_replica:
+            raise ServiceError(f"TP × PP = {per_replica} GPU(s) per replica, and a replica runs on one node: the "
+                               f"{len(gpus)} GPU(s) chosen on {name} are not whole replicas.", field="workers")
+    replicas = [len(gpus) // per_replica for _, gpus in chosen]
+    if sum(replicas) != dp:
+        raise ServiceError(f"DP = {dp} replicas of TP × PP = {per_replica}, but the GPUs chosen hold {sum(replicas)} ("
+                           + ", ".join(f"{name}: {n}" for name, n in zip(names, replicas)) + ").", field="dp")
+    return replicas
+
+
+def dp_ranks(d: Deployment, head_gpus: list | None = None) -> list[tuple[int, int]]:
+    """(replicas, first DP rank) per node of a placed data-parallel deployment, head first (on `head_gpus`
+    when given: a redeploy checks its new GPUs)."""
+    chosen = [(d.node.name, d.gpu_indices if head_gpus is None else head_gpus),
+              *((r.node.name, r.gpu_indices) for r in d.ranks.select_related("node"))]
+    replicas = dp_split(d.engine_args, chosen)
+    return [(n, sum(replicas[:i])) for i, n in enumerate(replicas)]
 
 
 def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker], engine_args: dict,
@@ -56,34 +107,43 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
         raise ServiceError("Every node of a multi-node deployment needs the same vLLM: " + ", ".join(
             f"{name} runs {v or 'an unknown version'}" for name, v in versions.items()) + ".", field="workers",
             code="engine_versions")
+    needed = DP_NEEDED_FLAGS if data_parallel(engine_args) else NEEDED_FLAGS
     for n in nodes:
-        missing = [f for f in NEEDED_FLAGS if n.engine_flags and f not in n.engine_flags]
+        missing = [f for f in needed if n.engine_flags and f not in n.engine_flags]
         if missing:
             raise ServiceError(f"The engine on {n.name} has no {missing[0]}: it cannot join a multi-node launch.",
                                field="workers")
         if n.engine_flags and (errors := engineargs.check_flags(engine_args, set(n.engine_flags))):
             raise ServiceError(f"On {n.name}: {errors['extra_flags']}", field="engine_args")
+    chosen = [(head, head_gpus), *((w.node, w.gpu_indices) for w in workers)]
     world, count = world_size(engine_args), len(nodes)
-    if world % count:
+    if world % count and not data_parallel(engine_args):
         raise ServiceError(f"TP × PP × DP = {world} cannot be split evenly over {count} nodes "
                            f"({', '.join(n.name for n in nodes)}).", field="tp")
     per_node = world // count
-    for node, indices in [(head, head_gpus), *((w.node, w.gpu_indices) for w in workers)]:
+    for node, indices in chosen:
         gpus = {g.index for g in node.gpus.all()}
         if set(indices) - gpus:
             raise ServiceError(f"{node.name} has no GPU {sorted(set(indices) - gpus)[0]}.", field="workers")
-        if gpus and len(indices) != per_node:
+        if gpus and not data_parallel(engine_args) and len(indices) != per_node:
             raise ServiceError(f"TP × PP × DP = {world} over {count} nodes runs {per_node} rank(s) per node; "
                                f"{len(indices)} GPU(s) chosen on {node.name}.", field="workers")
         busy = [d for d in deployment_holders(node, indices) if d.status in Deployment.IN_FLIGHT]
         if busy:
             raise ServiceError(f"{node.name} is busy: {busy[0].name} is {busy[0].get_status_display().lower()}.",
                                field="workers", code="gpus_busy")
+    if data_parallel(engine_args):
+        dp_split(engine_args, [(node.name, indices) for node, indices in chosen])
     for w in workers:
         _check_copy(model, w.node)
     _check_fit(model, nodes, [head_gpus, *(w.gpu_indices for w in workers)], engine_args)
     if master_port is not None and master_port < 1024:
-        raise ServiceError("The master port must be 1024 or above.", field="master_port")
+        raise ServiceError(f"The {port_name(engine_args)} must be 1024 or above.", field="master_port")
+
+
+def port_name(engine_args: dict) -> str:
+    """What the deployment's master_port is to vLLM: the head's port every rank meets at."""
+    return "DP RPC port" if data_parallel(engine_args) else "master port"
 
 
 def _check_copy(model: ModelRepo, node: Node) -> None:

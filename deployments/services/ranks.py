@@ -10,6 +10,9 @@ The order, as vLLM's `--nnodes` launch needs it (tensor/pipeline parallel over t
   4. health and smoke test on the head. Any rank dying fails the whole deployment and every other
      rank is stopped; Stop stops all ranks. A persisted deployment runs every rank under a systemd
      unit of its own node (the same order: each agent installs its rank's unit when told to launch).
+A data-parallel layout (DP > 1) runs the same plan with vLLM's data-parallel launch instead: the
+master port is the head's DP RPC port, each worker runs `--headless` with its replicas
+(`--data-parallel-size-local`) from its first DP rank (`--data-parallel-start-rank`).
 """
 import logging
 import os
@@ -22,8 +25,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlpanel.queue import enqueue
+from deployments import engineargs
 from deployments.host import engine, enginecli, engineenv, enginelog, ownership, preflight, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
+from deployments.services import multinode
 from deployments.services.deploys import deployment_event, deployment_holders
 from deployments.services.nodes import node_enqueue
 from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, halt_engine,
@@ -45,7 +50,15 @@ def head_address(d: Deployment) -> str:
 
 
 def multinode_args(d: Deployment, rank: int, nnodes: int) -> dict:
-    """The flags vLLM's multi-node launch needs on rank `rank` (workers run headless)."""
+    """The flags vLLM's multi-node launch needs on rank `rank` (workers run headless): `--nnodes`, or
+    with DP > 1 its data-parallel form (this node's replicas and first DP rank)."""
+    if multinode.data_parallel(d.engine_args):
+        local, start = multinode.dp_ranks(d)[rank]
+        args = {"data-parallel-size-local": local, "data-parallel-address": head_address(d),
+                "data-parallel-rpc-port": d.master_port}
+        if rank:  # the head takes DP ranks from 0 (without a start rank: internal load balancing)
+            args.update({"headless": True, "data-parallel-start-rank": start})
+        return args
     args = {"nnodes": nnodes, "node-rank": rank, "master-addr": head_address(d), "master-port": d.master_port}
     if rank:
         args["headless"] = True
@@ -103,15 +116,16 @@ def head_preflight(d: Deployment) -> str:
     """Listen on the master port; every worker node connects to the head's address and reports."""
     address = head_address(d)
     ranks_wait(d, {R.PREPARED}, PREPARE_TIMEOUT_S, "Preparing the worker nodes")
+    port = multinode.port_name(d.engine_args)
     try:
         listener = preflight.Listener(d.master_port)
     except preflight.PreflightError as exc:
-        raise PlanFailed(f"Head node {d.node.name}: {exc.message} (the master port must be free there)") from exc
+        raise PlanFailed(f"Head node {d.node.name}: {exc.message} (the {port} must be free there)") from exc
     with listener:
         _set(d, R.PREFLIGHT)
         ranks_wait(d, {R.REACHED}, PREFLIGHT_TIMEOUT_S, f"Pre-flight to head node {d.node.name} at {address}:{d.master_port}")
     names = ", ".join(d.ranks.values_list("node__name", flat=True))
-    return f"Worker node(s) {names} reached head node {d.node.name} at {address}:{d.master_port}."
+    return f"Worker node(s) {names} reached head node {d.node.name} at {address}:{d.master_port} ({port})."
 
 
 def head_launch_workers(d: Deployment) -> str:
@@ -241,7 +255,8 @@ def _stop_holders(r: DeploymentRank) -> str:
 def _launch(r: DeploymentRank, model_path: str) -> None:
     d = r.deployment
     nnodes = d.ranks.count() + 1
-    args = {**d.engine_args, **multinode_args(d, r.rank, nnodes)}
+    own = multinode_args(d, r.rank, nnodes)
+    args = {**d.engine_args, **own}
     argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, "0.0.0.0", args)
     marker = ownership.new_marker(d.pk)
     log_path = Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-rank{r.rank}-{int(time.time())}.log"
@@ -255,7 +270,7 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
         handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path)))
         _note(r, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
         how = f"PID {handle.pid}"
-    deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, --headless --node-rank {r.rank} "
+    deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, {' '.join(engineargs.argv_words(own))} "
                      f"(log {log_path})", node=r.node.name)
 
 

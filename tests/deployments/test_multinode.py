@@ -13,7 +13,7 @@ from benchmarks import studies
 from controlpanel import cli
 from controlpanel.errors import ServiceError
 from deployments.forms import DeployForm
-from deployments.host import preflight
+from deployments.host import enginecli, preflight
 from deployments.models import Deployment, DeploymentRank, Node
 from deployments.services import deploys, multinode, ranks, watch
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, StudyFactory
@@ -341,3 +341,126 @@ def test_panelctl_takes_each_node_once_the_first_as_head_each_with_its_own_gpus(
         cli._placement(["gpu-a", "gpu-a:1"])
     with pytest.raises(cli.CliError, match="GPU indices are numbers separated by commas"):
         cli._placement(["gpu-a", "gpu-b:x"])
+
+
+# --- data-parallel layouts (DP > 1): vLLM's data-parallel launch, whole replicas per node ------------
+
+DP_FLAGS = sorted({*FLAGS, "--data-parallel-size", "--data-parallel-size-local", "--data-parallel-start-rank",
+                   "--data-parallel-address", "--data-parallel-rpc-port"})
+
+
+@pytest.fixture
+def dp_nodes(model):
+    """Two GPU nodes (2 and 4 GPUs) whose engine offers the data-parallel flags, with the model on both."""
+    head, worker = _node("dp-a", gpus=2, flags=DP_FLAGS), _node("dp-b", gpus=4, flags=DP_FLAGS)
+    for node in (head, worker):
+        ModelCopyFactory(model=model, node=node, path=f"/models/{node.name}")
+    return head, worker
+
+
+def _dp(model, head, worker, dp, worker_gpus, tp=1, head_gpus=(0, 1), args=None, **kw):
+    return deploys.deployment_create(model=model, node=head, gpu_indices=list(head_gpus), port=8000,
+                                     engine_args={"tensor-parallel-size": tp, "data-parallel-size": dp, **(args or {})},
+                                     env={}, workers=[multinode.Worker(worker, list(worker_gpus))], **kw)
+
+
+def test_a_data_parallel_layout_launches_vllms_dp_form_with_each_nodes_replicas_and_start_rank(model, dp_nodes, sent):
+    head, worker = dp_nodes
+    d = _dp(model, head, worker, dp=6, worker_gpus=[0, 1, 2, 3])  # 2 replicas on the head, 4 on the worker
+    assert ranks.multinode_args(d, 0, 2) == {"data-parallel-size-local": 2, "data-parallel-address": head.address,
+                                             "data-parallel-rpc-port": d.master_port}
+    assert ranks.multinode_args(d, 1, 2) == {"data-parallel-size-local": 4, "data-parallel-address": head.address,
+                                             "data-parallel-rpc-port": d.master_port, "headless": True,
+                                             "data-parallel-start-rank": 2}
+    argv = " ".join(enginecli.build_argv("vllm", "/m", d.port, "0.0.0.0", {**d.engine_args, **ranks.multinode_args(d, 1, 2)}))
+    assert "--data-parallel-size 6 --data-parallel-size-local 4" in argv and "--nnodes" not in argv
+    assert f"DP RPC port {d.master_port}" in d.events.get(step="queued").message
+    d.ranks.update(state="stopped")
+    Deployment.objects.filter(pk=d.pk).update(status="stopped")
+    d2 = _dp(model, head, worker, dp=2, tp=2, worker_gpus=[2, 3], name="tp2")  # TP 2 per replica: one on each node
+    assert [a["data-parallel-size-local"] for a in (ranks.multinode_args(d2, 0, 2), ranks.multinode_args(d2, 1, 2))] == [1, 1]
+    assert ranks.multinode_args(d2, 1, 2)["data-parallel-start-rank"] == 1
+
+
+def test_a_data_parallel_split_that_does_not_add_up_is_refused_naming_the_nodes(model, dp_nodes, sent):
+    head, worker = dp_nodes
+    with pytest.raises(ServiceError, match="the 1 GPU.s. chosen on dp-b are not whole replicas"):
+        _dp(model, head, worker, dp=2, tp=2, worker_gpus=[0])
+    with pytest.raises(ServiceError, match=r"DP = 5 replicas of TP × PP = 1, but the GPUs chosen hold 4 \(dp-a: 2, dp-b: 2\)"):
+        _dp(model, head, worker, dp=5, worker_gpus=[0, 1])
+    with pytest.raises(ServiceError, match="no GPU chosen on dp-b"):
+        _dp(model, head, worker, dp=2, worker_gpus=[])
+    cpu_a, cpu_b = _node("cpu-a", gpus=0, flags=DP_FLAGS), _node("cpu-b", gpus=0, flags=DP_FLAGS)
+    for node in (cpu_a, cpu_b):
+        ModelCopyFactory(model=model, node=node)
+    with pytest.raises(ServiceError, match="DP = 3 replicas cannot be split evenly over the 2 CPU nodes cpu-a, cpu-b"):
+        _dp(model, cpu_a, cpu_b, dp=3, worker_gpus=[], head_gpus=[])
+    d = _dp(model, cpu_a, cpu_b, dp=2, worker_gpus=[], head_gpus=[])  # one replica (one process) per CPU node
+    assert ranks.multinode_args(d, 1, 2)["data-parallel-size-local"] == 1
+
+
+def test_an_engine_without_the_data_parallel_flags_or_a_user_set_rpc_port_is_refused(model, dp_nodes, sent):
+    head, worker = dp_nodes
+    old = _node("dp-old", gpus=2)  # --nnodes, but none of the data-parallel launch's flags
+    ModelCopyFactory(model=model, node=old)
+    with pytest.raises(ServiceError, match="engine on dp-old has no --data-parallel-size"):
+        _dp(model, head, old, dp=4, worker_gpus=[0, 1])
+    with pytest.raises(ServiceError, match="--data-parallel-rpc-port is set by the panel"):
+        _dp(model, head, worker, dp=4, worker_gpus=[0, 1], args={"data-parallel-rpc-port": 1234})
+
+
+def test_the_preflight_of_a_data_parallel_layout_tests_the_dp_rpc_port(model, dp_nodes, sent):
+    head, worker = dp_nodes
+    d = _dp(model, head, worker, dp=4, worker_gpus=[0, 1])
+    port = ranks.multinode_args(d, 1, 2)["data-parallel-rpc-port"]
+    with socket.socket() as probe:  # a free port for the test: the deployment's own may be taken on this host
+        probe.bind(("127.0.0.1", 0))
+        d.master_port = port = probe.getsockname()[1]
+    reached = []
+
+    def worker_reports(d, states, timeout_s, what):  # what the worker node's rank_run does, in this thread
+        if DeploymentRank.State.REACHED in states:
+            reached.append(preflight.reach(head.address, port, timeout_s=2))
+
+    with mock.patch.object(ranks, "ranks_wait", side_effect=worker_reports):
+        message = ranks.head_preflight(d)
+    assert reached and f"reached head node dp-a at {head.address}:{port} (DP RPC port)" in message
+
+
+def test_the_api_and_the_deploy_form_take_a_data_parallel_layout(model, dp_nodes, sent, api):
+    head, worker = dp_nodes
+    body = {"model": model.pk, "node": head.name, "gpus": [0, 1], "preset": "none",
+            "engine_args": {"tensor-parallel-size": 1, "data-parallel-size": 4}, "workers": [{"node": worker.name, "gpus": [0, 1]}]}
+    answer = api.post("/api/deployments/", {**body, "engine_args": {"data-parallel-size": 3}}, format="json")
+    assert answer.status_code == 400 and "DP = 3 replicas" in answer.json()["error"]["message"]
+    answer = api.post("/api/deployments/", body, format="json")
+    assert answer.status_code == 202, answer.content
+    assert answer.json()["engine_args"]["data-parallel-size"] == 4 and answer.json()["ranks"][0]["gpu_indices"] == [0, 1]
+    form = DeployForm({"port": 8001, "tp": 1, "pp": 1, "dp": 4, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
+                       "gpus": ["0", "1"], "workers": ["dp-b"], "worker_gpus": "dp-b=2,3", "stall_seconds": 600}, node=head)
+    assert form.is_valid(), form.errors
+    assert form.cleaned_data["engine_args"]["data-parallel-size"] == 4
+    assert [(w.node.name, w.gpu_indices) for w in form.cleaned_data["placement"]] == [("dp-b", [2, 3])]
+
+
+def test_panelctl_deploy_takes_a_data_parallel_layout_over_nodes(model, dp_nodes, sent, api):
+    from controlpanel import cli
+    from tests.deployments.test_first_hour import ApiPanel
+
+    head, worker = dp_nodes
+    args = cli.parser().parse_args(["deploy", str(model.pk), "--node", head.name, "--node", worker.name, "--tp", "1",
+                                    "--dp", "4", "--preset", "none", "--name", "dp4"])
+    assert args.fn(ApiPanel(api), args) == 0
+    d = Deployment.objects.get(name="dp4")
+    assert d.engine_args["data-parallel-size"] == 4 and d.gpu_indices == [0, 1]
+    assert [(r.node.name, r.gpu_indices) for r in d.ranks.all()] == [("dp-b", [0, 1])]
+    assert ranks.multinode_args(d, 1, 2)["data-parallel-start-rank"] == 2
+
+
+def test_a_redeploy_whose_data_parallel_split_no_longer_adds_up_is_refused(model, dp_nodes, sent):
+    head, worker = dp_nodes
+    d = _dp(model, head, worker, dp=4, worker_gpus=[0, 1])
+    Deployment.objects.filter(pk=d.pk).update(status="failed")
+    with pytest.raises(ServiceError, match=r"DP = 6 replicas .* hold 4 \(dp-a: 2, dp-b: 2\)"):
+        deploys.deployment_redeploy(d, engine_args={**d.engine_args, "data-parallel-size": 6})
+    assert deploys.deployment_redeploy(d, engine_args={**d.engine_args}).status == "queued"

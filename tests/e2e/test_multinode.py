@@ -6,7 +6,9 @@ Ready, smoke test answered on the head, stopped as one with no process left on e
 rank killed ends the whole deployment failed with the other rank stopped; a worker that cannot
 reach the head's port fails the pre-flight naming both nodes. Through panelctl, `--node a --node b`
 with the model on neither node: each node downloads its own copy from a Hub-compatible server, one
-endpoint answers, and `panelctl stop` ends every rank.
+endpoint answers, and `panelctl stop` ends every rank. A data-parallel layout (DP 2, one replica
+per node) runs vLLM's data-parallel launch instead: the worker `--headless --data-parallel-start-rank 1`,
+and a request pinned to DP rank 1 is answered by the worker node's replica through the head's endpoint.
 """
 import json
 import os
@@ -14,13 +16,14 @@ import shutil
 import signal
 import urllib.request
 
+import httpx
 import pytest
 from rest_framework.test import APIClient
 
 from controlpanel import tokens
 from deployments.host import engine, ownership
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
-from deployments.services import deploys, multinode, repos
+from deployments.services import deploys, multinode, ranks, repos
 from tests.conftest import VLLM, agent_argv, free_port, in_thread, wait_until
 from tests.e2e.test_cli import panelctl
 from tests.factories import UserFactory
@@ -210,6 +213,37 @@ def test_panelctl_deploys_over_two_nodes_each_downloading_its_copy_and_stops_eve
             for pgid in [d.pgid, *d.ranks.values_list("pgid", flat=True)]:
                 if pgid:
                     engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+
+
+def test_a_data_parallel_deployment_over_two_nodes_answers_from_both_replicas_and_stops_as_one(two_nodes):
+    head, worker, model = two_nodes
+    args = {**ENGINE_ARGS, "tensor-parallel-size": 1, "data-parallel-size": 2}  # one replica on each node
+    d = deploys.deployment_create(model=model, node=head, gpu_indices=[], port=free_port(), engine_args=args,
+                                  env=ENGINE_ENV, name="tiny-dp2", master_port=free_port(),
+                                  workers=[multinode.Worker(worker, [])])
+    d = _settle(d, {"ready", "failed"})
+    assert d.status == "ready", f"{d.status_message}\n{d.log_tail[-3000:]}"
+    d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=120, message="the smoke test")
+    assert d.smoke["completion_tokens"] > 0
+    rank = wait_until(lambda: (r := DeploymentRank.objects.get(deployment=d)).state == "running" and r, timeout=60,
+                      message="the worker rank running")
+    head_argv, rank_argv = " ".join(_cmdline(d.pid)), " ".join(_cmdline(rank.pid))
+    address = ranks.head_address(d)
+    assert f"--data-parallel-size-local 1 --data-parallel-address {address} --data-parallel-rpc-port {d.master_port}" in head_argv
+    assert "--headless" in rank_argv and "--data-parallel-start-rank 1" in rank_argv and "--nnodes" not in rank_argv
+    assert "(DP RPC port)" in d.events.get(step="preflight").message
+    for dp_rank in (0, 1):  # vLLM routes a request to the DP rank its header names: rank 1 is the worker's replica
+        answer = httpx.post(f"http://127.0.0.1:{d.port}/v1/chat/completions", timeout=120,
+                            headers={"X-data-parallel-rank": str(dp_rank)},
+                            json={"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0, answer.text
+
+    head_group, head_marker, rank_group, rank_marker = d.pgid, d.marker, rank.pgid, rank.marker
+    deploys.deployment_stop(d)
+    d = _settle(d, {"stopped"}, timeout=120)
+    wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120, message="the rank stopped")
+    assert _gone(head_group, head_marker) and _gone(rank_group, rank_marker), "an engine process of a stopped rank is left"
+    assert engine.port_free("0.0.0.0", d.port) and engine.port_free("0.0.0.0", d.master_port)
 
 
 def _cmdline(pid) -> list[str]:
