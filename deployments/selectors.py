@@ -4,12 +4,38 @@ from django.db.models import Prefetch, QuerySet
 
 from deployments import secrets
 from deployments.host import enginecli, engineenv, systemd
-from deployments.models import Deployment, DeploymentEvent, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 
 
 def node_list() -> QuerySet[Node]:
     active = Deployment.objects.filter(status__in=Deployment.ACTIVE).select_related("model")
     return Node.objects.prefetch_related("gpus", Prefetch("deployments", queryset=active, to_attr="active_deployments"))
+
+
+def node_ranks(node: Node) -> QuerySet[DeploymentRank]:
+    """The ranks this node runs for active multi-node deployments headed on other nodes (issue 17)."""
+    return (DeploymentRank.objects.filter(node=node, deployment__status__in=Deployment.ACTIVE)
+            .exclude(state__in=DeploymentRank.ENDED).select_related("deployment__node", "deployment__model"))
+
+
+def deployment_nodes(d: Deployment) -> list[dict]:
+    """Every node of a deployment, head first, with the memory its chosen GPUs use (the host's RAM on a
+    node without GPUs) in that node's last telemetry sample; the page follows each node's feed after."""
+    from deployments import history
+
+    rows = [{"node": d.node, "rank": 0, "state": d.get_status_display(), "indices": d.gpu_indices}]
+    rows += [{"node": r.node, "rank": r.rank, "state": r.get_state_display(), "indices": r.gpu_indices}
+             for r in d.ranks.select_related("node")]
+    latest = history.latest_many([row["node"].pk for row in rows])
+    for row in rows:
+        sample = latest[row["node"].pk] or {}
+        seen = {g["index"]: g for g in sample.get("gpus", [])}
+        row["gpus"] = [{"index": i, "memory_used": seen.get(i, {}).get("memory_used"),
+                        "memory_total": seen.get(i, {}).get("memory_total")} for i in row["indices"]]
+        ram_total, available = sample.get("ram_total"), sample.get("ram_available")
+        row["ram_used"] = ram_total - available if ram_total and available is not None else None
+        row["ram_total"] = ram_total
+    return rows
 
 
 def model_list() -> QuerySet[ModelRepo]:

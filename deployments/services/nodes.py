@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from controlpanel.queue import enqueue
 from deployments import history, live
-from deployments.models import Deployment, Gpu, Node
+from deployments.models import Deployment, DeploymentRank, Gpu, Node
 
 log = logging.getLogger(__name__)
 __all__ = ["AgentConflict", "node_register", "node_heartbeat", "node_enqueue", "node_engines", "node_sample_record", "node_minute_record"]
@@ -71,13 +71,18 @@ def node_enqueue(node: Node, task_name: str, *args) -> None:
 
 
 def node_engines(node_id: int) -> dict[int, dict]:
-    """Active deployments of a node by process group (and PID): what a GPU process belongs to."""
+    """Active deployments of a node by process group (and PID), the ranks it runs for multi-node
+    deployments headed elsewhere too: what a GPU process belongs to."""
+    held = [(d.pid, d.pgid, {"id": d.pk, "name": d.name})
+            for d in Deployment.objects.filter(node_id=node_id, status__in=Deployment.ACTIVE).exclude(pid=None)]
+    held += [(r.pid, r.pgid, {"id": r.deployment_id, "name": f"{r.deployment.name} (rank {r.rank})"})
+             for r in DeploymentRank.objects.filter(node_id=node_id, deployment__status__in=Deployment.ACTIVE)
+             .exclude(pid=None).select_related("deployment")]
     owners = {}
-    for d in Deployment.objects.filter(node_id=node_id, status__in=Deployment.ACTIVE).exclude(pid=None):
-        owner = {"id": d.pk, "name": d.name}
-        owners[d.pid] = owner
-        if d.pgid:
-            owners[d.pgid] = owner
+    for pid, pgid, owner in held:
+        owners[pid] = owner
+        if pgid:
+            owners[pgid] = owner
     return owners
 
 

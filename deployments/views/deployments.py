@@ -98,7 +98,8 @@ def deployment_detail(request, pk):
     return render(request, "deployments/deployment_detail.html", {
         "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env, secrets.marked(d)),
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
-        "terminal": [str(s) for s in Deployment.TERMINAL]})
+        "terminal": [str(s) for s in Deployment.TERMINAL],
+        "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 
 
 @operator_required

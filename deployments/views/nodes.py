@@ -23,6 +23,7 @@ def node_detail(request, pk):
     recent = history.recent(node.pk)
     return render(request, "deployments/node_detail.html", {
         "node": node, "gpus": node.gpus.all(), "recent": recent, "latest": recent[-1] if recent else None,
+        "ranks": selectors.node_ranks(node),
     })
 
 

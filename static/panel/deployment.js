@@ -66,6 +66,23 @@
       if (atBottom) logEl.scrollTop = logEl.scrollHeight;
     }
   });
+  // A multi-node deployment: every node's GPUs (its RAM without GPUs), each from its own node's feed.
+  const size = (b) => (b >= 2 ** 30 ? gib(b) : (b / 2 ** 20).toFixed(1) + " MiB");
+  for (const node of D.nodes) {
+    Live.subscribe("node:" + node, (msg) => {
+      if (msg.kind !== "sample") return;
+      document.querySelectorAll(`#node-gpus tr[data-node="${node}"]`).forEach((row) => {
+        const cell = row.querySelector('[data-f="mem"]');
+        if (row.dataset.ram) {
+          const h = msg.data.host || {};
+          cell.textContent = h.ram_total && h.ram_available != null ? `RAM ${size(h.ram_total - h.ram_available)} / ${size(h.ram_total)}` : "RAM —";
+          return;
+        }
+        const g = msg.data.gpus.find((x) => x.index === Number(row.dataset.gpu));
+        if (g) cell.textContent = (g.memory_used == null ? "—" : size(g.memory_used)) + (g.memory_total ? " / " + size(g.memory_total) : "");
+      });
+    });
+  }
   if (D.gpus.length) {
     Live.subscribe("node:" + D.node, (msg) => {
       if (msg.kind !== "sample") return;

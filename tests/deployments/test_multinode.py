@@ -7,6 +7,7 @@ import socket
 from unittest import mock
 
 import pytest
+from django.urls import reverse
 from django.utils import timezone
 
 from benchmarks import studies
@@ -443,8 +444,55 @@ def test_the_api_and_the_deploy_form_take_a_data_parallel_layout(model, dp_nodes
     assert [(w.node.name, w.gpu_indices) for w in form.cleaned_data["placement"]] == [("dp-b", [2, 3])]
 
 
+# --- telemetry across nodes ----------------------------------------------------------------------
+
+def _sample(gpus, ram_total=64 * 2**30, ram_available=48 * 2**30):
+    return {"t": 1.0, "gpus": [{"index": i, "memory_used": used, "memory_total": 141 * 10**9, "util_gpu": 0,
+                                "temperature_c": 30, "power_w": 100} for i, used in gpus.items()],
+            "disk": {"free": 1, "total": 2}, "host": {"ram_total": ram_total, "ram_available": ram_available, "load1": 0.0}}
+
+
+def test_the_deployment_page_shows_every_nodes_gpu_memory_and_the_worker_page_its_rank(model, nodes, sent, operator_client):
+    from deployments import history
+
+    head, worker = nodes
+    d = _deploy(model, head, worker)
+    history.push(head.pk, _sample({0: 3 * 2**30, 1: 5 * 2**30}))
+    history.push(worker.pk, _sample({0: 7 * 2**30, 1: 9 * 2**30}))
+    page = operator_client.get(reverse("deployment-detail", args=[d.pk])).content.decode()
+    table = page[page.index('id="node-gpus"'):page.index("</table>", page.index('id="node-gpus"'))]
+    for node, gpu, used in ((head, 0, "3.0 GiB"), (head, 1, "5.0 GiB"), (worker, 0, "7.0 GiB"), (worker, 1, "9.0 GiB")):
+        row = table[table.index(f'data-node="{node.pk}" data-gpu="{gpu}"'):]
+        assert used in row[:row.index("</tr>")] and reverse("node-detail", args=[node.pk]) in row[:row.index("</tr>")]
+    assert f"nodes: [{head.pk},{worker.pk}]" in page  # the page follows both nodes' live feeds
+
+    page = operator_client.get(reverse("node-detail", args=[worker.pk])).content.decode()
+    ranks_table = page[page.index('id="ranks"'):]
+    assert reverse("deployment-detail", args=[d.pk]) in ranks_table and reverse("node-detail", args=[head.pk]) in ranks_table
+    assert "Nothing deployed here" not in page
+    head_page = operator_client.get(reverse("node-detail", args=[head.pk])).content.decode()
+    assert 'id="ranks"' not in head_page  # the head's own deployment is listed as served there, not as a rank
+
+
+def test_a_cpu_node_of_a_deployment_shows_its_ram_and_a_ranks_processes_are_labelled_with_its_deployment(model, sent, operator_client):
+    from deployments import history
+    from deployments.services import nodes as node_services
+
+    head, worker = _node("cpu-h", gpus=0), _node("cpu-w", gpus=0)
+    for node in (head, worker):
+        ModelCopyFactory(model=model, node=node)
+    d = deploys.deployment_create(model=model, node=head, gpu_indices=[], port=8000, engine_args={"tensor-parallel-size": 2},
+                                  env={}, workers=[multinode.Worker(worker, [])])
+    history.push(worker.pk, _sample({}, ram_total=32 * 2**30, ram_available=20 * 2**30))
+    page = operator_client.get(reverse("deployment-detail", args=[d.pk])).content.decode()
+    row = page[page.index(f'data-node="{worker.pk}" data-ram="1"'):]
+    assert "RAM 12.0 GiB / 32.0 GiB" in row[:row.index("</tr>")]
+    DeploymentRank.objects.filter(deployment=d).update(pid=4242, pgid=4240, state="running")
+    owners = node_services.node_engines(worker.pk)
+    assert owners[4240] == owners[4242] == {"id": d.pk, "name": f"{d.name} (rank 1)"}
+
+
 def test_panelctl_deploy_takes_a_data_parallel_layout_over_nodes(model, dp_nodes, sent, api):
-    from controlpanel import cli
     from tests.deployments.test_first_hour import ApiPanel
 
     head, worker = dp_nodes
