@@ -85,3 +85,27 @@ def test_a_real_agent_without_gpus_streams_to_its_page_and_goes_offline_when_sto
     expect(page.locator("#node-state")).to_have_text(re.compile("^offline since "), timeout=10000)
     spawn(argv, process_env, name=name + "-again")
     expect(page.locator("#node-state")).to_have_text("online", timeout=60000)
+
+
+def test_a_multi_node_deployments_page_follows_every_nodes_gpu_memory_and_the_worker_page_names_the_rank(logged_in_page, unique):
+    from deployments.models import DeploymentRank
+
+    page = logged_in_page
+    head, worker = NodeFactory(name=f"head-{unique}"), NodeFactory(name=f"worker-{unique}")
+    for node in (head, worker):
+        GpuFactory(node=node, index=0, memory_total=80 * GiB)
+    d = DeploymentFactory(node=head, status="ready", master_port=29500, pid=4242, pgid=4242)
+    d.gpus.set(head.gpus.all())
+    DeploymentRank.objects.create(deployment=d, node=worker, rank=1, gpu_indices=[0], state="running", pid=5151, pgid=5151)
+    page.goto(f"{page.base_url}/deployments/{d.pk}/")
+    expect(page.locator("#live-state")).to_have_text("live")
+    _record(head, _sample(time.time(), 12, 50))
+    _record(worker, _sample(time.time(), 34, 50, pid=5151))
+    expect(page.locator(f'#node-gpus tr[data-node="{head.pk}"] [data-f="mem"]')).to_have_text("12.0 GiB / 80.0 GiB")
+    expect(page.locator(f'#node-gpus tr[data-node="{worker.pk}"] [data-f="mem"]')).to_have_text("34.0 GiB / 80.0 GiB")
+
+    page.goto(f"{page.base_url}/nodes/{worker.pk}/")
+    expect(page.locator("#ranks")).to_contain_text(d.name)
+    expect(page.locator("#ranks")).to_contain_text(head.name)
+    _record(worker, _sample(time.time(), 35, 50, pid=5151))
+    expect(page.locator('#procs tr[data-pid="5151"]')).to_contain_text(f"{d.name} (rank 1)")
