@@ -11,9 +11,10 @@ from deployments.host import enginecli
 
 # Environment variables a deployment may set: the engine's, the communication libraries' and CUDA's.
 ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", "NVIDIA_", "TRITON_",
-                "UCX_", "GLOO_", "MKL_", "TOKENIZERS_", "SAFETENSORS_", "NVSHMEM_", "TORCHINDUCTOR_")
+                "UCX_", "GLOO_", "MKL_", "TOKENIZERS_", "SAFETENSORS_", "NVSHMEM_", "TORCHINDUCTOR_", "RAY_")
 # Set by the panel itself; a user value would break what the panel relies on.
-ENV_RESERVED = {"CUDA_VISIBLE_DEVICES": "set by the panel from the chosen GPUs"}
+ENV_RESERVED = {"CUDA_VISIBLE_DEVICES": "set by the panel from the chosen GPUs",
+                "RAY_ADDRESS": "set by the panel (the Ray head it starts for --distributed-executor-backend ray)"}
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
 FLAG_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 MAX_VALUE = 4096

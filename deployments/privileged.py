@@ -39,9 +39,14 @@ ENV = {
 ENV_PATTERN = re.compile(r"(_PATH|_DIR|_FILE|_ENDPOINT|_URL|_URI|_HOST|_ADDR|_ADDRESS|_PLUGINS?|_IP|_PORT|_CONFIG)$")
 
 
+# vLLM's own executors: naming one loads no code of the user's (a dotted class path would).
+BUILTIN_EXECUTORS = frozenset({"mp", "ray", "uni", "external_launcher"})
+
+
 def uses(engine_args: dict, env: dict) -> dict[str, str]:
     """The privileged options in a deployment's settings: {"--flag" or "NAME": why}."""
-    found = {f"--{name}": FLAGS[name] for name, value in engine_args.items() if name in FLAGS and value not in (None, False)}
+    found = {f"--{name}": FLAGS[name] for name, value in engine_args.items() if name in FLAGS and value not in (None, False)
+             and not (name == "distributed-executor-backend" and value in BUILTIN_EXECUTORS)}
     for name in env:
         why = ENV.get(name) or ("points the engine at a file, folder or address" if ENV_PATTERN.search(name) else None)
         if why:

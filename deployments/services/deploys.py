@@ -140,7 +140,8 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     if problem := secrets.check_marked(secret_env, env):
         raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
-    reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and bool(workers) == bool(
+    ray = multinode.executor(engine_args) == "ray"  # a Ray deployment has a Ray head port, on one node too
+    reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and bool(workers or ray) == bool(
         existing.master_port) and (replace_existing or (not name and existing.status in Deployment.TERMINAL))
     if reusable:
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
@@ -153,6 +154,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     port = port or deployment_free_port(node)
     _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
            replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers))
+    multinode.check_executor(engine_args, 1 + len(workers))
     if workers:
         multinode.check(model=model, head=node, head_gpus=gpu_indices, workers=workers, engine_args=engine_args,
                         master_port=master_port)
@@ -162,13 +164,15 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         engine_args=engine_args, env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
         stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
-    if workers:
+    if workers or ray:  # Ray on one node too: the panel starts (and stops) its one-node cluster
         multinode.place(d, workers, master_port)
+    if workers:
         deployment_event(d, "queued", f"Queued over {1 + len(workers)} nodes: head {node} (GPUs {gpu_indices or 'none, CPU'}, "
                          f"port {port}, {multinode.port_name(engine_args)} {d.master_port}); " + "; ".join(
                              f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})" for i, w in enumerate(workers, 1)) + ".")
     else:
-        deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}.")
+        deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}"
+                         + (f", Ray head on port {d.master_port}." if ray else "."))
     send_plan(d)
     return d
 
@@ -205,7 +209,11 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
             setattr(d, field, changes.pop(field))
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
            replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers))
-    if d.master_port:  # nodes online, GPUs free, the same engine everywhere, the model there or downloadable
+    multinode.check_executor(d.engine_args, 1 + len(workers))
+    if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
+        ray = multinode.executor(d.engine_args) == "ray"
+        d.master_port = (d.master_port or multinode.free_master_port(d.node)) if ray else None
+    if workers:  # nodes online, GPUs free, the same engine everywhere, the model there or downloadable
         multinode.check(model=d.model, head=d.node, head_gpus=gpu_indices, workers=workers, engine_args=d.engine_args,
                         master_port=d.master_port)
     privileged.check(engine_args=d.engine_args, env=d.env, model_dir=privileged.model_dir(d.model, d.node),
@@ -302,6 +310,9 @@ def deployment_persist(d: Deployment) -> Deployment:
                            "download the unit file and install it by hand.", code="no_systemd")
     if d.status != Deployment.Status.READY:
         raise ServiceError("Only a ready deployment can be made a service.", code="not_running")
+    if multinode.executor(d.engine_args) == "ray":
+        raise ServiceError("A Ray deployment cannot be made a systemd service yet: its agents own its Ray nodes.",
+                           code="ray")
     deployment_event(d, "persist", "Installing as a systemd service.")
     node_enqueue(d.node, "deployments.deployment_persist", d.pk)
     return d

@@ -22,6 +22,25 @@ MASTER_PORT_FIRST = 29500
 # --data-parallel-rank would switch vLLM to external load balancing, which no rank here runs.
 MULTINODE_FLAGS = ("nnodes", "node-rank", "master-addr", "master-port", "headless", "data-parallel-size-local",
                    "data-parallel-start-rank", "data-parallel-address", "data-parallel-rpc-port", "data-parallel-rank")
+# The executors a deployment may span nodes with: vLLM's own multi-node launch, or a Ray cluster the panel
+# starts on the nodes (services/raycluster.py). Picked with the engine flag --distributed-executor-backend.
+EXECUTORS = ("mp", "ray")
+
+
+def executor(engine_args: dict) -> str:
+    """The executor the user picked with --distributed-executor-backend ("mp" when unset)."""
+    for name in ("distributed-executor-backend", "distributed_executor_backend"):
+        if engine_args.get(name) not in (None, "", False):
+            return str(engine_args[name])
+    return "mp"
+
+
+def check_executor(engine_args: dict, nodes: int) -> None:
+    """Over several nodes only mp or ray can run; a bad value is refused before anything starts."""
+    picked = executor(engine_args)
+    if nodes > 1 and picked not in EXECUTORS:
+        raise ServiceError(f"--distributed-executor-backend {picked} cannot span nodes: a multi-node deployment runs "
+                           "vLLM's mp executor (the default) or ray.", field="engine_args", code="executor")
 
 
 @dataclass
@@ -107,7 +126,14 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
         raise ServiceError("Every node of a multi-node deployment needs the same vLLM: " + ", ".join(
             f"{name} runs {v or 'an unknown version'}" for name, v in versions.items()) + ".", field="workers",
             code="engine_versions")
-    needed = DP_NEEDED_FLAGS if data_parallel(engine_args) else NEEDED_FLAGS
+    check_executor(engine_args, len(nodes))
+    if executor(engine_args) == "ray":
+        if data_parallel(engine_args):
+            raise ServiceError("The Ray executor runs TP × PP over the nodes; with DP > 1 use vLLM's data-parallel "
+                               "launch (the mp executor).", field="engine_args", code="executor")
+        needed = ("--distributed-executor-backend",)
+    else:
+        needed = DP_NEEDED_FLAGS if data_parallel(engine_args) else NEEDED_FLAGS
     for n in nodes:
         missing = [f for f in needed if n.engine_flags and f not in n.engine_flags]
         if missing:
@@ -143,6 +169,8 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
 
 def port_name(engine_args: dict) -> str:
     """What the deployment's master_port is to vLLM: the head's port every rank meets at."""
+    if executor(engine_args) == "ray":
+        return "Ray head port"
     return "DP RPC port" if data_parallel(engine_args) else "master port"
 
 
@@ -195,7 +223,8 @@ def free_master_port(head: Node) -> int:
 
 
 def place(d: Deployment, workers: list[Worker], master_port: int | None) -> None:
-    """Write the worker ranks (1, 2, …) and the master port of a checked placement."""
+    """Write the worker ranks (1, 2, …) and the master port of a checked placement (with Ray: the port of
+    the Ray head; a one-node Ray deployment has no ranks)."""
     d.ranks.all().delete()
     for rank, w in enumerate(workers, start=1):
         DeploymentRank.objects.create(deployment=d, node=w.node, rank=rank, gpu_indices=sorted(w.gpu_indices))

@@ -15,7 +15,7 @@ from deployments import live, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import deployment_event, deployment_holders
-from deployments.services import loadtime, ranks
+from deployments.services import loadtime, ranks, raycluster
 from deployments.services.guards import foreign_holders
 from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, engine_running,
                                         fail, halt_engine, mark_stopped, model_ready, move, record_shm, step, unit_text)
@@ -46,13 +46,21 @@ def deployment_run(deployment_id: int) -> Deployment:
         if warm:
             with step(d, "prewarm") as event:
                 event.message = warm.wait(event)
-        if d.master_port:
+        spans = d.master_port and d.ranks.exists()
+        if spans:
             with step(d, "preflight") as event:
                 event.message = ranks.head_preflight(d)
         move(d, S.STARTING)
-        if d.master_port:  # workers first, as vLLM's multi-node launch needs
+        ray = raycluster.uses_ray(d)
+        if ray:  # issue 17: the Ray head, then each worker node's Ray joins it
+            with step(d, "ray_head") as event:
+                event.message = raycluster.head_start(d)
+        if spans:  # workers first, as vLLM's multi-node launch needs
             with step(d, "launch_workers") as event:
                 event.message = ranks.head_launch_workers(d)
+        if ray:
+            with step(d, "ray_cluster") as event:
+                event.message = raycluster.cluster_wait(d)
         with step(d, "launch") as event:
             event.message = _launch(d, model_path)
         move(d, S.LOADING)
@@ -163,10 +171,13 @@ def _launch(d: Deployment, model_path: str) -> str:
     if errors:
         raise PlanFailed("; ".join(errors.values()))
     _claim(d)
-    d.marker = ownership.new_marker(d.pk)
+    ray = raycluster.uses_ray(d)
+    if not ray:  # with Ray the engine carries the marker its Ray head got (raycluster.head_start)
+        d.marker = ownership.new_marker(d.pk)
     d.log_path = str(_log_path(d))
     Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
-    args = {**d.engine_args, **ranks.multinode_args(d, 0, d.ranks.count() + 1)} if d.master_port else d.engine_args
+    mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself
+    args = {**d.engine_args, **ranks.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
     argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", args)
     if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
         text, secret_env = _unit(d, argv)
@@ -186,6 +197,8 @@ def _engine_env(d: Deployment) -> dict[str, str]:
     what later proves the process is this deployment's engine."""
     own = ranks.rank_env(d, ranks.head_address(d), d.gpu_indices) if d.master_port else engineenv.deployment_env(
         d.env, d.gpu_indices)
+    if raycluster.uses_ray(d):
+        own.update(raycluster.engine_env(d))
     return {**own, ownership.MARKER_VAR: d.marker}
 
 
@@ -251,6 +264,8 @@ def _follow(d: Deployment) -> None:
                 if d.master_port:  # every node's load side by side; a failed worker rank fails the plan
                     d.load_detail["nodes"] = ranks.ranks_progress(d)
                     ranks.ranks_check(d)
+                    if raycluster.uses_ray(d) and not raycluster.head_alive(d):
+                        raise PlanFailed(f"The Ray head on {d.node} exited while the engine loaded.")
                 d.log_tail = "\n".join(tail)
                 Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
                                                           load_detail=d.load_detail, log_tail=d.log_tail)

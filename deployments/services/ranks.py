@@ -31,8 +31,8 @@ from deployments.models import Deployment, DeploymentRank, ModelCopy
 from deployments.services import multinode
 from deployments.services.deploys import deployment_event, deployment_holders
 from deployments.services.nodes import node_enqueue
-from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, halt_engine,
-                                        mark_stopped, model_ready, move, unit_install)
+from deployments.services.steps import (RAY_TERM_S, STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed,
+                                        halt_engine, mark_stopped, model_ready, move, stop_marked, unit_install)
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -253,14 +253,20 @@ def _stop_holders(r: DeploymentRank) -> str:
 
 
 def _launch(r: DeploymentRank, model_path: str) -> None:
+    """The rank's process: a headless engine (mp), or this node's Ray joining the head's cluster (ray)."""
+    from deployments.services import raycluster  # it imports this module
+
     d = r.deployment
-    nnodes = d.ranks.count() + 1
-    own = multinode_args(d, r.rank, nnodes)
-    args = {**d.engine_args, **own}
-    argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, "0.0.0.0", args)
     marker = ownership.new_marker(d.pk)
+    address = r.node.address or "127.0.0.1"
+    ray = raycluster.uses_ray(d)
+    if ray:
+        argv, env = raycluster.rank_argv(r), raycluster.node_env(d, address, r.gpu_indices, marker)
+    else:
+        own = multinode_args(d, r.rank, d.ranks.count() + 1)
+        argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, "0.0.0.0", {**d.engine_args, **own})
+        env = {**rank_env(d, address, r.gpu_indices), ownership.MARKER_VAR: marker}
     log_path = Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-rank{r.rank}-{int(time.time())}.log"
-    env = {**rank_env(d, r.node.address or "127.0.0.1", r.gpu_indices), ownership.MARKER_VAR: marker}
     _note(r, marker=marker, log_path=str(log_path))
     if d.systemd_unit:  # persisted: this node's own unit runs the rank, enabled for the next boot
         pid = unit_install(d, argv, env, str(log_path), rank=r.rank)
@@ -270,8 +276,8 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
         handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path)))
         _note(r, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
         how = f"PID {handle.pid}"
-    deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, {' '.join(engineargs.argv_words(own))} "
-                     f"(log {log_path})", node=r.node.name)
+    what = f"Ray node joining {head_address(d)}:{d.master_port}" if ray else " ".join(engineargs.argv_words(own))
+    deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, {what} (log {log_path})", node=r.node.name)
 
 
 def rank_running(r: DeploymentRank) -> bool:
@@ -314,8 +320,11 @@ def _halt(r: DeploymentRank) -> str:
         r.pgid = marked[0] if marked else None
     if r.pgid and ownership.owned(r.pgid, r.marker):
         shm = engine.shm_files(r.pgid)
-        result = engine.stop(r.pgid, STOP_TERM_S, STOP_KILL_S)
+        term_s = RAY_TERM_S if multinode.executor(r.deployment.engine_args) == "ray" else STOP_TERM_S
+        result = engine.stop(r.pgid, term_s, STOP_KILL_S)
         engine.remove_unused_shm(shm | set(r.shm_files or []))
+    if r.marker and (left := stop_marked(r.marker)) and result:  # a Ray node's processes in groups of their own
+        result.survivors += left
     tail = "\n".join(enginelog.tail(Path(r.log_path), TAIL_LINES)) if r.log_path else r.log_tail
     _note(r, pid=None, pgid=None, pid_create_time=None, marker="", log_tail=tail)
     if result and result.survivors:

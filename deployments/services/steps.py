@@ -23,6 +23,9 @@ from deployments.services.repos import model_copy_download
 log = logging.getLogger(__name__)
 S = Deployment.Status
 STOP_TERM_S, STOP_KILL_S = 30.0, 10.0
+# Ray's `ray start --block` spends 20-40 s trying to drain its node through a GCS that is going away on
+# SIGTERM (measured, Ray 2.60): its processes get a short grace, then SIGKILL (what `ray stop --force` does).
+RAY_TERM_S = 3.0
 TAIL_LINES = 400
 # A deploy waiting on a download gives up when the download's row has not moved for this long
 # (its worker died, or Redis/the database went away and did not come back).
@@ -132,19 +135,34 @@ def _stop_proven(d: Deployment) -> engine.StopResult | None:
     result = None
     if not d.pgid and d.marker:  # launched, but the agent died before it wrote the PID down
         marked = ownership.find(d.marker)
-        d.pgid = _pgid(marked[0]) if marked else None
+        d.pgid = pgid_of(marked[0]) if marked else None
     if d.pgid and ownership.owned(d.pgid, d.marker, d.systemd_unit or None):
         result = engine.stop(d.pgid, STOP_TERM_S, STOP_KILL_S)
     elif d.pgid and engine.members(d.pgid):
         deployment_event(d, "not_signalled", f"Process group {d.pgid} runs but does not carry this deployment's "
                          "marker: it is not provably ours, so it was left alone.", level=DeploymentEvent.Level.WARNING)
+    if d.marker and (left := stop_marked(d.marker)) and result:  # e.g. a Ray head's processes (issue 17)
+        result.survivors += left
     if not (result and result.survivors):
         engine.remove_unused_shm(set(d.shm_files or []))
         d.shm_files = []
     return result
 
 
-def _pgid(pid: int) -> int | None:
+def stop_marked(marker: str) -> list[int]:
+    """Stop every process group a process carrying `marker` is in (the panel set it: they are ours): what is
+    left once an engine's own group stopped, such as a Ray node's processes (Ray starts its workers in groups
+    of their own). Short grace (RAY_TERM_S); returns the PIDs that survived."""
+    survivors: list[int] = []
+    for _ in range(3):  # a member may fork while its group is being stopped
+        groups = {g for g in map(pgid_of, ownership.find(marker)) if g and g not in (os.getpgrp(), os.getsid(0))}
+        if not groups:
+            return []
+        survivors = [pid for g in groups for pid in engine.stop(g, RAY_TERM_S, STOP_KILL_S).survivors]
+    return survivors
+
+
+def pgid_of(pid: int) -> int | None:
     try:
         return os.getpgid(pid)
     except OSError:
@@ -154,10 +172,10 @@ def _pgid(pid: int) -> int | None:
 def adopt_marked(d: Deployment) -> bool:
     """An engine carrying the row's marker whose PID was never recorded: take it as the row's."""
     marked = ownership.find(d.marker)
-    leaders = [pid for pid in marked if _pgid(pid) == pid] or marked
+    leaders = [pid for pid in marked if pgid_of(pid) == pid] or marked
     if not leaders:
         return False
-    d.pid, d.pgid = leaders[0], _pgid(leaders[0])
+    d.pid, d.pgid = leaders[0], pgid_of(leaders[0])
     d.pid_create_time = None
     Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=None)
     return engine_running(d)

@@ -10,6 +10,7 @@ from deployments import live
 from deployments.host import enginelog, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, Node
 from deployments.services.deploys import deployment_event, deployment_holders, send_plan
+from deployments.services import raycluster
 from deployments.services.ranks import ranks_watch
 from deployments.services.steps import (TAIL_LINES, engine_running, fail, halt_engine, mark_stopped, record_shm,
                                         step_unchecked)
@@ -47,6 +48,8 @@ def deployments_watch(node_id: int, state: dict) -> None:
     now = time.monotonic()
     for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
         alive = engine_running(d)
+        ray_lost = alive and raycluster.uses_ray(d) and not raycluster.head_alive(d)  # issue 17
+        alive = alive and not ray_lost
         failures = state.setdefault(d.pk, 0)
         if alive and now - state.get(f"checked:{d.pk}", -1e9) >= 5:
             state[f"checked:{d.pk}"] = now
@@ -54,7 +57,8 @@ def deployments_watch(node_id: int, state: dict) -> None:
             state[d.pk] = 0 if vllm.health(f"http://127.0.0.1:{d.port}", timeout=2.0) else failures + 1
         if alive and state[d.pk] < 3:
             continue
-        reason = "the engine process exited" if not alive else "/health failed 3 times in a row"
+        reason = ("its Ray head exited" if ray_lost else "the engine process exited" if not alive
+                  else "/health failed 3 times in a row")
         deployment_crashed(d, reason)
         state.pop(d.pk, None)
     ranks_watch(node_id)  # issue 17: worker ranks this node runs for multi-node deployments

@@ -53,13 +53,8 @@ def _agent(spawn, process_env, tmp_path, name, address=None):
     return Node.objects.get(pk=node.pk), store
 
 
-@pytest.fixture
-def two_nodes(process_env, spawn, unique, tmp_path, tiny_model, request):
-    """(head, worker, model): the tiny model is in each node's own store; the head has it as a local
-    model, the worker as a ready copy of it in its store."""
-    head_address = getattr(request, "param", None)
-    head, head_store = _agent(spawn, process_env, tmp_path, f"mn-a-{unique}", address=head_address)
-    worker, worker_store = _agent(spawn, process_env, tmp_path, f"mn-b-{unique}")
+def place_model(tiny_model, head, head_store, worker, worker_store):
+    """The tiny model in each node's own store: a local model on the head, a ready copy on the worker."""
     for store in (head_store, worker_store):
         shutil.copytree(tiny_model, store / "tiny", dirs_exist_ok=True)
     model = repos.model_add_local(head, str(head_store / "tiny"))
@@ -67,6 +62,17 @@ def two_nodes(process_env, spawn, unique, tmp_path, tiny_model, request):
                message="the local model on the head")
     # The same files sit in the worker's own store (put there as an operator would: copied by hand).
     ModelCopy.objects.create(model=model, node=worker, state=ModelCopy.State.READY, path=str(worker_store / "tiny"))
+    return model
+
+
+@pytest.fixture
+def two_nodes(process_env, spawn, unique, tmp_path, tiny_model, request):
+    """(head, worker, model): the tiny model is in each node's own store; the head has it as a local
+    model, the worker as a ready copy of it in its store."""
+    head_address = getattr(request, "param", None)
+    head, head_store = _agent(spawn, process_env, tmp_path, f"mn-a-{unique}", address=head_address)
+    worker, worker_store = _agent(spawn, process_env, tmp_path, f"mn-b-{unique}")
+    model = place_model(tiny_model, head, head_store, worker, worker_store)
     yield head, worker, model
     for d in Deployment.objects.filter(node=head):  # engines outlive killed agents: never leave one behind
         for pgid in [d.pgid, *d.ranks.values_list("pgid", flat=True)]:

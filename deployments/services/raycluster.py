@@ -1,0 +1,109 @@
+"""Ray as the executor (issue 17, item 4), node side. A deployment whose engine flags say
+`--distributed-executor-backend ray` runs on a Ray cluster the panel starts for it:
+
+  1. the head's agent starts the Ray head (`ray start --head --port <master port> --block`);
+  2. each worker node's agent starts its Ray node (`ray start --address HEAD:PORT --block`) as its rank's
+     process (services/ranks.py launches it where the mp layout launches a headless engine);
+  3. the head waits until the cluster shows every node, then launches `vllm serve … --distributed-executor-backend ray`
+     with RAY_ADDRESS set; vLLM places its workers over the cluster itself.
+
+Every Ray process runs in the engine's environment with the deployment's marker, in a process group of
+its own (host/engine.py), so Stop, a crash and reconcile end it like an engine: the head's Ray is found by
+the marker (steps.stop_marked), a worker's is its rank's group. Ray's own files go under the panel's var dir.
+"""
+import time
+from pathlib import Path
+
+from django.conf import settings
+
+from deployments.host import engine, enginelog, ownership, raynode
+from deployments.models import Deployment, DeploymentRank
+from deployments.services import multinode
+from deployments.services.ranks import _failed, head_address, rank_env
+from deployments.services.steps import Aborted, PlanFailed, pgid_of
+
+S = Deployment.Status
+JOIN_TIMEOUT_S = 120.0  # Ray nodes start in a few seconds; on 2 shared cores with an engine loading, slower
+POLL_S = 1.0
+
+
+def uses_ray(d: Deployment) -> bool:
+    return bool(d.master_port) and multinode.executor(d.engine_args) == "ray"
+
+
+def _ray_bin() -> str:
+    ray = raynode.ray_bin(settings.VLLM_BIN)
+    try:
+        raynode.check_installed(ray)
+    except raynode.RayError as exc:
+        raise PlanFailed(str(exc)) from exc
+    return ray
+
+
+def _temp_dir(d: Deployment) -> str:
+    """This node's folder for the deployment's Ray files (each node its own, Ray >= 2.51). Ray puts Unix
+    sockets under it (a path of at most 107 bytes): kept short."""
+    path = Path(settings.VAR_DIR) / "ray" / str(d.pk)
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def node_env(d: Deployment, address: str, gpu_indices, marker: str) -> dict:
+    """A Ray node's environment: the rank's (the deployment's variables, its GPUs, VLLM_HOST_IP), the marker;
+    vLLM's workers on that node inherit it from the raylet."""
+    return {**rank_env(d, address, gpu_indices), ownership.MARKER_VAR: marker, "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def head_start(d: Deployment) -> str:
+    """On the head: start the Ray head on the master port, marked as this deployment's."""
+    ray = _ray_bin()
+    if not engine.port_free("0.0.0.0", d.master_port):
+        raise PlanFailed(f"Port {d.master_port} (the Ray head's) is in use on {d.node}.")
+    d.marker = ownership.new_marker(d.pk)  # the engine launched later carries the same one
+    d.log_path = str(Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-ray-{int(time.time())}.log")
+    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
+    address = head_address(d)
+    argv = raynode.start_argv(ray, port=d.master_port, node_ip=address, num_gpus=len(d.gpu_indices) or None,
+                              temp_dir=_temp_dir(d))
+    handle = engine.launch(engine.EngineSpec(argv=argv, env=node_env(d, address, d.gpu_indices, d.marker),
+                                             log_path=Path(d.log_path)))
+    return f"Ray head: PID {handle.pid} at {address}:{d.master_port} (log {d.log_path})."
+
+
+def rank_argv(r: DeploymentRank) -> list[str]:
+    """A worker node's Ray: joins the head's cluster with this node's GPUs."""
+    d = r.deployment
+    return raynode.start_argv(_ray_bin(), port=d.master_port, node_ip=r.node.address or "127.0.0.1",
+                              num_gpus=len(r.gpu_indices) or None, head_address=head_address(d), temp_dir=_temp_dir(d))
+
+
+def head_alive(d: Deployment) -> bool:
+    """The Ray head still runs: a process carrying the deployment's marker outside the engine's group."""
+    return any(not d.pgid or pgid_of(pid) != d.pgid for pid in ownership.find(d.marker))
+
+
+def cluster_wait(d: Deployment) -> str:
+    """Wait until the Ray cluster shows every node of the placement; a failed rank, a dead Ray head or a stop
+    ends the wait."""
+    want, address = d.ranks.count() + 1, f"{head_address(d)}:{d.master_port}"
+    started = time.monotonic()
+    env = rank_env(d, head_address(d), d.gpu_indices)  # no marker: `ray status` is not part of the cluster
+    while True:
+        _failed(d)
+        if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+            raise Aborted("stop requested")
+        if not head_alive(d):
+            last = enginelog.tail(Path(d.log_path), 3) if d.log_path else []
+            raise PlanFailed(f"The Ray head on {d.node} exited: {' | '.join(last) or 'no output'}")
+        seen = raynode.alive_nodes(_ray_bin(), address, env)
+        if seen >= want:
+            return f"The Ray cluster at {address} shows {seen} node(s) after {time.monotonic() - started:.1f} s."
+        if time.monotonic() - started > JOIN_TIMEOUT_S:
+            raise PlanFailed(f"The Ray cluster at {address} shows {seen} of {want} nodes after {JOIN_TIMEOUT_S:.0f} s "
+                             f"(nodes: {', '.join([d.node.name, *d.ranks.values_list('node__name', flat=True)])}).")
+        time.sleep(POLL_S)
+
+
+def engine_env(d: Deployment) -> dict:
+    """What `vllm serve` needs besides the rank's environment: where the cluster is."""
+    return {"RAY_ADDRESS": f"{head_address(d)}:{d.master_port}", "RAY_USAGE_STATS_ENABLED": "0"}

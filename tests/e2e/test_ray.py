@@ -1,0 +1,91 @@
+"""Ray as the executor, end to end (issue 17, item 4): two real node agents on this machine, one of them at
+127.0.0.2 (vLLM wants every Ray node at an address of its own; all of 127/8 is this host), a real Ray cluster
+the agents start (a head, a worker node joining it) and one real CPU engine, `vllm serve --tensor-parallel-size 2
+--distributed-executor-backend ray` on the head, its two workers placed by vLLM over both Ray nodes.
+
+Ready, smoke test answered through the head, stopped as one with no Ray or vLLM process left on either "node".
+The CPU build declares no Ray device: tests/e2e/vllm_cpu_ray/sitecustomize.py (on the engine's PYTHONPATH)
+declares one "GPU" per rank, and RAY_OVERRIDE_RESOURCES gives each Ray node one.
+"""
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+from rest_framework.test import APIClient
+
+from deployments.host import engine, ownership
+from deployments.models import Deployment, DeploymentRank
+from deployments.services import deploys, multinode, steps
+from tests.conftest import free_port, wait_until
+from tests.e2e.test_multinode import _agent, place_model
+from tests.factories import UserFactory
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+LOAD_TIMEOUT_S = 420
+SHIM = Path(__file__).parent / "vllm_cpu_ray"
+ENGINE_ARGS = {"tensor-parallel-size": 2, "distributed-executor-backend": "ray", "enforce-eager": True,
+               "max-model-len": 512, "max-num-seqs": 8, "served-model-name": "tiny"}
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(SHIM), "RAY_OVERRIDE_RESOURCES": json.dumps({"GPU": 1})}
+
+
+@pytest.fixture
+def short_dir():
+    """A var folder with a short path: Ray's Unix sockets live under it (at most 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="pr", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _ours(*markers) -> list[str]:
+    """The command lines of processes carrying one of the markers (the panel set them on every Ray node)."""
+    return [" ".join(psutil.Process(pid).cmdline())[:120] for m in markers for pid in ownership.find(m)]
+
+
+def test_a_ray_deployment_over_two_nodes_is_ready_answers_and_stops_with_nothing_left(process_env, spawn, unique,
+                                                                                      short_dir, tiny_model):
+    head, head_store = _agent(spawn, process_env, short_dir, f"ray-a-{unique}", "127.0.0.1")
+    worker, worker_store = _agent(spawn, process_env, short_dir, f"ray-b-{unique}", "127.0.0.2")
+    model = place_model(tiny_model, head, head_store, worker, worker_store)
+
+    d = deploys.deployment_create(model=model, node=head, gpu_indices=[], port=free_port(), engine_args=ENGINE_ARGS,
+                                  env=ENGINE_ENV, name="tiny-ray", master_port=free_port(),
+                                  workers=[multinode.Worker(worker, [])])
+    markers = []
+    try:
+        d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status in {"ready", "failed"} and row,
+                       timeout=LOAD_TIMEOUT_S, interval=0.5, message="the Ray deployment to load")
+        assert d.status == "ready", f"{d.status_message}\n{d.log_tail[-3000:]}"
+        d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=120, message="the smoke test")
+        assert d.smoke["completion_tokens"] > 0
+        rank = wait_until(lambda: (r := DeploymentRank.objects.get(deployment=d)).state == "running" and r, timeout=30,
+                          message="the worker node's Ray running")
+        markers = [d.marker, rank.marker]
+
+        timeline = list(d.events.values_list("step", flat=True))
+        for step in ("ray_head", f"launch@{worker.name}", "ray_cluster", "launch", "smoke_test"):
+            assert step in timeline
+        order = [timeline.index(s) for s in ("ray_head", f"launch@{worker.name}", "ray_cluster", "launch")]
+        assert order == sorted(order)  # the Ray head, the worker node's Ray, all nodes seen, then vLLM
+        assert "shows 2 node(s)" in d.events.get(step="ray_cluster").message
+        head_cmd = " ".join(psutil.Process(d.pid).cmdline())
+        assert "--distributed-executor-backend ray" in head_cmd and "--nnodes" not in head_cmd
+        rank_cmd = " ".join(psutil.Process(rank.pid).cmdline())
+        assert "ray start" in rank_cmd and f"--address 127.0.0.1:{d.master_port}" in rank_cmd
+        # vLLM placed a worker on the worker node: a Ray actor process there carries that node's marker.
+        assert any("RayWorkerProc" in " ".join(psutil.Process(p).cmdline()) for p in ownership.find(rank.marker))
+
+        api = APIClient()
+        api.force_authenticate(UserFactory(role="operator"))
+        assert api.post(f"/api/deployments/{d.pk}/stop/").status_code == 202
+        wait_until(lambda: Deployment.objects.get(pk=d.pk).status == "stopped", timeout=120, message="stopped")
+        wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120,
+                   message="the worker node's Ray stopped")
+        assert _ours(*markers) == [], "a Ray or vLLM process of the stopped deployment is left"
+        assert engine.port_free("0.0.0.0", d.port) and engine.port_free("0.0.0.0", d.master_port)
+    finally:  # never leave a Ray cluster behind, whatever failed
+        for m in {*markers, Deployment.objects.get(pk=d.pk).marker,
+                  *DeploymentRank.objects.filter(deployment=d).values_list("marker", flat=True)} - {""}:
+            steps.stop_marked(m)
