@@ -204,9 +204,12 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         changes["secret_env"] = [n for n in d.secret_env if n in changes["env"]]
     if problem := secrets.check_marked(changes.get("secret_env", ()), changes.get("env", d.env)):
         raise ServiceError(problem, field="secret_env")
+    changed = gpu_indices != d.gpu_indices
     for field in ("port", "engine_args", "env", "secret_env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm"):
         if field in changes:
-            setattr(d, field, changes.pop(field))
+            value = changes.pop(field)
+            changed |= value != getattr(d, field)
+            setattr(d, field, value)
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
            replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers))
     multinode.check_executor(d.engine_args, 1 + len(workers))
@@ -226,7 +229,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         multinode.place(d, workers, d.master_port)
         placed = " on new worker nodes: " + "; ".join(f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})"
                                                       for i, w in enumerate(workers, 1))
-    deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changes else "")) + ".")
+    deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changed else "")) + ".")
     send_plan(d)
     live.send_deployment_status(d)
     return d

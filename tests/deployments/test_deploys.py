@@ -63,6 +63,15 @@ def test_a_deploy_is_queued_on_the_nodes_own_queue(model, node, sent, django_cap
     assert d.events.get().step == "queued"
 
 
+def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, sent):
+    d = _create(model, node)
+    for change in ({}, {"engine_args": {"tensor-parallel-size": 2}}, {"engine_args": {"tensor-parallel-size": 2, "max-num-seqs": 8}}):
+        Deployment.objects.filter(pk=d.pk).update(status=S.READY)
+        deploys.deployment_redeploy(d, **change)
+    messages = list(d.events.filter(step="queued").order_by("pk").values_list("message", flat=True))[1:]
+    assert messages == ["Redeploy requested.", "Redeploy requested.", "Redeploy requested with new settings."]
+
+
 def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent):
     with pytest.raises(ServiceError, match="TP × PP × DP = 8 needs 8 GPUs; 2 chosen") as exc:
         _create(model, node, engine_args={"tensor-parallel-size": 4, "pipeline-parallel-size": 2})
