@@ -8,6 +8,8 @@ The CPU build declares no Ray device: tests/e2e/vllm_cpu_ray/sitecustomize.py (o
 declares one "GPU" per rank, and RAY_OVERRIDE_RESOURCES gives each Ray node one.
 """
 import json
+import os
+import signal
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,48 +46,67 @@ def _ours(*markers) -> list[str]:
     return [" ".join(psutil.Process(pid).cmdline())[:120] for m in markers for pid in ownership.find(m)]
 
 
-def test_a_ray_deployment_over_two_nodes_is_ready_answers_and_stops_with_nothing_left(process_env, spawn, unique,
-                                                                                      short_dir, tiny_model):
+@pytest.fixture
+def ray_ready(process_env, spawn, unique, short_dir, tiny_model):
+    """(deployment, its worker rank): TP 2 with Ray over two real agents, ready and smoke-tested. Whatever the
+    test did, no process carrying the deployment's markers is left afterwards."""
     head, head_store = _agent(spawn, process_env, short_dir, f"ray-a-{unique}", "127.0.0.1")
     worker, worker_store = _agent(spawn, process_env, short_dir, f"ray-b-{unique}", "127.0.0.2")
     model = place_model(tiny_model, head, head_store, worker, worker_store)
-
     d = deploys.deployment_create(model=model, node=head, gpu_indices=[], port=free_port(), engine_args=ENGINE_ARGS,
                                   env=ENGINE_ENV, name="tiny-ray", master_port=free_port(),
                                   workers=[multinode.Worker(worker, [])])
-    markers = []
+    markers = set()
     try:
         d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status in {"ready", "failed"} and row,
                        timeout=LOAD_TIMEOUT_S, interval=0.5, message="the Ray deployment to load")
         assert d.status == "ready", f"{d.status_message}\n{d.log_tail[-3000:]}"
         d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=120, message="the smoke test")
-        assert d.smoke["completion_tokens"] > 0
         rank = wait_until(lambda: (r := DeploymentRank.objects.get(deployment=d)).state == "running" and r, timeout=30,
                           message="the worker node's Ray running")
-        markers = [d.marker, rank.marker]
-
-        timeline = list(d.events.values_list("step", flat=True))
-        for step in ("ray_head", f"launch@{worker.name}", "ray_cluster", "launch", "smoke_test"):
-            assert step in timeline
-        order = [timeline.index(s) for s in ("ray_head", f"launch@{worker.name}", "ray_cluster", "launch")]
-        assert order == sorted(order)  # the Ray head, the worker node's Ray, all nodes seen, then vLLM
-        assert "shows 2 node(s)" in d.events.get(step="ray_cluster").message
-        head_cmd = " ".join(psutil.Process(d.pid).cmdline())
-        assert "--distributed-executor-backend ray" in head_cmd and "--nnodes" not in head_cmd
-        rank_cmd = " ".join(psutil.Process(rank.pid).cmdline())
-        assert "ray start" in rank_cmd and f"--address 127.0.0.1:{d.master_port}" in rank_cmd
-        # vLLM placed a worker on the worker node: a Ray actor process there carries that node's marker.
-        assert any("RayWorkerProc" in " ".join(psutil.Process(p).cmdline()) for p in ownership.find(rank.marker))
-
-        api = APIClient()
-        api.force_authenticate(UserFactory(role="operator"))
-        assert api.post(f"/api/deployments/{d.pk}/stop/").status_code == 202
-        wait_until(lambda: Deployment.objects.get(pk=d.pk).status == "stopped", timeout=120, message="stopped")
-        wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120,
-                   message="the worker node's Ray stopped")
-        assert _ours(*markers) == [], "a Ray or vLLM process of the stopped deployment is left"
-        assert engine.port_free("0.0.0.0", d.port) and engine.port_free("0.0.0.0", d.master_port)
+        markers = {d.marker, rank.marker}
+        yield d, rank
     finally:  # never leave a Ray cluster behind, whatever failed
-        for m in {*markers, Deployment.objects.get(pk=d.pk).marker,
-                  *DeploymentRank.objects.filter(deployment=d).values_list("marker", flat=True)} - {""}:
+        for m in markers | {Deployment.objects.get(pk=d.pk).marker,
+                            *DeploymentRank.objects.filter(deployment=d).values_list("marker", flat=True)} - {""}:
             steps.stop_marked(m)
+
+
+def test_a_ray_deployment_over_two_nodes_is_ready_answers_and_stops_with_nothing_left(ray_ready):
+    d, rank = ray_ready
+    assert d.smoke["completion_tokens"] > 0
+    timeline = list(d.events.values_list("step", flat=True))
+    worker = rank.node.name
+    for step in ("ray_head", f"launch@{worker}", "ray_cluster", "launch", "smoke_test"):
+        assert step in timeline
+    order = [timeline.index(s) for s in ("ray_head", f"launch@{worker}", "ray_cluster", "launch")]
+    assert order == sorted(order)  # the Ray head, the worker node's Ray, all nodes seen, then vLLM
+    assert "shows 2 node(s)" in d.events.get(step="ray_cluster").message
+    head_cmd = " ".join(psutil.Process(d.pid).cmdline())
+    assert "--distributed-executor-backend ray" in head_cmd and "--nnodes" not in head_cmd
+    rank_cmd = " ".join(psutil.Process(rank.pid).cmdline())
+    assert "ray start" in rank_cmd and f"--address 127.0.0.1:{d.master_port}" in rank_cmd
+    # vLLM placed a worker on the worker node: a Ray actor process there carries that node's marker.
+    assert any("RayWorkerProc" in " ".join(psutil.Process(p).cmdline()) for p in ownership.find(rank.marker))
+
+    api = APIClient()
+    api.force_authenticate(UserFactory(role="operator"))
+    assert api.post(f"/api/deployments/{d.pk}/stop/").status_code == 202
+    wait_until(lambda: Deployment.objects.get(pk=d.pk).status == "stopped", timeout=120, message="stopped")
+    wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120,
+               message="the worker node's Ray stopped")
+    assert _ours(d.marker, rank.marker) == [], "a Ray or vLLM process of the stopped deployment is left"
+    assert engine.port_free("0.0.0.0", d.port) and engine.port_free("0.0.0.0", d.master_port)
+
+
+def test_a_worker_nodes_ray_killed_fails_the_deployment_and_stops_every_ray_process(ray_ready):
+    d, rank = ray_ready
+    markers = (d.marker, rank.marker)
+    os.killpg(rank.pgid, signal.SIGKILL)  # the worker node's Ray dies (its whole group, as an OOM kill would)
+    d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status == "failed" and row, timeout=120,
+                   interval=0.5, message="the deployment failed")
+    assert d.status_message.startswith("Crashed")  # the rank's death or the engine's, whichever was seen first
+    assert DeploymentRank.objects.get(pk=rank.pk).state == "failed"
+    wait_until(lambda: _ours(*markers) == [], timeout=60,
+               message="every Ray and vLLM process of the failed deployment gone")
+    assert engine.port_free("0.0.0.0", d.port)
