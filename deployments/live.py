@@ -77,7 +77,7 @@ def fleet_state_key() -> str:
 def fleet_channel() -> str:
     """Redis pub/sub channel: "<node id> <FleetNode JSON>" each time a node's state changes; every web
     process's fleet feed (deployments/livefeed.py) coalesces them for its own fleet-page sockets."""
-    return redisconn.key("fleet", "changes")
+    return redisconn.channel("fleet", "changes")
 
 
 def publish(topic: str, kind: str, data: dict[str, Any], keep: bool = True, also=None) -> None:

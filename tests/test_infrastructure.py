@@ -117,3 +117,23 @@ def test_a_live_socket_waiting_longer_than_redis_answers_is_not_dropped():
             return "still waiting"  # ours: nothing came, and Redis never failed the wait
 
     assert run_async(idle_receive()) == "still waiting"
+
+
+def test_panels_on_two_databases_of_one_redis_do_not_hear_each_others_fleet_changes(settings, monkeypatch):
+    """Pub/sub channels are global to a Redis server: the fleet channel's name carries the database."""
+    kwargs = redisconn.client().connection_pool.connection_kwargs
+    channels = {}
+    for db in (4, 5):
+        monkeypatch.setattr(redisconn, "_client", None)
+        settings.REDIS_URL = f"redis://{kwargs['host']}:{kwargs['port']}/{db}"
+        channels[db] = (redisconn.client(), live.fleet_channel())
+    monkeypatch.setattr(redisconn, "_client", None)
+    (client_a, channel_a), (client_b, channel_b) = channels[4], channels[5]
+    listener = client_a.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(channel_a)
+    listener.get_message(timeout=2)  # the subscription's confirmation
+    assert client_b.publish(channel_b, "7 {}") == 0  # nobody on the other database's channel
+    assert client_a.publish(channel_a, "8 {}") == 1
+    message = listener.get_message(timeout=2)
+    assert message and message["data"] == b"8 {}"
+    listener.close()

@@ -56,11 +56,12 @@ def _model_files(d: Deployment) -> list[Path]:
 class LoadWatch:
     """One load followed: phases from the log, prediction, read rate, residency, free RAM."""
 
-    def __init__(self, d: Deployment):
+    def __init__(self, d: Deployment, fresh: bool = True):
         self.d = d
         self.t0 = d.started.timestamp() if d.started else time.time()
-        # A load followed again after an agent restart replays old lines at today's clock: shown, not kept.
-        self.fresh = time.time() - self.t0 < 15
+        # A load followed again after an agent restart (fresh=False) replays old lines at today's clock:
+        # shown, not kept. (Not judged by the clock: on a busy host the watch may start long after launch.)
+        self.fresh = fresh
         self.clock = loadphases.PhaseClock()
         self.history, self.basis, self.scale, self.previous = load_history(d)
         self.files = _model_files(d)

@@ -83,7 +83,7 @@ def deployment_follow(deployment_id: int) -> Deployment:
     try:
         if d.status == S.STARTING:
             move(d, S.LOADING)
-        _follow(d)
+        _follow(d, fresh=False)
     except Aborted:
         pass
     except (PlanFailed, engine.EngineError) as exc:
@@ -232,10 +232,11 @@ def _gpu_memory(indices: list[int]) -> dict[int, int | None]:
 HEALTH_POLL_S = 0.1
 
 
-def _follow(d: Deployment) -> None:
-    """Follow the log and GPU memory until /health answers; stalled only when both stop moving."""
+def _follow(d: Deployment, fresh: bool = True) -> None:
+    """Follow the log and GPU memory until /health answers; stalled only when both stop moving.
+    fresh=False: a load the agent follows again after a restart (its timings are not learnt from)."""
     progress = enginelog.LoadProgress()
-    watch = loadtime.LoadWatch(d)  # issue 16: phases, prediction, read rate
+    watch = loadtime.LoadWatch(d, fresh)  # issue 16: phases, prediction, read rate
     offset, tail = 0, []
     memory = _gpu_memory(d.gpu_indices)
     moved_at = time.monotonic()

@@ -66,16 +66,36 @@ def test_other_flags_are_another_history_and_another_node_is_scaled_by_its_disk(
     assert loadtime.load_history(unmeasured)[0] == []
 
 
-def test_a_load_followed_again_after_an_agent_restart_is_shown_but_not_learned_from():
-    d = DeploymentFactory()
-    d.started, d.pid = timezone.now() - timedelta(minutes=5), None
-    watch = loadtime.LoadWatch(d)
+def _finished_load(d, watch) -> DeploymentEvent:
     event = DeploymentEvent.objects.create(deployment=d, step="load", ended=timezone.now())
     watch.event_id = event.pk
     watch.feed(CPU_LOG.splitlines())
     watch.ready()
     watch.finish()
     event.refresh_from_db()
+    return event
+
+
+def test_a_load_the_plan_launched_is_learned_from_even_when_its_watch_started_late():
+    """A busy host may start following a load long after launch: still this plan's own load."""
+    d = DeploymentFactory()
+    d.started, d.pid = timezone.now() - timedelta(minutes=5), None
+    event = _finished_load(d, loadtime.LoadWatch(d))
+    assert event.data["totals"] and selectors.load_events(deployment=d).exists()
+
+
+def test_an_agent_restart_follows_a_load_as_not_fresh(monkeypatch):
+    d = DeploymentFactory(status=Deployment.Status.LOADING, pid=12345)
+    followed = []
+    monkeypatch.setattr(plan, "_follow", lambda row, fresh=True: followed.append((row.pk, fresh)))
+    plan.deployment_follow(d.pk)
+    assert followed == [(d.pk, False)]
+
+
+def test_a_load_followed_again_after_an_agent_restart_is_shown_but_not_learned_from():
+    d = DeploymentFactory()
+    d.started, d.pid = timezone.now() - timedelta(minutes=5), None
+    event = _finished_load(d, loadtime.LoadWatch(d, fresh=False))
     assert "segments" in event.data and "totals" not in event.data
     assert not selectors.load_events(deployment=d).exists()
     d.refresh_from_db()
