@@ -2,7 +2,7 @@
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 
-from deployments import secrets
+from deployments import history, secrets
 from deployments.host import enginecli, engineenv, systemd
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 
@@ -21,8 +21,6 @@ def node_ranks(node: Node) -> QuerySet[DeploymentRank]:
 def deployment_nodes(d: Deployment) -> list[dict]:
     """Every node of a deployment, head first, with the memory its chosen GPUs use (the host's RAM on a
     node without GPUs) in that node's last telemetry sample; the page follows each node's feed after."""
-    from deployments import history
-
     rows = [{"node": d.node, "rank": 0, "state": d.get_status_display(), "indices": d.gpu_indices}]
     rows += [{"node": r.node, "rank": r.rank, "state": r.get_state_display(), "indices": r.gpu_indices}
              for r in d.ranks.select_related("node")]

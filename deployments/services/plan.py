@@ -18,7 +18,8 @@ from deployments.services.deploys import deployment_event, deployment_holders
 from deployments.services import loadtime, ranks, raycluster
 from deployments.services.guards import foreign_holders
 from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, engine_running,
-                                        fail, halt_engine, mark_stopped, model_ready, move, record_shm, step, unit_text)
+                                        fail, halt_engine, mark_stopped, model_ready, move, record_shm, step, unit_install,
+                                        unit_text)
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -324,8 +325,7 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
         halt_engine(d)
         d.marker = ownership.new_marker(d.pk)
         d.systemd_unit = name
-        text, secret_env = _unit(d, argv)
-        d.pid = systemd.install(name, text, secret_env=secret_env)
+        d.pid = unit_install(d, argv, _engine_env(d), d.log_path)
         d.pgid, d.pid_create_time = os.getpgid(d.pid), None
         move(d, S.LOADING, f"restarting under systemd as {name}")
         deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
