@@ -12,3 +12,5 @@ os.environ.setdefault("CHANNELS_PREFIX", "paneltest")
 os.environ.setdefault("DB_CONN_MAX_AGE", "0")
 # The settings refuse to start without a real key; each test session gets its own.
 os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))
+# One hashing round for the users the tests create (children inherit it, so they check the same hashes).
+os.environ.setdefault("PANEL_TEST_PASSWORD_HASHER", "md5")
