@@ -23,6 +23,54 @@ os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 collect_ignore = ["gpu"]
 
 
+# Folders and markers agree: a test in one of these folders carries its marker (added here), and a test
+# carrying one of these markers lives in its folder, so `-m` and a path select the same tests.
+FOLDER_MARKERS = {"e2e": "e2e", "faults": "faults", "integration": "integration"}
+SLOW_S = 60.0  # a test past this carries @pytest.mark.slow and a docstring saying why
+
+
+def pytest_collection_modifyitems(config, items):
+    misplaced = []
+    for item in items:
+        parts = Path(str(item.path)).relative_to(ROOT / "tests").parts
+        folder = parts[0] if len(parts) > 1 else ""
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
+        for folder_name, marker in FOLDER_MARKERS.items():
+            if marker != FOLDER_MARKERS.get(folder) and item.get_closest_marker(marker):
+                misplaced.append(f"{item.nodeid} is marked {marker} but is not in tests/{folder_name}/")
+        if item.get_closest_marker("slow") and not (getattr(item.obj, "__doc__", None) or "").strip():
+            misplaced.append(f"{item.nodeid} is marked slow without a docstring saying why it must be")
+    if misplaced and os.environ.get("CI"):  # TEMP: strict everywhere once the moves land
+        raise pytest.UsageError("\n".join(misplaced))
+    for line in misplaced:
+        config.issue_config_time_warning(pytest.PytestConfigWarning(line), stacklevel=2)
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Name every test past SLOW_S (setup and teardown included) that is not marked slow."""
+    unmarked = [(s, nodeid) for nodeid, s in _durations.items() if s > SLOW_S and nodeid not in _slow_ids]
+    if unmarked:
+        terminalreporter.section(f"tests over {SLOW_S:.0f} s not marked slow")
+        for seconds, nodeid in sorted(unmarked, reverse=True):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+
+
+_slow_ids: set[str] = set()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    _slow_ids.update(item.nodeid for item in session.items if item.get_closest_marker("slow"))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """On CI every part is installed, so a skipped test is a missing install step: fail it."""
@@ -50,10 +98,17 @@ def wait_until(predicate, timeout=15.0, interval=0.05, message="condition"):
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {message}")
 
 
+# Fixtures through which a test reaches the database, and so the rows that live state is keyed by.
+_DB_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"}
+
+
 @pytest.fixture(autouse=True)
-def _fresh_live_state():
+def _fresh_live_state(request):
     """Snapshots and history are keyed by row id, and ids repeat between tests: start empty.
-    The same for cached API answers: a test's rolled-back rows leave no write behind to mark them stale."""
+    The same for cached API answers: a test's rolled-back rows leave no write behind to mark them stale.
+    A test without the database (pure host and runner code) has no rows and needs no Redis."""
+    if not (_DB_FIXTURES & set(request.fixturenames) or request.node.get_closest_marker("django_db")):
+        return
     from controlpanel import apicache
     from controlpanel import redisconn
 
