@@ -400,12 +400,18 @@ def main(argv=None):
                         help="send the role chunk with the first token, as vLLM does (vllm bench serve counts it)")
     parser.add_argument("--no-uvloop", action="store_true")
     parser.add_argument("--gc", action="store_true", help="keep automatic garbage collection on")
+    parser.add_argument("--jitter", type=float, default=0.0, help="each request's gap drawn from gap * (1 ± jitter)")
+    parser.add_argument("--seed", type=int, default=0, help="of the jitter: the same seed draws the same gaps")
+    parser.add_argument("--wait-stdin", action="store_true",
+                        help="bind only once a line arrives on stdin (the fake vLLM's load ends: imports are done by then)")
     args = parser.parse_args(argv)
     schedule = Schedule(ttft_ms=args.ttft_ms, gap_ms=args.gap_ms, tokens_per_chunk=args.tokens_per_chunk,
                         reasoning_tokens=args.reasoning_tokens, default_max_tokens=args.default_max_tokens,
                         zero_delay=args.zero_delay, reasoning_field=args.reasoning_field, spin_us=args.spin_us,
-                        role_with_first_token=args.role_with_first_token)
+                        role_with_first_token=args.role_with_first_token, jitter=args.jitter, seed=args.seed)
     _raise_fd_limit()
+    if args.wait_stdin:
+        sys.stdin.readline()
     if not args.gc:
         gc.disable()  # a collection mid-level would delay chunks; /stats?reset=1 collects instead
     loop = asyncio.new_event_loop() if args.no_uvloop else _new_loop()
