@@ -7,7 +7,8 @@ The fleet is tests/fleetsim.py: real node agents (deployments.agent.Agent, every
 with made-up host readings, a few hundred per process. Figures:
 - `p95_ms`: from the moment a sample is taken to its arrival at a browser that shows it (every
   fleet-page browser shows every node; a node page its node), over every such arrival;
-- `lost_pct`: samples a browser should have shown and never got;
+- `lost_pct`: samples a browser should have shown and never got, until the run's end (a browser
+  whose socket closed mid-run lost what was published after; `closed` counts such sockets);
 - `api_p99_ms`: list endpoints under the fleet's own writes (a closed loop of `--api-clients`);
 - `healthz_p99_ms`: the same server's bare /healthz asked at the same time by as many clients:
   the floor that uvicorn, Django and this machine's load cost before any panel code.
@@ -147,7 +148,8 @@ def main():
     outs = [json.loads((var / f"sim-{k}.json").read_text()) for k in range(args.procs)]
     published = {int(node): ts for out in outs for node, ts in out["published"].items()}
     seen = json.loads((var / "browsers.json").read_text())
-    result = fleetsim.account(published, seen)
+    # Every browser's window ends at the run's end (the first browser's `seconds` after it subscribed).
+    result = fleetsim.account(published, seen, end=min(b["opened"] for b in seen) + args.seconds)
     latencies = result["latencies"]  # seconds, as pct() takes them
     lost_pct = 100 * result["lost"] / max(1, result["expected"])
     lag = [x for out in outs for x in out["lag"]]
@@ -167,14 +169,15 @@ def main():
     print("messages per browser per second: " + ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in by_page.items()))
     print(f"sample -> browser: {len(latencies)} arrivals, p50 {pct(latencies, 50):.1f} ms "
           f"p95 {pct(latencies, 95):.1f} ms p99 {pct(latencies, 99):.1f} ms; "
-          f"lost {result['lost']} of {result['expected']} expected; dropped by the channel layer: {dropped}")
+          f"lost {result['lost']} of {result['expected']} expected; sockets closed early: {result['closed']}; "
+          f"dropped by the channel layer: {dropped}")
     print(f"API lists ({args.api_clients} clients): p50 {pct(api, 50):.1f} ms p99 {pct(api, 99):.1f} ms "
           f"{len(api) / window:.0f} req/s; /healthz floor: p50 {pct(floor, 50):.1f} ms p99 {pct(floor, 99):.1f} ms; "
           f"web CPU {100 * web_cpu / window:.0f} % of a core")
     print(" ".join([f"p95_ms={pct(latencies, 95):.1f}", f"lost_pct={lost_pct:.3f}",
                     f"api_p99_ms={pct(api, 99):.1f}", f"healthz_p99_ms={pct(floor, 99):.1f}",
                     f"p50_ms={pct(latencies, 50):.1f}", f"p99_ms={pct(latencies, 99):.1f}",
-                    f"dropped={dropped}", f"arrivals={len(latencies)}", f"api_rps={len(api) / window:.0f}",
+                    f"dropped={dropped}", f"closed={result['closed']}", f"arrivals={len(latencies)}", f"api_rps={len(api) / window:.0f}",
                     f"load_avg_before={load_before:.1f}", f"nodes={args.nodes}", f"gpus={args.nodes * args.gpus}",
                     f"browsers={args.browsers}"]))
 

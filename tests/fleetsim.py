@@ -188,57 +188,63 @@ def pages(node_ids: list[int], deployment_ids: list[int], browsers: int, fleet_s
 
 
 async def browse(url: str, cookie: str, origin: str, plan: list[list[str]], seconds: float) -> list[dict]:
-    """One WebSocket per entry of `plan`, subscribed to its topics for `seconds`. For each: when it was
-    ready (its first answer came), and every node sample that reached it as [node id, sample t, arrival]."""
+    """One WebSocket per entry of `plan`, subscribed to its topics for `seconds`. For each: when it
+    subscribed (`opened`), when it was ready (its first answer came), every node sample that reached
+    it as [node id, sample t, arrival], and when its socket closed before the end (`closed`), if it did."""
     from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, WebSocketException
 
     async def one(topics: list[str]) -> dict:
-        seen = {"topics": topics, "ready": None, "samples": [], "messages": 0}
-        async with connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, max_size=2**24) as ws:
-            for i in range(0, len(topics), 50):  # as static/panel/live.js: at most 50 topics a message
-                await ws.send(json.dumps({"subscribe": topics[i:i + 50]}))
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                try:
-                    raw = await asyncio.wait_for(ws.recv(), timeout=max(0.05, end - time.monotonic()))
-                except asyncio.TimeoutError:
-                    break
-                arrived = time.time()
-                message = json.loads(raw)
-                seen["ready"] = seen["ready"] or arrived  # the first answer: snapshots come first
-                if message.get("snapshot"):
-                    continue
-                seen["messages"] += 1
-                if message.get("kind") == "nodes":
-                    seen["samples"] += [[int(k), v["t"], arrived] for k, v in message["data"]["nodes"].items()]
-                elif message.get("kind") == "sample":
-                    seen["samples"].append([int(message["topic"].split(":")[1]), message["data"]["t"], arrived])
+        seen = {"topics": topics, "opened": time.time(), "ready": None, "samples": [], "messages": 0, "closed": None}
+        end = time.monotonic() + seconds
+        try:
+            async with connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, max_size=2**24) as ws:
+                for i in range(0, len(topics), 50):  # as static/panel/live.js: at most 50 topics a message
+                    await ws.send(json.dumps({"subscribe": topics[i:i + 50]}))
+                while time.monotonic() < end:
+                    try:
+                        raw = await asyncio.wait_for(ws.recv(), timeout=max(0.05, end - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        break
+                    arrived = time.time()
+                    message = json.loads(raw)
+                    seen["ready"] = seen["ready"] or arrived  # the first answer: snapshots come first
+                    if message.get("snapshot"):
+                        continue
+                    seen["messages"] += 1
+                    if message.get("kind") == "nodes":
+                        seen["samples"] += [[int(k), v["t"], arrived] for k, v in message["data"]["nodes"].items()]
+                    elif message.get("kind") == "sample":
+                        seen["samples"].append([int(message["topic"].split(":")[1]), message["data"]["t"], arrived])
+        except (OSError, ConnectionClosed, WebSocketException):
+            seen["closed"] = time.time()  # a socket that died (or never opened) still owes what it missed
         return seen
 
     return await asyncio.gather(*(one(topics) for topics in plan))
 
 
-def account(published: dict[int, list[float]], seen: list[dict], margin: float = 2.0) -> dict:
+def account(published: dict[int, list[float]], seen: list[dict], end: float, margin: float = 2.0) -> dict:
     """Latencies (s) of every sample a browser received, and the samples each should have received
-    (those of the nodes it watches, published from `margin` s after it was ready until `margin` s
-    before the end) that never came."""
+    that never came: those of the nodes it watches, published from `margin` s after it was ready (or
+    subscribed, if it never heard anything) until `margin` s before `end`, the run's end. Every
+    browser's window ends there, not at its own last arrival: a socket that died mid-run, or never
+    answered, lost everything published after it went quiet."""
     latencies, expected, lost = [], 0, 0
     for browser in seen:
         got = {(node, t) for node, t, _ in browser["samples"]}
         latencies += [arrived - t for _, t, arrived in browser["samples"]]
-        if browser["ready"] is None:
-            continue
         if browser["topics"] == ["fleet"]:
             watched = list(published)
         else:
             watched = [int(topic.split(":")[1]) for topic in browser["topics"] if topic.startswith("node:")]
-        last = max((a for _, _, a in browser["samples"]), default=browser["ready"])
+        start = browser["ready"] or browser["opened"]
         for node in watched:
             for t in published.get(node, []):
-                if browser["ready"] + margin <= t <= last - margin:
+                if start + margin <= t <= end - margin:
                     expected += 1
                     lost += (node, t) not in got
-    return {"latencies": latencies, "expected": expected, "lost": lost}
+    return {"latencies": latencies, "expected": expected, "lost": lost,
+            "closed": sum(browser.get("closed") is not None for browser in seen)}
 
 
 def main():

@@ -159,11 +159,50 @@ def test_browsers_are_spread_over_the_pages_in_a_fleets_proportions():
 
 def test_the_account_counts_a_sample_a_watching_browser_never_got_as_lost():
     published = {1: [10.0, 11.0, 12.0, 13.0, 14.0], 2: [10.5, 11.5, 12.5, 13.5, 14.5]}
-    fleet = {"topics": ["fleet"], "ready": 8.0, "samples": [[1, 10.0, 10.01], [2, 10.5, 10.52], [1, 11.0, 11.02],
-                                                            [1, 12.0, 12.01], [2, 12.5, 12.51], [1, 17.0, 17.0]]}
-    node = {"topics": ["node:2"], "ready": 8.0, "samples": [[2, 10.5, 10.5], [2, 11.5, 11.5], [2, 17.0, 17.0]]}
-    result = fleetsim.account(published, [fleet, node], margin=2.0)
-    # ready + 2 <= t <= last arrival - 2: fleet expects 1@10,11,12,13,14 and 2@10.5..14.5 and missed 2@11.5,
+    fleet = {"topics": ["fleet"], "opened": 7.9, "ready": 8.0, "samples": [
+        [1, 10.0, 10.01], [2, 10.5, 10.52], [1, 11.0, 11.02], [1, 12.0, 12.01], [2, 12.5, 12.51], [1, 17.0, 17.0]]}
+    node = {"topics": ["node:2"], "opened": 7.9, "ready": 8.0, "samples": [[2, 10.5, 10.5], [2, 11.5, 11.5], [2, 17.0, 17.0]]}
+    result = fleetsim.account(published, [fleet, node], end=17.0, margin=2.0)
+    # ready + 2 <= t <= end - 2: fleet expects 1@10,11,12,13,14 and 2@10.5..14.5 and missed 2@11.5,
     # 1@13, 2@13.5, 1@14, 2@14.5; the node page expects 2@10.5..14.5 and missed three.
     assert (result["expected"], result["lost"]) == (15, 8)
     assert len(result["latencies"]) == 9
+
+
+def test_a_browser_whose_socket_died_mid_run_or_that_heard_nothing_lost_the_rest_of_the_run():
+    published = {1: [10.0 + k for k in range(20)]}  # node 1 published at 10..29 s
+    died = {"topics": ["node:1"], "opened": 7.9, "ready": 8.0, "closed": 13.2,
+            "samples": [[1, 10.0, 10.01], [1, 11.0, 11.01], [1, 12.0, 12.01], [1, 13.0, 13.01]]}
+    silent = {"topics": ["fleet"], "opened": 7.9, "ready": None, "closed": None, "samples": []}
+    result = fleetsim.account(published, [died], end=32.0)
+    # Its window is 10..30 s, the run's, not 10..11 s, up to its own last arrival less the margin.
+    assert (result["expected"], result["lost"], result["closed"]) == (20, 16, 1)
+    result = fleetsim.account(published, [silent], end=32.0)
+    assert (result["expected"], result["lost"]) == (20, 20)  # 9.9..30 s: it never got any of them
+
+
+def test_browse_records_a_socket_the_server_closed_and_the_account_counts_what_came_after_as_lost():
+    from websockets.asyncio.server import serve
+
+    sent = []
+
+    async def page(ws):  # two samples of node 1, then the server goes away
+        await ws.recv()  # the subscription
+        await ws.send(json.dumps({"snapshot": True, "topic": "node:1"}))
+        for _ in range(2):
+            sent.append(time.time())
+            await ws.send(json.dumps({"topic": "node:1", "kind": "sample", "data": {"t": sent[-1]}}))
+        await ws.close()
+
+    async def scenario():
+        async with serve(page, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            return await fleetsim.browse(f"ws://127.0.0.1:{port}/", "", "http://127.0.0.1", [["node:1"]], seconds=30)
+
+    started = time.monotonic()
+    [seen] = run_async(scenario())
+    assert seen["closed"] is not None and time.monotonic() - started < 20  # it stopped at the close, not at 30 s
+    assert [t for _, t, _ in seen["samples"]] == sent
+    later = [seen["closed"] + 3 + k for k in range(5)]  # what the node published after the socket died
+    result = fleetsim.account({1: sent + later}, [seen], end=seen["closed"] + 10)
+    assert (result["lost"], result["closed"]) == (5, 1)
