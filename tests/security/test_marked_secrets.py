@@ -7,8 +7,10 @@ from rest_framework.test import APIClient
 
 from benchmarks import services as bench
 from deployments import live, secrets
+from deployments.models import Deployment
 from deployments.services import deploys, plan
-from tests.factories import DeploymentFactory, ModelCopyFactory
+from tests.deployments.test_deploys import FLAGS, FakeHost, host  # noqa: F401 - host: the plan's node, faked at its boundary
+from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
 VALUE = "hunter2-value"
@@ -36,16 +38,40 @@ def test_a_marked_variable_is_masked_everywhere_and_an_unmarked_one_shown(marked
     texts["run environment"] = str(run.environment)
     for url in (f"/benchmarks/{run.pk}/export.json", f"/benchmarks/{run.pk}/export.csv"):
         texts[url] = viewer_client.get(url).content.decode()
-    with mock.patch.object(live, "send_log_lines") as send:
-        live.send_log_lines(d.pk, secrets.redact_lines(d, [f"VLLM_MY_VAR={VALUE}"]))
-    texts["live log"] = str(send.call_args)
     if marked:
         leaks = [where for where, text in texts.items() if VALUE in text]
         assert leaks == [] and unit_secret == {"VLLM_MY_VAR": VALUE}
         assert client.get(f"/api/deployments/{d.pk}/").json()["env"] == {"VLLM_MY_VAR": secrets.MASK, "NCCL_PROTO": "LL"}
     else:
         assert client.get(f"/api/deployments/{d.pk}/").json()["env"] == {"VLLM_MY_VAR": VALUE, "NCCL_PROTO": "LL"}
-        assert VALUE in texts["unit text"] and VALUE in texts["live log"] and unit_secret == {}
+        assert VALUE in texts["unit text"] and unit_secret == {}
+
+
+@pytest.mark.parametrize("marked", [["VLLM_MY_VAR"], []])
+def test_the_plan_sends_the_engines_new_log_lines_live_without_a_marked_value(marked, host, tmp_path):
+    # The plan run for real on the node (host modules replaced at their boundary, as in
+    # tests/deployments/test_deploys.py): its follow loop reads the engine's log and sends new lines to the page.
+    node = NodeFactory(model_store=str(tmp_path), engine_flags=sorted(FLAGS))
+    copy = ModelCopyFactory(node=node, path=str(tmp_path / "m"), model=ModelRepoFactory(files=[{"path": "a", "size": 1}]))
+    d = DeploymentFactory(node=node, model=copy.model, port=8000, status=Deployment.Status.QUEUED, secret_env=marked,
+                          env={"VLLM_MY_VAR": VALUE})
+    with mock.patch.object(live, "send_log_lines", autospec=True) as send:
+        def launch_printing_the_value(spec):  # vLLM prints its non-default args and env at start
+            handle = FakeHost.launch(host, spec)
+            with spec.log_path.open("a") as log:
+                log.write(f"INFO 12-01 10:00:00 [envs.py:1] environment: VLLM_MY_VAR={VALUE}\n")
+            return handle
+
+        host.mocks["engine.launch"].side_effect = launch_printing_the_value
+        plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == Deployment.Status.READY, d.status_message
+    sent = [line for call in send.call_args_list for line in call.args[1]]
+    assert all(call.args[0] == d.pk for call in send.call_args_list) and "Loading weights took 1.5 seconds" in sent
+    if marked:
+        assert f"VLLM_MY_VAR={secrets.MASK}" in sent[-1] and not [line for line in sent if VALUE in line], sent
+    else:
+        assert sent[-1].endswith(f"VLLM_MY_VAR={VALUE}")
 
 
 def test_the_edit_form_masks_a_marked_variable_and_a_mask_sent_back_keeps_it(operator_client):
