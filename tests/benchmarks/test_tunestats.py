@@ -96,6 +96,38 @@ def test_identical_variants_are_rarely_called_different_and_a_clear_difference_i
     assert found == studies
 
 
+def drifting(throughput: float, rng: random.Random, drift=0.05, noise=0.05, repeats=3, requests=8) -> list[Repeat]:
+    """Repeats of a throughput measured on a drifting host: each repeat's speed is off by a normal factor
+    (sd `drift`), each request's time by a further ±`noise` (uniform); the repeat's value is its throughput
+    (requests / their total time) and its requests are their end-to-end times, as a study records them."""
+    out = []
+    for _ in range(repeats):
+        host = rng.gauss(1, drift)
+        times = [(1 + rng.uniform(-noise, noise)) / host for _ in range(requests)]
+        out.append(Repeat(throughput * requests / sum(times), tuple(times)))
+    return out
+
+
+def test_with_host_drift_between_repeats_the_interval_covers_the_true_difference_as_often_as_it_says():
+    """300 seeded studies (3 repeats a side, 8 requests each) where the host drifts 5 % between repeats,
+    more than the requests' own noise (±5 %): the 95 % interval of a true +10 % holds it in 90-99 % of
+    them (94.7 % absolute, 94.0 % relative), and identical variants are called different in 1-10 % (4.0 %).
+    An interval twice too wide covers 99.7 % and calls nothing different; 1.5x too wide, 98.7 % and 0.3 %;
+    without the few-repeats widening it covers 78 %."""
+    rng = random.Random(5)
+    studies, covered, covered_rel, false = 300, 0, 0, 0
+    for i in range(studies):
+        base, faster, same = drifting(100, rng), drifting(110, rng), drifting(100, rng)
+        cmp = tunestats.compare(base, faster, tunestats.INVERSE, n_boot=200, seed=i)
+        # The true difference: +10 (and +10 %) up to 1/mean(1 + noise)'s bias, 2e-4 of the throughput.
+        covered += cmp.low <= 10 <= cmp.high
+        covered_rel += cmp.rel_low <= 0.10 <= cmp.rel_high
+        false += tunestats.compare(base, same, tunestats.INVERSE, n_boot=200, seed=i).verdict != SAME
+    assert 0.90 * studies <= covered <= 0.99 * studies, covered / studies
+    assert 0.90 * studies <= covered_rel <= 0.99 * studies, covered_rel / studies
+    assert 0.01 * studies <= false <= 0.10 * studies, false / studies
+
+
 def test_missing_repeats_give_no_answer_rather_than_a_wrong_one():
     assert tunestats.estimate([]) is None
     assert tunestats.compare([], [Repeat(1.0)]) is None
