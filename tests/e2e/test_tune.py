@@ -1,24 +1,28 @@
 """A tuning study end to end on the real CPU engine, started through the REST API and driven by a real
-node agent: --max-num-seqs 16 against a baseline of 1 at concurrency 16 is "better", a variant identical
-to the baseline shows "no significant difference", a variant with an invalid flag value is recorded as
-failed while the study finishes, and the agent killed (SIGKILL) while a variant loads resumes the study.
+node agent: each trial measures an engine launched with its variant's --max-num-seqs (read from the
+process), a variant with an invalid flag value is recorded as failed (its later repeat skipped) while the
+study finishes, the agent killed (SIGKILL) while a variant loads resumes the study, and the deployment
+ends on the baseline's settings. Which variant is faster is not asserted here: measured on this shared
+host, that flips. The verdicts are tested on known schedules in tests/integration/test_study_verdicts.py
+and measured in perf/tune_verdicts.py.
 
-One study covers the four, so the engine loads as few times as it can (each load takes ~30 s here)."""
+One study covers it all, with the fewest loads that can (each takes ~30 s here): 2 repeats of the
+baseline and one variant, and a variant that fails fast."""
 import os
 import signal
 
 import pytest
 
-from benchmarks.models import Study, StudyTrial
+from benchmarks.models import BenchmarkRun, Study, StudyTrial
+from benchmarks.services import engine_command
 from deployments.models import Deployment, Node
 from deployments.services import deploys
 from tests.conftest import agent_argv, free_port, in_thread, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
-# 16 warmup requests, then 96 of 64 tokens at concurrency 16 (six rounds at --max-num-seqs 16, so one
-# stall of this shared machine's cores does not make a trial), ~12 s per trial at --max-num-seqs 1.
-WORKLOAD = {"levels": [16], "max_tokens": 64, "input_tokens": 32, "requests_per_user": 6, "min_requests": 96,
-            "warmup_per_user": 1}
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# 8 requests of 16 tokens at concurrency 4, no warmup: what is measured is which engine, not how fast.
+WORKLOAD = {"levels": [4], "max_tokens": 16, "input_tokens": 16, "requests_per_user": 2, "min_requests": 8,
+            "warmup_per_user": 0}
 
 
 def settled(d, states=("ready", "failed")):
@@ -33,10 +37,10 @@ def served_seqs(run) -> str | None:
 
 
 def trial_table(study) -> list[tuple]:
-    """Each trial as run: variant, status, attempts, the flags its run recorded, output tok/s at 16."""
+    """Each trial as run: variant, status, attempts, the flags its run recorded, output tok/s at 4."""
     rows = []
     for t in study.trials.select_related("variant", "run").order_by("position"):
-        point = t.run.points.filter(concurrency=16).first() if t.run else None
+        point = t.run.points.filter(concurrency=4).first() if t.run else None
         rows.append((t.position, t.variant.name, t.status, t.attempts, t.error[:60],
                      served_seqs(t.run) if t.run else None,
                      point and round(point.output_throughput, 1)))
@@ -65,15 +69,17 @@ def tune_node(process_env, spawn, unique, tmp_path, tiny_model):
         engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
-def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent_kill(
+@pytest.mark.slow
+def test_a_study_measures_real_variants_records_a_failed_one_and_survives_an_agent_kill(
         tune_node, spawn, tmp_path, api):
+    """Slow: six or seven real engine loads of ~30 s here (the deployment, 2 of the baseline, 2 of "four" and
+    the one the agent kill may cost again, the closing baseline) and a failed one: loading is what is tested."""
     node, model, env = tune_node
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(), preset="auto",
                   engine_args={"served-model-name": "tiny", "max-num-seqs": 1}, env={})
     assert settled(d).status == "ready"
-    body = {"deployment": d.pk, "repeats": 4, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 16},
-            "variants": [{"name": "sixteen", "engine_args": {"max-num-seqs": 16}},
-                         {"name": "same", "engine_args": {"max-num-seqs": 1}},
+    body = {"deployment": d.pk, "repeats": 2, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 4},
+            "variants": [{"name": "four", "engine_args": {"max-num-seqs": 4}},
                          {"name": "bad", "engine_args": {"dtype": "no-such-dtype"}}]}
     unknown = api.post("/api/studies/", {**body, "variants": [{"engine_args": {"max-num-seqz": 4}}]}, format="json")
     assert unknown.status_code == 400 and "unknown engine flag --max-num-seqz" in unknown.json()["error"]["message"]
@@ -81,34 +87,31 @@ def test_a_study_judges_real_variants_records_a_failed_one_and_survives_an_agent
     assert created.status_code == 202, created.content
     study = Study.objects.get(pk=created.json()["id"])
 
-    # The second trial ("sixteen", repeat 1) loading: the agent is killed and started again.
+    # The second trial ("four", repeat 1) loading: the agent is killed and started again.
     wait_until(lambda: study.trials.filter(position=1, status="deploying").exists()
                and Deployment.objects.get(pk=d.pk).status == "loading", timeout=300, interval=0.2,
                message="the second trial to be loading")
     restart_agent(spawn, env, node, tmp_path)
 
-    study = wait_until(lambda: (row := Study.objects.get(pk=study.pk)).status in Study.TERMINAL and row, timeout=900,
+    study = wait_until(lambda: (row := Study.objects.get(pk=study.pk)).status in Study.TERMINAL and row, timeout=600,
                        interval=1, message="the study to finish")
-    assert study.status == "done", study.error
-    figures = {r["name"]: (r["estimates"].get("throughput@16"), r["comparisons"].get("throughput@16") or {})
-               for r in study.results["variants"]}
-    verdicts = {name: cmp.get("verdict") for name, (_, cmp) in figures.items()}
+    assert study.status == "done", (study.error, trial_table(study))
     bad = study.variants.get(name="bad")
     good = study.trials.exclude(variant=bad)
     # Each trial measured an engine launched with its variant's settings (read from the process).
-    assert {(t.variant.name, served_seqs(t.run)) for t in good.select_related("variant", "run")} == {
-        ("baseline", "1"), ("sixteen", "16"), ("same", "1")}, trial_table(study)
-    assert verdicts["sixteen"] == "better", (figures, trial_table(study))
-    assert verdicts["same"] == "no significant difference", (figures, trial_table(study))
-    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped", "skipped"]
+    assert sorted((t.variant.name, t.repeat, served_seqs(t.run)) for t in good.select_related("variant", "run")) == [
+        ("baseline", 1, "1"), ("baseline", 2, "1"), ("four", 1, "4"), ("four", 2, "4")], trial_table(study)
+    assert bad.failed and list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped"], trial_table(study)
+    assert "dtype" in bad.failed, bad.failed
     assert set(good.values_list("status", flat=True)) == {StudyTrial.Status.DONE}
     # Per-request figures kept for the bootstrap (tok/s per user may be empty: a request whose chunks all
     # arrived in one read has no time after its first token).
-    assert all(t.run.points.get(concurrency=16).samples["e2e_ms"] for t in good)
+    assert all(len(t.run.points.get(concurrency=4).samples["e2e_ms"]) == WORKLOAD["min_requests"] for t in good)
     assert good.exclude(startup={}).exists()  # phases of a load the agent was not killed in
-    assert study.results["winner"] == study.variants.get(name="sixteen").pk
-    # The end: the deployment runs the baseline's settings again.
+    assert {r["name"]: r["repeats_done"] for r in study.results["variants"]} == {"baseline": 2, "four": 2, "bad": 0}
+    # The end: the deployment runs the baseline's settings again, and so does its engine's process.
     row = settled(d, ("ready",))
     assert row.engine_args["max-num-seqs"] == 1 and "dtype" not in row.engine_args
+    assert served_seqs(BenchmarkRun(environment={"engine_command": engine_command(row)})) == "1"
     shown = api.get(f"/api/studies/{study.pk}/").json()
-    assert shown["live"]["trials_done"] == 16 and shown["status"] == "done"
+    assert shown["live"]["trials_done"] == 6 and shown["status"] == "done"
