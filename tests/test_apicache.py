@@ -8,6 +8,8 @@ import time
 
 import pytest
 import redis
+import redis.backoff
+import redis.retry
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -123,7 +125,10 @@ def test_a_write_the_cache_cannot_attribute_makes_everything_stale(api):
 def test_without_redis_reads_are_fresh_and_writes_still_work(api, monkeypatch):
     NodeFactory(name="n1", address="10.0.0.1")
     assert addresses(api) == {"n1": "10.0.0.1"}
-    unreachable = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    # No retries: redis-py's default backoff (three retries) makes each call here take ~5 s, which is not
+    # what this test is about.
+    unreachable = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5,
+                              retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
     monkeypatch.setattr(apicache, "_redis", lambda: unreachable)
     Node.objects.filter(name="n1").update(address="10.0.0.9")  # the bump fails: the write must not
     assert addresses(api) == {"n1": "10.0.0.9"}

@@ -96,7 +96,7 @@ def test_panel_test_hands_every_argument_to_pytest_leading_options_included(tmp_
     # so the run needs no Redis (REDIS_URL set keeps the launcher from starting one).
     env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:9/0"}
     argv = [sys.executable, "-m", "controlpanel.launcher", "test", "-x", "-k", "second_start", "--lf",
-            "-o", f"cache_dir={tmp_path}", "--collect-only", "-q", "tests/test_launcher.py"]
+            "-o", f"cache_dir={tmp_path}", "--collect-only", "-q", "tests/integration/test_launcher.py"]
     run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "test_a_second_start_does_not_print_a_new_password" in run.stdout

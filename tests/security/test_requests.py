@@ -10,7 +10,7 @@ from django.test import Client
 from django.urls import reverse
 
 from controlpanel import tokens
-from tests.factories import PASSWORD, DeploymentFactory, UserFactory
+from tests.factories import PASSWORD, DeploymentEventFactory, DeploymentFactory, UserFactory
 
 GB = 1 << 30
 
@@ -72,8 +72,10 @@ def test_fifty_long_polls_from_one_viewer_leave_the_server_answering(live_server
     # Without the limit the threads are held for the polls' 25 s: these could not answer in time.
     assert httpx.get(f"{live_server_asgi}/healthz", timeout=10).status_code == 200
     assert httpx.get(f"{live_server_asgi}/api/nodes/", headers=headers, timeout=10).status_code == 200
+    DeploymentEventFactory(deployment=d)  # a new event answers the polls still waiting, as it would a browser's
     for t in threads:
         t.join(30)
+    assert len(finished) == 50
 
 
 @pytest.mark.django_db

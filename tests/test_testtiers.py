@@ -1,0 +1,15 @@
+"""The test tiers the README names: `./panel test --fast` selects by marker, CI lists the slowest tests."""
+from controlpanel import launcher
+
+
+def test_the_fast_tier_leaves_out_every_test_that_needs_an_engine_browser_or_killed_process():
+    argv = launcher.pytest_argv(["--fast", "-x", "tests/host"], ci=False)
+    assert argv[:2] == ["-m", launcher.FAST_MARKERS] and argv[2:] == ["-x", "tests/host"]
+    for marker in ("e2e", "faults", "integration", "slow", "gpu"):
+        assert f"not {marker}" in launcher.FAST_MARKERS
+
+
+def test_ci_prints_the_thirty_slowest_tests_and_a_developer_run_does_not():
+    assert "--durations=30" in launcher.pytest_argv([], ci=True)
+    assert not any(a.startswith("--durations") for a in launcher.pytest_argv(["-k", "x"], ci=False))
+    assert "-m" not in launcher.pytest_argv(["tests/e2e"], ci=True)  # the whole suite filters nothing
