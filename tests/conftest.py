@@ -41,10 +41,8 @@ def pytest_collection_modifyitems(config, items):
                 misplaced.append(f"{item.nodeid} is marked {marker} but is not in tests/{folder_name}/")
         if item.get_closest_marker("slow") and not (getattr(item.obj, "__doc__", None) or "").strip():
             misplaced.append(f"{item.nodeid} is marked slow without a docstring saying why it must be")
-    if misplaced and os.environ.get("CI"):  # TEMP: strict everywhere once the moves land
+    if misplaced:
         raise pytest.UsageError("\n".join(misplaced))
-    for line in misplaced:
-        config.issue_config_time_warning(pytest.PytestConfigWarning(line), stacklevel=2)
 
 
 _durations: dict[str, float] = {}
