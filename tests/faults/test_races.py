@@ -6,6 +6,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,16 +14,17 @@ from django.db import connection
 from django.utils import timezone
 
 from controlpanel.errors import ServiceError
-from deployments.host import ownership
 from deployments.models import Deployment, ModelCopy, ModelRepo
 from deployments.services import deploys, repos, watch
 from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
-from tests.faults.conftest import (COUNTS, RNG, Agent, add_fake_model, agent_env, assert_true_state, deploy, set_load,
-                                   settle, sha256, stop_and_check, stop_leftover_engines)
+from tests.faults.conftest import RACES, sha256
+from tests.truestate import (COUNTS, RNG, Agent, add_fake_model, agent_env, assert_true_state, deploy, set_load,
+                             settle, stop_and_check, stop_leftover_engines)
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 S = Deployment.Status
+SCOPED_AGENT = Path(__file__).parent / "scoped_agent.py"
 
 
 @pytest.fixture
@@ -61,17 +63,21 @@ def test_a_stored_pgid_reused_by_an_unrelated_process_is_never_signalled(fault_a
 
 
 @pytest.mark.timeout(120)
-def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox(process_env, spawn, unique, tmp_path,
-                                                                                fake_model, operator):
-    """On a host without GPUs the whole host is the claim: a vLLM the panel did not start holds it."""
-    agent = Agent(spawn, agent_env(process_env, tmp_path, CPU_HOST_EXCLUSIVE=1), f"foreign-{unique}", tmp_path / "store")
+def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox_and_stopped_with_it(
+        process_env, spawn, unique, tmp_path, fake_model, operator):
+    """On a host without GPUs the whole host is the claim: a vLLM the panel did not start holds it.
+    The agent sees only this test's foreign engine (tests/faults/scoped_agent.py): the checkbox path
+    stops what it sees, and other sessions' engines on a shared machine must not be among them."""
+    scope = f"foreign-{unique}"
+    env = agent_env(process_env, tmp_path, CPU_HOST_EXCLUSIVE=1, FAULT_SCOPE=scope)
+    agent = Agent(spawn, env, f"foreign-{unique}", tmp_path / "store", script=SCOPED_AGENT)
     node = agent.start()
     model = add_fake_model(node, fake_model)
     foreign = subprocess.Popen(["bash", "-c", 'exec -a "vllm serve someone-elses-model" sleep 600'],
-                               start_new_session=True)
+                               env={**os.environ, "FAULT_SCOPE": scope}, start_new_session=True)
     try:
-        wait_until(lambda: any(p["pid"] == foreign.pid for p in type(node).objects.get(pk=node.pk).foreign_processes),
-                   timeout=30, message="the agent to see the foreign engine")
+        wait_until(lambda: [p["pid"] for p in type(node).objects.get(pk=node.pk).foreign_processes] == [foreign.pid],
+                   timeout=30, message="the agent to see the foreign engine, and only it")
         from rest_framework.test import APIClient
 
         api = APIClient()
@@ -87,17 +93,14 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox(p
         row = settle(d, timeout=30, states={"failed"})
         assert f"PID {foreign.pid}" in row.status_message and foreign.poll() is None
         COUNTS["foreign_refusals"] += 2
-        # With "stop other processes on these GPUs" the operator takes the call: it is stopped. Not
-        # where other vLLM engines run on this machine (developers share one): it would stop them too.
-        others = set(ownership.engine_processes()) - {foreign.pid}
-        if others:
-            print(f"checkbox path not exercised: other vLLM processes run here ({sorted(others)[:5]})")
-            return
+        # With "stop other processes on these GPUs" the operator takes the call: it is stopped.
         accepted = api.post("/api/deployments/", {**body, "stop_foreign": True}, format="json")
         assert accepted.status_code == 202, accepted.json()
         d = Deployment.objects.get(pk=accepted.json()["id"])
-        assert settle(d, timeout=60).status == "ready"
-        assert foreign.wait(5) is not None
+        assert settle(d, timeout=60).status == "ready", Deployment.objects.get(pk=d.pk).status_message
+        wait_until(lambda: foreign.poll() is not None, timeout=5, message="the foreign engine to be stopped")
+        assert d.events.filter(step="stop_others", message__contains=f"PID {foreign.pid}").exists()
+        COUNTS["foreign_stops"] += 1
         stop_and_check(d, fake_model)
     finally:
         if foreign.poll() is None:
@@ -139,13 +142,12 @@ def test_fifty_concurrent_deploys_and_restarts_on_the_same_gpus_accept_exactly_o
     assert claims.count() == 1
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120 + 30 * RACES)
 def test_a_delete_racing_a_deploy_has_exactly_one_winner_with_its_files_intact(fault_agent, fake_model):
     node = fault_agent.node
     set_load(fake_model, 0.2)
-    races = int(os.environ.get("FAULT_RACES", "5"))
     winners = []
-    for i in range(races):
+    for i in range(RACES):
         # A copy in the node's model store (a local folder would only be forgotten, never deleted).
         store_dir = fault_agent.store / f"acme--race-{i}"
         shutil.copytree(fake_model, store_dir)
@@ -198,4 +200,4 @@ def test_a_delete_racing_a_deploy_has_exactly_one_winner_with_its_files_intact(f
             assert settle(d, timeout=30).status == "ready"
             assert {p.name: sha256(p) for p in store_dir.iterdir() if p.is_file()} == before
             stop_and_check(d, store_dir)
-    print(f"delete/deploy races: {races}, winners {winners}")
+    print(f"delete/deploy races: {RACES}, winners {winners}")
