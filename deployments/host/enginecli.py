@@ -70,20 +70,40 @@ def _flags_cached(vllm_bin: str, mtime: float, timeout_s: float) -> frozenset[st
     return frozenset(flags)
 
 
+# What `vllm --version` prints, without what it costs: the CLI imports much of vLLM first (~15 s of CPU).
+_METADATA_VERSION = "import importlib.metadata as m; print(m.version('vllm'))"
+
+
+def _interpreter(vllm_bin: str) -> str | None:
+    """The Python a pip-installed `vllm` script runs under, when its `#!` line names one directly."""
+    try:
+        with open(vllm_bin, "rb") as f:
+            first = f.readline(512).decode(errors="replace").strip()
+    except OSError:
+        return None
+    found = re.match(r"^#!(/\S*/python[0-9.]*)$", first)
+    return found.group(1) if found and os.access(found.group(1), os.X_OK) else None
+
+
 @functools.lru_cache(maxsize=8)
 def _version_cached(vllm_bin: str, mtime: float, timeout_s: float) -> str:
     env = engineenv.engine_environ({})
-    try:
-        out = subprocess.run([vllm_bin, "--version"], capture_output=True, text=True, timeout=timeout_s, env=env,
-                             stdin=subprocess.DEVNULL)
-    except (subprocess.TimeoutExpired, OSError):
-        return ""
-    versions = [line.strip() for line in out.stdout.splitlines() if re.match(r"^\d+\.\d+\S*$", line.strip())]
-    return versions[-1][:64] if out.returncode == 0 and versions else ""
+    python = _interpreter(vllm_bin)
+    for argv in ([[python, "-c", _METADATA_VERSION]] if python else []) + [[vllm_bin, "--version"]]:
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env,
+                                 stdin=subprocess.DEVNULL)
+        except (subprocess.TimeoutExpired, OSError):
+            continue
+        versions = [line.strip() for line in out.stdout.splitlines() if re.match(r"^\d+\.\d+\S*$", line.strip())]
+        if out.returncode == 0 and versions:
+            return versions[-1][:64]
+    return ""
 
 
 def engine_version(vllm_bin: str, timeout_s: float = 120.0) -> str:
-    """What `vllm --version` says ("0.32.0+cpu"), or "" when it cannot tell (cached per binary)."""
+    """What `vllm --version` says ("0.32.0+cpu"), asked of its interpreter's package metadata when the script
+    names one, or "" when it cannot tell (cached per binary)."""
     try:
         mtime = os.stat(vllm_bin).st_mtime
     except OSError:

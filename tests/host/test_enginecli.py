@@ -81,6 +81,28 @@ def test_engine_version_is_what_vllm_says_after_its_log_lines(tmp_path):
     assert enginecli.engine_version(str(broken)) == "" and enginecli.engine_version(str(tmp_path / "nope")) == ""
 
 
+def test_engine_version_is_read_from_the_scripts_own_interpreter_without_running_vllm(tmp_path):
+    """`vllm --version` imports vLLM (~15 s of CPU) to print its package metadata: the agent asks the
+    interpreter of a pip-installed script for that metadata instead, and the CLI only when that fails."""
+    python = tmp_path / "python3.11"
+    python.write_text('#!/bin/sh\n[ "$1" = -c ] && case "$2" in *"version(\'vllm\')"*) echo 0.33.1+cpu; exit 0;; esac\n'
+                      'exit 3\n')
+    python.chmod(0o755)
+    fake = tmp_path / "vllm"
+    fake.write_text(f"#!{python}\nthis script must not run\n")
+    fake.chmod(0o755)
+    assert enginecli.engine_version(str(fake)) == "0.33.1+cpu"
+    # That interpreter cannot tell (no metadata named vllm): what the CLI itself says.
+    other = tmp_path / "other" / "python3"
+    other.parent.mkdir()
+    other.write_text('#!/bin/sh\n[ "$1" = -c ] && exit 1\n[ "$2" = --version ] && echo 0.32.0+cpu\n')
+    other.chmod(0o755)
+    cli = tmp_path / "other" / "vllm"
+    cli.write_text(f"#!{other}\n")
+    cli.chmod(0o755)
+    assert enginecli.engine_version(str(cli)) == "0.32.0+cpu"
+
+
 def test_engine_flags_of_a_missing_engine_is_a_permanent_error(tmp_path):
     with pytest.raises(EngineError) as err:
         enginecli.engine_flags(str(tmp_path / "nope"))
