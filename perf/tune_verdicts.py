@@ -1,28 +1,38 @@
-"""Are a tuning study's verdicts right, and what does the panel add per variant? (issue 15)
+"""Are a tuning study's verdicts right, and what does the panel add per variant? (issue 15, issue 24)
 
 Verdicts, no engine: many small studies against three OpenAI-compatible test servers with a known
 schedule (tests/schedserver.py), each request's token gap drawn from the schedule's gap ± 5 %
 (uniform): "base" and "same" share a schedule, "slower" takes 5 % longer per request. Each study runs the
 default 3 repeats interleaved (base same slower base same slower …) with the real load generator
-(benchmarks.runner) and judges output tok/s with benchmarks.tunestats, as the panel does:
+(benchmarks.runner) and judges output tok/s with benchmarks.tunestats, as the panel does. Twice: on the
+schedules as they are, and with host drift between repeats (each repeat of each server on its schedule
+times a factor drawn from N(1, --drift), as a shared host runs one trial faster than the next):
 
-  false_significant_pct  identical variants called better or worse (target <= 5)
-  detected_pct           the true 5 % difference found, and the right way round (target >= 90)
+  false_significant_pct        identical variants called better or worse (target <= 5)
+  detected_pct                 the true 5 % difference found, and the right way round (target >= 90)
+  false_significant_drift_pct  the same with drift (target: near the interval's nominal 5)
+  detected_drift_pct           the same with drift (no target: drift hides a small difference)
 
 Overhead, no engine either: the panel runs as in production (an embedded Redis, SQLite, a real node
-agent) with tests/faults' fake vLLM (loads in 1 s, streams tokens 1 ms apart) and one study of a
-baseline and two variants × 3 repeats. Each trial records its wall time less the plan's steps
-(stop, launch, load, smoke test) and its benchmark run's time: the panel's own part.
+agent) with tests/faults' fake vLLM serving through tests/schedserver.py on a known schedule (loads in
+1 s, TTFT 20 ms, a token every 5 ms), and one study of a baseline and two variants × 3 repeats. The
+script's own clock times the study from its creation to its end and each trial from the previous one's
+end to its own; what the fake engine's load, the smoke test and the benchmark take on their schedules is
+subtracted: what is left is the panel's (agent polling, the plan's steps, the runner's set-up).
 
-  overhead_p95_s         95th percentile over the trials (target <= 2)
+  overhead_p50_s, overhead_p95_s   per trial, by this script's clock (target p95 <= 2)
+  overhead_total_s                 the whole study's wall time less every schedule
+  accounted_p95_s                  the panel's own accounting of the same trials (StudyTrial.overhead_s)
 
-    python perf/tune_verdicts.py [--studies 60] [--skip-overhead]
+    python perf/tune_verdicts.py [--studies 60] [--drift 0.03] [--skip-overhead]
 
 Last line: name=value pairs.
 """
 import argparse
 import json
+import math
 import os
+import random
 import secrets
 import statistics
 import sys
@@ -37,16 +47,24 @@ from controlpanel import launcher  # noqa: E402
 
 FAKE_VLLM = ROOT / "tests" / "faults" / "fakevllm" / "vllm"
 CONCURRENCY, TOKENS, REQUESTS, GAP_MS, TTFT_MS, JITTER = 4, 24, 16, 2.0, 5.0, 0.05
+# The overhead study's engine: its load, its schedule and the study's workload (all known, so subtracted).
+LOAD_S, STUDY_TTFT_MS, STUDY_GAP_MS, SMOKE_TOKENS = 1.0, 20.0, 5.0, 64
+STUDY_WORKLOAD = {"levels": [4], "max_tokens": 32, "requests_per_user": 2, "min_requests": 8, "warmup_per_user": 0}
 
 
-def verdicts(studies: int, repeats: int) -> dict:
+def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> dict:
+    """Studies against the three servers; with `drift`, each repeat of each server runs on its schedule
+    times a factor drawn from N(1, drift)."""
     from benchmarks import runner, tunestats
     from tests.schedserver import SchedServer
 
-    servers = {"base": SchedServer(ttft_ms=TTFT_MS, gap_ms=GAP_MS, jitter=JITTER, seed=1),
-               "same": SchedServer(ttft_ms=TTFT_MS, gap_ms=GAP_MS, jitter=JITTER, seed=2),
+    nominal = {"base": (TTFT_MS, GAP_MS), "same": (TTFT_MS, GAP_MS),
                # Every request takes 5 % longer (first token and gaps): 1/1.05 of the throughput.
-               "slower": SchedServer(ttft_ms=TTFT_MS * 1.05, gap_ms=GAP_MS * 1.05, jitter=JITTER, seed=3)}
+               "slower": (TTFT_MS * 1.05, GAP_MS * 1.05)}
+    servers = {name: SchedServer(ttft_ms=ttft, gap_ms=gap, jitter=JITTER, seed=i + 1)
+               for i, (name, (ttft, gap)) in enumerate(nominal.items())}
+    host = random.Random(seed)
+    label = f"drift {drift * 100:.0f} %" if drift else "no drift"
     sweepers = {}
     false = detected = 0
     started = time.monotonic()
@@ -61,6 +79,9 @@ def verdicts(studies: int, repeats: int) -> dict:
             reps = {name: [] for name in servers}
             for _ in range(repeats):
                 for name, sweeper in sweepers.items():  # interleaved, as a study runs them
+                    factor = max(0.5, host.gauss(1, drift)) if drift else 1.0
+                    schedule = servers[name].schedule  # read per request: set between levels
+                    schedule.ttft_ms, schedule.gap_ms = (v * factor for v in nominal[name])
                     level = sweeper.run_level(CONCURRENCY)
                     samples = runner.request_samples(level.records)
                     reps[name].append(tunestats.Repeat(level.output_throughput, tuple(samples["e2e_ms"])))
@@ -69,7 +90,7 @@ def verdicts(studies: int, repeats: int) -> dict:
             false += same.verdict != tunestats.SAME
             detected += slower.verdict == tunestats.WORSE
             if i % 10 == 9 or i == studies - 1:
-                print(f"studies {i + 1}: identical called different {false}, 5 % found {detected} "
+                print(f"{label}, studies {i + 1}: identical called different {false}, 5 % found {detected} "
                       f"(last: same {same.rel * 100:+.2f} % [{same.rel_low * 100:+.2f}, {same.rel_high * 100:+.2f}], "
                       f"slower {slower.rel * 100:+.2f} % [{slower.rel_low * 100:+.2f}, {slower.rel_high * 100:+.2f}]) "
                       f"{time.monotonic() - started:.0f} s", flush=True)
@@ -78,18 +99,30 @@ def verdicts(studies: int, repeats: int) -> dict:
             sweeper.__exit__(None, None, None)
         for server in servers.values():
             server.__exit__(None, None, None)
-    return {"false_significant_pct": 100.0 * false / studies, "detected_pct": 100.0 * detected / studies}
+    suffix = "_drift" if drift else ""
+    return {f"false_significant{suffix}_pct": 100.0 * false / studies, f"detected{suffix}_pct": 100.0 * detected / studies}
+
+
+def schedule_s() -> tuple[float, float]:
+    """What the fake engine's schedule takes: (a load and its smoke test, one trial's benchmark)."""
+    smoke = (STUDY_TTFT_MS + (SMOKE_TOKENS - 1) * STUDY_GAP_MS) / 1000  # vllm.smoke_test asks for 64 tokens
+    request = (STUDY_TTFT_MS + (STUDY_WORKLOAD["max_tokens"] - 1) * STUDY_GAP_MS) / 1000
+    level = STUDY_WORKLOAD["levels"][0]
+    rounds = math.ceil(max(STUDY_WORKLOAD["min_requests"], STUDY_WORKLOAD["requests_per_user"] * level) / level)
+    return LOAD_S + smoke, rounds * request
 
 
 def overhead(repeats: int) -> dict:
-    """One study through the whole panel with the fake engine; the trials' overhead as recorded."""
+    """One study through the whole panel with the fake engine on a known schedule, timed from outside."""
     var = Path(tempfile.mkdtemp(prefix="perf-tune-"))
     model_dir = var / "fake-model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                                        "hidden_size": 64, "num_hidden_layers": 2,
                                                        "num_attention_heads": 2, "vocab_size": 256}))
-    (model_dir / "fake_engine.json").write_text(json.dumps({"load_s": 1.0}))
+    (model_dir / "fake_engine.json").write_text(json.dumps({
+        "load_s": LOAD_S, "python": sys.executable,
+        "schedules": {"*": {"ttft_ms": STUDY_TTFT_MS, "gap_ms": STUDY_GAP_MS}}}))
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update(PANEL_VAR_DIR=str(var), DATABASE_URL=f"sqlite:///{var / 'panel.sqlite3'}", PYTHONUNBUFFERED="1",
                VLLM_BIN=str(FAKE_VLLM), CPU_HOST_EXCLUSIVE="0", DJANGO_SETTINGS_MODULE="controlpanel.settings",
@@ -107,7 +140,7 @@ def overhead(repeats: int) -> dict:
         children.start("agent", [launcher.PYTHON, "manage.py", "nodeagent", "--name", "perf-tune", "--model-store",
                                  str(var / "store"), "--concurrency", "2"], env)
         from benchmarks import studies
-        from benchmarks.models import Study
+        from benchmarks.models import Study, StudyTrial
         from deployments.models import Deployment, ModelCopy, Node
         from deployments.services import deploys, repos
         from tests.conftest import wait_until
@@ -120,23 +153,47 @@ def overhead(repeats: int) -> dict:
         d = deploys.deployment_create(model=model, node=node, gpu_indices=[], port=launcher.free_port(), preset="auto",
                                       engine_args={"served-model-name": "fake"}, env={})
         wait_until(lambda: Deployment.objects.get(pk=d.pk).status == "ready", timeout=60, interval=0.2, message="ready")
+        started = time.monotonic()
         study = studies.study_create(deployment=Deployment.objects.get(pk=d.pk), repeats=repeats,
                                      variants=[{"name": "8", "engine_args": {"max-num-seqs": 8}, "env": {}},
                                                {"name": "4", "engine_args": {"max-num-seqs": 4}, "env": {}}],
-                                     workload={"levels": [4], "max_tokens": 32, "requests_per_user": 2, "min_requests": 8,
-                                               "warmup_per_user": 0})
-        study = wait_until(lambda: (s := Study.objects.get(pk=study.pk)).status in Study.TERMINAL and s, timeout=600,
-                           interval=1, message="the study")
-        trials = list(study.trials.exclude(overhead_s=None))
+                                     workload=STUDY_WORKLOAD)
+        ended = {}  # trial position -> when this script first saw it end
+        while True:  # this script's clock: poll every 50 ms
+            status = Study.objects.filter(pk=study.pk).values_list("status", flat=True).get()
+            now = time.monotonic()
+            for pos in study.trials.filter(status__in=(StudyTrial.Status.DONE, StudyTrial.Status.FAILED)) \
+                    .exclude(position__in=list(ended)).values_list("position", flat=True):
+                ended[pos] = now
+            if status in Study.TERMINAL:
+                break
+            if now - started > 600:
+                raise SystemExit("the study did not end in 600 s")
+            time.sleep(0.05)
+        wall = now - started
+        study = Study.objects.get(pk=study.pk)
+        trials = list(study.trials.select_related("variant").order_by("position"))
+        if study.status != "done" or any(t.status != StudyTrial.Status.DONE for t in trials):
+            raise SystemExit(f"the study ended {study.status}: {study.error}; trials {[t.status for t in trials]}")
+        load_s, bench_s = schedule_s()
+        per_trial, previous = [], 0.0
         for t in trials:
-            print(f"trial {t.position} ({t.variant.name} #{t.repeat}): {t.status}, ready after {t.ready_s} s, "
-                  f"panel overhead {t.overhead_s:.2f} s", flush=True)
-        if study.status != "done" or not trials:
-            raise SystemExit(f"the study ended {study.status}: {study.error}")
+            seen = ended[t.position] - started
+            per_trial.append(seen - previous - load_s - bench_s)
+            previous = seen
+            print(f"trial {t.position} ({t.variant.name} #{t.repeat}): ended at {seen:.2f} s, outside overhead "
+                  f"{per_trial[-1]:.2f} s, panel's own {t.overhead_s:.2f} s", flush=True)
+        # The closing redeploy of the baseline: the study ends once it is ready (before its smoke test).
+        closing = LOAD_S if (study.finish_trial or {}).get("sent") else 0.0
+        total = wall - len(trials) * (load_s + bench_s) - closing
+        print(f"study: {wall:.2f} s wall, {len(trials)} trials of {load_s:.2f} s load + smoke test and {bench_s:.2f} s "
+              f"benchmark on schedule, closing load {closing:.2f} s: {total:.2f} s the panel's", flush=True)
         from benchmarks.runner.stats import percentile
 
-        values = sorted(t.overhead_s for t in trials)
-        return {"overhead_p50_s": statistics.median(values), "overhead_p95_s": percentile(values, 95)}
+        values = sorted(per_trial)
+        accounted = sorted(t.overhead_s for t in trials if t.overhead_s is not None)
+        return {"overhead_p50_s": statistics.median(values), "overhead_p95_s": percentile(values, 95),
+                "overhead_total_s": total, "accounted_p95_s": percentile(accounted, 95) if accounted else float("nan")}
     finally:
         try:
             from deployments.host import engine
@@ -153,12 +210,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--studies", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--drift", type=float, default=0.03, help="host drift between repeats: sd of the factor")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
     figures = verdicts(args.studies, args.repeats)
+    figures.update(verdicts(args.studies, args.repeats, drift=args.drift, seed=1))
     if not args.skip_overhead:
         figures.update(overhead(args.repeats))
-    print(" ".join(f"{k}={v:.2f}" for k, v in figures.items()) + f" studies={args.studies} repeats={args.repeats}")
+    print(" ".join(f"{k}={v:.2f}" for k, v in figures.items())
+          + f" studies={args.studies} repeats={args.repeats} drift={args.drift}")
 
 
 if __name__ == "__main__":
