@@ -21,17 +21,20 @@ def cores() -> tuple[int, int]:
     return allowed[0], allowed[1 % len(allowed)]
 
 
-def raise_priority() -> callable:
-    """Ask for more CPU than the rest of a shared machine (root only); returns how to undo it."""
+def raise_priority(pid: int = 0) -> callable:
+    """Ask for more CPU than the rest of a shared machine for this process, or `pid` (root only);
+    returns how to undo it. (A process that starts a session of its own, as an engine does, gets an
+    autogroup of its own at nice 0: raise its too.)"""
     undo = []
+    autogroup = Path(f"/proc/{pid or 'self'}/autogroup")
     try:
-        old = Path("/proc/self/autogroup").read_text().split()[-1]
-        Path("/proc/self/autogroup").write_text("-20")
-        undo.append(lambda: Path("/proc/self/autogroup").write_text(old))
+        old = autogroup.read_text().split()[-1]
+        autogroup.write_text("-20")
+        undo.append(lambda: autogroup.write_text(old))
     except OSError:
         pass
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, -20)
+        os.setpriority(os.PRIO_PROCESS, pid, -20)
     except OSError:
         pass
 
@@ -91,13 +94,17 @@ def make_tokenizer(directory: Path) -> Path:
 
 
 def run_vllm(base_url: str, core: int, tokenizer: Path, out: Path, concurrency: int, prompts: int,
-             output_len: int, warmups: int) -> dict:
-    """One `vllm bench serve` run pinned to `core`; its --save-result JSON."""
+             output_len: int, warmups: int, model: str = "sched", dataset: Path | None = None) -> dict:
+    """One `vllm bench serve` run pinned to `core`; its --save-result JSON. Random 64-token prompts,
+    or with `dataset` the prompts of that JSONL ({"prompt": ...} a line, sent as they are)."""
     result = out / f"vllm-c{concurrency}.json"
+    prompts_from = (["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", str(output_len)]
+                    if dataset is None else
+                    ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+                     "--custom-output-len", str(output_len), "--temperature", "0"])
     cmd = ["taskset", "-c", str(core), str(VLLM), "bench", "serve", "--backend", "openai-chat",
-           "--base-url", base_url, "--endpoint", "/v1/chat/completions", "--model", "sched",
-           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", "64",
-           "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts", str(prompts),
+           "--base-url", base_url, "--endpoint", "/v1/chat/completions", "--model", model,
+           "--tokenizer", str(tokenizer), *prompts_from, "--ignore-eos", "--num-prompts", str(prompts),
            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--num-warmups", str(warmups),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out), "--result-filename", result.name,
