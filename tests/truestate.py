@@ -112,7 +112,9 @@ class ShmWatch:
     database, every fake-engine file named by the PID of an engine it saw or of such a row, and,
     with `real_names`, every file with the real engine's names that appeared since the test began
     (only where no other real engine can start meanwhile: under the heavy-run lock, or on CI).
-    Other sessions' engines on a shared host are none of its business."""
+    Files with the real engine's names count only once none of the test's engines runs: vLLM's
+    sem.mp-* semaphores outlive their last mapping while it serves, until its resource tracker
+    unlinks them at its end. Other sessions' engines on a shared host are none of its business."""
 
     def __init__(self, real_names: bool = False):
         self.pids: set[int] = set()
@@ -139,7 +141,19 @@ class ShmWatch:
         found |= {str(SHM / n) for n in names if (m := FAKE_SHM.fullmatch(n)) and int(m[1]) in pids}
         if self.before is not None:
             found |= {str(SHM / n) for n in names if REAL_SHM.fullmatch(n) and n not in self.before}
+        if self.running():  # a real engine's resource tracker unlinks, when the engine ends, what it no longer maps
+            found = {f for f in found if not REAL_SHM.fullmatch(Path(f).name)}
         return found
+
+    def running(self) -> bool:
+        """Whether an engine process this test saw still runs."""
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                continue
+        return False
 
 
 WATCH: ShmWatch | None = None  # set for each test by tests/faults' autouse fixture (and the e2e kill's)
@@ -265,7 +279,7 @@ def stop_leftover_engines(tmp_path):
     from deployments.host import engine
 
     left = engines_under_any(tmp_path)
-    files = WATCH.ours(rows=False) if WATCH is not None else set()
+    files = set()
     for proc in left:
         files |= engine._shm_paths_of(proc.pid)
         files |= {str(p) for p in SHM.glob(f"psm_fakevllm_{proc.pid}_*")}
@@ -274,4 +288,6 @@ def stop_leftover_engines(tmp_path):
         except OSError:
             pass
     wait_until(lambda: not engines_under_any(tmp_path), timeout=10, message="leftover engines to die")
+    if WATCH is not None:
+        files |= WATCH.ours(rows=False)
     engine.remove_unused_shm(files)

@@ -1,7 +1,8 @@
 """The true-state checks themselves (tests/truestate.py) can fail: a fake engine started by hand in
 a model folder is found with its child, a second engine in a ready row's folder, an engine of a
 stopped row and a SIGKILLed engine's /dev/shm file are each caught, and a file with the real
-engine's names is this test's only once it appears after the test began."""
+engine's names is this test's only once it appears after the test began, stale only once the
+test's engines are gone."""
 import mmap
 import os
 import secrets
@@ -101,10 +102,18 @@ def test_files_with_the_real_engines_names_count_once_they_appear_and_only_unhel
     truestate.WATCH = truestate.ShmWatch(real_names=True)  # tests/faults' fixture restores its own after the test
     after, held = _shm(f"psm_{secrets.token_hex(4)}"), _shm(f"psm_{secrets.token_hex(4)}")
     semaphore, unrelated = _shm(f"sem.mp-{secrets.token_hex(4)}"), _shm(f"other_{secrets.token_hex(4)}")
+    engine_like = subprocess.Popen(["sleep", "600"])
+    truestate.WATCH.pids.add(engine_like.pid)  # as if seen: while an engine of the test runs, they are not stale yet
     try:
+        assert stale_shm() == []
+        engine_like.kill()
+        engine_like.wait()
         with open(held, "r+b") as f, mmap.mmap(f.fileno(), 0):
             assert stale_shm() == sorted([str(after), str(semaphore)])
         assert stale_shm() == sorted([str(after), str(held), str(semaphore)])
     finally:
+        if engine_like.poll() is None:
+            engine_like.kill()
+            engine_like.wait()
         for path in (before, after, held, semaphore, unrelated):
             path.unlink(missing_ok=True)
