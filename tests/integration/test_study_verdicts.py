@@ -27,9 +27,9 @@ from tests.faults.conftest import Agent, add_fake_model, agent_env, fake_model, 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 SLOW = {"ttft_ms": 40, "gap_ms": 16, "jitter": 0.5, "seed": 7}
 SCHEDULES = {"1": SLOW, "16": {**SLOW, "ttft_ms": 10, "gap_ms": 4}}
-# 4 warmup requests, then 12 of 32 tokens at concurrency 4: ~2.2 s a trial at the baseline's schedule.
-WORKLOAD = {"levels": [4], "max_tokens": 32, "input_tokens": 16, "requests_per_user": 3, "min_requests": 12,
-            "warmup_per_user": 1}
+# 12 requests of 24 tokens at concurrency 4, no warmup: ~1.2 s a trial at the baseline's schedule.
+WORKLOAD = {"levels": [4], "max_tokens": 24, "input_tokens": 16, "requests_per_user": 3, "min_requests": 12,
+            "warmup_per_user": 0}
 
 
 @pytest.fixture
