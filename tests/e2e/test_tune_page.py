@@ -11,7 +11,7 @@ from benchmarks.models import Study
 from deployments.models import Deployment
 from deployments.services import deploys
 from tests.conftest import free_port, in_thread, wait_until
-from tests.faults.conftest import Agent, add_fake_model, agent_env, set_load, stop_leftover_engines
+from tests.truestate import Agent, add_fake_model, agent_env, set_load, stop_leftover_engines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
