@@ -3,17 +3,21 @@
 1. prewarm_ratio: the same files, dropped from the page cache (posix_fadvise DONTNEED per file)
    before each read, read by host/pagecache.prewarm (parallel) and by one sequential `cat f... >
    /dev/null`; rounds alternate, the median of each is compared (target >= 1.0).
-2. predict_err_pct: the real CPU engine started LOADS times with the same flags; before each start
-   after the first, the time to ready is predicted from the earlier loads' phases (as the panel
-   does), and compared with the measured time (target <= 10 over loads 2..LOADS). Before the first
-   load the engine is asked its version and flags, as the node agent does when it starts.
+2. predict_err_pct: the panel deploys the real CPU engine and restarts it LOADS times with the same
+   flags, through its own services and node-side plan (plan.deployment_run, the node agent's task,
+   run here on a fresh SQLite database and an embedded Redis): each load is kept in the history the
+   panel learns from (its `load` step), the node's very first start included. Before each restart the
+   time to ready is predicted from that history (loadtime.load_history, as the deployment page's
+   forecast does) and compared with the time to ready the load then took (target <= 10 over the
+   LOADS restarts). The node registers as an agent does when it starts: it asks the engine its
+   version and flags, and measures the store's read rate.
 
 Run: PYTHONPATH=$PWD .venv/bin/python perf/prewarm.py [--files 4 --mib 256 --rounds 3 --loads 3]
 """
 import argparse
 import os
+import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,7 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deployments.host import engine, enginecli, enginelog, loadphases, pagecache, vllm  # noqa: E402
+from controlpanel import launcher  # noqa: E402
+from deployments.host import engine, loadphases, pagecache  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
 VLLM = Path(os.environ.get("ENGINE_VENV", ROOT / ".engine-venv")) / "bin" / "vllm"
 
@@ -62,62 +68,95 @@ def throughput(folder: Path, count: int, mib: int, rounds: int) -> dict:
             "resident_after_drop_pct": max(residue), "bytes": total}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+ENGINE_ARGS = {"enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny"}
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def one_load(model: Path, tmp: Path, n: int) -> loadphases.PhaseClock:
-    """Start the CPU engine, follow its log as the panel does until /health answers, stop it."""
-    port = _free_port()
-    argv = enginecli.build_argv(str(VLLM), str(model), port, "127.0.0.1",
-                                {"enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny"})
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1"}
-    log_path = tmp / f"engine-{n}.log"
-    t0 = time.time()
-    handle = engine.launch(engine.EngineSpec(argv, env, log_path, cwd=tmp))
-    clock, offset = loadphases.PhaseClock(), 0
+def _deploy_once(d, node, model):
+    """One load through the panel: deploy (or restart), the node's plan to ready and its smoke test, stop."""
+    from django.db import transaction
+
+    from deployments import selectors
+    from deployments.models import Deployment
+    from deployments.services import deploys, plan, watch
+
+    with transaction.atomic():  # as the API view: the deploy decision under the node's lock
+        d = (deploys.deployment_redeploy(d) if d else deploys.deployment_create(
+            model=model, node=node, gpu_indices=[], port=launcher.free_port(), engine_args=ENGINE_ARGS, env=ENGINE_ENV,
+            name="prewarm-perf"))
     try:
-        while not vllm.health(f"http://127.0.0.1:{port}", timeout=1.0):
-            lines, offset = enginelog.read_lines(log_path, offset)
-            for line in lines:
-                clock.feed(line, time.time() - t0)
-            if not engine.alive(handle.pid, handle.create_time) or time.time() - t0 > 600:
-                raise SystemExit("engine did not come up:\n" + "\n".join(enginelog.tail(log_path, 30)))
-            time.sleep(0.25)
-        clock.finish(time.time() - t0)
+        plan.deployment_run(d.pk)  # what the node agent's deployment_run task does
+        d.refresh_from_db()
+        if d.status != Deployment.Status.READY:
+            raise SystemExit(f"the deploy did not get ready: {d.status}: {d.status_message}\n{d.log_tail}")
+        load = selectors.load_events(deployment=d, started__gte=d.started).first()  # the load kept for its history
+        if load is None:
+            raise SystemExit("the panel kept no history of the load it just followed")
     finally:
-        engine.stop(handle.pgid, term_timeout_s=5.0)
-    return clock
+        with transaction.atomic():
+            deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
+        watch.deployment_halt(d.pk)
+    # Time to ready, as the prediction counts it: launch (the deployment's start) to the smoke test.
+    return d, next(start for phase, start, _ in load.data["segments"] if phase == "smoke_test")
 
 
 def prediction(loads: int) -> dict:
-    model = ROOT / "var" / "tiny-model"
-    if not VLLM.exists() or not model.exists():
+    model_path = ROOT / "var" / "tiny-model"
+    if not VLLM.exists() or not model_path.exists():
         return {"predict_err_pct": "nan", "predict_note": "no CPU engine or tiny model here"}
-    history, errors, took = [], [], []
-    # What a node agent does when it starts, before any deploy: ask the engine its version and its
-    # flags (both import vLLM and torch). Without it the first load here also pays for reading the
-    # engine's own Python files from disk, which no load after an agent's start does.
-    enginecli.engine_version(str(VLLM)), enginecli.engine_flags(str(VLLM))
-    with tempfile.TemporaryDirectory() as tmp:
-        # A node's very first start of an architecture fills vLLM's own cache (VLLM_CACHE_ROOT: the
-        # model inspection, a subprocess that imports vLLM, ~5 s here) once per engine version; the
-        # agent's cache persists, so no later load pays it. That start is timed and printed, not learnt from.
-        first_start_s = round(one_load(model, Path(tmp), -1).segments[-1][2], 1)
-        for n in range(loads):
-            fresh = loadphases.PhaseClock()
-            predicted = loadphases.predict(fresh, 0.0, history, "perf") if history else None
-            clock = one_load(model, Path(tmp), n)
-            actual = clock.segments[-1][2]
+    var = Path(tempfile.mkdtemp(prefix="perf-prewarm-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    # A node's vLLM cache (VLLM_CACHE_ROOT) starts empty here, as on a node's first deploy of the model.
+    env.update(PANEL_VAR_DIR=str(var), DATABASE_URL=f"sqlite:///{var / 'panel.sqlite3'}", VLLM_BIN=str(VLLM),
+               VLLM_CACHE_ROOT=str(var / "vllm-cache"), CPU_HOST_EXCLUSIVE="0", DJANGO_SETTINGS_MODULE="controlpanel.settings",
+               CHANNELS_PREFIX=f"perfprewarm{os.getpid()}", SECRET_KEY=secrets.token_urlsafe(50))
+    children = launcher.Children()
+    try:
+        env["REDIS_URL"] = launcher.start_embedded_redis(children, env, var)
+        os.environ.update(env)
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        from deployments import tasks
+        from deployments.agent import Agent
+        from deployments.models import Deployment, Node
+        from deployments.services import loadtime, repos
+
+        call_command("migrate", verbosity=0)
+        agent = Agent(name="perf-node", model_store=str(var / "store"), address="127.0.0.1", version="perf")
+        agent.register()  # in a thread, as at an agent's start: the engine's version and flags, the store's read rate
+        node = wait_until(lambda: Node.objects.exclude(engine_flags=[]).filter(pk=agent.node_id).first(), timeout=300,
+                          message="the engine's flags")
+        model = repos.model_add_local(node, str(model_path))
+        tasks.model_inspect_local(model.pk, node.pk)  # the node's worker reads the folder
+        d, took, errors, predicted_each = None, [], [], []
+        for n in range(loads + 1):  # the node's first start, then LOADS restarts
+            if d is not None:  # what the page forecasts before the restart's first log line
+                history, basis, scale, _ = loadtime.load_history(Deployment.objects.get(pk=d.pk))
+                forecast = loadphases.predict(loadphases.PhaseClock(), 0.0, history, basis, scale)
+                if forecast is None:
+                    raise SystemExit(f"after {n} load(s) the panel kept none to forecast from ({basis})")
+            d, actual = _deploy_once(d, node, model)
             took.append(round(actual, 1))
-            if predicted:
-                errors.append(100.0 * abs(predicted.total_s - actual) / actual)
-            history.append(clock.totals())
+            if n:
+                predicted_each.append(forecast.total_s)
+                errors.append(100.0 * abs(forecast.total_s - actual) / actual)
+        kept = len(loadtime.load_history(d)[0])
+    finally:
+        try:
+            from deployments.models import Deployment
+
+            for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
+                engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)  # never leave an engine behind
+        except Exception as exc:  # noqa: BLE001 - Django may not be set up
+            print(f"note: engines not checked: {exc}", file=sys.stderr)
+        children.stop()
+        shutil.rmtree(var, ignore_errors=True)
     return {"predict_err_pct": round(max(errors), 1), "predict_err_each_pct": "/".join(f"{e:.1f}" for e in errors),
-            "load_s_each": "/".join(map(str, took)), "first_start_s": first_start_s}
+            "predicted_s_each": "/".join(f"{p:.1f}" for p in predicted_each), "first_start_s": took[0],
+            "load_s_each": "/".join(map(str, took[1:])), "history_loads": kept}
 
 
 def main():
@@ -125,7 +164,7 @@ def main():
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--loads", type=int, default=3)
+    ap.add_argument("--loads", type=int, default=3, help="restarts after the first start (0: no engine)")
     ap.add_argument("--dir", default=str(ROOT / "var"), help="a folder on the model store's filesystem (not tmpfs)")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="prewarm-", dir=args.dir))
@@ -133,7 +172,7 @@ def main():
         result = throughput(folder, args.files, args.mib, args.rounds)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if args.loads >= 2:
+    if args.loads >= 1:
         result.update(prediction(args.loads))
     print(" ".join(f"{k}={v}" for k, v in result.items()))
 
