@@ -32,8 +32,9 @@ It raises its own and the engine's CPU priority while it runs (nice and autogrou
     python perf/client_vs_vllm_bench.py [--rounds 3] [--cases long_c1,long_c4,short_c1]
                                         [--clients vllm,ours,ours_noscrape,ours_scrape20hz,ours_enginecore]
 
-Last line: name=value pairs: per case <case>_tok_s_ratio and <case>_ttft_ratio (ours / vllm, medians
-over rounds), <case>_<variant>_tok_s_ratio and ..._ttft_ratio for the other variants of ours
+Last line: name=value pairs: per case <case>_tok_s_ratio and <case>_ttft_ratio (ours / vllm in the
+same round, the median over rounds: a pair ran minutes apart, so a slow drift of the machine cancels),
+<case>_<variant>_tok_s_ratio and ..._ttft_ratio for the other variants of ours
 (noscrape, scrape20hz, enginecore), <case>_<client>_tok_s_spread and
 _ttft_spread, <case>_<client>_engine_ttft_ms, metrics_cpu_ms (API server CPU per /metrics read),
 load1_start and load1_end. A ratio whose distance from 1 is within the clients' spreads is the
@@ -238,23 +239,20 @@ def main():
             engine_ttfts = [r["engine_ttft_ms"] for r in runs if "engine_ttft_ms" in r]
             if engine_ttfts:
                 figures[f"{name}_{client}_engine_ttft_ms"] = statistics.median(engine_ttfts)
-        if "vllm" in median:
-            for client in OURS:
-                label = client.removeprefix("ours").lstrip("_") + "_" if client != "ours" else ""
-                if client in median:
-                    figures[f"{name}_{label}tok_s_ratio"] = median[client]["tok_s"] / median["vllm"]["tok_s"]
-                    figures[f"{name}_{label}ttft_ratio"] = median[client]["ttft"] / median["vllm"]["ttft"]
         requests = next(r for case, _, _, r in cases if case == name)
         print(f"{name} ({next(iter(inputs)) / requests:.0f} prompt tokens a request): " + "; ".join(
             f"{client} {median[client]['tok_s']:.1f} tok/s (spread {figures[f'{name}_{client}_tok_s_spread']:.3f}), "
             f"TTFT {median[client]['ttft']:.2f} ms (spread {figures[f'{name}_{client}_ttft_spread']:.3f})"
             for client in median), flush=True)
-        if "vllm" in median:  # ours over vllm bench serve within each round (runs minutes apart, not hours)
+        if "vllm" in median:  # ours over vllm bench serve in the same round: minutes apart, a slow drift cancels
             for client in (c for c in OURS if by_client.get(c)):
-                print(f"  {client} / vllm round by round: tok/s "
-                      + " ".join(f"{o['tok_s'] / v['tok_s']:.3f}" for o, v in zip(by_client[client], by_client["vllm"]))
-                      + ", TTFT " + " ".join(f"{o['ttft'] / v['ttft']:.3f}" for o, v in zip(by_client[client], by_client["vllm"])),
-                      flush=True)
+                label = "" if client == "ours" else client.removeprefix("ours_") + "_"
+                paired = {key: [o[key] / v[key] for o, v in zip(by_client[client], by_client["vllm"])]
+                          for key in ("tok_s", "ttft")}
+                for key, ratios in paired.items():
+                    figures[f"{name}_{label}{key}_ratio"] = statistics.median(ratios)
+                print(f"  {client} / vllm round by round: tok/s {' '.join(f'{r:.3f}' for r in paired['tok_s'])}, "
+                      f"TTFT {' '.join(f'{r:.3f}' for r in paired['ttft'])}", flush=True)
     figures["metrics_cpu_ms"] = cpu_ms
     figures["rounds"] = args.rounds
     figures["load1_start"] = load_start[0]
