@@ -3,7 +3,8 @@
 the agents start (a head, a worker node joining it) and one real CPU engine, `vllm serve --tensor-parallel-size 2
 --distributed-executor-backend ray` on the head, its two workers placed by vLLM over both Ray nodes.
 
-Ready, smoke test answered through the head, stopped as one with no Ray or vLLM process left on either "node".
+Ready, smoke test answered through the head, stopped as one with no Ray or vLLM process left on either "node";
+a second deployment on the same agents fails as a whole when the worker node's Ray is killed.
 The CPU build declares no Ray device: tests/e2e/vllm_cpu_ray/sitecustomize.py (on the engine's PYTHONPATH)
 declares one "GPU" per rank, and RAY_OVERRIDE_RESOURCES gives each Ray node one.
 """
@@ -22,7 +23,7 @@ from deployments.host import engine, ownership
 from deployments.models import Deployment, DeploymentRank
 from deployments.services import deploys, multinode, steps
 from tests.conftest import free_port, wait_until
-from tests.e2e.test_multinode import _agent, place_model
+from tests.e2e.test_multinode import agents, place_model
 from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -47,33 +48,43 @@ def _ours(*markers) -> list[str]:
 
 
 @pytest.fixture
-def ray_ready(process_env, spawn, unique, short_dir, tiny_model):
-    """(deployment, its worker rank): TP 2 with Ray over two real agents, ready and smoke-tested. Whatever the
-    test did, no process carrying the deployment's markers is left afterwards."""
-    head, head_store = _agent(spawn, process_env, short_dir, f"ray-a-{unique}", "127.0.0.1")
-    worker, worker_store = _agent(spawn, process_env, short_dir, f"ray-b-{unique}", "127.0.0.2")
-    model = place_model(tiny_model, head, head_store, worker, worker_store)
-    d = deploys.deployment_create(model=model, node=head, gpu_indices=[], port=free_port(), engine_args=ENGINE_ARGS,
-                                  env=ENGINE_ENV, name="tiny-ray", master_port=free_port(),
-                                  workers=[multinode.Worker(worker, [])])
-    markers = set()
+def ray_nodes(process_env, spawn, unique, short_dir, tiny_model):
+    """(head, worker, model, deployments): two real agents, the tiny model in each one's store; whatever the test
+    did, no process carrying a marker of the deployments it appended is left afterwards."""
+    (head, head_store), (worker, worker_store) = agents(spawn, process_env, short_dir, (f"ray-a-{unique}", "127.0.0.1"),
+                                                        (f"ray-b-{unique}", "127.0.0.2"))
+    deployed = []
     try:
-        d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status in {"ready", "failed"} and row,
-                       timeout=LOAD_TIMEOUT_S, interval=0.5, message="the Ray deployment to load")
-        assert d.status == "ready", f"{d.status_message}\n{d.log_tail[-3000:]}"
-        d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=120, message="the smoke test")
-        rank = wait_until(lambda: (r := DeploymentRank.objects.get(deployment=d)).state == "running" and r, timeout=30,
-                          message="the worker node's Ray running")
-        markers = {d.marker, rank.marker}
-        yield d, rank
+        yield head, worker, place_model(tiny_model, head, head_store, worker, worker_store), deployed
     finally:  # never leave a Ray cluster behind, whatever failed
-        for m in markers | {Deployment.objects.get(pk=d.pk).marker,
-                            *DeploymentRank.objects.filter(deployment=d).values_list("marker", flat=True)} - {""}:
-            steps.stop_marked(m)
+        for d in deployed:
+            for m in {Deployment.objects.get(pk=d.pk).marker,
+                      *DeploymentRank.objects.filter(deployment=d).values_list("marker", flat=True)} - {""}:
+                steps.stop_marked(m)
 
 
-def test_a_ray_deployment_over_two_nodes_is_ready_answers_and_stops_with_nothing_left(ray_ready):
-    d, rank = ray_ready
+def _ray_ready(ray_nodes, name):
+    """(deployment, its worker rank): TP 2 with Ray over the two agents, ready and smoke-tested."""
+    head, worker, model, deployed = ray_nodes
+    d = deploys.deployment_create(model=model, node=head, gpu_indices=[], port=free_port(), engine_args=ENGINE_ARGS,
+                                  env=ENGINE_ENV, name=name, master_port=free_port(),
+                                  workers=[multinode.Worker(worker, [])])
+    deployed.append(d)
+    d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status in {"ready", "failed"} and row,
+                   timeout=LOAD_TIMEOUT_S, interval=0.5, message="the Ray deployment to load")
+    assert d.status == "ready", f"{d.status_message}\n{d.log_tail[-3000:]}"
+    d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=120, message="the smoke test")
+    rank = wait_until(lambda: (r := DeploymentRank.objects.get(deployment=d)).state == "running" and r, timeout=30,
+                      message="the worker node's Ray running")
+    return d, rank
+
+
+@pytest.mark.slow
+def test_a_ray_deployment_over_two_nodes_is_ready_answers_stops_with_nothing_left_and_fails_whole_when_a_nodes_ray_dies(
+        ray_nodes):
+    """Two Ray clusters and engine loads over two real agents (~1.5 min each on 2 cores): starting, stopping and
+    losing them is what is tested."""
+    d, rank = _ray_ready(ray_nodes, "tiny-ray")
     assert d.smoke["completion_tokens"] > 0
     timeline = list(d.events.values_list("step", flat=True))
     worker = rank.node.name
@@ -98,9 +109,8 @@ def test_a_ray_deployment_over_two_nodes_is_ready_answers_and_stops_with_nothing
     assert _ours(d.marker, rank.marker) == [], "a Ray or vLLM process of the stopped deployment is left"
     assert engine.port_free("0.0.0.0", d.port) and engine.port_free("0.0.0.0", d.master_port)
 
-
-def test_a_worker_nodes_ray_killed_fails_the_deployment_and_stops_every_ray_process(ray_ready):
-    d, rank = ray_ready
+    # A second Ray deployment on the same two agents: the worker node's Ray killed fails it as a whole.
+    d, rank = _ray_ready(ray_nodes, "tiny-ray-2")
     markers = (d.marker, rank.marker)
     os.killpg(rank.pgid, signal.SIGKILL)  # the worker node's Ray dies (its whole group, as an OOM kill would)
     d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status == "failed" and row, timeout=120,
