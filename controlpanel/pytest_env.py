@@ -5,6 +5,7 @@ No Django import here: tests/gpu runs where Django is absent.
 """
 import os
 import secrets
+import tempfile
 
 os.environ.setdefault("CHANNELS_PREFIX", "paneltest")
 # Database connections close after each request, so none is left open in a web thread when
@@ -14,3 +15,6 @@ os.environ.setdefault("DB_CONN_MAX_AGE", "0")
 os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))
 # One hashing round for the users the tests create (children inherit it, so they check the same hashes).
 os.environ.setdefault("PANEL_TEST_PASSWORD_HASHER", "md5")
+# What agents keep between starts (the engine's flags) goes to this session's own folder: shared by the
+# session's agents, never by the next session or the user's panel.
+os.environ.setdefault("PANEL_CACHE_DIR", tempfile.mkdtemp(prefix="panel-test-cache-"))

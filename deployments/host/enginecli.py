@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 from deployments.host import engineenv
 from deployments.host.engine import EngineError
@@ -111,13 +113,40 @@ def engine_version(vllm_bin: str, timeout_s: float = 120.0) -> str:
     return _version_cached(str(vllm_bin), mtime, timeout_s)
 
 
+def _flags_file(vllm_bin: str, mtime: float, version: str) -> Path:
+    """Where the flags of this binary at this version are kept between agent starts. `vllm serve --help=all`
+    imports vLLM (~20 s of CPU here, more on a busy host): every agent start and restart paid it."""
+    root = Path(os.environ.get("PANEL_CACHE_DIR") or Path.home() / ".cache" / "vllm-controlpanel")
+    key = hashlib.sha256(f"{os.path.realpath(vllm_bin)}\0{mtime}\0{version}".encode()).hexdigest()[:32]
+    return root / "engine-flags" / f"{key}.json"
+
+
 def engine_flags(vllm_bin: str, timeout_s: float = 120.0) -> set[str]:
-    """The `--flags` this engine's `vllm serve` accepts, from its own --help=all (cached per binary)."""
+    """The `--flags` this engine's `vllm serve` accepts, from its own --help=all (cached per binary, and on
+    disk per binary, modification time and version when the version is known)."""
     try:
         mtime = os.stat(vllm_bin).st_mtime
     except OSError as e:
         raise EngineError(f"no engine at {vllm_bin}: {e}", permanent=True) from e
-    return set(_flags_cached(str(vllm_bin), mtime, timeout_s))
+    version = engine_version(vllm_bin, timeout_s)
+    kept = _flags_file(str(vllm_bin), mtime, version) if version else None
+    if kept is not None:
+        try:
+            flags = json.loads(kept.read_text())
+            if isinstance(flags, list) and "--port" in flags:
+                return set(flags)
+        except (OSError, ValueError):
+            pass
+    flags = set(_flags_cached(str(vllm_bin), mtime, timeout_s))
+    if kept is not None:
+        try:  # written whole, then renamed: a concurrent agent reads the old file or the new one
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(sorted(flags)))
+            os.replace(tmp, kept)
+        except OSError:
+            pass  # a read-only home: ask the engine again next start
+    return flags
 
 
 def validate_args(engine_args: dict, flags: set[str]) -> dict[str, str]:

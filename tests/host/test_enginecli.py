@@ -1,4 +1,5 @@
 """Unit tests of deployments.host.enginecli: the `vllm serve` argv, and the flags and version an engine reports."""
+import os
 import textwrap
 
 import pytest
@@ -49,6 +50,7 @@ def test_engine_flags_parses_the_engines_own_help_once(tmp_path):
     fake = tmp_path / "vllm"
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/sh
+        [ "$1" = serve ] || exit 2
         echo x >> {calls}
         cat <<'EOF'
         usage: vllm serve [model_tag] [options]
@@ -107,3 +109,26 @@ def test_engine_flags_of_a_missing_engine_is_a_permanent_error(tmp_path):
     with pytest.raises(EngineError) as err:
         enginecli.engine_flags(str(tmp_path / "nope"))
     assert err.value.permanent
+
+
+def test_engine_flags_are_kept_on_disk_per_binary_and_version_for_the_next_agent(tmp_path, monkeypatch):
+    """A new agent process (no in-process cache) reads the flags an earlier one learnt, until the binary or
+    its version changes."""
+    monkeypatch.setenv("PANEL_CACHE_DIR", str(tmp_path / "cache"))
+    calls = tmp_path / "calls"
+    fake = tmp_path / "vllm"
+    script = ('#!/bin/sh\n[ "$1" = --version ] && { echo {version}; exit 0; }\necho x >> ' + str(calls) +
+              '\nprintf "options:\\n  --port PORT\\n  --max-num-seqs N\\n"\n')
+    fake.write_text(script.replace("{version}", "0.32.0+cpu"))
+    fake.chmod(0o755)
+    assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
+    enginecli._flags_cached.cache_clear()  # as in a new process
+    assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
+    assert calls.read_text().count("x") == 1
+    # An upgrade (new script, new version): asked again.
+    os.utime(fake, (1, 1))
+    fake.write_text(script.replace("{version}", "0.33.0+cpu"))
+    enginecli._flags_cached.cache_clear()
+    enginecli._version_cached.cache_clear()
+    assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
+    assert calls.read_text().count("x") == 2
