@@ -33,9 +33,11 @@ def no_broker():
         yield apply_async
 
 
+@pytest.mark.slow
 @SCHEMA.parametrize()
 @settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=list(HealthCheck))
 def test_no_input_makes_the_api_fail_with_a_server_error(case, live_server_asgi, operator_token):
+    """Twelve generated inputs for each of the API's operations, each against the real ASGI server (about a minute)."""
     response = case.call(base_url=live_server_asgi, headers={"Authorization": f"Token {operator_token}"}, timeout=30)
     assert response.status_code < 500, f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}"

@@ -29,7 +29,9 @@ def _deploy_from_form(page, name: str, port: int, stop: str | None = None):
     expect(page.locator("h1")).to_contain_text(name)
 
 
+@pytest.mark.slow
 def test_deploy_watch_it_load_replace_it_and_stop_it_in_a_browser(logged_in_page, cpu_node):
+    """Two real engine loads (the deploy, then the replacement with new settings), 30-60 s each on 2 cores, and a stop."""
     node, model = cpu_node
     page = logged_in_page
     page.goto(f"{page.base_url}/models/{model.pk}/")

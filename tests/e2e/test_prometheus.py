@@ -50,8 +50,10 @@ def _query(prometheus: str, expr: str) -> list[dict]:
     return answer["data"]["result"]
 
 
+@pytest.mark.slow
 def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
         live_server_asgi, cpu_node, spawn, tmp_path, unique):
+    """A real engine load, then a real Prometheus's first scrapes and its recording rules' first evaluation."""
     assert Path(PROMETHEUS).exists(), "./panel test installs Debian's prometheus package"
     node, model = cpu_node
     gpu_node = NodeFactory(name=f"gpu-{unique}")  # a GPU host's telemetry, as its agent would send it
