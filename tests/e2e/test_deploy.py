@@ -1,17 +1,18 @@
 """The Deploy button end to end: a real node agent, the real CPU vLLM engine and Chromium.
 
-A user deploys the tiny model, watches it load phase by phase and sees the smoke-test answer;
-deploys a second engine that replaces the first (the old one is stopped, its processes gone);
-then stops the second from its page.
+A user deploys the tiny model with pre-warm on, watches it load phase by phase (and as phases on a Gantt bar)
+and sees the smoke-test answer; restarts it and sees the second load predicted from the first (how close the
+prediction comes is a figure, measured by perf/prewarm.py, not asserted here); deploys a second engine that
+replaces the first (the old one is stopped, its processes gone); then stops the second from its page.
 """
 import re
 
 import pytest
 from playwright.sync_api import expect
 
-from deployments.host import engine
+from deployments.host import engine, pagecache
 from deployments.models import Deployment
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 LOAD_TIMEOUT_MS = 300_000  # a CPU engine starts in ~25-70 s on 2 shared cores
@@ -30,24 +31,42 @@ def _deploy_from_form(page, name: str, port: int, stop: str | None = None):
 
 
 @pytest.mark.slow
-def test_deploy_watch_it_load_replace_it_and_stop_it_in_a_browser(logged_in_page, cpu_node):
-    """Two real engine loads (the deploy, then the replacement with new settings), 30-60 s each on 2 cores, and a stop."""
+def test_deploy_watch_it_load_restart_it_predicted_replace_it_and_stop_it_in_a_browser(logged_in_page, cpu_node):
+    """Three real engine loads (the deploy, its restart, then the replacement), 30-60 s each on 2 cores, and a stop."""
     node, model = cpu_node
     page = logged_in_page
     page.goto(f"{page.base_url}/models/{model.pk}/")
     page.click("#deploy-button")
 
     first_port = free_port()
+    page.check("#id_prewarm")
     _deploy_from_form(page, "tiny-a", first_port)
     expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)
     expect(page.locator("#load-phase")).to_have_text("Server up")
     expect(page.locator("#load-bar")).to_have_attribute("style", re.compile(r"width: 100(\.0)?%"))
     expect(page.locator("#smoke")).to_contain_text("completion tokens", timeout=60_000)
     steps = page.locator("#timeline tbody td:first-child")
-    expect(steps).to_contain_text(["queued", "model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"])
+    expect(steps).to_contain_text(["queued", "model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"])
+    expect(page.locator("#timeline")).to_contain_text("100 % of the model is in the page cache")
     assert "Loading safetensors checkpoint shards" in page.locator("#log").text_content()
     first = Deployment.objects.get(name="tiny-a")
     assert first.smoke["completion_tokens"] > 0 and engine.members(first.pgid)
+    assert pagecache.residency(pagecache.weight_files(model.copies.get(node=node).path)).percent == 100
+
+    page.reload()  # the stored timeline, as a later visitor sees it
+    for phase in ("process", "weights", "kv_cache", "api_up"):
+        expect(page.locator(f'#load-gantt span[data-phase="{phase}"]')).to_have_count(1)
+    expect(page.locator("#load-legend")).to_contain_text("weights")
+    assert sum(first.events.get(step="load").data["totals"].values()) > 0
+
+    page.click('button[data-action="restart"]')
+    expect(page.locator("#load-forecast")).to_contain_text("from 1 earlier load", timeout=LOAD_TIMEOUT_MS)
+    expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)
+    # Ready comes first; the load's phases are kept once the smoke test after it is done.
+    wait_until(lambda: first.events.filter(step="load", data__has_key="totals").count() == 2, timeout=120,
+               interval=0.5, message="the second load's phases kept")
+    first = Deployment.objects.get(pk=first.pk)
+    assert first.load_detail["phases"]["segments"] and engine.members(first.pgid)
 
     page.goto(f"{page.base_url}/models/{model.pk}/deploy/?node={node.pk}")
     _deploy_from_form(page, "tiny-b", free_port(), stop="tiny-a")

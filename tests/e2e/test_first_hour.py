@@ -47,8 +47,10 @@ def _sweep(spec):
         return pool.submit(runner.sweep, spec).result(600)
 
 
+@pytest.mark.slow
 def test_panelctl_deploy_with_only_the_model_is_ready_and_prompts_are_as_long_as_asked(
         process_env, spawn, unique, tmp_path, tiny_model, live_server_asgi, operator, stop_engines):
+    """A real engine load through panelctl (30-60 s on 2 cores), then four short sweeps: the deploy is what is tested."""
     node, model, _ = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
     env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": api_tokens.issue(operator),
            "PANELCTL_CONFIG": str(tmp_path / "none.json")}
@@ -76,8 +78,11 @@ def test_panelctl_deploy_with_only_the_model_is_ready_and_prompts_are_as_long_as
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_default(
         logged_in_page, hub_with_tiny_model, process_env, spawn, unique, tmp_path, settings, stop_engines):
+    """A download, a real engine load and two runs of the default sweep (~45 s each on 2 cores): the defaults are
+    what is tested."""
     url = hub_with_tiny_model
     settings.HF_ENDPOINT = url
     env = dict(process_env, HF_ENDPOINT=url)
