@@ -121,23 +121,18 @@ def _flags_file(vllm_bin: str, mtime: float, version: str) -> Path:
     return root / "engine-flags" / f"{key}.json"
 
 
-def engine_flags(vllm_bin: str, timeout_s: float = 120.0) -> set[str]:
-    """The `--flags` this engine's `vllm serve` accepts, from its own --help=all (cached per binary, and on
-    disk per binary, modification time and version when the version is known)."""
-    try:
-        mtime = os.stat(vllm_bin).st_mtime
-    except OSError as e:
-        raise EngineError(f"no engine at {vllm_bin}: {e}", permanent=True) from e
-    version = engine_version(vllm_bin, timeout_s)
-    kept = _flags_file(str(vllm_bin), mtime, version) if version else None
+@functools.lru_cache(maxsize=8)
+def _flags_kept(vllm_bin: str, mtime: float, version: str, timeout_s: float) -> frozenset[str]:
+    """The flags from the file an earlier agent kept, else from the engine (then kept); read once a process."""
+    kept = _flags_file(vllm_bin, mtime, version) if version else None
     if kept is not None:
         try:
             flags = json.loads(kept.read_text())
             if isinstance(flags, list) and "--port" in flags:
-                return set(flags)
+                return frozenset(flags)
         except (OSError, ValueError):
             pass
-    flags = set(_flags_cached(str(vllm_bin), mtime, timeout_s))
+    flags = _flags_cached(vllm_bin, mtime, timeout_s)
     if kept is not None:
         try:  # written whole, then renamed: a concurrent agent reads the old file or the new one
             kept.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +142,16 @@ def engine_flags(vllm_bin: str, timeout_s: float = 120.0) -> set[str]:
         except OSError:
             pass  # a read-only home: ask the engine again next start
     return flags
+
+
+def engine_flags(vllm_bin: str, timeout_s: float = 120.0) -> set[str]:
+    """The `--flags` this engine's `vllm serve` accepts, from its own --help=all (cached per binary, and on
+    disk per binary, modification time and version when the version is known)."""
+    try:
+        mtime = os.stat(vllm_bin).st_mtime
+    except OSError as e:
+        raise EngineError(f"no engine at {vllm_bin}: {e}", permanent=True) from e
+    return set(_flags_kept(str(vllm_bin), mtime, engine_version(vllm_bin, timeout_s), timeout_s))
 
 
 def validate_args(engine_args: dict, flags: set[str]) -> dict[str, str]:

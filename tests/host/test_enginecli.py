@@ -123,12 +123,14 @@ def test_engine_flags_are_kept_on_disk_per_binary_and_version_for_the_next_agent
     fake.chmod(0o755)
     assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
     enginecli._flags_cached.cache_clear()  # as in a new process
+    enginecli._flags_kept.cache_clear()
     assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
     assert calls.read_text().count("x") == 1
     # An upgrade (new script, new version): asked again.
     os.utime(fake, (1, 1))
     fake.write_text(script.replace("{version}", "0.33.0+cpu"))
     enginecli._flags_cached.cache_clear()
+    enginecli._flags_kept.cache_clear()
     enginecli._version_cached.cache_clear()
     assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
     assert calls.read_text().count("x") == 2
