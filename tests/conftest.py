@@ -245,6 +245,11 @@ def live_server_asgi(transactional_db):
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(10)
+    # A WebSocket still open at the end leaves its receive() counted on the process's channel layer, tied
+    # to the server's dead loop: the next test's loop would get "Two event loops are trying to receive()".
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
 
 
 @pytest.fixture(scope="session")

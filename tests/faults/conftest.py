@@ -9,6 +9,7 @@ COUNTS; the session prints the totals at its end."""
 import json
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -111,6 +112,9 @@ def private_redis(settings):
         app.conf.broker_url = app.conf.result_backend = url
         app._pool = None
         app.amqp._producer_pool = None
+        # The result backend (and its pub/sub consumer) is cached per thread: left alone, every later
+        # test's AsyncResult would subscribe through the private server after it is gone.
+        app._local = threading.local()
         redisconn._client = None
         channel_layers.backends.clear()
 
