@@ -4,6 +4,12 @@ A variable or flag whose name looks secret (a TOKEN, KEY, SECRET, PASSWORD ... p
 the API, the pages, unit text, benchmark environments, exports and log lines, and so is an env variable the
 user marked secret (`Deployment.secret_env`, passed here as `marked`). A masked value sent
 back unchanged (the edit form, an API client echoing what it read) keeps the stored value.
+
+Text that comes from an engine's log (status and timeline messages, the log tail, live lines) goes
+through `redact_deployment`: the deployment's own secret values, then anything that looks like a
+credential whatever its source (a bearer token, an hf_/sk- key, a URL's password, NAME=value with a
+secret-looking name), since an engine may print a secret the panel never knew (its own token, a proxy
+password from the host's environment).
 """
 import re
 from collections.abc import Iterable
@@ -57,14 +63,55 @@ def redact(text: str, values: Iterable[str]) -> str:
     return text
 
 
+# A credential in free text, whatever set it. Each keeps what names the secret and masks the value.
+_AUTH_RE = re.compile(r"(?i)(\b(?:proxy-)?authorization['\"]?\s*[:=]\s*['\"]?(?:(?:bearer|basic|token|digest)\s+)?)[^\s'\",;]+")
+_BEARER_RE = re.compile(r"(?i)(\b(?:bearer|token)\s+)([A-Za-z0-9._~+/=-]{16,})")
+# Hugging Face (user and org), the panel's own, OpenAI-style, Slack, GitHub and GitLab tokens.
+_KNOWN_KEY_RE = re.compile(r"\b(?:hf_[A-Za-z0-9]{30,}|(?:api_org|pct|sk|xox[abprs]|gh[pousr]|glpat)[_-][A-Za-z0-9_-]{20,})")
+_URL_PASSWORD_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
+# NAME=value, NAME: value, 'NAME': 'value', "NAME": ["a", "b"], --name=value, --name value (vLLM logs its
+# arguments as a dict, an env dump prints NAME=value): the value is masked when NAME looks secret.
+_HEAD_RE = re.compile(r"""(?<![\w.-])(?:(?P<name>-{0,2}[A-Za-z_][\w.-]*)['"]?\s*[:=]\s*|(?P<flag>--[A-Za-z][\w-]*)\s+(?!-))""")
+_VALUE_RE = re.compile(r"""\[(?P<list>[^\]\n]*)|\s*(?P<quote>['"])?(?P<value>(?(quote)[^'"\n]+|[^\s,;'"\]\)}]+))""")
+_NOT_SECRET_VALUES = {"none", "null", "true", "false", MASK}
+
+
+def _mask_assignments(text: str) -> str:
+    out, pos = [], 0
+    for head in _HEAD_RE.finditer(text):
+        name = (head["name"] or head["flag"]).lstrip("-")
+        if head.start() < pos or not is_secret_name(name):
+            continue
+        value = _VALUE_RE.match(text, head.end())
+        group = "list" if value and value["list"] is not None else "value"
+        if not value or not value[group].strip() or value[group].strip(" '\"").lower() in _NOT_SECRET_VALUES:
+            continue
+        out += [text[pos:value.start(group)], MASK]
+        pos = value.end(group)
+    return "".join(out) + text[pos:]
+
+
+def scrub(text: str) -> str:
+    """`text` with everything that looks like a credential masked (see the module's docstring)."""
+    if not text:
+        return text or ""
+    text = _AUTH_RE.sub(lambda m: m[1] + MASK, text)
+    text = _URL_PASSWORD_RE.sub(lambda m: m[1] + MASK + "@", text)
+    text = _BEARER_RE.sub(lambda m: m[1] + MASK, text)
+    text = _KNOWN_KEY_RE.sub(MASK, text)
+    return _mask_assignments(text)
+
+
 def redact_deployment(d, text: str) -> str:
-    """Log or unit text of deployment `d` without its secret values."""
-    return redact(text or "", secret_values(d.env, d.engine_args, marked=marked(d)))
+    """Log, unit or message text of deployment `d` (None: of no deployment) without its secret values nor
+    anything else that looks like a credential. Every message built from engine log lines goes through here."""
+    values = secret_values(d.env, d.engine_args, marked=marked(d)) if d is not None else []
+    return scrub(redact(text or "", values))
 
 
 def redact_lines(d, lines: list[str]) -> list[str]:
     values = secret_values(d.env, d.engine_args, marked=marked(d))
-    return [redact(line, values) for line in lines] if values else lines
+    return [scrub(redact(line, values)) for line in lines]
 
 
 def split(env: dict, marked: Iterable[str] = ()) -> tuple[dict, dict]:

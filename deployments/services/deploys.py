@@ -29,6 +29,7 @@ def deployment_event(d: Deployment, step: str, message: str = "", level: str = "
     """Add a step to the timeline and push it to the page. Only an `ongoing` step is ended later; any other
     event is a moment (queued, stop requested, failed), ended as it starts, so no row shows "…" forever."""
     now = timezone.now()
+    message = secrets.redact_deployment(d, message)  # messages quote engine log lines, which may carry secrets
     event = DeploymentEvent.objects.create(deployment=d, step=step, message=message, level=level, data=data,
                                            started=now, ended=None if ongoing else now)
     live.send_timeline_step(event)

@@ -25,7 +25,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlpanel.queue import enqueue
-from deployments import engineargs
+from deployments import engineargs, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, ownership, preflight, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
 from deployments.services import multinode
@@ -168,8 +168,8 @@ def _rank(rank_id: int) -> DeploymentRank:
 def _note(r: DeploymentRank, state: str | None = None, message: str | None = None, **fields) -> None:
     if state:
         fields["state"] = state
-    if message is not None:
-        fields["message"] = message
+    if message is not None:  # it may quote the rank's log
+        fields["message"] = secrets.redact_deployment(r.deployment, message)
     for k, v in fields.items():
         setattr(r, k, v)
     # No live status from here: r.deployment may be stale; the head's plan publishes every node's load.

@@ -45,7 +45,7 @@ def move(d: Deployment, status: str, message: str = "") -> None:
     with transaction.atomic():
         row = Deployment.objects.select_for_update().get(pk=d.pk)
         try:
-            row.transition(status, message)
+            row.transition(status, secrets.redact_deployment(d, message))  # it may quote log lines
         except InvalidTransition as exc:
             raise Aborted(str(exc)) from exc
         for field in ("pid", "pgid", "pid_create_time", "log_path", "load_phase", "load_percent", "load_detail",
@@ -84,6 +84,7 @@ def step_unchecked(d: Deployment, name: str):
 
 
 def _end_event(event: DeploymentEvent) -> None:
+    event.message = secrets.redact_deployment(event.deployment, event.message)  # an error may quote the engine's log
     event.ended = timezone.now()
     event.save()
     live.send_timeline_step(event)
@@ -217,7 +218,7 @@ def mark_stopped(d: Deployment, message: str) -> None:
         row.marker, row.shm_files = "", d.shm_files or []
         row.log_tail = d.log_tail or row.log_tail
         if row.status != S.STOPPED:
-            row.status, row.status_message, row.stopped_at = S.STOPPED, message, timezone.now()
+            row.status, row.status_message, row.stopped_at = S.STOPPED, secrets.redact_deployment(d, message), timezone.now()
         row.save()
     d.status, d.pid, d.pgid = S.STOPPED, None, None
     deployment_ranks_stop(row)
