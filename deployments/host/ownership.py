@@ -8,12 +8,17 @@ the same marker (Environment=) and are also recognised by their cgroup. Plain Py
 """
 from __future__ import annotations
 
+import os
 import secrets
+import signal
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from deployments.host import engine
+from deployments.host.errors import HostError
 
 MARKER_VAR = "PANEL_ENGINE"
 # Never signalled, even when the operator asked to stop other processes on the GPUs: a display
@@ -75,6 +80,52 @@ def owned(pgid: int | None, marker: str | None, unit: str | None = None) -> bool
     return any(pid_owned(pid, marker, unit) for pid in engine.members(pgid))
 
 
+def lineage(pid: int) -> list[psutil.Process]:
+    """`pid` and its live ancestors below init, nearest first, each proven older than the process
+    below it: a parent PID read just as the parent exited and its PID was reused names a younger
+    process, and the walk stops there instead of taking a stranger for an ancestor."""
+    chain: list[psutil.Process] = []
+    try:
+        proc = psutil.Process(pid)
+        born = proc.create_time()
+        while proc is not None and proc.pid > 1:
+            chain.append(proc)
+            proc = proc.parent()
+            if proc is not None:
+                parent_born = proc.create_time()
+                if parent_born > born + 0.01:
+                    break
+                born = parent_born
+    except psutil.Error:
+        pass
+    return chain
+
+
+def owner(pid: int, markers: dict[str, tuple[int | None, float | None]],
+          units: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """The marker (of `markers`) that `pid` or one of its ancestors carries, or the unit (of `units`)
+    whose cgroup holds one of them; None when neither does.
+
+    vLLM's titled children (VLLM::EngineCore, VLLM::Worker) are why descent counts: setproctitle
+    writes the title over the memory /proc/<pid>/environ reads, so they no longer show the marker
+    they inherited, but their API server (or Ray's raylet) still does. `markers` maps each marker to
+    the (PID, create time) recorded for it: the recorded PID, when it is the carrier, must have that
+    create time (None: nothing recorded, the marker alone proves it)."""
+    for proc in lineage(pid):
+        marker = marker_of(proc.pid)
+        if marker in markers:
+            recorded_pid, born = markers[marker]
+            try:
+                if proc.pid != recorded_pid or not born or abs(proc.create_time() - born) <= 0.01:
+                    return marker
+            except psutil.Error:
+                pass
+            return None
+        if units and (unit := unit_of(proc.pid)) in units:
+            return unit
+    return None
+
+
 def describe(pid: int) -> dict:
     """PID, user, command line and process name, for telling an operator what holds a GPU."""
     try:
@@ -88,6 +139,91 @@ def describe(pid: int) -> dict:
 
 def is_display_server(info: dict) -> bool:
     return info.get("name") in DISPLAY_SERVERS or Path(str(info.get("command", "")).split(" ")[0]).name in DISPLAY_SERVERS
+
+
+class RefusedToSignal(HostError):
+    """A process asked to be stopped is the agent itself or one of its ancestors."""
+
+
+@dataclass
+class HoldersStopped:
+    """What stop_holders() did: every process signalled (PID, user, command, the holder it descends
+    from), the signals sent, and the PIDs still alive after the deadlines."""
+
+    signalled: list[dict] = field(default_factory=list)
+    signals: list[str] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+
+
+def _tree(holders: list[psutil.Process], spared: set[int]) -> dict[int, tuple[psutil.Process, int]]:
+    """The live holders and their descendants (PID -> (process, the holder it descends from)), without
+    display servers. psutil.Process objects remember their create time, so a PID reused later is
+    never signalled through them."""
+    found: dict[int, tuple[psutil.Process, int]] = {}
+    for holder in holders:
+        if not _running(holder):
+            continue
+        try:
+            procs = [holder, *holder.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in procs:
+            if proc.pid not in spared and proc.pid not in found and not is_display_server(describe(proc.pid)):
+                found[proc.pid] = (proc, holder.pid)
+    return found
+
+
+def stop_holders(pids: list[int], term_timeout_s: float = 30.0, kill_timeout_s: float = 10.0) -> HoldersStopped:
+    """SIGTERM exactly `pids` and their own descendants, SIGKILL what is left on the deadline.
+
+    Never their process group or session: a GPU holder started from a shell shares that shell's
+    session, and a training job's siblings (its launcher, a data server) are not on the GPU. The
+    agent and its ancestors are refused (an operator's holder list cannot take the panel down)."""
+    agent = {p.pid for p in lineage(os.getpid())}
+    if agent & set(pids):
+        raise RefusedToSignal(f"PID {sorted(agent & set(pids))[0]} is the node agent or one of its parents",
+                              permanent=True)
+    result = HoldersStopped()
+    holders = []
+    for pid in pids:
+        try:
+            holders.append(psutil.Process(pid))
+        except psutil.Error:
+            continue  # gone already
+    tree: dict[int, tuple[psutil.Process, int]] = {}
+    for sig, timeout in ((signal.SIGTERM, term_timeout_s), (signal.SIGKILL, kill_timeout_s)):
+        # Collected again before each signal: a holder that forked meanwhile has new descendants.
+        for pid, entry in _tree(holders, agent).items():
+            if pid not in tree:
+                tree[pid] = entry
+                result.signalled.append({**describe(pid), "holder": entry[1]})
+        alive = [proc for proc, _ in tree.values() if _running(proc)]
+        if not alive:
+            break
+        for proc in alive:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+        result.signals.append(sig.name)
+        if not _wait(alive, timeout):
+            break
+    result.survivors = sorted(p.pid for p, _ in tree.values() if _running(p))
+    return result
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def engine_processes() -> list[int]:

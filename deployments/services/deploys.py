@@ -74,7 +74,10 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
         same_port = same_port.exclude(pk=deployment.pk)
     if same_port.exists():
         raise ServiceError(f"Port {port} is used by {same_port.first().name} on {node}.", field="port", code="port_in_use")
-    foreign = [p for p in node.foreign_processes if not p.get("display")
+    # The agent names the deployment a stray engine belongs to: the one redeployed and those
+    # ticked under "Also stop" are stopped by the plan itself, never foreign.
+    spare = {*replace_ids, *([deployment.pk] if deployment else [])}
+    foreign = [p for p in node.foreign_processes if not p.get("display") and p.get("deployment") not in spare
                and (not gpu_indices or set(p.get("gpus") or []) & set(gpu_indices))]
     if foreign and not stop_foreign:
         raise ForeignProcesses(processes=foreign)

@@ -4,13 +4,40 @@ from django.conf import settings
 from deployments.host import gpu, ownership
 from deployments.models import Deployment, DeploymentRank, Node
 
-__all__ = ["foreign_holders", "node_foreign_record"]
+__all__ = ["foreign_holders", "node_foreign_record", "panel_markers"]
 
 
-def foreign_holders(node_id: int, gpu_indices: list[int] | None) -> list[dict]:
+def panel_markers(node_id: int, spare=()) -> tuple[dict, set, dict]:
+    """(marker -> (recorded PID, create time), systemd units, marker -> deployment id) of what the panel
+    runs on the node: its active deployments and ranks, and the deployments in `spare` (the one being
+    redeployed, those ticked under "Also stop") whatever their status. The third map also names every
+    other deployment of the node that still has a marker, so a stray engine of a stopped one is named."""
+    spare = set(spare)
+    ours: dict[str, tuple] = {}
+    units: set[str] = set()
+    known: dict[str, int] = {}
+    rows = Deployment.objects.filter(node_id=node_id).exclude(marker="").values_list(
+        "pk", "marker", "status", "pid", "pid_create_time", "systemd_unit")
+    for pk, marker, status, pid, born, unit in rows:
+        known[marker] = pk
+        if status in Deployment.ACTIVE or pk in spare:
+            ours[marker] = (pid, born)
+            if unit:
+                units.add(unit)
+    for pk, marker, status, pid, born in DeploymentRank.objects.filter(node_id=node_id).exclude(marker="").values_list(
+            "deployment_id", "marker", "deployment__status", "pid", "pid_create_time"):
+        known[marker] = pk
+        if status in Deployment.ACTIVE or pk in spare:
+            ours[marker] = (pid, born)
+    return ours, units, known
+
+
+def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> list[dict]:
     """Processes on these GPUs (None: on any GPU; on a node without GPUs: vLLM engines anywhere on
-    the host) that no active deployment of this node started: PID, user, command, GPU memory,
-    the GPUs they use and whether they are a display server (never stopped)."""
+    the host) that no active deployment of this node (nor one in `spare`) started, by descent: a
+    process is the panel's when it or an ancestor carries a deployment's marker. Each: PID, user,
+    command, GPU memory, the GPUs it uses, whether it is a display server (never stopped), and the
+    deployment whose stopped engine it is ("deployment", None for a stranger's)."""
     holders: dict[int, dict] = {}
     try:
         held = gpu.processes_on(gpu_indices) if gpu_indices else (
@@ -27,17 +54,20 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None) -> list[dict]:
                 entry = holders.setdefault(p.pid, {"memory": 0, "gpus": []})
                 entry["memory"] += p.used_memory or 0
                 entry["gpus"].append(index)
-    ours = set(Deployment.objects.filter(node_id=node_id, status__in=Deployment.ACTIVE).exclude(marker="")
-               .values_list("marker", flat=True))
-    ours |= set(DeploymentRank.objects.filter(node_id=node_id).exclude(marker="").values_list("marker", flat=True))
+    if not holders:
+        return []
+    ours, units, known = panel_markers(node_id, spare)
+    others = {m: (None, None) for m in known if m not in ours}
     found = []
     for pid in sorted(holders):
-        if ownership.marker_of(pid) in ours:
+        if ownership.owner(pid, ours, units):
             continue
         info = ownership.describe(pid)
         if info["name"] == "?":
             continue  # gone meanwhile
-        found.append({**info, **holders[pid], "display": ownership.is_display_server(info)})
+        stray = ownership.owner(pid, others) if others else None
+        found.append({**info, **holders[pid], "display": ownership.is_display_server(info),
+                      "deployment": known.get(stray) if stray else None})
     return found
 
 

@@ -118,14 +118,15 @@ def _stop_holders(d: Deployment) -> str:
         done.append(f"{other.name} ({result})")
     strays = _stop_foreign(d)
     if strays:
-        done.append("other processes " + ", ".join(strays))
+        done.append("other processes " + "; ".join(strays))
     return "Stopped " + "; ".join(done) + "." if done else "Nothing held the chosen GPUs."
 
 
 def _stop_foreign(d: Deployment) -> list[str]:
     """Processes on the chosen GPUs (the whole host without GPUs) that the panel did not start:
-    the plan fails naming them, unless the deploy asked to stop them; display servers never."""
-    foreign = foreign_holders(d.node_id, d.gpu_indices)
+    the plan fails naming them, unless the deploy asked to stop them; display servers never.
+    Exactly the holders and their own children are signalled, never the rest of their session."""
+    foreign = foreign_holders(d.node_id, d.gpu_indices, spare=[d.pk, *d.replace])
     if not foreign:
         return []
     blocking = [p for p in foreign if not p["display"]]
@@ -133,20 +134,21 @@ def _stop_foreign(d: Deployment) -> list[str]:
         raise PlanFailed("Other processes hold the chosen GPUs: " + "; ".join(
             f"PID {p['pid']} ({p['user']}: {p['command'][:80]}{', ' + str(p['memory'] >> 20) + ' MiB' if p['memory'] else ''})"
             for p in blocking) + ". Stop them, or deploy with \"stop other processes on these GPUs\".")
-    stopped = []
-    for p in blocking:
-        try:
-            pgid = os.getpgid(p["pid"])
-        except OSError:
-            continue  # gone, or in another PID namespace
-        if pgid in (os.getpgrp(), os.getsid(0)):
-            raise PlanFailed(f"PID {p['pid']} holding the GPUs is in the agent's own process group")
-        try:
-            result = engine.stop(pgid, STOP_TERM_S, STOP_KILL_S)
-        except engine.EngineError as exc:
-            raise PlanFailed(f"cannot stop PID {p['pid']} holding the GPUs: {exc}") from exc
-        stopped.append(f"PID {p['pid']} of {p['user']} ({', '.join(result.signals_sent) or 'already gone'})")
-    return stopped
+    if not blocking:
+        return []
+    try:
+        result = ownership.stop_holders([p["pid"] for p in blocking], STOP_TERM_S, STOP_KILL_S)
+    except ownership.RefusedToSignal as exc:
+        raise PlanFailed(f"Cannot stop the processes holding the GPUs: {exc}") from exc
+    if result.survivors:
+        raise PlanFailed("Processes holding the GPUs survived SIGKILL: " + ", ".join(
+            f"PID {pid}" for pid in result.survivors) + " (stuck in the driver?).")
+    if not result.signalled:
+        return []
+    named = ", ".join(f"PID {p['pid']} of {p['user']} ({p['command'][:120]}"
+                      + ("" if p["holder"] == p["pid"] else f"; a child of PID {p['holder']}") + ")"
+                      for p in result.signalled)
+    return [f"{named}: {' then '.join(result.signals) or 'already gone'}"]
 
 
 def _wait_memory(d: Deployment) -> str:
