@@ -266,6 +266,13 @@ PANEL_PORT = env_int("PANEL_PORT", 8000)
 ENGINE_PORT_FIRST = env_int("ENGINE_PORT_FIRST", 8100)
 # URL prefixes a benchmark may target besides deployments (benchmarks/allowlist.py); default none.
 BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")
+# What one benchmark may ask for (benchmarks/caps.py, refused with a 400 naming the limit): requests per
+# concurrency level, warm-up included, and prompt bytes sent over the whole run; and the memory its load
+# generator (a child process of the agent, benchmarks/runner/child.py) may use in all, in MiB
+# (0: a quarter of the host's memory, at most 16 GiB). A run that reaches it fails; the engine is untouched.
+BENCH_MAX_REQUESTS_PER_LEVEL = env_int("PANEL_BENCH_MAX_REQUESTS_PER_LEVEL", 100_000)
+BENCH_MAX_PROMPT_BYTES = env_int("PANEL_BENCH_MAX_PROMPT_BYTES", 8 * 2**30)
+BENCH_MEMORY_MB = env_int("PANEL_BENCH_MEMORY_MB", 0)
 # Monitoring (README "Prometheus and Grafana"): a read-only secret for /metrics and the service
 # discovery (sent as `Authorization: Bearer ...`), and Grafana's URL for links from the pages.
 METRICS_TOKEN = env_secret("METRICS_TOKEN")
