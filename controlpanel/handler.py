@@ -24,6 +24,8 @@ from django.conf import settings
 from django.http import HttpResponse
 from django.urls import set_script_prefix
 
+from controlpanel import credentials
+
 
 class BodyTooLarge(Exception):
     def __init__(self, limit: int):
@@ -66,18 +68,21 @@ class ThreadedASGIHandler(ASGIHandler):
 
     async def read_capped_body(self, scope, receive):
         """The body, refused (BodyTooLarge) past its cap before it reaches memory or disk: a declared
-        Content-Length at once, a chunked body as soon as it passes the cap. Requests without a
-        session cookie or an Authorization header (nobody logged in yet) get a small cap."""
+        Content-Length at once, a chunked body as soon as it passes the cap. The small pre-login cap
+        holds until the request's credential (an API token or a session) is checked and found valid:
+        any `Authorization` header or session cookie can be forged. The check runs once, only for a
+        body past the small cap, so ordinary requests cost no lookup."""
         headers = dict(scope.get("headers") or [])
-        session = f"{settings.SESSION_COOKIE_NAME}=".encode()
-        credentials = b"authorization" in headers or session in headers.get(b"cookie", b"")
-        limit = settings.REQUEST_BODY_MAX if credentials else settings.ANONYMOUS_BODY_MAX
+        limit, checked = settings.ANONYMOUS_BODY_MAX, False
         try:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
             declared = 0
         if declared > limit:
-            raise BodyTooLarge(limit)
+            checked = True
+            limit = await self._credential_limit(scope, headers)
+            if declared > limit:
+                raise BodyTooLarge(limit)
         body_file = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")
         size = 0
         while True:
@@ -87,6 +92,9 @@ class ThreadedASGIHandler(ASGIHandler):
                 raise RequestAborted()
             chunk = message.get("body", b"")
             size += len(chunk)
+            if size > limit and not checked:
+                checked = True
+                limit = await self._credential_limit(scope, headers)
             if size > limit:
                 body_file.close()
                 raise BodyTooLarge(limit)
@@ -95,6 +103,13 @@ class ThreadedASGIHandler(ASGIHandler):
                 break
         body_file.seek(0)
         return body_file
+
+    async def _credential_limit(self, scope, headers) -> int:
+        """REQUEST_BODY_MAX when the request carries a valid credential, else ANONYMOUS_BODY_MAX."""
+        if b"authorization" not in headers and f"{settings.SESSION_COOKIE_NAME}=".encode() not in headers.get(b"cookie", b""):
+            return settings.ANONYMOUS_BODY_MAX
+        valid = await self._in_thread(credentials.valid, headers, (scope.get("client") or ("",))[0])
+        return settings.REQUEST_BODY_MAX if valid else settings.ANONYMOUS_BODY_MAX
 
     async def _chunks(self, iterator):
         while (chunk := await self._in_thread(next, iterator, None)) is not None:

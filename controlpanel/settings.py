@@ -70,6 +70,27 @@ def _secret_key() -> str:
 SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+# Behind HTTPS (README "HTTPS"): cookies sent over HTTPS only, HSTS, and the proxy's header that says a
+# request came in over HTTPS (e.g. HTTP_X_FORWARDED_PROTO,https; set it only when a proxy always sets or
+# strips that header: a client could send it itself). Off by default: `./panel start` serves plain HTTP.
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+
+
+def _proxy_ssl_header(value: str):
+    if not value:
+        return None
+    header, _, expected = value.partition(",")
+    if not header.strip().startswith("HTTP_") or not expected.strip():
+        from django.core.exceptions import ImproperlyConfigured
+        raise ImproperlyConfigured("SECURE_PROXY_SSL_HEADER is HEADER,VALUE with Django's name of the header, "
+                                   "e.g. HTTP_X_FORWARDED_PROTO,https")
+    return header.strip(), expected.strip()
+
+
+SECURE_PROXY_SSL_HEADER = _proxy_ssl_header(env_str("SECURE_PROXY_SSL_HEADER"))
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -185,9 +206,14 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBIL
 CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 
+# Checked wherever a person sets a password (the account page, the admin site, an interactive createsuperuser, the
+# launcher's first admin); not by create_user()/set_password() in code.
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+     "OPTIONS": {"min_length": env_int("PASSWORD_MIN_LENGTH", 12)}},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 # The test suite (controlpanel/pytest_env.py) stores passwords with one MD5 round: PBKDF2's default
 # 1,000,000 rounds cost ~0.3 s for every user a test creates or signs in. Checking an existing PBKDF2

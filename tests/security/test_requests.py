@@ -36,10 +36,12 @@ def _send_chunked(base: str, path: str, total: int, headers: str = "") -> tuple[
     return answer, sent
 
 
-@pytest.mark.parametrize("headers, cap", [("", 64 << 10), ("Authorization: Token not-a-token\r\n", 32 << 20)])
+@pytest.mark.parametrize("headers, cap", [("", 64 << 10), ("Authorization: Token not-a-token\r\n", 64 << 10),
+                                          ("Authorization: Token {valid}\r\n", 32 << 20)])
 def test_a_1_gb_chunked_body_is_refused_early_and_leaves_no_file(live_server_asgi, tmp_path, monkeypatch, headers, cap):
     import tempfile
 
+    headers = headers.format(valid=tokens.issue(UserFactory(role="operator"))) if "{valid}" in headers else headers
     spool = tmp_path / "spool"
     spool.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(spool))  # where Django would spool a large body
@@ -76,6 +78,32 @@ def test_fifty_long_polls_from_one_viewer_leave_the_server_answering(live_server
     for t in threads:
         t.join(30)
     assert len(finished) == 50
+
+
+def test_the_pre_login_body_cap_holds_until_a_credential_is_valid(live_server_asgi, settings):
+    """A forged Authorization header or session cookie keeps the 64 KiB cap (413 before any view); a valid
+    token or session lifts it (the view answers: DRF's 400 for a body that is no deployment, CSRF's 403)."""
+    settings.TOKEN_FAILURES_PER_MINUTE = 1000  # the wrong tokens below count against the address
+    user = UserFactory(role="operator")
+    good = tokens.issue(user)
+    logged_in = Client()
+    logged_in.force_login(user)
+    session = logged_in.cookies[settings.SESSION_COOKIE_NAME].value
+    body = b'{"name": "' + b"x" * (1 << 20) + b'"}'
+    post = lambda **headers: httpx.post(f"{live_server_asgi}/api/deployments/", content=body, timeout=30,  # noqa: E731
+                                        headers={"Content-Type": "application/json", **headers}).status_code
+    refused = {"no credential": post(), "bogus token": post(Authorization="Token pct_bogus"),
+               "bogus bearer": post(Authorization="Bearer anything"), "forged session": post(Cookie=f"{settings.SESSION_COOKIE_NAME}=forged")}
+    assert refused == dict.fromkeys(refused, 413)
+    user.is_active = False
+    user.save()
+    assert post(Authorization=f"Token {good}") == 413  # a disabled user's token is no credential
+    user.is_active = True
+    user.save()
+    assert post(Authorization=f"Token {good}") == 400  # reached the view: the body is read and validated
+    assert post(Cookie=f"{settings.SESSION_COOKIE_NAME}={session}") == 403  # reached Django: CSRF refuses the POST
+    assert httpx.post(f"{live_server_asgi}/api/deployments/", content=b"{}", headers={"Authorization": "Token pct_bogus"},
+                      timeout=30).status_code == 401  # a small body still reaches the API, which answers for itself
 
 
 @pytest.mark.django_db
