@@ -75,3 +75,16 @@ def test_every_gpu_host_must_name_its_node_agent():
     for text in (" ".join(_argv(agent)), " ".join(agent["healthcheck"]["test"])):
         assert re.search(r"\$\{NODE_NAME:\?[^}]+\}", text), text
         assert "NODE_NAME:-" not in text
+
+
+def test_grafana_needs_a_password_from_env_and_listens_on_localhost_by_default():
+    """No admin/admin on every interface: compose refuses to start Grafana without GRAFANA_ADMIN_PASSWORD, and
+    Grafana (on the host's network, where `ports` does not apply) binds to 127.0.0.1 unless GRAFANA_BIND says so."""
+    grafana = SERVICES["grafana"]
+    env = grafana["environment"]
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", env["GF_SECURITY_ADMIN_PASSWORD"])
+    assert env["GF_SERVER_HTTP_ADDR"] == "${GRAFANA_BIND:-127.0.0.1}"
+    assert grafana["network_mode"] == "host" and "ports" not in grafana
+    assert "${GRAFANA_BIND:-127.0.0.1}" in " ".join(grafana["healthcheck"]["test"])
+    example = (ROOT / ".env.example").read_text()
+    assert re.search(r"^GRAFANA_ADMIN_PASSWORD=$", example, re.M) and re.search(r"^#GRAFANA_BIND=127\.0\.0\.1$", example, re.M)
