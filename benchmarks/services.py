@@ -4,10 +4,11 @@ import shlex
 import time
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import allowlist, runner
+from benchmarks import allowlist, caps, runner
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
@@ -92,6 +93,7 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
                            field="deployment", code="busy")
     params = {**DEFAULTS, **params}
     params["levels"] = sorted({int(c) for c in params["levels"]})
+    caps.check(params, deployment)
     run = BenchmarkRun.objects.create(
         name=name or f"{deployment.name if deployment else base_url} {timezone.now():%Y-%m-%d %H:%M}",
         deployment=deployment, base_url=base_url, params=params, created_by=user,
@@ -133,7 +135,6 @@ def run_abandon(run: BenchmarkRun, reason: str) -> BenchmarkRun:
 
 def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
     values = level.to_dict()
-    values["samples"] = runner.request_samples(level.records)
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
         run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
@@ -190,7 +191,10 @@ def run_execute(run_id: int) -> BenchmarkRun:
             BenchmarkRun.objects.filter(pk=run.pk).update(served_model=model)
         spec = runner.LoadSpec(base_url=target.base_url, model=model, **_spec_params(run.params),
                                tokenizer_path=run.environment.get("model_path", "") if run.deployment_id else "")
-        result = runner.sweep(spec, on_level=on_level, on_tick=on_tick, cancel=cancelled)
+        # In a child process under a memory limit: whatever the run asks, this process and the engine
+        # next to it keep their memory (benchmarks/runner/child.py).
+        result = runner.sweep_in_child(spec, on_level=on_level, on_tick=on_tick, cancel=cancelled,
+                                       memory_bytes=settings.BENCH_MEMORY_MB * 2**20)
         run.refresh_from_db(fields=["warnings"])
         if result.saturated:
             skipped = [c for c in run.params["levels"] if c > result.levels[-1].concurrency]
@@ -202,7 +206,11 @@ def run_execute(run_id: int) -> BenchmarkRun:
         run.transition(S.CANCELLED if result.cancelled else S.DONE)
     except (runner.RunnerError, ServiceError) as exc:
         run.refresh_from_db(fields=["warnings"])
-        run.transition(S.FAILED, error=getattr(exc, "message", None) or str(exc))
+        error = getattr(exc, "message", None) or str(exc)
+        if isinstance(exc, runner.MemoryLimitError):
+            error = (f"The benchmark ran out of memory: {error}. The engine was not affected. Ask for fewer requests "
+                     "per level or shorter prompts and outputs, or raise PANEL_BENCH_MEMORY_MB on the node.")
+        run.transition(S.FAILED, error=error)
     run.save()
     live.send_run_status(run)
     return run

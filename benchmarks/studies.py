@@ -17,8 +17,8 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
+from benchmarks import caps, studyresults
 from benchmarks import services as runs
-from benchmarks import studyresults
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_admin
@@ -138,6 +138,7 @@ def study_create(*, deployment: Deployment, variants: list[dict], workload: dict
     validate_variants(d, variants, user)
     workload = {**runs.DEFAULTS, **workload}
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
+    caps.check_study(d, workload, variants)  # every trial's run would be refused later, with the study half done
     rule = rule or {"kind": "throughput", "level": max(workload["levels"])}
     preview = study_preview(d, variants, repeats, workload)
     study = Study.objects.create(

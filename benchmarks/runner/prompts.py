@@ -1,10 +1,12 @@
 """Prompts (built-in, random, uploaded JSONL) and the HTTP request bytes built from them."""
+from __future__ import annotations
+
 import json
 import random
 from urllib.parse import urlsplit
 
 from .spec import CHAT, COMPLETIONS, LoadSpec, PromptError, RunnerError
-from .tokens import PromptLengths
+from .tokens import WORDS, PromptLengths
 
 MAX_JSONL_LINES = 100_000
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -82,21 +84,67 @@ def random_prompt(rng: random.Random, tokens: int, lengths: PromptLengths | None
     return (lengths or PromptLengths()).prompt(rng, tokens)
 
 
-def prompt_entries(spec: LoadSpec, count: int, lengths: PromptLengths | None = None) -> list[dict]:
-    """`count` entries cycling through the spec's prompt source; random ones sized by `lengths`."""
+def _base(spec: LoadSpec) -> list[dict] | None:
+    """The entries a non-random source cycles through; None for random prompts."""
+    if spec.prompt_source == "random":
+        return None
     if spec.prompt_source == "jsonl":
         if not spec.prompts:
             raise PromptError("prompt_source is jsonl but no prompts were loaded")
-        base = spec.prompts
-    elif spec.prompt_source == "random":
-        rng = random.Random(spec.seed)
-        # Distinct prompts defeat prefix caching, like vllm bench serve's random dataset.
-        return [{"prompt": random_prompt(rng, spec.input_tokens, lengths)} for _ in range(count)]
-    elif spec.prompt_source == "builtin":
-        base = [{"prompt": p} for p in BUILTIN]
-    else:
-        raise PromptError(f"unknown prompt source {spec.prompt_source!r}")
-    return [base[i % len(base)] for i in range(count)]
+        return spec.prompts
+    if spec.prompt_source == "builtin":
+        return [{"prompt": p} for p in BUILTIN]
+    raise PromptError(f"unknown prompt source {spec.prompt_source!r}")
+
+
+def prompt_entries(spec: LoadSpec, count: int, lengths: PromptLengths | None = None, level: int = 0):
+    """The first `count` entries of a level, one at a time (never all of them at once: a level may ask
+    for 100,000 prompts of 200,000 tokens). Random prompts are drawn from a generator seeded by
+    (seed, level, index): every request of every level distinct, which defeats prefix caching like
+    vllm bench serve's random dataset, and any worker can make its own share without the others."""
+    base = _base(spec)
+    for index in range(count):
+        yield _entry_at(spec, base, index, lengths, level)
+
+
+def _entry_at(spec: LoadSpec, base: list[dict] | None, index: int, lengths, level: int) -> dict:
+    if base is not None:
+        return base[index % len(base)]
+    return {"prompt": random_prompt(random.Random(f"{spec.seed}/{level}/{index}"), spec.input_tokens, lengths)}
+
+
+def share_requests(spec: LoadSpec, target: Target, lengths: PromptLengths | None, level: int, total: int,
+                   warmup: int, slots: list[int]):
+    """(index, warmup, request bytes) of the requests a worker owns, made as they are needed: request i
+    belongs to the owner of slot i % level. Bytes of a cycled (built-in or uploaded) entry are made once."""
+    base, cache = _base(spec), {}
+    for start in range(0, total, level):
+        for slot in slots:
+            index = start + slot
+            if index >= total:
+                return
+            key = None if base is None else index % len(base)
+            data = cache.get(key)
+            if data is None:
+                data = target.request_bytes(request_body(spec, _entry_at(spec, base, index, lengths, level)))
+                if key is not None:
+                    cache[key] = data
+            yield index, index < warmup, data
+
+
+# Bytes per token of a random prompt: the words' mean length and a space (a word costs at least one token).
+RANDOM_BYTES_PER_TOKEN = sum(len(w) + 1 for w in WORDS) / len(WORDS)
+
+
+def prompt_bytes(spec: LoadSpec, count: int) -> int:
+    """About how many prompt bytes `count` requests of the spec carry (random ones estimated from
+    their length in tokens; built-in and uploaded ones counted as they cycle)."""
+    base = _base(spec)
+    if base is None:
+        return int(count * spec.input_tokens * RANDOM_BYTES_PER_TOKEN)
+    sizes = [len(json.dumps(entry.get("messages") or entry.get("prompt", ""), separators=(",", ":"))) for entry in base]
+    rounds, rest = divmod(count, len(sizes))
+    return rounds * sum(sizes) + sum(sizes[:rest])
 
 
 def request_body(spec: LoadSpec, entry: dict) -> dict:

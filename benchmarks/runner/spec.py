@@ -159,11 +159,17 @@ class LevelResult:
     prompt_tokens_requested: int | None = None
     prompt_tokens_mean: float = 0.0
     prompt_tokens_counted_by: str = ""
+    samples: dict = field(default_factory=dict, repr=False)  # stats.request_samples(records): for studies
     records: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the per-request records."""
         return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "records"}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LevelResult":
+        names = {f.name for f in fields(cls)} - {"records"}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 @dataclass

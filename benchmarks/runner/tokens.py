@@ -94,11 +94,31 @@ class PromptLengths:
             self.anchor_tokens = self.counter.count(ANCHOR)
         return self.anchor_tokens
 
+    def _cost_all(self) -> None:
+        if len(self.first) < len(WORDS) or len(self.after) < len(WORDS):
+            for word in WORDS:
+                self._cost(word, True)
+                self._cost(word, False)
+
+    def costed(self) -> PromptLengths:
+        """A copy with every word's cost known and no counter: what a measuring process takes with it
+        (small and picklable; it never asks the server again)."""
+        self._cost_all()
+        return PromptLengths(self.source, self.overhead, dict(self.first), dict(self.after))
+
     def prompt(self, rng: random.Random, tokens: int) -> str:
         """A random prompt the endpoint will count as `tokens` tokens (at least one word)."""
+        self._cost_all()  # first, so that a prompt depends on the seed only, never on what was costed before
         left = max(1, tokens - self.overhead)
         word = rng.choice(WORDS)
         words, left = [word], left - self._cost(word, True)
+        # Bulk draws while far from the end (a 200,000-token prompt in ~20 ms, not ~120): `left // most`
+        # words never cost more than what is left, so the exact word-by-word end below still applies.
+        most = max(self.after.values())
+        while left > 4 * most:
+            batch = rng.choices(WORDS, k=left // most)
+            words += batch
+            left -= sum(map(self.after.__getitem__, batch))
         while left > 0:
             word = rng.choice(WORDS)
             cost = self._cost(word, False)

@@ -108,6 +108,15 @@ def served_models(base_url: str, timeout: float = 10.0) -> list[str]:
         raise VllmError(f"unexpected /v1/models: {NOT_OPENAI}", permanent=True) from e
 
 
+def max_model_lengths(base_url: str, timeout: float = 10.0) -> dict[str, int]:
+    """Each served model's max_model_len, as vLLM lists it in GET /v1/models (models without one left out)."""
+    text = _request("GET", f"{base_url.rstrip('/')}/v1/models", timeout)
+    try:
+        return {m["id"]: m["max_model_len"] for m in json.loads(text)["data"] if isinstance(m.get("max_model_len"), int)}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise VllmError(f"unexpected /v1/models: {NOT_OPENAI}", permanent=True) from e
+
+
 def smoke_test(base_url: str, model: str, question: str = "What is the capital of France?",
                timeout: float = 60.0, max_tokens: int = 64) -> SmokeResult:
     """Ask one non-streaming chat question and return what came back."""

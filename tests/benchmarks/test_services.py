@@ -114,7 +114,7 @@ def test_a_sweep_stopped_at_saturation_says_where_why_and_which_levels_it_skippe
                                       params={**services.DEFAULTS, "levels": [1, 2, 4, 8, 16]})
     stopped = runner.SweepResult(levels=[runner.LevelResult(concurrency=c) for c in (1, 2, 4)],
                                  saturated="output throughput 1350 tok/s at concurrency 4 against 1300 at 2")
-    with mock.patch("benchmarks.runner.sweep", autospec=True, return_value=stopped) as sweep, \
+    with mock.patch("benchmarks.runner.sweep_in_child", autospec=True, return_value=stopped) as sweep, \
          mock.patch("deployments.live.publish", autospec=True):
         services.run_execute(run.pk)
     run.refresh_from_db()

@@ -39,7 +39,7 @@ def test_chat_messages_are_refused_for_the_completions_endpoint():
 
 def test_random_prompts_have_the_requested_number_of_words_and_differ():
     spec = LoadSpec(base_url="http://x", model="m", prompt_source="random", input_tokens=50)
-    entries = prompt_entries(spec, 3)
+    entries = list(prompt_entries(spec, 3))
     assert all(len(e["prompt"].split()) == 50 for e in entries)
     assert len({e["prompt"] for e in entries}) == 3
     assert random_prompt(random.Random(1), 5) == random_prompt(random.Random(1), 5)

@@ -51,7 +51,7 @@ class FakeSweeper:
 
     table: dict = {}
 
-    def __init__(self, spec, max_concurrency):
+    def __init__(self, spec, max_concurrency, memory_bytes=0):
         pass
 
     def __enter__(self):

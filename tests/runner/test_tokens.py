@@ -29,7 +29,7 @@ def test_random_prompts_differ_and_repeat_with_the_seed(no_server, tiny_model):
     spec = LoadSpec(base_url=no_server, model="m", endpoint=COMPLETIONS, prompt_source="random", input_tokens=40,
                     tokenizer_path=str(tiny_model))
     lengths = tokens.prompt_lengths(spec, no_server)
-    first, again = prompt_entries(spec, 4, lengths), prompt_entries(spec, 4, lengths)
+    first, again = list(prompt_entries(spec, 4, lengths)), list(prompt_entries(spec, 4, lengths))
     assert first == again and len({e["prompt"] for e in first}) == 4
 
 
