@@ -1,7 +1,5 @@
 """Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
-import csv
-import io
-
+from benchmarks import csvsafe
 from benchmarks.models import BenchmarkRun
 from deployments import live
 
@@ -27,12 +25,9 @@ def csv_rows(runs):
 
 
 def export_csv(runs) -> str:
-    """One CSV row per level of each run, with a header (the pages' and the API's export)."""
-    out = io.StringIO()
-    writer = csv.writer(out)
-    writer.writerow(CSV_COLUMNS)
-    writer.writerows(csv_rows(runs))
-    return out.getvalue()
+    """One CSV row per level of each run, with a header (the pages' and the API's export); no cell a
+    spreadsheet would run as a formula (benchmarks/csvsafe.py)."""
+    return csvsafe.rows_text(CSV_COLUMNS, csv_rows(runs))
 
 
 def _flatten(env: dict, prefix: str = "") -> dict[str, str]:

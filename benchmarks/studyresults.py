@@ -1,10 +1,8 @@
 """Reads of tuning studies: per-variant estimates, comparisons with the baseline and verdicts (with
 benchmarks.tunestats), the winner by the study's rule, the Pareto front, the live matrix, estimates."""
-import csv
-import io
 import statistics
 
-from benchmarks import tunestats
+from benchmarks import csvsafe, tunestats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
 from deployments.selectors import load_events
@@ -241,20 +239,19 @@ EXPORT_COLUMNS = ["study", "variant", "baseline", "repeat", "trial_status", "err
 
 
 def export_csv(study: Study) -> str:
-    """One row per trial and level (a trial without results: one row with its status and error)."""
-    out = io.StringIO()
-    writer = csv.writer(out)
-    writer.writerow(EXPORT_COLUMNS)
+    """One row per trial and level (a trial without results: one row with its status and error); no cell a
+    spreadsheet would run as a formula (benchmarks/csvsafe.py)."""
     trials = list(study.trials.select_related("variant"))
     points: dict = {}
     for p in BenchmarkPoint.objects.filter(run__in=[t.run_id for t in trials if t.run_id]):
         points.setdefault(p.run_id, []).append(p)
+    rows = []
     for t in trials:
         head = [study.pk, t.variant.name, t.variant.is_baseline, t.repeat, t.status, t.error, t.ready_s, t.overhead_s, t.run_id]
-        rows = points.get(t.run_id) if t.status == StudyTrial.Status.DONE else None
-        if not rows:
-            writer.writerow(head + [""] * 6)
-        for p in rows or []:
-            writer.writerow(head + [p.concurrency, p.output_throughput, p.tok_s_per_user, p.ttft_ms.get("median"),
-                                    p.ttft_ms.get("p95"), p.tpot_ms.get("median")])
-    return out.getvalue()
+        levels = points.get(t.run_id) if t.status == StudyTrial.Status.DONE else None
+        if not levels:
+            rows.append(head + [""] * 6)
+        for p in levels or []:
+            rows.append(head + [p.concurrency, p.output_throughput, p.tok_s_per_user, p.ttft_ms.get("median"),
+                                p.ttft_ms.get("p95"), p.tpot_ms.get("median")])
+    return csvsafe.rows_text(EXPORT_COLUMNS, rows)
