@@ -118,7 +118,7 @@ def head_preflight(d: Deployment) -> str:
     ranks_wait(d, {R.PREPARED}, PREPARE_TIMEOUT_S, "Preparing the worker nodes")
     port = multinode.port_name(d.engine_args)
     try:
-        listener = preflight.Listener(d.master_port)
+        listener = preflight.Listener(d.master_port, host=address)  # the cluster address, never every interface
     except preflight.PreflightError as exc:
         raise PlanFailed(f"Head node {d.node.name}: {exc.message} (the {port} must be free there)") from exc
     with listener:
