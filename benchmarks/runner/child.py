@@ -10,7 +10,7 @@ environment (none of the agent's secrets); it caps its own memory before it read
 (memory.py) and its measuring processes lower theirs further. Whatever the child does, the worst
 is that it dies: its caller reports why and the engine never noticed.
 
-The protocol is JSON lines: the spec and the limit on the child's stdin, then "cancel" lines (EOF also
+The limit is the child's argument; the protocol is JSON lines: the spec on the child's stdin, then "cancel" lines (EOF also
 cancels: a child whose caller died stops); on its stdout {"tick"}, {"level"}, then {"done"} or {"error"}.
 The child's own stdout is sent to stderr (a temporary file), whose end explains a crash.
 """
@@ -46,11 +46,14 @@ def sweep_in_child(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, mem
     env = {k: os.environ[k] for k in ENV_KEPT if k in os.environ}
     env["PYTHONPATH"] = str(ROOT)
     with tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.runner.child"], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.runner.child", str(budget)], cwd=ROOT, env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
         try:
-            proc.stdin.write(json.dumps({"spec": dataclasses.asdict(spec), "memory_bytes": budget}).encode() + b"\n")
-            proc.stdin.flush()
+            try:
+                proc.stdin.write(json.dumps(dataclasses.asdict(spec)).encode() + b"\n")
+                proc.stdin.flush()
+            except BrokenPipeError:
+                pass  # it died reading the spec: its exit code and stderr say why
             result, error = _follow(proc, on_level, on_tick, check)
         except BaseException:
             _kill(proc)  # a failing callback, Ctrl-C: the load stops with its caller
@@ -146,11 +149,10 @@ def _last_line(text: str) -> str:
 # --- the child ------------------------------------------------------------------------------------
 
 def main() -> int:
+    budget = int(sys.argv[1])
+    memory.limit(memory.split(budget, 1)[0])  # before the spec (uploaded prompts included) is read
     out = os.fdopen(os.dup(1), "w", buffering=1)  # the channel to the caller; fd 1 becomes stderr
     os.dup2(2, 1)
-    request = json.loads(sys.stdin.readline())
-    coordinator, worker = memory.split(request["memory_bytes"], 1)
-    memory.limit(coordinator)  # before the spec (uploaded prompts included) is built
     write_lock = threading.Lock()
 
     def send(message: dict) -> None:
@@ -161,11 +163,11 @@ def main() -> int:
     try:
         from .sweep import auto_workers, sweep
 
-        fields = request["spec"]
+        fields = json.loads(sys.stdin.readline())
         fields["levels"] = tuple(fields["levels"])
         spec = LoadSpec(**fields)
         levels = [int(c) for c in spec.levels if int(c) > 0] or [1]
-        _, worker = memory.split(request["memory_bytes"], spec.workers or auto_workers(max(levels)))
+        _, worker = memory.split(budget, spec.workers or auto_workers(max(levels)))
         cancel = threading.Event()
         threading.Thread(target=_watch_stdin, args=(cancel,), daemon=True).start()
         result = sweep(spec, on_level=lambda level: send({"level": level.to_dict()}),
