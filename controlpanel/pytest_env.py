@@ -18,3 +18,5 @@ os.environ.setdefault("PANEL_TEST_PASSWORD_HASHER", "md5")
 # What agents keep between starts (the engine's flags) goes to this session's own folder: shared by the
 # session's agents, never by the next session or the user's panel.
 os.environ.setdefault("PANEL_CACHE_DIR", tempfile.mkdtemp(prefix="panel-test-cache-"))
+# The key the tests' Hugging Face tokens are sealed with: this session's own, never the user's var/hf-token.key.
+os.environ.setdefault("HF_TOKEN_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="panel-test-key-"), "hf-token.key"))

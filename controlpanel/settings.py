@@ -285,6 +285,9 @@ CPU_HOST_EXCLUSIVE = env_bool("CPU_HOST_EXCLUSIVE", True)
 HOST_TASK_EXPIRES_S = env_int("HOST_TASK_EXPIRES", 600)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HF_TOKEN = env_secret("HF_TOKEN")
+# The key the Hugging Face token set on the settings page is encrypted with (deployments/sealed.py): made
+# 0600 on first use; every host that downloads needs the same file.
+HF_TOKEN_KEY_FILE = env_str("HF_TOKEN_KEY_FILE", str(VAR_DIR / "hf-token.key"))
 VLLM_BIN = env_str("VLLM_BIN", "vllm")
 # The panel's own port (set by `./panel start --port`): never offered to an engine. Engines get the
 # first port from ENGINE_PORT_FIRST that no active deployment on the node holds (deployment_free_port).

@@ -183,7 +183,8 @@ class ModelCopy(Transitions, models.Model):
 
 
 class Secret(models.Model):
-    """A credential the panel uses (the Hugging Face token); written in the UI, never shown back."""
+    """A credential the panel uses (the Hugging Face token); written in the UI, never shown back, stored
+    encrypted (deployments/sealed.py)."""
 
     HF_TOKEN = "hf_token"
 
@@ -199,8 +200,17 @@ class Secret(models.Model):
 
     @classmethod
     def get(cls, name: str, default: str = "") -> str:
+        """The stored value, decrypted (sealed.Unreadable without this host's key file)."""
+        from deployments import sealed
+
         row = cls.objects.filter(name=name).first()
-        return row.value if row else default
+        return sealed.unseal(row.value) if row else default
+
+    @classmethod
+    def put(cls, name: str, value: str) -> None:
+        from deployments import sealed
+
+        cls.objects.update_or_create(name=name, defaults={"value": sealed.seal(value)})
 
 
 class Deployment(Transitions, models.Model):

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
-from deployments import engineargs, live, modelconfig, modelfit
+from deployments import engineargs, live, modelconfig, modelfit, sealed
 from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 from deployments.services.nodes import node_enqueue
@@ -44,13 +44,17 @@ class DiskShort(ServiceError):
 
 def hf_token() -> str:
     """The panel's Hugging Face token (set in the UI, else HF_TOKEN); never logged or shown."""
-    return Secret.get(Secret.HF_TOKEN) or settings.HF_TOKEN
+    try:
+        return Secret.get(Secret.HF_TOKEN) or settings.HF_TOKEN
+    except sealed.Unreadable as exc:
+        log.warning("the Hugging Face token stored in the panel cannot be read here: %s; using HF_TOKEN", exc)
+        return settings.HF_TOKEN
 
 
 def hf_token_set(value: str) -> None:
-    """Store (or clear, when empty) the Hugging Face token."""
+    """Store encrypted (or clear, when empty) the Hugging Face token."""
     if value:
-        Secret.objects.update_or_create(name=Secret.HF_TOKEN, defaults={"value": value.strip()})
+        Secret.put(Secret.HF_TOKEN, value.strip())
     else:
         Secret.objects.filter(name=Secret.HF_TOKEN).delete()
 
