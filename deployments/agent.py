@@ -13,7 +13,7 @@ import redis
 from django.db import close_old_connections
 
 from deployments import drivers, history
-from deployments.host import disk, gpu
+from deployments.host import disk, engineuser, gpu
 from deployments.services import guards, loadtime, nodes, reconcile, repos, watch
 
 log = logging.getLogger(__name__)
@@ -54,13 +54,25 @@ class Agent:
         node = nodes.node_register(
             name=self.name, address=self.address, agent_version=self.version, model_store=self.model_store,
             heartbeat_seconds=self.heartbeat_seconds, gpus=gpus, nvml_error=self.nvml_error,
-            agent_host=socket.gethostname(), agent_pid=os.getpid(),
+            agent_host=socket.gethostname(), agent_pid=os.getpid(), engine_user=self._engine_user(),
         )
         self.node_id = node.pk
         self.gpu_count = len(gpus)
         self._reconcile()
         # `vllm serve --help=all` takes seconds: learn the engine's flags without delaying the start.
         threading.Thread(target=self._report_engine, name="engine-report", daemon=True).start()
+
+    def _engine_user(self) -> dict:
+        """Who engines run as (created when missing), with var/ closed to it; what the node page shows."""
+        from django.conf import settings
+
+        try:
+            user = engineuser.current()
+        except engineuser.EngineUserError as exc:
+            log.error("node %s: %s", self.name, exc)
+            return {"error": str(exc), "describe": f"unknown: {exc}"}
+        engineuser.protect(settings.VAR_DIR, user)
+        return user.facts()
 
     def _reconcile(self) -> None:
         """Resume downloads and settle deployments left by a previous agent; it queues tasks, so

@@ -3,7 +3,8 @@ from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 
 from deployments import history, secrets
-from deployments.host import enginecli, engineenv, systemd
+from deployments.host import enginecli, engineenv, engineuser, systemd
+from deployments.host.engine import EngineError
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 
 
@@ -68,12 +69,18 @@ def deployment_unit(d: Deployment) -> tuple[str, str]:
     """The systemd unit that runs deployment `d`, to install by hand: its file name and its text, with
     secret values masked (they belong in the unit's EnvironmentFile)."""
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
-    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
-                                d.port, "0.0.0.0", d.engine_args)
     name = systemd.unit_name(d.name)
+    try:
+        argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
+                                    d.port, "0.0.0.0", d.engine_args)
+    except EngineError as exc:  # a row stored before flag names were canonical (engineoptions): redeploy it
+        return name, f"# No unit: {exc}."
     env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices), secrets.marked(d))
+    argv, flag_env = systemd.secret_argv(argv)  # --api-key travels as VLLM_API_KEY in the EnvironmentFile
+    secret_env = {**secret_env, **flag_env}
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
                                log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
+                               run_as=engineuser.from_facts(d.node.engine_user),  # as the node's agent would
                                secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)
     return name, secrets.redact_deployment(d, text)  # a secret flag value (--api-key) is shown masked
 

@@ -7,6 +7,7 @@ The only module that spawns or signals engine processes. Plain Python, no Django
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.host import engineenv
+from deployments.host import engineenv, engineuser
 from deployments.host.errors import HostError
 
 SHM_DIR = Path("/dev/shm")
@@ -34,6 +35,8 @@ class EngineSpec:
     env: dict[str, str]
     log_path: Path
     cwd: Path | None = None
+    # Who the engine runs as (engineuser.current() for deployments); None: the agent's own user.
+    run_as: engineuser.EngineUser | None = None
 
 
 @dataclass
@@ -58,16 +61,47 @@ class StopResult:
 # --- processes --------------------------------------------------------------------------------
 
 
+def popen_args(spec: EngineSpec) -> dict:
+    """subprocess.Popen's arguments for `spec`: its user, groups and no_new_privs, its secret flags moved
+    from the command line into the environment (engineenv.secret_argv), the allowlisted environment."""
+    user = spec.run_as
+    try:
+        argv, secret_env = engineenv.secret_argv(list(spec.argv))
+    except engineenv.SecretFlagError as exc:
+        raise EngineError(str(exc), permanent=True) from exc
+    env = engineenv.engine_environ({**spec.env, **secret_env}, user_env=user.environ() if user else None)
+    prefix = engineuser.argv_prefix()  # setpriv execs the engine in place: same PID, the engine's cmdline
+    return {"args": prefix + argv, "env": env, "cwd": spec.cwd, "preexec_fn": None if prefix else engineuser.no_new_privs,
+            **(user.popen_kwargs() if user else {})}
+
+
+def _check_reachable(spec: EngineSpec, env: dict) -> None:
+    """Say which file the engine's user cannot reach, before a bare "Permission denied" from exec."""
+    exe = shutil.which(spec.argv[0], path=env.get("PATH", os.defpath))
+    if exe is None:
+        raise EngineError(f"cannot start {spec.argv[0]}: not found", permanent=True)
+    user = spec.run_as
+    if user is None or not user.separate:
+        return
+    for path, want in ((exe, "x"), *(((spec.cwd, "r"),) if spec.cwd else ())):
+        if not engineuser.can_reach(user, path, want):
+            raise EngineError(f"the engine user {user.name} cannot {'run' if want == 'x' else 'read'} {path}: make it and "
+                              f"its parent folders readable by {user.name} (group or others), or see PANEL_ENGINE_USER "
+                              "in the README", permanent=True)
+
+
 def launch(spec: EngineSpec) -> EngineHandle:
-    """Start the engine in a new session; stdout and stderr are appended to spec.log_path."""
+    """Start the engine in a new session as spec.run_as; stdout and stderr are appended to spec.log_path,
+    a file the agent opens (0600): the engine writes to it through the descriptor it inherits."""
+    args = popen_args(spec)
+    _check_reachable(spec, args["env"])
     log_path = Path(spec.log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with open(fd, "ab") as log:
         try:
             proc = subprocess.Popen(
-                spec.argv,
-                env=engineenv.engine_environ(spec.env),  # an allowlist: see engineenv
-                cwd=spec.cwd,
+                **args,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

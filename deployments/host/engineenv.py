@@ -37,9 +37,48 @@ def passthrough() -> frozenset[str]:
     return frozenset(n.strip() for n in os.environ.get("ENGINE_ENV_PASSTHROUGH", "").split(",") if n.strip())
 
 
-def engine_environ(own: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The full environment for an engine: allowed host variables, then the offline defaults, then `own`."""
-    return {**inherited(environ, passthrough()), **OFFLINE, **{str(k): str(v) for k, v in own.items()}}
+def engine_environ(own: Mapping[str, str], environ: Mapping[str, str] | None = None,
+                   user_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The full environment for an engine: allowed host variables, the engine user's home and caches
+    (`user_env`, engineuser.EngineUser.environ(): the agent's are not its to write), the offline
+    defaults, then `own`."""
+    return {**inherited(environ, passthrough()), **(user_env or {}), **OFFLINE, **{str(k): str(v) for k, v in own.items()}}
+
+
+# Flags whose value is a secret, and the variable vLLM reads it from instead (vllm/envs.py: VLLM_API_KEY;
+# the flag wins when both are set). A command line is readable by every local user (`ps`,
+# /proc/<pid>/cmdline); an environment only by the process's own user and root.
+SECRET_FLAGS = {"--api-key": "VLLM_API_KEY"}
+
+
+class SecretFlagError(ValueError):
+    """A secret flag that cannot move into the environment (vLLM reads one API key from it)."""
+
+
+def secret_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`argv` without its secret flags (`--api-key K`, `--api-key=K`) and the variables that carry them."""
+    out: list[str] = []
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        flag, eq, inline = word.partition("=")
+        if flag in SECRET_FLAGS and i > 0:
+            if eq:
+                values, i = [inline], i + 1
+            else:
+                j = i + 1
+                while j < len(argv) and not argv[j].startswith("-"):
+                    j += 1
+                values, i = argv[i + 1:j], j
+            if len(values) != 1 or SECRET_FLAGS[flag] in env:
+                raise SecretFlagError(f"{flag} takes one value here: it reaches the engine as {SECRET_FLAGS[flag]}, "
+                                      "never on its command line, and vLLM reads one key from there")
+            env[SECRET_FLAGS[flag]] = values[0]
+            continue
+        out.append(word)
+        i += 1
+    return out, env
 
 
 def deployment_env(env: Mapping[str, str], gpu_indices: Iterable[int] = ()) -> dict[str, str]:

@@ -11,6 +11,8 @@ import subprocess
 from pathlib import Path
 
 from controlpanel.privatefile import write_private
+from deployments.host import engineenv
+from deployments.host.engineuser import EngineUser
 from deployments.host.errors import HostError
 
 UNIT_DIR = Path("/etc/systemd/system")
@@ -57,13 +59,33 @@ def env_file_path(name: str, unit_dir: Path = UNIT_DIR) -> Path:
     return unit_dir / f"{name}.env"
 
 
-def render_unit(*, description: str, argv: list[str], env: dict[str, str], log_path: str,
-                working_dir: str = "/", user: str | None = None, secret_env_file: str | None = None) -> str:
-    """A unit that runs the engine, kills its whole control group on stop, and restarts it on failure.
+def secret_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The unit's argv without secret flags, and the variables for its EnvironmentFile (engineenv.secret_argv)."""
+    try:
+        return engineenv.secret_argv(argv)
+    except engineenv.SecretFlagError as exc:
+        raise SystemdError(str(exc)) from exc
 
-    Secret variables are not in the text: they go in `secret_env_file` (0600, see install()).
+
+def _user_lines(run_as: EngineUser | None) -> list[str]:
+    """User=, Group=, SupplementaryGroups= of the engine user; no_new_privs for every engine."""
+    lines = ["NoNewPrivileges=yes"]
+    if run_as is not None and run_as.separate:
+        lines += [f"User={_escape(run_as.name)}", f"Group={_escape(str(run_as.gid))}"]
+        if run_as.groups:
+            lines.append("SupplementaryGroups=" + " ".join(_escape(n) for n in (run_as.group_names or map(str, run_as.groups))))
+    return lines
+
+
+def render_unit(*, description: str, argv: list[str], env: dict[str, str], log_path: str,
+                working_dir: str = "/", run_as: EngineUser | None = None, secret_env_file: str | None = None) -> str:
+    """A unit that runs the engine as `run_as`, kills its whole control group on stop, and restarts it on failure.
+
+    Secret variables are not in the text: they go in `secret_env_file` (0600, see install()); systemd reads
+    it as root before it switches to the engine user. The log is opened by systemd too (as root).
     """
     exec_start = " ".join(_quote(a) for a in argv)
+    env = {**(run_as.environ() if run_as is not None else {}), **env}
     lines = [
         "[Unit]", f"Description={_escape(description)}", "After=network-online.target", "Wants=network-online.target", "",
         "[Service]", "Type=simple", f"ExecStart={exec_start}", f"WorkingDirectory={_escape(working_dir)}",
@@ -74,8 +96,7 @@ def render_unit(*, description: str, argv: list[str], env: dict[str, str], log_p
         "KillMode=control-group", "KillSignal=SIGTERM", "TimeoutStopSec=60",
         "Restart=on-failure", "RestartSec=30", "LimitNOFILE=1048576",
     ]
-    if user:
-        lines.append(f"User={_escape(user)}")
+    lines += _user_lines(run_as)
     lines += ["", "[Install]", "WantedBy=multi-user.target", ""]
     return "\n".join(lines)
 

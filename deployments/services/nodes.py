@@ -19,7 +19,8 @@ class AgentConflict(Exception):
 
 @transaction.atomic
 def node_register(*, name: str, address: str, agent_version: str, model_store: str, heartbeat_seconds: float,
-                  gpus: list, nvml_error: str = "", agent_host: str = "", agent_pid: int | None = None) -> Node:
+                  gpus: list, nvml_error: str = "", agent_host: str = "", agent_pid: int | None = None,
+                  engine_user: dict | None = None) -> Node:
     """Create or update a node and its GPU rows from what its agent found at start; refuse when
     another live agent heartbeats under the same name."""
     from deployments.host import ownership
@@ -38,6 +39,7 @@ def node_register(*, name: str, address: str, agent_version: str, model_store: s
     node.model_store = model_store
     node.heartbeat_seconds = heartbeat_seconds
     node.nvml_error = nvml_error
+    node.engine_user = engine_user or {}
     node.last_heartbeat = timezone.now()
     node.save()
     seen = []

@@ -18,8 +18,8 @@ from deployments.services.deploys import deployment_event, deployment_holders
 from deployments.services import loadtime, ranks, raycluster
 from deployments.services.guards import foreign_holders
 from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, engine_running,
-                                        fail, halt_engine, mark_stopped, model_ready, move, record_shm, step, unit_install,
-                                        unit_text)
+                                        engine_user, fail, halt_engine, mark_stopped, model_ready, move, record_shm, step,
+                                        unit_install, unit_text)
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -182,6 +182,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself
     args = {**d.engine_args, **ranks.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
     argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", args)
+    run_as = engine_user(model_path, d.node.model_store)
     if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
         text, secret_env = _unit(d, argv)
         d.pid = systemd.install(d.systemd_unit, text, secret_env=secret_env)
@@ -189,7 +190,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     else:
         # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there.
         handle = engine.launch(engine.EngineSpec(argv=argv, env=_engine_env(d), log_path=Path(d.log_path),
-                                                 cwd=Path(model_path)))
+                                                 cwd=Path(model_path), run_as=run_as))
         d.pid, d.pgid, d.pid_create_time = handle.pid, handle.pgid, handle.create_time
     Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=d.pid_create_time)
     return f"PID {d.pid}: {' '.join(argv[:3])} … (log {d.log_path})"

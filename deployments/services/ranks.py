@@ -32,7 +32,7 @@ from deployments.services import multinode
 from deployments.services.deploys import deployment_event, deployment_holders
 from deployments.services.nodes import node_enqueue
 from deployments.services.steps import (RAY_TERM_S, STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed,
-                                        halt_engine, mark_stopped, model_ready, move, stop_marked, unit_install)
+                                        engine_user, halt_engine, mark_stopped, model_ready, move, stop_marked, unit_install)
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -273,7 +273,8 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
         _note(r, pid=pid, pgid=os.getpgid(pid), pid_create_time=None)
         how = f"under {systemd.unit_name(d.name, r.rank)}"
     else:
-        handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path)))
+        handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path),
+                                                 run_as=engine_user(model_path, r.node.model_store)))
         _note(r, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
         how = f"PID {handle.pid}"
     what = f"Ray node joining {head_address(d)}:{d.master_port}" if ray else " ".join(engineargs.argv_words(own))

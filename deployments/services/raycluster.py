@@ -11,6 +11,7 @@ Every Ray process runs in the engine's environment with the deployment's marker,
 its own (host/engine.py), so Stop, a crash and reconcile end it like an engine: the head's Ray is found by
 the marker (steps.stop_marked), a worker's is its rank's group. Ray's own files go under the panel's var dir.
 """
+import os
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from deployments.host import engine, enginelog, ownership, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.services import multinode
 from deployments.services.ranks import _failed, head_address, rank_env
-from deployments.services.steps import Aborted, PlanFailed, pgid_of
+from deployments.services.steps import Aborted, PlanFailed, engine_user, pgid_of
 
 S = Deployment.Status
 JOIN_TIMEOUT_S = 120.0  # Ray nodes start in a few seconds; on 2 shared cores with an engine loading, slower
@@ -43,8 +44,12 @@ def _ray_bin() -> str:
 def _temp_dir(d: Deployment) -> str:
     """This node's folder for the deployment's Ray files (each node its own, Ray >= 2.51). Ray puts Unix
     sockets under it (a path of at most 107 bytes): kept short."""
-    path = Path(settings.VAR_DIR) / "ray" / str(d.pk)
+    user = engine_user("", "")  # Ray runs as the engine user: its files live in that user's home, not var/
+    path = (Path(user.home) if user.separate else Path(settings.VAR_DIR)) / "ray" / str(d.pk)
     path.mkdir(parents=True, exist_ok=True)
+    if user.separate:
+        os.chown(path.parent, user.uid, user.gid)
+        os.chown(path, user.uid, user.gid)
     return str(path)
 
 
@@ -66,7 +71,7 @@ def head_start(d: Deployment) -> str:
     argv = raynode.start_argv(ray, port=d.master_port, node_ip=address, num_gpus=len(d.gpu_indices) or None,
                               temp_dir=_temp_dir(d))
     handle = engine.launch(engine.EngineSpec(argv=argv, env=node_env(d, address, d.gpu_indices, d.marker),
-                                             log_path=Path(d.log_path)))
+                                             log_path=Path(d.log_path), run_as=engine_user("", "")))
     return f"Ray head: PID {handle.pid} at {address}:{d.master_port} (log {d.log_path})."
 
 

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from controlpanel.states import InvalidTransition
 from deployments import live, secrets
-from deployments.host import engine, enginelog, ownership, systemd
+from deployments.host import engine, enginelog, engineuser, ownership, systemd
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services.deploys import deployment_event, deployment_ranks_stop
 from deployments.services.repos import model_copy_download
@@ -253,6 +253,18 @@ def model_ready(d: Deployment, node: Node) -> str:
     return copy.path
 
 
+def engine_user(model_path: str, store: str) -> engineuser.EngineUser:
+    """Who the engine runs as (engineuser.current()), once it may read the model: a folder in the node's
+    model store is opened to it (engineuser.share); a folder of the user's own must be readable already."""
+    try:
+        user = engineuser.current()
+        if model_path and store:
+            engineuser.share(user, model_path, store)
+    except (engineuser.EngineUserError, OSError) as exc:
+        raise PlanFailed(f"Cannot prepare the engine's user: {exc}") from exc
+    return user
+
+
 def unit_install(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0) -> int:
     """Install and start one engine of `d` as a systemd unit (the head's, or worker rank `rank`'s); its PID."""
     text, secret_env = unit_text(d, argv, env, log_path, rank)
@@ -262,7 +274,9 @@ def unit_install(d: Deployment, argv: list[str], env: dict[str, str], log_path: 
 def unit_text(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0) -> tuple[str, dict]:
     """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
     env, secret_env = secrets.split(env, secrets.marked(d))
+    argv, flag_env = systemd.secret_argv(argv)  # --api-key: the EnvironmentFile's VLLM_API_KEY, never ExecStart=
+    secret_env = {**secret_env, **flag_env}
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})" + (f", rank {rank}" if rank else ""), env=env,
-                               log_path=log_path, argv=argv, secret_env_file=str(
+                               log_path=log_path, argv=argv, run_as=engineuser.current(), secret_env_file=str(
                                    systemd.env_file_path(systemd.unit_name(d.name, rank))) if secret_env else None)
     return text, secret_env
