@@ -14,7 +14,7 @@ from .spec import RunnerError
 
 KIND = resource.RLIMIT_DATA
 MIB = 2**20
-MIN_PROCESS_BYTES = 128 * MIB  # below this an interpreter with its event loop and queues cannot start
+MIN_PROCESS_BYTES = 64 * MIB  # an interpreter with its event loop and queues starts in ~20 MiB of data
 AUTO_MAX_BYTES = 16 * 2**30
 
 

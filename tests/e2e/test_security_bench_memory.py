@@ -1,0 +1,63 @@
+"""The memory cap (issue 25) on the real CPU engine: the node agent's load generator limited to 128 MiB
+(PANEL_BENCH_MEMORY_MB). A run within every cap (32 requests of short prompts) but carrying 100,000
+uploaded prompts (~15 MB, the most a file may hold) outgrows that limit in the load generator's child
+process: the run fails with a clear message, the engine keeps serving, and the same agent then
+benchmarks it to the end."""
+import json
+
+import pytest
+
+from benchmarks import services
+from benchmarks.models import BenchmarkRun
+from deployments.host import engine, vllm
+from deployments.models import Deployment
+from deployments.services import deploys
+from tests.conftest import free_port, in_thread, wait_until
+from tests.e2e.conftest import start_cpu_node
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture
+def stop_engines():
+    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
+    yield
+    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
+        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+
+
+def _ended(pk):
+    run = BenchmarkRun.objects.get(pk=pk)
+    return run if run.status in BenchmarkRun.TERMINAL else None
+
+
+@pytest.mark.slow
+def test_a_run_that_outgrows_the_load_generators_memory_fails_while_the_engine_keeps_serving(
+        process_env, spawn, unique, tmp_path, tiny_model, stop_engines):
+    """A real engine load (30-70 s on 2 shared cores) is what the test needs: an engine to keep serving."""
+    node, model, _ = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model, PANEL_BENCH_MEMORY_MB="128")
+    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(), name=f"tiny-{unique}",
+                  env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
+                  engine_args={"max-model-len": 2048, "served-model-name": "tiny", "enforce-eager": True})
+    wait_until(lambda: Deployment.objects.get(pk=d.pk).status == "ready", timeout=300, interval=1,
+               message="the engine to be ready")
+    d.refresh_from_db()
+    base_url = f"http://127.0.0.1:{d.port}"
+    filler = " ".join(["tell me about the history of the city and its people"] * 2)
+    prompts = [{"prompt": f"Question {i}: {filler}?"} for i in range(100_000)]
+    assert 14e6 < len("\n".join(json.dumps(p) for p in prompts)) < 20 * 2**20  # an upload the form takes
+    params = {"levels": [1], "prompt_source": "jsonl", "prompts": prompts, "max_tokens": 8}
+    big = in_thread(services.run_create, params=params, deployment=d)  # every cap passed: it is queued
+    run = wait_until(lambda: _ended(big.pk), timeout=180, message="the big run to end")
+    assert run.status == "failed", (run.status, run.error)
+    assert run.error.startswith("The benchmark ran out of memory: the load generator ") and "(128 MiB)" in run.error
+    # The engine kept serving: healthy, answering, the deployment still ready.
+    assert vllm.health(base_url)
+    assert vllm.smoke_test(base_url, "tiny", max_tokens=8).completion_tokens > 0
+    assert Deployment.objects.get(pk=d.pk).status == "ready"
+    # And the same agent benchmarks it to the end, under the same limit.
+    small = in_thread(services.run_create, params={"levels": [1, 2], "max_tokens": 8, "min_requests": 4,
+                                                   "requests_per_user": 2, "prompt_source": "builtin"}, deployment=d)
+    run = wait_until(lambda: _ended(small.pk), timeout=300, message="the next run to end")
+    assert run.status == "done", run.error
+    assert [p.num_requests for p in run.points.all()] == [4, 4]
