@@ -34,7 +34,7 @@ CANCEL_CHECK_S = 0.2
 EXIT_WAIT_S = 30.0
 STDERR_SCAN = 64 * 1024  # the end of the child's stderr searched for why it died
 # What the child may see of its caller's environment: enough to run Python, not the agent's secrets.
-ENV_KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "PYTHONHASHSEED")
+ENV_KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "PYTHONHASHSEED", "SSL_CERT_FILE", "SSL_CERT_DIR")
 
 
 def sweep_in_child(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes: int = 0) -> SweepResult:
