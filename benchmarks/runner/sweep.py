@@ -135,7 +135,6 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_proces
                 continue
             if command is None:
                 return
-            requests = None
             try:
                 requests = share_requests(spec, target, command.lengths, command.level, command.total,
                                           command.warmup, command.slots)
@@ -153,7 +152,7 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_proces
                 # feeder thread, which drops what it cannot send and leaves the coordinator waiting.
                 results.put(("done", wid, pickle.dumps(records, pickle.HIGHEST_PROTOCOL), cancelled))
             except Exception:
-                requests = records = None
+                requests = records = ahead = None  # after a MemoryError: room to report it
                 results.put(("error", wid, traceback.format_exc()))
             if own_process:
                 gc.collect()
