@@ -49,7 +49,7 @@ class DeploymentAdmin(admin.ModelAdmin):
     search_fields = ["name"]
     inlines = [DeploymentRankInline, DeploymentEventInline]
     # Secrets are write-only here too (deployments/secrets.py): shown masked, edited on the panel's form.
-    exclude = ["env", "engine_args", "log_tail"]
+    exclude = ["env", "engine_args", "log_tail", "ray_token"]
     readonly_fields = ["environment", "engine_flags", "log"]
 
     @admin.display(description="Environment")

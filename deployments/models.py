@@ -265,6 +265,8 @@ class Deployment(Transitions, models.Model):
     log_path = models.CharField(max_length=1024, blank=True)
     systemd_unit = models.CharField(max_length=128, blank=True)
     marker = models.CharField(max_length=64, blank=True, help_text="PANEL_ENGINE value of the running engine: proves it is ours.")
+    ray_token = models.CharField(max_length=128, blank=True, help_text="The Ray cluster's token (RAY_AUTH_TOKEN), new at each "
+                                 "Ray head start; write-only: never shown.")
     shm_files = models.JSONField(default=list, blank=True, help_text="/dev/shm files the engine held, removed once it is gone.")
     stop_foreign = models.BooleanField(default=False, help_text="Stop other (non-panel) processes on the chosen GPUs.")
     prewarm = models.BooleanField(default=False, help_text="Read the model's shards into the page cache while others stop (issue 16).")

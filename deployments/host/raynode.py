@@ -1,9 +1,17 @@
 """Ray for vLLM's Ray executor (issue 17): the `ray start` command line of a head or worker node, where the
 engine's `ray` lives, and how many nodes the cluster shows alive. Launching and stopping a Ray node go through
 host/engine.py like an engine (own session, whole group stopped). Plain Python, no Django.
+
+Every cluster uses Ray's token authentication (issue 25): without it whoever reaches the GCS can run code
+as the engine's user on every node. The pinned Ray (2.60) reads the mode and the token from the
+environment (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN), never from argv: each Ray node, the vLLM driver and the
+panel's own status calls get them there, and a client without the token is refused
+("Authentication required"). Each node's Ray binds its node's cluster address (--node-ip-address); the
+dashboard is not started.
 """
 from __future__ import annotations
 
+import secrets
 import socket
 import subprocess
 from pathlib import Path
@@ -27,6 +35,19 @@ def check_installed(path: str) -> None:
                        "(scripts/install-engine does) or deploy with the mp executor.", permanent=True)
 
 
+def new_token() -> str:
+    """A fresh cluster token (256 bits): one per Ray head start, so a restart never reuses it."""
+    return secrets.token_hex(32)
+
+
+def auth_env(token: str) -> dict[str, str]:
+    """What every process of the cluster, and every client of it, needs in its environment."""
+    if not token:
+        raise RayError("the Ray cluster has no token: refusing to start or ask it without authentication",
+                       permanent=True)
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
 def free_port() -> int:
     """A port free now: each Ray node on a host needs its own agent port (two nodes on one host never clash)."""
     with socket.socket() as sock:
@@ -42,6 +63,8 @@ def start_argv(ray: str, *, port: int, node_ip: str, num_gpus: int | None, head_
     argv = [ray, "start", "--block", "--node-ip-address", node_ip, "--disable-usage-stats",
             "--dashboard-agent-listen-port", str(free_port())]
     if head_address is None:
+        # No dashboard. The Ray Client server cannot be left out where grpc is installed (`ray start` refuses
+        # port 0); it binds the node's address and localhost and asks for the token like the GCS.
         argv += ["--head", "--port", str(port), "--include-dashboard", "false",
                  "--ray-client-server-port", str(free_port())]
     else:

@@ -10,6 +10,10 @@
 Every Ray process runs in the engine's environment with the deployment's marker, in a process group of
 its own (host/engine.py), so Stop, a crash and reconcile end it like an engine: the head's Ray is found by
 the marker (steps.stop_marked), a worker's is its rank's group. Ray's own files go under the panel's var dir.
+
+The cluster is authenticated (issue 25): the head's agent makes a new token at each Ray head start
+(`Deployment.ray_token`, write-only like other secrets), and every Ray node, `vllm serve` (Ray's driver)
+and the panel's own status calls get it through their environment (host/raynode.auth_env).
 """
 import os
 import time
@@ -53,10 +57,26 @@ def _temp_dir(d: Deployment) -> str:
     return str(path)
 
 
+def token(d: Deployment) -> str:
+    """The cluster's token as stored now: a worker node's agent loaded its row before the head made it."""
+    stored = Deployment.objects.filter(pk=d.pk).values_list("ray_token", flat=True).first() or ""
+    d.ray_token = stored
+    try:
+        return raynode.auth_env(stored)["RAY_AUTH_TOKEN"]
+    except raynode.RayError as exc:
+        raise PlanFailed(str(exc)) from exc
+
+
+def auth_env(d: Deployment) -> dict:
+    """RAY_AUTH_MODE and RAY_AUTH_TOKEN: set last, so no deployment variable can switch them off."""
+    return raynode.auth_env(token(d))
+
+
 def node_env(d: Deployment, address: str, gpu_indices, marker: str) -> dict:
-    """A Ray node's environment: the rank's (the deployment's variables, its GPUs, VLLM_HOST_IP), the marker;
-    vLLM's workers on that node inherit it from the raylet."""
-    return {**rank_env(d, address, gpu_indices), ownership.MARKER_VAR: marker, "RAY_USAGE_STATS_ENABLED": "0"}
+    """A Ray node's environment: the rank's (the deployment's variables, its GPUs, VLLM_HOST_IP), the marker, the
+    cluster's token; vLLM's workers on that node inherit it from the raylet."""
+    return {**rank_env(d, address, gpu_indices), ownership.MARKER_VAR: marker, "RAY_USAGE_STATS_ENABLED": "0",
+            **auth_env(d)}
 
 
 def head_start(d: Deployment) -> str:
@@ -65,8 +85,9 @@ def head_start(d: Deployment) -> str:
     if not engine.port_free("0.0.0.0", d.master_port):
         raise PlanFailed(f"Port {d.master_port} (the Ray head's) is in use on {d.node}.")
     d.marker = ownership.new_marker(d.pk)  # the engine launched later carries the same one
+    d.ray_token = raynode.new_token()  # a new cluster, a new token: the workers' Ray nodes read it from the row
     d.log_path = str(Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-ray-{int(time.time())}.log")
-    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
+    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, ray_token=d.ray_token, log_path=d.log_path)
     address = head_address(d)
     argv = raynode.start_argv(ray, port=d.master_port, node_ip=address, num_gpus=len(d.gpu_indices) or None,
                               temp_dir=_temp_dir(d))
@@ -92,7 +113,7 @@ def cluster_wait(d: Deployment) -> str:
     ends the wait."""
     want, address = d.ranks.count() + 1, f"{head_address(d)}:{d.master_port}"
     started = time.monotonic()
-    env = rank_env(d, head_address(d), d.gpu_indices)  # no marker: `ray status` is not part of the cluster
+    env = {**rank_env(d, head_address(d), d.gpu_indices), **auth_env(d)}  # no marker: not part of the cluster
     while True:
         _failed(d)
         if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
@@ -111,4 +132,4 @@ def cluster_wait(d: Deployment) -> str:
 
 def engine_env(d: Deployment) -> dict:
     """What `vllm serve` needs besides the rank's environment: where the cluster is."""
-    return {"RAY_ADDRESS": f"{head_address(d)}:{d.master_port}", "RAY_USAGE_STATS_ENABLED": "0"}
+    return {"RAY_ADDRESS": f"{head_address(d)}:{d.master_port}", "RAY_USAGE_STATS_ENABLED": "0", **auth_env(d)}

@@ -155,6 +155,7 @@ def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent, tmp_path, s
     worker.address = "10.0.0.2"
     worker.save()
     d = _spread(model, head, worker, {**RAY, "tensor-parallel-size": 4})
+    Deployment.objects.filter(pk=d.pk).update(ray_token="t" * 64)  # made by the head's Ray start
     r = d.ranks.select_related("deployment__node", "node").get()
     with mock.patch("deployments.host.raynode.check_installed", autospec=True), \
          mock.patch("deployments.host.engine.launch", autospec=True,
