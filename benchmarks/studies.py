@@ -22,7 +22,7 @@ from benchmarks import services as runs
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_admin
-from deployments import engineargs, live, privileged
+from deployments import engineargs, engineoptions, live, privileged
 from deployments.models import Deployment, DeploymentEvent
 from deployments.services import deploys
 
@@ -64,9 +64,18 @@ def expand_variants(variants: list[dict] | None, dimensions: dict | None) -> lis
                     v["engine_args"][key] = value
             out.append(v)
     for v in out:
-        v["engine_args"] = {str(k).lstrip("-"): val for k, val in v["engine_args"].items()}
+        v["engine_args"] = {_spelled(engineoptions.flag_name, k): val for k, val in v["engine_args"].items()}
+        v["env"] = {_spelled(engineoptions.env_name, k): val for k, val in v["env"].items()}
         v["name"] = v["name"] or describe(v["engine_args"], v["env"])
     return out
+
+
+def _spelled(canonical, name) -> str:
+    """The name in canonical form for the variant's name; one that has none stays as given (refused later)."""
+    try:
+        return canonical(name)
+    except engineoptions.OptionError:
+        return str(name)
 
 
 def describe(engine_args: dict, env: dict) -> str:
@@ -84,6 +93,11 @@ def validate_variants(d: Deployment, variants: list[dict], user) -> None:
             if not isinstance(value, (str, int, float, bool)) and value is not None:
                 raise ServiceError(f"{v['name']}: --{str(name)[:40]}: a value is a string, number or true/false.",
                                    field="variants")
+        try:  # stored so: the trials' redeploys, the admin check and the argv see one spelling (engineoptions)
+            v["engine_args"] = engineoptions.canonical_flags(v["engine_args"])
+            v["env"] = engineoptions.canonical_env({k: val for k, val in v["env"].items() if val is not None})
+        except engineoptions.OptionError as exc:
+            raise ServiceError(f"{v['name']}: {exc}", field="variants") from exc
         flags = {k: val for k, val in v["engine_args"].items() if val is not False and val is not None}
         if errors := engineargs.check_flags(flags, known):
             raise ServiceError(f"{v['name']}: {errors['extra_flags']}", field="variants")

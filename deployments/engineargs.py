@@ -1,12 +1,12 @@
 """Engine flags and environment for a deployment: parse what the user typed, check it, presets.
 
-Nothing here runs anything: flags become an argv list for `vllm serve` (no shell), and every
-value is checked to be a plain, printable string first.
+Nothing here runs anything: flags become an argv list for `vllm serve` (no shell). Names are put in
+their one canonical form and every value is checked (engineoptions) before anything else looks at them.
 """
-import json
-import re
 import shlex
 
+from deployments import engineoptions
+from deployments.engineoptions import ENV_NAME, FLAG_NAME, MAX_VALUE, OptionError  # noqa: F401 (used by callers)
 from deployments.host import enginecli
 
 # Environment variables a deployment may set: the engine's, the communication libraries' and CUDA's.
@@ -15,9 +15,6 @@ ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", 
 # Set by the panel itself; a user value would break what the panel relies on.
 ENV_RESERVED = {"CUDA_VISIBLE_DEVICES": "set by the panel from the chosen GPUs",
                 "RAY_ADDRESS": "set by the panel (the Ray head it starts for --distributed-executor-backend ray)"}
-ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
-FLAG_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-MAX_VALUE = 4096
 
 # Form presets: typical layouts, prefilled into the deploy form (the user can change anything).
 PRESETS = {
@@ -75,45 +72,49 @@ class ArgsError(ValueError):
         self.errors = errors
 
 
-# Nothing runs through a shell, but a value with shell syntax in it is a mistake or an attack:
-# refuse it rather than pass it on. JSON values (--compilation-config '{...}') are checked as JSON.
-SHELL_SYNTAX = re.compile(r"[`;|&<>\\]|\$\(|\$\{")
-
-
-def _plain(value: str) -> bool:
-    if len(value) > MAX_VALUE or not value.isprintable():
-        return False
-    if value[:1] in "{[":
-        try:
-            json.loads(value)
-            return True
-        except ValueError:
-            return False
-    return not SHELL_SYNTAX.search(value)
-
-
-def parse_flags(text: str) -> dict:
-    """'--max-num-batched-tokens 8192 --enable-prefix-caching' -> {"max-num-batched-tokens": "8192", ...}.
-
-    shlex only splits words here (quotes group a value); nothing is ever run through a shell.
-    """
+def _words(text: str) -> list[tuple[str, str | bool]]:
+    """'--a 1 --b --c=2 -O3 -tp 2' -> [("--a", "1"), ("--b", True), ("--c", "2"), ("-O", "3"), ("-tp", "2")]."""
     try:
         words = shlex.split(text or "")
     except ValueError as exc:
         raise ArgsError({"extra_flags": f"cannot read the flags: {exc}"}) from exc
-    flags, i = {}, 0
+    pairs, i = [], 0
     while i < len(words):
         word = words[i]
-        if not word.startswith("--"):
+        if not word.startswith("-") or word == "-":
             raise ArgsError({"extra_flags": f"expected a --flag, got {word[:40]!r}"})
-        name, _, value = word[2:].partition("=")
-        if not FLAG_NAME.match(name):
-            raise ArgsError({"extra_flags": f"{word[:40]!r} is not a flag name"})
-        if not value and i + 1 < len(words) and not words[i + 1].startswith("--"):
-            value, i = words[i + 1], i + 1
-        flags[name] = value if value else True
+        if word.startswith("-O") and len(word) > 2:  # vLLM's -O3 / -O=3: the optimization level
+            name, value = "-O", word[2:].removeprefix("=")
+        else:
+            name, sep, value = word.partition("=")
+            # `--a=` takes no value from the next word: `--a= --b` is --a "" and --b, never --a "--b"
+            if not sep and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                value, i = words[i + 1], i + 1
+        pairs.append((name, value if value else True))
         i += 1
-    return flags
+    return pairs
+
+
+def parse_flags(text: str) -> dict:
+    """'--max-num-batched-tokens 8192 --enable-prefix-caching' -> {"max-num-batched-tokens": "8192", ...}, in
+    canonical form (engineoptions: `--Max_Num_Seqs=8` and `-tp 2` read as max-num-seqs and tensor-parallel-size).
+    A value that begins with '-' is refused (`--enforce-eager=--trust-remote-code` too).
+
+    shlex only splits words here (quotes group a value); nothing is ever run through a shell.
+    """
+    flags = {}
+    for name, value in _words(text):
+        try:
+            key = engineoptions.flag_name(name)
+        except OptionError as exc:
+            raise ArgsError({"extra_flags": str(exc)}) from exc
+        if key in flags:
+            raise ArgsError({"extra_flags": f"--{key} is given twice"})
+        flags[key] = value
+    try:
+        return engineoptions.canonical_flags(flags)
+    except OptionError as exc:
+        raise ArgsError({"extra_flags": str(exc)}) from exc
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -126,12 +127,19 @@ def parse_env(text: str) -> dict[str, str]:
         name, sep, value = line.partition("=")
         if not sep:
             raise ArgsError({"env": f"line {number}: write NAME=VALUE"})
-        env[name.strip()] = value.strip()
+        try:
+            key = engineoptions.env_name(name)
+        except OptionError as exc:
+            raise ArgsError({"env": f"line {number}: {exc}"}) from exc
+        if key in env:
+            raise ArgsError({"env": f"line {number}: {key} is given twice"})
+        env[key] = value.strip()
     return env
 
 
 def check_env(env: dict) -> dict[str, str]:
-    """Errors for names outside the allowed prefixes, reserved names and unprintable values."""
+    """Errors for names outside the allowed prefixes, reserved names, names not in canonical (upper-case)
+    form and values that are not plain."""
     errors = []
     for name, value in env.items():
         if not isinstance(name, str) or not ENV_NAME.match(name):
@@ -140,20 +148,33 @@ def check_env(env: dict) -> dict[str, str]:
             errors.append(f"{name} is {ENV_RESERVED[name]}")
         elif not name.startswith(ENV_PREFIXES):
             errors.append(f"{name} is not allowed: names must start with {', '.join(p for p in ENV_PREFIXES[:6])}, …")
-        elif not isinstance(value, str) or not _plain(value):
-            errors.append(f"{name}: the value must be plain printable text (no shell syntax), at most {MAX_VALUE} characters")
+        elif not isinstance(value, str):
+            errors.append(f"{name}: a value is text")
+        elif problem := engineoptions.value_problem(value):
+            errors.append(f"{name}: {problem}")
     return {"env": "; ".join(errors)} if errors else {}
 
 
 def check_flags(flags: dict, known: set[str] | None) -> dict[str, str]:
-    """Errors for malformed or reserved flags (enginecli.RESERVED_FLAGS), bad values, and (when the engine's
-    list is known) unknown ones."""
-    errors = [f"--{name}: the value must be plain printable text (no shell syntax), at most {MAX_VALUE} characters"
-              for name, value in flags.items()
-              if not isinstance(value, (bool, int, float)) and not (isinstance(value, str) and _plain(value))]
+    """Errors for malformed, non-canonical or reserved flags (enginecli.RESERVED_FLAGS), bad values, and (when
+    the engine's list is known) unknown ones."""
+    errors = [f"--{name}: {problem}" for name, value in flags.items()
+              if (problem := engineoptions.value_problem(value))]
     errors += [message for name, message in enginecli.validate_args(flags, known or set()).items()
                if known or "unknown engine flag" not in message]
     return {"extra_flags": "; ".join(dict.fromkeys(errors))} if errors else {}
+
+
+def canonical(flags: dict, env: dict) -> tuple[dict, dict]:
+    """Both in canonical form (engineoptions), or ArgsError naming the field."""
+    try:
+        flags = engineoptions.canonical_flags(flags)
+    except OptionError as exc:
+        raise ArgsError({"extra_flags": str(exc)}) from exc
+    try:
+        return flags, engineoptions.canonical_env(env)
+    except OptionError as exc:
+        raise ArgsError({"env": str(exc)}) from exc
 
 
 def argv_words(flags: dict) -> list[str]:

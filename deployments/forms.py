@@ -61,9 +61,11 @@ class DeployForm(forms.Form):
                                            help_text="Runs Python code from the model repository on the host: admins only.")
     served_model_name = forms.CharField(required=False, max_length=200)
     extra_flags = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}),
-                                  help_text="More engine flags, e.g. --enable-prefix-caching --max-num-batched-tokens 8192")
+                                  help_text="More engine flags, e.g. --enable-prefix-caching --max-num-batched-tokens 8192. "
+                                            "Operators may set those on the operator list above; the others need an admin.")
     env = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}), label="Environment",
-                          help_text="NAME=VALUE per line: NCCL_*, VLLM_*, CUDA_*, TORCH_*, …")
+                          help_text="NAME=VALUE per line: NCCL_*, VLLM_*, CUDA_*, TORCH_*, … (operators: NCCL_* and "
+                                    "the variables on the operator list above)")
     secret_env = forms.CharField(required=False, max_length=2000, label="Secret variables",
                                  help_text="Names from Environment to keep secret, e.g. MY_VAR OTHER_VAR: never shown "
                                            "again, kept out of unit text and logs (*_TOKEN, *_KEY, … are secret anyway).")

@@ -1,29 +1,38 @@
-"""Engine options that run code, load files or change where the engine connects need the admin role.
+"""Which engine options need the admin role: everything not on the operator list (engineoptions).
 
---trust-remote-code runs the model repo's Python on the host; other flags load plugins, classes,
-templates or configs from a path; some variables switch on dev endpoints, load logging configs or
-point downloads elsewhere. An operator may deploy and restart what an admin set; setting or
-changing one of these takes an admin. File paths must lie inside the model's folder, for everyone.
+Operators may set only the reviewed options of engineoptions.OPERATOR_FLAGS / OPERATOR_ENV (what changes
+performance). Anything else, an unknown name too, needs an admin: --trust-remote-code runs the model
+repo's Python on the host; other flags load plugins, classes, templates or configs, or connect out; some
+variables switch on dev endpoints, load logging configs or point caches and downloads elsewhere. An
+operator may deploy and restart what an admin set; setting or changing such an option takes an admin.
+File paths must lie inside the model's folder, for everyone.
 """
 import posixpath
-import re
 
+from deployments import engineoptions
 from deployments.host import store
 from controlpanel.errors import ServiceError
 
-# Flag -> why it is privileged (shown to the user).
+# Why some of the options operators may not set need an admin (shown to the user; an option not named
+# here is refused as "not on the operator list").
 FLAGS = {
     "trust-remote-code": "runs Python code from the model repository",
     "tool-parser-plugin": "loads a Python file", "reasoning-parser-plugin": "loads a Python file",
     "middleware": "loads a Python class", "logits-processors": "loads Python classes",
+    "logits-processor-pattern": "lets requests name Python classes to load",
     "worker-cls": "loads a Python class", "worker-extension-cls": "loads a Python class",
-    "distributed-executor-backend": "may load a Python class", "kv-transfer-config": "loads classes and connects out",
-    "kv-events-config": "connects out", "otlp-traces-endpoint": "sends traces out",
-    "chat-template": "reads a file", "config": "reads a file", "generation-config": "reads a folder",
-    "tokenizer": "reads another folder", "download-dir": "writes a folder", "allowed-local-media-path": "serves a folder",
+    "scheduler-cls": "loads a Python class", "io-processor-plugin": "loads a plugin",
+    "distributed-executor-backend": "ray starts a Ray cluster, a dotted path loads a Python class",
+    "data-parallel-backend": "ray starts a Ray cluster", "kv-transfer-config": "loads classes and connects out",
+    "kv-events-config": "connects out", "otlp-traces-endpoint": "sends traces out", "tool-server": "connects to tool servers",
+    "log-config-file": "loads a logging config (a dictConfig can run any Python)",
+    "compilation-config": "may name a Python function to compile with", "chat-template": "reads a file",
+    "config": "reads a file", "generation-config": "reads a folder", "tokenizer": "reads another folder",
+    "download-dir": "writes a folder", "allowed-local-media-path": "serves a folder",
     "lora-modules": "reads other folders", "ssl-keyfile": "reads a file", "ssl-certfile": "reads a file",
-    "ssl-ca-certs": "reads a file", "load-format": "may load from URLs or run a loader", "model-loader-extra-config":
-    "configures the loader", "hf-overrides": "overrides the model's code choice", "speculative-config": "loads another model",
+    "ssl-ca-certs": "reads a file", "load-format": "may load from URLs or run a loader",
+    "model-loader-extra-config": "configures the loader", "hf-overrides": "overrides the model's code choice",
+    "speculative-config": "loads another model",
 }
 # Flags whose value may be a file or folder path: such a path must lie inside the model's folder.
 FILE_FLAGS = {"chat-template", "config", "generation-config", "tokenizer", "tool-parser-plugin", "reasoning-parser-plugin",
@@ -34,27 +43,41 @@ ENV = {
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "loads adapters at run time", "VLLM_USE_MODELSCOPE": "downloads from elsewhere",
     "HF_HUB_OFFLINE": "lets the engine go online", "TRANSFORMERS_OFFLINE": "lets the engine go online",
     "VLLM_NO_USAGE_STATS": "reports usage home", "HF_TRUST_REMOTE_CODE": "runs code from the model repository",
+    "VLLM_CACHE_ROOT": "compiled code is loaded from there", "VLLM_CONFIG_ROOT": "configs are read from there",
+    "TRITON_HOME": "compiled kernels are loaded from there", "HF_HOME": "moves the Hugging Face cache and token",
 }
-# Names that point the engine at a file, folder, plugin or address.
-ENV_PATTERN = re.compile(r"(_PATH|_DIR|_FILE|_ENDPOINT|_URL|_URI|_HOST|_ADDR|_ADDRESS|_PLUGINS?|_IP|_PORT|_CONFIG)$")
-
-
-# vLLM's own executors: naming one loads no code of the user's (a dotted class path would).
-BUILTIN_EXECUTORS = frozenset({"mp", "ray", "uni", "external_launcher"})
+# Reasons by prefix, for names not in ENV.
+ENV_PREFIXES = {"RAY_": "configures Ray", "TRITON_": "configures Triton's compiler and its cache",
+                "TORCHINDUCTOR_": "configures torch.compile and its cache", "HF_": "configures Hugging Face downloads",
+                "NCCL_": "loads a plugin, reads or writes a file or names an address"}
+NOT_LISTED = "not on the operator list (deployments/engineoptions.py)"
 
 
 def uses(engine_args: dict, env: dict) -> dict[str, str]:
-    """The privileged options in a deployment's settings: {"--flag" or "NAME": why}."""
-    found = {f"--{name}": FLAGS[name] for name, value in engine_args.items() if name in FLAGS and value not in (None, False)
-             and not (name == "distributed-executor-backend" and value in BUILTIN_EXECUTORS)}
+    """The options in canonical `engine_args` and `env` an operator may not set: {"--flag" or "NAME": why}."""
+    found = {}
+    for name, value in engine_args.items():
+        why = engineoptions.operator_flag(name, value)
+        if why is not None:
+            found[f"--{name}"] = why or FLAGS.get(name) or NOT_LISTED
     for name in env:
-        why = ENV.get(name) or ("points the engine at a file, folder or address" if ENV_PATTERN.search(name) else None)
-        if why:
-            found[name] = why
+        if not engineoptions.operator_env(name):
+            found[name] = ENV.get(name) or next((why for prefix, why in ENV_PREFIXES.items() if name.startswith(prefix)),
+                                                NOT_LISTED)
     return found
 
 
+def canonical(engine_args: dict, env: dict) -> tuple[dict, dict]:
+    """Both in canonical form (engineoptions), or a 400 naming the option: every service takes its input so."""
+    try:
+        return engineoptions.canonical_flags(engine_args), engineoptions.canonical_env(env)
+    except engineoptions.OptionError as exc:
+        raise ServiceError(str(exc), field="extra_flags") from exc
+
+
 def _changed(new: dict, old: dict) -> dict:
+    """What `new` (canonical) sets that `old` (as stored) did not: a name stored in another spelling counts as
+    new, so only what an admin stored canonically is an operator's to keep."""
     return {k: v for k, v in new.items() if k not in old or old[k] != v}
 
 
@@ -64,7 +87,8 @@ def check(*, engine_args: dict, env: dict, model_dir: str, admin: bool, old_args
         new = uses(_changed(engine_args, old_args or {}), _changed(env, old_env or {}))
         if new:
             listed = "; ".join(f"{name} ({why})" for name, why in new.items())
-            raise ServiceError(f"Needs the admin role: {listed}.", field="extra_flags", code="forbidden")
+            raise ServiceError(f"Needs the admin role: {listed}. Operators may set the options on the operator "
+                               "list; ask an admin for the others.", field="extra_flags", code="forbidden")
     for name in FILE_FLAGS & set(engine_args):
         value = engine_args[name]
         if isinstance(value, str) and not _inside(value, model_dir):

@@ -2,7 +2,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from controlpanel.params import DB_INT_MAX
-from deployments import secrets, validators
+from deployments import engineoptions, secrets, validators
 from deployments.engineargs import PRESETS
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
 
@@ -199,7 +199,10 @@ class DeployRequestSerializer(serializers.Serializer):
         for name, v in value.items():
             if not isinstance(v, (str, int, float, bool)) or v is None:
                 raise serializers.ValidationError(f"--{str(name)[:40]}: a value is a string, number or true/false.")
-        value = {str(k).lstrip("-"): v for k, v in value.items()}
+        try:  # one canonical spelling (engineoptions): tensor_parallel_size and --TENSOR-PARALLEL-SIZE are one flag
+            value = engineoptions.canonical_flags(value)
+        except engineoptions.OptionError as exc:
+            raise serializers.ValidationError(str(exc)) from exc
         name = self.initial_data.get("node") if isinstance(self.initial_data, dict) else None
         node = Node.objects.filter(name=name).first() if isinstance(name, str) and validators.NODE_NAME.match(name) else None
         errors = engineargs.check_flags(value, set(node.engine_flags) if node and node.engine_flags else None)
@@ -210,6 +213,10 @@ class DeployRequestSerializer(serializers.Serializer):
     def validate_env(self, value):
         from deployments import engineargs
 
+        try:
+            value = engineoptions.canonical_env(value)
+        except engineoptions.OptionError as exc:
+            raise serializers.ValidationError(str(exc)) from exc
         errors = engineargs.check_env(value)
         if errors:
             raise serializers.ValidationError(errors["env"])

@@ -12,27 +12,34 @@ import re
 import subprocess
 from pathlib import Path
 
+from deployments import engineoptions
 from deployments.host import engineenv
 from deployments.host.engine import EngineError
 
 # The panel sets these itself; the deploy form and API refuse them too (engineargs.check_flags).
 RESERVED_FLAGS = {"--host": "set by the panel", "--port": "set by the panel (the deployment's port)",
                   "--model": "set by the panel from the model"}
-_FLAG_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
-def _flag(name: str) -> str:
-    """'tensor_parallel_size' / '--tensor-parallel-size' -> '--tensor-parallel-size'."""
-    return "--" + str(name).lstrip("-").replace("_", "-")
+def _word(name: str, value) -> str:
+    """One value as an argv word; the last check that no value is read as another flag (engineoptions)."""
+    if problem := engineoptions.value_problem(value, argv_only=True):
+        raise EngineError(f"--{name}: {problem}", permanent=True)
+    return str(value)
 
 
 def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args: dict) -> list[str]:
-    """Turn {"tensor-parallel-size": 8, "enforce-eager": True} into a `vllm serve` argv (no shell)."""
+    """Turn {"tensor-parallel-size": 8, "enforce-eager": True} into a `vllm serve` argv (no shell).
+
+    Names must be canonical (engineoptions.canonical_flags: `tensor-parallel-size`, never `tensor_parallel_size`
+    or `--tensor-parallel-size`) and no value may begin with '-': every way in canonicalises and checks first,
+    so anything else here is refused rather than guessed at."""
     argv = [str(vllm_bin), "serve", str(model_path), "--host", host, "--port", str(int(port))]
     for name, value in engine_args.items():
-        if not _FLAG_RE.match(str(name).lstrip("-")):
-            raise EngineError(f"invalid engine flag name {name!r}", permanent=True)
-        flag = _flag(name)
+        if not engineoptions.is_canonical(name):
+            raise EngineError(f"engine flag {str(name)[:40]!r} is not in canonical form (lower case, dashed, no "
+                              "leading dashes): redeploy to store it so", permanent=True)
+        flag = f"--{name}"
         if flag in RESERVED_FLAGS:
             raise EngineError(f"{flag} is {RESERVED_FLAGS[flag]}", permanent=True)
         # False/None leave the engine's default; vLLM spells "off" for on-by-default flags --no-X.
@@ -41,11 +48,11 @@ def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args
         if value is True:
             argv.append(flag)
         elif isinstance(value, (list, tuple)):
-            argv += [flag, *(str(v) for v in value)]
+            argv += [flag, *(_word(name, v) for v in value)]
         elif isinstance(value, dict):
             argv += [flag, json.dumps(value)]
         else:
-            argv += [flag, str(value)]
+            argv += [flag, _word(name, value)]
     return argv
 
 
@@ -155,13 +162,13 @@ def engine_flags(vllm_bin: str, timeout_s: float = 120.0) -> set[str]:
 
 
 def validate_args(engine_args: dict, flags: set[str]) -> dict[str, str]:
-    """Map each bad key of `engine_args` to a message; unknown flags get a close-match suggestion."""
+    """Map each bad key of canonical `engine_args` to a message; unknown flags get a close-match suggestion."""
     errors = {}
     for name in engine_args:
-        if not _FLAG_RE.match(str(name).lstrip("-")):
-            errors[name] = f"{name!r} is not a valid flag name"
+        if not engineoptions.is_canonical(name):
+            errors[name] = f"{str(name)[:40]!r} is not a flag name in canonical form"
             continue
-        flag = _flag(name)
+        flag = f"--{name}"
         if flag in RESERVED_FLAGS:
             errors[name] = f"{flag} is {RESERVED_FLAGS[flag]}"
         elif flag not in flags:

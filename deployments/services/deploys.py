@@ -14,7 +14,7 @@ from django.utils.text import slugify
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
 from controlpanel.roles import is_admin
-from deployments import engineargs, live, privileged, secrets
+from deployments import engineargs, engineoptions, live, privileged, secrets
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.services import multinode
 from deployments.services.nodes import node_enqueue
@@ -58,8 +58,9 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     gpus = {g.index for g in node.gpus.all()}
     if set(gpu_indices) - gpus:
         raise ServiceError(f"{node} has no GPU {sorted(set(gpu_indices) - gpus)[0]}.", field="gpus")
-    parallel = (int(engine_args.get("tensor-parallel-size", 1)) * int(engine_args.get("pipeline-parallel-size", 1))
-                * int(engine_args.get("data-parallel-size", 1)))
+    parallel = 1
+    for name in engineoptions.COUNT_FLAGS:  # canonical names: tensor_parallel_size cannot dodge this
+        parallel *= engineoptions.count(engine_args, name)
     if gpus and not gpu_indices:
         raise ServiceError("Choose the GPUs to serve on.", field="gpus")
     if gpus and nnodes == 1 and parallel > len(gpu_indices):  # over several nodes: multinode.check splits it
@@ -138,6 +139,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     `workers` (multinode.Worker: node and GPUs) spread it over more nodes, `node` being the head (issue 17)."""
     workers = multinode.lock_nodes(node, list(workers)) if workers else []  # every node's lock, in id order
     node = Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
+    engine_args, env = privileged.canonical(engine_args, env)  # one spelling for every check below and the argv
     if preset:
         engine_args, env = engineargs.with_preset(engineargs.node_preset(node.gpus.exists()) if preset == "auto" else preset,
                                                   engine_args, env)
@@ -201,6 +203,10 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     gpu_indices = changes.pop("gpu_indices", d.gpu_indices)
     user = changes.pop("user", None)
     old_args, old_env = d.engine_args, d.env
+    if "engine_args" in changes:  # one spelling for every check below and the argv
+        changes["engine_args"] = privileged.canonical(changes["engine_args"], {})[0]
+    if "env" in changes:
+        changes["env"] = privileged.canonical({}, changes["env"])[1]
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one
         if field in changes:
             changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
@@ -214,6 +220,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
             value = changes.pop(field)
             changed |= value != getattr(d, field)
             setattr(d, field, value)
+    d.engine_args, d.env = privileged.canonical(d.engine_args, d.env)  # a row stored before canonical names too
     _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
            replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers))
     multinode.check_executor(d.engine_args, 1 + len(workers))

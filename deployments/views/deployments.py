@@ -8,7 +8,7 @@ from django.views.decorators.http import require_POST
 from controlpanel.errors import ServiceError
 from controlpanel.params import int_param
 from controlpanel.roles import operator_required
-from deployments import engineargs, forms, privileged, secrets, selectors
+from deployments import engineargs, engineoptions, forms, privileged, secrets, selectors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import deploys, repos
 
@@ -59,6 +59,7 @@ def _deploy_page(request, model, node, form, status=200, preset=""):
         "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": engineargs.PRESETS,
         "preset": preset or request.GET.get("preset") or (node and engineargs.node_preset(node.gpus.exists())),
         "privileged": privileged.FLAGS, "privileged_env": privileged.ENV,
+        "operator_flags": engineoptions.OPERATOR_FLAGS, "operator_env": engineoptions.OPERATOR_ENV,
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit}, status=status)
 
 

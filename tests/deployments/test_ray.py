@@ -16,7 +16,7 @@ from deployments.models import Deployment
 from deployments.services import deploys, multinode, plan, ranks, steps, watch
 from tests.deployments.test_deploys import FLAGS, host, model, node  # noqa: F401 - fixtures
 from tests.deployments.test_multinode import _node
-from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory
+from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 S = Deployment.Status
@@ -46,7 +46,7 @@ def pair():
 
 def _spread(model, head, worker, args):
     return deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={}, engine_args=args,
-                                     workers=[multinode.Worker(worker, [0, 1])])
+                                     workers=[multinode.Worker(worker, [0, 1])], user=UserFactory(role="admin"))
 
 
 def test_only_mp_or_ray_may_span_nodes(pair, sent):
@@ -66,7 +66,8 @@ def test_ray_over_nodes_needs_no_nnodes_flag_where_mp_does(pair, sent):
 
 def test_a_one_node_ray_deployment_gets_a_ray_head_port_and_loses_it_on_mp(pair, sent):
     head, _, model = pair
-    d = deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={}, engine_args=RAY)
+    d = deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={}, engine_args=RAY,
+                                  user=UserFactory(role="admin"))  # the Ray executor is an admin's choice
     assert d.master_port == multinode.MASTER_PORT_FIRST and not d.ranks.exists()
     assert "Ray head on port 29500" in d.events.get(step="queued").message
     Deployment.objects.filter(pk=d.pk).update(status=S.STOPPED)
@@ -181,8 +182,10 @@ def test_stop_marked_ends_every_process_group_carrying_the_marker(tmp_path):
     assert os.getpid() not in groups
 
 
-def test_naming_a_builtin_executor_needs_no_admin_but_a_class_path_does():
+def test_the_mp_and_uni_executors_need_no_admin_but_ray_or_a_class_path_does():
     from deployments import privileged
 
-    assert privileged.uses({"distributed-executor-backend": "ray"}, {}) == {}
-    assert "--distributed-executor-backend" in privileged.uses({"distributed-executor-backend": "my.mod.Executor"}, {})
+    for executor in ("mp", "uni"):
+        assert privileged.uses({"distributed-executor-backend": executor}, {}) == {}
+    for executor in ("ray", "my.mod.Executor", "external_launcher"):
+        assert "--distributed-executor-backend" in privileged.uses({"distributed-executor-backend": executor}, {})

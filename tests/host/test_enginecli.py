@@ -13,7 +13,7 @@ def test_build_argv_turns_engine_args_into_flags_without_a_shell():
         "tensor-parallel-size": 8, "enforce-eager": True, "max-model-len": 4096,
         "enable-prefix-caching": False, "kv-cache-dtype": None,
         "allowed-origins": ["a", "b"], "speculative-config": {"method": "ngram"},
-        "served_model_name": "m; rm -rf /",
+        "served-model-name": "m; rm -rf /",
     })
     assert argv == [
         "/venv/bin/vllm", "serve", "/models/llama", "--host", "0.0.0.0", "--port", "8001",
@@ -23,11 +23,20 @@ def test_build_argv_turns_engine_args_into_flags_without_a_shell():
     ]
 
 
-@pytest.mark.parametrize("name", ["port", "--host", "model", "bad flag", "x=1"])
-def test_build_argv_refuses_reserved_or_malformed_flags(name):
+@pytest.mark.parametrize("name", ["port", "--host", "model", "bad flag", "x=1", "trust_remote_code", "Trust-Remote-Code",
+                                  "--enforce-eager", "tp"])
+def test_build_argv_refuses_reserved_malformed_or_non_canonical_flags(name):
+    """The last line of defence: every way in canonicalises (engineoptions); anything else is refused, not guessed."""
     with pytest.raises(EngineError) as err:
         enginecli.build_argv("vllm", "m", 8000, "127.0.0.1", {name: "1"})
     assert err.value.permanent
+
+
+@pytest.mark.parametrize("value", ["--trust-remote-code", "-x", -1, "a\nb", ["ok", "--b"]])
+def test_build_argv_refuses_a_value_that_would_read_as_another_flag_or_line(value):
+    with pytest.raises(EngineError) as err:
+        enginecli.build_argv("vllm", "m", 8000, "127.0.0.1", {"enforce-eager": value})
+    assert err.value.permanent and "--enforce-eager" in str(err.value)
 
 
 FLAGS = {"--tensor-parallel-size", "--enforce-eager", "--max-model-len", "--port", "--host",
@@ -38,7 +47,8 @@ def test_validate_args_suggests_the_flag_a_typo_meant():
     errors = enginecli.validate_args(
         {"tensor-paralel-size": 2, "max_model_len": 4096, "enforce-eager": True,
          "frobnicate-everything": 1, "port": 9000}, FLAGS)
-    assert set(errors) == {"tensor-paralel-size", "frobnicate-everything", "port"}
+    assert set(errors) == {"tensor-paralel-size", "max_model_len", "frobnicate-everything", "port"}
+    assert "canonical form" in errors["max_model_len"]
     assert "--tensor-paralel-size" in errors["tensor-paralel-size"]
     assert "did you mean --tensor-parallel-size?" in errors["tensor-paralel-size"]
     assert "did you mean" not in errors["frobnicate-everything"]
