@@ -58,13 +58,15 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
     node, model = cpu_node
     gpu_node = NodeFactory(name=f"gpu-{unique}")  # a GPU host's telemetry, as its agent would send it
     GpuFactory(node=gpu_node, index=0, uuid="GPU-0", name="NVIDIA H200")
-    nodes.node_sample_record(gpu_node.pk, _sample(1_700_000_000.0, [(40, 90)]), {})
     deployment = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
                            name=f"tiny-{unique}", env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"},
                            engine_args={"max-model-len": 2048, "served-model-name": "tiny", "enforce-eager": True})
     wait_until(lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", timeout=300, interval=1,
                message="the engine to be ready")
 
+    # Recorded now, not before the load: the latest sample is kept for a bounded time, and a load on a busy
+    # machine can outlast it (the recording rules would then have no GPU figures to evaluate).
+    nodes.node_sample_record(gpu_node.pk, _sample(1_700_000_000.0, [(40, 90)]), {})
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(_config(live_server_asgi, token_file)))
@@ -82,8 +84,16 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
             return up if up.get("panel") == "1" and up.get("vllm") == "1" else False
 
         wait_until(both_up, timeout=90, interval=1, message="Prometheus to scrape the panel and the engine")
-        wait_until(lambda: _query(prometheus, "DCGM_FI_DEV_FB_USED"), timeout=30, interval=1,
-                   message="the recording rules' first evaluation")
+        try:
+            wait_until(lambda: _query(prometheus, "DCGM_FI_DEV_FB_USED"), timeout=60, interval=1,
+                       message="the recording rules' first evaluation")
+        except pytest.fail.Exception:  # say why: a scrape's error, or the panel's figures without the GPU
+            targets = httpx.get(f"{prometheus}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+            scraped = [(t["labels"].get("job"), t["health"], t.get("lastError"), t.get("lastScrapeDuration"))
+                       for t in targets]
+            gpu_lines = [line for line in httpx.get(f"{live_server_asgi}/metrics", timeout=10, headers={
+                "Authorization": f"Bearer {TOKEN}"}).text.splitlines() if line.startswith("panel_gpu_memory_used")]
+            pytest.fail(f"no recording rule result in 60 s; targets {scraped}; the panel's GPU lines {gpu_lines}")
 
         online = _query(prometheus, f'panel_node_online{{node="{node.name}"}}')
         assert [r["value"][1] for r in online] == ["1"]
