@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import redis
 from django.conf import settings
+from django.db import close_old_connections
 from django.http import parse_cookie
 
 from controlpanel import tokens
@@ -20,6 +21,15 @@ log = logging.getLogger(__name__)
 def valid(headers: dict[bytes, bytes], address: str) -> bool:
     """True when the ASGI `headers` carry a valid API token (`Authorization: Token ...`) of an active
     user, or the session cookie of a logged-in active user."""
+    try:
+        return _valid(headers, address)
+    finally:
+        # Outside a request's signals (a refused body never gets one): recycle the thread's connection
+        # as request_finished would (CONN_MAX_AGE), or it stays open until the thread's next request.
+        close_old_connections()
+
+
+def _valid(headers: dict[bytes, bytes], address: str) -> bool:
     authorization = headers.get(b"authorization", b"").decode("latin-1").split()
     if len(authorization) == 2 and authorization[0].lower() == "token":
         return _token_valid(authorization[1], address)
