@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -98,6 +99,21 @@ def wait_until(predicate, timeout=15.0, interval=0.05, message="condition"):
 
 # Fixtures through which a test reaches the database, and so the rows that live state is keyed by.
 _DB_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"}
+
+
+@pytest.fixture(autouse=True)
+def _tmp_enterable_by_engines(request):
+    """Engines run as their own user (vllm-engine) and pytest makes its folders 0700: enter-only (0711) for
+    the folders from /tmp down to this test's tmp_path, so an engine reaches the model folders, fake engines
+    and stand-ins a test puts there (it still cannot list them; files keep their modes)."""
+    if os.geteuid() != 0 or "tmp_path" not in request.fixturenames:
+        return
+    path = request.getfixturevalue("tmp_path")
+    top = Path(tempfile.gettempdir())
+    for p in (path, *path.parents):
+        if p == top or p == p.parent:
+            break
+        p.chmod(p.stat().st_mode | 0o011)
 
 
 @pytest.fixture(autouse=True)
