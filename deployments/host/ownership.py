@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 
+from deployments import secrets as masking  # plain Python, no Django
 from deployments.host import engine
 from deployments.host.errors import HostError
 
@@ -132,7 +133,8 @@ def describe(pid: int) -> dict:
         proc = psutil.Process(pid)
         with proc.oneshot():
             return {"pid": pid, "user": proc.username(), "name": proc.name(),
-                    "command": " ".join(proc.cmdline())[:300] or proc.name()}
+                    # Shown on pages and in 409s: a stranger's --api-key or token stays hidden.
+                    "command": masking.scrub(" ".join(proc.cmdline()))[:300] or proc.name()}
     except psutil.Error:
         return {"pid": pid, "user": "?", "name": "?", "command": "?"}
 

@@ -92,3 +92,19 @@ def test_a_worker_ranks_message_from_its_log_is_masked():
     ranks._note(r, DeploymentRank.State.FAILED, f"the rank's engine exited: {LEAKY_LOG.splitlines()[-1]}")
     r.refresh_from_db()
     assert _leaks(r.message) == [] and r.message.endswith(f"the token {secrets.MASK} has no access to org/m")
+
+
+def test_a_foreign_processs_command_line_is_shown_without_its_secrets():
+    import subprocess
+    import sys
+
+    from deployments.host import ownership
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key", API_KEY,
+                                 f"--hf-token={HF}"])
+    try:
+        command = ownership.describe(stranger.pid)["command"]
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert "time.sleep(30)" in command and _leaks(command) == [], command
