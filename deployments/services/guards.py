@@ -1,7 +1,7 @@
 """What holds a node's GPUs besides the panel's own engines (read on the node itself)."""
 from django.conf import settings
 
-from deployments.host import gpu, ownership
+from deployments.host import gpu, listeners, ownership
 from deployments.models import Deployment, DeploymentRank, Node
 
 __all__ = ["foreign_holders", "node_foreign_record", "panel_markers"]
@@ -67,6 +67,7 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> li
             continue  # gone meanwhile
         stray = ownership.owner(pid, others) if others else None
         found.append({**info, **holders[pid], "display": ownership.is_display_server(info),
+                      "ports": listeners.listening_ports(pid),  # a deploy onto one is refused naming it
                       "deployment": known.get(stray) if stray else None})
     return found
 
