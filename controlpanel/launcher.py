@@ -131,16 +131,29 @@ def ensure_admin(env: dict) -> tuple[str, str | None]:
     """
     username = env.get("PANEL_ADMIN_USER", "admin")
     password = env.get("PANEL_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
+    # create_superuser() checks no password: the validators (settings.AUTH_PASSWORD_VALIDATORS) run here,
+    # so a weak PANEL_ADMIN_PASSWORD is refused (exit 4, their messages on stderr); a generated one passes.
     code = (
-        "import json, sys; from django.contrib.auth import get_user_model as g; U=g(); a=json.loads(sys.stdin.readline());"
-        "sys.exit(0) if U.objects.filter(is_superuser=True).exists() else "
-        "(U.objects.create_superuser(a['user'], '', a['password']), sys.exit(3))"
+        "import json, sys\n"
+        "from django.contrib.auth import get_user_model\n"
+        "from django.contrib.auth.password_validation import validate_password\n"
+        "from django.core.exceptions import ValidationError\n"
+        "U = get_user_model(); a = json.loads(sys.stdin.readline())\n"
+        "if U.objects.filter(is_superuser=True).exists(): sys.exit(0)\n"
+        "try: validate_password(a['password'], U(username=a['user']))\n"
+        "except ValidationError as e: print(' '.join(e.messages), file=sys.stderr); sys.exit(4)\n"
+        "U.objects.create_superuser(a['user'], '', a['password']); sys.exit(3)\n"
     )
     child_env = {k: v for k, v in env.items() if k != "PANEL_ADMIN_PASSWORD"}
     result = subprocess.run([PYTHON, "manage.py", "shell", "-c", code], env=child_env, cwd=BASE_DIR,
-                            input=json.dumps({"user": username, "password": password}) + "\n", text=True)
+                            input=json.dumps({"user": username, "password": password}) + "\n", text=True,
+                            stderr=subprocess.PIPE)
     created = result.returncode == 3
+    if result.returncode == 4:
+        raise SystemExit(f"PANEL_ADMIN_PASSWORD is too weak: {result.stderr.strip().splitlines()[-1]} "
+                         "Choose another, or unset it to have one generated.")
     if result.returncode not in (0, 3):
+        sys.stderr.write(result.stderr)
         raise SystemExit("could not create the admin user")
     return username, (password if created else None)
 

@@ -102,3 +102,15 @@ def test_panel_test_hands_every_argument_to_pytest_leading_options_included(tmp_
     assert "test_a_second_start_does_not_print_a_new_password" in run.stdout
     assert "test_the_launcher_starts_everything" not in run.stdout  # -k deselected it
     assert "deselected" in run.stdout
+
+
+def test_a_weak_first_admin_password_is_refused_with_the_validators_reasons(tmp_path):
+    from controlpanel import launcher
+
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env.update(PANEL_VAR_DIR=str(tmp_path), PANEL_ADMIN_USER="admin", PANEL_ADMIN_PASSWORD="admin")
+    launcher.manage("migrate", "--noinput", "-v", "0", env=env)
+    with pytest.raises(SystemExit, match="PANEL_ADMIN_PASSWORD is too weak: .*too short"):
+        launcher.ensure_admin(env)
+    env["PANEL_ADMIN_PASSWORD"] = "a-long-enough-phrase-for-an-admin"
+    assert launcher.ensure_admin(env)[1] == "a-long-enough-phrase-for-an-admin"
