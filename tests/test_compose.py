@@ -66,7 +66,18 @@ def test_the_node_agent_gets_the_gpus_and_the_model_store():
 def test_secrets_come_from_the_environment_not_the_file():
     text = (ROOT / "docker-compose.yml").read_text()
     assert "${SECRET_KEY:?" in text
-    assert "hf_" not in text.lower().replace("hf_endpoint", "").replace("hf_token_file", "")
+    assert "hf_" not in text.lower().replace("hf_endpoint", "").replace("hf_token_file", "").replace("hf_token_key_file", "")
+
+
+def test_every_container_that_reads_the_stored_hf_token_shares_its_key():
+    """The token is stored encrypted (deployments/sealed.py): web (the settings page), the control worker and the
+    node agent (downloads) must open it with one key, kept on a volume rather than in each container."""
+    key_file = SERVICES["web"]["environment"]["HF_TOKEN_KEY_FILE"]
+    folder = key_file.rsplit("/", 1)[0]
+    for name in ("web", "worker", "nodeagent"):
+        env = SERVICES[name]["environment"]
+        assert env["HF_TOKEN_KEY_FILE"] == key_file, name
+        assert f"panelkeys:{folder}" in SERVICES[name]["volumes"], name
 
 
 def test_every_gpu_host_must_name_its_node_agent():
