@@ -57,6 +57,11 @@ def _temp_dir(d: Deployment) -> str:
     return str(path)
 
 
+# Ray's metrics export (an unauthenticated Prometheus endpoint the dashboard agent opens on every interface for
+# any node address but 127.0.0.1, Ray 2.60) is not started: vLLM's own /metrics is what the panel reads.
+NO_METRICS = {"RAY_enable_metrics_collection": "0"}
+
+
 def token(d: Deployment) -> str:
     """The cluster's token as stored now: a worker node's agent loaded its row before the head made it."""
     stored = Deployment.objects.filter(pk=d.pk).values_list("ray_token", flat=True).first() or ""
@@ -76,7 +81,7 @@ def node_env(d: Deployment, address: str, gpu_indices, marker: str) -> dict:
     """A Ray node's environment: the rank's (the deployment's variables, its GPUs, VLLM_HOST_IP), the marker, the
     cluster's token; vLLM's workers on that node inherit it from the raylet."""
     return {**rank_env(d, address, gpu_indices), ownership.MARKER_VAR: marker, "RAY_USAGE_STATS_ENABLED": "0",
-            **auth_env(d)}
+            **NO_METRICS, **auth_env(d)}
 
 
 def head_start(d: Deployment) -> str:

@@ -54,6 +54,7 @@ def test_the_ray_head_vllm_and_the_panels_status_calls_get_the_deployments_token
     argv = ray_spec.argv
     assert argv[argv.index("--node-ip-address") + 1] == node.address
     assert argv[argv.index("--include-dashboard") + 1] == "false"
+    assert ray_spec.env["RAY_enable_metrics_collection"] == "0"  # no Prometheus endpoint on every interface
     again, _, _ = _ray_run(model, node, ray_host)
     assert again.ray_token != d.ray_token  # each cluster its own
 
