@@ -24,7 +24,9 @@ ALIASES = {"tp": "tensor-parallel-size", "pp": "pipeline-parallel-size", "dp": "
            "dpn": "data-parallel-rank", "dpr": "data-parallel-start-rank", "dpl": "data-parallel-size-local",
            "dpa": "data-parallel-address", "dpp": "data-parallel-rpc-port", "dpb": "data-parallel-backend",
            "ep": "enable-expert-parallel", "q": "quantization", "o": "optimization-level", "n": "nnodes",
-           "r": "node-rank", "cc": "compilation-config", "ac": "attention-config"}
+           "r": "node-rank", "cc": "compilation-config", "ac": "attention-config",
+           "asc": "api-server-count", "dpe": "data-parallel-external-lb", "dph": "data-parallel-hybrid-lb",
+           "dpm": "data-parallel-multi-port-external-lb", "dc": "diffusion-config", "sc": "speculative-config"}
 # Read as numbers by the panel itself (GPU count, placement): a whole number from 1 up, nothing else.
 COUNT_FLAGS = ("tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size")
 # Nothing runs through a shell, but shell syntax in a value is a mistake or an attack: refused.
@@ -175,12 +177,17 @@ OPERATOR_FLAGS = {
     "cudagraph-capture-sizes": "batch sizes captured as CUDA graphs",
     "max-cudagraph-capture-size": "the largest batch captured as a CUDA graph",
     "api-server-count": "how many API server processes serve requests", "disable-log-stats": "stops periodic stats logging",
+    "max-num-scheduled-tokens": "tokens the scheduler issues per step", "max-num-active-seqs": "a scheduling limit",
+    "performance-mode": "balanced, interactivity or throughput, by name",
+    "kv-offloading-size": "CPU memory for offloaded KV blocks", "numa-bind": "pins workers to their GPU's NUMA node",
+    "enable-flashinfer-autotune": "kernel autotuning at warm-up",
     # number formats, by name (vLLM's built-in methods)
     "dtype": "the weights' number format", "quantization": "a built-in quantization method, by name",
     # context, naming, kernels
     "max-model-len": "the longest context served", "served-model-name": "the name clients ask for",
     "attention-backend": "a built-in attention kernel, by name",
     "mm-encoder-attn-backend": "a built-in attention kernel for the vision encoder, by name",
+    "moe-backend": "a built-in MoE kernel, by name", "linear-backend": "a built-in GEMM kernel, by name",
     "optimization-level": "torch.compile effort (-O0 … -O3)", "enforce-eager": "runs without CUDA graphs or compilation",
     "tool-call-parser": "one of vLLM's built-in tool-call parsers (TOOL_PARSERS); a plugin file is an admin's",
     "reasoning-parser": "one of vLLM's built-in reasoning parsers (REASONING_PARSERS); a plugin file is an admin's",
