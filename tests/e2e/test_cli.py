@@ -16,6 +16,7 @@ import pytest
 from controlpanel import tokens
 from deployments.host import engine, engineenv
 from tests.conftest import ROOT, VLLM, free_port
+from tests.e2e.holders import record_whole_host_holders
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 # PROMPTS is exactly the requests the CLI's bench sends at LEVEL (max(min_requests 32, 8 per user × 4)),
@@ -58,15 +59,17 @@ def vllm_bench(base_url, tokenizer, out_dir, prompts):
 
 @pytest.mark.slow
 def test_panelctl_deploys_benchmarks_and_stops_a_real_engine(cpu_node, live_server_asgi, operator, tiny_model, tmp_path):
-    """Slow: starting a real engine through the CLI (~30 s) and `vllm bench serve` (~15 s of imports) is what it tests."""
+    """Slow: starting a real engine through the CLI and redeploying it changed (~30 s each) and `vllm bench serve`
+    (~15 s of imports) is what it tests."""
     node, model = cpu_node
     env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": tokens.issue(operator),
            "PANELCTL_CONFIG": str(tmp_path / "none.json")}
     port = free_port()
 
-    code, out, err = panelctl(env, "deploy", str(model.pk), "--node", node.name, "--port", str(port), "--name", "cli-tiny",
-                              "--flag", "max-model-len=2048", "--flag", "no-enable-prefix-caching=", "--flag", "served-model-name=tiny", "--flag", "enforce-eager=",
-                              "--env", "VLLM_CPU_KVCACHE_SPACE=1", "--env", "VLLM_CPU_OMP_THREADS_BIND=0", "--wait", "--json")
+    deploy = ["deploy", str(model.pk), "--node", node.name, "--port", str(port), "--name", "cli-tiny",
+              "--flag", "max-model-len=2048", "--flag", "no-enable-prefix-caching=", "--flag", "served-model-name=tiny",
+              "--flag", "enforce-eager=", "--env", "VLLM_CPU_KVCACHE_SPACE=1", "--env", "VLLM_CPU_OMP_THREADS_BIND=0"]
+    code, out, err = panelctl(env, *deploy, "--wait", "--json")
     assert code == 0, err
     deployed = json.loads(out)
     assert deployed["status"] == "ready" and deployed["smoke"]["completion_tokens"] > 0
@@ -90,6 +93,17 @@ def test_panelctl_deploys_benchmarks_and_stops_a_real_engine(cpu_node, live_serv
     theirs = vllm_bench(f"http://127.0.0.1:{port}", tiny_model, tmp_path, prompts)
     assert theirs["completed"] == PROMPTS and theirs["total_output_tokens"] == OUT_TOKENS * PROMPTS
     assert point["input_tokens"] == theirs["total_input_tokens"], (point["input_tokens"], theirs["total_input_tokens"])
+
+    # Redeployed changed, as the CLI's own `deploy --replace` example does (issue 25): what the agent records as
+    # holding the host (the whole-host claim of a node without GPUs) names none of the engine's own processes,
+    # vLLM's titled EngineCore among them, so no "stop other processes" is needed.
+    seen, record = record_whole_host_holders(node, model.copies.get(node=node).path)
+    assert any(p.info["name"].startswith("VLLM::") for p in seen) and record == []
+    code, out, err = panelctl(env, *deploy, "--replace", "--flag", "max-num-seqs=8", "--wait", "--json")
+    assert code == 0, err
+    redeployed = json.loads(out)
+    assert redeployed["id"] == deployed["id"] and redeployed["status"] == "ready"
+    assert redeployed["engine_args"]["max-num-seqs"] in (8, "8") and redeployed["stop_foreign"] is False
 
     assert panelctl(env, "deploy", str(model.pk), "--node", node.name, "--flag", "max-modle-len=1")[0] == 2
     assert panelctl(env, "stop", "no-such-deployment")[0] == 5
