@@ -247,8 +247,8 @@ def share(user: EngineUser, folder: str | Path, root: str | Path) -> list[str]:
     if not user.separate:
         return []
     folder, root = Path(folder).resolve(), Path(root).resolve()
-    if folder == root or root not in folder.parents:
-        return []
+    if folder == root or root not in folder.parents or not folder.is_dir():
+        return []  # outside the store, or not there (yet): the engine's own start says what is missing
     changed = []
 
     def grant(path: Path, bits: int) -> None:

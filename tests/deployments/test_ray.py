@@ -6,16 +6,18 @@ The real run (two agents, real Ray, the real CPU engine) is tests/e2e/test_ray.p
 """
 import os
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 
 from controlpanel.errors import ServiceError
-from deployments.host import engine, ownership, raynode
+from deployments.host import engine, engineuser, ownership, raynode
 from deployments.models import Deployment
 from deployments.services import deploys, multinode, plan, ranks, steps, watch
 from tests.deployments.test_deploys import FLAGS, host, model, node  # noqa: F401 - fixtures
 from tests.deployments.test_multinode import _node
+from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -167,7 +169,10 @@ def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent, tmp_path, s
     assert spec.argv[spec.argv.index("--node-ip-address") + 1] == "10.0.0.2"
     assert spec.argv[spec.argv.index("--num-gpus") + 1] == "2" and "serve" not in spec.argv
     assert spec.env["VLLM_HOST_IP"] == "10.0.0.2" and spec.env[ownership.MARKER_VAR] == d.ranks.get().marker
-    assert spec.argv[spec.argv.index("--temp-dir") + 1] == str(tmp_path / "ray" / str(d.pk))  # the worker's own
+    # the worker's own, in the engine user's home (or the var dir when engines run as the agent's user)
+    user = engineuser.current()
+    home = Path(user.home) if user.separate else tmp_path
+    assert spec.argv[spec.argv.index("--temp-dir") + 1] == str(home / "ray" / str(d.pk))
     assert "Ray node joining" in d.events.get(step="launch@gpu-b").message
 
 
@@ -176,7 +181,9 @@ def test_stop_marked_ends_every_process_group_carrying_the_marker(tmp_path):
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     groups = [engine.launch(engine.EngineSpec(argv=sleeper, env={ownership.MARKER_VAR: marker},
                                               log_path=tmp_path / f"{i}.log")).pgid for i in range(2)]
-    assert len(set(groups)) == 2 and len(ownership.find(marker)) == 2
+    assert len(set(groups)) == 2
+    # launch() returns once the child is forked: its marker shows in /proc once it has exec'd
+    wait_until(lambda: len(ownership.find(marker)) == 2, timeout=10, message="both marked processes")
     assert steps.stop_marked(marker) == []
     assert ownership.find(marker) == [] and not any(engine.members(g) for g in groups)
     assert os.getpid() not in groups
