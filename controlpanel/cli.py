@@ -30,13 +30,24 @@ from controlpanel.privatefile import write_private
 
 CONFIG = Path(os.environ.get("PANELCTL_CONFIG", Path.home() / ".config" / "panelctl.json"))
 EXIT = {400: 2, 409: 3, 401: 4, 403: 4, 404: 5}
-FAILED, BAD_INPUT, UNREACHABLE, TIMED_OUT = 1, 2, 6, 7
+FAILED, BAD_INPUT, NOT_FOUND, UNREACHABLE, TIMED_OUT = 1, 2, 5, 6, 7
+NOT_FOUND_CODES = {"not_found", "revision_not_found"}
 
 
 class CliError(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
+
+
+def _exit_code(response) -> int:
+    """The exit code of a refusal: by HTTP status, except that a refusal naming something that does not
+    exist (a repo or revision the hub does not know, answered 400) is "not found" (5)."""
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = ""
+    return NOT_FOUND if code in NOT_FOUND_CODES else EXIT.get(response.status_code, UNREACHABLE)
 
 
 class Panel:
@@ -60,7 +71,7 @@ class Panel:
                 message = error["message"] + (f" ({fields})" if fields and fields not in error["message"] else "")
             except (ValueError, KeyError, TypeError):
                 message = response.text[:300]
-            raise CliError(f"{method} {path}: {response.status_code} {message}", EXIT.get(response.status_code, UNREACHABLE))
+            raise CliError(f"{method} {path}: {response.status_code} {message}", _exit_code(response))
         return response.json() if "json" in response.headers.get("content-type", "") else response.text
 
     def get(self, path, **params):
@@ -99,7 +110,7 @@ def _model_id(panel: Panel, ref: str) -> int:
         return int(ref)
     found = panel.get("models/", repo_id=ref)["results"]
     if not found:
-        raise CliError(f"No model {ref!r} in the panel: add it first (panelctl model add {ref}).", 5)
+        raise CliError(f"No model {ref!r} in the panel: add it first (panelctl model-add {ref}), then deploy it.", NOT_FOUND)
     return found[0]["id"]
 
 
@@ -210,6 +221,7 @@ def cmd_deploy(panel, args):
     body = {"model": model_id, "node": head, "gpus": gpus, "workers": workers, "port": args.port, "engine_args": engine_args,
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
+            "stop_foreign": args.stop_foreign,
             "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []]}
     if others and args.master_port:
         body["master_port"] = args.master_port
@@ -231,15 +243,20 @@ def _done(data, args):
     return 0
 
 
-def _wait_deployment(panel: Panel, d: dict, args, want: str) -> int:
-    """Follow the timeline until the deployment is `want` (ready: and smoke-tested); print each step once."""
+def _wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued") -> int:
+    """Follow the timeline until the deployment is `want` (ready: and smoke-tested); print each step once.
+    Only what this request started is shown: the steps from the last `since` event on (the one the
+    request added: "queued" for a deploy or restart, "stop" for a stop), never the deployment's history."""
     deadline = time.monotonic() + args.timeout
-    state, printed, last_line = "", set(), ""
+    state, floor, printed, last_line = "", None, set(), ""
     while time.monotonic() < deadline:
         answer = panel.get(f"deployments/{d['id']}/events/", state=state,
                            wait=min(20, max(1, int(deadline - time.monotonic()))))
         state = answer["state"]
-        for event in answer["events"]:
+        if floor is None:  # the first answer comes right after the request: its last `since` event is ours
+            floor = max((e["id"] for e in answer["events"] if e["step"] == since), default=0)
+        events = [e for e in answer["events"] if e["id"] >= floor]
+        for event in events:
             if event["id"] not in printed and (event["ended"] or event["level"] != "info"):
                 printed.add(event["id"])
                 say(f"  {event['step']:<12} {event['message']}")
@@ -247,10 +264,10 @@ def _wait_deployment(panel: Panel, d: dict, args, want: str) -> int:
         if answer["status"] == "loading" and line != last_line:
             say(line)
             last_line = line
-        smoked = any(e["step"] == "smoke_test" and e["ended"] for e in answer["events"])
+        smoked = any(e["step"] == "smoke_test" and e["ended"] for e in events)
         if answer["status"] == want and (want != "ready" or smoked):
             final = panel.get(f"deployments/{d['id']}/")
-            _emit(final, args.json, [f"{final['name']} is {want}" + (f": {final['base_url']}/v1" if want == "ready" else "")])
+            _emit(final, args.json, [f"{final['name']} is {want}"] + (_call_lines(final) if want == "ready" else []))
             return 0
         if answer["status"] in ("failed", "stopped") and answer["status"] != want:
             say(f"{d['name']} {answer['status']}: {answer['status_message']}")
@@ -261,11 +278,24 @@ def _wait_deployment(panel: Panel, d: dict, args, want: str) -> int:
     return TIMED_OUT
 
 
+def _call_lines(item: dict, snippets: bool = False) -> list[str]:
+    """How to call a deployment (issue 27): endpoint, model name(s), key; with `snippets`, curl and Python."""
+    call = item.get("call") or {}
+    lines = [f"  endpoint {call.get('base_url') or item['base_url'] + '/v1'}",
+             f"  model    {', '.join(call.get('models') or []) or 'unknown (no copy on the node yet)'}",
+             "  API key  " + ("needed: send the deployment's --api-key as a Bearer token (the snippets read $VLLM_API_KEY)"
+                              if call.get("key_required") else "none needed")]
+    if snippets and call.get("curl"):
+        lines += ["  curl:", *("    " + line for line in call["curl"].splitlines()),
+                  "  python (openai):", *("    " + line for line in call["python"].splitlines())]
+    return lines
+
+
 def cmd_stop(panel, args):
     d = _deployment(panel, args.deployment)
     d = panel.post(f"deployments/{d['id']}/stop/", key=args.idempotency_key)
     say(f"Stopping {d['name']}.")
-    return _wait_deployment(panel, d, args, want="stopped") if args.wait else _done(d, args)
+    return _wait_deployment(panel, d, args, want="stopped", since="stop") if args.wait else _done(d, args)
 
 
 def cmd_restart(panel, args):
@@ -340,9 +370,14 @@ def cmd_status(panel, args):
     """One object in full: a deployment or node by name, a model by repo id, a run by id."""
     if args.kind == "deployment":
         item = _deployment(panel, args.ref)
+        errors = [e for e in panel.get(f"deployments/{item['id']}/events/")["events"] if e["level"] == "error"]
+        error = (f"{errors[-1]['message']} ({errors[-1]['step']}, {errors[-1]['started']})" if errors
+                 else item["status_message"] if item["status"] == "failed" else "none")
         lines = [f"{item['name']}: {item['status']}" + (f" — {item['status_message']}" if item["status_message"] else ""),
+                 *_call_lines(item), f"  last error {error}",
                  f"  node {item['node']}, port {item['port']}, GPUs {item['gpus'] or 'none (CPU)'}",
-                 f"  flags {' '.join(f'--{k}' if v is True else f'--{k} {v}' for k, v in item['engine_args'].items())}"]
+                 f"  flags {' '.join(f'--{k}' if v is True else f'--{k} {v}' for k, v in item['engine_args'].items())}",
+                 *_call_lines(item, snippets=True)[3:]]
     elif args.kind == "node":
         item = panel.get(f"nodes/{args.ref}/")
         lines = [f"{item['name']}: {'online' if item['online'] else 'OFFLINE'}, {len(item['gpus'])} GPU(s), "
@@ -436,6 +471,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--replace", action="store_true", help="a deployment with this name exists: redeploy it")
     s.add_argument("--also-stop", action="append", metavar="DEPLOYMENT", help="also stop this deployment first")
     s.add_argument("--auto-restart", action="store_true")
+    s.add_argument("--stop-foreign", action="store_true", help="stop processes the panel did not start that hold "
+                   "the chosen GPUs (a node without GPUs: other vLLM engines on it); without it such a deploy is refused")
     s.add_argument("--wait", action="store_true", help="wait until ready (exit 1 if it fails)")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_deploy)

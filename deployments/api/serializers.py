@@ -2,7 +2,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from controlpanel.params import DB_INT_MAX
-from deployments import engineoptions, secrets, validators
+from deployments import callit, engineoptions, secrets, validators
 from deployments.engineargs import PRESETS
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
 
@@ -142,10 +142,16 @@ class RankSerializer(serializers.ModelSerializer):
 
 class DeploymentDetailSerializer(DeploymentSerializer):
     ranks = RankSerializer(many=True, read_only=True)
+    call = serializers.SerializerMethodField(help_text="How to call it: base_url, models (the names to put in "
+                                             "\"model\"), key_required, and curl and OpenAI-Python snippets.")
 
     class Meta(DeploymentSerializer.Meta):
         fields = DeploymentSerializer.Meta.fields + ["master_port", "ranks", "smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
-                                                     "secret_env", "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired"]
+                                                     "secret_env", "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired",
+                                                     "call"]
+
+    def get_call(self, obj) -> dict:
+        return callit.call(obj)
 
 
 class WorkerSerializer(serializers.Serializer):

@@ -24,6 +24,7 @@ from deployments.host.errors import HostError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 METADATA_TIMEOUT_S = 30.0
+CHECK_TIMEOUT_S = 10.0  # the existence check a model add waits for; the Hub answers it in well under a second
 MAX_CONFIG_BYTES = 16 << 20
 USER_AGENT = "vllm-controlpanel"
 
@@ -134,6 +135,18 @@ def repo_info(repo_id: str, revision: str = "main", token: str | None = None,
     except Exception as e:
         raise _metadata_error(e, repo_id, revision, endpoint, token) from e
     return RepoInfo(repo_id, revision, info.sha, files, config, sum(f.size for f in files))
+
+
+def repo_check(repo_id: str, revision: str = "main", token: str | None = None, endpoint: str | None = None,
+               timeout: float = CHECK_TIMEOUT_S) -> str:
+    """The commit `revision` of `repo_id` is at, in one small request (no file list): HubError when the hub
+    does not know the repo or the revision (permanent) or cannot be asked now (not permanent)."""
+    endpoint = endpoint_url(endpoint)
+    api = HfApi(endpoint=endpoint, token=token or False)  # False: never a token found on disk
+    try:
+        return api.model_info(repo_id, revision=revision, timeout=timeout).sha
+    except Exception as e:
+        raise _metadata_error(e, repo_id, revision, endpoint, token) from e
 
 
 def _fetch_config(api: HfApi, repo_id: str, commit: str) -> dict | None:

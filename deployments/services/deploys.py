@@ -14,7 +14,7 @@ from django.utils.text import slugify
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
 from controlpanel.roles import is_admin
-from deployments import engineargs, engineoptions, live, privileged, secrets
+from deployments import deploydefaults, engineoptions, flagvalues, live, privileged, secrets
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.services import multinode
 from deployments.services.nodes import node_enqueue
@@ -54,7 +54,13 @@ def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment |
 def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
            replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False, nnodes: int = 1) -> None:
     """Refuse what cannot work before anything is stopped or started. Callers hold the node's
-    row lock, so two claims on one node's GPUs are decided one after the other."""
+    row lock, so two claims on one node's GPUs are decided one after the other.
+
+    Each check says its own reason, in the order a user can act on (issue 27): what was typed (flag
+    values, GPUs, the model), then the port, then what holds the node (the panel's own deployments
+    loading, then processes the panel did not start) — a bad value is never reported as a busy host."""
+    if problems := flagvalues.problems(engine_args):
+        raise ServiceError("; ".join(problems) + ".", field="engine_args")
     gpus = {g.index for g in node.gpus.all()}
     if set(gpu_indices) - gpus:
         raise ServiceError(f"{node} has no GPU {sorted(set(gpu_indices) - gpus)[0]}.", field="gpus")
@@ -65,10 +71,13 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
         raise ServiceError("Choose the GPUs to serve on.", field="gpus")
     if gpus and nnodes == 1 and parallel > len(gpu_indices):  # over several nodes: multinode.check splits it
         raise ServiceError(f"TP × PP × DP = {parallel} needs {parallel} GPUs; {len(gpu_indices)} chosen.", field="tp")
-    busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in Deployment.IN_FLIGHT]
-    if busy:
-        raise ServiceError(f"GPUs {', '.join(map(str, gpu_indices))} are busy: {busy[0].name} is "
-                           f"{busy[0].get_status_display().lower()}.", field="gpus", code="gpus_busy")
+    if ModelCopy.objects.filter(model=model, node=node, state=ModelCopy.State.DELETING).exists():
+        raise ServiceError(f"{model} is being deleted on {node}; download it again after that.", field="model",
+                           code="in_use")
+    has_copy = ModelCopy.objects.filter(model=model, node=node, state=ModelCopy.State.READY).exists()
+    if not has_copy and (model.local_path or not model.files):
+        raise ServiceError(model.inspect_error or f"{model} is not on {node} and cannot be downloaded there yet.",
+                           field="model", code="not_inspected")
     replaced = set(replace_ids) | set(deployment_holders(node, gpu_indices).values_list("pk", flat=True))
     same_port = node.deployments.filter(status__in=Deployment.ACTIVE, port=port).exclude(pk__in=replaced)
     if deployment:
@@ -78,17 +87,17 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     # The agent names the deployment a stray engine belongs to: the one redeployed and those
     # ticked under "Also stop" are stopped by the plan itself, never foreign.
     spare = {*replace_ids, *([deployment.pk] if deployment else [])}
-    foreign = [p for p in node.foreign_processes if not p.get("display") and p.get("deployment") not in spare
-               and (not gpu_indices or set(p.get("gpus") or []) & set(gpu_indices))]
+    strangers = [p for p in node.foreign_processes if not p.get("display") and p.get("deployment") not in spare]
+    if listener := next((p for p in strangers if port in (p.get("ports") or [])), None):
+        raise ServiceError(f"Port {port} is in use on {node} by PID {listener['pid']} ({listener['user']}: "
+                           f"{listener['command'][:60]}): choose another port, or stop it.", field="port", code="port_in_use")
+    busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in Deployment.IN_FLIGHT]
+    if busy:
+        raise ServiceError(f"GPUs {', '.join(map(str, gpu_indices))} are busy: {busy[0].name} is "
+                           f"{busy[0].get_status_display().lower()}.", field="gpus", code="gpus_busy")
+    foreign = [p for p in strangers if not gpu_indices or set(p.get("gpus") or []) & set(gpu_indices)]
     if foreign and not stop_foreign:
-        raise ForeignProcesses(processes=foreign)
-    if ModelCopy.objects.filter(model=model, node=node, state=ModelCopy.State.DELETING).exists():
-        raise ServiceError(f"{model} is being deleted on {node}; download it again after that.", field="model",
-                           code="in_use")
-    has_copy = ModelCopy.objects.filter(model=model, node=node, state=ModelCopy.State.READY).exists()
-    if not has_copy and (model.local_path or not model.files):
-        raise ServiceError(model.inspect_error or f"{model} is not on {node} and cannot be downloaded there yet.",
-                           field="model", code="not_inspected")
+        raise ForeignProcesses(processes=foreign, on_gpus=bool(gpus))
 
 
 @dataclass
@@ -96,12 +105,15 @@ class ForeignProcesses(ServiceError):
     """Processes the panel did not start hold the chosen GPUs: the operator decides (409)."""
 
     processes: list
+    on_gpus: bool = True  # False: a node without GPUs, whose whole host is one engine's claim
 
     def __post_init__(self):
         names = "; ".join(f"PID {p['pid']} ({p['user']}: {p['command'][:60]}"
                           f"{', ' + str(p['memory'] >> 20) + ' MiB' if p.get('memory') else ''})" for p in self.processes)
-        super().__init__(f"Other processes hold the chosen GPUs: {names}. Stop them, or tick "
-                         "\"stop other processes on these GPUs\".", field="gpus", code="foreign_processes")
+        held = ("Other processes hold the chosen GPUs" if self.on_gpus else
+                "Other vLLM engines run on this node, which has no GPUs and runs one engine at a time")
+        super().__init__(f"{held}: {names}. Stop them, or tick \"stop other processes on these GPUs\" "
+                         "(API: stop_foreign, panelctl: --stop-foreign).", field="gpus", code="foreign_processes")
 
 
 def deployment_free_port(node: Node) -> int:
@@ -140,9 +152,9 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     workers = multinode.lock_nodes(node, list(workers)) if workers else []  # every node's lock, in id order
     node = Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
     engine_args, env = privileged.canonical(engine_args, env)  # one spelling for every check below and the argv
-    if preset:
-        engine_args, env = engineargs.with_preset(engineargs.node_preset(node.gpus.exists()) if preset == "auto" else preset,
-                                                  engine_args, env)
+    # The form's defaults for the node under the caller's own (issue 27: the CLI is the form), and the
+    # repo id as the served name unless one is given, so the stored flags and the plan show what to call.
+    engine_args, env = deploydefaults.with_defaults(node, model, engine_args, env, preset)
     if problem := secrets.check_marked(secret_env, env):
         raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
@@ -204,7 +216,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     user = changes.pop("user", None)
     old_args, old_env = d.engine_args, d.env
     if "engine_args" in changes:  # one spelling for every check below and the argv
-        changes["engine_args"] = privileged.canonical(changes["engine_args"], {})[0]
+        changes["engine_args"] = deploydefaults.keep_served_name(privileged.canonical(changes["engine_args"], {})[0],
+                                                                 d.engine_args)
     if "env" in changes:
         changes["env"] = privileged.canonical({}, changes["env"])[1]
     for field in ("engine_args", "env"):  # secrets are write-only: a masked value sent back keeps the stored one

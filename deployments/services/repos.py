@@ -62,8 +62,18 @@ def hf_token_set(value: str) -> None:
 # --- adding and inspecting ------------------------------------------------------------------
 
 def model_add(repo_id: str, revision: str = "main") -> ModelRepo:
-    """Add a Hub repo (or find it) and fetch its files and config on the control worker."""
-    model, _ = ModelRepo.objects.get_or_create(repo_id=repo_id, revision=revision or "main")
+    """Add a Hub repo (or find it) and fetch its files and config on the control worker. A repo or revision
+    the hub does not know is refused before any row exists, with the hub's answer (issue 27); a hub that
+    cannot be asked now leaves it to the inspection, which retries."""
+    revision = revision or "main"
+    if not ModelRepo.objects.filter(repo_id=repo_id, revision=revision).exists():
+        try:
+            hub.repo_check(repo_id, revision, token=hf_token() or None, endpoint=settings.HF_ENDPOINT)
+        except hub.HubError as exc:
+            if exc.permanent:
+                raise ServiceError(exc.message, field="revision" if exc.code == "revision_not_found" else "repo_id",
+                                   code=exc.code) from exc
+    model, _ = ModelRepo.objects.get_or_create(repo_id=repo_id, revision=revision)
     enqueue("deployments.model_inspect", args=[model.pk])
     return model
 

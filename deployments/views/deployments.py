@@ -8,7 +8,7 @@ from django.views.decorators.http import require_POST
 from controlpanel.errors import ServiceError
 from controlpanel.params import int_param
 from controlpanel.roles import operator_required
-from deployments import engineargs, engineoptions, forms, privileged, secrets, selectors
+from deployments import callit, deploydefaults, engineargs, engineoptions, forms, privileged, secrets, selectors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import deploys, repos
 
@@ -17,7 +17,7 @@ def deployment_list(request):
     return render(request, "deployments/deployment_list.html", {"deployments": selectors.deployment_list()})
 
 
-def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
+def _initial(preset: str | None, deployment: Deployment | None) -> dict:
     """Form values from a preset, or from an existing deployment (redeploy)."""
     if deployment:
         args = secrets.mask(deployment.engine_args)  # write-only: a masked value sent back keeps the stored one
@@ -38,11 +38,7 @@ def _initial(preset: dict | None, deployment: Deployment | None) -> dict:
         initial["workers"] = [r.node.name for r in placed]
         initial["worker_gpus"] = " ".join(f"{r.node.name}={','.join(map(str, r.gpu_indices))}" for r in placed)
         return initial
-    preset = dict(preset or {})
-    initial = {k: v for k, v in preset.items() if k not in ("label", "flags", "env")}
-    initial["extra_flags"] = " ".join(engineargs.argv_words(preset.get("flags", {})))
-    initial["env"] = "\n".join(f"{k}={v}" for k, v in preset.get("env", {}).items())
-    return initial
+    return deploydefaults.preset_initial(preset)
 
 
 def _deploy_page(request, model, node, form, status=200, preset=""):
@@ -74,7 +70,7 @@ def deploy(request, pk):
     if request.method != "POST":
         key = request.GET.get("preset", "")
         key = key if key in engineargs.PRESETS else engineargs.node_preset(node.gpus.exists())
-        initial = _initial(engineargs.PRESETS[key], None)
+        initial = {**_initial(key, None), "served_model_name": callit.served_name(model)}
         initial.setdefault("gpus", [str(g.index) for g in node.gpus.all()][: int(initial.get("tp") or 1)])
         initial["port"] = deploys.deployment_free_port(node)
         return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key)
@@ -99,7 +95,7 @@ def deployment_detail(request, pk):
     return render(request, "deployments/deployment_detail.html", {
         "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env, secrets.marked(d)),
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
-        "terminal": [str(s) for s in Deployment.TERMINAL],
+        "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d),
         "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 
 

@@ -26,7 +26,12 @@ def model_add(request):
     if not form.is_valid():
         return render(request, "deployments/model_list.html", {
             "models": selectors.model_list(), "add_form": form, "local_form": forms.LocalModelForm()}, status=400)
-    model = repos.model_add(form.cleaned_data["repo_id"], form.cleaned_data["revision"] or "main")
+    try:
+        model = repos.model_add(form.cleaned_data["repo_id"], form.cleaned_data["revision"] or "main")
+    except ServiceError as exc:  # the hub does not know it: nothing was added (issue 27)
+        form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+        return render(request, "deployments/model_list.html", {
+            "models": selectors.model_list(), "add_form": form, "local_form": forms.LocalModelForm()}, status=400)
     messages.success(request, f"Added {model}; reading its files and config from the Hub.")
     return redirect("model-detail", model.pk)
 

@@ -28,7 +28,8 @@ def test_deploy_answers_202_with_the_deployment(api, setup):
                                               "env": {"NCCL_PROTO": "LL"}, "preset": "none"}, format="json")
     assert response.status_code == 202, response.json()
     d = Deployment.objects.get()
-    assert response.json()["id"] == d.pk and d.engine_args == {"tensor-parallel-size": 2, "max-model-len": 4096}
+    assert response.json()["id"] == d.pk and d.engine_args == {"tensor-parallel-size": 2, "max-model-len": 4096,
+                                                         "served-model-name": model.repo_id}
     assert response.json()["gpus"] == [0, 1] and response.json()["status"] == "queued"
 
 

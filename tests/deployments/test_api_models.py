@@ -21,6 +21,7 @@ def viewer_api(viewer):
 @pytest.fixture(autouse=True)
 def no_queue():
     with mock.patch("deployments.tasks.model_inspect.apply_async", autospec=True) as inspect, \
+         mock.patch("deployments.host.hub.repo_check", autospec=True, return_value="0" * 40), \
          mock.patch("deployments.services.repos.node_enqueue", autospec=True):
         yield inspect
 

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture(autouse=True)
 def no_queue():
     with mock.patch("deployments.tasks.model_inspect.apply_async", autospec=True), \
+         mock.patch("deployments.host.hub.repo_check", autospec=True, return_value="0" * 40), \
          mock.patch("deployments.services.repos.node_enqueue", autospec=True) as enqueue:
         yield enqueue
 
