@@ -7,7 +7,7 @@
     panelctl deploy Qwen/Qwen3-0.6B --node cpu-01 --replace --flag max-num-seqs=8 --wait   # redeploy it changed
     panelctl deploy moonshotai/Kimi-K2.5 --node gpu-01 --tp 8 --env NCCL_PROTO=LL --wait
     panelctl deploy moonshotai/Kimi-K2.5 --node gpu-01 --node gpu-02:0,1,2,3,4,5,6,7 --tp 8 --pp 2 --wait  # two nodes
-    panelctl status deployment qwen3-0-6b-cpu-01
+    panelctl status deployment qwen3-0-6b-cpu-01        # endpoint, model name, key, last error, curl/Python
     panelctl bench qwen3-0-6b-cpu-01 --wait             # twice, then:
     panelctl compare 1 2
     panelctl stop qwen3-0-6b-cpu-01 --wait
