@@ -58,7 +58,8 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
 
     Each check says its own reason, in the order a user can act on (issue 27): what was typed (flag
     values, GPUs, the model), then the port, then what holds the node (the panel's own deployments
-    loading, then processes the panel did not start) — a bad value is never reported as a busy host."""
+    loading, then processes the panel did not start) — a bad value is never reported as a busy host.
+    A fit verdict (issue 27 item 2) belongs after the port and before the holders."""
     if problems := flagvalues.problems(engine_args):
         raise ServiceError("; ".join(problems) + ".", field="engine_args")
     gpus = {g.index for g in node.gpus.all()}
