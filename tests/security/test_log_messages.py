@@ -9,6 +9,7 @@ from deployments import live, secrets
 from deployments.models import Deployment, DeploymentRank
 from deployments.services import plan, ranks, watch
 from tests.deployments.test_deploys import FLAGS, FakeHost, host  # noqa: F401 - host: the plan's node, faked at its boundary
+from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -102,8 +103,9 @@ def test_a_foreign_processs_command_line_is_shown_without_its_secrets():
 
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key", API_KEY,
                                  f"--hf-token={HF}"])
-    try:
-        command = ownership.describe(stranger.pid)["command"]
+    try:  # Popen returns once the child is forked: its command line is the stranger's once it has exec'd
+        command = wait_until(lambda: (c := ownership.describe(stranger.pid)["command"]) and "time.sleep" in c and c,
+                             timeout=10, message="the stranger's exec")
     finally:
         stranger.kill()
         stranger.wait()
