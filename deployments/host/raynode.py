@@ -65,7 +65,9 @@ def start_argv(ray: str, *, port: int, node_ip: str, num_gpus: int | None, head_
     if head_address is None:
         # No dashboard. The Ray Client server cannot be left out where grpc is installed (`ray start` refuses
         # port 0); it binds the node's address and localhost and asks for the token like the GCS.
-        argv += ["--head", "--port", str(port), "--include-dashboard", "false",
+        # No autoscaler monitor either (a fixed set of nodes): it serves unauthenticated metrics on a fixed port
+        # (44217) on every interface.
+        argv += ["--head", "--port", str(port), "--include-dashboard", "false", "--no-monitor",
                  "--ray-client-server-port", str(free_port())]
     else:
         argv += ["--address", f"{head_address}:{port}"]

@@ -3,7 +3,9 @@
 the agents start (a head, a worker node joining it) and one real CPU engine, `vllm serve --tensor-parallel-size 2
 --distributed-executor-backend ray` on the head, its two workers placed by vLLM over both Ray nodes.
 
-Ready, smoke test answered through the head, stopped as one with no Ray or vLLM process left on either "node";
+Ready, smoke test answered through the head, authenticated (issue 25: `ray status`, a Ray driver and the panel's
+own status call without the deployment's token are refused; no unauthenticated metrics endpoint); stopped as
+one with no Ray or vLLM process left on either "node";
 a second deployment on the same agents fails as a whole when the worker node's Ray is killed.
 The CPU build declares no Ray device: tests/e2e/vllm_cpu_ray/sitecustomize.py (on the engine's PYTHONPATH)
 declares one "GPU" per rank, and RAY_OVERRIDE_RESOURCES gives each Ray node one.
@@ -12,6 +14,7 @@ import json
 import os
 import signal
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -19,10 +22,10 @@ import psutil
 import pytest
 from rest_framework.test import APIClient
 
-from deployments.host import engine, ownership
+from deployments.host import engine, engineenv, ownership, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.services import deploys, multinode, steps
-from tests.conftest import free_port, wait_until
+from tests.conftest import VLLM, free_port, wait_until
 from tests.e2e.test_multinode import agents, place_model
 from tests.factories import UserFactory
 
@@ -63,12 +66,64 @@ def ray_nodes(process_env, spawn, unique, short_dir, tiny_model):
                 steps.stop_marked(m)
 
 
+def _listening(*markers) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket listening in the cluster's processes (those carrying
+    one of the markers) and their descendants (vLLM's titled workers show no marker)."""
+    procs = {p.pid: p for m in markers for pid in ownership.find(m) for p in
+             [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]}
+    found = []
+    for proc in procs.values():
+        try:
+            found += [(c.laddr.ip, c.laddr.port, proc.name()) for c in proc.net_connections("tcp")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return found
+
+
+def _ask(argv, token=None, timeout=90):
+    """A Ray command from the engine's environment, as a stranger on the cluster network would run it (no token:
+    nothing of the cluster's in its environment, a HOME without ~/.ray/auth_token) or with the token."""
+    env = engineenv.engine_environ({"HOME": tempfile.mkdtemp(prefix="rayhome"), "RAY_USAGE_STATS_ENABLED": "0",
+                                    **(raynode.auth_env(token) if token else {})})
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _authenticated(d, rank):
+    """Issue 25: the cluster asks for its token (`ray status`, a Ray driver and the panel's own status call
+    without it are refused; with it they answer) and opens no unauthenticated metrics endpoint; what it
+    listens on (address, port, process) is returned."""
+    address, ray = f"127.0.0.1:{d.master_port}", raynode.ray_bin(str(VLLM))
+    assert len(d.ray_token) == 64
+    for pid in ownership.find(d.marker) + ownership.find(rank.marker):  # argv is every local user's to read
+        assert d.ray_token not in " ".join(psutil.Process(pid).cmdline())
+    code, out = _ask([ray, "status", "--address", address])
+    assert code != 0 and "authentication" in out.lower(), out[-2000:]
+    code, out = _ask([ray, "status", "--address", address], token=d.ray_token)
+    # Answered ("No cluster status": no autoscaler monitor runs, see raynode.start_argv); the nodes are counted below.
+    assert code == 0 and "authentication" not in out.lower(), out[-2000:]
+    driver = [str(VLLM.with_name("python")), "-c", f"import ray; ray.init(address='{address}'); print('CONNECTED')"]
+    code, out = _ask(driver)
+    assert code != 0 and "CONNECTED" not in out and "authentication" in out.lower(), out[-2000:]
+    env = engineenv.deployment_env({}, [])
+    assert raynode.alive_nodes(ray, address, env) == 0  # the panel's own call, without the token: refused
+    assert raynode.alive_nodes(ray, address, {**env, **raynode.auth_env(d.ray_token)}) == 2
+    listening = _listening(d.marker, rank.marker)
+    assert any(port == d.master_port for _, port, _ in listening), listening  # the GCS, on the master port
+    # No unauthenticated endpoint: neither Ray's metrics export nor the autoscaler's (port 44217) runs. Where
+    # the rest listens is Ray's choice (2.60: the GCS, raylets and workers on every interface, whatever
+    # --node-ip-address says), printed as a figure; all of them ask for the token.
+    assert 44217 not in [port for _, port, _ in listening], listening
+    return listening
+
+
 def _ray_ready(ray_nodes, name):
     """(deployment, its worker rank): TP 2 with Ray over the two agents, ready and smoke-tested."""
     head, worker, model, deployed = ray_nodes
     d = deploys.deployment_create(model=model, node=head, gpu_indices=[], port=free_port(), engine_args=ENGINE_ARGS,
                                   env=ENGINE_ENV, name=name, master_port=free_port(),
-                                  workers=[multinode.Worker(worker, [])])
+                                  workers=[multinode.Worker(worker, [])], user=UserFactory(role="admin"))  # an admin's choice
     deployed.append(d)
     d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status in {"ready", "failed"} and row,
                    timeout=LOAD_TIMEOUT_S, interval=0.5, message="the Ray deployment to load")
@@ -99,6 +154,8 @@ def test_a_ray_deployment_over_two_nodes_is_ready_answers_stops_with_nothing_lef
     assert "ray start" in rank_cmd and f"--address 127.0.0.1:{d.master_port}" in rank_cmd
     # vLLM placed a worker on the worker node: a Ray actor process there carries that node's marker.
     assert any("RayWorkerProc" in " ".join(psutil.Process(p).cmdline()) for p in ownership.find(rank.marker))
+    listening = _authenticated(d, rank)
+    print("listening:", sorted(set(listening)))
 
     api = APIClient()
     api.force_authenticate(UserFactory(role="operator"))
