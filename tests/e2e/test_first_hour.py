@@ -1,9 +1,12 @@
 """The first hour (issue 14) on the real CPU engine: a newcomer's journey in Chromium that changes no
-field from its default, `panelctl deploy` with nothing but the model, and random prompts that are as
-long, in the served model's tokens, as asked."""
+field from its default and calls the deployment with the official openai client as the page shows
+(issue 27), `panelctl deploy` with nothing but the model, and random prompts that are as long, in the
+served model's tokens, as asked."""
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +19,7 @@ from benchmarks.runner import tokens
 from controlpanel import tokens as api_tokens
 from deployments.host import engine
 from deployments.models import Deployment, ModelCopy
+from tests.conftest import ENGINE_VENV
 from tests.e2e.conftest import start_cpu_node
 from tests.e2e.test_cli import panelctl
 from tests.hfserver import serve
@@ -42,6 +46,11 @@ def hub_with_tiny_model(tmp_path, tiny_model):
         yield url
 
 
+def _openai_python() -> str:
+    """A Python with the official openai client: the panel's own when it has one, else the engine's (vLLM needs it)."""
+    return sys.executable if importlib.util.find_spec("openai") else str(ENGINE_VENV / "bin" / "python")
+
+
 def _sweep(spec):
     with ThreadPoolExecutor(1) as pool:  # a thread: Playwright may own this loop
         return pool.submit(runner.sweep, spec).result(600)
@@ -62,6 +71,7 @@ def test_panelctl_deploy_with_only_the_model_is_ready_and_prompts_are_as_long_as
     # Random prompts sized with the server's /tokenize: what the server counts (usage.prompt_tokens) is
     # what was asked, within 2 tokens, through the chat template and without one.
     d = Deployment.objects.get(pk=deployed["id"])
+    assert deployed["call"]["models"] == [model.repo_id] == [d.served_model_name]  # the repo id, not a path
     for endpoint in (runner.CHAT, runner.COMPLETIONS):
         for asked in (32, 100):
             spec = runner.LoadSpec(base_url=f"http://127.0.0.1:{d.port}", model=d.served_model_name, endpoint=endpoint,
@@ -111,6 +121,20 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
     expect(page.locator("#live-state")).to_have_text("live")
     deployment = Deployment.objects.get(node=node)
     assert deployment.engine_args.get("enforce-eager") is True  # the CPU preset, applied by the server
+
+    # Call it as the page says (issue 27): the model name it shows is the repo id, and its Python snippet,
+    # copied with its Copy button, runs as is with the official openai client.
+    expect(page.locator("#call-models .call-model")).to_have_text(["acme/tiny-chat"])
+    expect(page.locator("#call-key")).to_have_text("none needed")
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.click('button[data-copy="call-python"]')
+    expect(page.locator('button[data-copy="call-python"]')).to_have_text("Copied")
+    snippet = page.evaluate("navigator.clipboard.readText()")
+    assert snippet == page.locator("#call-python").inner_text() and 'model="acme/tiny-chat"' in snippet
+    called = subprocess.run([_openai_python(), "-c", snippet], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "NO_PROXY": "*"})
+    assert called.returncode == 0 and called.stdout.strip(), called.stderr[-2000:]
+    print(f"the openai client got {called.stdout.strip()[:80]!r}")
 
     for _ in range(2):
         page.goto(f"{page.base_url}/deployments/{deployment.pk}/")
