@@ -316,4 +316,6 @@ def tiny_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")
     subprocess.run([str(ENGINE_VENV / "bin" / "python"), str(ROOT / "tests" / "tinymodel.py"), str(out)],
                    check=True, timeout=300)
+    for path in (out, *out.iterdir()):  # engines run as their own user; safetensors writes its file 0600
+        path.chmod(path.stat().st_mode | 0o044 | (0o011 if path.is_dir() else 0))
     return out
