@@ -189,14 +189,17 @@ def test_tensor_parallel_over_two_nodes_downloads_answers_stops_and_fails_as_one
     assert DeploymentRank.objects.get(pk=rank.pk).state == "failed"
     assert engine.port_free("0.0.0.0", d.port)
 
-    # A head whose agent gives an address the worker cannot reach: the pre-flight fails, naming both nodes.
+    # A head whose agent gives an address that is not its own: the pre-flight fails before anything launches. The
+    # head's pre-flight listener binds the cluster address (never every interface), so on one machine the head
+    # itself refuses first; on two hosts an address the worker cannot route to fails on the worker's side.
     d = deploys.deployment_create(model=model, node=far_head, gpu_indices=[], port=free_port(), engine_args=ENGINE_ARGS,
                                   env=ENGINE_ENV, name="tiny-2n-unreachable", master_port=free_port(),
                                   workers=[multinode.Worker(worker, [])])
     d = _settle(d, {"ready", "failed"}, timeout=120)
     assert d.status == "failed"
-    assert (f"worker node {worker.name} cannot reach head node {far_head.name} at {UNREACHABLE}:{d.master_port}"
-            in d.status_message)
+    assert (f"Head node {far_head.name}: cannot listen on port {d.master_port}" in d.status_message
+            or f"worker node {worker.name} cannot reach head node {far_head.name} at {UNREACHABLE}:{d.master_port}"
+            in d.status_message), d.status_message
     assert not d.pid and DeploymentRank.objects.get(deployment=d).pid is None  # nothing was launched
     assert "launch" not in set(d.events.values_list("step", flat=True))
 

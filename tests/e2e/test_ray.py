@@ -41,6 +41,7 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(SHIM), "RAY_OVERR
 def short_dir():
     """A var folder with a short path: Ray's Unix sockets live under it (at most 107 bytes)."""
     path = Path(tempfile.mkdtemp(prefix="pr", dir="/tmp"))
+    path.chmod(0o711)  # mkdtemp makes it 0700: the engine user must enter it to reach the model stores below
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

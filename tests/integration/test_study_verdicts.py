@@ -37,7 +37,10 @@ def scheduled(process_env, spawn, unique, tmp_path, fake_model):  # noqa: F811 -
     """A ready deployment (--max-num-seqs 1) of the fake engine on SCHEDULES, driven by a real agent."""
     (fake_model / "fake_engine.json").write_text(json.dumps({"load_s": 0.3, "python": sys.executable,
                                                              "schedules": SCHEDULES}))
-    agent = Agent(spawn, agent_env(process_env, tmp_path), f"verdicts-{unique}", tmp_path / "store")
+    # The schedule server runs on this venv's Python (under /root, which the engine user cannot enter): the engine
+    # user is not what this test is about, so engines run as the agent's user here.
+    agent = Agent(spawn, agent_env(process_env, tmp_path, PANEL_ENGINE_USER="root"), f"verdicts-{unique}",
+                  tmp_path / "store")
     node = agent.start()
     model = in_thread(add_fake_model, node, fake_model)
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
