@@ -101,6 +101,19 @@ def wait_until(predicate, timeout=15.0, interval=0.05, message="condition"):
 _DB_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _checkout_enterable_by_engines():
+    """Engines run as their own user: they must enter the checkout's folders to reach var/tiny-model and the
+    fake engine in tests/faults. A clone under a folder closed to others (/root is 0700) gets o+x, and only
+    that, on each folder above it that lacks it."""
+    if os.geteuid() != 0:
+        return
+    for folder in (ROOT, *ROOT.parents):
+        mode = folder.stat().st_mode
+        if not mode & 0o001:
+            folder.chmod(mode | 0o001)
+
+
 @pytest.fixture(autouse=True)
 def _tmp_enterable_by_engines(request):
     """Engines run as their own user (vllm-engine) and pytest makes its folders 0700: enter-only (0711) for
