@@ -26,8 +26,9 @@ import threading
 import time
 from pathlib import Path
 
-from . import memory
+import benchmarks.runner.memory as memory  # the module, not the package: its __init__ imports this one
 from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
+from .sweep import auto_workers, sweep  # already imported by the package's __init__ when run with -m
 
 ROOT = Path(__file__).resolve().parents[2]  # the project, for `-m benchmarks.runner.child`
 CANCEL_CHECK_S = 0.2
@@ -161,8 +162,6 @@ def main() -> int:
             out.write(line + "\n")
 
     try:
-        from .sweep import auto_workers, sweep
-
         fields = json.loads(sys.stdin.readline())
         fields["levels"] = tuple(fields["levels"])
         spec = LoadSpec(**fields)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from deployments.host import vllm
 
-from . import memory
+import benchmarks.runner.memory as memory  # the module, not the package: its __init__ imports this one
 from .load import Pool, run_share
 from .prompts import Target, share_requests
 from .saturation import saturated
