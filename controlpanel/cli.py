@@ -24,66 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
+from controlpanel import clistatus, clitune
+from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
+                                  UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
+                                  _number, say, with_common)
 from controlpanel.privatefile import write_private
 
 CONFIG = Path(os.environ.get("PANELCTL_CONFIG", Path.home() / ".config" / "panelctl.json"))
-EXIT = {400: 2, 409: 3, 401: 4, 403: 4, 404: 5}
-FAILED, BAD_INPUT, NOT_FOUND, UNREACHABLE, TIMED_OUT = 1, 2, 5, 6, 7
-NOT_FOUND_CODES = {"not_found", "revision_not_found"}
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-def _exit_code(response) -> int:
-    """The exit code of a refusal: by HTTP status, except that a refusal naming something that does not
-    exist (a repo or revision the hub does not know, answered 400) is "not found" (5)."""
-    try:
-        code = response.json()["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        code = ""
-    return NOT_FOUND if code in NOT_FOUND_CODES else EXIT.get(response.status_code, UNREACHABLE)
-
-
-class Panel:
-    """A thin client: one method per HTTP verb, errors turned into CliError with an exit code."""
-
-    def __init__(self, url: str, token: str, timeout: float = 60.0):
-        if not url:
-            raise CliError("No panel URL: set PANEL_URL or run `panelctl login --url URL --token TOKEN`.", BAD_INPUT)
-        headers = {"Authorization": f"Token {token}"} if token else {}
-        self.http = httpx.Client(base_url=url.rstrip("/") + "/api/", headers=headers, timeout=timeout)
-
-    def call(self, method: str, path: str, **kwargs):
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise CliError(f"Cannot reach the panel: {exc}", UNREACHABLE) from exc
-        if response.status_code >= 400:
-            try:
-                error = response.json()["error"]
-                fields = "; ".join(f"{k}: {' '.join(v)}" for k, v in error.get("fields", {}).items())
-                message = error["message"] + (f" ({fields})" if fields and fields not in error["message"] else "")
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:300]
-            raise CliError(f"{method} {path}: {response.status_code} {message}", _exit_code(response))
-        return response.json() if "json" in response.headers.get("content-type", "") else response.text
-
-    def get(self, path, **params):
-        return self.call("GET", path, params=params)
-
-    def post(self, path, body=None, key: str | None = None):
-        headers = {"Idempotency-Key": key} if key else {}
-        return self.call("POST", path, json=body or {}, headers=headers)
-
-
-def say(*parts) -> None:
-    print(*parts, file=sys.stderr, flush=True)
 
 
 def _pairs(items: list[str], what: str) -> dict:
@@ -96,15 +43,6 @@ def _pairs(items: list[str], what: str) -> dict:
     return out
 
 
-def _number(value: str):
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            continue
-    return {"true": True, "false": False}.get(value.lower(), value)
-
-
 def _model_id(panel: Panel, ref: str) -> int:
     if ref.isdigit():
         return int(ref)
@@ -112,23 +50,6 @@ def _model_id(panel: Panel, ref: str) -> int:
     if not found:
         raise CliError(f"No model {ref!r} in the panel: add it first (panelctl model-add {ref}), then deploy it.", NOT_FOUND)
     return found[0]["id"]
-
-
-def _deployment(panel: Panel, ref: str) -> dict:
-    if ref.isdigit():
-        return panel.get(f"deployments/{ref}/")
-    found = panel.get("deployments/", name=ref)["results"]
-    if not found:
-        raise CliError(f"No deployment named {ref!r}.", 5)
-    return panel.get(f"deployments/{found[0]['id']}/")
-
-
-def _emit(data, as_json: bool, lines) -> None:
-    if as_json:
-        print(json.dumps(data, indent=2, default=str))
-    else:
-        for line in lines:
-            print(line)
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -238,14 +159,7 @@ def cmd_deploy(panel, args):
     return _wait_deployment(panel, d, args, want="ready") if args.wait else _done(d, args)
 
 
-def _done(data, args):
-    _emit(data, args.json, [])
-    return 0
-
-
 def _wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued") -> int:
-    from controlpanel import clistatus  # it imports this module's helpers
-
     return clistatus.wait_deployment(panel, d, args, want, since)
 
 
@@ -327,8 +241,6 @@ def cmd_list(panel, args):
 def cmd_status(panel, args):
     """One object in full: a deployment or node by name, a model by repo id, a run by id."""
     if args.kind == "deployment":
-        from controlpanel import clistatus
-
         item = _deployment(panel, args.ref)
         lines = clistatus.deployment_lines(panel, item)
     elif args.kind == "node":
@@ -366,17 +278,6 @@ def cmd_export(panel, args):
     out = panel.get("runs/export/", ids=",".join(args.runs), **({"as": "csv"} if args.csv else {}))
     print(out if isinstance(out, str) else json.dumps(out, indent=2, default=str))
     return 0
-
-
-def with_common(sub, common):
-    """Subcommands of `sub` get the `common` options (--json, --idempotency-key) after their name."""
-    add = sub.add_parser
-
-    def add_parser(name, **kwargs):
-        return add(name, parents=[common], **kwargs)
-
-    sub.add_parser = add_parser
-    return sub
 
 
 def parser() -> argparse.ArgumentParser:
@@ -471,8 +372,6 @@ def parser() -> argparse.ArgumentParser:
         if name == "export":
             s.add_argument("--csv", action="store_true")
         s.set_defaults(fn=fn)
-    from controlpanel import clitune  # it imports this module's helpers
-
     clitune.add(sub, common)
     return p
 

@@ -2,7 +2,7 @@
 import json
 import time
 
-from controlpanel.cli import FAILED, TIMED_OUT, Panel, _emit, say
+from controlpanel.clibase import FAILED, TIMED_OUT, Panel, _emit, say
 
 
 def wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued") -> int:

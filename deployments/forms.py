@@ -1,10 +1,18 @@
 """Forms for the pages; the same validators back the API serializers."""
 import re
+from typing import NamedTuple
 
 from django import forms
 
-from deployments import secrets, validators
+from deployments import engineargs, secrets, validators
 from deployments.models import Deployment, Node
+
+
+class Placement(NamedTuple):
+    """A worker node ticked on the deploy form and its GPUs (the view makes it a multinode.Worker)."""
+
+    node: Node
+    gpu_indices: list[int]
 
 
 class ModelAddForm(forms.Form):
@@ -102,8 +110,6 @@ class DeployForm(forms.Form):
         self.fields["replace"].choices = [(str(d.pk), f"{d.name} ({d.get_status_display().lower()})") for d in others]
 
     def clean(self):
-        from deployments import engineargs
-
         data = super().clean()
         for field in ("reasoning_parser", "tool_call_parser"):
             if data.get(field) and not self.PARSER.match(data[field]):
@@ -152,10 +158,8 @@ class DeployForm(forms.Form):
 
     WORKER_GPUS = re.compile(r"^([a-z0-9-]+)=(\d{1,4}(?:,\d{1,4})*)?$")
 
-    def _placement(self, data) -> list:
-        """The worker nodes ticked and their GPUs (multinode.Worker)."""
-        from deployments.services.multinode import Worker
-
+    def _placement(self, data) -> list[Placement]:
+        """The worker nodes ticked and their GPUs."""
         given = {}
         for word in (data.get("worker_gpus") or "").split():
             match = self.WORKER_GPUS.match(word)
@@ -166,5 +170,5 @@ class DeployForm(forms.Form):
         workers = []
         for node in Node.objects.filter(name__in=data["workers"]).order_by("name"):
             default = [g.index for g in node.gpus.all()][: len(data["gpu_indices"])]
-            workers.append(Worker(node, given.get(node.name, default)))
+            workers.append(Placement(node, given.get(node.name, default)))
         return workers

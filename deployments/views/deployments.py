@@ -10,7 +10,7 @@ from controlpanel.params import int_param
 from controlpanel.roles import operator_required
 from deployments import callit, deploydefaults, engineargs, engineoptions, forms, privileged, secrets, selectors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
-from deployments.services import deploys, repos
+from deployments.services import deploys, multinode, repos
 
 
 def deployment_list(request):
@@ -59,6 +59,10 @@ def _deploy_page(request, model, node, form, status=200, preset=""):
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit}, status=status)
 
 
+def _workers(data) -> list[multinode.Worker]:
+    return [multinode.Worker(node, gpus) for node, gpus in data["placement"]]
+
+
 @operator_required
 def deploy(request, pk):
     model = get_object_or_404(ModelRepo, pk=pk)
@@ -83,7 +87,7 @@ def deploy(request, pk):
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-            workers=data["placement"], master_port=data["master_port"])
+            workers=_workers(data), master_port=data["master_port"])
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return _deploy_page(request, model, node, form, status=409)
@@ -110,7 +114,7 @@ def deployment_edit(request, pk):
         return _deploy_page(request, d.model, d.node, form, status=400)
     data = form.cleaned_data
     try:
-        placement = {"workers": data["placement"]} if d.master_port or data["placement"] else {}
+        placement = {"workers": _workers(data)} if d.master_port or data["placement"] else {}
         deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user, **placement)
