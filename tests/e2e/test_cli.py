@@ -13,8 +13,11 @@ import sys
 
 import pytest
 
+from benchmarks import runner
+from benchmarks.runner import tokens as runner_tokens
 from controlpanel import tokens
 from deployments.host import engine, engineenv
+from deployments.models import Deployment
 from tests.conftest import ROOT, VLLM, free_port
 from tests.e2e.holders import record_whole_host_holders
 
@@ -58,26 +61,57 @@ def vllm_bench(base_url, tokenizer, out_dir, prompts):
 
 
 @pytest.mark.slow
-def test_panelctl_deploys_benchmarks_and_stops_a_real_engine(cpu_node, live_server_asgi, operator, tiny_model, tmp_path):
-    """Slow: starting a real engine through the CLI and redeploying it changed (~30 s each) and `vllm bench serve`
-    (~15 s of imports) is what it tests."""
+def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a_real_engine(
+        cpu_node, live_server_asgi, operator, tiny_model, tmp_path):
+    """Slow: two real engine loads through the CLI (~30-60 s each on 2 cores: the deploy with nothing but the model,
+    then the redeploy changed) and `vllm bench serve` (~15 s of imports) are what it tests. One engine serves the
+    prompt-length sweeps, the CLI's benchmark and vllm bench serve."""
     node, model = cpu_node
     env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": tokens.issue(operator),
            "PANELCTL_CONFIG": str(tmp_path / "none.json")}
-    port = free_port()
 
-    deploy = ["deploy", str(model.pk), "--node", node.name, "--port", str(port), "--name", "cli-tiny",
-              "--flag", "max-model-len=2048", "--flag", "no-enable-prefix-caching=", "--flag", "served-model-name=tiny",
-              "--flag", "enforce-eager=", "--env", "VLLM_CPU_KVCACHE_SPACE=1", "--env", "VLLM_CPU_OMP_THREADS_BIND=0"]
-    code, out, err = panelctl(env, *deploy, "--wait", "--json")
+    # Nothing but the model (issue 14): the form's defaults, ready, and the repo id is the model name to call.
+    code, out, err = panelctl(env, "deploy", str(model.pk), "--wait", "--json")
     assert code == 0, err
     deployed = json.loads(out)
-    assert deployed["status"] == "ready" and deployed["smoke"]["completion_tokens"] > 0
+    assert deployed["status"] == "ready" and deployed["node"] == node.name and deployed["smoke"]["completion_tokens"] > 0
     assert "load" in err and "smoke_test" in err  # readable progress on stderr
+    d = Deployment.objects.get(pk=deployed["id"])
+    assert deployed["call"]["models"] == [model.repo_id] == [d.served_model_name]  # the repo id, not a path
+
+    # Random prompts sized with the server's /tokenize: what the server counts (usage.prompt_tokens) is
+    # what was asked, within 2 tokens, through the chat template and without one.
+    for endpoint in (runner.CHAT, runner.COMPLETIONS):
+        for asked in (32, 100):
+            spec = runner.LoadSpec(base_url=f"http://127.0.0.1:{d.port}", model=d.served_model_name, endpoint=endpoint,
+                                   prompt_source="random", input_tokens=asked, max_tokens=4, levels=(1,),
+                                   min_requests=6, requests_per_user=1, warmup_per_user=0, scrape_metrics=False)
+            level = runner.sweep(spec).levels[0]
+            assert level.completed == 6 and level.prompt_tokens_counted_by == runner_tokens.SERVER
+            counted = [r.prompt_tokens for r in level.records if r.success]
+            print(f"{endpoint} asked {asked}: the server counted {counted}")
+            assert all(abs(n - asked) <= 2 for n in counted), (endpoint, asked, counted)
+            assert level.prompt_tokens_requested == asked and abs(level.prompt_tokens_mean - asked) <= 2
+
+    # Redeployed changed, as the CLI's own `deploy --replace` example does (issue 25): what the agent records as
+    # holding the host (the whole-host claim of a node without GPUs) names none of the engine's own processes,
+    # vLLM's titled EngineCore among them, so no "stop other processes" is needed.
+    seen, record = record_whole_host_holders(node, model.copies.get(node=node).path)
+    assert any(p.info["name"].startswith("VLLM::") for p in seen) and record == []
+    port, name = d.port, d.name
+    deploy = ["deploy", str(model.pk), "--node", node.name, "--port", str(port), "--name", name,
+              "--flag", "max-model-len=2048", "--flag", "no-enable-prefix-caching=", "--flag", "served-model-name=tiny",
+              "--flag", "enforce-eager=", "--env", "VLLM_CPU_KVCACHE_SPACE=1", "--env", "VLLM_CPU_OMP_THREADS_BIND=0"]
+    code, out, err = panelctl(env, *deploy, "--replace", "--flag", "max-num-seqs=8", "--wait", "--json")
+    assert code == 0, err
+    redeployed = json.loads(out)
+    assert redeployed["id"] == deployed["id"] and redeployed["status"] == "ready"
+    assert redeployed["engine_args"]["max-num-seqs"] in (8, "8") and redeployed["stop_foreign"] is False
+    assert redeployed["call"]["models"] == ["tiny"]
 
     # The panel's own benchmark through the CLI: it runs on the node's agent, next to the engine.
     prompts = prompts_file(tmp_path)
-    code, out, err = panelctl(env, "bench", "cli-tiny", "--concurrency", str(LEVEL), "--max-tokens", str(OUT_TOKENS),
+    code, out, err = panelctl(env, "bench", name, "--concurrency", str(LEVEL), "--max-tokens", str(OUT_TOKENS),
                               "--prompts-file", str(prompts), "--requests-per-user", str(PROMPTS // LEVEL),
                               "--wait", "--json")
     assert code == 0, err
@@ -94,20 +128,9 @@ def test_panelctl_deploys_benchmarks_and_stops_a_real_engine(cpu_node, live_serv
     assert theirs["completed"] == PROMPTS and theirs["total_output_tokens"] == OUT_TOKENS * PROMPTS
     assert point["input_tokens"] == theirs["total_input_tokens"], (point["input_tokens"], theirs["total_input_tokens"])
 
-    # Redeployed changed, as the CLI's own `deploy --replace` example does (issue 25): what the agent records as
-    # holding the host (the whole-host claim of a node without GPUs) names none of the engine's own processes,
-    # vLLM's titled EngineCore among them, so no "stop other processes" is needed.
-    seen, record = record_whole_host_holders(node, model.copies.get(node=node).path)
-    assert any(p.info["name"].startswith("VLLM::") for p in seen) and record == []
-    code, out, err = panelctl(env, *deploy, "--replace", "--flag", "max-num-seqs=8", "--wait", "--json")
-    assert code == 0, err
-    redeployed = json.loads(out)
-    assert redeployed["id"] == deployed["id"] and redeployed["status"] == "ready"
-    assert redeployed["engine_args"]["max-num-seqs"] in (8, "8") and redeployed["stop_foreign"] is False
-
     assert panelctl(env, "deploy", str(model.pk), "--node", node.name, "--flag", "max-modle-len=1")[0] == 2
     assert panelctl(env, "stop", "no-such-deployment")[0] == 5
-    code, out, err = panelctl(env, "stop", "cli-tiny", "--wait")
+    code, out, err = panelctl(env, "stop", name, "--wait")
     assert code == 0, err
     assert engine.port_free("0.0.0.0", port)
     code, out, _ = panelctl(env, "nodes", "--json")
