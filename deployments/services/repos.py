@@ -20,6 +20,7 @@ __all__ = [
     "DiskShort", "model_disk_check", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
     "model_download", "model_copy_download", "model_copy_progress", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
     "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token", "hf_token_set",
+    "model_download_cancel_for",
 ]
 PROGRESS_EVERY_S = 0.5  # how often a running download writes its progress and checks for cancel
 # A copy queued or downloading whose row has not moved for this long lost its task or its worker
@@ -157,22 +158,27 @@ def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
 
 
 def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
-              kv_cache_dtype: str = "auto") -> modelfit.FitResult | modelfit.CpuFitResult | None:
-    """Does the model fit the node's GPUs at TP×PP (a node without GPUs: its RAM and cores, for the CPU
-    engine)? None when the config (GPUs) or the size (CPU) is not known yet."""
+              kv_cache_dtype: str = "auto", gpu_indices: list[int] | None = None, context_length: int | None = None,
+              kv_cache_gib: float | None = None) -> modelfit.FitResult | modelfit.CpuFitResult | None:
+    """Does the model fit the node's GPUs (those chosen, else all) at TP×PP (a node without GPUs: its RAM and
+    cores, for the CPU engine with `kv_cache_gib` of KV cache, the CPU preset's by default)? None when the
+    config (GPUs) or the size (CPU) is not known yet."""
     files = [(f["path"], f["size"]) for f in model.files]
     if not node.gpus.all():
         weights = modelconfig.weight_bytes(files) or model.total_size
         if not weights:
             return None
-        kv_gib = float(engineargs.PRESETS[engineargs.node_preset(False)]["env"]["VLLM_CPU_KVCACHE_SPACE"])
-        return modelfit.cpu_fit_check(weights, node.ram_total, node.cpu_count, int(kv_gib * 2**30))
+        if kv_cache_gib is None:
+            kv_cache_gib = float(engineargs.PRESETS[engineargs.node_preset(False)]["env"]["VLLM_CPU_KVCACHE_SPACE"])
+        return modelfit.cpu_fit_check(weights, node.ram_total, node.cpu_count, int(kv_cache_gib * 2**30))
     if not model.config:
         return None
     spec = modelconfig.parse_config(model.config, files)
-    memories = [g.memory_total for g in node.gpus.all()]
+    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
+    memories = [g.memory_total for g in gpus if gpu_indices is None or g.index in gpu_indices]
     return modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
-                                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+                              context_length=context_length)
 
 
 def model_disk_check(model: ModelRepo, nodes) -> list[dict]:
@@ -216,7 +222,7 @@ def model_download(model: ModelRepo, node: Node) -> ModelCopy:
     if node.disk_total and needed > node.disk_free:
         raise DiskShort(needed=needed, free=node.disk_free, candidates=_deletable(node, exclude=copy))
     copy.transition(ModelCopy.State.QUEUED, bytes_total=model.total_size, error="", error_code="",
-                    cancel_requested=False)
+                    cancel_requested=False, progress={k: v for k, v in copy.progress.items() if k != "deployment"})
     copy.save()
     node_enqueue(node, "deployments.model_copy_download", copy.pk)
     live.send_copy(copy)
@@ -228,8 +234,10 @@ def _repo_info(model: ModelRepo) -> hub.RepoInfo:
     return hub.RepoInfo(model.repo_id, model.revision, model.commit, files, model.config or None, model.total_size)
 
 
-def model_copy_download(copy_id: int) -> ModelCopy:
-    """On the node: fetch the copy's files (resuming partials), verify them, record progress live."""
+def model_copy_download(copy_id: int, deployment_id: int | None = None) -> ModelCopy:
+    """On the node: fetch the copy's files (resuming partials), verify them, record progress live.
+    `deployment_id`: the deployment whose plan started it, recorded on the copy; a stop or delete of that
+    deployment cancels it (issue 27), and so does the deployment no longer wanting it."""
     with transaction.atomic():
         copy = ModelCopy.objects.select_for_update().select_related("model", "node").get(pk=copy_id)
         if copy.state not in ModelCopy.DOWNLOADABLE:
@@ -240,7 +248,8 @@ def model_copy_download(copy_id: int) -> ModelCopy:
             live.send_copy(copy)
             return copy
         dest = store.model_dir(copy.node.model_store or settings.MODEL_STORE, copy.model.repo_id, copy.model.revision)
-        copy.transition(ModelCopy.State.DOWNLOADING, path=str(dest))
+        progress = {**copy.progress, "deployment": deployment_id} if deployment_id else copy.progress
+        copy.transition(ModelCopy.State.DOWNLOADING, path=str(dest), progress=progress)
         copy.save()
     info = _repo_info(copy.model)
     needed = downloads.bytes_needed(info, dest)
@@ -255,7 +264,7 @@ def model_copy_download(copy_id: int) -> ModelCopy:
         if now - last["at"] < PROGRESS_EVERY_S and p.bytes_done < p.bytes_total:
             return
         last["at"] = now
-        last["cancel"] = model_copy_progress(copy, p)
+        last["cancel"] = model_copy_progress(copy, p) or (deployment_id is not None and not _still_wanted(deployment_id))
 
     try:
         downloads.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
@@ -287,8 +296,9 @@ def model_copy_progress(copy: ModelCopy, p: downloads.Progress) -> bool:
     """Record a download's progress on its row and on the model's and node's pages; returns whether
     a cancel was asked meanwhile."""
     copy.bytes_done, copy.bytes_total, copy.rate = p.bytes_done, p.bytes_total, p.rate_bps
+    started_by = {"deployment": copy.progress["deployment"]} if (copy.progress or {}).get("deployment") else {}
     copy.progress = {"files": {k: list(v) for k, v in p.files.items()}, "current_file": p.current_file,
-                     "seconds_left": p.seconds_left}
+                     "seconds_left": p.seconds_left, **started_by}
     ModelCopy.objects.filter(pk=copy.pk).update(bytes_done=p.bytes_done, bytes_total=p.bytes_total,
                                                 rate=p.rate_bps, progress=copy.progress, updated=timezone.now())
     cancel = ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists()
@@ -320,6 +330,26 @@ def model_copy_cancel(copy: ModelCopy) -> ModelCopy:
         copy.save()
     live.send_copy(copy)
     return copy
+
+
+def _still_wanted(deployment_id: int) -> bool:
+    """The deployment whose plan started a download still wants its model (not stopping, stopped or gone)."""
+    return Deployment.objects.filter(pk=deployment_id, status__in=Deployment.ACTIVE - {Deployment.Status.STOPPING}).exists()
+
+
+def model_download_cancel_for(d: Deployment) -> list[str]:
+    """Cancel the downloads `d`'s plan started that still run (a stop or delete while it prepares, issue 27);
+    a download a user started, which the plan only waits for, goes on. One line per copy, for the timeline."""
+    said = []
+    for copy in ModelCopy.objects.filter(model=d.model_id, state__in=ModelCopy.DOWNLOADABLE,
+                                         progress__deployment=d.pk).select_related("node", "model"):
+        try:
+            copy = model_copy_cancel(copy)
+        except ServiceError:
+            continue  # it finished or failed meanwhile
+        kept = f" ({modelfit.human_bytes(copy.bytes_done)} kept for a retry)" if copy.bytes_done else ""
+        said.append(f"Cancelled the download of {copy.model} to {copy.node} it started{kept}.")
+    return said
 
 
 def model_copy_retry(copy: ModelCopy) -> ModelCopy:

@@ -1,0 +1,75 @@
+"""The fit verdict gates a deploy (issue 27): the estimate the deploy page shows for the deploy's own
+settings, and the refusal of what it says will not fit unless an admin overrides it."""
+from dataclasses import dataclass, field
+
+from controlpanel.errors import ServiceError
+from deployments import engineoptions, modelfit
+from deployments.models import Deployment, ModelRepo, Node
+from deployments.services import repos
+
+__all__ = ["FitOverride", "deploy_fit", "model_fit_gate", "OVERRIDE_HINT"]
+OVERRIDE_HINT = ("an admin can deploy it anyway (the form's \"Deploy anyway\", API: override_fit, "
+                 "panelctl: --override-fit)")
+
+
+@dataclass
+class FitOverride:
+    """An admin's decision to deploy against the fit verdict, for the deployment's timeline."""
+
+    message: str
+    data: dict = field(default_factory=dict)
+
+
+def deploy_fit(model: ModelRepo, node: Node, gpu_indices: list[int], engine_args: dict, env: dict):
+    """The fit estimate for these settings on this node (None: unknown yet): the chosen GPUs at the flags'
+    TP × PP, utilization, KV-cache dtype and max-model-len; on a node without GPUs, its RAM for the weights,
+    the engine's VLLM_CPU_KVCACHE_SPACE and its processes."""
+    kv_gib = env.get("VLLM_CPU_KVCACHE_SPACE")
+    try:
+        return repos.model_fit(
+            model, node, engineoptions.count(engine_args, "tensor-parallel-size"),
+            engineoptions.count(engine_args, "pipeline-parallel-size"),
+            float(engine_args.get("gpu-memory-utilization") or 0.9), str(engine_args.get("kv-cache-dtype") or "auto"),
+            gpu_indices=gpu_indices or None, context_length=_int(engine_args.get("max-model-len")),
+            kv_cache_gib=float(kv_gib) if kv_gib not in (None, "") else None)
+    except (ValueError, TypeError, KeyError, engineoptions.OptionError):
+        return None  # a value the estimate cannot read (the flag checks name it): no verdict
+
+
+def _int(value) -> int | None:
+    try:
+        return int(value) if value not in (None, "", False) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def model_fit_gate(model: ModelRepo, node: Node, gpu_indices: list[int], engine_args: dict, env: dict, *,
+                   nnodes: int = 1, override: bool = False, admin: bool = False,
+                   deployment: Deployment | None = None) -> FitOverride | None:
+    """Refuse a deploy its fit estimate says will not fit (409 does_not_fit, naming the reason), unless an
+    admin overrides it: then the override to record on the timeline. An unknown verdict (config not read,
+    RAM not reported) and a deploy over several nodes (each node's share is checked by the plan) pass.
+    A redeploy of a deployment an admin already overrode with this same verdict keeps that override."""
+    if nnodes > 1:
+        return None
+    fit = deploy_fit(model, node, gpu_indices, engine_args, env)
+    if fit is None or fit.fits or not getattr(fit, "known", True):
+        return None
+    verdict = fit.message
+    earlier = deployment and deployment.events.filter(step="fit_override", data__verdict=verdict).exists()
+    if not override and not earlier:
+        raise ServiceError(f"{model} does not fit {node}: {verdict.removeprefix('does not fit: ')}. "
+                           f"{_remedy(fit)}; {OVERRIDE_HINT}.", field="model", code="does_not_fit")
+    if override and not admin:
+        raise ServiceError("Only an admin can deploy against the fit check.", field="override_fit", code="forbidden")
+    how = "kept from an earlier admin override" if not override else "an admin overrode the fit check"
+    return FitOverride(f"Deployed although the fit check says {verdict} ({how}).", {"verdict": verdict})
+
+
+def _remedy(fit) -> str:
+    """What the user can change to make it fit."""
+    if isinstance(fit, modelfit.CpuFitResult):
+        return "Choose a smaller model, a node with more RAM, or a smaller VLLM_CPU_KVCACHE_SPACE"
+    if fit.kv_tokens and fit.kv_tokens < fit.context_length:
+        return f"Set a max model length of at most {fit.kv_tokens:,}, or use more GPUs or an fp8 KV cache"
+    return "Use more GPUs (a larger tensor or pipeline parallel size), or a smaller or quantized model"
