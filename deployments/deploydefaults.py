@@ -26,12 +26,7 @@ def form_defaults(node, key: str = "auto") -> tuple[dict, dict]:
 
     key = preset_key(node, key)
     unbound = DeployForm(node=node, initial=preset_initial(key))
-    data = {}
-    for name, field in unbound.fields.items():
-        value = unbound[name].value()
-        if value in (None, False, "", []) or name in ("gpus", "replace", "workers", "port"):
-            continue
-        data[name] = [str(v) for v in value] if isinstance(value, (list, tuple)) else value
+    data = submitted(unbound, keep=())
     tp = int(data.get("tp") or 1)
     data["gpus"] = [str(g.index) for g in node.gpus.all()][:tp]
     data["port"] = 1024  # any valid port: the caller's or a free one is used, never this
@@ -39,6 +34,18 @@ def form_defaults(node, key: str = "auto") -> tuple[dict, dict]:
     if form.is_valid():
         return form.cleaned_data["engine_args"], form.cleaned_data["env_vars"]
     return engineargs.with_preset(key, {}, {})
+
+
+def submitted(unbound, keep=("gpus", "port")) -> dict:
+    """What an unbound form sends when submitted as shown (its initial values), `keep` of the fields
+    gpus, replace, workers and port included."""
+    data = {}
+    for name in unbound.fields:
+        value = unbound[name].value()
+        if value in (None, False, "", []) or (name in ("gpus", "replace", "workers", "port") and name not in keep):
+            continue
+        data[name] = [str(v) for v in value] if isinstance(value, (list, tuple)) else value
+    return data
 
 
 def with_defaults(node, model, engine_args: dict, env: dict, key: str = "") -> tuple[dict, dict]:

@@ -97,6 +97,13 @@ class DeployForm(forms.Form):
                                                "(default: the first free from 29500).")
     stall_seconds = forms.IntegerField(min_value=30, max_value=86400, initial=600, label="Stalled after (s)",
                                        help_text="No fixed load timeout: a load fails only when neither log nor GPU memory moved this long.")
+    override_fit = forms.BooleanField(required=False, label="Deploy anyway, against the fit check (admins)",
+                                      help_text="Recorded on the deployment's timeline.")
+
+    # Fields that mean nothing on a node without GPUs, and those of a deploy over several nodes: sent as
+    # they are (their defaults), not shown where they cannot apply (issue 27: ~24 fields on a CPU node).
+    GPU_FIELDS = ("gpus", "tp", "pp", "expert_parallel", "gpu_memory_utilization", "attention_backend")
+    MULTI_NODE_FIELDS = ("workers", "worker_gpus", "master_port")
 
     PARSER = re.compile(r"^[A-Za-z0-9_.-]*$")
 
@@ -108,6 +115,16 @@ class DeployForm(forms.Form):
         self.fields["workers"].choices = [(n.name, n.name + ("" if n.online else " (offline)"))
                                           for n in Node.objects.exclude(pk=node.pk)]
         self.fields["replace"].choices = [(str(d.pk), f"{d.name} ({d.get_status_display().lower()})") for d in others]
+        hidden = () if node.gpus.exists() else (*self.GPU_FIELDS, "dp" if not self.fields["workers"].choices else "")
+        if not self.fields["workers"].choices:
+            hidden = (*hidden, *self.MULTI_NODE_FIELDS)
+        for name in filter(None, hidden):
+            multiple = isinstance(self.fields[name], forms.MultipleChoiceField)
+            self.fields[name].widget = forms.MultipleHiddenInput() if multiple else forms.HiddenInput()
+        if not node.gpus.exists():
+            self.fields["stop_foreign"].label = "Stop other vLLM engines on this node"
+            self.fields["stop_foreign"].help_text = ("Engines the panel did not start. Without this, a deploy onto a node "
+                                                     "that runs one is refused, naming it.")
 
     def clean(self):
         data = super().clean()

@@ -10,7 +10,7 @@ from controlpanel.params import int_param
 from controlpanel.roles import operator_required
 from deployments import callit, deploydefaults, engineargs, engineoptions, forms, privileged, secrets, selectors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
-from deployments.services import deploys, multinode, repos
+from deployments.services import deploys, fitgate, multinode
 
 
 def deployment_list(request):
@@ -41,22 +41,31 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
     return deploydefaults.preset_initial(preset)
 
 
-def _deploy_page(request, model, node, form, status=200, preset=""):
+def _fit(model, node, form, deployment=None):
+    """The fit estimate for what the form would deploy (its values, or its initial ones unchanged), and
+    whether it stops the deploy: a "does not fit" an admin has not overridden for this deployment before."""
+    checked = form if form.is_bound else forms.DeployForm(data=deploydefaults.submitted(form), node=node)
+    if not checked.is_valid():
+        return None, False
+    data = checked.cleaned_data
+    fit = fitgate.deploy_fit(model, node, data["gpu_indices"], data["engine_args"], data["env_vars"])
+    if fit is None or fit.fits or not getattr(fit, "known", True) or data["placement"]:
+        return fit, False
+    earlier = deployment and deployment.events.filter(step="fit_override", data__verdict=fit.message).exists()
+    return fit, not earlier
+
+
+def _deploy_page(request, model, node, form, status=200, preset="", deployment=None):
     copies = {c.node_id: c for c in ModelCopy.objects.filter(model=model)}
     holders = list(node.deployments.filter(status__in=Deployment.ACTIVE)) if node else []
-    fit = None
-    if node and not node.gpus.exists():
-        fit = repos.model_fit(model, node, 1)  # a CPU node: its RAM and cores
-    elif form.is_bound and form.is_valid():
-        fit = repos.model_fit(model, node, form.cleaned_data["tp"], form.cleaned_data["pp"])
-    elif node and node.gpus.exists():
-        fit = repos.model_fit(model, node, int(form.initial.get("tp") or 1))
+    fit, blocked = _fit(model, node, form, deployment)
     return render(request, "deployments/deploy.html", {
         "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": engineargs.PRESETS,
         "preset": preset or request.GET.get("preset") or (node and engineargs.node_preset(node.gpus.exists())),
         "privileged": privileged.FLAGS, "privileged_env": privileged.ENV,
         "operator_flags": engineoptions.OPERATOR_FLAGS, "operator_env": engineoptions.OPERATOR_ENV,
-        "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit}, status=status)
+        "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit, "fit_blocks": blocked,
+        "fit_hint": fitgate.OVERRIDE_HINT, "override": form["override_fit"]}, status=status)
 
 
 def _workers(data) -> list[multinode.Worker]:
@@ -79,8 +88,8 @@ def deploy(request, pk):
         initial["port"] = deploys.deployment_free_port(node)
         return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key)
     form = forms.DeployForm(request.POST, node=node)
-    if not form.is_valid():
-        return _deploy_page(request, model, node, form, status=400)
+    if not form.is_valid() or "check" in request.POST:  # "Check fit": the estimate for these values, nothing deployed
+        return _deploy_page(request, model, node, form, status=200 if form.is_valid() else 400)
     data = form.cleaned_data
     try:
         d = deploys.deployment_create(
@@ -108,10 +117,10 @@ def deployment_edit(request, pk):
     """Redeploy with changed settings (same model and node)."""
     d = get_object_or_404(selectors.deployment_list(), pk=pk)
     if request.method != "POST":
-        return _deploy_page(request, d.model, d.node, forms.DeployForm(node=d.node, initial=_initial(None, d)))
+        return _deploy_page(request, d.model, d.node, forms.DeployForm(node=d.node, initial=_initial(None, d)), deployment=d)
     form = forms.DeployForm(request.POST, node=d.node)
-    if not form.is_valid():
-        return _deploy_page(request, d.model, d.node, form, status=400)
+    if not form.is_valid() or "check" in request.POST:
+        return _deploy_page(request, d.model, d.node, form, status=200 if form.is_valid() else 400, deployment=d)
     data = form.cleaned_data
     try:
         placement = {"workers": _workers(data)} if d.master_port or data["placement"] else {}
@@ -120,7 +129,7 @@ def deployment_edit(request, pk):
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user, **placement)
     except ServiceError as exc:
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
-        return _deploy_page(request, d.model, d.node, form, status=409)
+        return _deploy_page(request, d.model, d.node, form, status=409, deployment=d)
     return redirect("deployment-detail", d.pk)
 
 

@@ -28,7 +28,7 @@ def _deploy_from_form(page, name: str, port: int, stop: str | None = None):
     page.fill("#id_served_model_name", "tiny")
     if stop:
         page.check(f'[data-field="replace"] label:has-text("{stop}") input')
-    page.click("#deploy-form button[type=submit]")
+    page.click("#deploy-submit")
     expect(page.locator("h1")).to_contain_text(name)
 
 
@@ -70,7 +70,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     page.click("text=Redeploy with changes")
     page.fill("#id_stall_seconds", "900")  # not part of what a load's time depends on: the forecast still applies
     expect(page.locator("#id_stop_foreign")).not_to_be_checked()
-    page.click("#deploy-form button[type=submit]")
+    page.click("#deploy-submit")
     expect(page.locator("h1")).to_contain_text("tiny-a")
     expect(page.locator("#load-forecast")).to_contain_text("from 1 earlier load", timeout=LOAD_TIMEOUT_MS)
     expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)

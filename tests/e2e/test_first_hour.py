@@ -73,7 +73,7 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
 
     page.reload()  # the Deploy button shows once the model is read
     page.click("#deploy-button")
-    page.click("#deploy-form button[type=submit]")
+    page.click("#deploy-submit")
     expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)
     expect(page.locator("#live-state")).to_have_text("live")
     deployment = Deployment.objects.get(node=node)
