@@ -1,0 +1,147 @@
+"""Engines as Docker containers of their own (PANEL_ENGINE_RUNTIME=docker), through the Docker Engine API.
+
+Why: in compose the node agent runs in a container, and an engine it spawns as a child lives in that
+container's cgroup: restarting or upgrading the agent container stops every engine with it. An engine
+started as a container of its own lives until it is stopped, whatever happens to the agent.
+
+What the container is (container_config): the node image (PANEL_ENGINE_IMAGE, the agent's own), the host's
+network and IPC namespace (engines listen on the host as on the process path, /dev/shm is the host's), the
+mounts of PANEL_ENGINE_MOUNTS (the model store, the panel's var folder where the engine's log lies, the
+engine user's home), the deployment's GPUs as a device request, and labels carrying the deployment's marker.
+Its command is containerexec, which does what Popen does on the process path (log, session, engine user,
+no_new_privs, working folder) and execs the engine: the container's main process is the engine. The agent
+(pid: host) therefore follows, signals, stops and adopts it by PID and marker like any engine
+(deployments/host/engine.py, ownership.py); Docker removes the container once the engine has exited.
+
+Imports no other host module but errors and engineuser: engine.launch() calls start() (no cycle).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import docker
+import docker.errors
+from docker.types import DeviceRequest
+
+from deployments.host.errors import HostError
+
+RUNTIME_VAR = "PANEL_ENGINE_RUNTIME"  # process (default): the agent's children; docker: containers of their own
+IMAGE_VAR = "PANEL_ENGINE_IMAGE"
+MOUNTS_VAR = "PANEL_ENGINE_MOUNTS"  # "source:target[:ro],...": what the engine must see at the agent's paths
+ENGINE_LABEL = "vllm-panel.engine"  # on every engine container the panel starts
+MARKER_LABEL = "vllm-panel.marker"  # the deployment's marker (ownership.MARKER_VAR in its environment too)
+MARKER_VAR = "PANEL_ENGINE"
+API_TIMEOUT_S = 30  # an image's first start on a busy daemon takes seconds; a hung daemon must not hang a plan
+RUNTIMES = ("process", "docker")
+
+
+class ContainerError(HostError):
+    """The Docker daemon refused or could not be reached; permanent when asking again cannot help."""
+
+
+def runtime() -> str:
+    value = os.environ.get(RUNTIME_VAR, "process").strip().lower() or "process"
+    if value not in RUNTIMES:
+        raise ContainerError(f"{RUNTIME_VAR}={value!r}: expected one of {', '.join(RUNTIMES)}", permanent=True)
+    return value
+
+
+def enabled() -> bool:
+    """True when engines start as containers of their own (PANEL_ENGINE_RUNTIME=docker)."""
+    return runtime() == "docker"
+
+
+def client() -> docker.DockerClient:
+    """The Docker Engine API at DOCKER_HOST (default unix:///var/run/docker.sock)."""
+    try:
+        return docker.from_env(timeout=API_TIMEOUT_S)
+    except docker.errors.DockerException as exc:
+        raise ContainerError(f"cannot reach the Docker daemon ({os.environ.get('DOCKER_HOST') or 'unix:///var/run/docker.sock'}): "
+                             f"{exc}") from exc
+
+
+def mounts(spec: str | None = None) -> list[str]:
+    """PANEL_ENGINE_MOUNTS as Docker binds ("source:target" or "source:target:ro")."""
+    spec = os.environ.get(MOUNTS_VAR, "") if spec is None else spec
+    binds = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not all(parts[:2]) or not parts[1].startswith("/") or (
+                len(parts) == 3 and parts[2] not in ("ro", "rw")):
+            raise ContainerError(f"{MOUNTS_VAR}: {item!r} is not source:/target[:ro|rw]", permanent=True)
+        binds.append(item)
+    return binds
+
+
+def _gpus(env: dict[str, str]) -> tuple[list[DeviceRequest], dict[str, str]]:
+    """The engine's GPUs (CUDA_VISIBLE_DEVICES, NVML's numbering) as one device request; inside the container
+    those GPUs alone exist, numbered from 0, so CUDA_VISIBLE_DEVICES is renumbered to match."""
+    visible = [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if not visible:
+        return [], env
+    request = DeviceRequest(driver="nvidia", device_ids=visible, capabilities=[["gpu"]])
+    return [request], {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(len(visible)))}
+
+
+def container_config(args: dict, log_path: str | Path, image: str | None = None) -> dict:
+    """containers.run()'s arguments for an engine whose subprocess.Popen arguments are `args`
+    (engine.popen_args: args, env, cwd, user, group, extra_groups)."""
+    image = image or os.environ.get(IMAGE_VAR, "")
+    if not image:
+        raise ContainerError(f"{RUNTIME_VAR}=docker needs {IMAGE_VAR}: the node image engines run in", permanent=True)
+    command = [sys.executable, "-m", "deployments.host.containerexec", "--log", str(log_path)]
+    if args.get("cwd"):
+        command += ["--cwd", str(args["cwd"])]
+    if args.get("user") is not None:
+        command += ["--uid", str(args["user"]), "--gid", str(args.get("group", args["user"])),
+                    "--groups", ",".join(str(g) for g in args.get("extra_groups") or ())]
+    command += ["--", *args["args"]]
+    device_requests, env = _gpus(dict(args["env"]))
+    marker = env.get(MARKER_VAR, "")
+    labels = {ENGINE_LABEL: "1", **({MARKER_LABEL: marker} if marker else {})}
+    return {
+        "image": image, "command": command, "environment": env, "labels": labels,
+        "name": f"vllm-panel-{marker}" if marker else None,
+        "network_mode": "host", "ipc_mode": "host", "volumes": mounts(), "device_requests": device_requests,
+        "auto_remove": True,  # gone once the engine has exited: its log is the file, not Docker's
+        "security_opt": ["no-new-privileges"], "detach": True,
+    }
+
+
+def start(args: dict, log_path: str | Path) -> int:
+    """Start the engine as a container of its own; its main process's PID (the engine's, as the agent sees it)."""
+    Path(log_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    config = container_config(args, log_path)
+    try:
+        container = client().containers.run(**config)
+        container.reload()
+    except docker.errors.ImageNotFound as exc:
+        raise ContainerError(f"the engine image {config['image']} is not on this host: {exc.explanation}",
+                             permanent=True) from exc
+    except docker.errors.NotFound as exc:  # AutoRemove took it: it exited before we looked
+        raise ContainerError(f"the engine's container exited at once; its log is {log_path}", permanent=True) from exc
+    except docker.errors.APIError as exc:
+        raise ContainerError(f"the Docker daemon refused the engine's container: {exc.explanation or exc}",
+                             permanent=exc.is_client_error()) from exc
+    except (docker.errors.DockerException, OSError) as exc:  # the daemon went away mid-call
+        raise ContainerError(f"cannot reach the Docker daemon: {exc}") from exc
+    state = container.attrs.get("State", {})
+    if not state.get("Running") or not state.get("Pid"):
+        raise ContainerError(f"the engine's container exited at once (code {state.get('ExitCode')}); its log is {log_path}",
+                             permanent=True)
+    return int(state["Pid"])
+
+
+def find(marker: str | None = None) -> list[dict]:
+    """The panel's engine containers (those carrying `marker`, when given): id, name, status, main PID."""
+    label = f"{MARKER_LABEL}={marker}" if marker else ENGINE_LABEL
+    try:
+        found = client().containers.list(all=True, filters={"label": label})
+    except (docker.errors.DockerException, OSError) as exc:
+        raise ContainerError(f"cannot list the engine containers: {exc}") from exc
+    return [{"id": c.id, "name": c.name, "status": c.status, "pid": c.attrs.get("State", {}).get("Pid") or None,
+             "marker": c.labels.get(MARKER_LABEL, "")} for c in found]

@@ -1,0 +1,451 @@
+"""A Docker Engine API double: the real HTTP API over a unix socket, for the part the `docker` SDK calls when
+the panel runs engines as containers (deployments/host/containers.py) and a test restarts an agent container.
+
+    python tests/dockerd.py --socket /tmp/x/docker.sock      (tests/faults/test_agent_restart.py starts it)
+
+Endpoints (with or without the /v1.NN prefix): GET /_ping, GET /version, POST /containers/create,
+POST /containers/{id}/start|stop|restart|kill|wait, GET /containers/json (all, filters: label, name, id, status),
+GET /containers/{id}/json, GET /containers/{id}/logs (the multiplexed stream format), DELETE /containers/{id}.
+Errors are Docker's: {"message": ...} with 404 (no such container), 409 (name in use, removing a running one),
+304 (start a running one, stop a stopped one).
+
+Each "container" is a real host process (Entrypoint + Cmd, Env, WorkingDir, User), a child of this daemon and so
+outside any client's process tree, in a cgroup of its own where cgroup v2 is writable here (else its session and
+descendants stand for it). As with containerd: when the main process exits, whatever is left in the container
+is killed; `stop` sends the StopSignal (SIGTERM), waits t seconds, then SIGKILLs the whole container; AutoRemove
+removes it once it has exited. Images are not real: any name runs the command on this host.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import re
+import secrets
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from aiohttp import web
+
+API_VERSION = "1.45"
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _cgroup_root() -> Path | None:
+    """A writable cgroup v2 hierarchy to put containers in, or None."""
+    for root in CGROUP_ROOTS:
+        if (root / "cgroup.procs").exists() and (root / "cgroup.subtree_control").exists():
+            probe = root / f"dockerd-double-probe-{os.getpid()}"
+            try:
+                probe.mkdir()
+                probe.rmdir()
+                return root
+            except OSError:
+                continue
+    return None
+
+
+class Container:
+    def __init__(self, cid: str, name: str, body: dict, cgroups: Path | None, logs: Path):
+        self.id, self.name, self.body = cid, name, body
+        self.host = body.get("HostConfig") or {}
+        self.created = _now()
+        self.proc: subprocess.Popen | None = None
+        self.exit_code = 0
+        self.started_at = self.finished_at = "0001-01-01T00:00:00Z"
+        self.cgroup = cgroups / cid[:12] if cgroups else None
+        self.out, self.err = logs / f"{cid}.out", logs / f"{cid}.err"
+        self.exited = threading.Event()
+        self.exited.set()
+        self.removed = False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and not self.exited.is_set()
+
+    def argv(self) -> list[str]:
+        return list(self.body.get("Entrypoint") or []) + list(self.body.get("Cmd") or [])
+
+    def start(self, on_exit) -> None:
+        env = dict(item.split("=", 1) for item in self.body.get("Env") or [] if "=" in item)
+        env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        env["HOSTNAME"] = self.id[:12]
+        user = str(self.body.get("User") or "")
+        uid, _, gid = user.partition(":")
+        if self.cgroup:
+            self.cgroup.mkdir(exist_ok=True)
+        procs = str(self.cgroup / "cgroup.procs") if self.cgroup else None
+
+        def enter_cgroup():  # in the child, before exec: everything it starts stays in the container
+            if procs:
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
+
+        self.exited.clear()
+        with open(self.out, "ab") as out, open(self.err, "ab") as err:
+            self.proc = subprocess.Popen(self.argv(), env=env, cwd=self.body.get("WorkingDir") or "/",
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                         preexec_fn=enter_cgroup, user=int(uid) if uid else None,
+                                         group=int(gid) if gid else None)
+        self.started_at = _now()
+        threading.Thread(target=self._wait, args=(on_exit,), daemon=True).start()
+
+    def _wait(self, on_exit) -> None:
+        proc = self.proc
+        code = proc.wait()
+        self.kill_all()  # containerd: the main process gone, nothing of the container outlives it
+        self.exit_code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as Docker reports
+        self.finished_at = _now()
+        self.exited.set()
+        on_exit(self)
+
+    def members(self) -> list[int]:
+        if self.cgroup:
+            try:
+                return [int(p) for p in (self.cgroup / "cgroup.procs").read_text().split()]
+            except OSError:
+                return []
+        if self.proc is None:
+            return []
+        found = set()
+        try:  # without cgroups: the main process's session and its descendants stand for the container
+            main = psutil.Process(self.proc.pid)
+            found |= {p.pid for p in main.children(recursive=True)}
+        except psutil.Error:
+            pass
+        for pid in psutil.pids():
+            try:
+                if os.getsid(pid) == self.proc.pid:
+                    found.add(pid)
+            except OSError:
+                continue
+        return sorted(found)
+
+    def signal_main(self, sig: int) -> None:
+        if self.running:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill_all(self) -> None:
+        for _ in range(50):
+            left = [pid for pid in self.members() if pid != os.getpid()]
+            if not left:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+
+    def stop(self, timeout: float) -> None:
+        sig = signal.Signals[self.body.get("StopSignal") or "SIGTERM"] if not str(
+            self.body.get("StopSignal") or "").isdigit() else int(self.body["StopSignal"])
+        self.signal_main(sig)
+        if not self.exited.wait(timeout):
+            self.kill_all()
+            self.signal_main(signal.SIGKILL)
+            self.exited.wait(10)
+
+    def cleanup(self) -> None:
+        if self.cgroup and self.cgroup.exists():
+            self.kill_all()
+            try:
+                self.cgroup.rmdir()
+            except OSError:
+                pass
+
+    def status(self) -> str:
+        if self.running:
+            return "running"
+        return "created" if self.proc is None else "exited"
+
+    def inspect(self) -> dict:
+        return {
+            "Id": self.id, "Name": f"/{self.name}", "Created": self.created, "Path": (self.argv() or [""])[0],
+            "Args": self.argv()[1:], "Image": "sha256:" + "0" * 64, "RestartCount": 0,
+            "State": {"Status": self.status(), "Running": self.running, "Paused": False, "Restarting": False,
+                      "OOMKilled": False, "Dead": False, "Pid": self.proc.pid if self.running else 0,
+                      "ExitCode": self.exit_code, "Error": "", "StartedAt": self.started_at, "FinishedAt": self.finished_at},
+            "Config": {"Image": self.body.get("Image", ""), "Cmd": self.body.get("Cmd"), "Entrypoint": self.body.get("Entrypoint"),
+                       "Env": self.body.get("Env") or [], "Labels": self.body.get("Labels") or {},
+                       "WorkingDir": self.body.get("WorkingDir") or "", "User": self.body.get("User") or "",
+                       "Tty": False, "OpenStdin": False, "AttachStdout": False, "AttachStderr": False},
+            "HostConfig": self.host,
+            "Mounts": [{"Type": "bind", "Source": b.split(":")[0], "Destination": b.split(":")[1],
+                        "RW": not b.endswith(":ro")} for b in self.host.get("Binds") or []],
+        }
+
+    def summary(self) -> dict:
+        return {"Id": self.id, "Names": [f"/{self.name}"], "Image": self.body.get("Image", ""), "ImageID": "sha256:" + "0" * 64,
+                "Command": " ".join(self.argv()), "Created": int(time.time()), "Labels": self.body.get("Labels") or {},
+                "State": self.status(), "Status": "Up" if self.running else f"Exited ({self.exit_code})"}
+
+
+class Daemon:
+    def __init__(self, state_dir: Path):
+        self.containers: dict[str, Container] = {}
+        self.cgroups = None
+        root = _cgroup_root()
+        if root:
+            self.cgroups = root / f"dockerd-double-{os.getpid()}"
+            self.cgroups.mkdir(exist_ok=True)
+        self.logs = state_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+
+    def get(self, ref: str) -> Container:
+        with self.lock:
+            for c in self.containers.values():
+                if ref in (c.id, c.name) or (len(ref) >= 12 and c.id.startswith(ref)):
+                    return c
+        raise web.HTTPNotFound(text=json.dumps({"message": f"No such container: {ref}"}), content_type="application/json")
+
+    def on_exit(self, c: Container) -> None:
+        if c.host.get("AutoRemove"):
+            self.remove(c)
+
+    def remove(self, c: Container) -> None:
+        with self.lock:
+            self.containers.pop(c.id, None)
+        c.removed = True
+        c.cleanup()
+
+    def shutdown(self) -> None:
+        for c in list(self.containers.values()):
+            c.kill_all()
+            c.signal_main(signal.SIGKILL)
+            c.exited.wait(5)
+            c.cleanup()
+        if self.cgroups:
+            try:
+                self.cgroups.rmdir()
+            except OSError:
+                pass
+
+
+class Routes:
+    def __init__(self):
+        self.table: list[tuple[str, str, object]] = []
+
+    def _add(self, method: str, path: str):
+        def register(handler):
+            self.table.append((method, path, handler))
+            return handler
+        return register
+
+    def get(self, path):
+        return self._add("GET", path)
+
+    def post(self, path):
+        return self._add("POST", path)
+
+    def delete(self, path):
+        return self._add("DELETE", path)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"message": message}, status=status)
+
+
+def _matches(c: Container, filters: dict) -> bool:
+    labels = c.body.get("Labels") or {}
+    for want in filters.get("label", []):
+        key, eq, value = want.partition("=")
+        if key not in labels or (eq and labels[key] != value):
+            return False
+    if filters.get("name") and not any(re.search(n.lstrip("/"), c.name) for n in filters["name"]):
+        return False
+    if filters.get("id") and not any(c.id.startswith(i) for i in filters["id"]):
+        return False
+    if filters.get("status") and c.status() not in filters["status"]:
+        return False
+    return True
+
+
+def app(daemon: Daemon) -> web.Application:
+    routes = Routes()
+
+    @routes.get("/_ping")
+    async def ping(request):
+        return web.Response(text="OK", headers={"Api-Version": API_VERSION, "Docker-Experimental": "false"})
+
+    @routes.get("/version")
+    async def version(request):
+        return web.json_response({"Version": "27.0.0-double", "ApiVersion": API_VERSION, "MinAPIVersion": "1.24",
+                                  "Os": "linux", "Arch": "amd64", "KernelVersion": os.uname().release,
+                                  "Components": [{"Name": "Engine", "Version": "27.0.0-double"}]})
+
+    @routes.post("/containers/create")
+    async def create(request):
+        body = await request.json()
+        name = request.query.get("name") or f"double_{secrets.token_hex(4)}"
+        if not body.get("Image"):
+            return _error(400, "config cannot be empty in order to create a container")
+        with daemon.lock:
+            if any(c.name == name for c in daemon.containers.values()):
+                return _error(409, f'Conflict. The container name "/{name}" is already in use.')
+            cid = secrets.token_hex(32)
+            daemon.containers[cid] = Container(cid, name, body, daemon.cgroups, daemon.logs)
+        return web.json_response({"Id": cid, "Warnings": []}, status=201)
+
+    @routes.post("/containers/{id}/start")
+    async def start(request):
+        c = daemon.get(request.match_info["id"])
+        if c.running:
+            return web.Response(status=304)
+        try:
+            await asyncio.to_thread(c.start, daemon.on_exit)
+        except OSError as exc:  # Docker: 400 "failed to create task ... exec: no such file"
+            return _error(400, f"failed to create task for container: exec: {exc}")
+        return web.Response(status=204)
+
+    @routes.post("/containers/{id}/stop")
+    async def stop(request):
+        c = daemon.get(request.match_info["id"])
+        if not c.running:
+            return web.Response(status=304)
+        await asyncio.to_thread(c.stop, float(request.query.get("t", c.body.get("StopTimeout") or 10)))
+        return web.Response(status=204)
+
+    @routes.post("/containers/{id}/restart")
+    async def restart(request):
+        c = daemon.get(request.match_info["id"])
+        if c.running:
+            await asyncio.to_thread(c.stop, float(request.query.get("t", c.body.get("StopTimeout") or 10)))
+        await asyncio.to_thread(c.start, daemon.on_exit)
+        return web.Response(status=204)
+
+    @routes.post("/containers/{id}/kill")
+    async def kill(request):
+        c = daemon.get(request.match_info["id"])
+        if not c.running:
+            return _error(409, f"Cannot kill container: {c.id}: container is not running")
+        name = request.query.get("signal", "SIGKILL")
+        sig = int(name) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        c.signal_main(sig)
+        return web.Response(status=204)
+
+    @routes.post("/containers/{id}/wait")
+    async def wait(request):
+        c = daemon.get(request.match_info["id"])
+        await asyncio.to_thread(c.exited.wait)
+        return web.json_response({"StatusCode": c.exit_code, "Error": None})
+
+    @routes.delete("/containers/{id}")
+    async def remove(request):
+        c = daemon.get(request.match_info["id"])
+        if c.running:
+            if request.query.get("force") not in ("1", "true", "True"):
+                return _error(409, f"You cannot remove a running container {c.id}. Stop the container before "
+                                   "attempting removal or force remove")
+            c.kill_all()
+            c.signal_main(signal.SIGKILL)
+            await asyncio.to_thread(c.exited.wait, 10)
+        daemon.remove(c)
+        return web.Response(status=204)
+
+    @routes.get("/containers/json")
+    async def listing(request):
+        filters = json.loads(request.query.get("filters") or "{}")
+        filters = {k: (list(v) if isinstance(v, (list, dict)) else [v]) for k, v in filters.items()}
+        show_all = request.query.get("all") in ("1", "true", "True")
+        with daemon.lock:
+            found = [c for c in daemon.containers.values() if (show_all or c.running) and _matches(c, filters)]
+        return web.json_response([c.summary() for c in found])
+
+    @routes.get("/containers/{id}/json")
+    async def inspect(request):
+        return web.json_response(daemon.get(request.match_info["id"]).inspect())
+
+    @routes.get("/containers/{id}/logs")
+    async def logs(request):
+        c = daemon.get(request.match_info["id"])
+        frames = b""
+        for stream, path, wanted in ((1, c.out, request.query.get("stdout")), (2, c.err, request.query.get("stderr"))):
+            if wanted in ("1", "true", "True") and path.exists():
+                lines = path.read_bytes().splitlines(keepends=True)
+                tail = request.query.get("tail", "all")
+                if tail != "all":
+                    lines = lines[-int(tail):] if int(tail) else []
+                frames += b"".join(struct.pack(">BxxxL", stream, len(line)) + line for line in lines)
+        return web.Response(body=frames, content_type="application/vnd.docker.raw-stream")
+
+    application = web.Application()
+    for method, path, handler in routes.table:  # Docker serves every route with and without /vN.NN
+        application.router.add_route(method, path, handler)
+        application.router.add_route(method, "/v{api_version:[0-9.]+}" + path, handler)
+    return application
+
+
+@contextlib.contextmanager
+def running(folder: Path):
+    """This double as a daemon process of its own (its containers are its children, not the caller's), for
+    as long as the block lasts; yields the DOCKER_HOST to reach it. Every container is killed at the end."""
+    import docker
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sock = folder / "docker.sock"
+    log = open(folder / "dockerd.log", "ab")
+    proc = subprocess.Popen([sys.executable, __file__, "--socket", str(sock)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    host = f"unix://{sock}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            docker.DockerClient(base_url=host, version=API_VERSION, timeout=2).ping()
+            break
+        except Exception:  # noqa: BLE001 - not listening yet
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Docker API double did not start: {(folder / 'dockerd.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+    try:
+        yield host
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--state-dir", default="")
+    args = parser.parse_args()
+    sock = Path(args.socket)
+    daemon = Daemon(Path(args.state_dir) if args.state_dir else sock.parent / "dockerd-double")
+
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        web.run_app(app(daemon), path=str(sock), print=None, handle_signals=False)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        daemon.shutdown()
+        sock.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Engines as containers of their own (deployments/host/containers.py), through the real `docker` SDK against
+the Docker Engine API double (tests/dockerd.py): the container's main process is the engine, as the agent sees
+it on the process path (its PID, its session, its user, its marker), and Docker's record of it says what the
+panel asked for (host network and IPC, the mounts, GPUs as a device request, the marker as a label)."""
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from deployments.host import containers, engine, engineuser, ownership
+from tests import dockerd
+from tests.conftest import wait_until
+
+MARKER = "7.0123456789abcdef01234567"
+
+
+@pytest.fixture
+def docker_host(tmp_path, monkeypatch):
+    with dockerd.running(tmp_path / "dockerd") as host:
+        monkeypatch.setenv("DOCKER_HOST", host)
+        monkeypatch.setenv(containers.RUNTIME_VAR, "docker")
+        monkeypatch.setenv(containers.IMAGE_VAR, "vllm-panel-node:test")
+        monkeypatch.setenv(containers.MOUNTS_VAR, f"/models:/models,panelvar:{tmp_path}")
+        yield host
+
+
+def _spec(tmp_path, **env) -> engine.EngineSpec:
+    code = "import os, time; print('serving', os.getcwd(), flush=True); time.sleep(120)"
+    return engine.EngineSpec(argv=["python3", "-c", code], env={ownership.MARKER_VAR: MARKER, **env},
+                             log_path=tmp_path / "logs" / "engine.log", cwd=tmp_path, run_as=engineuser.current())
+
+
+def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(docker_host, tmp_path):
+    spec = _spec(tmp_path)
+    pid = containers.start(engine.popen_args(spec), spec.log_path)
+    wait_until(lambda: "serving" in spec.log_path.read_text() if spec.log_path.exists() else False, timeout=20,
+               message="the engine's first log line")
+    proc = psutil.Process(pid)
+    assert proc.cmdline()[1:3] == ["-c", spec.argv[2]], "the container's main process is the engine itself (exec'd)"
+    assert ownership.marker_of(pid) == MARKER and ownership.pid_owned(pid, MARKER)
+    assert os.getsid(pid) == pid, "a session of its own: the agent stops the engine by its session"
+    assert proc.uids().real == spec.run_as.uid, "it runs as the engine user, as on the process path"
+    assert Path(proc.cwd()) == tmp_path and f"serving {tmp_path}" in spec.log_path.read_text()
+    assert (spec.log_path.stat().st_mode & 0o777) == 0o600
+    assert Path(f"/proc/{pid}/status").read_text().split("NoNewPrivs:")[1].split()[0] == "1"
+
+    [found] = containers.find(MARKER)
+    assert found["pid"] == pid and found["status"] == "running" and found["name"] == f"vllm-panel-{MARKER}"
+    recorded = containers.client().containers.get(found["id"]).attrs["HostConfig"]
+    assert recorded["NetworkMode"] == "host" and recorded["IpcMode"] == "host" and recorded["AutoRemove"] is True
+    assert recorded["Binds"] == ["/models:/models", f"panelvar:{tmp_path}"]
+    assert recorded["SecurityOpt"] == ["no-new-privileges"]
+
+    result = engine.stop(pid, term_timeout_s=5)
+    assert result.signals_sent == ["SIGTERM"] and not result.survivors
+    wait_until(lambda: containers.find(MARKER) == [], timeout=10, message="Docker to remove the exited container")
+
+
+def test_the_deployments_gpus_are_a_device_request_numbered_from_zero_inside(docker_host, tmp_path):
+    spec = _spec(tmp_path, CUDA_VISIBLE_DEVICES="2,5")
+    config = containers.container_config(engine.popen_args(spec), spec.log_path)
+    [request] = config["device_requests"]
+    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == ["2", "5"] and request["Capabilities"] == [["gpu"]]
+    assert config["environment"]["CUDA_VISIBLE_DEVICES"] == "0,1", "inside, only those two exist, as 0 and 1"
+    assert containers.container_config(engine.popen_args(_spec(tmp_path)), spec.log_path)["device_requests"] == []
+    pid = containers.start(engine.popen_args(spec), spec.log_path)
+    [found] = containers.find(MARKER)
+    recorded = containers.client().containers.get(found["id"]).attrs["HostConfig"]["DeviceRequests"]
+    assert recorded[0]["DeviceIDs"] == ["2", "5"]
+    engine.stop(pid, term_timeout_s=5)
+
+
+def test_an_engine_that_cannot_start_says_so_in_its_log(docker_host, tmp_path):
+    spec = engine.EngineSpec(argv=[str(tmp_path / "no-such-vllm")], env={ownership.MARKER_VAR: MARKER},
+                             log_path=tmp_path / "logs" / "engine.log", cwd=tmp_path)
+    try:
+        pid = containers.start(engine.popen_args(spec), spec.log_path)
+    except containers.ContainerError as exc:  # it exited before the inspect: that is said too
+        assert exc.permanent
+    else:
+        wait_until(lambda: not engine.alive(pid), timeout=10, message="the failed engine to exit")
+    wait_until(lambda: spec.log_path.exists() and "no-such-vllm: No such file" in spec.log_path.read_text(), timeout=10,
+               message="the reason in the engine's log")
+
+
+def test_settings_that_cannot_work_are_refused_for_good(monkeypatch, tmp_path):
+    monkeypatch.setenv(containers.RUNTIME_VAR, "podman")
+    with pytest.raises(containers.ContainerError) as refused:
+        containers.enabled()
+    assert refused.value.permanent and "process, docker" in str(refused.value)
+    monkeypatch.setenv(containers.RUNTIME_VAR, "docker")
+    monkeypatch.delenv(containers.IMAGE_VAR, raising=False)
+    with pytest.raises(containers.ContainerError, match=containers.IMAGE_VAR):
+        containers.container_config(engine.popen_args(_spec(tmp_path)), tmp_path / "log")
+    for bad in ("/models", "models:relative", "a:/b:rx"):
+        with pytest.raises(containers.ContainerError, match="source:/target"):
+            containers.mounts(bad)
+
+
+def test_a_daemon_that_is_away_is_worth_retrying(monkeypatch, tmp_path):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nothing.sock")
+    monkeypatch.setenv(containers.IMAGE_VAR, "vllm-panel-node:test")
+    started = time.monotonic()
+    with pytest.raises(containers.ContainerError) as away:
+        containers.start(engine.popen_args(_spec(tmp_path)), tmp_path / "log")
+    assert not away.value.permanent and time.monotonic() - started < containers.API_TIMEOUT_S
