@@ -1,0 +1,107 @@
+"""An engine stand-in for the GPU machine, run by the panel's agent as `vllm` (issue 25).
+
+It is tests/faults/fakevllm/vllm (vLLM's CLI: `--version`, `serve --help=all`, the load log lines, /health,
+/v1/models, /v1/chat/completions, /metrics, a process group of two) plus what only a GPU shows: an
+"EngineCore" child in the engine's process group that holds real GPU memory through torch, as vLLM's
+EngineCore does, so the panel must attribute memory held by a process other than the one it started.
+Before the server answers /health, that child, running as whatever user the agent chose for engines,
+reports what it can reach of everyone else: every other user's /proc/<pid>/environ (read), a signal to
+each such process (kill(pid, 0)) and the paths fake_engine.json lists under "probe" (a folder is listed,
+a file read); each as 0 (it could) or the errno. One line, `GPU-STAND-IN {json}`, in the engine log.
+
+The test copies this file as `vllm` (with its own interpreter, the one with torch, as the #! line) and
+the fake engine beside it as `fakevllm`, into a folder the engine user can read. Standard library and torch.
+"""
+import errno
+import importlib.machinery
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPORT = "GPU-STAND-IN "
+GIB = 1 << 30
+
+
+def fake():
+    """tests/faults/fakevllm/vllm, copied beside this file as `fakevllm` (no .py suffix, hence the loader)."""
+    loader = importlib.machinery.SourceFileLoader("fakevllm", str(HERE / "fakevllm"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("fakevllm", loader))
+    loader.exec_module(module)
+    return module
+
+
+def tried(fn) -> int:
+    try:
+        fn()
+        return 0
+    except OSError as exc:
+        return exc.errno or errno.EIO
+
+
+def probe(paths: list[str]) -> dict:
+    """What this process can do to other users' processes, and to the given paths."""
+    me = os.getuid()
+    environ, kill = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid == me:
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        pid = int(entry)
+        environ[entry] = tried(lambda: open(f"/proc/{pid}/environ", "rb").read())
+        kill[entry] = tried(lambda: os.kill(pid, 0))
+    files = {p: tried(lambda p=p: os.listdir(p) if os.path.isdir(p) else open(p, "rb").read(1)) for p in paths}
+    return {"environ": environ, "kill": kill, "files": files}
+
+
+def engine_core(model: str) -> None:
+    """Hold `gpu_gib` GiB on the first visible GPU, report once, then wait for the group's SIGTERM."""
+    config = json.loads((Path(model) / "fake_engine.json").read_text())
+    if config["gpu_gib"]:
+        import torch
+
+        held = torch.ones(int(config["gpu_gib"]) * GIB, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+        device = torch.cuda.get_device_name(0)
+    else:  # a rehearsal of the panel's side on a machine without a GPU
+        held, device = b"", "no GPU"
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    report = {"pid": os.getpid(), "uid": os.getuid(), "no_new_privs": status.get("NoNewPrivs", "").strip(),
+              "gib": len(held) / GIB, "device": device,
+              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **probe(config.get("probe", []))}
+    print(REPORT + json.dumps(report), flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    while True:
+        signal.pause()
+
+
+def serve(args: list[str]) -> None:
+    """Start the GPU-holding child, pass its report to the log once it holds the memory, then serve."""
+    core = subprocess.Popen([sys.executable, __file__, "_engine_core", args[0]], stdout=subprocess.PIPE, text=True)
+    line = core.stdout.readline()
+    if not line.startswith(REPORT):
+        sys.exit(f"GPU stand-in: the engine core ended without holding GPU memory (exit {core.wait()})")
+    print(line.strip(), flush=True)
+    fake().serve(args)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["_engine_core"]:
+        engine_core(argv[1])
+    elif argv[:1] == ["serve"] and not any(a.startswith("--help") for a in argv):
+        serve(argv[1:])
+    else:  # --version, serve --help=all, and the fake's own _core child
+        fake().main()
+
+
+if __name__ == "__main__":
+    main()

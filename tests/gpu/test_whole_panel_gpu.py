@@ -1,0 +1,245 @@
+"""The whole panel on a real NVIDIA GPU (issue 25): the launcher's embedded path (web, control worker, node
+agent, embedded Redis, SQLite) registers the GPU node, and a deploy through the REST API runs an engine
+stand-in (tests/gpu/standin_vllm.py) as the engine user, whose EngineCore-like child holds real GPU memory.
+NVML attributes that memory to the deployment (the node page's live sample, over the WebSocket the page
+uses), the stand-in can neither read the environment of any panel process nor signal one nor open the
+panel's var/ files, and Stop gives the memory back.
+
+No Django in this process, like the rest of this folder: the panel runs as its own processes and is
+reached over HTTP and WebSocket only, as a user's browser or client reaches it."""
+import errno
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from websockets.sync.client import connect
+
+from deployments.host import gpu
+from tests.conftest import ROOT, free_port, wait_until
+
+pytestmark = pytest.mark.gpu
+GIB = 1 << 30
+HOLD_GIB = 4
+NODE = "gpu-whole-panel"
+# Variables of this pytest process (controlpanel/pytest_env.py) that are not the embedded path's: without
+# them the launcher makes its own secret key file, database, Redis and password hashing, as for a user.
+NOT_THE_PANELS = ("SECRET_KEY", "SECRET_KEY_FILE", "DATABASE_URL", "REDIS_URL", "PANEL_TEST_PASSWORD_HASHER",
+                  "CHANNELS_PREFIX", "HF_TOKEN_KEY_FILE", "DB_CONN_MAX_AGE", "MODEL_STORE", "VLLM_BIN")
+
+
+class Panel:
+    """`python -m controlpanel.launcher start` in a folder of its own, logged in as its first admin."""
+
+    def __init__(self, base: Path, vllm: Path):
+        self.base, self.var = base, base / "var"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.password = secrets.token_urlsafe(16)
+        env = {k: v for k, v in os.environ.items() if k not in NOT_THE_PANELS}
+        env.update(PANEL_VAR_DIR=str(self.var), VLLM_BIN=str(vllm), PANEL_ADMIN_USER="admin",
+                   PANEL_ADMIN_PASSWORD=self.password, PYTHONUNBUFFERED="1")
+        self.log = base / "panel.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(self.port),
+                                          "--node-name", NODE], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def tail(self, n=6000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def wait_up(self, timeout=180) -> None:
+        def up():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the launcher exited with {self.proc.returncode}:\n{self.tail()}")
+            return "vLLM panel is up" in self.log.read_text(errors="replace")
+        wait_until(up, timeout, message="the launcher's 'vLLM panel is up'", interval=0.2)
+
+    def login(self) -> None:
+        self.http.get("/accounts/login/").raise_for_status()
+        answer = self.http.post("/accounts/login/", data={"username": "admin", "password": self.password,
+                                                          "csrfmiddlewaretoken": self.http.cookies["csrftoken"]})
+        assert answer.status_code == 302 and "sessionid" in self.http.cookies, answer.text[-2000:]
+        self.http.headers["X-CSRFToken"] = self.http.cookies["csrftoken"]
+
+    def get(self, path: str) -> dict:
+        answer = self.http.get(path)
+        assert answer.status_code == 200, f"GET {path}: {answer.status_code} {answer.text[:2000]}"
+        return answer.json()
+
+    def find(self, path: str) -> dict | None:
+        """GET `path`, or None while it is 404 (a node not registered yet)."""
+        answer = self.http.get(path)
+        return None if answer.status_code == 404 else self.get(path)
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        answer = self.http.post(path, json=body or {})
+        assert answer.status_code == 202, f"POST {path}: {answer.status_code} {answer.text[:2000]}"
+        return answer.json()
+
+    def live(self):
+        """The WebSocket the node page listens on, with this session's cookies."""
+        cookie = "; ".join(f"{k}={v}" for k, v in self.http.cookies.items())
+        return connect(f"ws://127.0.0.1:{self.port}/ws/live/", additional_headers={"Cookie": cookie, "Origin": self.url},
+                       open_timeout=15)
+
+    def processes(self) -> list[psutil.Process]:
+        """The launcher and everything it runs that is still root's (web, worker and its pool, agent, Redis)."""
+        top = psutil.Process(self.proc.pid)
+        return [p for p in [top, *top.children(recursive=True)] if p.uids().real == 0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.http.close()
+
+
+@pytest.fixture
+def base():
+    """A folder every user may enter (pytest's tmp_path lies under a 0700 folder): the engine user must
+    reach the stand-in and the model folder; the launcher keeps var/ inside it private itself."""
+    if os.geteuid() != 0:
+        pytest.fail("the agent starts engines as another user only as root (the device machine's commands run as root)")
+    folder = Path(tempfile.mkdtemp(prefix="gpu-whole-panel-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stand_in(base: Path) -> Path:
+    """The stand-in as an executable `vllm` run by this interpreter (the one with torch), the fake beside it."""
+    engine = base / "engine"
+    engine.mkdir(mode=0o755)
+    vllm = engine / "vllm"
+    vllm.write_text(f"#!{sys.executable}\n" + (ROOT / "tests" / "gpu" / "standin_vllm.py").read_text())
+    vllm.chmod(0o755)
+    shutil.copy(ROOT / "tests" / "faults" / "fakevllm" / "vllm", engine / "fakevllm")
+    (engine / "fakevllm").chmod(0o644)
+    return vllm
+
+
+def _model(base: Path, probe: list[str]) -> Path:
+    folder = base / "models" / "gpu-stand-in"
+    folder.mkdir(parents=True)
+    for path in (folder.parent, folder):
+        path.chmod(0o755)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                    "vocab_size": 256}))
+    (folder / "fake_engine.json").write_text(json.dumps({"load_s": 1.0, "gpu_gib": HOLD_GIB, "probe": probe}))
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    return folder
+
+
+def _held(pid: int) -> int:
+    return next((p.used_memory or 0 for p in gpu.sample([0])[0].processes or [] if p.pid == pid), 0)
+
+
+def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_gives_the_memory_back(gpus, base):
+    vllm = _stand_in(base)
+    panel = Panel(base, vllm)
+    d = None
+    figures = {}
+    done = False
+    try:
+        started = time.monotonic()
+        panel.wait_up()
+        panel.login()
+        node = wait_until(lambda: (n := panel.find(f"/api/nodes/{NODE}/")) and n["online"] and n["gpus"] and n["engine_version"] and n,
+                    90, message=f"node {NODE} to register with its GPUs and engine version")
+        figures["registered_s"] = time.monotonic() - started
+        assert node["gpus"][0]["uuid"] == gpus[0].uuid and node["gpus"][0]["memory_total"] == gpus[0].memory_total, node["gpus"]
+
+        # What the stand-in is to try to open: the panel's private files (the secret key the launcher made,
+        # the SQLite database) and var/ itself, which an engine may enter but not list.
+        private = [str(panel.var / "secret_key"), str(panel.var / "panel.sqlite3"), str(panel.var)]
+        assert all(os.path.exists(p) for p in private), private
+        model = panel.post("/api/models/", {"node": NODE, "local_path": str(_model(base, private))})
+        wait_until(lambda: [c for c in panel.get(f"/api/copies/?node={NODE}&model={model['id']}")["results"] if c["state"] == "ready"],
+             60, message="the local model's copy on the node to be ready")
+
+        before = gpu.sample([0])[0]
+        asked = time.monotonic()
+        d = panel.post("/api/deployments/", {"model": model["id"], "node": NODE, "gpus": [0], "preset": "none",
+                                             "name": "gpu-stand-in"})
+        d = wait_until(lambda: (row := panel.get(f"/api/deployments/{d['id']}/"))["status"] in ("ready", "failed", "stopped") and row,
+                 180, message="the deployment to settle")
+        figures["ready_s"] = time.monotonic() - asked
+        log = Path(d["log_path"]).read_text(errors="replace")
+        assert d["status"] == "ready", f"{d['status']}: {d['status_message']}\n{log[-3000:]}\n{panel.tail()}"
+        report = json.loads(next(line for line in log.splitlines() if line.startswith("GPU-STAND-IN "))[len("GPU-STAND-IN "):])
+        holder = report["pid"]
+        engine_uid = psutil.Process(holder).uids().real
+
+        # NVML: the child holds the memory, as the engine user, in the deployment's process group.
+        held = _held(holder)
+        assert held >= HOLD_GIB * GIB, gpu.sample([0])[0].processes
+        assert engine_uid != 0 and report["uid"] == engine_uid and report["no_new_privs"] == "1", report
+        assert holder != d["pid"] and os.getpgid(holder) == os.getpgid(d["pid"])
+        # The panel says whose it is: the node page's live sample labels the process with the deployment.
+        with panel.live() as socket:
+            socket.send(json.dumps({"subscribe": [f"node:{node['id']}"]}))
+            deadline = time.monotonic() + 30
+            labelled = None
+            while labelled is None and time.monotonic() < deadline:
+                message = json.loads(socket.recv(timeout=max(0.1, deadline - time.monotonic())))
+                if message.get("kind") == "sample":
+                    procs = message["data"]["gpus"][0]["processes"] or []
+                    labelled = next((p for p in procs if p["pid"] == holder and p.get("deployment")), None)
+        assert labelled is not None, "no live sample labelled the stand-in's GPU process with its deployment"
+        assert labelled["deployment"] == {"id": d["id"], "name": "gpu-stand-in"} and labelled["used_memory"] >= HOLD_GIB * GIB
+
+        # The boundary: every panel process's environment closed to it, every signal refused, var/ closed.
+        panel_pids = {str(p.pid): " ".join(p.cmdline()[:4]) for p in panel.processes()}
+        agent = next(pid for pid, cmd in panel_pids.items() if "nodeagent" in cmd)
+        probed = {pid: (report["environ"][pid], report["kill"][pid]) for pid in panel_pids if pid in report["environ"]}
+        for role in ("nodeagent", "uvicorn", "celery", "redis-server", "controlpanel.launcher"):
+            assert any(role in panel_pids[pid] for pid in probed), f"{role} was not probed: {panel_pids} {sorted(probed)}"
+        assert probed[agent] == (errno.EACCES, errno.EPERM)
+        assert set(probed.values()) == {(errno.EACCES, errno.EPERM)}, {panel_pids[p]: v for p, v in probed.items()}
+        assert [pid for pid, e in report["environ"].items() if e == 0] == []  # no other user's environment at all
+        assert report["files"] == {p: errno.EACCES for p in private}, report["files"]
+
+        stop_asked = time.monotonic()
+        panel.post(f"/api/deployments/{d['id']}/stop/")
+        wait_until(lambda: _held(holder) == 0 and gpu.sample([0])[0].memory_used <= before.memory_used + 512 * 2**20,
+             60, message=f"GPU memory of PID {holder} back", interval=0.05)
+        figures["memory_back_s"] = time.monotonic() - stop_asked
+        stopped = wait_until(lambda: (row := panel.get(f"/api/deployments/{d['id']}/"))["status"] in ("stopped", "failed") and row,
+                       60, message="the deployment to show stopped")
+        assert stopped["status"] == "stopped", stopped["status_message"]
+        assert not psutil.pid_exists(holder) and not psutil.pid_exists(d["pid"])
+        print(f"\nwhole panel on {report['device']} (GPU {gpus[0].uuid}): node registered {figures['registered_s']:.1f} s after "
+              f"start; deploy -> ready {figures['ready_s']:.1f} s; NVML: EngineCore PID {holder} (uid {engine_uid}, "
+              f"no_new_privs, group of engine PID {d['pid']}) holds {held / GIB:.2f} GiB, the node page labels it "
+              f"{labelled['deployment']['name']!r}; the stand-in probed {len(probed)} panel processes (agent PID {agent}): "
+              f"environ EACCES and kill(pid, 0) EPERM for each, other users' environments readable: 0, var files "
+              f"{sorted(set(report['files'].values()))} (EACCES={errno.EACCES}); Stop -> memory back in "
+              f"{figures['memory_back_s']:.2f} s, nothing left")
+        done = True
+    finally:
+        if not done:
+            print(f"\n--- the panel's log (end) ---\n{panel.tail(8000)}")
+        if d and d.get("pid") and psutil.pid_exists(d["pid"]):  # the test failed midway: the engine must not outlive it
+            try:
+                panel.post(f"/api/deployments/{d['id']}/stop/")
+                wait_until(lambda: not psutil.pid_exists(d["pid"]), 30, message="the engine to stop")
+            except BaseException:  # noqa: BLE001 - kill it whatever the panel says
+                os.killpg(os.getpgid(d["pid"]), signal.SIGKILL)
+        panel.stop()
