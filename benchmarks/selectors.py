@@ -1,6 +1,8 @@
 """Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
 from benchmarks import csvsafe
 from benchmarks.models import BenchmarkRun
+from benchmarks.runner.saturation import saturation_point
+from benchmarks.runner.spec import LevelResult
 from deployments import live
 
 CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_requests", "duration_s",
@@ -43,25 +45,85 @@ def _flatten(env: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+# Environment keys that are not settings: measurements of the engine (seconds per start-up phase) and
+# the command line, which restates the flags and the port. "What changed" compares settings only.
+NOT_SETTINGS = frozenset({"startup", "engine_command"})
+
+
 def _settings(env: dict) -> dict[str, str]:
-    """A run's environment flattened; each engine flag written as on the command line (`--enforce-eager`,
+    """A run's settings flattened; each engine flag written as on the command line (`--enforce-eager`,
     `--max-num-seqs 8`), so what changed reads like, and pastes as, what the engine got."""
     from deployments.engineargs import argv_words
 
-    flat = _flatten({k: v for k, v in env.items() if k != "engine_args"})
+    flat = _flatten({k: v for k, v in env.items() if k != "engine_args" and k not in NOT_SETTINGS})
     for flag, value in (env.get("engine_args") or {}).items():
         flat[f"engine_args.{flag}"] = " ".join(argv_words({flag: value}))
     return flat
 
 
+def _workload(run: BenchmarkRun) -> dict[str, str]:
+    return _flatten({"params": {k: v for k, v in run.params.items() if k != "prompts"}})
+
+
 def environment_diff(a: BenchmarkRun, b: BenchmarkRun) -> list[tuple[str, str, str]]:
-    """(setting, value in a, value in b) for every setting that differs: flags, env vars, engine, GPUs, model."""
-    fa, fb = _settings(a.environment), _settings(b.environment)
-    pa, pb = _flatten({"params": {k: v for k, v in a.params.items() if k != "prompts"}}), _flatten(
-        {"params": {k: v for k, v in b.params.items() if k != "prompts"}})
-    fa.update(pa)
-    fb.update(pb)
+    """(setting, value in a, value in b) for every setting that differs: flags, env vars, engine, GPUs,
+    model, workload; never a measurement (start-up seconds: see startup_text)."""
+    fa, fb = {**_settings(a.environment), **_workload(a)}, {**_settings(b.environment), **_workload(b)}
     return [(key, fa.get(key, "—"), fb.get(key, "—")) for key in sorted(set(fa) | set(fb)) if fa.get(key) != fb.get(key)]
+
+
+def startup_text(env: dict) -> str:
+    """The measured start-up of the engine a run measured, in words: "ready in 23.1 s (weights 3.0 s, …)"."""
+    startup = (env or {}).get("startup") or {}
+    if not startup.get("ready_s"):
+        return ""
+    phases = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in (startup.get("totals") or {}).items()
+                       if isinstance(v, (int, float)))
+    return f"ready in {startup['ready_s']:.1f} s" + (f" ({phases})" if phases else "")
+
+
+def environment_rows(env: dict) -> list[tuple[str, str]]:
+    """A run's environment as its page lists it, one short line per item: flags as on the command line,
+    variables as NAME=value, GPUs by name, start-up in words (the full command line is shown apart)."""
+    from deployments.engineargs import argv_words
+
+    labels = {"deployment": "Deployment", "model": "Model", "model_commit": "Commit", "node": "Node",
+              "engine_version": "Engine", "engine_args": "Flags", "env": "Environment", "gpus": "GPUs",
+              "model_path": "Model folder", "startup": "Start-up", "base_url": "URL"}
+    rows = []
+    for key, value in (env or {}).items():
+        if key == "engine_command":
+            continue
+        if key == "engine_args":
+            text = " ".join(argv_words(value or {}))
+        elif key == "env":
+            text = " ".join(f"{k}={v}" for k, v in (value or {}).items())
+        elif key == "gpus":
+            text = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in value or []) or "none (CPU)"
+        elif key == "startup":
+            text = startup_text(env)
+        elif isinstance(value, dict):
+            text = ", ".join(f"{k}={v}" for k, v in _flatten(value).items())
+        elif isinstance(value, list):
+            text = ", ".join(map(str, value))
+        else:
+            text = "" if value is None else str(value)
+        rows.append((labels.get(key, key.replace("_", " ").capitalize()), text or "—"))
+    return rows
+
+
+def run_labels(runs: list[BenchmarkRun]) -> dict[int, str]:
+    """A name per run that tells the runs apart: "#12 qwen3 2026-12-01 10:04"; two alike also get the first
+    setting in which they differ ("#13 … · NCCL_PROTO=LL")."""
+    labels = {r.pk: f"#{r.pk} {r.name}" for r in runs}
+    for r in runs:
+        twins = [o for o in runs if o.pk != r.pk and o.name == r.name]
+        if twins:
+            diff = environment_diff(twins[0], r)
+            if diff:
+                key, _, value = diff[0]
+                labels[r.pk] += f" · {value}" if key.startswith("engine_args.") else f" · {key.split('.')[-1]}={value}"
+    return labels
 
 
 def export_json(runs) -> list[dict]:
@@ -86,3 +148,26 @@ def default_levels(deployment) -> list[int]:
         limit = min(limit, cap) if limit else cap
     return [c for c in runner.DEFAULT_LEVELS if not limit or c <= limit]
 
+
+
+def max_num_seqs(run: BenchmarkRun) -> int | None:
+    """The engine's --max-num-seqs when the run's environment records it (a deployment's flags)."""
+    value = ((run.environment or {}).get("engine_args") or {}).get("max-num-seqs")
+    try:
+        return int(value) if value not in (None, "", True, False) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def run_saturation(run: BenchmarkRun, points=None) -> dict | None:
+    """Where the sweep saturated and why, from its stored levels: {"level": 16 or None, "reason", "text"};
+    None before two levels are in (or one, once the run has ended)."""
+    points = list(run.points.all()) if points is None else points
+    if len(points) < 2 and run.status not in BenchmarkRun.TERMINAL or not points:
+        return None
+    levels = [LevelResult(concurrency=p.concurrency, num_requests=p.num_requests, completed=p.num_requests - p.failed_requests,
+                          output_throughput=p.output_throughput, e2e_ms=p.e2e_ms or {}, server_metrics=p.server_metrics or {})
+              for p in sorted(points, key=lambda p: p.concurrency)]
+    level, reason = saturation_point(levels, max_num_seqs(run))
+    text = f"Saturated at c={level}: {reason}." if level else f"{reason[:1].upper()}{reason[1:]}."
+    return {"level": level, "reason": reason, "text": text}

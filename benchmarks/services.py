@@ -8,7 +8,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import allowlist, caps, runner
+from benchmarks import allowlist, caps, runner, selectors
+from benchmarks.runner.saturation import queue_note
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
@@ -95,7 +96,7 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
     params["levels"] = sorted({int(c) for c in params["levels"]})
     caps.check(params, deployment)
     run = BenchmarkRun.objects.create(
-        name=name or f"{deployment.name if deployment else base_url} {timezone.now():%Y-%m-%d %H:%M}",
+        name=name or f"{deployment.name if deployment else base_url} {timezone.now():%Y-%m-%d %H:%M:%S}",
         deployment=deployment, base_url=base_url, params=params, created_by=user,
         served_model=served_model or (deployment.served_model_name if deployment else ""),
         environment=environment_of(deployment) if deployment else {"base_url": base_url, "model": served_model},
@@ -139,10 +140,8 @@ def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
     point, _ = BenchmarkPoint.objects.update_or_create(
         run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
     live.send_run_point(run.pk, point)
-    waiting = (level.server_metrics or {}).get("num_requests_waiting", {}).get("max", 0)
-    if waiting > 0:
-        run.warnings.append(f"At concurrency {level.concurrency} up to {waiting:.0f} requests waited in the engine's "
-                            "queue (its max-num-seqs or KV cache was the limit).")
+    if note := queue_note(level, selectors.max_num_seqs(run)):
+        run.warnings.append(note)
     return point
 
 
@@ -189,7 +188,10 @@ def run_execute(run_id: int) -> BenchmarkRun:
         if model != run.served_model:
             run.served_model = model
             BenchmarkRun.objects.filter(pk=run.pk).update(served_model=model)
+        # A deployment is vLLM: ask for usage in every chunk, so ITL per token divides each gap by the tokens
+        # that came in it exactly (another server may refuse the option: its chunks' tokens are estimated).
         spec = runner.LoadSpec(base_url=target.base_url, model=model, **_spec_params(run.params),
+                               continuous_usage_stats=bool(run.deployment_id),
                                tokenizer_path=run.environment.get("model_path", "") if run.deployment_id else "")
         # In a child process under a memory limit: whatever the run asks, this process and the engine
         # next to it keep their memory (benchmarks/runner/child.py).

@@ -41,7 +41,9 @@ def run_detail(request, pk):
     run = get_object_or_404(BenchmarkRun.objects.select_related("deployment"), pk=pk)
     points = list(run.points.all())
     return render(request, "benchmarks/run_detail.html", {
-        "run": run, "points": points, "initial": {"ticks": run.ticks, "points": [live.run_point_data(p) for p in points]}})
+        "run": run, "points": points, "environment": selectors.environment_rows(run.environment),
+        "saturation": selectors.run_saturation(run, points),
+        "initial": {"ticks": run.ticks, "points": [live.run_point_data(p) for p in points]}})
 
 
 @require_POST
@@ -63,7 +65,10 @@ def _ids(request) -> list[int]:
 def compare(request):
     runs = selectors.runs_with_points(_ids(request))
     diff = selectors.environment_diff(runs[0], runs[1]) if len(runs) >= 2 else []
-    data = [{"id": r.pk, "name": r.name, "single_stream_tok_s": r.single_stream_tok_s,
+    labels = selectors.run_labels(runs)
+    for r in runs:
+        r.label, r.startup_text = labels[r.pk], selectors.startup_text(r.environment)
+    data = [{"id": r.pk, "name": r.name, "label": r.label, "single_stream_tok_s": r.single_stream_tok_s,
              "points": [live.run_point_data(p) for p in r.points.all()]} for r in runs]
     return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
                                                        "ids": ",".join(str(r.pk) for r in runs)})

@@ -12,7 +12,7 @@ to remove one). Exit codes as for the rest of panelctl; `status --wait` exits 1 
 """
 import time
 
-from controlpanel import cli
+from controlpanel import clibase
 
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -23,11 +23,11 @@ def _settings(words: list[str]) -> dict:
     for word in words:
         name, sep, value = word.partition("=")
         if not sep or not name:
-            raise cli.CliError(f"{word!r}: write NAME=VALUE", cli.BAD_INPUT)
+            raise clibase.CliError(f"{word!r}: write NAME=VALUE", clibase.BAD_INPUT)
         if name.isupper():
             out["env"][name] = value
         else:
-            out["engine_args"][name.lstrip("-")] = True if value == "" else cli._number(value)
+            out["engine_args"][name.lstrip("-")] = True if value == "" else clibase._number(value)
     return out
 
 
@@ -43,7 +43,7 @@ def _rule(text: str) -> dict:
             return {"kind": "throughput_under_ttft", "level": int(level), "ttft_p95_ms": float(budget)}
         except ValueError:
             pass
-    raise cli.CliError(f"--rule {text!r}: throughput:LEVEL, single_stream or ttft:LEVEL:P95_MS", cli.BAD_INPUT)
+    raise clibase.CliError(f"--rule {text!r}: throughput:LEVEL, single_stream or ttft:LEVEL:P95_MS", clibase.BAD_INPUT)
 
 
 def _body(panel, args) -> dict:
@@ -51,14 +51,14 @@ def _body(panel, args) -> dict:
     for item in args.vary or []:
         name, sep, values = item.partition("=")
         if not sep or not values:
-            raise cli.CliError(f"--vary {item!r}: write NAME=V1,V2,…", cli.BAD_INPUT)
-        dimensions[name] = [cli._number(v) if not name.isupper() else v for v in values.split(",")]
+            raise clibase.CliError(f"--vary {item!r}: write NAME=V1,V2,…", clibase.BAD_INPUT)
+        dimensions[name] = [clibase._number(v) if not name.isupper() else v for v in values.split(",")]
     variants = [{"name": "", **_settings(text.split())} for text in args.variant or []]
     workload = {"max_tokens": args.max_tokens, "input_tokens": args.input_tokens, "requests_per_user": args.requests_per_user}
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if levels:
         workload["levels"] = levels
-    body = {"deployment": cli._deployment(panel, args.deployment)["id"], "variants": variants, "dimensions": dimensions,
+    body = {"deployment": clibase._deployment(panel, args.deployment)["id"], "variants": variants, "dimensions": dimensions,
             "workload": workload, "repeats": args.repeats, "order": args.order, "finish_with": args.finish_with,
             "name": args.name}
     if args.rule:
@@ -69,14 +69,14 @@ def _body(panel, args) -> dict:
 def cmd_start(panel, args):
     body = _body(panel, args)
     preview = panel.post("studies/preview/", body)
-    cli.say(f"{preview['variants']} variants ({', '.join(preview['names'])}), {preview['trials']} trials, "
+    clibase.say(f"{preview['variants']} variants ({', '.join(preview['names'])}), {preview['trials']} trials, "
             f"about {preview['estimate_s'] / 60:.0f} min ({preview['basis']}).")
     if args.dry_run:
-        cli._emit(preview, args.json, [])
+        clibase._emit(preview, args.json, [])
         return 0
     study = panel.post("studies/", body, key=args.idempotency_key)
-    cli.say(f"Study {study['id']} started.")
-    return _follow(panel, study["id"], args) if args.wait else cli._done(study, args)
+    clibase.say(f"Study {study['id']} started.")
+    return _follow(panel, study["id"], args) if args.wait else clibase._done(study, args)
 
 
 def _lines(study: dict) -> list[str]:
@@ -113,26 +113,26 @@ def _follow(panel, study_id: int, args) -> int:
         study = panel.get(f"studies/{study_id}/")
         if study["live"]["trials_done"] != done:
             done = study["live"]["trials_done"]
-            cli.say(f"  {done}/{study['live']['trials_total']} trials, {study['status']}")
+            clibase.say(f"  {done}/{study['live']['trials_total']} trials, {study['status']}")
         if study["status"] in TERMINAL:
-            cli._emit(study, args.json, _lines(study))
-            return 0 if study["status"] != "failed" else cli.FAILED
+            clibase._emit(study, args.json, _lines(study))
+            return 0 if study["status"] != "failed" else clibase.FAILED
         time.sleep(2)
-    cli.say(f"Timed out after {args.timeout:.0f} s; the study goes on (panelctl tune status {study_id}).")
-    return cli.TIMED_OUT
+    clibase.say(f"Timed out after {args.timeout:.0f} s; the study goes on (panelctl tune status {study_id}).")
+    return clibase.TIMED_OUT
 
 
 def cmd_status(panel, args):
     if args.wait:
         return _follow(panel, args.study, args)
     study = panel.get(f"studies/{args.study}/")
-    cli._emit(study, args.json, _lines(study))
+    clibase._emit(study, args.json, _lines(study))
     return 0
 
 
 def cmd_control(panel, args):
     study = panel.post(f"studies/{args.study}/{args.action}/", key=args.idempotency_key)
-    cli._emit(study, args.json, [f"Study {study['id']}: {study['status']}"])
+    clibase._emit(study, args.json, [f"Study {study['id']}: {study['status']}"])
     return 0
 
 
@@ -141,20 +141,20 @@ def cmd_apply(panel, args):
     if args.variant:
         body["variant"] = args.variant
     answer = panel.post(f"studies/{args.study}/apply/", body, key=args.idempotency_key)
-    cli._emit(answer, args.json, [f"Redeploying with {answer['name']} (deployment {answer['deployment']})."])
+    clibase._emit(answer, args.json, [f"Redeploying with {answer['name']} (deployment {answer['deployment']})."])
     return 0
 
 
 def cmd_list(panel, args):
     items = panel.get("studies/")["results"]
-    cli._emit(items, args.json, [f"{s['id']:>4}  {s['status']:<10} {s['name']}" for s in items])
+    clibase._emit(items, args.json, [f"{s['id']:>4}  {s['status']:<10} {s['name']}" for s in items])
     return 0
 
 
 def add(sub, common) -> None:
     """Register `panelctl tune ...` on panelctl's subcommands (`common`: the --json and --idempotency-key parent)."""
     tune = sub.add_parser("tune", help="tuning studies: variants redeployed, benchmarked in repeats, judged")
-    actions = cli.with_common(tune.add_subparsers(dest="action", required=True), common)
+    actions = clibase.with_common(tune.add_subparsers(dest="action", required=True), common)
     s = actions.add_parser("start", help="start a study of a deployment (name or id)")
     s.add_argument("deployment")
     s.add_argument("--variant", action="append", metavar="'NAME=VALUE …'", help="one variant's changes, repeatable")

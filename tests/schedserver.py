@@ -48,6 +48,9 @@ class Schedule:
     spin_us: float = 1500.0  # busy-wait the last stretch: loop timers are only ~1 ms precise
     kv_capacity: int = 1024  # running requests that make kv_cache_usage_perc read 1.0
     role_with_first_token: bool = False  # like vLLM: the role chunk leaves with the first token
+    # Token chunks (SSE events) per write, one gap apart: vLLM's events on a busy host reach the client
+    # several to a read, with no gap between them that a client could time.
+    chunks_per_write: int = 1
     # Each request's gap drawn from gap_ms * (1 ± jitter), uniformly (perf/tune_verdicts.py's noise).
     jitter: float = 0.0
     seed: int = 0
@@ -222,6 +225,10 @@ class Server:
                 self._built.clear()
             built = self._built[key] = build_chunks(*key, sch)
         first, frames, sizes = built
+        if sch.chunks_per_write > 1:
+            w = sch.chunks_per_write
+            frames = [b"".join(frames[i:i + w]) for i in range(0, len(frames), w)]
+            sizes = [sum(sizes[i:i + w]) for i in range(0, len(sizes), w)]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)  # a StreamResponse sends its headers right away
         if first:

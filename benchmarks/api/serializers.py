@@ -17,7 +17,14 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = BenchmarkRun
         fields = ["id", "name", "deployment", "base_url", "served_model", "params", "status", "error", "environment",
-                  "warnings", "single_stream_tok_s", "created", "started", "finished"]
+                  "warnings", "single_stream_tok_s", "saturation", "created", "started", "finished"]
+
+    saturation = serializers.SerializerMethodField(help_text=(
+        'Where more concurrency stopped buying throughput, and why: {"level": 16 or null, "reason", "text"}; '
+        "null before two levels are measured."))
+
+    def get_saturation(self, run) -> dict | None:
+        return selectors.run_saturation(run)
 
     def to_representation(self, instance):
         data = super().to_representation(instance)

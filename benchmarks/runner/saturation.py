@@ -34,3 +34,62 @@ def saturated(levels: list[LevelResult]) -> str:
     if waiting_last and waiting_last > (waiting_previous or 0):
         return f"{flat}, while up to {waiting_last:.0f} requests waited in the engine's queue"
     return ""
+
+
+KV_FULL = 0.90  # KV-cache usage from which the cache, not the batch size, holds requests back
+
+
+def _gauge(level: LevelResult, name: str) -> float | None:
+    gauge = (level.server_metrics or {}).get(name)
+    return gauge.get("max") if isinstance(gauge, dict) else None
+
+
+def limits(level: LevelResult, max_num_seqs: int | None) -> list[str]:
+    """The engine limits its gauges show reached at the level: max-num-seqs (as many running as it
+    allows) and the KV cache (nearly full). Only what a gauge shows; nothing is inferred."""
+    out = []
+    running, kv = _gauge(level, "num_requests_running"), _gauge(level, "kv_cache_usage_perc")
+    if max_num_seqs and running is not None and running >= max_num_seqs:
+        out.append(f"max-num-seqs {max_num_seqs} ({running:.0f} requests ran at once)")
+    if kv is not None and kv >= KV_FULL:
+        out.append(f"the KV cache ({100 * kv:.0f} % used)")
+    return out
+
+
+def queue_note(level: LevelResult, max_num_seqs: int | None) -> str:
+    """A sentence about the requests that waited in the engine's queue at the level ("" if none did),
+    naming a limit only when its gauge reached it."""
+    waiting = _gauge(level, "num_requests_waiting")
+    if not waiting:
+        return ""
+    head = f"At concurrency {level.concurrency} up to {waiting:.0f} requests waited in the engine's queue"
+    if found := limits(level, max_num_seqs):
+        return f"{head}: {' and '.join(found)} was the limit."
+    running, kv = _gauge(level, "num_requests_running"), _gauge(level, "kv_cache_usage_perc")
+    seen = []
+    if running is not None:
+        seen.append(f"at most {running:.0f} ran at once" + (f" of max-num-seqs {max_num_seqs}" if max_num_seqs else ""))
+    if kv is not None:
+        seen.append(f"the KV cache was at most {100 * kv:.0f} % used")
+    return (f"{head}, with no limit reached ({', '.join(seen) or 'the engine reported no running or KV-cache gauge'}): "
+            "requests sent together wait their turn to be admitted.")
+
+
+def saturation_point(levels: list[LevelResult], max_num_seqs: int | None = None) -> tuple[int | None, str]:
+    """(the level after which more concurrency bought no throughput, why), by the rule of saturated();
+    (None, why not) for a sweep that kept scaling or has too few levels to tell."""
+    done = [lv for lv in levels if lv.completed and not lv.cancelled]
+    for i in range(2, len(done) + 1):
+        if why := saturated(done[:i]):
+            best = max(done[:i - 1], key=lambda lv: lv.output_throughput)
+            found = limits(done[i - 1], max_num_seqs)
+            return best.concurrency, why + (f"; {' and '.join(found)} was the limit" if found else "")
+    if len(done) < 2:
+        return None, "one level: nothing to compare it with"
+    last, best = done[-1], max(done[:-1], key=lambda lv: lv.output_throughput)
+    head = f"not saturated up to concurrency {last.concurrency}"
+    if best.output_throughput <= 0 or last.output_throughput >= best.output_throughput * (1 + FLAT_GAIN):
+        gain = f" {100 * (last.output_throughput / best.output_throughput - 1):.0f} %" if best.output_throughput > 0 else ""
+        return None, f"{head}: output throughput still rose{gain} from concurrency {best.concurrency}"
+    return None, (f"{head}: output throughput was flat from concurrency {best.concurrency}, but latency did not "
+                  "climb nor the engine's queue grow")

@@ -148,7 +148,7 @@ class LevelResult:
     content_tokens: int = 0
     reasoning_split: str = "none"  # "usage" | "chunk_usage" | "chunks" (estimated) | "mixed" | "none"
     tokens_per_chunk: str = "estimated"  # "usage" (continuous_usage_stats) | "estimated"
-    tok_s_per_user: float = 0.0
+    tok_s_per_user: float = 0.0  # decode tokens (all but each request's first) ÷ decode time, requests pooled
     peak_tok_s: float = 0.0  # best tick window
     server_metrics: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)  # distinct error messages, at most 10
@@ -174,7 +174,8 @@ class LevelResult:
 
 @dataclass
 class SweepResult:
-    """The levels of a sweep, in order; `single_stream_tok_s` is tok/s per user at concurrency 1."""
+    """The levels of a sweep, in order; `single_stream_tok_s` is the decode rate at concurrency 1 (total
+    decode tokens ÷ total decode time, so 1000 / it is the mean TPOT in ms)."""
 
     levels: list = field(default_factory=list)
     cancelled: bool = False

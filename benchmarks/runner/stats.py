@@ -37,14 +37,31 @@ def chunk_token_counts(record: RequestRecord) -> tuple[list[float], bool]:
     return [record.output_tokens / n] * n if n else [], False
 
 
-def per_token_gaps(record: RequestRecord, counts: list[float]) -> list[float]:
-    """Ours: a chunk with k tokens after the first contributes k gaps of gap/k (k rounded, at least 1)."""
-    times, gaps = record.chunk_times, []
-    for j in range(1, len(times)):
-        k = counts[j]
-        if k <= 0:
-            continue
-        gaps.extend([(times[j] - times[j - 1]) / k] * max(1, round(k)))
+def arrivals(record: RequestRecord, counts: list[float]) -> list[tuple[float, float]]:
+    """(time, tokens) of each read that brought tokens. Chunks stamped in one read share its time: when
+    the server's writes coalesce (vLLM on a busy host sends several events at once) the gaps between
+    them were never observed, so one read with m chunks is one arrival of all their tokens."""
+    out: list[list[float]] = []
+    for t, k in zip(record.chunk_times, counts):
+        if out and out[-1][0] == t:
+            out[-1][1] += k
+        else:
+            out.append([t, k])
+    return [(t, k) for t, k in out if k > 0] or [(t, k) for t, k in out[:1]]
+
+
+def chunk_gaps(arrived: list[tuple[float, float]]) -> list[float]:
+    """The gap before each arrival after the first (ITL per chunk, a read being what a client can time)."""
+    return [arrived[j][0] - arrived[j - 1][0] for j in range(1, len(arrived))]
+
+
+def per_token_gaps(arrived: list[tuple[float, float]]) -> list[float]:
+    """Ours: an arrival of k tokens after the first contributes k gaps of gap/k (k rounded, at least 1);
+    so no gap that brought tokens reads 0, and gaps sum to the decode time."""
+    gaps = []
+    for j in range(1, len(arrived)):
+        k = arrived[j][1]
+        gaps.extend([(arrived[j][0] - arrived[j - 1][0]) / k] * max(1, round(k)))
     return gaps
 
 
@@ -79,8 +96,8 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
     result.errors = errors
     if records:
         result.duration_s = max(r.done for r in records) - min(r.start for r in records)
-    ttfts, bench_ttfts, ttfcs, tpots, itls, itls_token, e2es, per_user = [], [], [], [], [], [], [], []
-    sources, exact = set(), True
+    ttfts, bench_ttfts, ttfcs, tpots, itls, itls_token, e2es = [], [], [], [], [], [], []
+    sources, exact, decode_tokens, decode_s = set(), True, 0, 0.0
     for r in ok:
         times = r.chunk_times
         ttft, e2e = times[0] - r.start, times[-1] - r.start
@@ -89,14 +106,17 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
         e2es.append(e2e)
         if r.ttfc is not None:
             ttfcs.append(r.ttfc)
-        if r.output_tokens > 1:
+        # A request whose every token came in the read of its first has no decode time a client could
+        # see (its TPOT would read 0): it counts for TTFT and E2E, not for the decode figures.
+        if r.output_tokens > 1 and e2e > ttft:
             tpots.append((e2e - ttft) / (r.output_tokens - 1))
-        if e2e > ttft and r.output_tokens:
-            per_user.append(r.output_tokens / (e2e - ttft))
-        itls.extend(times[j] - times[j - 1] for j in range(1, len(times)))
+            decode_tokens += r.output_tokens - 1
+            decode_s += e2e - ttft
         counts, exact_counts = chunk_token_counts(r)
         exact = exact and exact_counts
-        itls_token.extend(per_token_gaps(r, counts))
+        arrived = arrivals(r, counts)
+        itls.extend(chunk_gaps(arrived))
+        itls_token.extend(per_token_gaps(arrived))
         reasoning, content, source = reasoning_split(r, counts, exact_counts)
         result.reasoning_tokens += reasoning
         result.content_tokens += content
@@ -105,9 +125,14 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
         result.output_tokens += r.output_tokens
     result.ttft_ms, result.ttfc_ms = distribution(ttfts), distribution(ttfcs) if ttfcs else {}
     result.ttft_vllm_bench_ms = distribution(bench_ttfts)
-    result.tpot_ms, result.itl_ms = distribution(tpots), distribution(itls)
-    result.itl_per_token_ms, result.e2e_ms = distribution(itls_token), distribution(e2es)
-    result.tok_s_per_user = math.fsum(per_user) / len(per_user) if per_user else 0.0
+    # No decode seen (one token each, or every request in one read): no figure, rather than a 0 that
+    # reads as "instant".
+    result.tpot_ms, result.itl_ms = distribution(tpots) if tpots else {}, distribution(itls) if itls else {}
+    result.itl_per_token_ms = distribution(itls_token) if itls_token else {}
+    result.e2e_ms = distribution(e2es)
+    # Total decode tokens over total decode time: what 1 / TPOT says. A mean of per-request rates is
+    # ruled by the request whose chunks came in few reads (a tiny decode time, a huge rate).
+    result.tok_s_per_user = decode_tokens / decode_s if decode_s > 0 else 0.0
     result.tokens_per_chunk = "usage" if ok and exact else "estimated"
     sources.discard("none")
     result.reasoning_split = sources.pop() if len(sources) == 1 else ("mixed" if sources else "none")
@@ -133,9 +158,9 @@ def request_samples(records: list[RequestRecord], limit: int = MAX_SAMPLES) -> d
         first, e2e = r.ttft, r.e2e
         ttft.append(round(first * 1000.0, 3))
         e2es.append(round(e2e * 1000.0, 3))
-        if e2e > first and r.output_tokens:
-            tok_s.append(round(r.output_tokens / (e2e - first), 3))
-        if r.output_tokens > 1:
+        if e2e > first and r.output_tokens > 1:
+            tok_s.append(round((r.output_tokens - 1) / (e2e - first), 3))
+        if r.output_tokens > 1 and e2e > first:
             tpot.append(round((e2e - first) / (r.output_tokens - 1) * 1000.0, 4))
 
     def thin(values):

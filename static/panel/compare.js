@@ -12,7 +12,9 @@
       return p ? value(p) : null;
     }))];
     return new uPlot({ width: Math.max(300, target.clientWidth), height: 240, scales: { x: { time: false, distr: 3 } },
-      series: [{ label: "concurrency" }, ...runs.map((r, i) => ({ label: r.name, stroke: colors[i % colors.length], width: 2, points: { size: 5 }, spanGaps: true }))],
+      // Labels without live values: a legend of "name: --" until the cursor is on the chart says nothing.
+      legend: { live: false },
+      series: [{ label: "concurrency" }, ...runs.map((r, i) => ({ label: r.label || r.name, stroke: colors[i % colors.length], width: 2, points: { size: 5 }, spanGaps: true }))],
       axes: [{ label: "concurrency" }, { size: 60 }] }, data, target);
   }
   window.compareCharts = { throughput: overlay("cmp-throughput", (p) => p.output_throughput), ttft: overlay("cmp-ttft", (p) => p.ttft_ms.median) };

@@ -8,15 +8,17 @@
   const width = (el) => Math.max(300, el.clientWidth);
 
   const tickEl = document.getElementById("chart-ticks");
-  const tickChart = new uPlot({ width: width(tickEl), height: 220, scales: { x: { time: false } },
+  // Legends as labels only: live values read "s: --" until the cursor is on the chart.
+  const legend = { live: false };
+  const tickChart = new uPlot({ width: width(tickEl), height: 220, scales: { x: { time: false } }, legend,
     series: [{ label: "s" }, { label: "tok/s", stroke: "#2563eb", width: 1.5 }], axes: [{ label: "seconds" }, { size: 60 }] },
     [[], []], tickEl);
   const scaleEl = document.getElementById("chart-scaling");
-  const scaleChart = new uPlot({ width: width(scaleEl), height: 220, scales: { x: { time: false, distr: 3 } },
+  const scaleChart = new uPlot({ width: width(scaleEl), height: 220, scales: { x: { time: false, distr: 3 } }, legend,
     series: [{ label: "concurrency" }, { label: "output tok/s", stroke: "#16a34a", width: 2, points: { size: 6 } }],
     axes: [{ label: "concurrency" }, { size: 60 }] }, [[], []], scaleEl);
   const ttftEl = document.getElementById("chart-ttft");
-  const ttftChart = new uPlot({ width: width(ttftEl), height: 220, scales: { x: { time: false, distr: 3 } },
+  const ttftChart = new uPlot({ width: width(ttftEl), height: 220, scales: { x: { time: false, distr: 3 } }, legend,
     series: [{ label: "concurrency" }, { label: "TTFT median ms", stroke: "#d97706", width: 2, points: { size: 6 } }],
     axes: [{ label: "concurrency" }, { size: 60 }] }, [[], []], ttftEl);
   window.runCharts = { ticks: tickChart, scaling: scaleChart, ttft: ttftChart };
@@ -44,6 +46,17 @@
   drawTicks();
   drawPoints();
 
+  // Where the sweep saturated and why: the API works it out from the stored levels once the run ends.
+  function showSaturation() {
+    fetch(`/api/runs/${R.id}/`, { headers: { Accept: "application/json" }, credentials: "same-origin" })
+      .then((r) => (r.ok ? r.json() : null)).then((run) => {
+        const el = document.getElementById("saturation");
+        if (!run || !run.saturation || !el) return;
+        el.textContent = run.saturation.text;
+        el.hidden = false;
+      }).catch(() => {});
+  }
+
   let ended = ["done", "failed", "cancelled"].some((s) => document.getElementById("run-status")?.classList.contains(s));
   Live.subscribe("run:" + R.id, (msg) => {
     if (msg.kind === "tick") {
@@ -66,6 +79,7 @@
       document.getElementById("warnings").innerHTML = (s.warnings || []).map((w) => `<li>${w.replace(/[&<>]/g, "")}</li>`).join("");
       if (["done", "failed", "cancelled"].includes(s.status)) {
         document.getElementById("cancel")?.remove();
+        showSaturation();
         document.getElementById("now").textContent = "—";  // nothing is in flight once the run has ended
         ended = true;
       }

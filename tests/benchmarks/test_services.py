@@ -170,3 +170,53 @@ def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(oper
         if name != "prompts":
             assert api.validated_data[name] == bare.params[name] == getattr(spec, name), name
     assert api.validated_data["levels"] == bare.params["levels"] == list(spec.levels)
+
+
+def gauges(running, waiting, kv):
+    return {"num_requests_running": {"max": running, "mean": running}, "num_requests_waiting": {"max": waiting, "mean": 1},
+            "kv_cache_usage_perc": {"max": kv, "mean": kv}}
+
+
+def test_a_queue_is_blamed_on_max_num_seqs_or_the_kv_cache_only_when_their_gauges_show_it(ready):
+    run = BenchmarkRunFactory(deployment=ready, environment={"engine_args": {"max-num-seqs": 64}})
+    with mock.patch("deployments.live.publish", autospec=True):
+        # What the issue saw: max-num-seqs 64, 12 waiting, the KV cache at 0 %: neither was the limit.
+        services._save_point(run, runner.LevelResult(concurrency=32, server_metrics=gauges(20, 12, 0.0)))
+        services._save_point(run, runner.LevelResult(concurrency=128, server_metrics=gauges(64, 64, 0.3)))
+    first, second = run.warnings
+    assert "12 requests waited" in first and "was the limit" not in first
+    assert "at most 20 ran at once of max-num-seqs 64" in first and "at most 0 % used" in first
+    assert "max-num-seqs 64 (64 requests ran at once) was the limit" in second and "KV cache" not in second
+
+
+def test_the_run_page_and_the_api_say_where_the_sweep_saturated(viewer_client, viewer):
+    run = BenchmarkRunFactory(status="done", environment={
+        "engine_args": {"max-num-seqs": 64, "enforce-eager": True}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "gpus": [],
+        "startup": {"ready_s": 23.4, "totals": {"process": 2.0, "weights": 3.0}}, "engine_command": "vllm serve m"})
+    for c, tok_s, e2e in ((1, 700, 180), (8, 4200, 240), (16, 6200, 330), (32, 6300, 650)):
+        BenchmarkPointFactory(run=run, concurrency=c, output_throughput=tok_s, e2e_ms={"median": e2e}, num_requests=32)
+    api = APIClient()
+    api.force_authenticate(viewer)
+    saturation = api.get(f"/api/runs/{run.pk}/").json()["saturation"]
+    assert saturation["level"] == 16 and saturation["text"].startswith("Saturated at c=16: output throughput 6300 tok/s")
+    assert "median latency rose from 330 to 650 ms" in saturation["reason"]
+    page = viewer_client.get(f"/benchmarks/{run.pk}/").content.decode()
+    assert "Saturated at c=16: " in page
+    # The environment in a few short lines, not a Python dict: flags as typed, variables, GPUs, start-up in words.
+    assert '<code class="cmdline">--max-num-seqs 64 --enforce-eager</code>' in page
+    assert "VLLM_CPU_KVCACHE_SPACE=1" in page and "none (CPU)" in page
+    assert "ready in 23.4 s (process 2.0 s, weights 3.0 s)" in page and "{&#x27;" not in page
+    assert page.index('id="chart-ticks"') < page.index('id="environment"')  # the charts come first
+
+
+def test_compared_runs_named_alike_are_told_apart_and_what_changed_is_settings_only(viewer_client):
+    env = {"engine_args": {"max-num-seqs": 8}, "startup": {"ready_s": 20.0, "totals": {"weights": 3.0}}}
+    a = BenchmarkRunFactory(name="tiny 2026-12-01 10:04", environment=env)
+    b = BenchmarkRunFactory(name="tiny 2026-12-01 10:04", environment={
+        "engine_args": {"max-num-seqs": 16}, "startup": {"ready_s": 31.0, "totals": {"weights": 9.0}}})
+    page = viewer_client.get(f"/benchmarks/compare/?runs={a.pk}&runs={b.pk}").content.decode()
+    assert f"#{a.pk} tiny 2026-12-01 10:04 · --max-num-seqs 8" in page
+    assert f"#{b.pk} tiny 2026-12-01 10:04 · --max-num-seqs 16" in page
+    diff = page[page.index('id="diff"'):]
+    assert "engine_args.max-num-seqs" in diff and "startup" not in diff  # a measurement is not a setting
+    assert "ready in 31.0 s (weights 9.0 s)" in page  # it is shown, as measured, in the environments table

@@ -144,7 +144,7 @@ def test_per_request_samples_come_from_the_records():
 
     samples = request_samples([record(0.0, 0.1, 1.1, 101), record(0.0, 0.2, 0.7, 51),
                                RequestRecord(index=2, success=False)])
-    assert samples["tok_s"] == [101.0, 102.0]
+    assert samples["tok_s"] == [100.0, 100.0]  # decode tokens (all but the first) over decode time: 1 / TPOT
     assert samples["ttft_ms"] == [100.0, 200.0]
     assert samples["tpot_ms"] == [10.0, 10.0]
     assert samples["e2e_ms"] == [1100.0, 700.0]

@@ -72,12 +72,50 @@ def test_ttft_is_the_first_token_chunk_not_the_role_chunk(measured):
     assert level.ttft_ms["median"] >= 50  # the schedule: the server never writes early
 
 
-def test_itl_is_every_gap_between_token_chunks(measured):
+def reads(record) -> list[float]:
+    """The distinct arrival times of a request's token chunks (chunks of one read share one)."""
+    return sorted(set(record.chunk_times))
+
+
+def test_itl_is_every_gap_between_reads_that_brought_token_chunks(measured):
     level, told = measured
     assert sum(len(r.chunk_times) - 1 for r in level.records) == 10 * 9
     assert level.itl_ms["median"] == pytest.approx(ms([b - a for r in level.records
-                                                       for a, b in zip(r.chunk_times, r.chunk_times[1:])]))
+                                                       for a, b in zip(reads(r), reads(r)[1:])]))
     assert abs(level.itl_ms["median"] - told["itl_ms"]) < HALF_GAP  # one gap per chunk, not two or none
+
+
+@pytest.fixture(scope="module")
+def bunched():
+    """vLLM's events as a busy host delivers them: four one-token chunks per write, a write every 10 ms."""
+    with SchedServer(ttft_ms=50, gap_ms=GAP_MS, tokens_per_chunk=1, chunks_per_write=4) as running:
+        truth(running)
+        level = run_level(spec_for(running, max_tokens=32, min_requests=4, requests_per_user=2,
+                                   continuous_usage_stats=True), concurrency=2)
+        yield level, truth(running)
+
+
+def test_chunks_that_arrive_together_share_the_gap_before_them(bunched):
+    level, told = bunched
+    assert all(len(r.chunk_times) == 32 and len(reads(r)) <= 8 for r in level.records)  # 8 writes of 4 chunks
+    assert_counted_at(level.itl_ms["median"], told["itl_ms"])  # the gap between writes, not the 0 inside one
+    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 4, rel=0.25)
+    assert level.itl_per_token_ms["p90"] > 0 and level.itl_per_token_ms["median"] > 0
+    # TPOT spreads (E2E - TTFT) over 31 tokens, 7 gaps over 28 of them beyond the first read's 4:
+    # 10 ms / 4 against 70 / 31 ms, one figure read two ways.
+    assert level.tpot_ms["median"] == pytest.approx(level.itl_per_token_ms["median"] * 28 / 31, rel=0.25)
+
+
+def test_several_tokens_per_chunk_and_several_chunks_per_read_multiply():
+    with SchedServer(ttft_ms=50, gap_ms=GAP_MS, tokens_per_chunk=3, chunks_per_write=2) as running:
+        truth(running)
+        level = run_level(spec_for(running, max_tokens=36, min_requests=2, requests_per_user=1,
+                                   continuous_usage_stats=True), concurrency=2)
+        told = truth(running)
+    assert level.tokens_per_chunk == "usage"
+    assert all(r.chunk_tokens == [3] * 12 for r in level.records)
+    assert_counted_at(level.itl_ms["median"], told["itl_ms"])
+    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 6, rel=0.25)
 
 
 def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
@@ -124,8 +162,8 @@ def test_throughputs_are_counts_over_the_measured_duration(level):
     assert level.duration_s >= 5 * 0.140
     assert level.output_throughput * level.duration_s == pytest.approx(300)
     assert level.request_throughput * level.duration_s == pytest.approx(10)
-    assert level.tok_s_per_user == pytest.approx(statistics.mean(
-        30 / (r.chunk_times[-1] - r.chunk_times[0]) for r in level.records))
+    assert level.tok_s_per_user == pytest.approx(
+        29 * len(level.records) / sum(r.chunk_times[-1] - r.chunk_times[0] for r in level.records))
 
 
 def test_warmup_requests_are_left_out_of_every_metric(level):

@@ -81,3 +81,31 @@ def test_a_sweep_asked_to_go_on_measures_every_level(saturating):
     result = sweep_module.sweep(LoadSpec(base_url="http://x", model="m", levels=(1, 2, 4, 8, 16),
                                          stop_when_saturated=False))
     assert [lv.concurrency for lv in result.levels] == [1, 2, 4, 8, 16] and result.saturated == ""
+
+
+def gauged(c, running, waiting, kv):
+    return LevelResult(concurrency=c, num_requests=32, completed=32, output_throughput=100.0, e2e_ms={"median": 1.0},
+                       server_metrics={"num_requests_running": {"max": running}, "num_requests_waiting": {"max": waiting},
+                                       "kv_cache_usage_perc": {"max": kv}})
+
+
+def test_a_queue_names_max_num_seqs_only_when_as_many_ran_as_it_allows():
+    assert "max-num-seqs 16 (16 requests ran at once) was the limit" in saturation.queue_note(gauged(32, 16, 16, 0.2), 16)
+    # max-num-seqs 64 with 20 running and the KV cache at 0 %: neither was the limit, and it says so.
+    note = saturation.queue_note(gauged(32, 20, 12, 0.0), 64)
+    assert "limit" in note and "was the limit" not in note
+    assert "at most 20 ran at once of max-num-seqs 64" in note and "at most 0 % used" in note
+
+
+def test_a_queue_names_the_kv_cache_only_when_it_was_nearly_full():
+    assert "the KV cache (97 % used) was the limit" in saturation.queue_note(gauged(64, 40, 24, 0.97), None)
+    assert "was the limit" not in saturation.queue_note(gauged(64, 40, 24, 0.5), None)
+    assert saturation.queue_note(gauged(8, 8, 0, 0.1), 8) == ""  # nothing waited: nothing to explain
+
+
+def test_the_saturation_point_is_the_best_level_before_throughput_went_flat():
+    levels = [level(1, 700, 180), level(2, 1300, 190), level(4, 1350, 380), level(8, 1360, 800)]
+    at, why = saturation.saturation_point(levels)
+    assert at == 2 and "1350 tok/s at concurrency 4 against 1300 at 2" in why
+    at, why = saturation.saturation_point(levels[:2])
+    assert at is None and "still rose 86 % from concurrency 1" in why

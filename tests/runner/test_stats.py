@@ -92,7 +92,35 @@ def test_throughputs_are_counts_over_first_send_to_last_completion():
     assert level.output_throughput == pytest.approx(40 / 0.901)
     assert level.total_token_throughput == pytest.approx(50 / 0.901)
     assert level.request_throughput == pytest.approx(2 / 0.901)
-    assert level.tok_s_per_user == pytest.approx((10 / 0.1 + 30 / 0.3) / 2)
+    # Decode tokens over decode time, pooled: (9 + 29) / (0.1 + 0.3), not the mean of 90 and 96.7.
+    assert level.tok_s_per_user == pytest.approx(38 / 0.4)
+
+
+def test_single_stream_decode_is_total_decode_tokens_over_total_decode_time():
+    # A request whose chunks came in two reads (decode 10 ms) beside two slow ones: the mean of the
+    # rates would read (12.7 + 2 × 1.27) / 3 = 5.1 k tok/s; the pooled rate agrees with TPOT instead.
+    fast = record(0, 0.0, [0.05] * 64 + [0.06] * 64, tokens=128)
+    slow = [record(i, 0.0, [0.05 + 0.001 * j for j in range(101)], tokens=101) for i in (1, 2)]
+    level = summarize(1, [fast, *slow])
+    assert level.tok_s_per_user == pytest.approx((127 + 100 + 100) / (0.01 + 0.1 + 0.1))
+    tpots = sorted([0.01 / 127, 0.1 / 100, 0.1 / 100])
+    assert level.tpot_ms["median"] == pytest.approx(tpots[1] * 1000)
+
+
+def test_chunks_of_one_read_are_one_arrival_so_no_gap_that_brought_tokens_reads_zero():
+    # Five one-token chunks in three reads (2 + 2 + 1 at 50, 60 and 80 ms), as vLLM's events come when
+    # the client's host is busy: the per-chunk gaps 0, 10, 0, 20 ms would have a median of 0.
+    level = summarize(1, [record(0, 0.0, [0.05, 0.05, 0.06, 0.06, 0.08], tokens=5, chunk_tokens=[1] * 5)])
+    assert level.itl_ms["median"] == pytest.approx(15.0)  # gaps between reads: 10 and 20 ms
+    assert level.itl_per_token_ms["mean"] == pytest.approx((5 + 5 + 20) / 3)  # 10 ms over 2 tokens, 20 over 1
+    assert min(level.itl_per_token_ms.values()) > 0
+
+
+def test_a_request_whose_tokens_all_came_in_one_read_has_no_decode_figures():
+    level = summarize(1, [record(0, 0.0, [0.05] * 8, tokens=8)])
+    assert level.ttft_ms["median"] == pytest.approx(50.0)
+    assert level.tpot_ms == level.itl_ms == level.itl_per_token_ms == {}  # unknown, not "0.00 ms"
+    assert level.tok_s_per_user == 0.0
 
 
 def test_to_dict_leaves_out_the_per_request_records():
