@@ -5,7 +5,7 @@ from typing import NamedTuple
 from django import forms
 
 from deployments import engineargs, secrets, validators
-from deployments.models import Deployment, Node
+from deployments.models import Deployment, ModelCopy, Node
 
 
 class Placement(NamedTuple):
@@ -30,6 +30,12 @@ class LocalModelForm(forms.Form):
 class DownloadForm(forms.Form):
     # No empty choice: with one node (the first hour's case) Download works without touching the field.
     node = forms.ModelChoiceField(queryset=Node.objects.all(), empty_label=None)
+
+    def __init__(self, *args, model=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if model is not None:  # only nodes a download can go to: none that holds it, fetches it or deletes it
+            held = model.copies.exclude(state__in=(ModelCopy.State.FAILED, ModelCopy.State.CANCELLED)).values("node")
+            self.fields["node"].queryset = Node.objects.exclude(pk__in=held)
 
 
 class FitForm(forms.Form):

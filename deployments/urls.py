@@ -12,6 +12,7 @@ urlpatterns = [
     path("models/add-local/", models.model_add_local, name="model-add-local"),
     path("models/<id:pk>/", models.model_detail, name="model-detail"),
     path("models/<id:pk>/download/", models.model_download, name="model-download"),
+    path("models/<id:pk>/remove/", models.model_remove, name="model-remove"),
     path("copies/<id:pk>/<slug:action>/", models.copy_action, name="copy-action"),
     path("settings/", account.panel_settings, name="settings"),
     path("deployments/", deployments.deployment_list, name="deployment-list"),

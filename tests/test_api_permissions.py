@@ -62,6 +62,7 @@ def test_viewers_read_everything_and_change_nothing(method, path, objects, viewe
 # action itself (202) or the service's refusal, never an authorisation answer. A new endpoint must be named here.
 OPERATOR_ANSWERS = {
     ("DELETE", "/api/copies/{id}/"): (409, "in_use"),  # the ready deployment uses the copy
+    ("DELETE", "/api/models/{id}/"): (409, "in_use"),  # the model has a copy and a deployment
     ("POST", "/api/copies/{id}/cancel/"): (409, "not_running"),
     ("POST", "/api/copies/{id}/retry/"): (409, "not_failed"),
     ("DELETE", "/api/deployments/{id}/"): (409, "busy"),  # the ready deployment must be stopped first

@@ -18,6 +18,19 @@ def gib(value) -> str:
 
 
 @register.filter
+def count(value) -> str:
+    """A count as people read it: 950912 -> "950,912", 8030261248 -> "8.0 billion" (humanize's intword
+    leaves numbers under a million unformatted)."""
+    from django.contrib.humanize.templatetags.humanize import intcomma, intword
+
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return "—"
+    return intword(number) if number >= 10**6 else intcomma(number)
+
+
+@register.filter
 def flags(engine_args) -> str:
     """{"enforce-eager": True, "tensor-parallel-size": 1} -> "--enforce-eager --tensor-parallel-size 1", exactly as
     the engine's command line gets them (a switch has no value; 1 is a value, not True), copyable into a shell."""

@@ -58,7 +58,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         return Response(serializers.NodeSerializer(node).data, status=status.HTTP_202_ACCEPTED)
 
 
-class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+class ModelRepoViewSet(mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
     lookup_value_regex = r"[0-9]+"
     serializer_class = serializers.ModelRepoSerializer
     queryset = selectors.model_list()
@@ -82,6 +82,11 @@ class ModelRepoViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         model = (repos.model_add_local(v["node"], v["local_path"]) if v.get("local_path")
                  else repos.model_add(v["repo_id"], v["revision"]))
         return Response(serializers.ModelRepoSerializer(model).data, status=status.HTTP_202_ACCEPTED)
+
+    def destroy(self, request, pk=None):
+        """Forget a model without copies or deployments (409 naming them otherwise)."""
+        repos.model_remove(self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(parameters=[serializers.FitQuerySerializer], responses=dict)
     @action(detail=True)

@@ -17,7 +17,7 @@ from deployments.services.nodes import node_enqueue
 
 log = logging.getLogger(__name__)
 __all__ = [
-    "DiskShort", "model_disk_check", "model_add", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
+    "DiskShort", "model_disk_check", "model_add", "model_remove", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
     "model_download", "model_copy_download", "model_copy_progress", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
     "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token", "hf_token_set",
     "model_download_cancel_for",
@@ -77,6 +77,18 @@ def model_add(repo_id: str, revision: str = "main") -> ModelRepo:
     model, _ = ModelRepo.objects.get_or_create(repo_id=repo_id, revision=revision)
     enqueue("deployments.model_inspect", args=[model.pk])
     return model
+
+
+def model_remove(model: ModelRepo) -> None:
+    """Forget a model the panel holds no copy or deployment of (a repo added by mistake, one the hub
+    stopped knowing): refused, saying what to remove first, otherwise."""
+    with transaction.atomic():
+        model = ModelRepo.objects.select_for_update().get(pk=model.pk)
+        if names := list(model.deployments.values_list("name", flat=True)[:3]):
+            raise ServiceError(f"{model} has deployments ({', '.join(names)}): delete them first.", code="in_use")
+        if nodes := list(model.copies.values_list("node__name", flat=True)[:3]):
+            raise ServiceError(f"{model} has copies on {', '.join(nodes)}: delete them first.", code="in_use")
+        model.delete()
 
 
 def model_add_local(node: Node, path: str) -> ModelRepo:

@@ -19,9 +19,15 @@ def model_list(request):
         "models": selectors.model_list(), "add_form": forms.ModelAddForm(), "local_form": forms.LocalModelForm()})
 
 
-@require_POST
+def _to_the_list(request):
+    """A GET of a form's POST address (a reload, a typed URL) lands on the form, not on a bare 405."""
+    return redirect(reverse("model-list") + "#add-model")
+
+
 @operator_required
 def model_add(request):
+    if request.method != "POST":
+        return _to_the_list(request)
     form = forms.ModelAddForm(request.POST)
     if not form.is_valid():
         return render(request, "deployments/model_list.html", {
@@ -36,9 +42,10 @@ def model_add(request):
     return redirect("model-detail", model.pk)
 
 
-@require_POST
 @operator_required
 def model_add_local(request):
+    if request.method != "POST":
+        return _to_the_list(request)
     form = forms.LocalModelForm(request.POST)
     if not form.is_valid():
         return render(request, "deployments/model_list.html", {
@@ -59,18 +66,37 @@ def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     if fit_form.is_valid():
         tp, kv = fit_form.cleaned_data["tp"], fit_form.cleaned_data["kv_cache_dtype"]
     fits = [(node, repos.model_fit(model, node, tp, kv_cache_dtype=kv)) for node in nodes]
+    copies = list(model.copies.select_related("node"))
+    for c in copies:
+        c.file_rows = _file_rows(model, c)
     return render(request, "deployments/model_detail.html", {
         "model": model, "fits": fits, "fit_form": fit_form, "tp": tp,
-        "download_form": download_form or forms.DownloadForm(), "disk_short": disk_short,
-        "copies": model.copies.all(), "disk": repos.model_disk_check(model, nodes),
+        "download_form": download_form or forms.DownloadForm(model=model), "disk_short": disk_short,
+        "copies": copies, "disk": repos.model_disk_check(model, nodes),
     }, status=status)
+
+
+def _file_rows(model, copy) -> list[dict]:
+    """Each file of a copy with how much is there, and once the copy is ready, that it was verified
+    (the live page writes the same as the download moves)."""
+    got = (copy.progress or {}).get("files", {})
+    rows = []
+    for f in model.files:
+        size = modelfit.human_bytes(f["size"])
+        if copy.state == ModelCopy.State.READY:
+            text = f"{size} · on the node's own disk" if model.local_path else f"{size} · verified"
+        else:
+            done = got.get(f["path"], [0, f["size"]])[0]
+            text = f"{modelfit.human_bytes(done)} / {size}"
+        rows.append({"path": f["path"], "text": text})
+    return rows
 
 
 @require_POST
 @operator_required
 def model_download(request, pk):
     model = get_object_or_404(ModelRepo, pk=pk)
-    form = forms.DownloadForm(request.POST)
+    form = forms.DownloadForm(request.POST)  # every node: a refusal says why (already there, busy)
     if not form.is_valid():
         return model_detail(request, pk, download_form=form, status=400)
     try:
@@ -82,6 +108,19 @@ def model_download(request, pk):
         return model_detail(request, pk, download_form=form, status=409)
     messages.success(request, f"Downloading {model} to {form.cleaned_data['node']}.")
     return redirect("model-detail", pk)
+
+
+@require_POST
+@operator_required
+def model_remove(request, pk):
+    model = get_object_or_404(ModelRepo, pk=pk)
+    try:
+        repos.model_remove(model)
+    except ServiceError as exc:
+        messages.error(request, exc.message)
+        return redirect("model-detail", pk)
+    messages.success(request, f"Removed {model}.")
+    return redirect("model-list")
 
 
 @require_POST

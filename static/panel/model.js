@@ -1,7 +1,9 @@
 // Model page: each copy's progress (bytes, rate, time left, per file) follows live messages.
 (function () {
   const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
-  const size = (b) => (b >= 2 ** 30 ? (b / 2 ** 30).toFixed(1) + " GiB" : (b / 2 ** 20).toFixed(1) + " MiB");
+  // As modelfit.human_bytes writes them: a 2 KB tokenizer file is "2,048 B", never "0.0 MiB".
+  const size = (b) => (b < 1e5 ? `${Math.round(b).toLocaleString("en")} B`
+    : b >= 1e8 ? (b / 2 ** 30).toFixed(1) + " GiB" : (b / 2 ** 20).toFixed(1) + " MiB");
   const eta = (s) => (s == null ? "" : s > 3600 ? `${(s / 3600).toFixed(1)} h left` : s > 60 ? `${Math.round(s / 60)} min left` : `${Math.round(s)} s left`);
   Live.subscribe("model:" + MODEL.id, (msg) => {
     // Read while the page loaded (the snapshot says so, and the page was rendered unread): reload too.
@@ -24,8 +26,10 @@
     const rate = c.state === "downloading" && c.rate ? ` · ${size(c.rate)}/s · ${eta(c.seconds_left)}` : "";
     card.querySelector('[data-f="text"]').textContent = `${size(c.bytes_done)} of ${size(c.bytes_total)} (${pct.toFixed(1)} %)${rate}`;
     card.querySelector('[data-f="error"]').textContent = c.error || "";
-    const rows = Object.entries(c.files || {}).map(([path, [done, total]]) =>
-      `<tr><td>${esc(path)}</td><td class="num">${size(done)} / ${size(total)}</td></tr>`);
+    const files = Object.entries(c.files || {});
+    if (!files.length) return;  // a snapshot without per-file progress: the page's rows stay
+    const rows = files.map(([path, [done, total]]) => `<tr><td>${esc(path)}</td><td class="num">` +
+      (c.state === "ready" ? `${size(total)} · verified` : `${size(done)} / ${size(total)}`) + "</td></tr>");
     card.querySelector('[data-f="files"]').innerHTML = rows.join("");
   });
 })();
