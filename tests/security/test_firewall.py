@@ -1,0 +1,139 @@
+"""The host firewall of multi-node and Ray deployments (deployments/host/firewall.py), with the real thing: nftables
+in this host's network namespace, real cgroups, and two network namespaces wired to this host by veth pairs, one
+a deployment's node ("peer"), one not ("stranger"). A process in a guarded group listens on every interface, as
+Ray's GCS and torch's TCPStore do: the peer and loopback reach it, the stranger is refused, the engine's API port
+stays open to all, a child forked later is guarded too, and release() takes the rules and the cgroup away.
+"""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from deployments.host import firewall
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and nftables need root")
+
+# Binds every port it is given on 0.0.0.0 once told to (a socket is tagged with its maker's cgroup, so it is moved
+# first), forks a child that binds one more, prints "up", then holds them.
+LISTENER = """import os, socket, sys
+sys.stdin.readline()
+ports = [int(p) for p in sys.argv[1:]]
+def listen(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", port)); s.listen()
+    return s
+held = [listen(p) for p in ports[:-1]]
+if os.fork() == 0:
+    held.append(listen(ports[-1])); print("up", flush=True); sys.stdin.readline(); os._exit(0)
+sys.stdin.readline()
+"""
+CONNECT = """import socket, sys
+for port in sys.argv[2:]:
+    try:
+        socket.create_connection((sys.argv[1], int(port)), timeout=3).close(); print(port, "open")
+    except OSError as exc:
+        print(port, type(exc).__name__)
+"""
+
+
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def namespaces():
+    """{"peer": (namespace, its address, this host's address towards it), "stranger": (...)}."""
+    tag = uuid.uuid4().hex[:6]
+    made, links = [], []
+    try:
+        found = {}
+        for i, role in enumerate(("peer", "stranger")):
+            ns, here, there = f"pfw-{role[0]}-{tag}", f"pf{role[0]}{tag}h", f"pf{role[0]}{tag}n"
+            net = f"10.{200 + i}.{int(tag[:2], 16)}.{int(tag[2:4], 16) & 0xFC}"  # a /30 of its own
+            host_ip, ns_ip = (net.rsplit(".", 1)[0] + f".{int(net.rsplit('.', 1)[1]) + k}" for k in (1, 2))
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("link", "add", here, "type", "veth", "peer", "name", there)
+            links.append(here)
+            _ip("link", "set", there, "netns", ns)
+            _ip("addr", "add", f"{host_ip}/30", "dev", here)
+            _ip("link", "set", here, "up")
+            _ip("-n", ns, "addr", "add", f"{ns_ip}/30", "dev", there)
+            _ip("-n", ns, "link", "set", there, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            found[role] = (ns, ns_ip, host_ip)
+        yield found
+    finally:
+        for link in links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=20)
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def _connect(ns, host, ports) -> dict[int, str]:
+    argv = [sys.executable, "-c", CONNECT, host, *map(str, ports)]
+    out = subprocess.run(["ip", "netns", "exec", ns, *argv] if ns else argv, capture_output=True, text=True, timeout=60)
+    return {int(port): what for port, what in (line.split() for line in out.stdout.splitlines())}
+
+
+def test_a_guarded_group_is_reached_from_loopback_and_its_nodes_only_and_its_api_port_from_anywhere(namespaces):
+    assert shutil.which("nft"), "install nftables (apt-get install nftables): multi-node deploys need it"
+    (peer_ns, peer_ip, host_for_peer), (stranger_ns, _, host_for_stranger) = namespaces["peer"], namespaces["stranger"]
+    cluster, api, child_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LISTENER, str(cluster), str(api), str(child_port)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    marker = f"0.fwtest{uuid.uuid4().hex[:12]}"
+    try:
+        message = firewall.guard(marker, [proc.pid], ["127.0.0.1", peer_ip], open_ports=[api])
+        assert f"reachable from loopback and {', '.join(sorted(['127.0.0.1', peer_ip]))}; port {api} open to all" in message
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "up"
+        root = firewall.cgroup2_root()
+        members = (root / firewall.PARENT / firewall.key_of(marker) / "cgroup.procs").read_text().split()
+        assert str(proc.pid) in members and len(members) == 2  # the child forked after guard() was born inside
+        ports = [cluster, api, child_port]
+        assert _connect(peer_ns, host_for_peer, ports) == {cluster: "open", api: "open", child_port: "open"}
+        assert _connect(stranger_ns, host_for_stranger, ports) == {
+            cluster: "ConnectionRefusedError", api: "open", child_port: "ConnectionRefusedError"}
+        assert _connect(None, "127.0.0.1", ports) == {cluster: "open", api: "open", child_port: "open"}
+        # An unguarded listener on the same host is none of the firewall's business: the stranger reaches it.
+        with socket_on_all() as other:
+            assert _connect(stranger_ns, host_for_stranger, [other]) == {other: "open"}
+        assert firewall.release(marker, wait_s=0.2) is False  # processes left: the rules stay
+        assert _connect(stranger_ns, host_for_stranger, [cluster]) == {cluster: "ConnectionRefusedError"}
+    finally:
+        proc.kill()
+        proc.wait(5)
+    proc.stdin.close()
+    assert firewall.release(marker, wait_s=5) is True
+    listed = subprocess.run(["nft", "list", "table", "inet", firewall.TABLE], capture_output=True, text=True).stdout
+    assert firewall.key_of(marker) not in listed
+    assert not (firewall.cgroup2_root() / firewall.PARENT / firewall.key_of(marker)).exists()
+
+
+class socket_on_all:
+    """A listening socket on every interface, outside any guarded group."""
+
+    def __enter__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen()
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+def test_a_host_without_nftables_refuses_with_the_reason_and_firewall_off_says_so(monkeypatch):
+    monkeypatch.setattr(firewall, "_checked", None)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(firewall.FirewallError, match=r"nftables is not installed on this host .*apt-get install nftables"):
+        firewall.check()
+    monkeypatch.setenv("PANEL_FIREWALL", "off")
+    assert firewall.check().startswith("Not firewalled: PANEL_FIREWALL=off")
+    assert firewall.guard("1.x", [os.getpid()], ["10.0.0.1"]).startswith("Not firewalled")
