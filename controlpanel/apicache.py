@@ -16,6 +16,12 @@ concurrent ones wait for it instead of each computing it again. Versions only gr
 computed after reading versions V serves any request that found versions <= V. A version that
 goes missing (Redis flushed or restarted) starts again from the current time in microseconds,
 above any value it had. While Redis cannot be reached, reads skip the cache.
+
+A write whose bump cannot reach Redis (an outage, or Redis back with its data but unreachable when
+the write committed) leaves other processes' answers and token checks looking valid: this process
+then owes a bump of EVERYTHING, pays it from a retry thread as soon as Redis answers, and serves
+nothing from its own cache until then. A new process starts owing one, for a writer that died
+before it could pay. So a token revoked during an outage is refused everywhere once Redis is back.
 """
 import functools
 import logging
@@ -42,7 +48,9 @@ from controlpanel.roles import group_names, is_operator
 log = logging.getLogger(__name__)
 LIVE = "live"  # bumped by each telemetry sample
 EVERYTHING = "*"  # bumped by a write whose table cannot be told
-UNWATCHED_TABLES = {"django_session"}  # logins and page visits change no API answer
+# Logins and page visits, and idempotency keys, change no API answer.
+UNWATCHED_TABLES = {"django_session", "controlpanel_idempotencykey"}
+DEBT_RETRY_S = 0.5  # how often a process that owes a bump tries Redis again
 # Columns every agent writes on its own schedule (a heartbeat each 5 s per node): an UPDATE that sets
 # only these makes only the answers that show them stale, those cached with live=True (the node
 # list), not every answer that reads the table (a node's name in the deployment or copy lists).
@@ -74,8 +82,51 @@ def _all_names() -> tuple[list, list]:
     return names, [_vkey(n) for n in names]
 
 
-def bump(*names: str, pipe=None) -> None:
+class _Debt:
+    """Whether this process owes every other one a bump of EVERYTHING (a write it could not announce)."""
+
+    def __init__(self):
+        self.owed = True  # a new process pays one for a writer that died owing it
+        self.lock = threading.Lock()
+        self.retrying = False
+
+    def incur(self) -> None:
+        with self.lock:
+            self.owed = True
+            if self.retrying:
+                return
+            self.retrying = True
+        threading.Thread(target=self._retry, name="apicache-debt", daemon=True).start()
+
+    def pay(self) -> None:
+        """Bump EVERYTHING if owed (raises RedisError while Redis is away; the debt stays)."""
+        if not self.owed:
+            return
+        with self.lock:  # held while paying: a reader waits for the bump rather than trust old versions
+            if self.owed:
+                bump(EVERYTHING, _paying=True)
+                self.owed = False
+
+    def _retry(self) -> None:
+        while True:
+            time.sleep(DEBT_RETRY_S)
+            try:
+                self.pay()
+            except (redis.RedisError, OSError):
+                continue
+            with self.lock:
+                if not self.owed:
+                    self.retrying = False
+                    return
+
+
+debt = _Debt()
+
+
+def bump(*names: str, pipe=None, _paying=False) -> None:
     """Make every cached answer that depends on one of `names` stale (into `pipe` when given)."""
+    if not _paying:
+        debt.pay()
     target = pipe if pipe is not None else _redis().pipeline()
     start = time.time_ns() // 1000  # a missing version restarts above any value it had before
     for name in names:
@@ -89,6 +140,7 @@ def versions() -> dict:
     """All current versions (as Redis gives them: digits in bytes), in one round trip; missing
     ones are started."""
     names, keys = _all_names()
+    debt.pay()  # before reading: versions that missed a write would vouch for stale answers
     values = _redis().mget(keys)
     if None in values:
         bump(*[n for n, v in zip(names, values) if v is None])
@@ -123,9 +175,11 @@ _reading = threading.local()  # .tables: the set being recorded by this thread, 
 def _bump_quietly(table: str) -> None:
     try:
         bump(table)
-    except redis.RedisError as exc:  # a write must not fail for the cache's sake
+    except (redis.RedisError, OSError) as exc:  # a write must not fail for the cache's sake
+        debt.incur()
         clear()
-        log.warning("could not mark cached API answers stale (%s); this process's cache was cleared", exc)
+        log.warning("could not mark cached API answers stale (%s); this process's cache was cleared and "
+                    "every process's will be once Redis answers", exc)
 
 
 def _watch(execute, sql, params, many, context):

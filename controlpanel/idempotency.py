@@ -2,23 +2,40 @@
 
 A client that sends `Idempotency-Key: <key>` with a POST gets the first answer again when it
 retries with the same key (header `Idempotent-Replayed: true`), and 409 while the first call is
-still running; keys are per user and kept 24 hours in Redis. Without the header, nothing changes.
+still running; keys are per user and kept 24 hours. Without the header, nothing changes.
+
+Keys live in the database, not Redis: a retry after Redis restarted empty (compose and the
+embedded Redis keep nothing on disk) must still find the first call, or it would create a second
+deployment. The key's row is committed before the call runs, so a concurrent retry meets the
+unique index and waits its turn (409) rather than running the call twice.
 """
 import functools
 import hashlib
 import json
+from datetime import timedelta
 
+from django.db import IntegrityError, transaction
+from django.utils import timezone
 from rest_framework import status
 from rest_framework.response import Response
 
-from controlpanel import redisconn
+from controlpanel.models import IdempotencyKey
 
-TTL_S = 24 * 3600
-PENDING = "pending"
+TTL = timedelta(hours=24)
 
 
-def _redis():
-    return redisconn.client()
+def _error(code: str, message: str, http_status: int, fields: dict | None = None) -> Response:
+    return Response({"error": {"code": code, "message": message, "fields": fields or {}}}, status=http_status)
+
+
+def _claim(digest: str) -> IdempotencyKey | None:
+    """The new row for `digest`, or None when a call with it already ran or runs (keys past TTL are gone)."""
+    IdempotencyKey.objects.filter(created__lt=timezone.now() - TTL).delete()
+    try:
+        with transaction.atomic():
+            return IdempotencyKey.objects.create(digest=digest)
+    except IntegrityError:
+        return None
 
 
 def idempotent(view):
@@ -28,27 +45,26 @@ def idempotent(view):
         if not key:
             return view(self, request, *args, **kwargs)
         if len(key) > 200 or not key.isprintable():
-            return Response({"error": {"code": "invalid", "message": "Idempotency-Key: at most 200 printable characters.",
-                                       "fields": {"Idempotency-Key": ["invalid"]}}}, status=status.HTTP_400_BAD_REQUEST)
+            return _error("invalid", "Idempotency-Key: at most 200 printable characters.", status.HTTP_400_BAD_REQUEST,
+                          {"Idempotency-Key": ["invalid"]})
         digest = hashlib.sha256(f"{request.user.pk}:{request.path}:{key}".encode()).hexdigest()
-        slot = f"idempotency:{digest}"
-        client = _redis()
-        if not client.set(slot, PENDING, nx=True, ex=TTL_S):
-            stored = client.get(slot)
-            if stored is None or stored.decode() == PENDING:
-                return Response({"error": {"code": "in_progress", "message": "A request with this Idempotency-Key is still running.",
-                                           "fields": {}}}, status=status.HTTP_409_CONFLICT)
-            saved = json.loads(stored)
-            return Response(saved["body"], status=saved["status"], headers={"Idempotent-Replayed": "true"})
+        row = _claim(digest)
+        if row is None:
+            stored = IdempotencyKey.objects.filter(digest=digest).first()
+            if stored is None or stored.status is None:
+                return _error("in_progress", "A request with this Idempotency-Key is still running.",
+                              status.HTTP_409_CONFLICT)
+            return Response(json.loads(stored.body), status=stored.status, headers={"Idempotent-Replayed": "true"})
         try:
             response = view(self, request, *args, **kwargs)
         except Exception:
-            client.delete(slot)  # an exception answer is produced later by DRF; let a retry run again
+            row.delete()  # an exception answer is produced later by DRF; let a retry run again
             raise
         if response.status_code >= 500:
-            client.delete(slot)
+            row.delete()
         else:
-            client.set(slot, json.dumps({"status": response.status_code, "body": response.data}, default=str), ex=TTL_S)
+            IdempotencyKey.objects.filter(pk=row.pk).update(
+                status=response.status_code, body=json.dumps(response.data, default=str))
         return response
 
     return wrapper

@@ -1,5 +1,5 @@
 """The panel's plain Redis connection (live snapshots, telemetry history, API cache versions,
-idempotency keys) and the one place that prefixes its keys."""
+token throttling) and the one place that prefixes its keys."""
 import redis
 from django.conf import settings
 

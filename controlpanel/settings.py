@@ -106,6 +106,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "django_htmx",
     "axes",
+    "controlpanel",
     "deployments",
     "benchmarks",
 ]
@@ -191,6 +192,10 @@ CHANNEL_LAYERS = {
 # The fleet page gets at most one message per socket each LIVE_TICK_S, with every node that changed
 # (deployments/livefeed.py): the added latency is at most this, the messages per browser at most 1 / this.
 LIVE_TICK_S = env_float("LIVE_TICK_S", 0.05)
+# Each WebSocket's heartbeat goes through the Channels layer, to a group only that socket is in, every
+# LIVE_HEARTBEAT_S; the browser reconnects (and redraws from a snapshot) when three in a row are missing,
+# as after Redis restarted empty and forgot every group (deployments/consumers.py, static/panel/live.js).
+LIVE_HEARTBEAT_S = env_float("LIVE_HEARTBEAT_S", 3.0)
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL

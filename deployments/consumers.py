@@ -3,6 +3,11 @@
 No database access per message: the role is checked on connect, on a timer (WS_RECHECK_SECONDS)
 and when logout or a role change nudges the socket (deployments/wsaccess.py); a subscribe checks
 once that its objects exist.
+
+Every LIVE_HEARTBEAT_S the socket sends itself a heartbeat through the layer, to a group only it is
+in, and forwards it: the browser sees beats only while the layer still knows the socket's groups.
+Redis restarted empty (or flushed) forgets them all and nothing else would tell; the browser then
+reconnects, which joins the groups again and sends each topic's snapshot (static/panel/live.js).
 """
 import asyncio
 
@@ -10,7 +15,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from deployments import live, livefeed, wsaccess
+from deployments import live, livefeed, livesnapshot, wsaccess
 
 MAX_TOPICS = 100  # per socket: a page needs a handful; this bounds what one socket can make the server track
 
@@ -30,15 +35,18 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         self.topics = set()
         self.fleet = None  # livefeed.Subscriber while the socket watches the fleet page
-        self.groups_joined = [live.user_group(self.user_id)] + ([live.session_group(self.session_key)] if self.session_key else [])
+        self.groups_joined = [live.user_group(self.user_id), live.socket_group(self.channel_name)] + (
+            [live.session_group(self.session_key)] if self.session_key else [])
         for group in self.groups_joined:
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         self.timer = asyncio.create_task(self._recheck_every(settings.WS_RECHECK_SECONDS))
+        self.beats = asyncio.create_task(self._beat_every(settings.LIVE_HEARTBEAT_S))
 
     async def disconnect(self, code):
-        if getattr(self, "timer", None):
-            self.timer.cancel()
+        for task in (getattr(self, "timer", None), getattr(self, "beats", None)):
+            if task:
+                task.cancel()
         self._leave_fleet()
         for group in getattr(self, "groups_joined", []):
             await self.channel_layer.group_discard(group, self.channel_name)
@@ -49,6 +57,14 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         while True:
             await asyncio.sleep(seconds)
             await self.session_recheck({})
+
+    async def _beat_every(self, seconds: float):
+        while True:
+            await asyncio.sleep(seconds)
+            await live.beat(self.channel_layer, self.channel_name, seconds)
+
+    async def live_beat(self, event):
+        await self.send_json({"beat": event["every"]})
 
     async def session_recheck(self, event):
         code = await database_sync_to_async(wsaccess.close_code)(self.user_id, self.session_key)
@@ -73,7 +89,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 break
             await self.channel_layer.group_add(live.group_name(topic), self.channel_name)
             self.topics.add(topic)
-            for message in await database_sync_to_async(live.snapshot)(topic):
+            for message in await database_sync_to_async(livesnapshot.on_subscribe)(topic):
                 await self.send_json({**message, "snapshot": True})
             if topic == live.FLEET and self.fleet is None:
                 # Join the feed first, then read the state: a change in between comes twice, never

@@ -137,6 +137,20 @@ def session_group(session_key: str) -> str:
     return f"live.session.{session_key}"
 
 
+def socket_group(channel_name: str) -> str:
+    """A group of one socket alone, for its heartbeat (group names allow no "!")."""
+    return "live.socket." + channel_name.replace("!", ".")
+
+
+async def beat(layer, channel_name: str, every: float) -> None:
+    """A socket's heartbeat, through the layer as updates go: it arrives only while the layer still holds
+    the socket's groups, which Redis restarted empty (or flushed) forgets without a word."""
+    try:
+        await asyncio.wait_for(layer.group_send(socket_group(channel_name), {"type": "live.beat", "every": every}), 5)
+    except (redis.RedisError, OSError, TimeoutError):
+        pass  # the browser notices the missing beat
+
+
 def _send_control(group: str, kind: str) -> None:
     _group_send(group, {"type": kind}, f"{kind} to {group}")
 

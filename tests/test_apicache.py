@@ -16,7 +16,7 @@ from rest_framework.test import APIClient
 from controlpanel import apicache, tokens
 from deployments import history, selectors
 from deployments.models import Node
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, wait_until
 from tests.factories import DeploymentFactory, NodeFactory, UserFactory
 
 
@@ -125,6 +125,7 @@ def test_a_write_the_cache_cannot_attribute_makes_everything_stale(api):
 def test_without_redis_reads_are_fresh_and_writes_still_work(api, monkeypatch):
     NodeFactory(name="n1", address="10.0.0.1")
     assert addresses(api) == {"n1": "10.0.0.1"}
+    everything = int(apicache.versions()[apicache.EVERYTHING])
     # No retries: redis-py's default backoff (three retries) makes each call here take ~5 s, which is not
     # what this test is about.
     unreachable = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5,
@@ -133,6 +134,10 @@ def test_without_redis_reads_are_fresh_and_writes_still_work(api, monkeypatch):
     Node.objects.filter(name="n1").update(address="10.0.0.9")  # the bump fails: the write must not
     assert addresses(api) == {"n1": "10.0.0.9"}
     assert not apicache.answers.entries
+    # Other processes' answers and token checks go stale as soon as Redis answers again.
+    monkeypatch.undo()
+    wait_until(lambda: not apicache.debt.owed, timeout=5, message="the missed write announced")
+    assert int(apicache.versions()[apicache.EVERYTHING]) > everything
 
 
 def test_a_long_poll_does_not_hold_up_other_requests(live_server_asgi, operator, monkeypatch):

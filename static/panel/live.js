@@ -2,27 +2,52 @@
 //   Live.subscribe("node:3", (msg) => { ... msg.kind, msg.data, msg.snapshot ... });
 // One socket per page; it reconnects with backoff and re-subscribes, and the server sends each
 // topic's snapshot first, so a chart rebuilt from snapshot + deltas never shows stale values.
+// While the page cannot get live data a banner says so ("Live updates paused: reconnecting…").
 (function () {
   const handlers = new Map(); // topic -> [fn]
   let socket = null;
   let retry = 0;
   let timer = null;
   let closedForGood = false;
+  // The server sends {"beat": seconds} through the Channels layer every `seconds` (deployments/consumers.py).
+  // No beat for three periods means the layer lost this socket's groups (Redis restarted empty) or the
+  // connection is dead without a close: reconnect, which joins the groups again and redraws from snapshots.
+  let beatEvery = 5;  // seconds, until the server says
+  let lastBeat = 0;
+  let banner = null;
+
+  function showBanner(shown) {
+    if (!banner && !shown) return;
+    if (!banner) {
+      banner = document.createElement("div");
+      banner.id = "live-banner";
+      banner.setAttribute("role", "status");
+      banner.textContent = "Live updates paused: reconnecting…";
+      banner.style.cssText = "position:sticky;top:0;z-index:50;padding:6px 12px;background:#78350f;color:#fde68a;" +
+        "font-size:13px;text-align:center";
+      document.body.prepend(banner);
+    }
+    banner.hidden = !shown;
+  }
 
   function setState(state) {
     document.documentElement.dataset.live = state;
     const badge = document.getElementById("live-state");
     if (badge) { badge.textContent = state; badge.className = "live-state " + state; }
+    // The page cannot get live data: say so until a new connection is accepted (a first load's connecting is no outage).
+    if (state === "live" || state === "denied") showBanner(false);
+    else if (state === "reconnecting") showBanner(true);
   }
 
   function connect() {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     timer = null;
     socket = new WebSocket(`${scheme}://${location.host}/ws/live/`);
-    setState("connecting");
+    if (document.documentElement.dataset.live !== "reconnecting") setState("connecting");  // first load: no banner
     socket.onopen = () => {
       retry = 0;
-      setState("live");
+      lastBeat = Date.now();
+      setState("live");  // the server joined this socket's groups before accepting it
       const topics = [...handlers.keys()];
       for (let i = 0; i < topics.length; i += 50) {  // the server reads at most 50 topics a message
         socket.send(JSON.stringify({ subscribe: topics.slice(i, i + 50) }));
@@ -30,6 +55,11 @@
     };
     socket.onmessage = (event) => {
       const msg = JSON.parse(event.data);
+      if (msg.beat) {
+        beatEvery = msg.beat;
+        lastBeat = Date.now();
+        return;
+      }
       if (msg.error) { console.warn("live:", msg.error); return; }
       for (const fn of handlers.get(msg.topic) || []) {
         try { fn(msg); } catch (err) { console.error(err); }
@@ -38,16 +68,29 @@
     socket.onclose = (event) => {
       // 4401/4403: not logged in / no role; reconnecting would not help.
       if (event.code === 4401 || event.code === 4403) { closedForGood = true; setState("denied"); return; }
-      setState("reconnecting");
-      const delay = Math.min(10000, 500 * 2 ** retry++);
-      timer = setTimeout(connect, delay);
+      later();
     };
   }
+
+  function later() {
+    setState("reconnecting");
+    const delay = Math.min(10000, 500 * 2 ** retry++);
+    timer = setTimeout(connect, delay);
+  }
+
+  // A socket open but without beats is given up (its close handshake may never come) and replaced.
+  setInterval(() => {
+    if (!socket || socket.readyState !== WebSocket.OPEN || Date.now() - lastBeat < (3 * beatEvery + 1) * 1000) return;
+    const old = socket;
+    old.onclose = old.onmessage = null;
+    try { old.close(4000, "no heartbeat"); } catch (err) { /* already closing */ }
+    later();
+  }, 1000);
 
   // After an action (a click, a submit, the tab shown again, the network back) a socket waiting out
   // its backoff reconnects at once: the indicator never sits on "reconnecting" while the server is up.
   function reconnectNow() {
-    if (closedForGood || !timer || !socket || socket.readyState !== WebSocket.CLOSED) return;
+    if (closedForGood || !timer || !socket || socket.readyState === WebSocket.OPEN) return;
     clearTimeout(timer);
     timer = null;
     retry = 0;
