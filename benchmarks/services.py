@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import allowlist, caps, runner, selectors
+from benchmarks import allowlist, caps, runner, runqueue, selectors
 from benchmarks.runner.saturation import queue_note
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
@@ -148,10 +148,9 @@ def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
 def run_execute(run_id: int) -> BenchmarkRun:
     """Run the sweep where the task landed; each level's point and the tok/s ticks go live."""
     run = BenchmarkRun.objects.select_related("deployment", "deployment__node").get(pk=run_id)
-    if run.status != S.QUEUED or run.cancel_requested:
+    if not runqueue.run_claim(run):  # not queued any more, or a re-driven copy of this task took it
         return run
     target = run_target(run)
-    run.transition(S.RUNNING)
     if command := engine_command(run.deployment):
         run.environment = {**run.environment, "engine_command": command}
     run.save()

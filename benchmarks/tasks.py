@@ -1,10 +1,17 @@
 """Benchmark tasks: load by ID, call the service."""
 from celery import shared_task
 
-from benchmarks import services
+from benchmarks import runqueue, services
+from deployments import drivers
 
 
 @shared_task(name="benchmarks.run_execute")
 def run_execute(run_id: int) -> None:
     """Run a sweep (on the deployment's node, or on the control worker for a URL)."""
     services.run_execute(run_id)
+
+
+# The node agent re-sends queued runs whose task was lost (registered where the task is: every process
+# that runs the agent loads this module through the app's ready()).
+if runqueue.runs_redrive not in drivers.REDRIVE_DRIVERS:
+    drivers.REDRIVE_DRIVERS.append(runqueue.runs_redrive)

@@ -1,6 +1,8 @@
 """The Celery app. Control-plane work goes to the `control` queue; every task that touches a
-host is routed to that host's own queue `node.<name>` by the caller (see deployments.services)."""
+host is routed to that host's own queue `node.<name>` by the caller (see deployments.services), and
+engine control to its control queue `node.<name>.control` (controlpanel/queue.py)."""
 import os
+import threading
 
 from celery import Celery
 
@@ -9,3 +11,20 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
 app = Celery("controlpanel")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+def control_worker(queue: str, hostname: str, concurrency: int) -> threading.Thread:
+    """Consume `queue` on `concurrency` threads of its own, in a thread of this process, next to the
+    process's main worker: what runs there never waits for a thread the main worker's tasks hold.
+
+    A Celery app selects the queues its workers consume app-wide (`app.amqp.queues`), so the second
+    consumer gets an app of its own with the same configuration and tasks (shared tasks register on
+    every app); both send through the default app, and a worker shutdown (state.should_stop) ends both."""
+    own = Celery("controlpanel", set_as_current=False)
+    own.config_from_object("django.conf:settings", namespace="CELERY")
+    own.finalize(auto=True)
+    worker = own.WorkController(hostname=hostname, queues=[queue], pool="threads", concurrency=concurrency,
+                                without_gossip=True, without_mingle=True, without_heartbeat=True, loglevel="INFO")
+    thread = threading.Thread(target=worker.start, name="control-worker", daemon=True)
+    thread.start()
+    return thread

@@ -1,5 +1,7 @@
-"""The node agent: registers this host, heartbeats, samples it, and runs a Celery worker that
-consumes only this host's queue `node.<name>`.
+"""The node agent: registers this host, heartbeats, samples it, and runs two Celery consumers: one on
+this host's queue `node.<name>` (downloads, plans, benchmarks), one with threads of its own on its
+control queue `node.<name>.control` (halts: a Stop never waits behind the rest, issue 26), and the loop
+that re-drives lost work from the database (deployments/node/redrive.py).
 
     python manage.py nodeagent --name gpu-01 --model-store /models
 """
@@ -11,7 +13,10 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
 from controlpanel.celery import app as celery_app
+from controlpanel.celery import control_worker
+from controlpanel.queue import control_queue
 from deployments.agent import Agent
+from deployments.node import redrive
 
 AGENT_VERSION = "0.1.0"
 
@@ -26,8 +31,11 @@ class Command(BaseCommand):
         parser.add_argument("--sample-seconds", type=float, default=settings.SAMPLE_SECONDS)
         parser.add_argument("--heartbeat-seconds", type=float, default=settings.HEARTBEAT_SECONDS)
         parser.add_argument("--concurrency", type=int, default=4, help="Host tasks run at once (downloads, deploys, benchmarks).")
+        parser.add_argument("--control-concurrency", type=int, default=4,
+                            help="Engine halts run at once, on threads of their own (the control queue).")
 
-    def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency, **options):
+    def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency,
+               control_concurrency, **options):
         from django.utils.text import slugify
 
         if slugify(name) != name:
@@ -41,15 +49,21 @@ class Command(BaseCommand):
             agent.register()
         except AgentConflict as exc:
             raise CommandError(str(exc)) from exc
-        self.stdout.write(f"node {name}: queue node.{name}, model store {model_store}, {agent.describe()}")
+        queue = f"node.{name}"
+        self.stdout.write(f"node {name}: queues {queue} and {control_queue(queue)}, model store {model_store}, "
+                          f"{agent.describe()}")
         stop = threading.Event()
         threading.Thread(target=agent.loop, args=(stop,), name="sampler", daemon=True).start()
         threading.Thread(target=agent.study_loop, args=(stop,), name="studies", daemon=True).start()
+        redriver = redrive.Redriver(agent.node_id, queue=queue, slots=concurrency)
+        threading.Thread(target=redriver.loop, args=(stop,), name="redrive", daemon=True).start()
         try:
             close_old_connections()
+            # Halts on threads no download or load can take (a second consumer, in this process).
+            control_worker(control_queue(queue), f"{name}-control@{socket.gethostname()}", control_concurrency)
             # The worker consumes this node's queue only; other nodes' work never lands here.
             celery_app.worker_main([
-                "worker", "-Q", f"node.{name}", "-n", f"{name}@%h", "--pool", "threads",
+                "worker", "-Q", queue, "-n", f"{name}@%h", "--pool", "threads",
                 "--concurrency", str(concurrency), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
             ])
         finally:

@@ -1,0 +1,1 @@
+"""Node-side deployment code: what runs on a GPU host's agent."""

@@ -1,0 +1,180 @@
+"""A Stop always happens (issue 26 item 3), with real agents and the fake engine: the halt dropped three
+ways (the web process killed after its commit, before on_commit sent it; Redis emptied by FLUSHALL right
+after the Stop; the node queue's every thread held by throttled downloads) and the engine is stopped
+within the bound, every time; a benchmark run whose run_execute was lost runs all the same.
+
+The bound: a halt that nothing picked up runs by REDRIVE_AFTER_S + REDRIVE_EVERY_S after the Stop
+(deployments/node/redrive.py), plus the halt itself (the fake engine goes at SIGTERM); one the queue
+still delivers runs at once on the control queue's own threads."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from deployments.models import Deployment, ModelCopy, ModelRepo
+from deployments.node.redrive import REDRIVE_AFTER_S, REDRIVE_EVERY_S
+from deployments.services import deploys, repos
+from tests.conftest import ROOT, in_thread, wait_until
+from tests.faults.conftest import KILLS
+from tests.hfserver import configure, serve
+from tests.truestate import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy, engines_under,
+                             settle, stop_leftover_engines)
+
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
+HALT_S = 5.0  # the fake engine's halt, a slow database write or two, and this machine's load
+LOST_BOUND_S = REDRIVE_AFTER_S + REDRIVE_EVERY_S + HALT_S  # a halt no message will ever bring
+QUEUED_BOUND_S = HALT_S  # a halt its control queue delivers: no download, plan or benchmark before it
+MB = 1 << 20
+
+
+def _stopped_within(d, folder, since: float, bound: float) -> float:
+    """Wait until the deployment is Stopped and its engine gone; fail past `bound` seconds after `since`."""
+    left = bound - (time.monotonic() - since)
+    settle(d, timeout=max(left, 0.1), states={"stopped"})
+    wait_until(lambda: not engines_under(folder), timeout=max(bound - (time.monotonic() - since), 0.1),
+               message="the engine to be gone")
+    took = time.monotonic() - since
+    assert took <= bound, f"stopped {took:.1f} s after the Stop; the bound is {bound:.0f} s"
+    assert_true_state(d, folder)
+    return took
+
+
+def _ready(model, node, d=None):
+    d = deploy(model, node) if d is None else deploys.deployment_redeploy(Deployment.objects.get(pk=d.pk))
+    assert settle(d, timeout=60).status == "ready"
+    return d
+
+
+def _killed_web(process_env, what: str, pk: int) -> None:
+    """The request in a web process SIGKILLed after its commit, before on_commit (tests/faults/killed_web.py)."""
+    done = subprocess.run([sys.executable, "tests/faults/killed_web.py", what, str(pk)], cwd=ROOT, env=process_env,
+                          capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    COUNTS["web_killed_after_commit"] += 1
+
+
+def _redriven(agent, name: str) -> int:
+    """How many times the agent's log says it re-drove task `name`: proof the halt really was lost."""
+    return open(agent.proc.log_path, encoding="utf-8", errors="replace").read().count(f"re-driving {name}(")
+
+
+@pytest.mark.timeout(120 + KILLS * 3 * LOST_BOUND_S)
+def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fake_model, process_env):
+    node = fault_agent.node
+    model = add_fake_model(node, fake_model)
+    d = None
+    for attempt in range(KILLS):
+        d = _ready(model, node, d)
+        asked = time.monotonic()
+        _killed_web(process_env, "stop", d.pk)
+        assert Deployment.objects.get(pk=d.pk).status == "stopping"  # committed, and no halt was ever sent
+        took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
+        COUNTS["lost_halts_survived"] += 1
+        print(f"halt lost with the web process: engine stopped {took:.1f} s after the Stop")
+    assert _redriven(fault_agent, "deployments.deployment_halt") >= KILLS
+
+    # A run whose run_execute was never sent no longer sits Queued for ever, blocking every new run.
+    from benchmarks.models import BenchmarkRun
+
+    d = _ready(model, node, d)
+    asked = time.monotonic()
+    _killed_web(process_env, "bench", d.pk)
+    run = BenchmarkRun.objects.get(deployment=d)
+    assert run.status == "queued"
+    wait_until(lambda: BenchmarkRun.objects.get(pk=run.pk).status != "queued", timeout=LOST_BOUND_S,
+               message="the lost run to be re-driven")
+    print(f"lost run_execute: running {time.monotonic() - asked:.1f} s after it was queued")
+    assert _redriven(fault_agent, "benchmarks.run_execute") == 1
+    COUNTS["lost_runs_survived"] += 1
+    ended = wait_until(lambda: (r := BenchmarkRun.objects.get(pk=run.pk)).status in BenchmarkRun.TERMINAL and r,
+                       timeout=60, message="the re-driven run to end")
+    assert ended.status == "done", ended.error
+    assert ended.points.exists()  # it measured: one copy of the task ran it, not none
+    asked = time.monotonic()
+    deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
+    _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+
+
+@pytest.mark.timeout(120 + KILLS * 2 * LOST_BOUND_S)
+def test_a_halt_flushed_from_redis_right_after_the_stop_is_redriven(private_redis, process_env, spawn, unique,
+                                                                      tmp_path, fake_model):
+    env = agent_env(process_env, tmp_path, REDIS_URL=private_redis.url)
+    agent = Agent(spawn, env, f"flush-{unique}", tmp_path / "store")
+    node = agent.start()
+    model = add_fake_model(node, fake_model)
+    client = redis.Redis(port=private_redis.port)
+    d = None
+    try:
+        for attempt in range(KILLS):
+            d = _ready(model, node, d)
+            # The agent frozen for the moment of the Stop: its consumers' BRPOPs (1 s) have returned, so the
+            # halt waits in Redis, where FLUSHALL drops it, as a Redis restarted empty would.
+            os.killpg(agent.proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(1.5)
+                asked = time.monotonic()
+                deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
+                client.flushall()
+                COUNTS["redis_flushed_after_stop"] += 1
+            finally:
+                os.killpg(agent.proc.pid, signal.SIGCONT)
+            took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
+            COUNTS["lost_halts_survived"] += 1
+            print(f"halt flushed from Redis: engine stopped {took:.1f} s after the Stop")
+        assert _redriven(agent, "deployments.deployment_halt") == KILLS
+        # Work sent after the flush still reaches the agent (the queues' routes are declared again).
+        d = _ready(model, node, d)
+        asked = time.monotonic()
+        deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
+        _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+    finally:
+        stop_leftover_engines(tmp_path)
+
+
+@pytest.fixture
+def slow_hub(tmp_path):
+    """A Hugging Face double serving two 12 MB repos at 200 KB/s: each download holds a thread for a minute."""
+    root = tmp_path / "hub"
+    for name in ("one", "two"):
+        repo = root / "acme" / name
+        repo.mkdir(parents=True)
+        (repo / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+        (repo / "model.safetensors").write_bytes(os.urandom(12 * MB))
+    with serve(root) as url:
+        configure(url, throttle_bps=200_000)
+        yield url
+
+
+@pytest.mark.timeout(180)
+def test_a_stop_never_waits_behind_downloads_holding_every_thread_of_the_node_queue(
+        process_env, spawn, unique, tmp_path, settings, fake_model, slow_hub):
+    settings.HF_ENDPOINT = slow_hub
+    env = agent_env(process_env, tmp_path, HF_ENDPOINT=slow_hub)
+    agent = Agent(spawn, env, f"busy-{unique}", tmp_path / "store")  # the node queue on 2 threads (agent_argv)
+    node = agent.start()
+    try:
+        model = add_fake_model(node, fake_model)
+        d = _ready(model, node)
+        copies = []
+        for name in ("one", "two"):
+            hub_model = ModelRepo.objects.create(repo_id=f"acme/{name}")
+            in_thread(repos.model_inspect, hub_model.pk)
+            copies.append(repos.model_download(ModelRepo.objects.get(pk=hub_model.pk), node))
+        wait_until(lambda: ModelCopy.objects.filter(pk__in=[c.pk for c in copies], state="downloading").count() == 2,
+                   timeout=30, message="both downloads to hold the node queue's threads")
+        asked = time.monotonic()
+        deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
+        took = _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+        COUNTS["halts_behind_busy_queue"] += 1
+        print(f"Stop with the node queue busy: engine stopped {took:.1f} s after the Stop")
+        assert ModelCopy.objects.filter(pk__in=[c.pk for c in copies], state="downloading").count() == 2
+        assert _redriven(agent, "deployments.deployment_halt") == 0  # the control queue delivered it
+        for copy in copies:
+            repos.model_copy_cancel(ModelCopy.objects.get(pk=copy.pk))
+    finally:
+        stop_leftover_engines(tmp_path)

@@ -1,0 +1,160 @@
+"""Lost node work re-driven from the database (deployments/node/redrive.py) and engine control routed to
+its own queue (controlpanel/queue.py), one pass at a time with the broker replaced at send_now; the real
+processes (the agent, Redis emptied, a web process killed) are tests/faults/test_lost_halts.py."""
+from datetime import timedelta
+from unittest import mock
+
+import pytest
+from django.utils import timezone
+
+from benchmarks import runqueue
+from benchmarks.models import BenchmarkRun
+from controlpanel import queue
+from deployments import tasks
+from deployments.models import Deployment, DeploymentRank
+from deployments.node import redrive
+from tests.factories import BenchmarkRunFactory, DeploymentFactory, NodeFactory
+
+pytestmark = pytest.mark.django_db
+S = Deployment.Status
+AFTER = redrive.REDRIVE_AFTER_S
+
+
+@pytest.fixture
+def node():
+    return NodeFactory(name="gpu-01")
+
+
+@pytest.fixture
+def redriver(node):
+    return redrive.Redriver(node.pk, queue=node.queue, slots=2)
+
+
+@pytest.fixture
+def sent():
+    with mock.patch("deployments.node.redrive.send_now", autospec=True) as send_now:
+        yield send_now
+
+
+@pytest.fixture
+def halted():
+    """The halt tasks' own functions, as the re-drive runs them (in a thread of the agent)."""
+    with mock.patch.object(tasks.deployment_halt, "run", autospec=True) as halt, \
+            mock.patch.object(tasks.rank_halt, "run", autospec=True) as rank_halt:
+        yield halt, rank_halt
+
+
+def _settle_threads():
+    import threading
+
+    for t in threading.enumerate():
+        if t.name.startswith("redrive-"):
+            t.join(5)
+
+
+def test_engine_control_goes_to_the_nodes_control_queue_and_never_expires():
+    assert queue.route("deployments.deployment_halt", {"queue": "node.gpu-01", "expires": 600}) == {
+        "queue": "node.gpu-01.control"}
+    assert queue.route("deployments.rank_halt", {"queue": "node.gpu-02"})["queue"] == "node.gpu-02.control"
+    # Downloads, plans and runs stay on the node's queue, plans with their expiry.
+    assert queue.route("deployments.deployment_run", {"queue": "node.gpu-01", "expires": 600}) == {
+        "queue": "node.gpu-01", "expires": 600}
+    assert queue.route("deployments.model_copy_download", {"queue": "node.gpu-01"}) == {"queue": "node.gpu-01"}
+
+
+def test_a_halt_sent_from_a_service_reaches_the_control_queue_after_commit(node, django_capture_on_commit_callbacks):
+    from deployments.services import nodes
+
+    with mock.patch.object(tasks.deployment_halt, "apply_async", autospec=True) as apply_async:
+        with django_capture_on_commit_callbacks(execute=True):
+            nodes.node_enqueue(node, "deployments.deployment_halt", 7)
+    assert apply_async.call_args.kwargs == {"args": [7], "queue": "node.gpu-01.control"}
+
+
+def test_a_stopping_deployment_with_no_halt_running_is_halted_here_after_the_bound(node, redriver, halted, sent):
+    d = DeploymentFactory(node=node, status=S.STOPPING)
+    assert redriver.tick(now=100.0) == 0  # first seen: the halt may be on its way
+    assert redriver.tick(now=100.0 + AFTER - 1) == 0
+    assert redriver.tick(now=100.0 + AFTER) == 1
+    _settle_threads()
+    halted[0].assert_called_once_with(d.pk)
+    sent.assert_not_called()  # run here, not through Redis
+    assert redriver.counts == {redrive.HALT: 1}
+    assert redriver.tick(now=100.0 + AFTER + 1) == 0  # a re-drive waits another bound before the next
+
+
+def test_a_halt_in_hand_is_not_redriven_and_a_settled_row_is_forgotten(node, redriver, halted):
+    d = DeploymentFactory(node=node, status=S.STOPPING)
+    redrive._started(redrive.HALT, [d.pk])  # a halt from the control queue runs now
+    try:
+        assert redriver.tick(now=0.0) == redriver.tick(now=10 * AFTER) == 0
+    finally:
+        redrive._ended(redrive.HALT, [d.pk])
+    assert redriver.tick(now=10 * AFTER + 1) == 0  # the bound counts from when it was last in hand
+    Deployment.objects.filter(pk=d.pk).update(status=S.STOPPED)
+    redriver.tick(now=11 * AFTER)
+    assert not redriver._waiting
+    halted[0].assert_not_called()
+
+
+def test_a_stopping_rank_on_this_node_is_halted_here(node, redriver, halted):
+    d = DeploymentFactory(status=S.STOPPING)
+    rank = DeploymentRank.objects.create(deployment=d, node=node, rank=1, state=DeploymentRank.State.STOPPING)
+    redriver.tick(now=0.0)
+    redriver.tick(now=AFTER)
+    _settle_threads()
+    halted[1].assert_called_once_with(rank.pk)
+    halted[0].assert_not_called()  # the head's deployment is another node's to halt
+
+
+def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_the_node_queue_has_a_free_thread(
+        node, redriver, sent):
+    d = DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() + timedelta(seconds=300))
+    DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() - timedelta(seconds=1), port=9001)
+    busy = [("deployments.model_copy_download", 1), ("deployments.model_copy_download", 2)]
+    for name, pk in busy:  # both threads hold downloads: the plan waits behind them, it is not lost
+        redrive._started(name, [pk])
+    try:
+        assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0
+    finally:
+        for name, pk in busy:
+            redrive._ended(name, [pk])
+    assert redriver.tick(now=AFTER + 1) == 0
+    assert redriver.tick(now=2 * AFTER + 1) == 1
+    (name,), options = sent.call_args.args, sent.call_args.kwargs
+    assert name == redrive.PLAN and options["args"] == [d.pk] and options["queue"] == "node.gpu-01"
+    assert 290 < options["expires"] <= 300  # the expired one ends failed by the watch, never re-sent
+
+
+def test_a_loading_engine_nothing_follows_is_followed_again(node, redriver, sent):
+    d = DeploymentFactory(node=node, status=S.LOADING, pid=4242)
+    DeploymentFactory(node=node, status=S.LOADING, pid=4343, port=9002)
+    redrive._started(redrive.PLAN, [d.pk])  # its plan follows it: nothing to do for that one
+    try:
+        redriver.tick(now=0.0)
+        redriver.tick(now=AFTER)
+    finally:
+        redrive._ended(redrive.PLAN, [d.pk])
+    assert [c.args[0] for c in sent.call_args_list] == [redrive.FOLLOW]
+    assert sent.call_args.kwargs["args"] != [d.pk]
+
+
+def test_a_lost_run_is_sent_again_and_only_one_copy_runs_it(node, redriver, sent):
+    d = DeploymentFactory(node=node, status=S.READY)
+    run = BenchmarkRunFactory(deployment=d, status=BenchmarkRun.Status.QUEUED)
+    redriver.tick(now=0.0)
+    redriver.tick(now=AFTER)
+    assert sent.call_args.args == (runqueue.RUN_EXECUTE,) and sent.call_args.kwargs["args"] == [run.pk]
+    first, second = BenchmarkRun.objects.get(pk=run.pk), BenchmarkRun.objects.get(pk=run.pk)
+    assert runqueue.run_claim(first) is True
+    assert runqueue.run_claim(second) is False  # read Queued too, but the row moved: the duplicate returns
+    assert BenchmarkRun.objects.get(pk=run.pk).status == BenchmarkRun.Status.RUNNING
+
+
+def test_a_redrive_the_broker_refuses_is_tried_again_at_the_next_bound(node, redriver, sent):
+    DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() + timedelta(seconds=300))
+    sent.side_effect = ConnectionError("Redis away")
+    redriver.tick(now=0.0)
+    assert redriver.tick(now=AFTER) == 0
+    sent.side_effect = None
+    assert redriver.tick(now=2 * AFTER) == 1
