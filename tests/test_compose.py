@@ -99,3 +99,44 @@ def test_grafana_needs_a_password_from_env_and_listens_on_localhost_by_default()
     assert "${GRAFANA_BIND:-127.0.0.1}" in " ".join(grafana["healthcheck"]["test"])
     example = (ROOT / ".env.example").read_text()
     assert re.search(r"^GRAFANA_ADMIN_PASSWORD=$", example, re.M) and re.search(r"^#GRAFANA_BIND=127\.0\.0\.1$", example, re.M)
+
+
+def _interpolated(text: str) -> str:
+    """What compose makes of ${VAR:-default} with nothing set in .env."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+def test_engines_are_containers_of_their_own_in_the_agents_image():
+    """An engine the agent spawned as a child would live in the agent container's cgroup and die at its restart
+    (tests/faults/test_agent_restart.py shows both); the agent starts each engine through the Docker API instead,
+    in the image compose builds for the agent itself, and follows it by PID in the host's namespace."""
+    from deployments.host import containers
+
+    agent = SERVICES["nodeagent"]
+    env = agent["environment"]
+    assert env[containers.RUNTIME_VAR] == "docker"
+    assert env[containers.IMAGE_VAR] == agent["image"] and "build" in agent
+    assert "/var/run/docker.sock:/var/run/docker.sock" in agent["volumes"]
+    assert [name for name, s in SERVICES.items() if any("docker.sock" in v for v in s.get("volumes", []))] == ["nodeagent"]
+    assert agent["pid"] == "host" and agent["ipc"] == "host" and agent["network_mode"] == "host"
+
+
+def test_an_engine_container_sees_what_the_agent_sees_at_the_same_paths():
+    """The agent writes the engine's log under its var folder and shares model folders from its store; the engine
+    container mounts the same sources at the same targets (a named volume by the name compose gives it)."""
+    from deployments.host import containers
+
+    agent = SERVICES["nodeagent"]
+    named = {key: (spec or {}).get("name", key) for key, spec in COMPOSE["volumes"].items()}
+    agent_mounts = {}
+    for volume in agent["volumes"]:
+        source, target = _interpolated(volume).split(":")[:2]
+        agent_mounts[target] = named.get(source, source)
+    engine_mounts = {bind.split(":")[1]: bind.split(":")[0]
+                     for bind in containers.mounts(_interpolated(agent["environment"][containers.MOUNTS_VAR]))}
+    dockerfile = (ROOT / agent["build"]["dockerfile"]).read_text()
+    var_dir = re.search(r"PANEL_VAR_DIR=(\S+)", dockerfile)[1]
+    home = re.search(r"--home-dir (\S+)", dockerfile)[1]
+    assert {"/models", var_dir, home} <= set(engine_mounts), engine_mounts
+    for target, source in engine_mounts.items():
+        assert agent_mounts.get(target) == source, f"{target}: the engine mounts {source}, the agent {agent_mounts.get(target)}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.host import engineenv, engineuser
+from deployments.host import containers, engineenv, engineuser
 from deployments.host.errors import HostError
 
 SHM_DIR = Path("/dev/shm")
@@ -92,9 +92,16 @@ def _check_reachable(spec: EngineSpec, env: dict) -> None:
 
 def launch(spec: EngineSpec) -> EngineHandle:
     """Start the engine in a new session as spec.run_as; stdout and stderr are appended to spec.log_path,
-    a file the agent opens (0600): the engine writes to it through the descriptor it inherits."""
+    a file the agent opens (0600): the engine writes to it through the descriptor it inherits. With
+    PANEL_ENGINE_RUNTIME=docker the same engine starts as a container of its own (host/containers.py)."""
     args = popen_args(spec)
     _check_reachable(spec, args["env"])
+    try:  # PANEL_ENGINE_RUNTIME=docker: a container of its own, outside the agent's cgroup
+        pid = containers.start(args, spec.log_path) if containers.enabled() else None
+    except containers.ContainerError as exc:
+        raise EngineError(str(exc), permanent=exc.permanent) from exc
+    if pid is not None:
+        return EngineHandle(pid=pid, pgid=pid, create_time=_create_time(pid))
     log_path = Path(spec.log_path)
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -110,11 +117,14 @@ def launch(spec: EngineSpec) -> EngineHandle:
             )
         except OSError as e:
             raise EngineError(f"cannot start {spec.argv[0]}: {e}", permanent=True) from e
+    return EngineHandle(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid))
+
+
+def _create_time(pid: int) -> float:
     try:
-        create_time = psutil.Process(proc.pid).create_time()
+        return psutil.Process(pid).create_time()
     except psutil.Error:
-        create_time = 0.0
-    return EngineHandle(pid=proc.pid, pgid=proc.pid, create_time=create_time)
+        return 0.0
 
 
 def _reap(pid: int) -> None:

@@ -28,13 +28,17 @@ def docker_host(tmp_path, monkeypatch):
 
 def _spec(tmp_path, **env) -> engine.EngineSpec:
     code = "import os, time; print('serving', os.getcwd(), flush=True); time.sleep(120)"
-    return engine.EngineSpec(argv=["python3", "-c", code], env={ownership.MARKER_VAR: MARKER, **env},
-                             log_path=tmp_path / "logs" / "engine.log", cwd=tmp_path, run_as=engineuser.current())
+    model = tmp_path / "model"  # the engine's working folder, as a model's: readable by the engine user
+    model.mkdir(mode=0o755, exist_ok=True)
+    return engine.EngineSpec(argv=["/usr/bin/python3", "-c", code], env={ownership.MARKER_VAR: MARKER, **env},
+                             log_path=tmp_path / "logs" / "engine.log", cwd=model, run_as=engineuser.current())
 
 
 def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(docker_host, tmp_path):
     spec = _spec(tmp_path)
-    pid = containers.start(engine.popen_args(spec), spec.log_path)
+    handle = engine.launch(spec)
+    pid = handle.pid
+    assert handle.pgid == pid and handle.create_time == psutil.Process(pid).create_time()
     wait_until(lambda: "serving" in spec.log_path.read_text() if spec.log_path.exists() else False, timeout=20,
                message="the engine's first log line")
     proc = psutil.Process(pid)
@@ -42,7 +46,7 @@ def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(d
     assert ownership.marker_of(pid) == MARKER and ownership.pid_owned(pid, MARKER)
     assert os.getsid(pid) == pid, "a session of its own: the agent stops the engine by its session"
     assert proc.uids().real == spec.run_as.uid, "it runs as the engine user, as on the process path"
-    assert Path(proc.cwd()) == tmp_path and f"serving {tmp_path}" in spec.log_path.read_text()
+    assert Path(proc.cwd()) == spec.cwd and f"serving {spec.cwd}" in spec.log_path.read_text()
     assert (spec.log_path.stat().st_mode & 0o777) == 0o600
     assert Path(f"/proc/{pid}/status").read_text().split("NoNewPrivs:")[1].split()[0] == "1"
 
@@ -87,8 +91,8 @@ def test_an_engine_that_cannot_start_says_so_in_its_log(docker_host, tmp_path):
 
 def test_settings_that_cannot_work_are_refused_for_good(monkeypatch, tmp_path):
     monkeypatch.setenv(containers.RUNTIME_VAR, "podman")
-    with pytest.raises(containers.ContainerError) as refused:
-        containers.enabled()
+    with pytest.raises(engine.EngineError) as refused:
+        engine.launch(_spec(tmp_path))
     assert refused.value.permanent and "process, docker" in str(refused.value)
     monkeypatch.setenv(containers.RUNTIME_VAR, "docker")
     monkeypatch.delenv(containers.IMAGE_VAR, raising=False)
@@ -102,7 +106,8 @@ def test_settings_that_cannot_work_are_refused_for_good(monkeypatch, tmp_path):
 def test_a_daemon_that_is_away_is_worth_retrying(monkeypatch, tmp_path):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nothing.sock")
     monkeypatch.setenv(containers.IMAGE_VAR, "vllm-panel-node:test")
+    monkeypatch.setenv(containers.RUNTIME_VAR, "docker")
     started = time.monotonic()
-    with pytest.raises(containers.ContainerError) as away:
-        containers.start(engine.popen_args(_spec(tmp_path)), tmp_path / "log")
-    assert not away.value.permanent and time.monotonic() - started < containers.API_TIMEOUT_S
+    with pytest.raises(engine.EngineError) as away:  # what the lifecycle catches, whichever runtime launched
+        engine.launch(_spec(tmp_path))
+    assert not away.value.permanent and "Docker daemon" in str(away.value) and time.monotonic() - started < containers.API_TIMEOUT_S

@@ -1,0 +1,212 @@
+"""Upgrading the node agent keeps engines running: restart the agent while a deployment serves and a request
+stream runs against its engine, AGENT_RESTARTS times; the engine keeps answering (no request of the stream
+fails), and each new agent adopts it (the deployment stays ready, with the same engine, and only one).
+
+Two production paths, each run for real:
+- compose: the agent is a container (of the Docker Engine API double, tests/dockerd.py, which kills the whole
+  container's cgroup on a stop, as Docker does) and starts engines as containers of their own
+  (PANEL_ENGINE_RUNTIME=docker, through the real `docker` SDK); `docker restart` of the agent container.
+  Its control: with engines as the agent's own processes (PANEL_ENGINE_RUNTIME=process, the old compose
+  path), the same restart takes the engine down, which is why compose uses the container runtime.
+- `./panel start` (controlpanel.launcher): Ctrl-C, then start again, as an upgrade does; engines run in
+  sessions of their own on the host and the launcher stops only its own children.
+The engine is tests/faults/fakevllm (a real vLLM adds nothing here: what survives is a process, not a model)."""
+import os
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from deployments.host import containers, engine
+from deployments.models import Deployment, DeploymentEvent, Node
+from tests import dockerd
+from tests.conftest import ROOT, agent_argv, free_port, wait_until
+from tests.truestate import COUNTS, add_fake_model, agent_env, assert_true_state, deploy, set_load, settle, stop_and_check
+
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
+RESTARTS = int(os.environ.get("FAULT_AGENT_RESTARTS", "2"))
+STOP_GRACE_S = 5  # `docker restart -t`: SIGTERM, then SIGKILL of the whole container
+
+
+class RequestStream:
+    """Chat completions sent one after another to an engine from a thread, each outcome kept with its times."""
+
+    def __init__(self, port: int, model: str):
+        self.url, self.model = f"http://127.0.0.1:{port}/v1/chat/completions", model
+        self.done: list[tuple[float, float]] = []
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    reply = client.post(self.url, json={"model": self.model, "max_tokens": 8,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+                    reply.raise_for_status()
+                    assert reply.json()["choices"][0]["message"]["content"]
+                    self.done.append((started, time.monotonic()))
+                except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                    self.failed.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
+                time.sleep(0.02)
+
+    def answered_between(self, start: float, end: float) -> int:
+        return sum(1 for began, ended in self.done if began >= start and ended <= end)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(15)
+
+
+class AgentContainer:
+    """`manage.py nodeagent` as a container of the double, as compose runs it (restart: stop, then start)."""
+
+    def __init__(self, docker_host: str, env: dict, name: str, store):
+        import docker
+
+        self.client = docker.DockerClient(base_url=docker_host, version=dockerd.API_VERSION, timeout=30)
+        self.name, self.env = name, {**env, "DOCKER_HOST": docker_host}
+        argv = agent_argv(name, store, sample_seconds=0.5, heartbeat_seconds=1)
+        self.container = self.client.containers.create("vllm-panel-node:test", argv, name=f"nodeagent-{name}",
+                                                       environment=self.env, working_dir=str(ROOT), network_mode="host",
+                                                       pid_mode="host", ipc_mode="host")
+
+    def pid(self) -> int:
+        self.container.reload()
+        return self.container.attrs["State"]["Pid"]
+
+    def registered(self) -> Node:
+        pid = self.pid()
+        return wait_until(lambda: Node.objects.filter(name=self.name, agent_pid=pid).first(), timeout=90,
+                          message=f"agent {self.name} (container PID {pid}) to register")
+
+    def start(self) -> Node:
+        self.container.start()
+        return self.registered()
+
+    def restart(self) -> Node:
+        self.container.restart(timeout=STOP_GRACE_S)
+        COUNTS["agent_container_restarts"] += 1
+        return self.registered()
+
+
+@pytest.fixture
+def docker_host(tmp_path, monkeypatch):
+    with dockerd.running(tmp_path / "dockerd") as host:
+        monkeypatch.setenv("DOCKER_HOST", host)  # this test's own containers.find(), as the agent's reads it
+        yield host
+
+
+def _adopted(d) -> int:
+    return DeploymentEvent.objects.filter(deployment_id=d.pk, step="adopted").count()
+
+
+def _serving(node, fake_model):
+    model = add_fake_model(node, fake_model)
+    d = deploy(model, node)
+    row = settle(d, timeout=60)
+    assert row.status == "ready", row.status_message
+    return row
+
+
+def _restarts_keep_serving(restart, row, fake_model, engine_containers=None):
+    """Restart the agent RESTARTS times under a request stream; each time the engine answers throughout and
+    the new agent adopts it (same PID, still ready, one engine)."""
+    served = httpx.get(f"http://127.0.0.1:{row.port}/v1/models", timeout=5).json()["data"][0]["id"]
+    with RequestStream(row.port, served) as stream:
+        wait_until(lambda: len(stream.done) >= 5, timeout=20, message="the stream to get going")
+        for i in range(RESTARTS):
+            down = time.monotonic()
+            restart()
+            wait_until(lambda: _adopted(row) >= i + 1, timeout=60, message=f"restart {i + 1}: the engine adopted")
+            up = time.monotonic()
+            now = Deployment.objects.get(pk=row.pk)
+            assert (now.status, now.pid) == ("ready", row.pid), f"restart {i + 1}: {now.status} {now.pid} {now.status_message}"
+            assert stream.answered_between(down, up) > 0, "no request was answered while the agent was away"
+            if engine_containers is not None:
+                assert [(c["pid"], c["status"]) for c in engine_containers(row.marker)] == [(row.pid, "running")]
+            assert_true_state(row, fake_model)
+        time.sleep(0.5)
+    assert stream.failed == [], f"{len(stream.failed)} of {len(stream.done) + len(stream.failed)} requests failed"
+    COUNTS["requests_across_agent_restarts"] += len(stream.done)
+    print(f"{RESTARTS} agent restarts, {len(stream.done)} requests answered, {len(stream.failed)} lost")
+
+
+@pytest.mark.timeout(120 + 40 * RESTARTS)
+def test_restarting_the_agent_container_keeps_its_engine_container_serving(docker_host, process_env, unique, tmp_path,
+                                                                          fake_model):
+    set_load(fake_model, 0.3)
+    env = agent_env(process_env, tmp_path, **{containers.RUNTIME_VAR: "docker", containers.IMAGE_VAR: "vllm-panel-node:test",
+                                             containers.MOUNTS_VAR: f"{tmp_path}:{tmp_path}"})
+    agent = AgentContainer(docker_host, env, f"keep-{unique}", tmp_path / "store")
+    row = _serving(agent.start(), fake_model)
+    [engine_container] = containers.find(row.marker)
+    assert engine_container["pid"] == row.pid, "the deployment's engine is the engine container's main process"
+    _restarts_keep_serving(agent.restart, row, fake_model, containers.find)
+    stop_and_check(row, fake_model)
+    wait_until(lambda: containers.find(row.marker) == [], timeout=10, message="the stopped engine's container to go")
+
+
+@pytest.mark.timeout(120)
+def test_engines_that_are_the_agent_containers_own_processes_die_with_it(docker_host, process_env, unique, tmp_path,
+                                                                        fake_model):
+    """The old compose path, for contrast: the engine lives in the agent container's cgroup and a restart of the
+    agent container takes it down; the new agent finds it gone and fails the deployment."""
+    set_load(fake_model, 0.3)
+    env = agent_env(process_env, tmp_path, **{containers.RUNTIME_VAR: "process"})
+    agent = AgentContainer(docker_host, env, f"gone-{unique}", tmp_path / "store")
+    row = _serving(agent.start(), fake_model)
+    agent.restart()
+    assert not engine.alive(row.pid), "the engine survived its agent container's restart"
+    assert settle(row, timeout=30, states={"failed"}).status == "failed"
+    assert_true_state(row, fake_model)
+
+
+@pytest.fixture
+def panel(process_env, private_redis, spawn, unique, tmp_path):
+    """`./panel start` (python -m controlpanel.launcher start) on this test's database and private Redis;
+    yields a function that (re)starts it and returns its node; stopped with Ctrl-C's SIGINT at the end."""
+    env = agent_env(process_env, tmp_path, REDIS_URL=private_redis.url, PANEL_ADMIN_PASSWORD="correct-horse-battery-9")
+    argv = [sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(free_port()), "--node-name", f"up-{unique}"]
+    running, agents = [], set()
+
+    def start() -> Node:
+        running.append(spawn(argv, env, name="panel"))
+        node = wait_until(lambda: Node.objects.filter(name=f"up-{unique}").exclude(agent_pid=None)
+                          .exclude(agent_pid__in=agents).first(), timeout=120, message="./panel start's agent to register")
+        agents.add(node.agent_pid)
+        return node
+
+    def stop():
+        proc = running.pop()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its web, worker and agent, and exits
+        proc.wait(60)
+
+    yield start, stop
+    while running:
+        stop()
+
+
+@pytest.mark.timeout(180 + 90 * RESTARTS)
+def test_restarting_panel_start_keeps_its_engine_serving(panel, fake_model):
+    start, stop = panel
+    set_load(fake_model, 0.3)
+    row = _serving(start(), fake_model)
+
+    def restart():
+        stop()
+        assert engine.alive(row.pid), "the engine stopped with ./panel start"
+        start()
+        COUNTS["panel_start_restarts"] += 1
+
+    _restarts_keep_serving(restart, row, fake_model)
+    stop_and_check(row, fake_model)
