@@ -1,4 +1,6 @@
 """Reads for pages and the API."""
+import shlex
+
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 
@@ -65,19 +67,36 @@ def deployment_wait(deployment: Deployment, token: str, wait_s: float = 0.0) -> 
         time.sleep(0.5)
 
 
+def _engine_argv(d: Deployment) -> tuple[list[str], dict, dict]:
+    """The head engine's argv, environment and secret environment as its node runs it (--api-key travels as
+    VLLM_API_KEY in the secret part); EngineError for a row stored before flag names were canonical."""
+    copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
+    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
+                                d.port, "0.0.0.0", d.engine_args)
+    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices), secrets.marked(d))
+    argv, flag_env = systemd.secret_argv(argv)
+    return argv, env, {**secret_env, **flag_env}
+
+
+def deployment_command(d: Deployment) -> str:
+    """The engine's whole command line, its environment first, to copy into a shell; secret variables are
+    named on a comment line above it (export them first), their values never shown."""
+    try:
+        argv, env, secret_env = _engine_argv(d)
+    except EngineError as exc:
+        return f"# No command: {exc}."
+    line = secrets.redact_deployment(d, " ".join([*(shlex.quote(f"{k}={v}") for k, v in env.items()), shlex.join(argv)]))
+    return (f"# export {' '.join(secret_env)} first (secret: never shown here)\n" if secret_env else "") + line
+
+
 def deployment_unit(d: Deployment) -> tuple[str, str]:
     """The systemd unit that runs deployment `d`, to install by hand: its file name and its text, with
     secret values masked (they belong in the unit's EnvironmentFile)."""
-    copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
     name = systemd.unit_name(d.name)
     try:
-        argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
-                                    d.port, "0.0.0.0", d.engine_args)
+        argv, env, secret_env = _engine_argv(d)
     except EngineError as exc:  # a row stored before flag names were canonical (engineoptions): redeploy it
         return name, f"# No unit: {exc}."
-    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices), secrets.marked(d))
-    argv, flag_env = systemd.secret_argv(argv)  # --api-key travels as VLLM_API_KEY in the EnvironmentFile
-    secret_env = {**secret_env, **flag_env}
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
                                log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
                                run_as=engineuser.from_facts(d.node.engine_user),  # as the node's agent would

@@ -103,12 +103,20 @@ def deploy(request, pk):
     return redirect("deployment-detail", d.pk)
 
 
+def start_title(status: str) -> str:
+    """The start-up card's title for a status (deployment.js writes the same as the status moves)."""
+    return {Deployment.Status.READY: "Start-up", Deployment.Status.QUEUED: "Start-up (queued)",
+            Deployment.Status.STOPPED: "Last start-up", Deployment.Status.FAILED: "Last start-up",
+            Deployment.Status.STOPPING: "Last start-up"}.get(status, "Loading")
+
+
 def deployment_detail(request, pk):
     d = get_object_or_404(selectors.deployment_list(), pk=pk)
     return render(request, "deployments/deployment_detail.html", {
         "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env, secrets.marked(d)),
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
-        "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d),
+        "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d), "command": selectors.deployment_command(d),
+        "start_title": start_title(d.status),
         "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 
 

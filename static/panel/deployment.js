@@ -17,6 +17,10 @@
       $("status-message").textContent = s.message || "";
       $("status-message").className = s.status === "failed" ? "errorlist" : "muted";
       $("pid").textContent = s.pid || "—";
+      // The start-up card: "Loading" only while it loads (views.deployments.start_title says the same).
+      const titles = { ready: "Start-up", queued: "Start-up (queued)", stopped: "Last start-up", failed: "Last start-up",
+        stopping: "Last start-up" };
+      if ($("loading-title")) $("loading-title").textContent = titles[s.status] || "Loading";
       // What the page offers and shows follows the state: nothing to stop once stopped, no live rate either.
       ended = s.status === "stopped" || s.status === "failed";
       document.querySelector('[data-action="stop"]')?.toggleAttribute("hidden", ended);

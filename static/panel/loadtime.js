@@ -9,7 +9,9 @@
   const COLORS = { process: "#94a3b8", p2p_check: "#f59e0b", weights: "#2563eb", compile: "#9333ea",
     kv_cache: "#059669", graph_capture: "#db2777", api_up: "#0891b2", smoke_test: "#65a30d" };
   const secs = (s) => (s < 90 ? `${Math.round(s)} s` : `${(s / 60).toFixed(1)} min`);
-  const gb = (b) => (b / 1e9).toFixed(2) + " GB";
+  // Binary units as every page writes them (modelfit.human_bytes): a 3 MB model is "3.6 MiB", not "0.00 GB".
+  const size = (b) => (b < 1e5 ? `${Math.round(b).toLocaleString("en")} B`
+    : b >= 1e8 ? `${(b / 2 ** 30).toFixed(1)} GiB` : `${(b / 2 ** 20).toFixed(1)} MiB`);
 
   function render(d) {
     if (!d || !d.phases) return;
@@ -31,9 +33,9 @@
       ? `Ready in ~${secs(d.prediction.seconds_left)} (expected ${secs(d.prediction.total_s)} in all, ${d.prediction.percent} %) · from ${d.basis}${shards}`
       : (d.basis || "No earlier load: phases only") + shards;
     const disk = [];
-    if (d.read_bps != null) disk.push(`loader reads ${gb(d.read_bps)}/s` + (d.disk_bps ? ` of the disk's ${gb(d.disk_bps)}/s` : " (disk not measured yet)"));
-    if (d.resident_bytes != null && d.model_bytes) disk.push(`in page cache ${gb(d.resident_bytes)} of ${gb(d.model_bytes)}`);
-    if (d.ram_available != null && d.model_bytes) disk.push(`free RAM ${gb(d.ram_available)} for a ${gb(d.model_bytes)} model`);
+    if (d.read_bps != null) disk.push(`loader reads ${size(d.read_bps)}/s` + (d.disk_bps ? ` of the disk's ${size(d.disk_bps)}/s` : " (disk not measured yet)"));
+    if (d.resident_bytes != null && d.model_bytes) disk.push(`in page cache ${size(d.resident_bytes)} of ${size(d.model_bytes)}`);
+    if (d.ram_available != null && d.model_bytes) disk.push(`free RAM ${size(d.ram_available)} for a ${size(d.model_bytes)} model`);
     $("load-disk").textContent = disk.join(" · ");
     $("load-recommend").innerHTML = (d.recommend || []).map((r) => `<li>${esc(r)}</li>`).join("");
     if (d.prediction && D.status !== "ready") $("load-bar").style.width = d.prediction.percent + "%";

@@ -48,17 +48,26 @@
   const HOST = {
     cpu: [["CPU %", "#2563eb", (s) => s.cpu_percent ?? null]],
     ram: [["RAM used GiB", "#16a34a", (s) => diff(s.ram_total, s.ram_available, GiB)]],
-    disk: [["Model store used GiB", "#d97706", (s) => diff(s.disk_total, s.disk_free, GiB)]],
+    disk: [["filesystem used GiB", "#d97706", (s) => diff(s.disk_total, s.disk_free, GiB)]],
     net: [["received MiB/s", "#7c3aed", (s) => (s.net_rx_bps == null ? null : s.net_rx_bps / MiB)],
           ["sent MiB/s", "#dc2626", (s) => (s.net_tx_bps == null ? null : s.net_tx_bps / MiB)]],
   };
   const hostSeries = (list, lines) => [list.map((s) => s.t), ...lines.map(([, , get]) => list.map(get))];
+  // Each host chart's y range from 0 to what there is (the whole disk, all RAM, 100 %): a disk at 178.79 GiB
+  // that moves by a few MiB otherwise gets ticks 178.79, 178.79 cut to "78.79" by the axis width.
+  const latest = (field) => { for (let i = samples.length - 1; i >= 0; i--) if (samples[i][field]) return samples[i][field]; return null; };
+  const TOP = { cpu: () => 100, ram: () => latest("ram_total") / GiB, disk: () => latest("disk_total") / GiB };
+  const yRange = (key) => (u, min, max) => [0, (TOP[key] && TOP[key]()) || Math.max(1, (max || 0) * 1.2)];
+  const yTicks = (u, splits) => splits.map((v) => (v == null ? "" : Math.abs(v) >= 100 || Number.isInteger(v) ? v.toFixed(0)
+    : v.toFixed(Math.abs(v) >= 10 ? 1 : 2)));
   const hostCharts = {};
   for (const [key, lines] of Object.entries(HOST)) {
     const el = document.getElementById("chart-host-" + key);
     if (!el) continue;
-    hostCharts[key] = new uPlot({ width: Math.max(300, el.clientWidth), height: 180, scales: { x: { time: true } },
-      series: [{}, ...lines.map(([label, stroke]) => ({ label, stroke, width: 1.5 }))], axes: [{}, { size: 50 }] },
+    hostCharts[key] = new uPlot({ width: Math.max(300, el.clientWidth), height: 180,
+      scales: { x: { time: true }, y: { range: yRange(key) } },
+      series: [{}, ...lines.map(([label, stroke]) => ({ label, stroke, width: 1.5 }))],
+      axes: [{}, { size: 60, values: yTicks }] },
     hostSeries(visible(), lines), el);
   }
   window.hostCharts = hostCharts;
