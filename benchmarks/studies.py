@@ -17,7 +17,7 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import caps, studyresults
+from benchmarks import caps, studyestimate, studyresults, tunestats
 from benchmarks import services as runs
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
 from controlpanel.errors import ServiceError
@@ -122,12 +122,16 @@ def schedule(n_variants: int, repeats: int, order: str, seed: int = 0) -> list[t
 
 
 def study_preview(d: Deployment, variants: list[dict], repeats: int, workload: dict) -> dict:
-    """How many variants and trials a study would run and how long it would take, from the deployment's
-    own past loads and benchmark runs."""
+    """How many variants and trials a study would run and how long it would take, from what the node
+    measured of the deployment (benchmarks.studyestimate)."""
     trials = (len(variants) + 1) * repeats
-    ready_s, bench_s, basis = studyresults.past_times(d, workload)
-    return {"variants": len(variants) + 1, "trials": trials, "ready_s": ready_s, "benchmark_s": bench_s,
-            "estimate_s": round(trials * (ready_s + bench_s) + ready_s, 1), "basis": basis}
+    workload = {**runs.DEFAULTS, **workload}  # as each trial's run will have it
+    workload["levels"] = sorted({int(c) for c in workload["levels"]})
+    preview = {"variants": len(variants) + 1, "trials": trials, **studyestimate.study_estimate(d, trials, workload)}
+    if repeats < tunestats.MIN_REPEATS:
+        preview["warning"] = (f"{repeats} repeat per variant: the study will measure, but give no verdict (a verdict "
+                              f"needs at least {tunestats.MIN_REPEATS} repeats of each variant).")
+    return preview
 
 
 @transaction.atomic

@@ -5,7 +5,6 @@ import statistics
 from benchmarks import csvsafe, tunestats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
-from deployments.selectors import load_events
 
 def _median_rate(point) -> float | None:
     rates = (point.samples or {}).get("tok_s")
@@ -21,7 +20,6 @@ METRICS = {
     "tpot_median_ms": ("TPOT median (ms)", tunestats.MEDIAN, False, lambda p: p.tpot_ms.get("median"), "tpot_ms"),
     "ttft_p95_ms": ("TTFT p95 (ms)", tunestats.SCALED, False, lambda p: p.ttft_ms.get("p95"), None),
 }
-DEFAULT_READY_S = 120.0  # a deployment never loaded before: a guess for the estimate
 START = ("start time (s)", tunestats.SCALED, False)
 RULES = {"throughput": "max output tok/s at level N", "single_stream": "max single-stream tok/s",
          "throughput_under_ttft": "max output tok/s at level N with TTFT p95 within a budget"}
@@ -100,11 +98,26 @@ def compute(study: Study, n_boot: int = 2000) -> dict:
                      "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v),
                      "repeats_done": len(figures.get(_key("throughput", levels[0]), [])) if levels else 0,
                      "estimates": estimates, "comparisons": comparisons})
-    gpus = max(1, study.deployment.gpus.count())
+    gpus = study.deployment.gpus.count()
     front = _pareto(rows, levels, gpus)
     winner, why = choose_winner(rows, study.rule, levels)
     return {"levels": levels, "metrics": {k: m[0] for k, m in METRICS.items()} | {"start_s": START[0]},
-            "variants": rows, "pareto": front, "winner": winner, "winner_why": why, "rule": study.rule, "gpus": gpus}
+            "variants": rows, "pareto": front, "winner": winner, "winner_why": why, "rule": study.rule,
+            "rule_text": rule_text(study.rule, levels), "gpus": gpus}
+
+
+def rule_text(rule: dict, levels: list[int]) -> str:
+    """The winner rule in words, e.g. "the highest output tok/s at concurrency 16, if significantly better
+    than the baseline's (else the baseline stays)"."""
+    kind = (rule or {}).get("kind", "throughput")
+    level = int((rule or {}).get("level") or (max(levels) if levels else 1))
+    tail = ", if significantly better than the baseline's (else the baseline stays)"
+    if kind == "single_stream":
+        return f"the highest tok/s per user (median) at concurrency {min(levels) if levels else 1}{tail}"
+    if kind == "throughput_under_ttft":
+        return (f"the highest output tok/s at concurrency {level} among the variants whose TTFT p95 there is "
+                f"within {float(rule.get('ttft_p95_ms') or 0):g} ms{tail}")
+    return f"the highest output tok/s at concurrency {level}{tail}"
 
 
 def _median(row: dict, key: str) -> float | None:
@@ -131,7 +144,11 @@ def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int 
     baseline = next((r for r in rows if r["is_baseline"]), None)
     if best["is_baseline"]:
         return best["id"], "The baseline is the best by the rule."
-    verdict = (best["comparisons"].get(key) or {}).get("verdict")
+    comparison = best["comparisons"].get(key) or {}
+    verdict = comparison.get("verdict")
+    if verdict == tunestats.NO_VERDICT:
+        return (baseline["id"] if baseline else None), (
+            f"{best['name']} measured highest, but with {comparison.get('why')}; the baseline stays.")
     if verdict != tunestats.BETTER:
         return (baseline["id"] if baseline else None), (
             f"{best['name']} measured highest, but not significantly better than the baseline: the baseline stays.")
@@ -139,16 +156,16 @@ def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int 
 
 
 def _pareto(rows: list[dict], levels: list[int], gpus: int) -> list[dict]:
-    """tok/s per user against total tok/s (and per GPU) for each variant and level; `front` marks
-    the points no other point beats on both."""
+    """tok/s per user against output tok/s (and output tok/s per GPU, on GPUs only) for each variant and
+    level; `front` marks the points no other point beats on both."""
     points = []
     for r in rows:
         for level in levels:
-            total, per_user = _median(r, _key("throughput", level)), _median(r, _key("per_user", level))
-            if total is not None and per_user is not None:
-                points.append({"variant": r["id"], "name": r["name"], "level": level, "total": round(total, 1),
-                               "per_gpu": round(total / gpus, 1), "per_user": round(per_user, 2)})
-    front = set(tunestats.pareto([(f"{p['variant']}@{p['level']}", p["total"], p["per_user"]) for p in points]))
+            output, per_user = _median(r, _key("throughput", level)), _median(r, _key("per_user", level))
+            if output is not None and per_user is not None:
+                points.append({"variant": r["id"], "name": r["name"], "level": level, "output_tok_s": round(output, 1),
+                               "per_gpu": round(output / gpus, 1) if gpus else None, "per_user": round(per_user, 2)})
+    front = set(tunestats.pareto([(f"{p['variant']}@{p['level']}", p["output_tok_s"], p["per_user"]) for p in points]))
     for p in points:
         p["front"] = f"{p['variant']}@{p['level']}" in front
     return points
@@ -181,26 +198,6 @@ def trial_times(trial: StudyTrial) -> tuple[dict, float | None]:
     bench_s = (run.finished - run.started).total_seconds()
     wall = (trial.finished - trial.started).total_seconds()
     return startup, round(max(0.0, wall - engine_s - bench_s), 3)
-
-
-def past_times(d, workload: dict) -> tuple[float, float, str]:
-    """(seconds to redeploy, seconds per workload, where they come from) for the estimate."""
-    event = load_events(deployment=d).first()
-    ready_s = round(sum(v for v in event.data["totals"].values()), 1) if event else DEFAULT_READY_S
-    basis = "its last load" if event else "no load of it recorded yet: a guess"
-    levels = sorted(workload.get("levels") or [])
-    runs = BenchmarkRun.objects.filter(deployment=d, status=BenchmarkRun.Status.DONE).exclude(started=None).exclude(finished=None)
-    same = [r for r in runs[:20] if sorted(r.params.get("levels") or []) == levels]
-    if same:
-        bench_s = (same[0].finished - same[0].started).total_seconds()
-        basis += "; its last run of these levels"
-    else:
-        # Unknown: about a request's length (max_tokens at ~20 tok/s per user) per request per user.
-        per_request = float(workload.get("max_tokens", 128)) / 20.0
-        bench_s = sum(per_request * max(workload.get("requests_per_user", 4) + workload.get("warmup_per_user", 1),
-                                        workload.get("min_requests", 32) / max(c, 1)) for c in levels)
-        basis += "; no run of these levels yet: a guess"
-    return ready_s, round(bench_s, 1), basis
 
 
 def _cell(trial: StudyTrial, points: dict) -> dict:

@@ -18,7 +18,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
-BETTER, WORSE, SAME = "better", "worse", "no significant difference"
+BETTER, WORSE, SAME, NO_VERDICT = "better", "worse", "no significant difference", "no verdict"
+MIN_REPEATS = 2  # fewer repeats of a side give no interval (one value has no spread) and so no verdict
 Z975 = 1.959964
 # Student's t, two-sided 95 %, by degrees of freedom (1-30); beyond 30 the normal quantile is close.
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -47,8 +48,8 @@ class Estimate:
     """A variant's figure: the median of its repeats and a 95 % interval of the mean over repeats."""
 
     median: float
-    low: float
-    high: float
+    low: float | None
+    high: float | None
     n: int
 
 
@@ -64,6 +65,7 @@ class Comparison:
     rel_low: float | None
     rel_high: float | None
     verdict: str
+    why: str = ""  # why there is no verdict, when there is none
 
 
 def t975(df: int) -> float:
@@ -124,10 +126,13 @@ def _interval(center: float, reps: list[float], widen: float) -> tuple[float, fl
 
 
 def estimate(repeats: Sequence[Repeat], kind: str = SCALED, n_boot: int = 2000, seed: int = 0) -> Estimate | None:
-    """The median of the repeats and a 95 % interval of their mean; None without repeats."""
+    """The median of the repeats and a 95 % interval of their mean (None, None with one repeat: a
+    single value says nothing of its spread); None without repeats."""
     repeats = [r for r in repeats if r.value is not None]
     if not repeats:
         return None
+    if len(repeats) < MIN_REPEATS:
+        return Estimate(median=repeats[0].value, low=None, high=None, n=1)
     rng = random.Random(seed)
     low, high = _interval(_center(repeats), replicates(repeats, kind, n_boot, rng), widening(len(repeats), len(repeats)))
     return Estimate(median=statistics.median(r.value for r in repeats), low=low, high=high, n=len(repeats))
@@ -136,11 +141,21 @@ def estimate(repeats: Sequence[Repeat], kind: str = SCALED, n_boot: int = 2000, 
 def compare(baseline: Sequence[Repeat], variant: Sequence[Repeat], kind: str = SCALED, higher_is_better: bool = True,
             n_boot: int = 2000, seed: int = 0) -> Comparison | None:
     """The variant's difference from the baseline with its 95 % interval and the verdict; None when
-    either side has no repeat. The verdict is "better"/"worse" only when the interval excludes zero."""
+    either side has no repeat. The verdict is "better"/"worse" only when the interval excludes zero, and
+    there is none (NO_VERDICT, and `why`) with fewer than MIN_REPEATS repeats on either side."""
     baseline = [r for r in baseline if r.value is not None]
     variant = [r for r in variant if r.value is not None]
     if not baseline or not variant:
         return None
+    if min(len(baseline), len(variant)) < MIN_REPEATS:
+        # One repeat resamples to itself: a zero-width interval that would call any difference real.
+        center_b, center_v = _center(baseline), _center(variant)
+        fewest = min(len(baseline), len(variant))
+        return Comparison(diff=center_v - center_b, low=None, high=None,
+                          rel=center_v / center_b - 1 if center_b else None, rel_low=None, rel_high=None,
+                          verdict=NO_VERDICT, why=f"{fewest} repeat{'s' if fewest != 1 else ''} of "
+                          f"{'the baseline' if len(baseline) == fewest else 'this variant'}: a verdict needs at least "
+                          f"{MIN_REPEATS} of each, to know how much a figure varies between repeats")
     rng = random.Random(seed)
     reps_b = replicates(baseline, kind, n_boot, rng)
     reps_v = replicates(variant, kind, n_boot, rng)

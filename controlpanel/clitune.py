@@ -70,7 +70,9 @@ def cmd_start(panel, args):
     body = _body(panel, args)
     preview = panel.post("studies/preview/", body)
     clibase.say(f"{preview['variants']} variants ({', '.join(preview['names'])}), {preview['trials']} trials, "
-            f"about {preview['estimate_s'] / 60:.0f} min ({preview['basis']}).")
+                f"about {preview['estimate_s'] / 60:.1f} min ({preview['basis']}).")
+    if preview.get("warning"):
+        clibase.say(f"Note: {preview['warning']}")
     if args.dry_run:
         clibase._emit(preview, args.json, [])
         return 0
@@ -98,12 +100,16 @@ def _lines(study: dict) -> list[str]:
             if not key.startswith("throughput@") or not cmp:
                 continue
             rel = cmp["rel"]
-            interval = f" [{cmp['rel_low'] * 100:+.1f} %, {cmp['rel_high'] * 100:+.1f} %]" if rel is not None else ""
+            interval = f" [{cmp['rel_low'] * 100:+.1f} %, {cmp['rel_high'] * 100:+.1f} %]" if cmp.get("rel_low") is not None else ""
             out.append(f"  {row['name'][:40]:<40} output tok/s {key.split('@')[1]:>5}: "
-                       f"{(rel or 0) * 100:+.1f} %{interval} {cmp['verdict']}")
+                       f"{(rel or 0) * 100:+.1f} %{interval} {cmp['verdict']}" + (f" ({cmp['why']})" if cmp.get("why") else ""))
+    if study.get("rule_text"):
+        out.append(f"Winner rule: {study['rule_text']}.")
     if results.get("winner"):
         name = next((v["name"] for v in live["variants"] if v["id"] == results["winner"]), "?")
         out.append(f"Winner: {name} ({results.get('winner_why', '')})")
+    if study.get("took_s") and study.get("estimate_s"):
+        out.append(f"Took {study['took_s'] / 60:.1f} min (estimated {study['estimate_s'] / 60:.1f} min).")
     return out
 
 

@@ -99,10 +99,20 @@ class StudySerializer(serializers.ModelSerializer):
     class Meta:
         model = Study
         fields = ["id", "name", "deployment", "status", "error", "repeats", "order", "workload", "base_engine_args",
-                  "base_env", "rule", "finish_with", "estimate_s", "created", "started", "finished", "live"]
+                  "base_env", "rule", "rule_text", "finish_with", "estimate_s", "took_s", "created", "started",
+                  "finished", "live"]
+
+    rule_text = serializers.SerializerMethodField(help_text="How the winner is chosen, in words.")
+    took_s = serializers.SerializerMethodField(help_text="Seconds from start to end, once ended (against estimate_s).")
 
     def get_live(self, study) -> dict:
         return studyresults.study_live(study)
+
+    def get_rule_text(self, study) -> str:
+        return studyresults.rule_text(study.rule, study.workload.get("levels", []))
+
+    def get_took_s(self, study) -> float | None:
+        return round((study.finished - study.started).total_seconds(), 1) if study.finished and study.started else None
 
     def to_representation(self, instance):
         data = super().to_representation(instance)

@@ -9,10 +9,28 @@
   const pct = (v) => (v == null ? "—" : (v >= 0 ? "+" : "") + (100 * v).toFixed(1) + " %");
   const el = (id) => document.getElementById(id);
   const paretoEl = el("chart-pareto");
-  const pareto = new uPlot({ width: Math.max(300, paretoEl.clientWidth), height: 240, mode: 2,
-    scales: { x: { time: false } }, series: [{}, { label: "variants", stroke: "#2563eb", points: { size: 8, fill: "#2563eb" }, paths: () => null }],
-    axes: [{ label: "total tok/s" }, { label: "tok/s per user", size: 60 }] }, [null, [[], []]], paretoEl);
-  window.studyView = { pareto, cells: () => document.querySelectorAll("#matrix span[data-tok-s]").length };
+  const colors = ["#2563eb", "#16a34a", "#d97706", "#dc2626", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
+  let pareto = null;
+  // A scatter as uPlot draws one in its ordinary mode: x is every output tok/s measured (sorted), one series
+  // per variant with its per-user rate where it has a point and gaps elsewhere, drawn as points only.
+  // (uPlot's mode 2 draws nothing without a hand-written paths function.)
+  function drawPareto(points) {
+    const names = [...new Map(points.map((p) => [p.variant, p.name])).entries()];
+    const xs = [...new Set(points.map((p) => p.output_tok_s))].sort((a, b) => a - b);
+    const data = [xs, ...names.map(([id]) => xs.map((x) => {
+      const p = points.find((q) => q.variant === id && q.output_tok_s === x);
+      return p ? p.per_user : null;
+    }))];
+    if (pareto) pareto.destroy();
+    pareto = new uPlot({ width: Math.max(300, paretoEl.clientWidth), height: 240, scales: { x: { time: false } },
+      legend: { live: false },
+      series: [{ label: "output tok/s" }, ...names.map(([, name], i) => ({ label: name, stroke: colors[i % colors.length],
+        paths: () => null, points: { show: true, size: 9, fill: colors[i % colors.length] } }))],
+      axes: [{ label: "output tok/s" }, { label: "tok/s per user", size: 60 }] }, data, paretoEl);
+    window.studyView.pareto = pareto;
+  }
+  window.studyView = { pareto, drawn: () => (pareto ? pareto.data.slice(1).flat().filter((v) => v != null).length : 0),
+    cells: () => document.querySelectorAll("#matrix span[data-tok-s]").length };
 
   function matrix() {
     const levels = study.levels;
@@ -45,18 +63,22 @@
         const [metric, level] = key.split("@");
         const cmp = v.comparisons[key];
         const label = (r.metrics[metric] || metric) + (level ? ` at c=${level}` : "");
+        // One repeat has no interval: the figure alone, and the row says why there is no verdict.
+        const range = (lo, hi, f) => (lo == null || hi == null ? "" : ` [${f(lo)}, ${f(hi)}]`);
         rows.push(`<tr data-variant="${v.id}" data-key="${key}"><td>${esc(v.name)}</td><td>${esc(label)}</td>` +
-          `<td class="num">${fmt(est.median)} [${fmt(est.low)}, ${fmt(est.high)}]</td>` +
-          `<td class="num">${cmp ? `${pct(cmp.rel)} [${pct(cmp.rel_low)}, ${pct(cmp.rel_high)}]` : "—"}</td>` +
-          `<td class="verdict">${cmp ? esc(cmp.verdict) : v.is_baseline ? "baseline" : "—"}</td></tr>`);
+          `<td class="num">${fmt(est.median)}${range(est.low, est.high, fmt)}</td>` +
+          `<td class="num">${cmp ? `${pct(cmp.rel)}${range(cmp.rel_low, cmp.rel_high, pct)}` : "—"}</td>` +
+          `<td class="verdict" title="${cmp && cmp.why ? esc(cmp.why) : ""}">${cmp ? esc(cmp.verdict) + (cmp.why ? `<div class="muted">${esc(cmp.why)}</div>` : "") : v.is_baseline ? "baseline" : "—"}</td></tr>`);
       }
       if (v.failed) rows.push(`<tr data-variant="${v.id}"><td>${esc(v.name)}</td><td colspan="3" class="errorlist">${esc(v.failed)}</td><td class="verdict">failed</td></tr>`);
     }
     body.innerHTML = rows.join("");
     const points = r.pareto || [];
-    pareto.setData([null, [points.map((p) => p.total), points.map((p) => p.per_user)]]);
+    drawPareto(points);
+    const gpus = r.gpus > 0;  // per GPU only where there are GPUs
+    el("pareto").querySelector("th[data-gpu]").hidden = !gpus;
     el("pareto").querySelector("tbody").innerHTML = points.map((p) => `<tr><td>${esc(p.name)}</td><td class="num">${p.level}</td>` +
-      `<td class="num">${fmt(p.total)}</td><td class="num">${fmt(p.per_gpu)}</td><td class="num">${fmt(p.per_user, 2)}</td><td>${p.front ? "★" : ""}</td></tr>`).join("");
+      `<td class="num">${fmt(p.output_tok_s)}</td>${gpus ? `<td class="num">${fmt(p.per_gpu)}</td>` : ""}<td class="num">${fmt(p.per_user, 2)}</td><td>${p.front ? "★" : ""}</td></tr>`).join("");
     const winner = r.variants.find((v) => v.id === r.winner);
     el("winner").textContent = winner ? `${winner.name}: ${r.winner_why}` : r.winner_why || "—";
     const form = el("apply-form");

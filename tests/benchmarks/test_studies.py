@@ -10,7 +10,7 @@ from celery.app.task import Task
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from benchmarks import studies, studyresults
+from benchmarks import studies, studyestimate, studyresults
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial
 from controlpanel.errors import ServiceError
 from deployments.models import Deployment, DeploymentEvent
@@ -90,13 +90,93 @@ def run_through(study, d, speed):
 
 
 def test_a_study_counts_its_trials_and_estimates_from_the_deployments_last_load(d):
-    comes_up(d)
+    loaded(d, seconds=31.0)
     study = make(d, variants=None, repeats=3)
     assert study.trials.count() == 6 and study.variants.count() == 2
     assert list(study.trials.values_list("variant__position", "repeat")) == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
-    ready_s, _, basis = studyresults.past_times(d, study.workload)
-    assert ready_s == 5.5 and "its last load" in basis
+    ready_s, basis = studyestimate.redeploy_seconds(d)
+    assert ready_s == 31.0 + studyestimate.STOP_S and basis == "its last load"  # queued to smoke-tested, and a stop
     assert study.estimate_s > 7 * ready_s
+
+
+def loaded(d, seconds, stop=False):
+    """A plan on the node's timeline: queued, (stop,) load, smoke test ended `seconds` after the request."""
+    t0 = timezone.now() - timedelta(minutes=30)
+    steps = ["queued"] + (["stop"] if stop else []) + ["load", "smoke_test"]
+    for i, name in enumerate(steps):
+        DeploymentEvent.objects.create(deployment=d, step=name, started=t0 + timedelta(seconds=i),
+                                       ended=t0 + timedelta(seconds=seconds if name == "smoke_test" else i + 1))
+
+
+def past_run(d, levels, seconds, ttft_ms=50.0, tpot_ms=5.0, max_tokens=128):
+    """A finished run on the deployment, its levels measured with these latencies."""
+    run = BenchmarkRun.objects.create(deployment=d, status="done", params={**runs_defaults(), "levels": levels,
+                                      "max_tokens": max_tokens}, started=timezone.now() - timedelta(seconds=seconds),
+                                      finished=timezone.now())
+    for c in levels:
+        BenchmarkPoint.objects.create(run=run, concurrency=c, num_requests=32, ttft_ms={"median": ttft_ms},
+                                      tpot_ms={"median": tpot_ms}, e2e_ms={"median": ttft_ms + 127 * tpot_ms})
+    return run
+
+
+def runs_defaults():
+    from benchmarks.services import DEFAULTS
+
+    return dict(DEFAULTS)
+
+
+def test_the_estimate_models_each_level_from_the_runs_measured_on_the_node(d):
+    loaded(d, seconds=30.0, stop=True)
+    workload = {**runs_defaults(), **WORKLOAD}  # levels 1 and 4, 16 tokens, at least 4 requests a level
+    # The same workload ran before in 12 s: that is the benchmark's time.
+    past_run(d, [1, 4], seconds=12.0, max_tokens=16).params.update(WORKLOAD)
+    BenchmarkRun.objects.filter(deployment=d).update(params={**workload})
+    est = studyestimate.study_estimate(d, 4, workload)
+    assert est["benchmark_s"] == 12.0 and est["ready_s"] == 30.0 and "its last run of this workload" in est["basis"]
+    assert est["estimate_s"] == pytest.approx(4 * (30.0 + 12.0 + studyestimate.TRIAL_OVERHEAD_S) + 30.0)
+    # Another workload: each level from the measured one nearest it. At c=1, 5 requests (4 + 1 warm-up) of
+    # 50 ms + 15 x 5 ms; at c=4, 8 of them 4 at a time, each (4/1) ** 0.2 longer than measured at 1.
+    BenchmarkRun.objects.all().delete()
+    run = past_run(d, [1], seconds=30.0)
+    own = 33 * (0.05 + 127 * 0.005)  # what that run's level modelled: 32 requests + 1 warm-up
+    bench, basis = studyestimate.bench_seconds(d, workload)
+    per_request = 0.05 + 15 * 0.005
+    assert basis == f"levels measured in run {run.pk}"
+    assert bench == pytest.approx(5 * per_request + 8 / 4 * per_request * 4 ** 0.2 + (30.0 - own), abs=0.1)
+
+
+def test_the_estimate_of_a_repeated_study_is_its_past_trials_wall_time(d):
+    study = make(d)
+    study = run_through(study, d, {"baseline": 100.0, "one seq": 20.0})
+    for t in study.trials.all():
+        StudyTrial.objects.filter(pk=t.pk).update(started=t.finished - timedelta(seconds=40))
+    est = studyestimate.study_estimate(d, 6, study.workload)
+    assert est["trial_s"] == 40.0 and "its last 4 trials of this workload" in est["basis"]
+
+
+def test_one_repeat_measures_but_gives_no_verdict_and_keeps_the_baseline(d):
+    preview = studies.study_preview(d, [{"name": "one seq", "engine_args": {"max-num-seqs": 1}, "env": {}}], 1, WORKLOAD)
+    assert "no verdict" in preview["warning"]
+    study = make(d, repeats=1)
+    study = run_through(study, d, {"baseline": 100.0, "one seq": 200.0})
+    one = next(r for r in study.results["variants"] if r["name"] == "one seq")
+    cmp = one["comparisons"]["throughput@4"]
+    assert cmp["verdict"] == "no verdict" and cmp["low"] is None and "a verdict needs at least 2" in cmp["why"]
+    assert one["estimates"]["throughput@4"]["low"] is None
+    assert study.results["winner"] == study.variants.get(is_baseline=True).pk
+    assert "one seq measured highest, but with 1 repeat" in study.results["winner_why"]
+
+
+def test_the_results_name_the_rule_in_words_and_give_per_gpu_figures_only_on_gpus(d):
+    study = make(d, rule={"kind": "throughput", "level": 4})
+    study = run_through(study, d, {"baseline": 100.0, "one seq": 20.0})
+    assert study.results["rule_text"].startswith("the highest output tok/s at concurrency 4, if significantly better")
+    points = study.results["pareto"]
+    assert len(points) == 4 and study.results["gpus"] == 0  # 2 variants x 2 levels, a CPU node
+    assert all(p["per_gpu"] is None and p["output_tok_s"] > 0 for p in points)
+    assert studyresults.rule_text({"kind": "throughput_under_ttft", "level": 16, "ttft_p95_ms": 500}, [1, 16]) == (
+        "the highest output tok/s at concurrency 16 among the variants whose TTFT p95 there is within 500 ms, "
+        "if significantly better than the baseline's (else the baseline stays)")
 
 
 def test_dimensions_make_every_combination_with_env_and_flags_told_apart():

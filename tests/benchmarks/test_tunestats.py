@@ -1,6 +1,7 @@
 """The statistics of tuning studies on synthetic samples whose answers are known (no Django)."""
 import math
 import random
+import statistics
 
 import pytest
 
@@ -69,9 +70,11 @@ def test_the_median_of_repeats_is_reported_and_the_interval_holds_the_mean():
 
 def test_a_median_metric_resamples_the_requests_median():
     # One repeat, requests 1..99: the median is 50 and its bootstrap interval is about ±1.96·sqrt(n)/2 ranks.
-    est = tunestats.estimate([Repeat(50.0, tuple(float(i) for i in range(1, 100)))], kind=tunestats.MEDIAN)
-    assert est.median == 50.0
-    assert 35 < est.low < 50 < est.high < 65
+    # (Replicates, not estimate(): one repeat alone gets no interval.)
+    reps = sorted(tunestats.replicates([Repeat(50.0, tuple(float(i) for i in range(1, 100)))], tunestats.MEDIAN, 2000,
+                                       random.Random(0)))
+    assert statistics.median(reps) == 50.0
+    assert 35 < reps[50] < 50 < reps[-50] < 65
 
 
 def test_the_interval_is_widened_for_few_repeats_as_students_t_says():
@@ -131,6 +134,20 @@ def test_with_host_drift_between_repeats_the_interval_covers_the_true_difference
 def test_missing_repeats_give_no_answer_rather_than_a_wrong_one():
     assert tunestats.estimate([]) is None
     assert tunestats.compare([], [Repeat(1.0)]) is None
+
+
+def test_one_repeat_gives_a_figure_but_no_interval_and_no_verdict():
+    # What the issue saw: repeats=1 and "TTFT p95 +96.2 % [+96.2 %, +96.2 %] worse".
+    base, slow = [Repeat(100.0, (90.0, 110.0))], [Repeat(196.2, (180.0, 212.0))]
+    est = tunestats.estimate(slow)
+    assert (est.median, est.low, est.high, est.n) == (196.2, None, None, 1)
+    cmp = tunestats.compare(base, slow, higher_is_better=False)
+    assert cmp.verdict == tunestats.NO_VERDICT and cmp.rel == pytest.approx(0.962)
+    assert (cmp.low, cmp.high, cmp.rel_low, cmp.rel_high) == (None, None, None, None)
+    assert "1 repeat of the baseline: a verdict needs at least 2 of each" in cmp.why
+    two = [Repeat(100.0, (90.0, 110.0)), Repeat(101.0, (91.0, 111.0))]
+    assert "1 repeat of this variant" in tunestats.compare(two, slow).why
+    assert tunestats.compare(two, two).why == ""
 
 
 def test_the_pareto_front_keeps_points_nothing_beats_on_both_axes():
