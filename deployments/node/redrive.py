@@ -41,6 +41,7 @@ S = Deployment.Status
 
 _lock = threading.Lock()
 _in_hand: collections.Counter = collections.Counter()  # (task name, first argument) -> running copies
+_finished: set = set()  # keys whose task ended since the last pass: a row owed it again is owed anew
 
 
 def _key(task, args) -> tuple[str, object]:
@@ -60,6 +61,7 @@ def _ended(task=None, args=None, **_):
         _in_hand[key] -= 1
         if _in_hand[key] <= 0:
             del _in_hand[key]
+        _finished.add(key)
 
 
 def in_hand(name: str, pk) -> bool:
@@ -108,6 +110,10 @@ class Redriver:
     def tick(self, now: float | None = None) -> int:
         """One pass: halt what is lost in Stopping, re-send lost plans, follows and runs; how many."""
         self._seen = set()
+        with _lock:
+            for key in _finished:
+                self._waiting.pop(key, None)
+            _finished.clear()
         done = 0
         for pk in Deployment.objects.filter(node_id=self.node_id, status=S.STOPPING).values_list("pk", flat=True):
             if self.due(HALT, pk, now=now):
@@ -150,8 +156,17 @@ class Redriver:
         """Run the halt in a thread of this process, marked in hand so that the next pass waits for it."""
         log.warning("re-driving %s(%s): Stopping for %.0f s with no halt running (lost)", name, pk, self.after_s)
         _started(name, [pk])
-        threading.Thread(target=_run_halt, args=(name, pk), name=f"redrive-{pk}", daemon=True).start()
+        threading.Thread(target=self._run_halt, args=(name, pk), name=f"redrive-{pk}", daemon=True).start()
         return 1
+
+    def _run_halt(self, name: str, pk) -> None:
+        try:
+            current_app.tasks[name].run(pk)  # the task's own function: the same code a queued halt runs
+        except Exception:  # noqa: BLE001 - the row stays Stopping: re-driven again after the bound
+            log.exception("re-driven %s(%s) failed", name, pk)
+        finally:
+            _ended(name, [pk])
+            close_old_connections()
 
     def loop(self, stop: threading.Event, every_s: float = REDRIVE_EVERY_S) -> None:
         """Tick every `every_s` until stopped; a failing pass (the database away) is retried next time."""
@@ -164,12 +179,3 @@ class Redriver:
                 close_old_connections()
             stop.wait(every_s)
 
-
-def _run_halt(name: str, pk) -> None:
-    try:
-        current_app.tasks[name].run(pk)  # the task's own function: the same code a queued halt runs
-    except Exception:  # noqa: BLE001 - the row stays Stopping: re-driven again after the bound
-        log.exception("re-driven %s(%s) failed", name, pk)
-    finally:
-        _ended(name, [pk])
-        close_old_connections()

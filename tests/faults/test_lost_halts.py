@@ -63,27 +63,35 @@ def _redriven(agent, name: str) -> int:
     return open(agent.proc.log_path, encoding="utf-8", errors="replace").read().count(f"re-driving {name}(")
 
 
-@pytest.mark.timeout(120 + KILLS * 3 * LOST_BOUND_S)
+@pytest.mark.timeout(150 + KILLS * 3 * LOST_BOUND_S)
 def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fake_model, process_env):
     node = fault_agent.node
     model = add_fake_model(node, fake_model)
     d = None
     for attempt in range(KILLS):
         d = _ready(model, node, d)
-        asked = time.monotonic()
         _killed_web(process_env, "stop", d.pk)
+        asked = time.monotonic()  # (the Stop committed a moment ago, as the web process died)
         assert Deployment.objects.get(pk=d.pk).status == "stopping"  # committed, and no halt was ever sent
         took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
         COUNTS["lost_halts_survived"] += 1
         print(f"halt lost with the web process: engine stopped {took:.1f} s after the Stop")
-    assert _redriven(fault_agent, "deployments.deployment_halt") >= KILLS
+    assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS
+
+    # Pressing Stop again sends the halt again: nothing waits for the re-drive.
+    d = _ready(model, node, d)
+    _killed_web(process_env, "stop", d.pk)
+    asked = time.monotonic()
+    deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
+    _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+    assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS
 
     # A run whose run_execute was never sent no longer sits Queued for ever, blocking every new run.
     from benchmarks.models import BenchmarkRun
 
     d = _ready(model, node, d)
-    asked = time.monotonic()
     _killed_web(process_env, "bench", d.pk)
+    asked = time.monotonic()
     run = BenchmarkRun.objects.get(deployment=d)
     assert run.status == "queued"
     wait_until(lambda: BenchmarkRun.objects.get(pk=run.pk).status != "queued", timeout=LOST_BOUND_S,

@@ -61,9 +61,10 @@ class Command(BaseCommand):
             close_old_connections()
             # Halts on threads no download or load can take (a second consumer, in this process).
             control_worker(control_queue(queue), f"{name}-control@{socket.gethostname()}", control_concurrency)
-            # The worker consumes this node's queue only; other nodes' work never lands here.
+            # The worker consumes this node's queue only; other nodes' work never lands here. Without
+            # Celery's banner (--quiet, before the sub-command): `./panel start` prints the first admin's password.
             celery_app.worker_main([
-                "worker", "-Q", queue, "-n", f"{name}@%h", "--pool", "threads",
+                "--quiet", "worker", "-Q", queue, "-n", f"{name}@%h", "--pool", "threads",
                 "--concurrency", str(concurrency), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
             ])
         finally:
