@@ -11,6 +11,7 @@ from deployments.host import downloads
 from deployments.models import Deployment, ModelCopy
 from deployments.services import fitgate, repos
 from tests.factories import DeploymentFactory, GpuFactory, ModelRepoFactory, NodeFactory
+from tests.hfserver import serve
 
 pytestmark = pytest.mark.django_db
 CONFIGS = Path(__file__).resolve().parent.parent / "fixtures" / "configs"
@@ -177,3 +178,19 @@ def test_a_users_download_again_is_no_longer_the_plans(tmp_path):
     with mock.patch("deployments.services.repos.node_enqueue", autospec=True):
         copy = repos.model_download(copy.model, copy.node)
     assert "deployment" not in copy.progress
+
+
+def test_a_model_the_hub_lists_too_big_is_refused_after_a_real_inspection(tmp_path, settings):
+    """Through the hub client against the test hub: a Git LFS pointer stands for 40 GiB of weights."""
+    repo = tmp_path / "hub" / "acme" / "huge-chat"
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (repo / "model.safetensors").write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\n"
+                                            f"size {40 * GiB}\n")
+    with serve(tmp_path / "hub") as url, mock.patch("deployments.services.repos.enqueue", autospec=True):
+        settings.HF_ENDPOINT = url
+        model = repos.model_inspect(repos.model_add("acme/huge-chat").pk)
+    assert [(f["path"], f["size"], f["sha256"]) for f in model.files if f["path"].endswith(".safetensors")] == [
+        ("model.safetensors", 40 * GiB, "0" * 64)]
+    with pytest.raises(ServiceError, match="needs ~44.0 GiB of RAM"):
+        fitgate.model_fit_gate(model, _cpu_node(), [], {}, CPU_ENV)
