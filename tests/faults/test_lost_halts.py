@@ -1,7 +1,8 @@
 """A Stop always happens (issue 26 item 3), with real agents and the fake engine: the halt dropped three
 ways (the web process killed after its commit, before on_commit sent it; Redis emptied by FLUSHALL right
 after the Stop; the node queue's every thread held by throttled downloads) and the engine is stopped
-within the bound, every time; a benchmark run whose run_execute was lost runs all the same.
+within the bound, every time; a Stop pressed again sends the halt again at once; a worker rank's lost
+halt is re-driven by its own node's agent; a benchmark run whose run_execute was lost runs all the same.
 
 The bound: a halt that nothing picked up runs by REDRIVE_AFTER_S + REDRIVE_EVERY_S after the Stop
 (deployments/node/redrive.py), plus the halt itself (the fake engine goes at SIGTERM); one the queue
@@ -13,17 +14,19 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import redis
 
-from deployments.models import Deployment, ModelCopy, ModelRepo
+from benchmarks.models import BenchmarkRun
+from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.node.redrive import REDRIVE_AFTER_S, REDRIVE_EVERY_S
 from deployments.services import deploys, repos
-from tests.conftest import ROOT, in_thread, wait_until
+from tests.conftest import ROOT, free_port, in_thread, wait_until
 from tests.faults.conftest import KILLS
 from tests.hfserver import configure, serve
-from tests.truestate import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy, engines_under,
-                             settle, stop_leftover_engines)
+from tests.truestate import (COUNTS, FAKE_VLLM, Agent, add_fake_model, agent_env, assert_true_state, deploy,
+                             engines_under, settle, stop_leftover_engines)
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 HALT_S = 5.0  # the fake engine's halt, a slow database write or two, and this machine's load
@@ -87,8 +90,6 @@ def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fa
     assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS
 
     # A run whose run_execute was never sent no longer sits Queued for ever, blocking every new run.
-    from benchmarks.models import BenchmarkRun
-
     d = _ready(model, node, d)
     _killed_web(process_env, "bench", d.pk)
     asked = time.monotonic()
@@ -186,3 +187,30 @@ def test_a_stop_never_waits_behind_downloads_holding_every_thread_of_the_node_qu
             repos.model_copy_cancel(ModelCopy.objects.get(pk=copy.pk))
     finally:
         stop_leftover_engines(tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_a_lost_rank_halt_is_redriven_by_the_worker_nodes_agent(fault_agent, fake_model, unique):
+    """A multi-node deployment Stopping, its worker rank on this agent's node Stopping too (the Stop marks
+    every rank), and the rank's halt never sent: the worker's agent halts its engine from the row."""
+    worker = fault_agent.node
+    model = add_fake_model(worker, fake_model)
+    head = Node.objects.create(name=f"head-{unique}")  # its agent runs elsewhere: only the rank is this test's
+    d = Deployment.objects.create(name=f"spread-{unique}", model=model, node=head, port=free_port(),
+                                  master_port=free_port(), status="stopping")
+    marker = f"rank-{unique}"
+    engine = subprocess.Popen([str(FAKE_VLLM), "serve", str(fake_model), "--port", str(free_port())], cwd=fake_model,
+                              env=dict(os.environ, PANEL_ENGINE=marker), start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    born = psutil.Process(engine.pid).create_time()
+    rank = DeploymentRank.objects.create(deployment=d, node=worker, rank=1, state="stopping", pid=engine.pid,
+                                         pgid=engine.pid, pid_create_time=born, marker=marker)
+    asked = time.monotonic()
+    wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=LOST_BOUND_S,
+               message="the rank to be stopped")
+    assert engine.wait(HALT_S) is not None and not engines_under(fake_model)
+    took = time.monotonic() - asked
+    assert took <= LOST_BOUND_S
+    assert _redriven(fault_agent, "deployments.rank_halt") == 1
+    COUNTS["lost_rank_halts_survived"] += 1
+    print(f"rank halt lost: its engine stopped {took:.1f} s after the Stop")
