@@ -1,9 +1,11 @@
-"""Credentials the panel keeps in its database (the Hugging Face token) are encrypted at rest.
+"""Credentials the panel keeps in its database (the Hugging Face token, each Ray cluster's token) are encrypted
+at rest.
 
 Fernet (AES-128-CBC with HMAC-SHA256) under a key in HF_TOKEN_KEY_FILE (default var/hf-token.key),
 a file only the panel's user reads (0600: root on GPU hosts; never the engine user). A database dump
-or backup alone gives nobody the token. The key is made on first use; every process that reads the
-token (web, workers, node agents) needs the same file, like SECRET_KEY. Stored values carry a prefix,
+or backup alone gives nobody the token. The key is made on first use; every process that reads a
+token (web, workers, node agents: every node of a Ray deployment reads its cluster's) needs the same file,
+like SECRET_KEY. Stored values carry a prefix,
 so a value written before encryption existed is still read (and the migration encrypts it).
 """
 import base64

@@ -312,6 +312,18 @@ def _elements() -> dict[str, str]:
     return found
 
 
+def covered(pid: int) -> str:
+    """The chain guarding `pid`'s sockets ("" when none): its cgroup, or its ancestor at LEVEL, is in the map."""
+    try:
+        root = cgroup2_root()
+    except FirewallError:
+        return ""
+    parts = cgroup_of(pid).strip("/").split("/")
+    if len(parts) < LEVEL:
+        return ""
+    return _elements().get(_nft_path(root, "/".join(parts[:LEVEL])), "")
+
+
 def release(marker: str, wait_s: float = 3.0) -> bool:
     """Remove the group's rules and cgroup once it has no process left (within `wait_s`); True when removed.
     A group with processes left keeps its rules: they stay firewalled until `sweep()` finds them gone."""

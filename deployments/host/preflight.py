@@ -1,6 +1,7 @@
 """The network pre-flight of a multi-node deployment (issue 17): before any engine starts, the head
 listens on its master port and each worker node opens a TCP connection to it. A worker that cannot
-reach the head fails here, in seconds, instead of vLLM hanging in its rendezvous. Plain Python, no Django.
+reach the head fails here, in seconds, instead of vLLM hanging in its rendezvous. The pre-flight step also
+asks each node whether it can firewall the deployment (host/firewall.check). Plain Python, no Django.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class PreflightError(HostError):
 class Listener:
     """Accept (and close at once) connections on `port` until closed; a context manager."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0"):
+    def __init__(self, port: int, host: str = "127.0.0.1"):  # the head passes its cluster address: never all interfaces
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

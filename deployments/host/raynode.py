@@ -6,8 +6,9 @@ Every cluster uses Ray's token authentication (issue 25): without it whoever rea
 as the engine's user on every node. The pinned Ray (2.60) reads the mode and the token from the
 environment (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN), never from argv: each Ray node, the vLLM driver and the
 panel's own status calls get them there, and a client without the token is refused
-("Authentication required"). Each node's Ray binds its node's cluster address (--node-ip-address); the
-dashboard is not started.
+("Authentication required"). Each node's Ray is given its node's cluster address (--node-ip-address); the
+dashboard is not started. Ray 2.60 still binds the GCS, raylet, object manager and workers on every interface
+for any address but 127.0.0.1: host/firewall.py admits only the deployment's nodes to them.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ the worker node's replica (its copy of the model answers differently from the he
 What is tested is starting and ending engines over several agents, so each test starts its agents once, all at
 once, and runs its deployments on them one after the other.
 """
+import ipaddress
 import json
 import os
 import shutil
@@ -26,9 +27,13 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlpanel import tokens
-from deployments.host import engine, ownership
+from deployments.host import engine, firewall, ownership
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
-from deployments.services import deploys, multinode, ranks, repos
+from deployments.node import ranks
+from deployments.services import deploys, multinode, repos
+from django.conf import settings as django_settings
+
+from tests import netns
 from tests.conftest import VLLM, agent_argv, free_port, in_thread, wait_until
 from tests.e2e.test_cli import panelctl
 from tests.factories import UserFactory
@@ -51,8 +56,10 @@ def agents(spawn, process_env, tmp_path, *nodes):
     for name, address in nodes:
         store = tmp_path / name / "store"
         store.mkdir(parents=True)
+        # One key file for every agent (and this test), as every host of a panel has: a Ray token is sealed with it.
         env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-                   PANEL_VAR_DIR=str(tmp_path / name), CPU_HOST_EXCLUSIVE="0")
+                   PANEL_VAR_DIR=str(tmp_path / name), CPU_HOST_EXCLUSIVE="0",
+                   HF_TOKEN_KEY_FILE=str(django_settings.HF_TOKEN_KEY_FILE))
         argv = agent_argv(name, store, sample_seconds=1, heartbeat_seconds=2)
         spawn(argv + (["--address", address] if address else []), env, name=name)
         stores.append((name, store))
@@ -80,6 +87,44 @@ def no_engine_left():
         for pgid in [d.pgid, *d.ranks.values_list("pgid", flat=True)]:
             if pgid:
                 engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+
+
+@pytest.fixture
+def stranger():
+    """(namespace, its address, this host's address towards it): a machine on the network that is no node."""
+    with netns.machines("stranger") as found:
+        yield found["stranger"]
+
+
+def listening(*markers) -> list[tuple[str, int, str, int]]:
+    """(address, port, process name, pid) of every TCP socket listening in the deployment's processes (those carrying
+    one of the markers) and their descendants (vLLM's titled workers show no marker)."""
+    procs = {p.pid: p for m in markers for pid in ownership.find(m) for p in
+             [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]}
+    found = []
+    for proc in procs.values():
+        try:
+            found += [(c.laddr.ip, c.laddr.port, proc.name(), proc.pid) for c in proc.net_connections("tcp")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return found
+
+
+def firewalled(stranger, api_port, *markers) -> list[tuple[str, int, str, int]]:
+    """Issue 25: every socket the deployment's processes listen on beyond loopback (Ray's, torch's TCPStore on the
+    master port, the DP RPC port, gloo's, ZeroMQ's) is in a group the host firewall guards, and a machine that is
+    not a node is refused on each; the engine's API port alone answers it. Those sockets are returned."""
+    ns, _, host_ip = stranger
+    outside = [s for s in listening(*markers) if not ipaddress.ip_address(s[0]).is_loopback]
+    assert outside, "nothing listens beyond loopback: nothing was tested"
+    assert [s for s in outside if not firewall.covered(s[3])] == [], "sockets outside the firewall's groups"
+    for address in {a for a, _, _, _ in outside}:
+        ports = sorted({p for a, p, _, _ in outside if a == address})
+        target = host_ip if ipaddress.ip_address(address).is_unspecified else address
+        answers = netns.connect(ns, target, ports)
+        assert answers == {p: "open" if p == api_port else "ConnectionRefusedError" for p in ports}, (address, answers)
+    return outside
 
 
 def _settle(d, states, timeout=LOAD_TIMEOUT_S):
@@ -111,7 +156,7 @@ def hub_tiny(tmp_path, tiny_model):
 
 @pytest.mark.slow
 def test_tensor_parallel_over_two_nodes_downloads_answers_stops_and_fails_as_one(
-        hub_tiny, process_env, spawn, unique, tmp_path, live_server_asgi, operator, settings, no_engine_left):
+        hub_tiny, process_env, spawn, unique, tmp_path, live_server_asgi, operator, settings, no_engine_left, stranger):
     """Two real TP-2 engine loads over two agents (~1 min each on 2 cores): starting and ending them is what is tested."""
     settings.HF_ENDPOINT = hub_tiny
     env = dict(process_env, HF_ENDPOINT=hub_tiny)
@@ -154,6 +199,9 @@ def test_tensor_parallel_over_two_nodes_downloads_answers_stops_and_fails_as_one
     api = APIClient()
     api.force_authenticate(operator)
     assert api.get(f"/api/deployments/{d.pk}/").json()["ranks"][0]["state"] == "running"
+    exposed = firewalled(stranger, port, d.marker, rank.marker)
+    assert d.master_port in [p for _, p, _, _ in exposed]  # torch's TCPStore: every interface, whatever it is told
+    print("beyond loopback, firewalled:", sorted({(a, p, n) for a, p, n, _ in exposed}))
 
     # The one endpoint answers (the head; the worker rank computes half of every layer).
     ask = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content":
@@ -232,7 +280,7 @@ def _greedy(port: int, dp_rank: int) -> str:
 
 @pytest.mark.slow
 def test_a_data_parallel_deployment_over_two_nodes_answers_from_the_worker_nodes_replica_and_stops_as_one(
-        process_env, spawn, unique, tmp_path, tiny_model, no_engine_left):
+        process_env, spawn, unique, tmp_path, tiny_model, no_engine_left, stranger):
     """One real DP-2 engine load over two agents (~1.5 min on 2 cores): starting and stopping it is what is tested."""
     (head, head_store), (worker, worker_store) = agents(spawn, process_env, tmp_path, (f"mn-a-{unique}", None),
                                                         (f"mn-b-{unique}", None))
@@ -259,6 +307,8 @@ def test_a_data_parallel_deployment_over_two_nodes_answers_from_the_worker_nodes
     assert "--headless" in rank_argv and "--data-parallel-start-rank 1" in rank_argv and "--nnodes" not in rank_argv
     assert str(worker_store / "tiny") in rank_argv
     assert "(DP RPC port)" in d.events.get(step="preflight").message
+    exposed = firewalled(stranger, d.port, d.marker, rank.marker)
+    print("beyond loopback, firewalled:", sorted({(a, p, n) for a, p, n, _ in exposed}))
 
     api = APIClient()
     api.force_authenticate(UserFactory(role="operator"))

@@ -22,11 +22,13 @@ import psutil
 import pytest
 from rest_framework.test import APIClient
 
+from deployments import sealed
 from deployments.host import engine, engineenv, ownership, raynode
 from deployments.models import Deployment, DeploymentRank
-from deployments.services import deploys, multinode, steps
+from deployments.node import lifecycle, steps
+from deployments.services import deploys, multinode
 from tests.conftest import VLLM, free_port, wait_until
-from tests.e2e.test_multinode import agents, place_model
+from tests.e2e.test_multinode import agents, firewalled, listening, place_model, stranger  # noqa: F401 - a fixture
 from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -64,22 +66,7 @@ def ray_nodes(process_env, spawn, unique, short_dir, tiny_model):
         for d in deployed:
             for m in {Deployment.objects.get(pk=d.pk).marker,
                       *DeploymentRank.objects.filter(deployment=d).values_list("marker", flat=True)} - {""}:
-                steps.stop_marked(m)
-
-
-def _listening(*markers) -> list[tuple[str, int, str]]:
-    """(address, port, process name) of every TCP socket listening in the cluster's processes (those carrying
-    one of the markers) and their descendants (vLLM's titled workers show no marker)."""
-    procs = {p.pid: p for m in markers for pid in ownership.find(m) for p in
-             [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]}
-    found = []
-    for proc in procs.values():
-        try:
-            found += [(c.laddr.ip, c.laddr.port, proc.name()) for c in proc.net_connections("tcp")
-                      if c.status == psutil.CONN_LISTEN]
-        except psutil.Error:
-            continue
-    return found
+                lifecycle.stop_marked(m)
 
 
 def _ask(argv, token=None, timeout=90):
@@ -91,17 +78,20 @@ def _ask(argv, token=None, timeout=90):
     return result.returncode, result.stdout + result.stderr
 
 
-def _authenticated(d, rank):
+def _authenticated(d, rank, stranger):
     """Issue 25: the cluster asks for its token (`ray status`, a Ray driver and the panel's own status call
-    without it are refused; with it they answer) and opens no unauthenticated metrics endpoint; what it
-    listens on (address, port, process) is returned."""
+    without it are refused; with it they answer), the token is sealed at rest, the cluster opens no
+    unauthenticated metrics endpoint, and every port it opens beyond loopback refuses a machine that is no
+    node (the host firewall); what it listens on (address, port, process, pid) is returned."""
     address, ray = f"127.0.0.1:{d.master_port}", raynode.ray_bin(str(VLLM))
-    assert len(d.ray_token) == 64
+    assert sealed.is_sealed(d.ray_token)  # the row holds ciphertext; the cluster's token is inside
+    token = sealed.unseal(d.ray_token)
+    assert len(token) == 64 and token not in d.ray_token
     for pid in ownership.find(d.marker) + ownership.find(rank.marker):  # argv is every local user's to read
-        assert d.ray_token not in " ".join(psutil.Process(pid).cmdline())
+        assert token not in " ".join(psutil.Process(pid).cmdline())
     code, out = _ask([ray, "status", "--address", address])
     assert code != 0 and "authentication" in out.lower(), out[-2000:]
-    code, out = _ask([ray, "status", "--address", address], token=d.ray_token)
+    code, out = _ask([ray, "status", "--address", address], token=token)
     # Answered ("No cluster status": no autoscaler monitor runs, see raynode.start_argv); the nodes are counted below.
     assert code == 0 and "authentication" not in out.lower(), out[-2000:]
     driver = [str(VLLM.with_name("python")), "-c", f"import ray; ray.init(address='{address}'); print('CONNECTED')"]
@@ -109,14 +99,16 @@ def _authenticated(d, rank):
     assert code != 0 and "CONNECTED" not in out and "authentication" in out.lower(), out[-2000:]
     env = engineenv.deployment_env({}, [])
     assert raynode.alive_nodes(ray, address, env) == 0  # the panel's own call, without the token: refused
-    assert raynode.alive_nodes(ray, address, {**env, **raynode.auth_env(d.ray_token)}) == 2
-    listening = _listening(d.marker, rank.marker)
-    assert any(port == d.master_port for _, port, _ in listening), listening  # the GCS, on the master port
-    # No unauthenticated endpoint: neither Ray's metrics export nor the autoscaler's (port 44217) runs. Where
-    # the rest listens is Ray's choice (2.60: the GCS, raylets and workers on every interface, whatever
-    # --node-ip-address says), printed as a figure; all of them ask for the token.
-    assert 44217 not in [port for _, port, _ in listening], listening
-    return listening
+    assert raynode.alive_nodes(ray, address, {**env, **raynode.auth_env(token)}) == 2
+    found = listening(d.marker, rank.marker)
+    assert any(port == d.master_port for _, port, _, _ in found), found  # the GCS, on the master port
+    # No unauthenticated endpoint: neither Ray's metrics export nor the autoscaler's (port 44217) runs.
+    assert 44217 not in [port for _, port, _, _ in found], found
+    # Where the rest listens is Ray's choice (2.60: the GCS, raylets, object managers and workers on every
+    # interface for a node address other than 127.0.0.1, whatever --node-ip-address says): all of it firewalled.
+    exposed = firewalled(stranger, d.port, d.marker, rank.marker)
+    print("beyond loopback, firewalled:", sorted({(a, p, n) for a, p, n, _ in exposed}))
+    return found
 
 
 def _ray_ready(ray_nodes, name):
@@ -137,7 +129,7 @@ def _ray_ready(ray_nodes, name):
 
 @pytest.mark.slow
 def test_a_ray_deployment_over_two_nodes_is_ready_answers_stops_with_nothing_left_and_fails_whole_when_a_nodes_ray_dies(
-        ray_nodes):
+        ray_nodes, stranger):
     """Two Ray clusters and engine loads over two real agents (~1.5 min each on 2 cores): starting, stopping and
     losing them is what is tested."""
     d, rank = _ray_ready(ray_nodes, "tiny-ray")
@@ -155,8 +147,8 @@ def test_a_ray_deployment_over_two_nodes_is_ready_answers_stops_with_nothing_lef
     assert "ray start" in rank_cmd and f"--address 127.0.0.1:{d.master_port}" in rank_cmd
     # vLLM placed a worker on the worker node: a Ray actor process there carries that node's marker.
     assert any("RayWorkerProc" in " ".join(psutil.Process(p).cmdline()) for p in ownership.find(rank.marker))
-    listening = _authenticated(d, rank)
-    print("listening:", sorted(set(listening)))
+    found = _authenticated(d, rank, stranger)
+    print("listening:", sorted({(a, p, n) for a, p, n, _ in found}))
 
     api = APIClient()
     api.force_authenticate(UserFactory(role="operator"))

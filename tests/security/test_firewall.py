@@ -14,6 +14,7 @@ import uuid
 import pytest
 
 from deployments.host import firewall
+from tests import netns
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and nftables need root")
@@ -31,53 +32,12 @@ if os.fork() == 0:
     held.append(listen(ports[-1])); print("up", flush=True); sys.stdin.readline(); os._exit(0)
 sys.stdin.readline()
 """
-CONNECT = """import socket, sys
-for port in sys.argv[2:]:
-    try:
-        socket.create_connection((sys.argv[1], int(port)), timeout=3).close(); print(port, "open")
-    except OSError as exc:
-        print(port, type(exc).__name__)
-"""
-
-
-def _ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
 
 
 @pytest.fixture
 def namespaces():
-    """{"peer": (namespace, its address, this host's address towards it), "stranger": (...)}."""
-    tag = uuid.uuid4().hex[:6]
-    made, links = [], []
-    try:
-        found = {}
-        for i, role in enumerate(("peer", "stranger")):
-            ns, here, there = f"pfw-{role[0]}-{tag}", f"pf{role[0]}{tag}h", f"pf{role[0]}{tag}n"
-            net = f"10.{200 + i}.{int(tag[:2], 16)}.{int(tag[2:4], 16) & 0xFC}"  # a /30 of its own
-            host_ip, ns_ip = (net.rsplit(".", 1)[0] + f".{int(net.rsplit('.', 1)[1]) + k}" for k in (1, 2))
-            _ip("netns", "add", ns)
-            made.append(ns)
-            _ip("link", "add", here, "type", "veth", "peer", "name", there)
-            links.append(here)
-            _ip("link", "set", there, "netns", ns)
-            _ip("addr", "add", f"{host_ip}/30", "dev", here)
-            _ip("link", "set", here, "up")
-            _ip("-n", ns, "addr", "add", f"{ns_ip}/30", "dev", there)
-            _ip("-n", ns, "link", "set", there, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            found[role] = (ns, ns_ip, host_ip)
+    with netns.machines("peer", "stranger") as found:
         yield found
-    finally:
-        for link in links:
-            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=20)
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
-
-
-def _connect(ns, host, ports) -> dict[int, str]:
-    argv = [sys.executable, "-c", CONNECT, host, *map(str, ports)]
-    out = subprocess.run(["ip", "netns", "exec", ns, *argv] if ns else argv, capture_output=True, text=True, timeout=60)
-    return {int(port): what for port, what in (line.split() for line in out.stdout.splitlines())}
 
 
 def test_a_guarded_group_is_reached_from_loopback_and_its_nodes_only_and_its_api_port_from_anywhere(namespaces):
@@ -97,15 +57,15 @@ def test_a_guarded_group_is_reached_from_loopback_and_its_nodes_only_and_its_api
         members = (root / firewall.PARENT / firewall.key_of(marker) / "cgroup.procs").read_text().split()
         assert str(proc.pid) in members and len(members) == 2  # the child forked after guard() was born inside
         ports = [cluster, api, child_port]
-        assert _connect(peer_ns, host_for_peer, ports) == {cluster: "open", api: "open", child_port: "open"}
-        assert _connect(stranger_ns, host_for_stranger, ports) == {
+        assert netns.connect(peer_ns, host_for_peer, ports) == {cluster: "open", api: "open", child_port: "open"}
+        assert netns.connect(stranger_ns, host_for_stranger, ports) == {
             cluster: "ConnectionRefusedError", api: "open", child_port: "ConnectionRefusedError"}
-        assert _connect(None, "127.0.0.1", ports) == {cluster: "open", api: "open", child_port: "open"}
+        assert netns.connect(None, "127.0.0.1", ports) == {cluster: "open", api: "open", child_port: "open"}
         # An unguarded listener on the same host is none of the firewall's business: the stranger reaches it.
         with socket_on_all() as other:
-            assert _connect(stranger_ns, host_for_stranger, [other]) == {other: "open"}
+            assert netns.connect(stranger_ns, host_for_stranger, [other]) == {other: "open"}
         assert firewall.release(marker, wait_s=0.2) is False  # processes left: the rules stay
-        assert _connect(stranger_ns, host_for_stranger, [cluster]) == {cluster: "ConnectionRefusedError"}
+        assert netns.connect(stranger_ns, host_for_stranger, [cluster]) == {cluster: "ConnectionRefusedError"}
     finally:
         proc.kill()
         proc.wait(5)
