@@ -5,7 +5,7 @@ container's cgroup: restarting or upgrading the agent container stops every engi
 started as a container of its own lives until it is stopped, whatever happens to the agent.
 
 What the container is (container_config): the node image (PANEL_ENGINE_IMAGE, the agent's own), the host's
-network and IPC namespace (engines listen on the host as on the process path, /dev/shm is the host's), the
+PID, network and IPC namespaces (engines listen on the host as on the process path, /dev/shm is the host's), the
 mounts of PANEL_ENGINE_MOUNTS (the model store, the panel's var folder where the engine's log lies, the
 engine user's home), the deployment's GPUs as a device request, and labels carrying the deployment's marker.
 Its command is containerexec, which does what Popen does on the process path (log, session, engine user,
@@ -106,7 +106,10 @@ def container_config(args: dict, log_path: str | Path, image: str | None = None)
     return {
         "image": image, "command": command, "environment": env, "labels": labels,
         "name": f"vllm-panel-{marker}" if marker else None,
-        "network_mode": "host", "ipc_mode": "host", "volumes": mounts(), "device_requests": device_requests,
+        # The host's PIDs, as on the process path: the engine is an ordinary process there (not a namespace's
+        # PID 1, with its signal and reaping quirks), and Docker kills what is left of it once its main process ends.
+        "pid_mode": "host", "network_mode": "host", "ipc_mode": "host", "volumes": mounts(),
+        "device_requests": device_requests,
         "auto_remove": True,  # gone once the engine has exited: its log is the file, not Docker's
         "security_opt": ["no-new-privileges"], "detach": True,
     }

@@ -75,10 +75,14 @@ class AgentContainer:
 
         self.client = docker.DockerClient(base_url=docker_host, version=dockerd.API_VERSION, timeout=30)
         self.name, self.env = name, {**env, "DOCKER_HOST": docker_host}
-        argv = agent_argv(name, store, sample_seconds=0.5, heartbeat_seconds=1)
-        self.container = self.client.containers.create("vllm-panel-node:test", argv, name=f"nodeagent-{name}",
-                                                       environment=self.env, working_dir=str(ROOT), network_mode="host",
-                                                       pid_mode="host", ipc_mode="host")
+        self.argv = agent_argv(name, store, sample_seconds=0.5, heartbeat_seconds=1)
+        self.restarts = 0
+        self.container = self._create()
+
+    def _create(self):
+        return self.client.containers.create("vllm-panel-node:test", self.argv, name=f"nodeagent-{self.name}",
+                                             environment=self.env, working_dir=str(ROOT), network_mode="host",
+                                             pid_mode="host", ipc_mode="host")
 
     def pid(self) -> int:
         self.container.reload()
@@ -94,7 +98,16 @@ class AgentContainer:
         return self.registered()
 
     def restart(self) -> Node:
-        self.container.restart(timeout=STOP_GRACE_S)
+        """`docker restart`, and every other time what `docker compose up -d` does after a new build: stop and
+        remove the agent's container, create a new one and start it."""
+        self.restarts += 1
+        if self.restarts % 2:
+            self.container.restart(timeout=STOP_GRACE_S)
+        else:
+            self.container.stop(timeout=STOP_GRACE_S)
+            self.container.remove()
+            self.container = self._create()
+            self.container.start()
         COUNTS["agent_container_restarts"] += 1
         return self.registered()
 

@@ -53,7 +53,8 @@ def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(d
     [found] = containers.find(MARKER)
     assert found["pid"] == pid and found["status"] == "running" and found["name"] == f"vllm-panel-{MARKER}"
     recorded = containers.client().containers.get(found["id"]).attrs["HostConfig"]
-    assert recorded["NetworkMode"] == "host" and recorded["IpcMode"] == "host" and recorded["AutoRemove"] is True
+    assert (recorded["PidMode"], recorded["NetworkMode"], recorded["IpcMode"]) == ("host", "host", "host")
+    assert recorded["AutoRemove"] is True
     assert recorded["Binds"] == ["/models:/models", f"panelvar:{tmp_path}"]
     assert recorded["SecurityOpt"] == ["no-new-privileges"]
 
