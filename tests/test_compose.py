@@ -140,3 +140,11 @@ def test_an_engine_container_sees_what_the_agent_sees_at_the_same_paths():
     assert {"/models", var_dir, home} <= set(engine_mounts), engine_mounts
     for target, source in engine_mounts.items():
         assert agent_mounts.get(target) == source, f"{target}: the engine mounts {source}, the agent {agent_mounts.get(target)}"
+
+
+def test_the_node_agent_can_firewall_multi_node_engines():
+    """deployments/host/firewall.py refuses multi-node and Ray deploys where it cannot work: nft in the image,
+    CAP_NET_ADMIN, and the host's cgroup namespace (engine containers' cgroups are matched there)."""
+    agent = SERVICES["nodeagent"]
+    assert agent["cgroup"] == "host" and "NET_ADMIN" in agent["cap_add"]
+    assert re.search(r"apt-get install .*\bnftables\b", (ROOT / agent["build"]["dockerfile"]).read_text())
