@@ -25,6 +25,7 @@ before it could pay. So a token revoked during an outage is refused everywhere o
 """
 import functools
 import logging
+import os
 import re
 import threading
 import time
@@ -87,6 +88,11 @@ class _Debt:
 
     def __init__(self):
         self.owed = True  # a new process pays one for a writer that died owing it
+        self.lock = threading.Lock()
+        self.retrying = False
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:  # a prefork worker: no retry thread came along, the lock may have been held
         self.lock = threading.Lock()
         self.retrying = False
 

@@ -74,7 +74,7 @@
 
   function later() {
     setState("reconnecting");
-    const delay = Math.min(10000, 500 * 2 ** retry++);
+    const delay = Math.min(5000, 500 * 2 ** retry++);  // at most 5 s: back soon after Redis or the server is
     timer = setTimeout(connect, delay);
   }
 
