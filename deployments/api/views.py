@@ -20,7 +20,7 @@ from controlpanel.params import int_param
 from deployments import modelfit, secrets, selectors
 from deployments.api import serializers
 from deployments.models import ModelCopy
-from deployments.services import deploys, loadtime, multinode, repos
+from deployments.services import deploys, fitgate, loadtime, multinode, repos
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
@@ -96,7 +96,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, mixins.DestroyModelMixin, viewse
         query.is_valid(raise_exception=True)
         q = query.validated_data
         tp = q.get("tp") or modelfit.default_tp(q["node"].gpus.count())
-        result = repos.model_fit(self.get_object(), q["node"], tp, q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
+        result = fitgate.model_fit(self.get_object(), q["node"], tp, q["pp"], q["gpu_memory_utilization"], q["kv_cache_dtype"])
         if result is None:
             raise ServiceError("The model's config has not been read yet.", field="model", code="not_inspected")
         return Response(asdict(result))

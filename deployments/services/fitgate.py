@@ -1,13 +1,13 @@
-"""The fit verdict gates a deploy (issue 27): the estimate the deploy page shows for the deploy's own
-settings, and the refusal of what it says will not fit unless an admin overrides it."""
+"""Whether a model fits a node (its GPUs, or its RAM for the CPU engine), and the fit verdict gating a deploy
+(issue 27): the estimate the deploy page shows for the deploy's own settings, and the refusal of what it
+says will not fit unless an admin overrides it."""
 from dataclasses import dataclass, field
 
 from controlpanel.errors import ServiceError
-from deployments import engineoptions, modelfit
+from deployments import engineargs, engineoptions, modelconfig, modelfit
 from deployments.models import Deployment, ModelRepo, Node
-from deployments.services import repos
 
-__all__ = ["FitOverride", "deploy_fit", "model_fit_gate", "OVERRIDE_HINT"]
+__all__ = ["FitOverride", "model_fit", "deploy_fit", "model_fit_gate", "OVERRIDE_HINT"]
 OVERRIDE_HINT = ("an admin can deploy it anyway (the form's \"Deploy anyway\", API: override_fit, "
                  "panelctl: --override-fit)")
 
@@ -20,13 +20,37 @@ class FitOverride:
     data: dict = field(default_factory=dict)
 
 
+def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
+              kv_cache_dtype: str = "auto", gpu_indices: list[int] | None = None, context_length: int | None = None,
+              kv_cache_gib: float | None = None) -> modelfit.FitResult | modelfit.CpuFitResult | None:
+    """Does the model fit the node's GPUs (those chosen, else all) at TP×PP (a node without GPUs: its RAM and
+    cores, for the CPU engine with `kv_cache_gib` of KV cache, the CPU preset's by default)? None when the
+    config (GPUs) or the size (CPU) is not known yet."""
+    files = [(f["path"], f["size"]) for f in model.files]
+    if not node.gpus.all():
+        weights = modelconfig.weight_bytes(files) or model.total_size
+        if not weights:
+            return None
+        if kv_cache_gib is None:
+            kv_cache_gib = float(engineargs.PRESETS[engineargs.node_preset(False)]["env"]["VLLM_CPU_KVCACHE_SPACE"])
+        return modelfit.cpu_fit_check(weights, node.ram_total, node.cpu_count, int(kv_cache_gib * 2**30))
+    if not model.config:
+        return None
+    spec = modelconfig.parse_config(model.config, files)
+    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
+    memories = [g.memory_total for g in gpus if gpu_indices is None or g.index in gpu_indices]
+    return modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
+                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+                              context_length=context_length)
+
+
 def deploy_fit(model: ModelRepo, node: Node, gpu_indices: list[int], engine_args: dict, env: dict):
     """The fit estimate for these settings on this node (None: unknown yet): the chosen GPUs at the flags'
     TP × PP, utilization, KV-cache dtype and max-model-len; on a node without GPUs, its RAM for the weights,
     the engine's VLLM_CPU_KVCACHE_SPACE and its processes."""
     kv_gib = env.get("VLLM_CPU_KVCACHE_SPACE")
     try:
-        return repos.model_fit(
+        return model_fit(
             model, node, engineoptions.count(engine_args, "tensor-parallel-size"),
             engineoptions.count(engine_args, "pipeline-parallel-size"),
             float(engine_args.get("gpu-memory-utilization") or 0.9), str(engine_args.get("kv-cache-dtype") or "auto"),

@@ -10,14 +10,14 @@ from django.utils import timezone
 
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
-from deployments import engineargs, live, modelconfig, modelfit, sealed
+from deployments import live, modelconfig, modelfit, sealed
 from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 from deployments.services.nodes import node_enqueue
 
 log = logging.getLogger(__name__)
 __all__ = [
-    "DiskShort", "model_disk_check", "model_add", "model_remove", "model_add_local", "model_inspect", "model_inspect_local", "model_fit",
+    "DiskShort", "model_disk_check", "model_add", "model_remove", "model_add_local", "model_inspect", "model_inspect_local",
     "model_download", "model_copy_download", "model_copy_progress", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
     "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token", "hf_token_set",
     "model_download_cancel_for",
@@ -167,30 +167,6 @@ def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
         "state": ModelCopy.State.READY, "path": local.path, "bytes_done": local.total_size, "bytes_total": local.total_size})
     live.send_model_inspected(model.pk)
     return model
-
-
-def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
-              kv_cache_dtype: str = "auto", gpu_indices: list[int] | None = None, context_length: int | None = None,
-              kv_cache_gib: float | None = None) -> modelfit.FitResult | modelfit.CpuFitResult | None:
-    """Does the model fit the node's GPUs (those chosen, else all) at TP×PP (a node without GPUs: its RAM and
-    cores, for the CPU engine with `kv_cache_gib` of KV cache, the CPU preset's by default)? None when the
-    config (GPUs) or the size (CPU) is not known yet."""
-    files = [(f["path"], f["size"]) for f in model.files]
-    if not node.gpus.all():
-        weights = modelconfig.weight_bytes(files) or model.total_size
-        if not weights:
-            return None
-        if kv_cache_gib is None:
-            kv_cache_gib = float(engineargs.PRESETS[engineargs.node_preset(False)]["env"]["VLLM_CPU_KVCACHE_SPACE"])
-        return modelfit.cpu_fit_check(weights, node.ram_total, node.cpu_count, int(kv_cache_gib * 2**30))
-    if not model.config:
-        return None
-    spec = modelconfig.parse_config(model.config, files)
-    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
-    memories = [g.memory_total for g in gpus if gpu_indices is None or g.index in gpu_indices]
-    return modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
-                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
-                              context_length=context_length)
 
 
 def model_disk_check(model: ModelRepo, nodes) -> list[dict]:

@@ -11,7 +11,7 @@ from controlpanel.errors import ServiceError
 from controlpanel.roles import operator_required
 from deployments import forms, modelfit, selectors
 from deployments.models import ModelCopy, ModelRepo, Node
-from deployments.services import repos
+from deployments.services import fitgate, repos
 
 
 def model_list(request):
@@ -65,7 +65,7 @@ def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     tp, kv = tp_default, "auto"
     if fit_form.is_valid():
         tp, kv = fit_form.cleaned_data["tp"], fit_form.cleaned_data["kv_cache_dtype"]
-    fits = [(node, repos.model_fit(model, node, tp, kv_cache_dtype=kv)) for node in nodes]
+    fits = [(node, fitgate.model_fit(model, node, tp, kv_cache_dtype=kv)) for node in nodes]
     copies = list(model.copies.select_related("node"))
     for c in copies:
         c.file_rows = _file_rows(model, c)

@@ -8,7 +8,7 @@ import pytest
 from controlpanel.errors import ServiceError
 from deployments.host import downloads, hub
 from deployments.models import ModelCopy, ModelRepo, Secret
-from deployments.services import repos
+from deployments.services import fitgate, repos
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -228,6 +228,6 @@ def test_fit_check_uses_the_nodes_gpus(enqueued):
     node = NodeFactory()
     for i in range(8):
         GpuFactory(node=node, index=i, memory_total=141 * GiB)
-    fit = repos.model_fit(model, node, tp=8)
+    fit = fitgate.model_fit(model, node, tp=8)
     assert fit.fits and "tokens of KV cache at TP=8" in fit.message
-    assert not repos.model_fit(model, node, tp=16).fits
+    assert not fitgate.model_fit(model, node, tp=16).fits

@@ -1,19 +1,21 @@
 """A real download by a real node agent from a Hugging Face-compatible server: live progress in
 Chromium, the agent SIGKILLed midway through a 210 MB file, restarted, and the transfer resumes
-where it stopped and verifies every file."""
+where it stopped and verifies every file; a deployment stopped while it prepares cancels the download
+its plan started."""
 import hashlib
 import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
 
 from deployments.host import downloads
-from deployments.models import ModelCopy, ModelRepo, Node
-from deployments.services import repos
+from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+from deployments.services import deploys, repos
 from tests.conftest import agent_argv, in_thread, wait_until
 from tests.hfserver import configure, get_stats, reset_stats, serve
 
@@ -104,3 +106,37 @@ def test_a_download_killed_midway_resumes_after_the_agent_restarts_and_verifies(
     assert not list((dest / downloads.PARTIAL_DIR).rglob("*.part"))
     expect(card.locator('[data-f="state"]')).to_have_text("Ready", timeout=15000)
     expect(card.locator('[data-f="bar"]')).to_have_attribute("style", re.compile(r"width: 100(\.0)?%"))
+
+
+@pytest.mark.timeout(300)
+def test_stopping_a_deployment_while_it_prepares_cancels_the_download_its_plan_started(
+        hub_repo, process_env, spawn, unique, tmp_path, settings, operator):
+    """A real agent's plan downloads the model (throttled); a Stop while it prepares cancels that download
+    within seconds, keeps what was fetched for a retry, and the hub serves no more (issue 27)."""
+    url, _ = hub_repo
+    settings.HF_ENDPOINT = url
+    env = dict(process_env, HF_ENDPOINT=url)
+    name = f"dl-{unique}"
+    spawn(agent_argv(name, tmp_path / "store", sample_seconds=0.5, heartbeat_seconds=1), env, name=name)
+    node = wait_until(lambda: Node.objects.filter(name=name, disk_total__gt=0, ram_total__gt=0).first(), timeout=60,
+                      message="the agent")
+    model = ModelRepo.objects.create(repo_id="acme/tiny-llama")
+    in_thread(repos.model_inspect, model.pk)
+    configure(url, throttle_bps=4 * MB)  # the 225 MB take about a minute: the Stop lands mid-way
+
+    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=None, engine_args={}, env={},
+                  user=operator, preset="auto")
+    copy = wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="downloading", bytes_done__gt=4 * MB,
+                                                       progress__deployment=d.pk).first(),
+                      timeout=60, message="the plan's download to be under way")
+    in_thread(deploys.deployment_stop, d)
+    wait_until(lambda: ModelCopy.objects.get(pk=copy.pk).state == "cancelled", timeout=15, message="the download cancelled")
+    served = get_stats(url)["total"]
+    wait_until(lambda: Deployment.objects.get(pk=d.pk).status in Deployment.TERMINAL, timeout=30, message="the stop")
+    time.sleep(2)  # a download still running would fetch ~8 MB more meanwhile
+    after = get_stats(url)["total"]
+    kept = ModelCopy.objects.get(pk=copy.pk)
+    print(f"cancelled at {kept.bytes_done} of {kept.bytes_total} bytes; served {served} then {after}")
+    assert after - served < 1 * MB and 0 < kept.bytes_done < kept.bytes_total
+    assert Deployment.objects.get(pk=d.pk).status == Deployment.Status.STOPPED
+    assert "Cancelled the download of acme/tiny-llama" in Deployment.objects.get(pk=d.pk).events.get(step="stop").message

@@ -7,16 +7,19 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
 from playwright.sync_api import expect
 
 from benchmarks import runner
 from benchmarks.models import BenchmarkRun
+from controlpanel import tokens as api_tokens
 from deployments.host import engine
-from deployments.models import Deployment, ModelCopy
+from deployments.models import Deployment, ModelCopy, ModelRepo
 from tests.conftest import ENGINE_VENV
 from tests.e2e.conftest import start_cpu_node
-from tests.hfserver import serve
+from tests.e2e.test_cli import panelctl
+from tests.hfserver import get_stats, serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 LOAD_TIMEOUT_MS = 300_000  # a CPU engine starts in ~25-70 s on 2 shared cores
@@ -31,13 +34,55 @@ def stop_engines():
         engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
+HUGE = 40 * 2**30  # weights no CPU node here holds in RAM (24 GiB)
+
+
 @pytest.fixture
 def hub_with_tiny_model(tmp_path, tiny_model):
-    """A Hugging Face-compatible server holding the tiny model as acme/tiny-chat."""
+    """A Hugging Face-compatible server holding the tiny model as acme/tiny-chat, and as acme/huge-chat the
+    same files but weights of 40 GiB (a Git LFS pointer: the hub lists the size, no such file is on disk)."""
     repo = tmp_path / "hub" / "acme" / "tiny-chat"
     shutil.copytree(tiny_model, repo)
+    huge = tmp_path / "hub" / "acme" / "huge-chat"
+    shutil.copytree(tiny_model, huge, ignore=shutil.ignore_patterns("*.safetensors"))
+    (huge / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n"
+                                            f"oid sha256:{'0' * 64}\nsize {HUGE}\n")
     with serve(tmp_path / "hub") as url:
         yield url
+
+
+def _refused_and_nothing_left(page, env, node, hub):
+    """A repo id and a revision the hub does not know leave no row; a model that does not fit the node gets
+    Deploy off on its page, a 409 from the API and exit 3 from panelctl, each naming the fit, and no download."""
+    page.goto(f"{page.base_url}/models/")
+    for repo_id, revision, said in (("acme/does-not-exist", "", "was not found"),
+                                    ("acme/tiny-chat", "no-such-revision", "Revision 'no-such-revision' does not exist")):
+        page.fill("#add-model input[name=repo_id]", repo_id)
+        page.fill("#add-model input[name=revision]", revision)
+        page.click("#add-model button[type=submit]")
+        expect(page.locator("#add-model .errorlist")).to_contain_text(said)
+        assert not ModelRepo.objects.filter(repo_id=repo_id).exists(), f"{repo_id}@{revision} left a row"
+
+    page.goto(f"{page.base_url}/models/")
+    page.fill("#add-model input[name=repo_id]", "acme/huge-chat")
+    page.fill("#add-model input[name=revision]", "")
+    page.click("#add-model button[type=submit]")
+    expect(page.locator("#size")).to_contain_text("40.0 GiB", timeout=60_000)
+    expect(page.locator("#fits")).to_contain_text("does not fit: needs ~44.0 GiB of RAM")
+    huge = ModelRepo.objects.get(repo_id="acme/huge-chat")
+    page.click("#deploy-button")
+    expect(page.locator("#deploy-submit")).to_be_disabled()
+    expect(page.locator("#fit-refusal")).to_contain_text("Deploy is off: does not fit: needs ~44.0 GiB of RAM")
+
+    answer = httpx.post(f"{env['PANEL_URL']}/api/deployments/", json={"model": huge.pk, "node": node.name},
+                        headers={"Authorization": f"Token {env['PANEL_TOKEN']}"}, timeout=30)
+    assert answer.status_code == 409 and answer.json()["error"]["code"] == "does_not_fit", answer.text
+    assert "acme/huge-chat does not fit" in answer.json()["error"]["message"]
+    code, _, err = panelctl(env, "deploy", "acme/huge-chat")
+    assert code == 3 and "does not fit" in err, err
+    assert not Deployment.objects.filter(model=huge).exists() and not ModelCopy.objects.filter(model=huge).exists()
+    fetched = [r["path"] for r in get_stats(hub)["requests"]]  # nothing is downloaded before this point
+    assert "model.safetensors" not in fetched, fetched
 
 
 def _openai_python() -> str:
@@ -47,7 +92,8 @@ def _openai_python() -> str:
 
 @pytest.mark.slow
 def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_default(
-        logged_in_page, hub_with_tiny_model, process_env, spawn, unique, tmp_path, settings, stop_engines):
+        logged_in_page, hub_with_tiny_model, process_env, spawn, unique, tmp_path, settings, stop_engines, operator,
+        live_server_asgi):
     """A download, a real engine load and two runs of the default sweep (~45 s each on 2 cores): the defaults are
     what is tested."""
     url = hub_with_tiny_model
@@ -57,6 +103,11 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
            "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"], env, name="control-worker")
     node, _, _ = start_cpu_node(env, spawn, unique, tmp_path, None)
     page = logged_in_page
+    cli_env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": api_tokens.issue(operator),
+               "PANELCTL_CONFIG": str(tmp_path / "none.json")}
+
+    # What cannot work is refused before anything is left behind (issue 27).
+    _refused_and_nothing_left(page, cli_env, node, url)
 
     # Add the model: its repo id is the one thing a newcomer types.
     page.goto(f"{page.base_url}/models/")
