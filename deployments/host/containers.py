@@ -18,6 +18,7 @@ Imports no other host module but errors and engineuser: engine.launch() calls st
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -105,7 +106,8 @@ def container_config(args: dict, log_path: str | Path, image: str | None = None)
     labels = {ENGINE_LABEL: "1", **({MARKER_LABEL: marker} if marker else {})}
     return {
         "image": image, "command": command, "environment": env, "labels": labels,
-        "name": f"vllm-panel-{marker}" if marker else None,
+        # One marker may start two containers (a Ray head, then the engine on it): a suffix keeps names apart.
+        "name": f"vllm-panel-{marker}-{secrets.token_hex(3)}" if marker else None,
         # The host's PIDs, as on the process path: the engine is an ordinary process there (not a namespace's
         # PID 1, with its signal and reaping quirks), and Docker kills what is left of it once its main process ends.
         "pid_mode": "host", "network_mode": "host", "ipc_mode": "host", "volumes": mounts(),

@@ -51,7 +51,7 @@ def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(d
     assert Path(f"/proc/{pid}/status").read_text().split("NoNewPrivs:")[1].split()[0] == "1"
 
     [found] = containers.find(MARKER)
-    assert found["pid"] == pid and found["status"] == "running" and found["name"] == f"vllm-panel-{MARKER}"
+    assert found["pid"] == pid and found["status"] == "running" and found["name"].startswith(f"vllm-panel-{MARKER}-")
     recorded = containers.client().containers.get(found["id"]).attrs["HostConfig"]
     assert (recorded["PidMode"], recorded["NetworkMode"], recorded["IpcMode"]) == ("host", "host", "host")
     assert recorded["AutoRemove"] is True
@@ -61,6 +61,14 @@ def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(d
     result = engine.stop(pid, term_timeout_s=5)
     assert result.signals_sent == ["SIGTERM"] and not result.survivors
     wait_until(lambda: containers.find(MARKER) == [], timeout=10, message="Docker to remove the exited container")
+
+
+def test_two_launches_with_one_marker_both_start(docker_host, tmp_path):
+    """A Ray deployment's head and the engine started on it carry the same marker (deployments/node/raycluster.py)."""
+    pids = [engine.launch(_spec(tmp_path)).pid for _ in range(2)]
+    assert sorted(c["pid"] for c in containers.find(MARKER)) == sorted(pids)
+    for pid in pids:
+        engine.stop(pid, term_timeout_s=5)
 
 
 def test_the_deployments_gpus_are_a_device_request_numbered_from_zero_inside(docker_host, tmp_path):
