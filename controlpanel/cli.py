@@ -87,6 +87,13 @@ def cmd_model_add(panel, args):
     return 0
 
 
+def cmd_model_remove(panel, args):
+    """Forget a model the panel holds no copy or deployment of (a repo added by mistake)."""
+    panel.call("DELETE", f"models/{_model_id(panel, args.model)}/")
+    say(f"Removed {args.model}.")
+    return 0
+
+
 def _deploy_node(panel: Panel, model_id: int) -> str:
     """Without --node: the one node holding a ready copy of the model, or the only node there is."""
     ready = sorted({c["node"] for c in panel.get(f"models/{model_id}/").get("copies", []) if c["state"] == "ready"})
@@ -142,7 +149,7 @@ def cmd_deploy(panel, args):
     body = {"model": model_id, "node": head, "gpus": gpus, "workers": workers, "port": args.port, "engine_args": engine_args,
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
-            "stop_foreign": args.stop_foreign,
+            "stop_foreign": args.stop_foreign, "override_fit": args.override_fit,
             "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []]}
     if others and args.master_port:
         body["master_port"] = args.master_port
@@ -299,6 +306,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("repo_id")
     s.add_argument("--revision", default="main")
     s.set_defaults(fn=cmd_model_add)
+    s = sub.add_parser("model-remove", help="forget a model without copies or deployments (id or repo id)")
+    s.add_argument("model")
+    s.set_defaults(fn=cmd_model_remove)
 
     s = sub.add_parser("deploy", help="deploy a model (id or repo id) to a node")
     s.add_argument("model")
@@ -327,6 +337,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--auto-restart", action="store_true")
     s.add_argument("--stop-foreign", action="store_true", help="stop processes the panel did not start that hold "
                    "the chosen GPUs (a node without GPUs: other vLLM engines on it); without it such a deploy is refused")
+    s.add_argument("--override-fit", action="store_true", help="deploy although the fit check says it does not fit "
+                   "(admins only, recorded on the timeline); without it such a deploy is refused (exit 3)")
     s.add_argument("--wait", action="store_true", help="wait until ready (exit 1 if it fails)")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_deploy)

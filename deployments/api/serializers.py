@@ -189,6 +189,9 @@ class DeployRequestSerializer(serializers.Serializer):
                                             "chosen GPUs (never display servers); without it such a deploy answers 409.")
     prewarm = serializers.BooleanField(default=False, help_text="Read the model's shards into the page cache while other "
                                        "engines stop, before launch, when free RAM allows.")
+    override_fit = serializers.BooleanField(default=False, help_text="Deploy although the fit check says the model does "
+                                            "not fit (admins only; recorded on the timeline); without it such a deploy "
+                                            "answers 409 does_not_fit.")
     workers = WorkerSerializer(many=True, required=False, default=list, max_length=63,
                                help_text="Multi-node: more nodes, each with its GPUs. With data-parallel-size 1, TP × PP is "
                                          "split evenly over all; above 1, each node runs its GPUs / (TP × PP) replicas "
@@ -245,6 +248,7 @@ class RedeploySerializer(serializers.Serializer):
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
     stop_foreign = serializers.BooleanField(required=False)
     prewarm = serializers.BooleanField(required=False)
+    override_fit = serializers.BooleanField(required=False, help_text="As for a deploy: admins only.")
     workers = WorkerSerializer(many=True, required=False, max_length=63,
                                help_text="Multi-node: the worker nodes and their GPUs from now on (default: as placed).")
 
