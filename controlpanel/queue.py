@@ -4,40 +4,55 @@ Services name a task instead of importing their app's tasks module: tasks.py imp
 imports go one way. Each app's AppConfig.ready imports its tasks.py, so every process that runs
 services has the tasks registered.
 
-Engine control (issue 26: a Stop always happens) has a queue of its own on every node,
-`node.<name>.control`, consumed by the node agent with threads of its own: a halt never waits behind
-downloads, plans or benchmarks on `node.<name>`, and it never expires (a node that was away owes its
-stops when it returns; deployments/node/redrive.py re-drives one that was lost).
+Engine work has queues of its own on every node (issue 26: a Stop always happens), each consumed by
+the node agent on threads of its own, so none waits behind downloads or benchmarks on `node.<name>`:
+- `node.<name>.control`: halts and forgets, short, never expiring (a node that was away owes its stops
+  when it returns; deployments/node/redrive.py re-drives one that was lost). Plans never hold its threads.
+- `node.<name>.plans`: plans, follows and worker ranks' launches (they hold a thread for a whole load);
+  a plan keeps its expiry.
 """
 from celery import current_app
 from django.db import transaction
 
-# Short tasks that stop or forget engines: they go to the node's control queue and never expire.
+# Short tasks that stop or forget engines: the node's control queue, never expiring.
 CONTROL_TASKS = frozenset({
     "deployments.deployment_halt", "deployments.rank_halt", "deployments.deployment_rank_lost",
     "deployments.deployment_forget", "deployments.rank_forget",
 })
+# Tasks that launch and follow engines: the node's plans queue.
+PLAN_TASKS = frozenset({
+    "deployments.deployment_run", "deployments.deployment_follow", "deployments.rank_run",
+    "deployments.deployment_persist",
+})
 NODE_PREFIX = "node."
-CONTROL_SUFFIX = ".control"
 
 
 def control_queue(node_queue: str) -> str:
     """The control queue next to a node's queue: `node.gpu-01` → `node.gpu-01.control`."""
-    return node_queue + CONTROL_SUFFIX
+    return node_queue + ".control"
+
+
+def plan_queue(node_queue: str) -> str:
+    """The plans queue next to a node's queue: `node.gpu-01` → `node.gpu-01.plans`."""
+    return node_queue + ".plans"
 
 
 def route(name: str, options: dict) -> dict:
-    """The options a task is sent with: engine control sent to a node goes to its control queue, without expiry."""
+    """The options a task is sent with: engine work sent to a node's queue goes to the queue of its kind
+    there (engine control without its expiry); anything else as given."""
     queue = options.get("queue") or ""
-    if name in CONTROL_TASKS and queue.startswith(NODE_PREFIX) and not queue.endswith(CONTROL_SUFFIX):
-        options = {k: v for k, v in options.items() if k != "expires"}
-        options["queue"] = control_queue(queue)
+    if not queue.startswith(NODE_PREFIX) or queue.count(".") != 1:  # node names have no dots (slugs)
+        return options
+    if name in CONTROL_TASKS:
+        return {**{k: v for k, v in options.items() if k != "expires"}, "queue": control_queue(queue)}
+    if name in PLAN_TASKS:
+        return {**options, "queue": plan_queue(queue)}
     return options
 
 
 def enqueue(name: str, *, args: list, **options) -> None:
     """apply_async of the registered task `name` with `options` (queue, countdown, expires) after commit;
-    without a queue, the default one (control); engine control routed by `route`."""
+    without a queue, the default one (control); engine work routed by `route`."""
     options = route(name, options)
     transaction.on_commit(lambda: current_app.tasks[name].apply_async(args=args, **options))
 

@@ -27,7 +27,7 @@ def node():
 
 @pytest.fixture
 def redriver(node):
-    return redrive.Redriver(node.pk, queue=node.queue, slots=2)
+    return redrive.Redriver(node.pk, queue=node.queue, slots=2, plan_slots=2)
 
 
 @pytest.fixture
@@ -52,14 +52,18 @@ def _settle_threads():
             t.join(5)
 
 
-def test_engine_control_goes_to_the_nodes_control_queue_and_never_expires():
+def test_engine_control_goes_to_the_nodes_control_queue_and_never_expires_plans_to_its_plans_queue():
     assert queue.route("deployments.deployment_halt", {"queue": "node.gpu-01", "expires": 600}) == {
         "queue": "node.gpu-01.control"}
     assert queue.route("deployments.rank_halt", {"queue": "node.gpu-02"})["queue"] == "node.gpu-02.control"
-    # Downloads, plans and runs stay on the node's queue, plans with their expiry.
-    assert queue.route("deployments.deployment_run", {"queue": "node.gpu-01", "expires": 600}) == {
-        "queue": "node.gpu-01", "expires": 600}
+    assert queue.route("deployments.deployment_run", {"queue": "node.gpu-01", "expires": 600, "countdown": 10}) == {
+        "queue": "node.gpu-01.plans", "expires": 600, "countdown": 10}  # a plan keeps its expiry
+    assert queue.route("deployments.rank_run", {"queue": "node.gpu-02"})["queue"] == "node.gpu-02.plans"
+    # Downloads and benchmarks stay on the node's queue; the control plane's queue is left alone.
     assert queue.route("deployments.model_copy_download", {"queue": "node.gpu-01"}) == {"queue": "node.gpu-01"}
+    assert queue.route("benchmarks.run_execute", {"queue": "node.gpu-01"}) == {"queue": "node.gpu-01"}
+    assert queue.route("deployments.deployment_halt", {"queue": "node.gpu-01.control"}) == {"queue": "node.gpu-01.control"}
+    assert queue.route("deployments.model_inspect", {}) == {}
 
 
 def test_a_halt_sent_from_a_service_reaches_the_control_queue_after_commit(node, django_capture_on_commit_callbacks):
@@ -107,12 +111,13 @@ def test_a_stopping_rank_on_this_node_is_halted_here(node, redriver, halted):
     halted[0].assert_not_called()  # the head's deployment is another node's to halt
 
 
-def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_the_node_queue_has_a_free_thread(
+def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_the_plans_queue_has_a_free_thread(
         node, redriver, sent):
     d = DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() + timedelta(seconds=300))
     DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() - timedelta(seconds=1), port=9001)
-    busy = [("deployments.model_copy_download", 1), ("deployments.model_copy_download", 2)]
-    for name, pk in busy:  # both threads hold downloads: the plan waits behind them, it is not lost
+    redrive._started("deployments.model_copy_download", [5])  # downloads hold other threads: no matter
+    busy = [(redrive.PLAN, 98), (redrive.FOLLOW, 99)]
+    for name, pk in busy:  # both plan threads follow loads: the plan waits behind them, it is not lost
         redrive._started(name, [pk])
     try:
         assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0
@@ -124,6 +129,7 @@ def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_th
     (name,), options = sent.call_args.args, sent.call_args.kwargs
     assert name == redrive.PLAN and options["args"] == [d.pk] and options["queue"] == "node.gpu-01"
     assert 290 < options["expires"] <= 300  # the expired one ends failed by the watch, never re-sent
+    redrive._ended("deployments.model_copy_download", [5])
 
 
 def test_a_loading_engine_nothing_follows_is_followed_again(node, redriver, sent):
@@ -139,11 +145,20 @@ def test_a_loading_engine_nothing_follows_is_followed_again(node, redriver, sent
     assert sent.call_args.kwargs["args"] != [d.pk]
 
 
-def test_a_lost_run_is_sent_again_and_only_one_copy_runs_it(node, redriver, sent):
+def test_a_lost_run_is_sent_again_only_while_the_node_queue_has_a_free_thread_and_only_one_copy_runs_it(
+        node, redriver, sent):
     d = DeploymentFactory(node=node, status=S.READY)
     run = BenchmarkRunFactory(deployment=d, status=BenchmarkRun.Status.QUEUED)
-    redriver.tick(now=0.0)
-    redriver.tick(now=AFTER)
+    busy = [("deployments.model_copy_download", 1), ("benchmarks.run_execute", 2)]
+    for name, pk in busy:
+        redrive._started(name, [pk])
+    try:
+        assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0
+    finally:
+        for name, pk in busy:
+            redrive._ended(name, [pk])
+    redriver.tick(now=AFTER + 1)
+    redriver.tick(now=2 * AFTER + 1)
     assert sent.call_args.args == (runqueue.RUN_EXECUTE,) and sent.call_args.kwargs["args"] == [run.pk]
     first, second = BenchmarkRun.objects.get(pk=run.pk), BenchmarkRun.objects.get(pk=run.pk)
     assert runqueue.run_claim(first) is True

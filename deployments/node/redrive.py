@@ -8,10 +8,11 @@ by Celery's task signals) and, for a row owed work that nothing has picked up fo
 
 - a deployment or a worker rank of this node in Stopping: halted here and now, in a thread of this
   process (not through Redis: Redis may be why it was lost, and may still be away);
-- a deployment Queued (its plan), or Starting/Loading with an engine and nothing following it, and
-  what other apps register in drivers.REDRIVE_DRIVERS (benchmark runs Queued): sent again by name to
-  this node's queue, only while that queue has a free thread (a message waiting behind busy threads
-  is late, not lost). A duplicate finds its row moved on and returns.
+- a deployment Queued (its plan), or Starting/Loading with an engine and nothing following it: sent
+  again by name (to the node's plans queue), only while that queue has a free thread (a message waiting
+  behind busy threads is late, not lost); the same for what other apps register in
+  drivers.REDRIVE_DRIVERS (benchmark runs Queued) and the node's own queue. A duplicate finds its row
+  moved on and returns.
 
 Bound: a halt lost at time t runs by t + REDRIVE_AFTER_S + REDRIVE_EVERY_S (plus the halt itself).
 Host work in hand is known per process, so the loop runs in the agent that consumes the node's queues.
@@ -26,7 +27,7 @@ from celery import current_app, signals
 from django.db import close_old_connections
 from django.utils import timezone
 
-from controlpanel.queue import CONTROL_TASKS, send_now
+from controlpanel.queue import CONTROL_TASKS, PLAN_TASKS, send_now
 from deployments import drivers
 from deployments.models import Deployment, DeploymentRank
 
@@ -70,10 +71,13 @@ def in_hand(name: str, pk) -> bool:
         return _in_hand[(name, pk)] > 0
 
 
-def node_tasks_in_hand() -> int:
-    """How many tasks of the node's own queue (not its control queue) this process runs now."""
+def tasks_in_hand(names=None) -> int:
+    """How many tasks named in `names` this process runs now; without names, those of the node's own
+    queue (neither engine control nor plans)."""
     with _lock:
-        return sum(n for (name, _), n in _in_hand.items() if name not in CONTROL_TASKS)
+        if names is None:
+            return sum(n for (name, _), n in _in_hand.items() if name not in CONTROL_TASKS | PLAN_TASKS)
+        return sum(n for (name, _), n in _in_hand.items() if name in names)
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -81,8 +85,9 @@ def node_tasks_in_hand() -> int:
 class Redriver:
     """One node's re-drive: `tick()` is one pass (tests call it), `loop()` repeats it."""
 
-    def __init__(self, node_id: int, *, queue: str, slots: int, after_s: float = REDRIVE_AFTER_S):
-        self.node_id, self.queue, self.slots, self.after_s = node_id, queue, slots, after_s
+    def __init__(self, node_id: int, *, queue: str, slots: int, plan_slots: int, after_s: float = REDRIVE_AFTER_S):
+        self.node_id, self.queue, self.after_s = node_id, queue, after_s
+        self.slots, self.plan_slots = slots, plan_slots  # threads of the node's queue and of its plans queue
         self._waiting: dict[tuple[str, object], float] = {}  # owed and not in hand since (monotonic)
         self._seen: set = set()
         self.counts: collections.Counter = collections.Counter()  # what was re-driven, by task name
@@ -103,9 +108,6 @@ class Redriver:
         self.counts[name] += 1
         return True
 
-    def queue_free(self) -> bool:
-        """A thread of the node's queue is idle: a message sent there would have been taken by now."""
-        return node_tasks_in_hand() < self.slots
 
     def tick(self, now: float | None = None) -> int:
         """One pass: halt what is lost in Stopping, re-send lost plans, follows and runs; how many."""
@@ -122,8 +124,10 @@ class Redriver:
                                                 ).values_list("pk", flat=True):
             if self.due(RANK_HALT, pk, now=now):
                 done += self._halt(RANK_HALT, pk)
-        if self.queue_free():
+        # A thread idle on a queue: a message sent there would have been taken by now.
+        if tasks_in_hand(PLAN_TASKS) < self.plan_slots:
             done += self._plans(now)
+        if tasks_in_hand() < self.slots:
             for drive in drivers.REDRIVE_DRIVERS:
                 done += drive(self.node_id, lambda name, pk: self.due(name, pk, now=now), self.send) or 0
         self._waiting = {k: v for k, v in self._waiting.items() if k in self._seen}  # settled rows
@@ -143,7 +147,8 @@ class Redriver:
         return sent
 
     def send(self, name: str, pk, *, why: str, **options) -> int:
-        """Send task `name` for `pk` again to this node's queue; 0 when Redis refuses (tried next pass)."""
+        """Send task `name` for `pk` again to this node (queue.route picks the queue of its kind); 0 when
+        Redis refuses (tried next pass)."""
         try:
             send_now(name, args=[pk], queue=self.queue, **options)
         except Exception as exc:  # noqa: BLE001 - the broker away: the row still says it is owed

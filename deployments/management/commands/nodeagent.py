@@ -1,7 +1,8 @@
-"""The node agent: registers this host, heartbeats, samples it, and runs two Celery consumers: one on
-this host's queue `node.<name>` (downloads, plans, benchmarks), one with threads of its own on its
-control queue `node.<name>.control` (halts: a Stop never waits behind the rest, issue 26), and the loop
-that re-drives lost work from the database (deployments/node/redrive.py).
+"""The node agent: registers this host, heartbeats, samples it, and runs three Celery consumers, each
+on threads of its own (issue 26: engine work never waits behind downloads or benchmarks): this host's
+queue `node.<name>` (downloads, benchmarks), `node.<name>.plans` (deploy plans, follows, worker ranks'
+launches) and `node.<name>.control` (halts); and the loop that re-drives lost work from the database
+(deployments/node/redrive.py).
 
     python manage.py nodeagent --name gpu-01 --model-store /models
 """
@@ -13,8 +14,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
 from controlpanel.celery import app as celery_app
-from controlpanel.celery import control_worker
-from controlpanel.queue import control_queue
+from controlpanel.celery import consumer_thread
+from controlpanel.queue import control_queue, plan_queue
 from deployments.agent import Agent
 from deployments.node import redrive
 
@@ -30,12 +31,13 @@ class Command(BaseCommand):
         parser.add_argument("--address", default="", help="Address engines are reached at (default: this host's).")
         parser.add_argument("--sample-seconds", type=float, default=settings.SAMPLE_SECONDS)
         parser.add_argument("--heartbeat-seconds", type=float, default=settings.HEARTBEAT_SECONDS)
-        parser.add_argument("--concurrency", type=int, default=4, help="Host tasks run at once (downloads, deploys, benchmarks).")
-        parser.add_argument("--control-concurrency", type=int, default=4,
-                            help="Engine halts run at once, on threads of their own (the control queue).")
+        parser.add_argument("--concurrency", type=int, default=4, help="Downloads and benchmarks run at once.")
+        parser.add_argument("--plan-concurrency", type=int, default=4,
+                            help="Deploy plans and follows run at once (each holds a thread for its whole load).")
+        parser.add_argument("--control-concurrency", type=int, default=4, help="Engine halts run at once.")
 
     def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency,
-               control_concurrency, **options):
+               plan_concurrency, control_concurrency, **options):
         from django.utils.text import slugify
 
         if slugify(name) != name:
@@ -50,17 +52,18 @@ class Command(BaseCommand):
         except AgentConflict as exc:
             raise CommandError(str(exc)) from exc
         queue = f"node.{name}"
-        self.stdout.write(f"node {name}: queues {queue} and {control_queue(queue)}, model store {model_store}, "
-                          f"{agent.describe()}")
+        self.stdout.write(f"node {name}: queues {queue}, {plan_queue(queue)} and {control_queue(queue)}, "
+                          f"model store {model_store}, {agent.describe()}")
         stop = threading.Event()
         threading.Thread(target=agent.loop, args=(stop,), name="sampler", daemon=True).start()
         threading.Thread(target=agent.study_loop, args=(stop,), name="studies", daemon=True).start()
-        redriver = redrive.Redriver(agent.node_id, queue=queue, slots=concurrency)
+        redriver = redrive.Redriver(agent.node_id, queue=queue, slots=concurrency, plan_slots=plan_concurrency)
         threading.Thread(target=redriver.loop, args=(stop,), name="redrive", daemon=True).start()
         try:
             close_old_connections()
-            # Halts on threads no download or load can take (a second consumer, in this process).
-            control_worker(control_queue(queue), f"{name}-control@{socket.gethostname()}", control_concurrency)
+            # Halts on threads no download, load or plan can take; plans on threads no download can take.
+            consumer_thread(control_queue(queue), f"{name}-control@{socket.gethostname()}", control_concurrency)
+            consumer_thread(plan_queue(queue), f"{name}-plans@{socket.gethostname()}", plan_concurrency)
             # The worker consumes this node's queue only; other nodes' work never lands here. Without
             # Celery's banner (--quiet, before the sub-command): `./panel start` prints the first admin's password.
             celery_app.worker_main([
