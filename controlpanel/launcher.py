@@ -158,6 +158,20 @@ def ensure_admin(env: dict) -> tuple[str, str | None]:
     return username, (password if created else None)
 
 
+def wait_for_node(name: str, agent_pid: int, env: dict, children: "Children", timeout: float = 30.0) -> None:
+    """Until the node agent (`agent_pid`) has registered `name`: its workers have started and logged by then. At most
+    `timeout`."""
+    check = (f"import sys; from deployments.models import Node; "
+             f"sys.exit(0 if Node.objects.filter(name={name!r}, agent_pid={agent_pid}).exists() else 1)")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not children.first_exited():
+        if subprocess.run([PYTHON, "manage.py", "shell", "-c", check], cwd=BASE_DIR, env=env,
+                          capture_output=True).returncode == 0:
+            time.sleep(1)  # the agent's workers log their last start-up lines just after it registers
+            return
+        time.sleep(1)
+
+
 def start(args) -> int:
     os.umask(0o077)  # the SQLite file, logs and Redis data: the panel's user only
     env = dict(os.environ)
@@ -195,11 +209,13 @@ def start(args) -> int:
              "--ws", "websockets-sansio", "--no-access-log", "--timeout-graceful-shutdown", "3"],
             env,
         )
-        children.start("worker", [PYTHON, "-m", "celery", "-A", "controlpanel", "worker", "-Q", "control",
+        # --quiet (Celery's global option): no banner, so the first admin's password below is not scrolled away.
+        children.start("worker", [PYTHON, "-m", "celery", "-A", "controlpanel", "--quiet", "worker", "-Q", "control",
                                   "-n", "control@%h", "--loglevel", "INFO", "--concurrency", "2"], env)
-        children.start("nodeagent", [PYTHON, "manage.py", "nodeagent", "--name", node_name,
+        agent = children.start("nodeagent", [PYTHON, "manage.py", "nodeagent", "--name", node_name,
                                      "--model-store", env["MODEL_STORE"]], env)
         wait_for_port(args.port, timeout=30)
+        wait_for_node(node_name, agent.pid, env, children)  # the box comes after the agent's start-up lines, not among them
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
         print("\n" + "=" * 64)
         print(f"  vLLM panel is up: {url}")

@@ -81,6 +81,8 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
     log.seek(0)
     output = log.read()
     assert "Stopping" in output and "Traceback" not in output, output[output.find("Stopping"):][:4000]
+    # The first admin's box comes after every Celery start-up banner, not buried under them (issue 27).
+    assert output.rfind("[queues]") < output.find("First admin"), output[:6000]
 
 
 def test_a_second_start_does_not_print_a_new_password(tmp_path):
