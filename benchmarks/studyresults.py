@@ -143,6 +143,10 @@ def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int 
     best = max(candidates, key=lambda r: _median(r, key))
     baseline = next((r for r in rows if r["is_baseline"]), None)
     if best["is_baseline"]:
+        thin = [(r["comparisons"].get(key) or {}).get("why") for r in candidates
+                if (r["comparisons"].get(key) or {}).get("verdict") == tunestats.NO_VERDICT]
+        if thin:
+            return best["id"], f"The baseline measured highest; with {thin[0]}, there is no verdict: the baseline stays."
         return best["id"], "The baseline is the best by the rule."
     comparison = best["comparisons"].get(key) or {}
     verdict = comparison.get("verdict")
@@ -206,6 +210,11 @@ def _cell(trial: StudyTrial, points: dict) -> dict:
             "startup": trial.startup, "points": points.get(trial.run_id, {})}
 
 
+def took_s(study: Study) -> float | None:
+    """Seconds from the study's start to its end, once ended (to set against its estimate)."""
+    return round((study.finished - study.started).total_seconds(), 1) if study.finished and study.started else None
+
+
 def study_live(study: Study) -> dict:
     """The study as its page shows it: status, variants, every trial with its levels' tok/s (the matrix),
     the trial in progress and, once done, the results."""
@@ -222,6 +231,7 @@ def study_live(study: Study) -> dict:
     return {"id": study.pk, "status": study.status, "status_display": study.get_status_display(), "error": study.error,
             "pause_requested": study.pause_requested, "cancel_requested": study.cancel_requested,
             "levels": study.workload.get("levels", []), "trials_done": done, "trials_total": len(trials),
+            "estimate_s": study.estimate_s, "took_s": took_s(study),
             "variants": [{"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,
                           "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v)}
                          for v in study.variants.all()],

@@ -119,11 +119,9 @@ def study_list(request):
 
 def study_detail(request, pk):
     study = get_object_or_404(Study.objects.select_related("deployment"), pk=pk)
-    took = (study.finished - study.started).total_seconds() if study.finished and study.started else None
     return render(request, "benchmarks/study_detail.html", {
-        "study": study, "initial": studyresults.study_live(study), "took_min": took and round(took / 60, 1),
-        "rule_text": studyresults.rule_text(study.rule, study.workload.get("levels", [])),
-        "estimate_min": study.estimate_s and round(study.estimate_s / 60, 1)})
+        "study": study, "initial": studyresults.study_live(study),
+        "rule_text": studyresults.rule_text(study.rule, study.workload.get("levels", []))})
 
 
 @require_POST

@@ -112,7 +112,7 @@ class StudySerializer(serializers.ModelSerializer):
         return studyresults.rule_text(study.rule, study.workload.get("levels", []))
 
     def get_took_s(self, study) -> float | None:
-        return round((study.finished - study.started).total_seconds(), 1) if study.finished and study.started else None
+        return studyresults.took_s(study)
 
     def to_representation(self, instance):
         data = super().to_representation(instance)
