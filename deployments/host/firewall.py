@@ -122,13 +122,6 @@ def _enclose(root: Path, key: str, pids: list[int]) -> str:
     return f"{PARENT}/{key}"
 
 
-def _members(root: Path, key: str) -> list[int]:
-    try:
-        return [int(p) for p in (root / PARENT / key / "cgroup.procs").read_text().split()]
-    except (OSError, ValueError):
-        return []
-
-
 # --- nft ---------------------------------------------------------------------------------------------------
 
 def _nft_bin() -> str:
@@ -233,7 +226,7 @@ def _self_test() -> str:
             refused = _refused("127.0.0.1", port)
         finally:
             with _Lock():
-                _unrule(key, [nft_path])
+                _rebuild(drop={key})
         if not refused:
             raise FirewallError("the nftables match on the engines' cgroups does not work on this host (a test "
                                 "listener in one was still reachable)", permanent=True)
@@ -325,8 +318,9 @@ def covered(pid: int) -> str:
 
 
 def release(marker: str, wait_s: float = 3.0) -> bool:
-    """Remove the group's rules and cgroup once it has no process left (within `wait_s`); True when removed.
-    A group with processes left keeps its rules: they stay firewalled until `sweep()` finds them gone."""
+    """Remove the group's rules (and its cgroup of ours) once no process is left in the cgroups it is matched in
+    (within `wait_s`); True when removed. A group with processes left keeps its rules: they stay firewalled until
+    `sweep()` finds them gone."""
     if not enabled() or shutil.which("nft") is None:
         return False
     try:
@@ -334,39 +328,61 @@ def release(marker: str, wait_s: float = 3.0) -> bool:
     except FirewallError:
         return False
     key = key_of(marker)
+    paths = [path for path, chain in _elements().items() if chain == key] or [_nft_path(root, f"{PARENT}/{key}")]
     deadline = time.monotonic() + wait_s
-    while _members(root, key) and time.monotonic() < deadline:
+    while any(map(_occupied, paths)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _members(root, key):
+    if any(map(_occupied, paths)):
         return False
     with _Lock():
-        _unrule(key, [p for p, chain in _elements().items() if chain == key])
+        _rebuild(drop={key})
     _rmdir(root, key)
     return True
 
 
-def _unrule(key: str, nft_paths: list[str]) -> None:
-    """Delete the key's map elements, then its chain (one nft call each: a failed one undoes its whole script)."""
-    for path in nft_paths:
-        _nft(f"delete element inet {TABLE} guarded {_element(path)}\n", check=False)
-    _nft(f"delete chain inet {TABLE} {key}\n", check=False)
+def _occupied(nft_path: str) -> bool:
+    try:
+        return bool((NFT_CGROUP_BASE / nft_path / "cgroup.procs").read_text().strip())
+    except OSError:
+        return False  # gone: systemd removes a stopped unit's cgroup
+
+
+def _rebuild(drop: set[str]) -> None:
+    """Write the map again without the dropped keys and without elements whose cgroup is gone (nft can no
+    longer name those, so they cannot be deleted one by one), and delete every chain no element jumps to. One
+    nft transaction: at no moment is a live group unguarded."""
+    keep = {path: chain for path, chain in _elements().items()
+            if chain not in drop and (NFT_CGROUP_BASE / path).is_dir()}
+    script = f"flush map inet {TABLE} guarded\n" + "".join(
+        f"add element inet {TABLE} guarded {_element(path, chain)}\n" for path, chain in keep.items())
+    script += "".join(f"delete chain inet {TABLE} {chain}\n" for chain in _chains() - set(keep.values()) - {"input"})
+    _nft(script)
+
+
+def _chains() -> set[str]:
+    out = subprocess.run([_nft_bin(), "-j", "list", "table", "inet", TABLE], capture_output=True, text=True, timeout=20)
+    if out.returncode != 0:
+        return set()
+    return {item["chain"]["name"] for item in json.loads(out.stdout).get("nftables", []) if "chain" in item}
 
 
 def sweep() -> list[str]:
-    """Release every group of ours whose cgroup is empty (ended while no agent watched); the keys released."""
+    """Drop the rules of every group no process is left in (ended while no agent watched) and remove its cgroup
+    of ours; the keys released."""
+    if not enabled() or shutil.which("nft") is None:
+        return []
     try:
         root = cgroup2_root()
-        folders = [p.name for p in (root / PARENT).iterdir() if p.is_dir()]
-    except (FirewallError, OSError):
+    except FirewallError:
         return []
-    done = []
-    for key in folders:
-        if not _members(root, key) and shutil.which("nft"):
-            with _Lock():
-                _unrule(key, [p for p, chain in _elements().items() if chain == key])
-            _rmdir(root, key)
-            done.append(key)
-    return done
+    gone = {chain for path, chain in _elements().items() if not _occupied(path)}
+    with _Lock():
+        _rebuild(drop=gone)
+    for folder in (root / PARENT).glob("e*"):
+        if not _occupied(_nft_path(root, f"{PARENT}/{folder.name}")):
+            _rmdir(root, folder.name)
+            gone.add(folder.name)
+    return sorted(gone)
 
 
 def _rmdir(root: Path, key: str) -> None:

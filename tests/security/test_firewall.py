@@ -97,3 +97,53 @@ def test_a_host_without_nftables_refuses_with_the_reason_and_firewall_off_says_s
     monkeypatch.setenv("PANEL_FIREWALL", "off")
     assert firewall.check().startswith("Not firewalled: PANEL_FIREWALL=off")
     assert firewall.guard("1.x", [os.getpid()], ["10.0.0.1"]).startswith("Not firewalled")
+
+
+def test_a_group_in_a_cgroup_of_its_own_is_matched_there_not_moved(namespaces):
+    """A systemd unit's or an engine container's processes sit in their own cgroup (system.slice/x.service): that
+    one is guarded, and they stay in it (systemd and Docker track their processes by it)."""
+    stranger_ns, _, host_ip = namespaces["stranger"]
+    own = firewall.cgroup2_root() / f"pfwunit-{uuid.uuid4().hex[:6]}" / "x.service"
+    own.mkdir(parents=True)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LISTENER, str(port), str(free_port())], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    marker = f"0.fwunit{uuid.uuid4().hex[:12]}"
+    try:
+        (own / "cgroup.procs").write_text(str(proc.pid))
+        message = firewall.guard(marker, [proc.pid], ["127.0.0.1"])
+        assert f"(cgroup /{own.parent.name}/x.service)" in message
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "up"
+        assert firewall.cgroup_of(proc.pid) == f"/{own.parent.name}/x.service"  # not moved
+        assert firewall.covered(proc.pid) == firewall.key_of(marker)
+        assert netns.connect(stranger_ns, host_ip, [port]) == {port: "ConnectionRefusedError"}
+    finally:
+        proc.kill()
+        proc.wait(5)
+        proc.stdin.close()  # its child reads EOF and exits
+        assert firewall.release(marker, wait_s=5) is True
+        for folder in (own, own.parent):
+            folder.rmdir()
+
+
+def test_sweep_drops_the_rules_of_a_group_that_ended_unwatched():
+    """An agent that died with its engines: the next one's sweep removes the rules and cgroups of groups with no
+    process left, and keeps a live group's."""
+    dead, live = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    markers = [f"0.fwsweep{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    try:
+        for proc, marker in zip((dead, live), markers):
+            firewall.guard(marker, [proc.pid], ["127.0.0.1"])
+        dead.kill()
+        dead.wait(5)
+        swept = firewall.sweep()
+        assert firewall.key_of(markers[0]) in swept and firewall.key_of(markers[1]) not in swept
+        listed = subprocess.run(["nft", "list", "table", "inet", firewall.TABLE], capture_output=True, text=True).stdout
+        assert firewall.key_of(markers[0]) not in listed and firewall.covered(live.pid) == firewall.key_of(markers[1])
+        assert not (firewall.cgroup2_root() / firewall.PARENT / firewall.key_of(markers[0])).exists()
+    finally:
+        live.kill()
+        live.wait(5)
+        assert firewall.release(markers[1]) is True
