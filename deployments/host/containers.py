@@ -13,7 +13,7 @@ no_new_privs, working folder) and execs the engine: the container's main process
 (pid: host) therefore follows, signals, stops and adopts it by PID and marker like any engine
 (deployments/host/engine.py, ownership.py); Docker removes the container once the engine has exited.
 
-Imports no other host module but errors and engineuser: engine.launch() calls start() (no cycle).
+Imports no host module but errors: engine.launch() calls start() (no cycle).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ MARKER_LABEL = "vllm-panel.marker"  # the deployment's marker (ownership.MARKER_
 MARKER_VAR = "PANEL_ENGINE"
 API_TIMEOUT_S = 30  # an image's first start on a busy daemon takes seconds; a hung daemon must not hang a plan
 RUNTIMES = ("process", "docker")
+DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 
 
 class ContainerError(HostError):
@@ -55,12 +56,12 @@ def enabled() -> bool:
 
 
 def client() -> docker.DockerClient:
-    """The Docker Engine API at DOCKER_HOST (default unix:///var/run/docker.sock)."""
+    """The Docker Engine API at DOCKER_HOST (default: the local daemon's socket)."""
     try:
         return docker.from_env(timeout=API_TIMEOUT_S)
     except docker.errors.DockerException as exc:
-        raise ContainerError(f"cannot reach the Docker daemon ({os.environ.get('DOCKER_HOST') or 'unix:///var/run/docker.sock'}): "
-                             f"{exc}") from exc
+        where = os.environ.get("DOCKER_HOST") or DEFAULT_SOCKET
+        raise ContainerError(f"cannot reach the Docker daemon ({where}): {exc}") from exc
 
 
 def mounts(spec: str | None = None) -> list[str]:
@@ -136,8 +137,8 @@ def start(args: dict, log_path: str | Path) -> int:
         raise ContainerError(f"cannot reach the Docker daemon: {exc}") from exc
     state = container.attrs.get("State", {})
     if not state.get("Running") or not state.get("Pid"):
-        raise ContainerError(f"the engine's container exited at once (code {state.get('ExitCode')}); its log is {log_path}",
-                             permanent=True)
+        raise ContainerError(f"the engine's container exited at once (code {state.get('ExitCode')}); "
+                             f"its log is {log_path}", permanent=True)
     return int(state["Pid"])
 
 
