@@ -61,6 +61,11 @@ def test_a_study_started_on_the_page_fills_its_matrix_live_and_applies_a_winner_
     verdicts = page.locator("#verdicts td.verdict").all_inner_texts()
     assert {"better", "worse", "no significant difference"} & set(verdicts)
     expect(page.locator("#pareto tbody tr")).to_have_count(6)
+    assert page.evaluate("window.studyView.drawn()") == 6  # the chart draws what the table lists
+    expect(page.locator("#pareto th[data-gpu]")).to_be_hidden()  # a CPU node: no per-GPU figures
+    expect(page.locator("#rule")).to_have_text("The highest output tok/s at concurrency 4, if significantly better "
+                                               "than the baseline's (else the baseline stays)")
+    expect(page.locator("#estimate")).to_contain_text("took")
     # Apply NCCL_PROTO=LL: it is a debugging variable, so the page asks for a confirmation first.
     ll = study.variants.get(name="NCCL_PROTO=LL")
     page.select_option("#apply-variant", str(ll.pk))
