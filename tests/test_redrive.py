@@ -173,3 +173,20 @@ def test_a_redrive_the_broker_refuses_is_tried_again_at_the_next_bound(node, red
     assert redriver.tick(now=AFTER) == 0
     sent.side_effect = None
     assert redriver.tick(now=2 * AFTER) == 1
+
+
+def test_a_plan_waiting_for_its_countdown_in_the_agent_is_not_sent_again(node, redriver, sent):
+    """An auto-restart's plan waits out its backoff (countdown) in the worker: received, not running."""
+    from types import SimpleNamespace
+
+    from celery import signals
+
+    d = DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() + timedelta(seconds=900))
+    signals.task_received.send(sender=None, request=SimpleNamespace(id="t-1", task_name=redrive.PLAN, args=[d.pk]))
+    try:
+        assert redriver.tick(now=0.0) == redriver.tick(now=5 * AFTER) == 0
+    finally:
+        signals.task_revoked.send(sender=None, request=SimpleNamespace(id="t-1"))  # (it expired, say)
+    assert redriver.tick(now=5 * AFTER + 1) == 0  # from then on, a bound like any other
+    assert redriver.tick(now=6 * AFTER + 1) == 1
+    sent.assert_called_once()

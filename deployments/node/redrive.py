@@ -41,43 +41,59 @@ S = Deployment.Status
 # --- what this process is working on ------------------------------------------------------------
 
 _lock = threading.Lock()
-_in_hand: collections.Counter = collections.Counter()  # (task name, first argument) -> running copies
+_held: dict = {}  # task id -> (task name, first argument): received here (an ETA'd plan waits so) until it ends
+_running: dict = {}  # task id -> (task name, first argument): running now, holding a thread
 _finished: set = set()  # keys whose task ended since the last pass: a row owed it again is owed anew
 
 
-def _key(task, args) -> tuple[str, object]:
-    return (getattr(task, "name", task), args[0] if args else None)
+def _key(name, args) -> tuple[str, object]:
+    return (name, args[0] if args else None)
+
+
+@signals.task_received.connect(weak=False, dispatch_uid="redrive-received")
+def _received(request=None, **_):
+    with _lock:
+        _held[request.id] = _key(request.task_name, request.args)
 
 
 @signals.task_prerun.connect(weak=False, dispatch_uid="redrive-started")
-def _started(task=None, args=None, **_):
+def _started(task=None, args=None, task_id=None, **_):
+    """A task starts (from a signal), or a re-driven halt here (`task` a name, no id)."""
+    key = _key(getattr(task, "name", task), args)
     with _lock:
-        _in_hand[_key(task, args)] += 1
+        _running[task_id or f"here:{key}"] = key
 
 
 @signals.task_postrun.connect(weak=False, dispatch_uid="redrive-ended")
-def _ended(task=None, args=None, **_):
+def _ended(task=None, args=None, task_id=None, **_):
+    key = _key(getattr(task, "name", task), args)
     with _lock:
-        key = _key(task, args)
-        _in_hand[key] -= 1
-        if _in_hand[key] <= 0:
-            del _in_hand[key]
+        _running.pop(task_id or f"here:{key}", None)
+        _held.pop(task_id, None)
         _finished.add(key)
 
 
+@signals.task_revoked.connect(weak=False, dispatch_uid="redrive-revoked")
+def _revoked(request=None, **_):
+    with _lock:  # revoked or expired before it ran: no postrun comes
+        if key := _held.pop(getattr(request, "id", None), None):
+            _finished.add(key)
+
+
 def in_hand(name: str, pk) -> bool:
-    """Whether this process runs task `name` for `pk` now (from the queue, or re-driven here)."""
+    """Whether this process holds task `name` for `pk`: received (waiting for its time or a thread) or
+    running, from a queue or re-driven here."""
     with _lock:
-        return _in_hand[(name, pk)] > 0
+        return (name, pk) in _running.values() or (name, pk) in _held.values()
 
 
 def tasks_in_hand(names=None) -> int:
-    """How many tasks named in `names` this process runs now; without names, those of the node's own
-    queue (neither engine control nor plans)."""
+    """How many tasks named in `names` run in this process now (each holding a thread); without names,
+    those of the node's own queue (neither engine control nor plans)."""
     with _lock:
         if names is None:
-            return sum(n for (name, _), n in _in_hand.items() if name not in CONTROL_TASKS | PLAN_TASKS)
-        return sum(n for (name, _), n in _in_hand.items() if name in names)
+            return sum(name not in CONTROL_TASKS | PLAN_TASKS for name, _ in _running.values())
+        return sum(name in names for name, _ in _running.values())
 
 
 # --- the loop -------------------------------------------------------------------------------------

@@ -10,13 +10,16 @@ still delivers runs at once on the control queue's own threads."""
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import psutil
 import pytest
 import redis
+from django.db import connection
 
 from benchmarks.models import BenchmarkRun
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
@@ -64,6 +67,42 @@ def _killed_web(process_env, what: str, pk: int) -> None:
 def _redriven(agent, name: str) -> int:
     """How many times the agent's log says it re-drove task `name`: proof the halt really was lost."""
     return open(agent.proc.log_path, encoding="utf-8", errors="replace").read().count(f"re-driving {name}(")
+
+
+@contextmanager
+def _frozen(agent):
+    """The agent stopped (SIGSTOP) at a moment it holds no database transaction: a frozen SQLite writer
+    would lock the test out, a frozen PostgreSQL transaction might hold the row the Stop locks."""
+    for _ in range(50):
+        os.killpg(agent.proc.pid, signal.SIGSTOP)
+        if not _transaction_open():
+            break
+        os.killpg(agent.proc.pid, signal.SIGCONT)
+        time.sleep(0.1)
+    else:
+        pytest.fail("the agent was inside a transaction at every try")
+    try:
+        yield
+    finally:
+        os.killpg(agent.proc.pid, signal.SIGCONT)
+
+
+def _transaction_open() -> bool:
+    """Whether another process holds a transaction on the test database."""
+    if connection.vendor == "sqlite":
+        probe = sqlite3.connect(connection.settings_dict["NAME"], timeout=0.2, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return False
+        except sqlite3.OperationalError:
+            return True
+        finally:
+            probe.close()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                       "AND pid <> pg_backend_pid() AND xact_start IS NOT NULL")
+        return cursor.fetchone()[0] > 0
 
 
 @pytest.mark.timeout(150 + KILLS * 3 * LOST_BOUND_S)
@@ -123,15 +162,12 @@ def test_a_halt_flushed_from_redis_right_after_the_stop_is_redriven(private_redi
             d = _ready(model, node, d)
             # The agent frozen for the moment of the Stop: its consumers' BRPOPs (1 s) have returned, so the
             # halt waits in Redis, where FLUSHALL drops it, as a Redis restarted empty would.
-            os.killpg(agent.proc.pid, signal.SIGSTOP)
-            try:
+            with _frozen(agent):
                 time.sleep(1.5)
                 asked = time.monotonic()
                 deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
                 client.flushall()
                 COUNTS["redis_flushed_after_stop"] += 1
-            finally:
-                os.killpg(agent.proc.pid, signal.SIGCONT)
             took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
             COUNTS["lost_halts_survived"] += 1
             print(f"halt flushed from Redis: engine stopped {took:.1f} s after the Stop")
