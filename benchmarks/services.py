@@ -17,7 +17,7 @@ from deployments import live, secrets
 from deployments.host import engine, vllm
 from deployments.models import Deployment, ModelCopy
 from deployments.selectors import deployment_startup
-from deployments.services.steps import engine_running
+from deployments.node.lifecycle import running as engine_running
 
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
