@@ -73,7 +73,8 @@
       if (v.failed) rows.push(`<tr data-variant="${v.id}"><td>${esc(v.name)}</td><td colspan="3" class="errorlist">${esc(v.failed)}</td><td class="verdict">failed</td></tr>`);
     }
     body.innerHTML = rows.join("");
-    const points = r.pareto || [];
+    // Studies judged before the column was renamed stored output tok/s as "total".
+    const points = (r.pareto || []).map((p) => ({ ...p, output_tok_s: p.output_tok_s ?? p.total }));
     drawPareto(points);
     const gpus = r.gpus > 0;  // per GPU only where there are GPUs
     el("pareto").querySelector("th[data-gpu]").hidden = !gpus;
