@@ -29,7 +29,8 @@ from django.utils import timezone
 
 from controlpanel.queue import CONTROL_TASKS, PLAN_TASKS, send_now
 from deployments import drivers
-from deployments.models import Deployment, DeploymentRank
+from deployments.models import Deployment, DeploymentEvent, DeploymentRank
+from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
 REDRIVE_AFTER_S = float(os.environ.get("PANEL_REDRIVE_AFTER", "10"))  # nothing in hand this long: lost
@@ -182,12 +183,27 @@ class Redriver:
 
     def _run_halt(self, name: str, pk) -> None:
         try:
+            self._note(name, pk)
             current_app.tasks[name].run(pk)  # the task's own function: the same code a queued halt runs
         except Exception:  # noqa: BLE001 - the row stays Stopping: re-driven again after the bound
             log.exception("re-driven %s(%s) failed", name, pk)
         finally:
             _ended(name, [pk])
             close_old_connections()
+
+    def _note(self, name: str, pk) -> None:
+        """Say on the deployment's timeline why it is stopped again (best effort: Redis may be away)."""
+        why = f"no halt ran for {self.after_s:.0f} s (Redis emptied, or a web process died before sending it)"
+        try:
+            if name == HALT:
+                deployment_event(Deployment.objects.get(pk=pk), "stop", f"The halt was lost: {why}; stopping again.",
+                                 level=DeploymentEvent.Level.WARNING)
+            else:
+                r = DeploymentRank.objects.select_related("deployment", "node").get(pk=pk)
+                deployment_event(r.deployment, f"stop@{r.node.name}", f"Rank {r.rank}'s halt was lost: {why}; "
+                                 "stopping it again.", level=DeploymentEvent.Level.WARNING, node=r.node.name)
+        except Exception as exc:  # noqa: BLE001 - the halt matters, not its line
+            log.warning("re-drive of %s(%s): no timeline line: %s", name, pk, exc)
 
     def loop(self, stop: threading.Event, every_s: float = REDRIVE_EVERY_S) -> None:
         """Tick every `every_s` until stopped; a failing pass (the database away) is retried next time."""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
@@ -75,6 +76,7 @@ def _frozen(agent):
     would lock the test out, a frozen PostgreSQL transaction might hold the row the Stop locks."""
     for _ in range(50):
         os.killpg(agent.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: _all_threads_stopped(agent.proc.pid), timeout=5, message="the agent's threads to stop")
         if not _transaction_open():
             break
         os.killpg(agent.proc.pid, signal.SIGCONT)
@@ -85,6 +87,12 @@ def _frozen(agent):
         yield
     finally:
         os.killpg(agent.proc.pid, signal.SIGCONT)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """SIGSTOP is delivered to each thread in its own time: a thread still running may yet take a lock."""
+    tasks = Path(f"/proc/{pid}/task")
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt" for t in tasks.iterdir())
 
 
 def _transaction_open() -> bool:
@@ -119,6 +127,7 @@ def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fa
         COUNTS["lost_halts_survived"] += 1
         print(f"halt lost with the web process: engine stopped {took:.1f} s after the Stop")
     assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS
+    assert d.events.filter(step="stop", level="warning", message__startswith="The halt was lost").count() == KILLS
 
     # Pressing Stop again sends the halt again: nothing waits for the re-drive.
     d = _ready(model, node, d)
