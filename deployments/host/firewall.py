@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.host.errors import HostError
+from deployments.host.engine import EngineError
 
 TABLE = "panel_engines"
 PARENT = "panel-engines"  # our cgroups: <cgroup2 root>/panel-engines/<key>
@@ -45,8 +45,9 @@ LOCK = Path("/run/panel-engines-nft.lock")
 _checked: str | None = None  # the self-test passed in this process
 
 
-class FirewallError(HostError):
-    """The firewall cannot be set up here, or a rule cannot be installed."""
+class FirewallError(EngineError):
+    """The firewall cannot be set up here, or a rule cannot be installed: the engine cannot be launched safely
+    (an EngineError, so every launch path already fails the plan with its message)."""
 
 
 def enabled() -> bool:
