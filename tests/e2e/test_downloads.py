@@ -115,13 +115,13 @@ def test_stopping_a_deployment_while_it_prepares_cancels_the_download_its_plan_s
     within seconds, keeps what was fetched for a retry, and the hub serves no more (issue 27)."""
     url, _ = hub_repo
     settings.HF_ENDPOINT = url
-    env = dict(process_env, HF_ENDPOINT=url)
+    env = dict(process_env, HF_ENDPOINT=url, CPU_HOST_EXCLUSIVE="0")  # other sessions here run engines of their own
     name = f"dl-{unique}"
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=0.5, heartbeat_seconds=1), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name, disk_total__gt=0, ram_total__gt=0).first(), timeout=60,
                       message="the agent")
     model = ModelRepo.objects.create(repo_id="acme/tiny-llama")
-    in_thread(repos.model_inspect, model.pk)
+    model = in_thread(repos.model_inspect, model.pk)
     configure(url, throttle_bps=4 * MB)  # the 225 MB take about a minute: the Stop lands mid-way
 
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=None, engine_args={}, env={},
