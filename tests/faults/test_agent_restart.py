@@ -49,7 +49,8 @@ class RequestStream:
                     reply = client.post(self.url, json={"model": self.model, "max_tokens": 8,
                                                         "messages": [{"role": "user", "content": "hi"}]})
                     reply.raise_for_status()
-                    assert reply.json()["choices"][0]["message"]["content"]
+                    # A finished choice is an answer (a random test model may well answer "")
+                    assert reply.json()["choices"][0]["finish_reason"]
                     self.done.append((started, time.monotonic()))
                 except Exception as exc:  # noqa: BLE001 - every failure is the finding
                     self.failed.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
