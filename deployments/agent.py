@@ -14,7 +14,8 @@ from django.db import close_old_connections
 
 from deployments import drivers, history
 from deployments.host import disk, engineuser, gpu
-from deployments.services import guards, loadtime, nodes, reconcile, repos, watch
+from deployments.node import guards, reconcile, watch
+from deployments.services import loadtime, nodes, repos
 
 log = logging.getLogger(__name__)
 ENGINES_REFRESH_S = 5.0  # how often the agent re-reads which process groups belong to deployments

@@ -215,7 +215,30 @@ class Secret(models.Model):
         cls.objects.update_or_create(name=name, defaults={"value": sealed.seal(value)})
 
 
-class Deployment(Transitions, models.Model):
+class EngineProcess(models.Model):
+    """An engine process the panel launched on a node and proves its own: a deployment's head (single-node
+    or rank 0) or a worker rank. deployments/node/lifecycle.py launches, follows, halts and adopts either."""
+
+    pid = models.IntegerField(null=True, blank=True)
+    pgid = models.IntegerField(null=True, blank=True)
+    pid_create_time = models.FloatField(null=True, blank=True, help_text="Guards against PID reuse.")
+    marker = models.CharField(max_length=64, blank=True, help_text="PANEL_ENGINE value of the running engine: proves it is ours.")
+    log_path = models.CharField(max_length=1024, blank=True)
+    shm_files = models.JSONField(default=list, blank=True, help_text="/dev/shm files the engine held, removed once it is gone.")
+    load_phase = models.CharField(max_length=64, blank=True)
+    load_percent = models.FloatField(null=True, blank=True)
+    log_tail = models.TextField(blank=True, help_text="The engine log's last lines, kept after it ends.")
+
+    class Meta:
+        abstract = True
+
+    def forget_process(self) -> None:
+        """The engine is gone: nothing names a process any more (its log path and tail stay, for the page)."""
+        self.pid = self.pgid = self.pid_create_time = None
+        self.marker, self.shm_files = "", []
+
+
+class Deployment(Transitions, EngineProcess):
     """A vLLM engine serving one model on some GPUs of one node."""
 
     class Status(models.TextChoices):
@@ -259,20 +282,12 @@ class Deployment(Transitions, models.Model):
                                   help_text="Names in env the user marked secret: masked like secret-looking names.")
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
     status_message = models.TextField(blank=True)
-    pid = models.IntegerField(null=True, blank=True)
-    pgid = models.IntegerField(null=True, blank=True)
-    pid_create_time = models.FloatField(null=True, blank=True, help_text="Guards against PID reuse.")
-    log_path = models.CharField(max_length=1024, blank=True)
     systemd_unit = models.CharField(max_length=128, blank=True)
-    marker = models.CharField(max_length=64, blank=True, help_text="PANEL_ENGINE value of the running engine: proves it is ours.")
     ray_token = models.CharField(max_length=128, blank=True, help_text="The Ray cluster's token (RAY_AUTH_TOKEN), new at each "
                                  "Ray head start; write-only: never shown.")
-    shm_files = models.JSONField(default=list, blank=True, help_text="/dev/shm files the engine held, removed once it is gone.")
     stop_foreign = models.BooleanField(default=False, help_text="Stop other (non-panel) processes on the chosen GPUs.")
     prewarm = models.BooleanField(default=False, help_text="Read the model's shards into the page cache while others stop (issue 16).")
     expires_at = models.DateTimeField(null=True, blank=True, help_text="A queued plan not started by then is dropped.")
-    load_phase = models.CharField(max_length=64, blank=True)
-    load_percent = models.FloatField(null=True, blank=True)
     auto_restart = models.BooleanField(default=False)
     restarts = models.PositiveIntegerField(default=0)
     replace = models.JSONField(default=list, blank=True, help_text="Deployments the plan stops first (ids).")
@@ -281,7 +296,6 @@ class Deployment(Transitions, models.Model):
                                               help_text="Multi-node (issue 17): the head's --master-port the worker ranks join.")
     load_detail = models.JSONField(default=dict, blank=True, help_text="Shards, seconds left, ...")
     smoke = models.JSONField(default=dict, blank=True, help_text="The smoke test's reply, reasoning, latency, tokens.")
-    log_tail = models.TextField(blank=True, help_text="The engine log's last lines, kept after it ends.")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created = models.DateTimeField(auto_now_add=True)
     started = models.DateTimeField(null=True, blank=True)
@@ -327,9 +341,9 @@ class Deployment(Transitions, models.Model):
         return sorted(g.index for g in self.gpus.all())
 
 
-class DeploymentRank(models.Model):
-    """One worker node's part of a multi-node deployment (issue 17): its rank, its GPUs and the headless
-    engine that node's agent launches and owns. The head (rank 0) is the Deployment row itself."""
+class DeploymentRank(Transitions, EngineProcess):
+    """One worker node's part of a multi-node deployment: its rank, its GPUs and the headless engine (or Ray
+    node) that node's agent launches and owns. The head (rank 0) is the Deployment row itself."""
 
     class State(models.TextChoices):
         PENDING = "pending", "Pending"
@@ -346,6 +360,32 @@ class DeploymentRank(models.Model):
 
     ENDED = frozenset({State.STOPPED, State.FAILED})
     ENGINE = frozenset({State.LOADING, State.RUNNING})  # its engine should be running
+    STATUS_FIELD = "state"
+    # The plan's steps in order (the head moves PREPARED -> PREFLIGHT and REACHED -> LAUNCH, the worker node the
+    # rest); any rank not ended may be stopped or fail (added below), and a new plan (a redeploy, an auto-restart)
+    # takes any rank back to PENDING.
+    TRANSITIONS = {
+        State.PENDING: {State.PENDING, State.PREPARING},
+        State.PREPARING: {State.PENDING, State.PREPARED},
+        State.PREPARED: {State.PENDING, State.PREFLIGHT},
+        State.PREFLIGHT: {State.PENDING, State.REACHED},
+        State.REACHED: {State.PENDING, State.LAUNCH},
+        State.LAUNCH: {State.PENDING, State.LOADING},
+        State.LOADING: {State.PENDING, State.RUNNING},
+        State.RUNNING: {State.PENDING},
+        State.STOPPING: {State.PENDING},
+        State.STOPPED: {State.PENDING},
+        State.FAILED: {State.PENDING},
+    }
+    for _on in (State.PENDING, State.PREPARING, State.PREPARED, State.PREFLIGHT, State.REACHED, State.LAUNCH,
+                State.LOADING, State.RUNNING, State.STOPPING):
+        TRANSITIONS[_on] = TRANSITIONS[_on] | {State.STOPPING, State.STOPPED, State.FAILED}
+    del _on
+
+    @classmethod
+    def sources(cls, to) -> set:
+        """The states a rank may move to `to` from (for a move of many ranks at once)."""
+        return {s for s, nexts in cls.TRANSITIONS.items() if to in nexts}
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="ranks")
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="ranks")
@@ -353,15 +393,6 @@ class DeploymentRank(models.Model):
     gpu_indices = models.JSONField(default=list, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     message = models.TextField(blank=True)
-    pid = models.IntegerField(null=True, blank=True)
-    pgid = models.IntegerField(null=True, blank=True)
-    pid_create_time = models.FloatField(null=True, blank=True)
-    marker = models.CharField(max_length=64, blank=True)
-    log_path = models.CharField(max_length=1024, blank=True)
-    shm_files = models.JSONField(default=list, blank=True)
-    load_phase = models.CharField(max_length=64, blank=True)
-    load_percent = models.FloatField(null=True, blank=True)
-    log_tail = models.TextField(blank=True)
     updated = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -8,7 +8,8 @@ import socket
 from celery import shared_task
 
 from deployments.host import hub
-from deployments.services import loadtime, plan, ranks, repos, watch
+from deployments.node import plan, ranks, watch
+from deployments.services import loadtime, repos
 
 
 @shared_task(name="deployments.node_ping")
@@ -81,7 +82,7 @@ def node_measure_disk(node_id: int) -> None:
 
 @shared_task(name="deployments.rank_run")
 def rank_run(rank_id: int) -> None:
-    """On a worker node: prepare, pre-flight and launch its rank of a multi-node deployment (issue 17)."""
+    """On a worker node: prepare, pre-flight and launch its rank of a multi-node deployment ."""
     ranks.rank_run(rank_id)
 
 

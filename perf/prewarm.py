@@ -78,7 +78,8 @@ def _deploy_once(d, node, model):
 
     from deployments import selectors
     from deployments.models import Deployment
-    from deployments.services import deploys, plan, watch
+    from deployments.node import plan, watch
+    from deployments.services import deploys
 
     with transaction.atomic():  # as the API view: the deploy decision under the node's lock
         d = (deploys.deployment_redeploy(d) if d else deploys.deployment_create(

@@ -88,7 +88,7 @@ def _agent_class():
 def host_boundaries(gpus: int) -> ExitStack:
     """Replace what an agent reads from its host and its engines, for this process."""
     from deployments.host import gpu, vllm
-    from deployments.services import watch
+    from deployments.node import watch
     from tests.host.test_gpu import FakeGpu, FakeNvml
 
     stack = ExitStack()

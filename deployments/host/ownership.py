@@ -22,6 +22,8 @@ from deployments.host import engine
 from deployments.host.errors import HostError
 
 MARKER_VAR = "PANEL_ENGINE"
+# What a marked process is to its deployment: "engine" (vllm serve, adopted as the engine) or "ray" (a Ray node).
+ROLE_VAR = "PANEL_ENGINE_ROLE"
 # Never signalled, even when the operator asked to stop other processes on the GPUs: a display
 # server going down takes the whole desktop (and its user's work) with it.
 DISPLAY_SERVERS = frozenset({"Xorg", "X", "Xwayland", "gnome-shell", "kwin_wayland", "kwin_x11", "sway",
@@ -33,17 +35,28 @@ def new_marker(deployment_id: int) -> str:
     return f"{deployment_id}.{secrets.token_hex(12)}"
 
 
-def marker_of(pid: int) -> str | None:
-    """The marker in a process's environment, or None (gone, not ours, or not readable)."""
+def environ_var(pid: int, name: str) -> str | None:
+    """One variable of a process's environment as it started, or None (gone, unset, or not readable)."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return None
-    prefix = MARKER_VAR.encode() + b"="
+    prefix = name.encode() + b"="
     for item in raw.split(b"\0"):
         if item.startswith(prefix):
             return item[len(prefix):].decode(errors="replace")
     return None
+
+
+def marker_of(pid: int) -> str | None:
+    """The marker in a process's environment, or None (gone, not ours, or not readable)."""
+    return environ_var(pid, MARKER_VAR)
+
+
+def engines_marked(marker: str | None) -> list[int]:
+    """The engine leaders carrying `marker`: processes the panel launched as the engine itself (ROLE_VAR
+    "engine"), never a Ray node of the same deployment, which carries the marker too (ROLE_VAR "ray")."""
+    return [pid for pid in find(marker) if environ_var(pid, ROLE_VAR) == "engine"]
 
 
 def unit_of(pid: int) -> str | None:

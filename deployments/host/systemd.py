@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from controlpanel.privatefile import write_private
@@ -15,7 +16,11 @@ from deployments.host import engineenv
 from deployments.host.engineuser import EngineUser
 from deployments.host.errors import HostError
 
-UNIT_DIR = Path("/etc/systemd/system")
+# systemd's own SYSTEMD_UNIT_PATH names where units are read from; its first entry is where the panel writes them.
+UNIT_DIR = Path((os.environ.get("SYSTEMD_UNIT_PATH") or "/etc/systemd/system").split(":")[0])
+# How long systemd waits before it starts a failed engine again (Restart=on-failure): systemd owns the restarts
+# of a persisted engine; the panel's auto-restart never restarts one.
+RESTART_SEC = float(os.environ.get("ENGINE_UNIT_RESTART_SEC", "30"))
 _UNIT_NAME = re.compile(r"^[a-zA-Z0-9_.@-]+\.service$")
 
 
@@ -31,8 +36,16 @@ def unit_name(deployment_name: str, rank: int = 0) -> str:
 
 
 def available() -> bool:
-    """True where systemd runs as PID 1 and we may write units (root)."""
-    return Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None and os.geteuid() == 0
+    """True where systemd runs (as `systemctl is-system-running` says) and we may write units (root)."""
+    if shutil.which("systemctl") is None or os.geteuid() != 0:
+        return False
+    try:
+        out = subprocess.run(["systemctl", "is-system-running"], capture_output=True, text=True, timeout=10,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    # "offline": not booted with systemd (a container); the others are a running system manager.
+    return out.stdout.strip() in {"running", "degraded", "starting", "initializing", "maintenance"}
 
 
 def _escape(value: str) -> str:
@@ -94,7 +107,7 @@ def render_unit(*, description: str, argv: list[str], env: dict[str, str], log_p
         f"StandardOutput=append:{_escape(log_path)}", f"StandardError=append:{_escape(log_path)}",
         # The engine's children (EngineCore, workers) live in the same cgroup: stop them all.
         "KillMode=control-group", "KillSignal=SIGTERM", "TimeoutStopSec=60",
-        "Restart=on-failure", "RestartSec=30", "LimitNOFILE=1048576",
+        "Restart=on-failure", f"RestartSec={RESTART_SEC:g}", "LimitNOFILE=1048576",
     ]
     lines += _user_lines(run_as)
     lines += ["", "[Install]", "WantedBy=multi-user.target", ""]
@@ -129,6 +142,33 @@ def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[st
 
 def main_pid(name: str) -> int:
     return int(systemctl("show", "-p", "MainPID", "--value", name).strip() or 0)
+
+
+@dataclass
+class UnitStatus:
+    """What systemd says of a unit: its main process (0: none now), control group, whether it runs
+    (active, activating while it waits to restart, inactive, failed), whether it starts at boot, restarts."""
+
+    main_pid: int
+    cgroup: str
+    active: str
+    enabled: str
+    restarts: int
+
+    @property
+    def coming(self) -> bool:
+        """It runs, or systemd will start it (again): restarting after a failure, or enabled for the boot."""
+        return self.active in ("active", "activating", "reloading") or (
+            self.active == "inactive" and self.enabled == "enabled")
+
+
+def unit_status(name: str) -> UnitStatus:
+    """The unit's MainPID, ControlGroup, ActiveState, UnitFileState and NRestarts (`systemctl show`)."""
+    out = systemctl("show", "-p", "MainPID,ControlGroup,ActiveState,UnitFileState,NRestarts", name)
+    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return UnitStatus(main_pid=int(props.get("MainPID") or 0), cgroup=props.get("ControlGroup", ""),
+                      active=props.get("ActiveState", ""), enabled=props.get("UnitFileState", ""),
+                      restarts=int(props.get("NRestarts") or 0))
 
 
 def stop(name: str) -> None:

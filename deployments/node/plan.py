@@ -11,15 +11,17 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import live, secrets
+from deployments import claims, live, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
-from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
-from deployments.services.deploys import deployment_event, deployment_holders
-from deployments.services import loadtime, ranks, raycluster
-from deployments.services.guards import foreign_holders
-from deployments.services.steps import (STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed, engine_running,
-                                        engine_user, fail, halt_engine, mark_stopped, model_ready, move, record_shm, step,
-                                        unit_install, unit_text)
+from deployments.models import Deployment, DeploymentEvent, ModelCopy
+from deployments.node import cluster, lifecycle, ranks, raycluster
+from deployments.node.guards import foreign_holders
+from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, TAIL_LINES, record_shm
+from deployments.node.lifecycle import running as engine_running
+from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, mark_stopped, model_ready, move,
+                                    step, unit_install, unit_text)
+from deployments.services import loadtime
+from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -99,7 +101,7 @@ def _stop_holders(d: Deployment) -> str:
     """Stop deployments on the chosen GPUs (and those asked for), then stray GPU processes."""
     indices = d.gpu_indices
     others = Deployment.objects.filter(node=d.node, status__in=Deployment.ACTIVE).exclude(pk=d.pk)
-    targets = list(deployment_holders(d.node, indices, exclude=d)) + list(others.filter(pk__in=d.replace))
+    targets = list(claims.deployment_holders(d.node, indices, exclude=d)) + list(others.filter(pk__in=d.replace))
     done = []
     if d.pid or d.systemd_unit:  # a redeploy: our own previous engine goes first
         result = halt_engine(d)
@@ -175,51 +177,39 @@ def _launch(d: Deployment, model_path: str) -> str:
         raise PlanFailed("; ".join(errors.values()))
     _claim(d)
     ray = raycluster.uses_ray(d)
-    if not ray:  # with Ray the engine carries the marker its Ray head got (raycluster.head_start)
-        d.marker = ownership.new_marker(d.pk)
-    d.log_path = str(_log_path(d))
-    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, log_path=d.log_path)
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself
-    args = {**d.engine_args, **ranks.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
+    args = {**d.engine_args, **cluster.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
     argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", args)
-    run_as = engine_user(model_path, d.node.model_store)
-    if d.systemd_unit:  # a persisted deployment starts under its unit again, enabled for the next boot
-        text, secret_env = _unit(d, argv)
-        d.pid = systemd.install(d.systemd_unit, text, secret_env=secret_env)
-        d.pgid, d.pid_create_time = os.getpgid(d.pid), None
-    else:
-        # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there.
-        handle = engine.launch(engine.EngineSpec(argv=argv, env=_engine_env(d), log_path=Path(d.log_path),
-                                                 cwd=Path(model_path), run_as=run_as))
-        d.pid, d.pgid, d.pid_create_time = handle.pid, handle.pgid, handle.create_time
-    Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=d.pid_create_time)
+    # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there. With Ray the
+    # engine carries the marker its Ray head got (raycluster.head_start); a persisted one starts under its unit
+    # again, enabled for the next boot.
+    spec = lifecycle.Launch(argv=argv, env=_engine_env(d), log_path=_log_path(d), cwd=Path(model_path),
+                            run_as=engine_user(model_path, d.node.model_store), marker=d.marker if ray else "")
+    lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
     return f"PID {d.pid}: {' '.join(argv[:3])} … (log {d.log_path})"
 
 
 def _engine_env(d: Deployment) -> dict[str, str]:
-    """The engine's environment. The marker is set here, by the panel, never inherited: it is
-    what later proves the process is this deployment's engine."""
-    own = ranks.rank_env(d, ranks.head_address(d), d.gpu_indices) if d.master_port else engineenv.deployment_env(
+    """The engine's environment, without the marker (lifecycle.launch sets it)."""
+    own = cluster.rank_env(d, cluster.head_address(d), d.gpu_indices) if d.master_port else engineenv.deployment_env(
         d.env, d.gpu_indices)
     if raycluster.uses_ray(d):
         own.update(raycluster.engine_env(d))
-    return {**own, ownership.MARKER_VAR: d.marker}
+    return own
 
 
 def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
     """The head's unit text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
-    return unit_text(d, argv, _engine_env(d), d.log_path)
+    return unit_text(d, argv, lifecycle.marked_env(_engine_env(d), d.marker), d.log_path)
 
 
 def _claim(d: Deployment) -> None:
     """Last check before an engine starts, under the node lock every claiming path takes: no other
     active deployment holds these GPUs (the whole host on a node without GPUs)."""
-    with transaction.atomic():
-        Node.objects.select_for_update().get(pk=d.node_id)
-        clash = deployment_holders(d.node, d.gpu_indices, exclude=d).first()
-        if clash:
-            raise PlanFailed(f"{clash.name} ({clash.get_status_display().lower()}) holds "
-                             f"{'GPUs ' + ', '.join(map(str, d.gpu_indices)) if d.gpu_indices else 'this host'}.")
+    clash = claims.first_clash(d.node, d.gpu_indices, exclude=d)
+    if clash:
+        raise PlanFailed(f"{clash.name} ({clash.get_status_display().lower()}) holds "
+                         f"{'GPUs ' + ', '.join(map(str, d.gpu_indices)) if d.gpu_indices else 'this host'}.")
 
 
 def _gpu_memory(indices: list[int]) -> dict[int, int | None]:
@@ -268,7 +258,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                                  "gpu_memory": {str(i): m for i, m in current.items()}, **watch.detail()}
                 if d.master_port:  # every node's load side by side; a failed worker rank fails the plan
                     d.load_detail["nodes"] = ranks.ranks_progress(d)
-                    ranks.ranks_check(d)
+                    cluster.ranks_failed(d)
                     if raycluster.uses_ray(d) and not raycluster.head_alive(d):
                         raise PlanFailed(f"The Ray head on {d.node} exited while the engine loaded.")
                 d.log_tail = "\n".join(tail)
@@ -326,10 +316,10 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)
         halt_engine(d)
-        d.marker = ownership.new_marker(d.pk)
         d.systemd_unit = name
-        d.pid = unit_install(d, argv, _engine_env(d), d.log_path)
-        d.pgid, d.pid_create_time = os.getpgid(d.pid), None
+        Deployment.objects.filter(pk=d.pk).update(systemd_unit=name)
+        spec = lifecycle.Launch(argv=argv, env=_engine_env(d), log_path=Path(d.log_path) if d.log_path else _log_path(d))
+        lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
         move(d, S.LOADING, f"restarting under systemd as {name}")
         deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
         _follow(d)
@@ -339,7 +329,7 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
 
 
 def _persist_group(d: Deployment) -> Deployment:
-    """Multi-node (issue 17): the whole group starts again under systemd, one unit per node. The plan runs
+    """Multi-node: the whole group starts again under systemd, one unit per node. The plan runs
     as a redeploy does: each worker node's agent installs its rank's unit (workers first, as vLLM's launch
     needs), then this node the head's."""
     with transaction.atomic():

@@ -1,4 +1,4 @@
-"""Multi-node deployments (issue 17), node side: the head's plan coordinates the worker ranks through
+"""Multi-node deployments, node side: the head's plan coordinates the worker ranks through
 their nodes' own queues and the database, and each worker node's agent launches and owns its rank.
 
 The order, as vLLM's `--nnodes` launch needs it (tensor/pipeline parallel over the mp executor):
@@ -15,7 +15,6 @@ master port is the head's DP RPC port, each worker runs `--headless` with its re
 (`--data-parallel-size-local`) from its first DP rank (`--data-parallel-start-rank`).
 """
 import logging
-import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,14 +24,18 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlpanel.queue import enqueue
-from deployments import engineargs, secrets
-from deployments.host import engine, enginecli, engineenv, enginelog, ownership, preflight, systemd
+from controlpanel.states import InvalidTransition
+from deployments import claims, engineargs, layout, secrets
+from deployments.dispatch import node_enqueue
+from deployments.host import engine, enginecli, enginelog, preflight, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
-from deployments.services import multinode
-from deployments.services.deploys import deployment_event, deployment_holders
-from deployments.services.nodes import node_enqueue
-from deployments.services.steps import (RAY_TERM_S, STOP_KILL_S, STOP_TERM_S, TAIL_LINES, Aborted, PlanFailed,
-                                        engine_user, halt_engine, mark_stopped, model_ready, move, stop_marked, unit_install)
+from deployments.node import lifecycle, raycluster
+from deployments.node.cluster import head_address, multinode_args, rank_env, ranks_failed
+from deployments.node.crashes import deployment_crashed
+from deployments.node.lifecycle import RAY_TERM_S, STOP_TERM_S, TAIL_LINES
+from deployments.node.steps import (Aborted, PlanFailed, engine_user, halt_engine, mark_stopped, model_ready, move,
+                                    unit_install)
+from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
@@ -44,52 +47,21 @@ LAUNCH_TIMEOUT_S = 60.0
 POLL_S = 0.1
 
 
-def head_address(d: Deployment) -> str:
-    """The address worker nodes reach the head at (its agent's --address)."""
-    return d.node.address or "127.0.0.1"
-
-
-def multinode_args(d: Deployment, rank: int, nnodes: int) -> dict:
-    """The flags vLLM's multi-node launch needs on rank `rank` (workers run headless): `--nnodes`, or
-    with DP > 1 its data-parallel form (this node's replicas and first DP rank)."""
-    if multinode.data_parallel(d.engine_args):
-        local, start = multinode.dp_ranks(d)[rank]
-        args = {"data-parallel-size-local": local, "data-parallel-address": head_address(d),
-                "data-parallel-rpc-port": d.master_port}
-        if rank:  # the head takes DP ranks from 0 (without a start rank: internal load balancing)
-            args.update({"headless": True, "data-parallel-start-rank": start})
-        return args
-    args = {"nnodes": nnodes, "node-rank": rank, "master-addr": head_address(d), "master-port": d.master_port}
-    if rank:
-        args["headless"] = True
-    return args
-
-
-def rank_env(d: Deployment, address: str, gpu_indices) -> dict:
-    """The rank's engine environment: the deployment's, plus the address vLLM advertises for this node."""
-    return {**engineenv.deployment_env(d.env, gpu_indices), "VLLM_HOST_IP": address}
-
-
 # --- the head's side of the plan ------------------------------------------------------------------
 
 def ranks_send(d: Deployment) -> None:
-    """Start every worker rank's part of the plan on its own node."""
+    """Start every worker rank's part of the plan on its own node (a new plan takes any rank back to pending)."""
     for r in d.ranks.select_related("node"):
-        DeploymentRank.objects.filter(pk=r.pk).update(state=R.PENDING, message="", load_phase="", load_percent=None)
+        DeploymentRank.objects.filter(pk=r.pk, state__in=DeploymentRank.sources(R.PENDING)).update(
+            state=R.PENDING, message="", load_phase="", load_percent=None)
         enqueue("deployments.rank_run", args=[r.pk], queue=r.node.queue, expires=settings.HOST_TASK_EXPIRES_S)
-
-
-def _failed(d: Deployment) -> None:
-    bad = d.ranks.select_related("node").filter(state=R.FAILED).first()
-    if bad:
-        raise PlanFailed(f"Rank {bad.rank} on node {bad.node.name}: {bad.message or 'failed'}")
 
 
 def ranks_wait(d: Deployment, states: set, timeout_s: float, what: str) -> None:
     """Wait until every worker rank is in one of `states`; a failed rank or a stop request ends the wait."""
     deadline = time.monotonic() + timeout_s
     while True:
-        _failed(d)
+        ranks_failed(d)
         if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
             raise Aborted("stop requested")
         late = d.ranks.select_related("node").exclude(state__in=states)
@@ -109,14 +81,15 @@ def _downloading(d: Deployment, late) -> bool:
 
 
 def _set(d: Deployment, state: str) -> None:
-    d.ranks.exclude(state__in=DeploymentRank.ENDED).update(state=state, updated=timezone.now())
+    """The head moves every worker rank on to `state` (pre-flight, launch): only ranks that may go there."""
+    d.ranks.filter(state__in=DeploymentRank.sources(state)).update(state=state, updated=timezone.now())
 
 
 def head_preflight(d: Deployment) -> str:
     """Listen on the master port; every worker node connects to the head's address and reports."""
     address = head_address(d)
     ranks_wait(d, {R.PREPARED}, PREPARE_TIMEOUT_S, "Preparing the worker nodes")
-    port = multinode.port_name(d.engine_args)
+    port = layout.port_name(d.engine_args)
     try:
         listener = preflight.Listener(d.master_port, host=address)  # the cluster address, never every interface
     except preflight.PreflightError as exc:
@@ -135,12 +108,6 @@ def head_launch_workers(d: Deployment) -> str:
     return "; ".join(f"rank {r.rank} on {r.node.name}: PID {r.pid}" for r in d.ranks.select_related("node")) + "."
 
 
-def ranks_check(d: Deployment) -> None:
-    """While the head loads or serves: a failed worker rank fails the plan."""
-    if d.master_port:
-        _failed(d)
-
-
 def ranks_progress(d: Deployment) -> list[dict]:
     """Every node's load, head first, for the page's side-by-side view."""
     rows = [{"node": d.node.name, "rank": 0, "state": d.status, "phase": d.load_phase, "percent": d.load_percent}]
@@ -152,8 +119,6 @@ def ranks_progress(d: Deployment) -> list[dict]:
 def deployment_rank_lost(deployment_id: int, rank_id: int) -> None:
     """On the head's node: a worker rank died. A ready deployment fails here (its engine and every other
     rank stopped, auto-restarted as a whole when asked); a plan still running notices the failed rank itself."""
-    from deployments.services.watch import deployment_crashed  # watch imports this module
-
     d = Deployment.objects.select_related("node", "model").get(pk=deployment_id)
     if d.status == S.READY:
         deployment_crashed(d, "every other rank was stopped")
@@ -166,14 +131,24 @@ def _rank(rank_id: int) -> DeploymentRank:
 
 
 def _note(r: DeploymentRank, state: str | None = None, message: str | None = None, **fields) -> None:
-    if state:
-        fields["state"] = state
+    """Move the rank to `state` (a guarded transition: a rank the head or a Stop moved meanwhile aborts this
+    plan) and/or record its message and load."""
     if message is not None:  # it may quote the rank's log
         fields["message"] = secrets.redact_deployment(r.deployment, message)
+    if state:
+        with transaction.atomic():
+            row = DeploymentRank.objects.select_for_update().get(pk=r.pk)
+            try:
+                row.transition(state)
+            except InvalidTransition as exc:
+                raise Aborted(str(exc)) from exc
+            DeploymentRank.objects.filter(pk=r.pk).update(state=state, updated=timezone.now(), **fields)
+        r.state = state
+    else:
+        DeploymentRank.objects.filter(pk=r.pk).update(updated=timezone.now(), **fields)
     for k, v in fields.items():
         setattr(r, k, v)
     # No live status from here: r.deployment may be stale; the head's plan publishes every node's load.
-    DeploymentRank.objects.filter(pk=r.pk).update(updated=timezone.now(), **fields)
 
 
 def _await(r: DeploymentRank, state: str) -> None:
@@ -219,7 +194,7 @@ def rank_run(rank_id: int) -> DeploymentRank:
         _follow(r)
     except Aborted:
         _halt(r)
-        _note(r, R.STOPPED, "stopped: the deployment ended")
+        _end(r, R.STOPPED, "stopped: the deployment ended")
     except (PlanFailed, engine.EngineError) as exc:
         _give_up(r, str(exc) if where in str(exc) else f"{where}: {exc}")
     except Exception as exc:  # noqa: BLE001 - a database blip must not leave the rank mid-plan
@@ -228,9 +203,17 @@ def rank_run(rank_id: int) -> DeploymentRank:
     return r
 
 
+def _end(r: DeploymentRank, state: str, message: str) -> None:
+    """Stopped or failed, unless it ended already (a rank's end never aborts anything)."""
+    try:
+        _note(r, state, message)
+    except Aborted:
+        pass
+
+
 def _give_up(r: DeploymentRank, message: str) -> None:
     _halt(r)
-    _note(r, R.FAILED, message)
+    _end(r, R.FAILED, message)
     deployment_event(r.deployment, f"failed@{r.node.name}", message, level="error", node=r.node.name)
 
 
@@ -239,7 +222,7 @@ def _stop_holders(r: DeploymentRank) -> str:
     another multi-node deployment's rank is refused (stop that deployment first)."""
     d = r.deployment
     done = []
-    for other in deployment_holders(r.node, r.gpu_indices, exclude=d):
+    for other in claims.deployment_holders(r.node, r.gpu_indices, exclude=d):
         if other.node_id != r.node_id:
             raise PlanFailed(f"node {r.node.name} is held by {other.name} (a multi-node deployment): stop it first")
         if other.status != S.STOPPING:
@@ -254,35 +237,28 @@ def _stop_holders(r: DeploymentRank) -> str:
 
 def _launch(r: DeploymentRank, model_path: str) -> None:
     """The rank's process: a headless engine (mp), or this node's Ray joining the head's cluster (ray)."""
-    from deployments.services import raycluster  # it imports this module
-
     d = r.deployment
-    marker = ownership.new_marker(d.pk)
     address = r.node.address or "127.0.0.1"
     ray = raycluster.uses_ray(d)
     if ray:
-        argv, env = raycluster.rank_argv(r), raycluster.node_env(d, address, r.gpu_indices, marker)
+        argv, env = raycluster.rank_argv(r), raycluster.node_env(d, address, r.gpu_indices)
     else:
         own = multinode_args(d, r.rank, d.ranks.count() + 1)
         argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, "0.0.0.0", {**d.engine_args, **own})
-        env = {**rank_env(d, address, r.gpu_indices), ownership.MARKER_VAR: marker}
+        env = rank_env(d, address, r.gpu_indices)
     log_path = Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-rank{r.rank}-{int(time.time())}.log"
-    _note(r, marker=marker, log_path=str(log_path))
-    if d.systemd_unit:  # persisted: this node's own unit runs the rank, enabled for the next boot
-        pid = unit_install(d, argv, env, str(log_path), rank=r.rank)
-        _note(r, pid=pid, pgid=os.getpgid(pid), pid_create_time=None)
-        how = f"under {systemd.unit_name(d.name, r.rank)}"
-    else:
-        handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path, cwd=Path(model_path),
-                                                 run_as=engine_user(model_path, r.node.model_store)))
-        _note(r, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
-        how = f"PID {handle.pid}"
+    spec = lifecycle.Launch(argv=argv, env=env, log_path=log_path, cwd=Path(model_path),
+                            role=lifecycle.RAY if ray else lifecycle.ENGINE,
+                            run_as=engine_user(model_path, r.node.model_store))
+    # Persisted: this node's own unit runs the rank, enabled for the next boot.
+    pid = lifecycle.launch(r, spec, unit_install=lambda argv, env, log: unit_install(d, argv, env, log, rank=r.rank))
+    how = f"under {systemd.unit_name(d.name, r.rank)}" if d.systemd_unit else f"PID {pid}"
     what = f"Ray node joining {head_address(d)}:{d.master_port}" if ray else " ".join(engineargs.argv_words(own))
     deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, {what} (log {log_path})", node=r.node.name)
 
 
 def rank_running(r: DeploymentRank) -> bool:
-    return bool(r.pid) and engine.alive(r.pid, r.pid_create_time or 0.0) and ownership.pid_owned(r.pid, r.marker)
+    return lifecycle.running(r)
 
 
 def _follow(r: DeploymentRank) -> None:
@@ -313,24 +289,10 @@ def _follow(r: DeploymentRank) -> None:
 def _halt(r: DeploymentRank) -> str:
     """Stop the rank's engine group when it is provably ours (its unit first, when persisted, so it stays
     stopped after a reboot); clean its /dev/shm files."""
-    result = None
-    if r.deployment.systemd_unit:
-        systemd.disable(systemd.unit_name(r.deployment.name, r.rank))
-    if not r.pgid and r.marker:
-        marked = ownership.find(r.marker)
-        r.pgid = marked[0] if marked else None
-    if r.pgid and ownership.owned(r.pgid, r.marker):
-        shm = engine.shm_files(r.pgid)
-        term_s = RAY_TERM_S if multinode.executor(r.deployment.engine_args) == "ray" else STOP_TERM_S
-        result = engine.stop(r.pgid, term_s, STOP_KILL_S)
-        engine.remove_unused_shm(shm | set(r.shm_files or []))
-    if r.marker and (left := stop_marked(r.marker)) and result:  # a Ray node's processes in groups of their own
-        result.survivors += left
-    tail = "\n".join(enginelog.tail(Path(r.log_path), TAIL_LINES)) if r.log_path else r.log_tail
-    _note(r, pid=None, pgid=None, pid_create_time=None, marker="", log_tail=tail)
-    if result and result.survivors:
-        raise PlanFailed(f"PIDs {result.survivors} of rank {r.rank} on {r.node.name} survived SIGKILL")
-    return f"{' then '.join(result.signals_sent) or 'already gone'} in {result.seconds:.1f} s" if result else "not running"
+    halted = lifecycle.halt(r, RAY_TERM_S if layout.executor(r.deployment.engine_args) == "ray" else STOP_TERM_S)
+    if halted.result and halted.result.survivors:
+        raise PlanFailed(f"PIDs {halted.result.survivors} of rank {r.rank} on {r.node.name} survived SIGKILL")
+    return halted.describe()
 
 
 def rank_halt(rank_id: int) -> DeploymentRank:
@@ -353,13 +315,13 @@ def ranks_watch(node_id: int) -> None:
                                                                                       state__in=DeploymentRank.ENGINE):
         if r.pid is None or rank_running(r):
             if r.state == R.LOADING and r.deployment.status == S.READY and r.pid:
-                _note(r, R.RUNNING)  # its rank_run task ended (an agent restart) before the head was ready
+                _end(r, R.RUNNING, "")  # its rank_run task ended (an agent restart) before the head was ready
             continue
         with transaction.atomic():
             row = DeploymentRank.objects.select_for_update().get(pk=r.pk)
             if row.state not in DeploymentRank.ENGINE or row.pid != r.pid:
                 continue
-            row.state, row.message = R.FAILED, "its engine process exited"
+            row.transition(R.FAILED, message="its engine process exited")
             row.save(update_fields=["state", "message", "updated"])
         _give_up(r, f"node {r.node.name}: rank {r.rank}'s engine process exited")
         enqueue("deployments.deployment_rank_lost", args=[r.deployment_id, r.pk], queue=r.deployment.node.queue)
@@ -374,7 +336,7 @@ def ranks_reconcile(node) -> dict:
         d = r.deployment
         if r.state == R.STOPPING:
             enqueue("deployments.rank_halt", args=[r.pk], queue=node.queue)
-        elif r.state in DeploymentRank.ENGINE and rank_running(r) and d.status in Deployment.ACTIVE - {S.STOPPING}:
+        elif r.state in DeploymentRank.ENGINE and lifecycle.adopt(r) and d.status in Deployment.ACTIVE - {S.STOPPING}:
             report["adopted"].append(str(r))
             deployment_event(d, f"adopted@{node.name}", f"The agent of {node.name} restarted and adopted rank {r.rank} "
                              f"(PID {r.pid}).", node=node.name)

@@ -1,17 +1,19 @@
-"""Ray as the executor (issue 17, item 4), node side. A deployment whose engine flags say
+"""Ray as the executor, node side. A deployment whose engine flags say
 `--distributed-executor-backend ray` runs on a Ray cluster the panel starts for it:
 
   1. the head's agent starts the Ray head (`ray start --head --port <master port> --block`);
   2. each worker node's agent starts its Ray node (`ray start --address HEAD:PORT --block`) as its rank's
-     process (services/ranks.py launches it where the mp layout launches a headless engine);
+     process (node/ranks.py launches it where the mp layout launches a headless engine);
   3. the head waits until the cluster shows every node, then launches `vllm serve … --distributed-executor-backend ray`
      with RAY_ADDRESS set; vLLM places its workers over the cluster itself.
 
 Every Ray process runs in the engine's environment with the deployment's marker, in a process group of
 its own (host/engine.py), so Stop, a crash and reconcile end it like an engine: the head's Ray is found by
-the marker (steps.stop_marked), a worker's is its rank's group. Ray's own files go under the panel's var dir.
+the marker (lifecycle.stop_marked), a worker's is its rank's group. Every Ray process carries the role "ray"
+(ownership.ROLE_VAR): an agent that restarts while the cluster forms never adopts the Ray head as the engine.
+Ray's own files go under the panel's var dir.
 
-The cluster is authenticated (issue 25): the head's agent makes a new token at each Ray head start
+The cluster is authenticated: the head's agent makes a new token at each Ray head start
 (`Deployment.ray_token`, write-only like other secrets), and every Ray node, `vllm serve` (Ray's driver)
 and the panel's own status calls get it through their environment (host/raynode.auth_env).
 """
@@ -21,11 +23,13 @@ from pathlib import Path
 
 from django.conf import settings
 
+from deployments import layout
 from deployments.host import engine, enginelog, ownership, raynode
 from deployments.models import Deployment, DeploymentRank
-from deployments.services import multinode
-from deployments.services.ranks import _failed, head_address, rank_env
-from deployments.services.steps import Aborted, PlanFailed, engine_user, pgid_of
+from deployments.node import lifecycle
+from deployments.node.cluster import head_address, rank_env, ranks_failed
+from deployments.node.lifecycle import pgid_of
+from deployments.node.steps import Aborted, PlanFailed, engine_user
 
 S = Deployment.Status
 JOIN_TIMEOUT_S = 120.0  # Ray nodes start in a few seconds; on 2 shared cores with an engine loading, slower
@@ -33,7 +37,7 @@ POLL_S = 1.0
 
 
 def uses_ray(d: Deployment) -> bool:
-    return bool(d.master_port) and multinode.executor(d.engine_args) == "ray"
+    return bool(d.master_port) and layout.executor(d.engine_args) == "ray"
 
 
 def _ray_bin() -> str:
@@ -77,11 +81,10 @@ def auth_env(d: Deployment) -> dict:
     return raynode.auth_env(token(d))
 
 
-def node_env(d: Deployment, address: str, gpu_indices, marker: str) -> dict:
-    """A Ray node's environment: the rank's (the deployment's variables, its GPUs, VLLM_HOST_IP), the marker, the
-    cluster's token; vLLM's workers on that node inherit it from the raylet."""
-    return {**rank_env(d, address, gpu_indices), ownership.MARKER_VAR: marker, "RAY_USAGE_STATS_ENABLED": "0",
-            **NO_METRICS, **auth_env(d)}
+def node_env(d: Deployment, address: str, gpu_indices) -> dict:
+    """A Ray node's environment: the rank's (the deployment's variables, its GPUs, VLLM_HOST_IP), the cluster's
+    token (lifecycle adds the marker); vLLM's workers on that node inherit it from the raylet."""
+    return {**rank_env(d, address, gpu_indices), "RAY_USAGE_STATS_ENABLED": "0", **NO_METRICS, **auth_env(d)}
 
 
 def head_start(d: Deployment) -> str:
@@ -96,7 +99,9 @@ def head_start(d: Deployment) -> str:
     address = head_address(d)
     argv = raynode.start_argv(ray, port=d.master_port, node_ip=address, num_gpus=len(d.gpu_indices) or None,
                               temp_dir=_temp_dir(d))
-    handle = engine.launch(engine.EngineSpec(argv=argv, env=node_env(d, address, d.gpu_indices, d.marker),
+    # Not the engine: its PID is not the row's (the engine's is); it is found and stopped by the marker.
+    env = lifecycle.marked_env(node_env(d, address, d.gpu_indices), d.marker, lifecycle.RAY)
+    handle = engine.launch(engine.EngineSpec(argv=argv, env=env,
                                              log_path=Path(d.log_path), run_as=engine_user("", "")))
     return f"Ray head: PID {handle.pid} at {address}:{d.master_port} (log {d.log_path})."
 
@@ -120,7 +125,7 @@ def cluster_wait(d: Deployment) -> str:
     started = time.monotonic()
     env = {**rank_env(d, head_address(d), d.gpu_indices), **auth_env(d)}  # no marker: not part of the cluster
     while True:
-        _failed(d)
+        ranks_failed(d)
         if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
             raise Aborted("stop requested")
         if not head_alive(d):

@@ -2,13 +2,14 @@
 interrupted stops, and record which vLLM this node runs."""
 from django.conf import settings
 
+from deployments.dispatch import node_enqueue
 from deployments.host import engine, enginecli, systemd
 from deployments.models import Deployment, Node
-from deployments.services.deploys import deployment_event
-from deployments.services.nodes import node_enqueue
-from deployments.services.ranks import ranks_reconcile
-from deployments.services.steps import adopt_marked, engine_running, fail
-from deployments.services.watch import expire_queued
+from deployments.node import lifecycle, units
+from deployments.node.ranks import ranks_reconcile
+from deployments.node.steps import fail
+from deployments.node.watch import expire_queued
+from deployments.timeline import deployment_event
 
 S = Deployment.Status
 
@@ -21,10 +22,14 @@ def deployments_reconcile(node) -> dict:
     # until the visibility timeout: send it again (a duplicate finds the row moved on and returns).
     for d in Deployment.objects.filter(node=node, status=S.QUEUED):
         node_enqueue(node, "deployments.deployment_run", d.pk)
-    for d in Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE - {S.QUEUED}):
-        running = engine_running(d) or (not d.pid and d.status in (S.STARTING, S.LOADING) and adopt_marked(d))
+    for d in Deployment.objects.select_related("node").filter(node=node, status__in=Deployment.ACTIVE - {S.QUEUED}):
+        # A PID never recorded (the agent died right after the launch) is found by the marker; only the engine
+        # itself is adopted, never a Ray head carrying the same marker while the cluster forms.
+        running = lifecycle.running(d) or (not d.pid and d.status in (S.STARTING, S.LOADING) and lifecycle.adopt(d))
         if d.status == S.STOPPING:
             node_enqueue(node, "deployments.deployment_halt", d.pk)
+        elif not running and d.systemd_unit and d.marker and d.status in (S.STARTING, S.LOADING, S.READY):
+            report["failed" if units.unit_settle(d) == "failed" else "following"].append(d.name)
         elif running and d.status == S.READY:
             report["adopted"].append(d.name)
             deployment_event(d, "adopted", f"The agent restarted and adopted the running engine (PID {d.pid}).")
@@ -34,7 +39,7 @@ def deployments_reconcile(node) -> dict:
         else:
             report["failed"].append(d.name)
             fail(d, "The node agent restarted and the engine is not running (or the plan was interrupted); redeploy it.")
-    ranked = ranks_reconcile(node)  # issue 17: this node's worker ranks: adopted, or their group failed
+    ranked = ranks_reconcile(node)  # this node's worker ranks: adopted, or their group failed
     report["adopted"] += ranked["adopted"]
     report["failed"] += ranked["failed"]
     return report

@@ -1,5 +1,5 @@
-"""Node-side building blocks of deployment work: status moves a stop request can interrupt,
-timeline steps, stopping an engine that is provably ours, and failing a deployment.
+"""Node-side building blocks of deployment work: status moves a stop request can interrupt, timeline
+steps, failing a deployment (its engine stopped through lifecycle.halt), the model's folder, the unit.
 
 Used by plan.py (deploy, follow, persist), ranks.py (a worker node's rank), watch.py (stop, crashes)
 and reconcile.py (agent start).
@@ -15,18 +15,17 @@ from django.utils import timezone
 
 from controlpanel.states import InvalidTransition
 from deployments import live, secrets
-from deployments.host import engine, enginelog, engineuser, ownership, systemd
+from deployments.dispatch import ranks_stop
+from deployments.host import engine, enginelog, engineuser, systemd
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
-from deployments.services.deploys import deployment_event, deployment_ranks_stop
+from deployments.node import lifecycle
+from deployments.node.lifecycle import TAIL_LINES
+from deployments.node.lifecycle import running as engine_running
 from deployments.services.repos import model_copy_download
+from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
-STOP_TERM_S, STOP_KILL_S = 30.0, 10.0
-# Ray's `ray start --block` spends 20-40 s trying to drain its node through a GCS that is going away on
-# SIGTERM (measured, Ray 2.60): its processes get a short grace, then SIGKILL (what `ray stop --force` does).
-RAY_TERM_S = 3.0
-TAIL_LINES = 400
 # A deploy waiting on a download gives up when the download's row has not moved for this long
 # (its worker died, or Redis/the database went away and did not come back).
 DOWNLOAD_STALL_S = float(os.environ.get("DEPLOY_DOWNLOAD_STALL", "300"))
@@ -96,13 +95,12 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
     Retried while the database is away (a dropped connection, a restart): the row must not stay
     mid-plan once it is back."""
     try:
-        _stop_proven(d)
-    except engine.EngineError:
-        pass
+        halt_engine(d)  # a persisted one's unit disabled too: systemd must not start it again
+    except (engine.EngineError, systemd.SystemdError, PlanFailed) as exc:
+        log.warning("deployment %s: stopping the engine on failure: %s", d.name, exc)
     if d.log_path:
         d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES))
-    d.pid = d.pgid = d.pid_create_time = None
-    d.marker, d.shm_files = "", []
+    d.forget_process()
     for attempt in range(attempts):
         try:
             if connection.connection is not None and not connection.in_atomic_block:
@@ -114,7 +112,7 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
                     return  # failed already by another path (a rank lost while the watch saw the head die)
                 mark_stopped(d, message)
             deployment_event(d, "failed", message, level=DeploymentEvent.Level.ERROR)
-            deployment_ranks_stop(d)  # issue 17: any rank failing ends every other rank
+            ranks_stop(d)  # issue 17: any rank failing ends every other rank
             return
         except DatabaseError:
             log.warning("deployment %s: cannot record the failure yet (database away), retrying", d.name)
@@ -123,92 +121,15 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
     raise PlanFailed(f"{d.name}: could not record the failure: the database stayed away")
 
 
-def engine_running(d: Deployment) -> bool:
-    """The deployment's engine leader runs and is provably ours (marker or systemd unit)."""
-    return bool(d.pid) and engine.alive(d.pid, d.pid_create_time or 0.0) and ownership.pid_owned(
-        d.pid, d.marker, d.systemd_unit or None)
-
-
-def _stop_proven(d: Deployment) -> engine.StopResult | None:
-    """Stop the deployment's process group only when it is provably its engine, then clean the
-    /dev/shm files it was seen holding. A group that cannot be proven ours is reported on the
-    timeline and never signalled (after a reboot or PID reuse it is someone else's)."""
-    result = None
-    if not d.pgid and d.marker:  # launched, but the agent died before it wrote the PID down
-        marked = ownership.find(d.marker)
-        d.pgid = pgid_of(marked[0]) if marked else None
-    if d.pgid and ownership.owned(d.pgid, d.marker, d.systemd_unit or None):
-        result = engine.stop(d.pgid, STOP_TERM_S, STOP_KILL_S)
-    elif d.pgid and engine.members(d.pgid):
-        deployment_event(d, "not_signalled", f"Process group {d.pgid} runs but does not carry this deployment's "
-                         "marker: it is not provably ours, so it was left alone.", level=DeploymentEvent.Level.WARNING)
-    if d.marker and (left := stop_marked(d.marker)) and result:  # e.g. a Ray head's processes (issue 17)
-        result.survivors += left
-    if not (result and result.survivors):
-        engine.remove_unused_shm(set(d.shm_files or []))
-        d.shm_files = []
-    return result
-
-
-def stop_marked(marker: str) -> list[int]:
-    """Stop every process group a process carrying `marker` is in (the panel set it: they are ours): what is
-    left once an engine's own group stopped, such as a Ray node's processes (Ray starts its workers in groups
-    of their own). Short grace (RAY_TERM_S); returns the PIDs that survived."""
-    survivors: list[int] = []
-    for _ in range(3):  # a member may fork while its group is being stopped
-        groups = {g for g in map(pgid_of, ownership.find(marker)) if g and g not in (os.getpgrp(), os.getsid(0))}
-        if not groups:
-            return []
-        survivors = [pid for g in groups for pid in engine.stop(g, RAY_TERM_S, STOP_KILL_S).survivors]
-    return survivors
-
-
-def pgid_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
-
-
-def adopt_marked(d: Deployment) -> bool:
-    """An engine carrying the row's marker whose PID was never recorded: take it as the row's."""
-    marked = ownership.find(d.marker)
-    leaders = [pid for pid in marked if pgid_of(pid) == pid] or marked
-    if not leaders:
-        return False
-    d.pid, d.pgid = leaders[0], pgid_of(leaders[0])
-    d.pid_create_time = None
-    Deployment.objects.filter(pk=d.pk).update(pid=d.pid, pgid=d.pgid, pid_create_time=None)
-    return engine_running(d)
-
-
-def record_shm(d: Deployment) -> None:
-    """Remember the engine's /dev/shm files while it runs: after a crash nothing names them."""
-    if d.pgid and d.marker:
-        seen = sorted(set(d.shm_files or []) | engine.shm_files(d.pgid))
-        if seen != (d.shm_files or []):
-            d.shm_files = seen
-            Deployment.objects.filter(pk=d.pk).update(shm_files=seen)
-
-
 def halt_engine(d: Deployment) -> str:
-    """Stop one deployment's engine: its systemd unit or its whole process group; say how."""
-    if d.systemd_unit:
-        systemd.disable(d.systemd_unit)  # a stopped deployment must not come back at the next boot
-    if not d.pgid:
-        _stop_proven(d)  # its /dev/shm files, if a crash left them
-        return "not running"
-    result = _stop_proven(d)
-    if result is None:
-        d.pid = d.pgid = d.pid_create_time = None
-        return "not running (its process group was not provably ours; left alone)"
-    if result.survivors:
-        raise PlanFailed(f"PIDs {result.survivors} of {d.name} survived SIGKILL (stuck in the driver?)")
-    if d.log_path:
-        d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES))
-    d.pid = d.pgid = d.pid_create_time = None
-    shm = f", {len(result.shm_removed)} /dev/shm files removed" if result.shm_removed else ""
-    return f"{' then '.join(result.signals_sent) or 'already gone'} in {result.seconds:.1f} s{shm}"
+    """Stop one deployment's engine (its systemd unit disabled, its whole process group); say how."""
+    halted = lifecycle.halt(d)
+    if halted.unproven:
+        deployment_event(d, "not_signalled", f"Process group {halted.unproven} runs but does not carry this deployment's "
+                         "marker: it is not provably ours, so it was left alone.", level=DeploymentEvent.Level.WARNING)
+    if halted.result and halted.result.survivors:
+        raise PlanFailed(f"PIDs {halted.result.survivors} of {d.name} survived SIGKILL (stuck in the driver?)")
+    return halted.describe()
 
 
 def mark_stopped(d: Deployment, message: str) -> None:
@@ -221,7 +142,7 @@ def mark_stopped(d: Deployment, message: str) -> None:
             row.status, row.status_message, row.stopped_at = S.STOPPED, secrets.redact_deployment(d, message), timezone.now()
         row.save()
     d.status, d.pid, d.pgid = S.STOPPED, None, None
-    deployment_ranks_stop(row)
+    ranks_stop(row)
     live.send_deployment_status(row)
 
 

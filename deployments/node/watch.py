@@ -1,19 +1,19 @@
 """Engines on this node after they started: stop on request, crash detection (with auto-restart),
 queued plans that expired, the live figures of ready engines, and forgetting a deleted one."""
 import time
-from pathlib import Path
 
-from django.db import transaction
 from django.utils import timezone
 
 from deployments import live
-from deployments.host import enginelog, systemd, vllm
-from deployments.models import Deployment, DeploymentEvent, Node
-from deployments.services.deploys import deployment_event, deployment_holders, send_plan
-from deployments.services import raycluster
-from deployments.services.ranks import ranks_watch
-from deployments.services.steps import (TAIL_LINES, engine_running, fail, halt_engine, mark_stopped, record_shm,
-                                        step_unchecked)
+from deployments.host import systemd, vllm
+from deployments.models import Deployment, DeploymentEvent
+from deployments.node import raycluster, units
+from deployments.node.crashes import deployment_crashed
+from deployments.node.lifecycle import record_shm
+from deployments.node.lifecycle import running as engine_running
+from deployments.node.ranks import ranks_watch
+from deployments.node.steps import fail, halt_engine, mark_stopped, step_unchecked
+from deployments.timeline import deployment_event
 
 S = Deployment.Status
 
@@ -48,7 +48,11 @@ def deployments_watch(node_id: int, state: dict) -> None:
     now = time.monotonic()
     for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
         alive = engine_running(d)
-        ray_lost = alive and raycluster.uses_ray(d) and not raycluster.head_alive(d)  # issue 17
+        if not alive and d.systemd_unit:  # its unit restarts it (systemd owns a persisted engine's restarts)
+            units.engine_exited(d)
+            state.pop(d.pk, None)
+            continue
+        ray_lost = alive and raycluster.uses_ray(d) and not raycluster.head_alive(d)
         alive = alive and not ray_lost
         failures = state.setdefault(d.pk, 0)
         if alive and now - state.get(f"checked:{d.pk}", -1e9) >= 5:
@@ -61,7 +65,8 @@ def deployments_watch(node_id: int, state: dict) -> None:
                   else "/health failed 3 times in a row")
         deployment_crashed(d, reason)
         state.pop(d.pk, None)
-    ranks_watch(node_id)  # issue 17: worker ranks this node runs for multi-node deployments
+    ranks_watch(node_id)  # worker ranks this node runs for multi-node deployments
+    units.units_watch(node_id, state.setdefault("units", {}))  # persisted engines systemd is starting again
     expire_queued(node_id)
 
 
@@ -90,31 +95,3 @@ def deployments_metrics(node_id: int, state: dict) -> None:
             waiting=m.get("num_requests_waiting"), kv_cache=m.get("kv_cache_usage_perc")))
 
 
-def deployment_crashed(d: Deployment, reason: str) -> None:
-    """Fail a ready deployment whose engine (or, issue 17, any rank) died; auto-restart it as a whole with backoff."""
-    if not Deployment.objects.filter(pk=d.pk, status=S.READY).exists():
-        return  # failed or restarted already: the head's engine and a worker rank were seen dying at once
-    lost = d.ranks.select_related("node").filter(state="failed").first()
-    if lost:  # issue 17: the head often dies because a worker rank did; say which
-        reason = f"rank {lost.rank} on node {lost.node.name} died ({lost.message}), then {reason}"
-    d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
-    last = d.log_tail.splitlines()[-5:]
-    fail(d, f"Crashed: {reason}. Last log lines: " + " | ".join(last))
-    if d.auto_restart:
-        delay = min(600, 10 * 2 ** d.restarts)
-        with transaction.atomic():
-            Node.objects.select_for_update().get(pk=d.node_id)  # the lock every claiming path takes
-            row = Deployment.objects.select_for_update().get(pk=d.pk)
-            if row.status != S.FAILED:
-                return  # moved on meanwhile (a stop, a redeploy)
-            # Restarted as a whole (issue 17): the plan runs every rank again, so every node's GPUs must be free.
-            places = [(d.node, d.gpu_indices), *((r.node, r.gpu_indices) for r in d.ranks.select_related("node"))]
-            clash = next(((n, c) for n, indices in places if (c := deployment_holders(n, indices, exclude=d).first())), None)
-            if clash:
-                deployment_event(d, "auto_restart", f"Not restarted: {clash[1].name} uses its GPUs on {clash[0]} now.")
-                return
-            row.restarts += 1
-            row.transition(S.QUEUED)
-            row.save()
-            send_plan(row, countdown=delay)
-        deployment_event(d, "auto_restart", f"Restarting in {delay} s (restart {row.restarts}).")

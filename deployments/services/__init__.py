@@ -2,6 +2,8 @@
 the module you use (`from deployments.services import deploys`).
 
 Control plane: nodes (registration, telemetry, routing host work), repos (models and their copies),
-deploys (create, redeploy, stop, persist). On the node: plan (the deploy plan), watch (stop, crashes,
-live figures), reconcile (agent start), steps (their shared building blocks), guards (foreign GPU holders).
+deploys (create, redeploy, stop, persist), multinode (placement checks). What runs on the node (the plan,
+ranks, Ray, the crash watch, reconcile, an engine's lifecycle) is in deployments/node/; what both sides
+need sits beneath both: timeline.py (events), claims.py (GPU holders, the node lock), dispatch.py (host
+work by task name), layout.py (an engine's parallel layout).
 """

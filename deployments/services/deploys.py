@@ -1,58 +1,32 @@
 """Services for deployments, control-plane side: create, redeploy, restart, stop, persist.
 
 Each one validates, writes the row and sends the work to the node's agent
-(deployments.services.plan and .watch run it there).
+(deployments/node/plan.py and watch.py run it there).
 """
 from dataclasses import dataclass
-from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 from django.utils.text import slugify
 
 from controlpanel.errors import ServiceError
-from controlpanel.queue import enqueue
 from controlpanel.roles import is_admin
 from deployments import deploydefaults, engineoptions, flagvalues, live, privileged, secrets
-from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
-from deployments.services import multinode
-from deployments.services.nodes import node_enqueue
+from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+from deployments.services import fitgate, multinode, repos
+from deployments.claims import deployment_holders, lock_node
+from deployments.dispatch import node_enqueue, send_plan
+from deployments.dispatch import ranks_stop as deployment_ranks_stop
+from deployments.timeline import deployment_event
 
 __all__ = ["deployment_ranks_stop", "deployment_create", "deployment_free_port", "deployment_default_name", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
            "deployment_event", "ForeignProcesses",
            "deployment_delete"]
 
 
-def deployment_event(d: Deployment, step: str, message: str = "", level: str = "info", ongoing: bool = False,
-                     **data) -> DeploymentEvent:
-    """Add a step to the timeline and push it to the page. Only an `ongoing` step is ended later; any other
-    event is a moment (queued, stop requested, failed), ended as it starts, so no row shows "…" forever."""
-    now = timezone.now()
-    message = secrets.redact_deployment(d, message)  # messages quote engine log lines, which may carry secrets
-    event = DeploymentEvent.objects.create(deployment=d, step=step, message=message, level=level, data=data,
-                                           started=now, ended=None if ongoing else now)
-    live.send_timeline_step(event)
-    return event
-
-
-def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
-    """Active deployments that hold any of these GPUs of the node, as its head or as a worker rank
-    (issue 17); on a node without GPUs, the whole host is the claim: every active deployment there."""
-    holders = node.deployments.filter(status__in=Deployment.ACTIVE)
-    has_gpus = bool(gpu_indices) or node.gpus.exists()
-    if has_gpus:
-        holders = holders.filter(gpus__index__in=gpu_indices).distinct()
-    ranks = DeploymentRank.objects.filter(node=node, deployment__status__in=Deployment.ACTIVE).exclude(
-        state__in=DeploymentRank.ENDED).values_list("deployment_id", "gpu_indices")
-    as_rank = [pk for pk, held in ranks if not has_gpus or set(held or []) & set(gpu_indices)]
-    if as_rank:
-        holders = Deployment.objects.filter(pk__in=[*holders.values_list("pk", flat=True), *as_rank])
-    return holders.exclude(pk=exclude.pk) if exclude else holders
-
-
 def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
-           replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False, nnodes: int = 1) -> None:
+           replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False, nnodes: int = 1,
+           env: dict | None = None, override_fit: bool = False, admin: bool = False) -> fitgate.FitOverride | None:
     """Refuse what cannot work before anything is stopped or started. Callers hold the node's
     row lock, so two claims on one node's GPUs are decided one after the other.
 
@@ -92,6 +66,8 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     if listener := next((p for p in strangers if port in (p.get("ports") or [])), None):
         raise ServiceError(f"Port {port} is in use on {node} by PID {listener['pid']} ({listener['user']}: "
                            f"{listener['command'][:60]}): choose another port, or stop it.", field="port", code="port_in_use")
+    fit = fitgate.model_fit_gate(model, node, gpu_indices, engine_args, env or {}, nnodes=nnodes,
+                                 override=override_fit, admin=admin, deployment=deployment)
     busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in Deployment.IN_FLIGHT]
     if busy:
         raise ServiceError(f"GPUs {', '.join(map(str, gpu_indices))} are busy: {busy[0].name} is "
@@ -99,6 +75,7 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     foreign = [p for p in strangers if not gpu_indices or set(p.get("gpus") or []) & set(gpu_indices)]
     if foreign and not stop_foreign:
         raise ForeignProcesses(processes=foreign, on_gpus=bool(gpus))
+    return fit
 
 
 @dataclass
@@ -143,7 +120,7 @@ def _unique_name(base: str) -> str:
 def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int | None, engine_args: dict,
                       env: dict, name: str = "", replace_ids=(), secret_env=(), auto_restart: bool = False, stall_seconds: int = 600,
                       stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False,
-                      workers=(), master_port: int | None = None) -> Deployment:
+                      workers=(), master_port: int | None = None, override_fit: bool = False) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
 
     `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
@@ -151,7 +128,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     rather than a new `-2` row made per try; an existing name is redeployed only with `replace_existing`.
     `workers` (multinode.Worker: node and GPUs) spread it over more nodes, `node` being the head (issue 17)."""
     workers = multinode.lock_nodes(node, list(workers)) if workers else []  # every node's lock, in id order
-    node = Node.objects.select_for_update().get(pk=node.pk)  # one deploy decision per node at a time
+    node = lock_node(node.pk)  # one deploy decision per node at a time
     engine_args, env = privileged.canonical(engine_args, env)  # one spelling for every check below and the argv
     # The form's defaults for the node under the caller's own (issue 27: the CLI is the form), and the
     # repo id as the served name unless one is given, so the stored flags and the plan show what to call.
@@ -166,13 +143,15 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
                                    env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
                                    stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user,
+                                   override_fit=override_fit,
                                    **({"workers": workers} if workers else {}))
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
                            "Restart on its page) or choose another name.", field="name", code="exists")
     port = port or deployment_free_port(node)
-    _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
-           replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers))
+    fit = _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
+                 replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers), env=env,
+                 override_fit=override_fit, admin=is_admin(user))
     multinode.check_executor(engine_args, 1 + len(workers))
     if workers:
         multinode.check(model=model, head=node, head_gpus=gpu_indices, workers=workers, engine_args=engine_args,
@@ -192,16 +171,10 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     else:
         deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}"
                          + (f", Ray head on port {d.master_port}." if ray else "."))
+    if fit:
+        deployment_event(d, "fit_override", fit.message, level="warning", **fit.data)
     send_plan(d)
     return d
-
-
-def send_plan(d: Deployment, countdown: int = 0) -> None:
-    """Queue the plan with an expiry: a node that comes back later does nothing (the row says so)."""
-    expires = settings.HOST_TASK_EXPIRES_S + countdown
-    d.expires_at = timezone.now() + timedelta(seconds=expires)
-    Deployment.objects.filter(pk=d.pk).update(expires_at=d.expires_at)
-    enqueue("deployments.deployment_run", args=[d.pk], queue=d.node.queue, countdown=countdown, expires=expires)
 
 
 @transaction.atomic
@@ -209,12 +182,13 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     """Run the plan again (restart), optionally with changed settings; a running engine is stopped first.
     A multi-node deployment's placement is checked again (issue 17); `workers` (multinode.Worker) changes it."""
     workers = _redeploy_workers(d, changes.pop("workers", None))  # every node's lock, in id order
-    Node.objects.select_for_update().get(pk=d.node_id)  # the lock every claiming path takes
+    lock_node(d.node_id)
     d = Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
     if d.status in Deployment.IN_FLIGHT:
         raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; wait for it or stop it first.", code="busy")
     gpu_indices = changes.pop("gpu_indices", d.gpu_indices)
     user = changes.pop("user", None)
+    override_fit = changes.pop("override_fit", False)
     old_args, old_env = d.engine_args, d.env
     if "engine_args" in changes:  # one spelling for every check below and the argv
         changes["engine_args"] = deploydefaults.keep_served_name(privileged.canonical(changes["engine_args"], {})[0],
@@ -235,8 +209,9 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
             changed |= value != getattr(d, field)
             setattr(d, field, value)
     d.engine_args, d.env = privileged.canonical(d.engine_args, d.env)  # a row stored before canonical names too
-    _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
-           replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers))
+    fit = _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
+                 replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers), env=d.env,
+                 override_fit=override_fit, admin=is_admin(user))
     multinode.check_executor(d.engine_args, 1 + len(workers))
     if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
         ray = multinode.executor(d.engine_args) == "ray"
@@ -255,6 +230,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         placed = " on new worker nodes: " + "; ".join(f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})"
                                                       for i, w in enumerate(workers, 1))
     deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changed else "")) + ".")
+    if fit:
+        deployment_event(d, "fit_override", fit.message, level="warning", **fit.data)
     send_plan(d)
     live.send_deployment_status(d)
     return d
@@ -282,27 +259,19 @@ def deployment_stop(d: Deployment) -> Deployment:
     d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
     if d.status in Deployment.TERMINAL:
         raise ServiceError(f"{d.name} is already {d.get_status_display().lower()}.", code="not_running")
-    if d.status == Deployment.Status.STOPPING:
+    if d.status == Deployment.Status.STOPPING:  # the first halt may be lost (Redis emptied, a web process killed)
+        deployment_event(d, "stop", "Stop requested again: the halt is sent again.")
+        node_enqueue(d.node, "deployments.deployment_halt", d.pk)
+        deployment_ranks_stop(d)
         return d
     d.transition(Deployment.Status.STOPPING)
     d.save()
-    deployment_event(d, "stop", "Stop requested.")
+    cancelled = repos.model_download_cancel_for(d)  # the download its plan started, if it still runs
+    deployment_event(d, "stop", "Stop requested." + "".join(f" {c}" for c in cancelled))
     node_enqueue(d.node, "deployments.deployment_halt", d.pk)
     deployment_ranks_stop(d)  # every worker rank on its own node, at once
     live.send_deployment_status(d)
     return d
-
-
-def deployment_ranks_stop(d: Deployment) -> int:
-    """Stop every worker rank of a multi-node deployment still on, each on its own node's queue
-    (issue 17: Stop, a failure or a crash of any rank ends them all); how many were asked."""
-    asked = 0
-    for r in d.ranks.select_related("node").exclude(state__in=DeploymentRank.ENDED):
-        DeploymentRank.objects.filter(pk=r.pk).exclude(state__in=DeploymentRank.ENDED).update(
-            state=DeploymentRank.State.STOPPING)
-        enqueue("deployments.rank_halt", args=[r.pk], queue=r.node.queue)
-        asked += 1
-    return asked
 
 
 def deployment_delete(d: Deployment) -> bool:
@@ -312,6 +281,7 @@ def deployment_delete(d: Deployment) -> bool:
         d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
         if d.status not in Deployment.TERMINAL:
             raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; stop it first.", code="busy")
+        repos.model_download_cancel_for(d)
         if d.systemd_unit and d.ranks.exists():  # issue 17: every worker node removes its rank's unit, then the head
             workers = ", ".join(d.ranks.values_list("node__name", flat=True))
             deployment_event(d, "delete", f"Removing each rank's unit from {workers}, then {d.systemd_unit} from {d.node}, "

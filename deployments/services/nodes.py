@@ -5,8 +5,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel.queue import enqueue
 from deployments import history, live
+from deployments.dispatch import node_enqueue  # noqa: F401 - re-exported: callers route host work through nodes
 from deployments.models import Deployment, DeploymentRank, Gpu, Node
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,6 @@ def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: in
     if ram_total is not None:
         fields.update(ram_total=ram_total, cpu_count=cpu_count or 0)
     Node.objects.filter(pk=node_id).update(**fields)
-
-
-def node_enqueue(node: Node, task_name: str, *args) -> None:
-    """Send a host task (by name) to the node's own queue once the current transaction commits."""
-    # The expiry drops work a node that was offline would run days later; the agent re-queues at
-    # its start what it still owes (unfinished downloads and stops), from the rows.
-    enqueue(task_name, args=list(args), queue=node.queue, expires=settings.HOST_TASK_EXPIRES_S)
 
 
 def node_engines(node_id: int) -> dict[int, dict]:

@@ -34,7 +34,7 @@ def _sample(i, used_gib=10, procs=(), power=None):
 @pytest.fixture(autouse=True)
 def no_engine_report():
     """Asking `vllm serve --help=all` is the engine's business, tested in tests/host."""
-    with mock.patch("deployments.services.reconcile.node_engine_report", autospec=True) as report:
+    with mock.patch("deployments.node.reconcile.node_engine_report", autospec=True) as report:
         yield report
 
 

@@ -3,6 +3,7 @@
 from unittest import mock
 
 import pytest
+from celery.app.task import Task
 from django.urls import reverse
 
 from deployments.models import Deployment
@@ -14,7 +15,7 @@ GiB = 2**30
 
 @pytest.fixture
 def sent():
-    with mock.patch("deployments.services.deploys.enqueue", autospec=True) as fn:
+    with mock.patch("deployments.dispatch.enqueue", autospec=True) as fn:
         yield fn
 
 
@@ -50,13 +51,14 @@ def test_an_admin_gets_deploy_anyway_and_a_model_that_fits_gets_deploy_on(client
     assert 'id="deploy-submit">' in html and "Deploy is off" not in html
 
 
-def test_check_fit_weighs_the_values_sent_and_deploys_nothing(operator_client, sent):
+def test_check_fit_weighs_the_values_sent_and_deploys_nothing(operator_client, sent, django_capture_on_commit_callbacks):
     model, node = _cpu(2)
     first = _page(operator_client, model, node).content.decode()
     assert "fits in RAM" in first and "Deploy is off" not in first
     data = {"port": 8001, "tp": 1, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
             "stall_seconds": 600, "env": "VLLM_CPU_KVCACHE_SPACE=40", "check": "1"}
-    response = _page(operator_client, model, node, **data)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = _page(operator_client, model, node, **data)
     assert response.status_code == 200 and not Deployment.objects.exists() and not sent.called
     html = response.content.decode()
     assert "KV cache 40.0 GiB" in html and 'id="deploy-submit" disabled' in html
@@ -80,3 +82,22 @@ def test_a_gpu_node_with_another_node_shows_the_gpu_and_multi_node_fields(operat
     html = _page(operator_client, model, node).content.decode()
     for name in ("gpus", "tp", "gpu_memory_utilization", "workers", "master_port"):
         assert f'data-field="{name}"' in html, name
+
+
+FORM = {"port": 8001, "tp": 1, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
+        "stall_seconds": 600, "env": "VLLM_CPU_KVCACHE_SPACE=1"}
+
+
+def test_a_deploy_sent_anyway_is_refused_naming_the_fit_and_an_admins_override_is_on_the_timeline(client, sent):
+    model, node = _cpu(30)
+    client.force_login(UserFactory(role="operator"))
+    response = _page(client, model, node, **FORM, override_fit="on")  # Deploy pressed with the button forced on
+    assert response.status_code == 409 and not Deployment.objects.exists()
+    assert "Only an admin can deploy against the fit check" in response.content.decode()
+    response = _page(client, model, node, **FORM)
+    assert response.status_code == 409 and "acme/big does not fit cpu-01: needs ~34.0 GiB of RAM" in response.content.decode()
+    client.force_login(UserFactory(role="admin"))
+    response = _page(client, model, node, **FORM, override_fit="on")
+    d = Deployment.objects.get()
+    assert response.status_code == 302 and response["Location"] == reverse("deployment-detail", args=[d.pk])
+    assert d.events.get(step="fit_override").message.startswith("Deployed although the fit check says does not fit")

@@ -19,7 +19,8 @@ from deployments import live
 from deployments.forms import DeployForm
 from deployments.host import engine, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
-from deployments.services import deploys, plan, reconcile, watch
+from deployments.node import plan, reconcile, watch
+from deployments.services import deploys
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -191,8 +192,8 @@ def _clock(monotonic):
     """The node-side services' clock (plan, watch, steps); sleeping returns at once."""
     fake = SimpleNamespace(monotonic=monotonic, sleep=lambda s: None, time=time.time)
     with contextlib.ExitStack() as stack:
-        for module in ("plan", "watch", "steps"):
-            stack.enter_context(mock.patch(f"deployments.services.{module}.time", fake))
+        for module in ("plan", "watch", "steps", "units"):
+            stack.enter_context(mock.patch(f"deployments.node.{module}.time", fake))
         yield
 
 
@@ -258,7 +259,7 @@ def test_a_port_in_use_fails_before_launch(model, node, host):
 def test_a_plan_does_not_download_a_copy_that_is_being_deleted(model, node, host):
     model.copies.update(state="deleting")
     d = _queued(model, node)
-    with mock.patch("deployments.services.steps.model_copy_download", autospec=True) as download:
+    with mock.patch("deployments.node.steps.model_copy_download", autospec=True) as download:
         plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and f"The model's copy on {node} is deleting" in d.status_message
@@ -336,7 +337,7 @@ def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, h
     loading = DeploymentFactory(model=model, node=node, status=S.LOADING, pid=2, pgid=2, port=8002)
     gone = DeploymentFactory(model=model, node=node, status=S.READY, pid=3, pgid=3, port=8003)
     host.mocks["engine.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
-    with mock.patch("deployments.services.reconcile.node_enqueue", autospec=True) as enqueue:
+    with mock.patch("deployments.node.reconcile.node_enqueue", autospec=True) as enqueue:
         report = reconcile.deployments_reconcile(node)
     assert report == {"adopted": [ready.name], "following": [loading.name], "failed": [gone.name]}
     assert enqueue.call_args.args[2] == loading.pk

@@ -15,7 +15,8 @@ import pytest
 from controlpanel.errors import ServiceError
 from deployments.host import ownership
 from deployments.models import Deployment, Node
-from deployments.services import deploys, guards, plan
+from deployments.node import guards, plan
+from deployments.services import deploys
 from tests.conftest import wait_until
 from tests.deployments.test_deploys import _queued, host, model, node, sent  # noqa: F401
 from tests.factories import DeploymentFactory, NodeFactory

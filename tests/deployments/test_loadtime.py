@@ -12,7 +12,7 @@ from deployments import selectors
 from deployments.models import DeploymentEvent, Node
 from deployments.models import Deployment
 from deployments.services import loadtime
-from deployments.services import plan
+from deployments.node import plan
 from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401 - fixtures of the plan's tests
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
 

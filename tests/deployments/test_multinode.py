@@ -16,7 +16,8 @@ from controlpanel.errors import ServiceError
 from deployments.forms import DeployForm
 from deployments.host import enginecli, preflight
 from deployments.models import Deployment, DeploymentRank, Node
-from deployments.services import deploys, multinode, ranks, watch
+from deployments.node import ranks, watch
+from deployments.services import deploys, multinode
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, StudyFactory
 
 pytestmark = pytest.mark.django_db
@@ -46,7 +47,7 @@ def model(nodes):
 
 @pytest.fixture
 def sent():
-    with mock.patch("deployments.services.deploys.enqueue", autospec=True) as enqueue, \
+    with mock.patch("deployments.dispatch.enqueue", autospec=True) as enqueue, \
          mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
         yield enqueue
 
@@ -204,14 +205,14 @@ def test_a_dead_worker_rank_fails_its_group_from_the_head(model, nodes, sent):
     d = _deploy(model, head, worker)
     rank = d.ranks.get()
     DeploymentRank.objects.filter(pk=rank.pk).update(state="running", pid=999999, marker="x")
-    with mock.patch("deployments.services.ranks.enqueue", autospec=True) as told:
+    with mock.patch("deployments.node.ranks.enqueue", autospec=True) as told:
         ranks.ranks_watch(worker.pk)
     rank.refresh_from_db()
     assert rank.state == "failed" and "engine process exited" in rank.message
     told.assert_called_once_with("deployments.deployment_rank_lost", args=[d.pk, rank.pk], queue="node.gpu-a")
     d.status = "ready"
     d.save()
-    with mock.patch("deployments.services.steps._stop_proven", autospec=True):
+    with mock.patch("deployments.node.lifecycle.halt", autospec=True):
         ranks.deployment_rank_lost(d.pk, rank.pk)
     d.refresh_from_db()
     assert d.status == "failed" and "rank 1 on node gpu-b died" in d.status_message
@@ -315,7 +316,7 @@ def test_auto_restart_after_a_rank_dies_runs_every_rank_again(model, nodes, sent
     assert d.status == "queued" and d.restarts == 1
 
     # The restarted plan (on the head) sends every rank its part again, the dead one included.
-    with mock.patch("deployments.services.ranks.enqueue", autospec=True) as told:
+    with mock.patch("deployments.node.ranks.enqueue", autospec=True) as told:
         ranks.ranks_send(d)
     assert sorted((c.kwargs["args"][0], c.kwargs["queue"]) for c in told.call_args_list) == [
         (dead.pk, "node.gpu-b"), (other.pk, "node.gpu-c")]

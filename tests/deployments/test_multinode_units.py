@@ -18,7 +18,8 @@ from django.db import connection
 from controlpanel.errors import ServiceError
 from deployments.host import ownership, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo
-from deployments.services import deploys, multinode, plan, ranks, repos, watch
+from deployments.node import plan, ranks, watch
+from deployments.services import deploys, multinode, repos
 from tests.conftest import free_port
 from tests.deployments.test_deploys import FakeHost, _clock
 from tests.deployments.test_multinode import _node
@@ -30,7 +31,7 @@ S = Deployment.Status
 
 def _placed(model, head, worker, **kw):
     """A deployment over head (GPUs 0, 1) and worker (rank 1, GPUs 0, 1), as the control plane writes it."""
-    with mock.patch("deployments.services.deploys.enqueue", autospec=True), \
+    with mock.patch("deployments.dispatch.enqueue", autospec=True), \
             mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
         return deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={},
                                          engine_args={"tensor-parallel-size": 4}, workers=[multinode.Worker(worker, [0, 1])],
@@ -74,7 +75,7 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
 
     pids = {"vllm-kimi.rank1.service": 6666, "vllm-kimi.service": 5555}
     with _clock(time.monotonic), FakeHost(tmp_path) as host, \
-            mock.patch("deployments.services.ranks.enqueue", side_effect=enqueue), \
+            mock.patch("deployments.node.ranks.enqueue", side_effect=enqueue), \
             mock.patch("deployments.host.systemd.systemctl", autospec=True) as systemctl, \
             mock.patch("deployments.host.systemd.install", autospec=True,
                        side_effect=lambda name, text, **kw: pids[name]) as install, \
@@ -99,7 +100,7 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
         assert ranks.ranks_reconcile(worker)["adopted"] == [str(rank)]
 
         # Stop: every node disables its own unit (so nothing comes back at the next boot).
-        with mock.patch("deployments.services.deploys.enqueue", autospec=True) as stop_sent, \
+        with mock.patch("deployments.dispatch.enqueue", autospec=True) as stop_sent, \
                 mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
             deploys.deployment_stop(d)
             assert stop_sent.call_args == mock.call("deployments.rank_halt", args=[rank.pk], queue=worker.queue)
@@ -113,7 +114,7 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
         with mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as told:
             assert deploys.deployment_delete(d) is False
         assert told.call_args.args == (worker, "deployments.rank_forget", rank.pk)
-        with mock.patch("deployments.services.ranks.node_enqueue", autospec=True) as told:
+        with mock.patch("deployments.node.ranks.node_enqueue", autospec=True) as told:
             ranks.rank_forget(rank.pk)
         assert told.call_args.args == (head, "deployments.deployment_forget", d.pk)
         watch.deployment_forget(d.pk)
@@ -147,7 +148,7 @@ def test_a_worker_rank_downloads_the_model_on_its_own_node_in_its_prepare_step(t
         d = _placed(model, head, worker)  # accepted: gpu-b has no copy but can download one
         rank = d.ranks.get()
         # The head never says "pre-flight" here: the rank stops right after preparing.
-        with mock.patch("deployments.services.ranks._await", autospec=True, side_effect=ranks.Aborted("the deployment ended")):
+        with mock.patch("deployments.node.ranks._await", autospec=True, side_effect=ranks.Aborted("the deployment ended")):
             ranks.rank_run(rank.pk)
     copy = ModelCopy.objects.get(model=model, node=worker)
     assert copy.state == "ready" and copy.bytes_done == model.total_size > 0

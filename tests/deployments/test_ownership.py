@@ -16,7 +16,8 @@ from django.utils import timezone
 from controlpanel.errors import ServiceError
 from deployments.host import engine, ownership, store
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
-from deployments.services import deploys, nodes, plan, reconcile, repos, watch
+from deployments.node import plan, reconcile, watch
+from deployments.services import deploys, nodes, repos
 from tests.deployments.test_deploys import _create, _queued, host, model, node, sent  # noqa: F401
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
@@ -189,7 +190,7 @@ def test_the_launch_step_refuses_when_another_deployment_holds_the_gpus(model, n
     d = _queued(model, node)
     other = DeploymentFactory(node=node, model=model, status=S.STARTING, port=9004, name="sneaky")
     other.gpus.set(node.gpus.filter(index__in=[0]))
-    with mock.patch("deployments.services.plan._stop_holders", return_value="skipped"):
+    with mock.patch("deployments.node.plan._stop_holders", return_value="skipped"):
         plan.deployment_run(d.pk)
     assert not host.mocks["engine.launch"].called
     d.refresh_from_db()
@@ -321,6 +322,6 @@ def test_a_running_deployment_cannot_be_deleted_and_a_plain_one_goes_at_once(mod
 def test_an_agent_restart_sends_again_the_plans_it_had_taken_but_not_started(model, node):
     d = DeploymentFactory(node=node, model=model, status=S.QUEUED, port=9011,
                           expires_at=timezone.now() + timedelta(minutes=5))
-    with mock.patch("deployments.services.reconcile.node_enqueue", autospec=True) as enqueue:
+    with mock.patch("deployments.node.reconcile.node_enqueue", autospec=True) as enqueue:
         reconcile.deployments_reconcile(node)
     assert [c.args[1:] for c in enqueue.call_args_list] == [("deployments.deployment_run", d.pk)]

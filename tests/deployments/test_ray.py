@@ -14,7 +14,8 @@ import pytest
 from controlpanel.errors import ServiceError
 from deployments.host import engine, engineuser, ownership, raynode
 from deployments.models import Deployment
-from deployments.services import deploys, multinode, plan, ranks, steps, watch
+from deployments.node import lifecycle, plan, ranks, steps, watch
+from deployments.services import deploys, multinode
 from tests.deployments.test_deploys import FLAGS, host, model, node  # noqa: F401 - fixtures
 from tests.deployments.test_multinode import _node
 from tests.conftest import wait_until
@@ -27,7 +28,7 @@ RAY = {"tensor-parallel-size": 2, "distributed-executor-backend": "ray"}
 
 @pytest.fixture
 def sent():
-    with mock.patch("deployments.services.deploys.enqueue", autospec=True), \
+    with mock.patch("deployments.dispatch.enqueue", autospec=True), \
          mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
         yield
 
@@ -184,7 +185,7 @@ def test_stop_marked_ends_every_process_group_carrying_the_marker(tmp_path):
     assert len(set(groups)) == 2
     # launch() returns once the child is forked: its marker shows in /proc once it has exec'd
     wait_until(lambda: len(ownership.find(marker)) == 2, timeout=10, message="both marked processes")
-    assert steps.stop_marked(marker) == []
+    assert lifecycle.stop_marked(marker) == []
     assert ownership.find(marker) == [] and not any(engine.members(g) for g in groups)
     assert os.getpid() not in groups
 

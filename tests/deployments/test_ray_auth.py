@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 
 from deployments.host import engine, raynode
 from deployments.models import Deployment, DeploymentRank
-from deployments.services import plan, ranks
+from deployments.node import plan, ranks
 from tests.deployments.test_deploys import FLAGS, host, model, node  # noqa: F401 - fixtures
 from tests.deployments.test_multinode import _node
 from tests.factories import DeploymentFactory, UserFactory

@@ -9,7 +9,7 @@ from unittest import mock
 from django.test import override_settings
 
 from deployments.models import Node
-from deployments.services import guards
+from deployments.node import guards
 from tests import truestate
 
 

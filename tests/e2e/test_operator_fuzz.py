@@ -25,8 +25,9 @@ from benchmarks.models import Study
 from deployments import engineoptions
 from deployments.host import engine, enginecli
 from deployments.models import Deployment
-from deployments.services import deploys, plan
-from deployments.services.steps import PlanFailed
+from deployments.node import plan
+from deployments.services import deploys
+from deployments.node.steps import PlanFailed
 from tests.conftest import VLLM, in_thread, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory, UserFactory

@@ -15,7 +15,8 @@ from django.utils import timezone
 
 from controlpanel.errors import ServiceError
 from deployments.models import Deployment, ModelCopy, ModelRepo
-from deployments.services import deploys, repos, watch
+from deployments.node import watch
+from deployments.services import deploys, repos
 from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
 from tests.faults.conftest import RACES, sha256

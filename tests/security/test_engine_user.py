@@ -9,7 +9,7 @@ from deployments import selectors
 from deployments.agent import Agent
 from deployments.host import engineuser, gpu
 from deployments.models import Node
-from deployments.services import steps
+from deployments.node import steps
 from tests.factories import DeploymentFactory, ModelCopyFactory
 
 pytestmark = pytest.mark.django_db
@@ -20,7 +20,7 @@ ENGINE = engineuser.EngineUser(name="vllm-engine", uid=990, gid=990, groups=(44,
 
 def test_the_node_page_says_who_engines_run_as(tmp_path, client, viewer, unique):
     with mock.patch("deployments.host.gpu.inventory", autospec=True, side_effect=gpu.NvmlUnavailable("none")), \
-            mock.patch("deployments.services.reconcile.node_engine_report", autospec=True):
+            mock.patch("deployments.node.reconcile.node_engine_report", autospec=True):
         agent = Agent(name=f"cpu-{unique}", model_store=str(tmp_path), address="", version="t")
         agent.register()
     facts = Node.objects.get(pk=agent.node_id).engine_user

@@ -7,7 +7,7 @@ from rest_framework.test import APIClient
 
 from deployments import live, secrets
 from deployments.models import Deployment, DeploymentRank
-from deployments.services import plan, ranks, watch
+from deployments.node import plan, ranks, watch
 from tests.deployments.test_deploys import FLAGS, FakeHost, host  # noqa: F401 - host: the plan's node, faked at its boundary
 from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory

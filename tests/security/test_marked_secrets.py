@@ -8,7 +8,8 @@ from rest_framework.test import APIClient
 from benchmarks import services as bench
 from deployments import live, secrets
 from deployments.models import Deployment
-from deployments.services import deploys, plan
+from deployments.node import plan
+from deployments.services import deploys
 from tests.deployments.test_deploys import FLAGS, FakeHost, host  # noqa: F401 - host: the plan's node, faked at its boundary
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 

@@ -1,0 +1,38 @@
+"""GPU claims: which active deployments hold a node's GPUs (as a head or a worker rank), and the node lock
+every claiming path takes. Beneath both sides: the control plane checks a deploy with them
+(services/deploys.py, multinode.py), the node checks again right before an engine starts (node/)."""
+from django.db import transaction
+
+from deployments.models import Deployment, DeploymentRank, Node
+
+__all__ = ["deployment_holders", "lock_node", "first_clash"]
+
+
+def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
+    """Active deployments that hold any of these GPUs of the node, as its head or as a worker rank;
+    on a node without GPUs, the whole host is the claim: every active deployment there."""
+    holders = node.deployments.filter(status__in=Deployment.ACTIVE)
+    has_gpus = bool(gpu_indices) or node.gpus.exists()
+    if has_gpus:
+        holders = holders.filter(gpus__index__in=gpu_indices).distinct()
+    ranks = DeploymentRank.objects.filter(node=node, deployment__status__in=Deployment.ACTIVE).exclude(
+        state__in=DeploymentRank.ENDED).values_list("deployment_id", "gpu_indices")
+    as_rank = [pk for pk, held in ranks if not has_gpus or set(held or []) & set(gpu_indices)]
+    if as_rank:
+        holders = Deployment.objects.filter(pk__in=[*holders.values_list("pk", flat=True), *as_rank])
+    return holders.exclude(pk=exclude.pk) if exclude else holders
+
+
+def lock_node(node_id: int) -> Node:
+    """Lock the node's row until the transaction ends: two claims on one node's GPUs are decided one after
+    the other. The caller is inside transaction.atomic()."""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("lock_node() outside a transaction locks nothing")
+    return Node.objects.select_for_update().get(pk=node_id)
+
+
+def first_clash(node: Node, gpu_indices: list[int], exclude: Deployment) -> Deployment | None:
+    """Under the node lock: another active deployment holding these GPUs (the whole host without GPUs), or None."""
+    with transaction.atomic():
+        lock_node(node.pk)
+        return deployment_holders(node, gpu_indices, exclude=exclude).first()

@@ -1,0 +1,46 @@
+"""A ready deployment whose engine (or any worker rank) died: failed, and restarted as a whole with backoff
+when it asked for auto-restart. The crash watch (watch.py) and a worker node's lost rank (ranks.py) both end
+here. A persisted (unit-backed) deployment is restarted by systemd, never here: see watch.units_watch."""
+from pathlib import Path
+
+from django.db import transaction
+
+from deployments import claims
+from deployments.dispatch import send_plan
+from deployments.host import enginelog
+from deployments.models import Deployment
+from deployments.node.lifecycle import TAIL_LINES
+from deployments.node.steps import fail
+from deployments.timeline import deployment_event
+
+S = Deployment.Status
+
+
+def deployment_crashed(d: Deployment, reason: str) -> None:
+    """Fail a ready deployment whose engine (or any rank) died; auto-restart it as a whole with backoff."""
+    if not Deployment.objects.filter(pk=d.pk, status=S.READY).exists():
+        return  # failed or restarted already: the head's engine and a worker rank were seen dying at once
+    lost = d.ranks.select_related("node").filter(state="failed").first()
+    if lost:  # the head often dies because a worker rank did; say which
+        reason = f"rank {lost.rank} on node {lost.node.name} died ({lost.message}), then {reason}"
+    d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
+    last = d.log_tail.splitlines()[-5:]
+    fail(d, f"Crashed: {reason}. Last log lines: " + " | ".join(last))
+    if d.auto_restart and not d.systemd_unit:  # a unit-backed engine's restarts are systemd's (Restart=on-failure)
+        delay = min(600, 10 * 2 ** d.restarts)
+        with transaction.atomic():
+            claims.lock_node(d.node_id)
+            row = Deployment.objects.select_for_update().get(pk=d.pk)
+            if row.status != S.FAILED:
+                return  # moved on meanwhile (a stop, a redeploy)
+            # Restarted as a whole: the plan runs every rank again, so every node's GPUs must be free.
+            places = [(d.node, d.gpu_indices), *((r.node, r.gpu_indices) for r in d.ranks.select_related("node"))]
+            clash = next(((n, c) for n, indices in places if (c := claims.deployment_holders(n, indices, exclude=d).first())), None)
+            if clash:
+                deployment_event(d, "auto_restart", f"Not restarted: {clash[1].name} uses its GPUs on {clash[0]} now.")
+                return
+            row.restarts += 1
+            row.transition(S.QUEUED)
+            row.save()
+            send_plan(row, countdown=delay)
+        deployment_event(d, "auto_restart", f"Restarting in {delay} s (restart {row.restarts}).")

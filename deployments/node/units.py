@@ -1,0 +1,110 @@
+"""Persisted (unit-backed) engines: systemd starts them at boot and again after a crash (Restart=on-failure,
+RestartSec=systemd.RESTART_SEC); the panel never does, and never kills one it can prove is the deployment's.
+
+Whenever a persisted engine is not the one the row names (a reboot, a crash, an agent that restarted), the
+agent asks systemd for the unit's MainPID and adopts that process when it carries the deployment's marker
+(the unit's Environment= sets it): the deployment shows "loading" and the load is followed to "ready" as any
+load is (a "load" step in its history). While systemd is still to start it (restarting, or enabled for a boot
+not yet done) the deployment waits in "loading" with no PID, for at most UNIT_WAIT_S; a unit systemd gave up on,
+or one no longer enabled, fails the deployment, and fail() disables the unit, so nothing comes back as an orphan.
+"""
+import logging
+import os
+import time
+
+from deployments.dispatch import node_enqueue
+from deployments.host import systemd
+from deployments.models import Deployment
+from deployments.node import lifecycle
+from deployments.node.steps import Aborted, fail, move
+from deployments.timeline import deployment_event
+
+log = logging.getLogger(__name__)
+S = Deployment.Status
+UNIT_WAIT_S = float(os.environ.get("ENGINE_UNIT_WAIT_S", "600"))  # a boot, or systemd's RestartSec, well within
+
+
+def _status(d: Deployment) -> systemd.UnitStatus | None:
+    try:
+        return systemd.unit_status(d.systemd_unit)
+    except systemd.SystemdError as exc:
+        log.warning("deployment %s: cannot read %s: %s", d.name, d.systemd_unit, exc)
+        return None
+
+
+def _wait(d: Deployment, why: str) -> None:
+    """The engine is gone and systemd starts it again: wait in "loading", the row naming no process (its marker
+    kept: the unit's engine carries it, so it is the deployment's and never foreign)."""
+    lifecycle.save(d, pid=None, pgid=None, pid_create_time=None)
+    if d.status == S.READY:
+        try:
+            move(d, S.LOADING, why)
+        except Aborted:
+            return
+    deployment_event(d, "unit_restart", why.capitalize() + ".")
+
+
+def engine_exited(d: Deployment) -> None:
+    """The crash watch saw a ready persisted engine gone: systemd restarts it, the agent adopts it then."""
+    status = _status(d)
+    if status is not None and status.coming:
+        _wait(d, f"the engine exited; {d.systemd_unit} starts it again (systemd's Restart=on-failure, "
+                 f"RestartSec={systemd.RESTART_SEC:g} s)")
+        return
+    from_unit = f"{d.systemd_unit} is {status.active}" if status else f"{d.systemd_unit} cannot be read"
+    fail(d, f"Crashed: the engine exited and {from_unit}; systemd will not start it again.")
+
+
+def unit_settle(d: Deployment) -> str:
+    """On agent start, a persisted deployment whose recorded engine is not running: "following" (its unit's
+    engine adopted, its load followed), "waiting" (systemd is to start it) or "failed"."""
+    if lifecycle.adopt(d):
+        _adopted(d, "the agent restarted and found")
+        return "following"
+    status = _status(d)
+    if status is not None and status.coming:
+        _wait(d, f"waiting for {d.systemd_unit} to start the engine ({status.active}, {status.enabled})")
+        return "waiting"
+    fail(d, f"The node agent restarted and the engine is not running; {d.systemd_unit} is "
+            f"{status.active + ' and ' + status.enabled if status else 'unreadable'}.")
+    return "failed"
+
+
+def _adopted(d: Deployment, how: str) -> None:
+    """The row names the unit's engine now: follow its load to ready (a deployment ready before shows loading)."""
+    if d.status == S.READY:
+        try:
+            move(d, S.LOADING, f"systemd started the engine again (PID {d.pid}); following its load")
+        except Aborted:
+            return
+    elif d.status == S.STARTING:
+        move(d, S.LOADING)
+    deployment_event(d, "adopted", f"{how.capitalize()} the engine {d.systemd_unit} runs (PID {d.pid}, proven by its "
+                     "marker); following its load.")
+    node_enqueue(d.node, "deployments.deployment_follow", d.pk)
+
+
+def units_watch(node_id: int, waiting: dict | None = None) -> None:
+    """Persisted deployments waiting for systemd to start their engine: adopt it once its MainPID carries the
+    marker; fail the deployment when systemd gave up, or after UNIT_WAIT_S."""
+    waiting = {} if waiting is None else waiting
+    rows = Deployment.objects.select_related("node").filter(node_id=node_id, status__in=(S.STARTING, S.LOADING),
+                                                            pid=None).exclude(systemd_unit="").exclude(marker="")
+    seen = set()
+    for d in rows:
+        seen.add(d.pk)
+        since = waiting.setdefault(d.pk, time.monotonic())
+        if lifecycle.adopt(d):
+            waiting.pop(d.pk, None)
+            _adopted(d, "systemd started")
+            continue
+        status = _status(d)
+        if status is not None and not status.coming:
+            fail(d, f"{d.systemd_unit} is {status.active} ({status.enabled}): systemd will not start the engine again.")
+        elif time.monotonic() - since > UNIT_WAIT_S:
+            fail(d, f"{d.systemd_unit} did not start the engine within {UNIT_WAIT_S:.0f} s.")
+        else:
+            continue
+        waiting.pop(d.pk, None)
+    for pk in set(waiting) - seen:
+        waiting.pop(pk, None)
