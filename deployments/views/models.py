@@ -24,10 +24,12 @@ def _to_the_list(request):
     return redirect(reverse("model-list") + "#add-model")
 
 
-@operator_required
 def model_add(request):
-    if request.method != "POST":
-        return _to_the_list(request)
+    return _model_add(request) if request.method == "POST" else _to_the_list(request)
+
+
+@operator_required
+def _model_add(request):
     form = forms.ModelAddForm(request.POST)
     if not form.is_valid():
         return render(request, "deployments/model_list.html", {
@@ -42,10 +44,12 @@ def model_add(request):
     return redirect("model-detail", model.pk)
 
 
-@operator_required
 def model_add_local(request):
-    if request.method != "POST":
-        return _to_the_list(request)
+    return _model_add_local(request) if request.method == "POST" else _to_the_list(request)
+
+
+@operator_required
+def _model_add_local(request):
     form = forms.LocalModelForm(request.POST)
     if not form.is_valid():
         return render(request, "deployments/model_list.html", {
