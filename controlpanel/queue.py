@@ -4,12 +4,12 @@ Services name a task instead of importing their app's tasks module: tasks.py imp
 imports go one way. Each app's AppConfig.ready imports its tasks.py, so every process that runs
 services has the tasks registered.
 
-Engine work has queues of its own on every node (issue 26: a Stop always happens), each consumed by
-the node agent on threads of its own, so none waits behind downloads or benchmarks on `node.<name>`:
+Engine work has queues of its own on every node (issue 26: a Stop always happens), consumed by the node
+agent's worker with `node.<name>` (downloads, benchmarks):
 - `node.<name>.control`: halts and forgets, short, never expiring (a node that was away owes its stops
-  when it returns; deployments/node/redrive.py re-drives one that was lost). Plans never hold its threads.
-- `node.<name>.plans`: plans, follows and worker ranks' launches (they hold a thread for a whole load);
-  a plan keeps its expiry.
+  when it returns; deployments/node/redrive.py re-drives one that was lost or kept waiting for a thread).
+- `node.<name>.plans`: plans, follows and worker ranks' launches; a plan keeps its expiry.
+One thread pool serves the three (nodeagent.py says why); the names let a consumer of its own take one.
 """
 from celery import current_app
 from django.db import transaction

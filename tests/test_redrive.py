@@ -27,7 +27,7 @@ def node():
 
 @pytest.fixture
 def redriver(node):
-    return redrive.Redriver(node.pk, queue=node.queue, slots=2, plan_slots=2)
+    return redrive.Redriver(node.pk, queue=node.queue, slots=2)
 
 
 @pytest.fixture
@@ -111,25 +111,25 @@ def test_a_stopping_rank_on_this_node_is_halted_here(node, redriver, halted):
     halted[0].assert_not_called()  # the head's deployment is another node's to halt
 
 
-def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_the_plans_queue_has_a_free_thread(
+def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_the_worker_has_a_free_thread(
         node, redriver, sent):
     d = DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() + timedelta(seconds=300))
     DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() - timedelta(seconds=1), port=9001)
-    redrive._started("deployments.model_copy_download", [5])  # downloads hold other threads: no matter
-    busy = [(redrive.PLAN, 98), (redrive.FOLLOW, 99)]
-    for name, pk in busy:  # both plan threads follow loads: the plan waits behind them, it is not lost
-        redrive._started(name, [pk])
+    redrive._started(redrive.HALT, [5])  # a halt re-driven here runs on a thread of its own: no matter
+    busy = [(redrive.PLAN, 98), ("deployments.model_copy_download", 99)]
+    for name, pk in busy:  # both worker threads are taken: the plan waits behind them, it is not lost
+        redrive._started(name, [pk], task_id=f"t-{pk}")
     try:
         assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0
     finally:
         for name, pk in busy:
-            redrive._ended(name, [pk])
+            redrive._ended(name, [pk], task_id=f"t-{pk}")
     assert redriver.tick(now=AFTER + 1) == 0
     assert redriver.tick(now=2 * AFTER + 1) == 1
     (name,), options = sent.call_args.args, sent.call_args.kwargs
     assert name == redrive.PLAN and options["args"] == [d.pk] and options["queue"] == "node.gpu-01"
     assert 290 < options["expires"] <= 300  # the expired one ends failed by the watch, never re-sent
-    redrive._ended("deployments.model_copy_download", [5])
+    redrive._ended(redrive.HALT, [5])
 
 
 def test_a_loading_engine_nothing_follows_is_followed_again(node, redriver, sent):
@@ -145,18 +145,18 @@ def test_a_loading_engine_nothing_follows_is_followed_again(node, redriver, sent
     assert sent.call_args.kwargs["args"] != [d.pk]
 
 
-def test_a_lost_run_is_sent_again_only_while_the_node_queue_has_a_free_thread_and_only_one_copy_runs_it(
+def test_a_lost_run_is_sent_again_only_while_the_worker_has_a_free_thread_and_only_one_copy_runs_it(
         node, redriver, sent):
     d = DeploymentFactory(node=node, status=S.READY)
     run = BenchmarkRunFactory(deployment=d, status=BenchmarkRun.Status.QUEUED)
     busy = [("deployments.model_copy_download", 1), ("benchmarks.run_execute", 2)]
-    for name, pk in busy:
-        redrive._started(name, [pk])
+    for name, pk in busy:  # queue tasks hold both worker threads
+        redrive._started(name, [pk], task_id=f"t-{pk}")
     try:
         assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0
     finally:
         for name, pk in busy:
-            redrive._ended(name, [pk])
+            redrive._ended(name, [pk], task_id=f"t-{pk}")
     redriver.tick(now=AFTER + 1)
     redriver.tick(now=2 * AFTER + 1)
     assert sent.call_args.args == (runqueue.RUN_EXECUTE,) and sent.call_args.kwargs["args"] == [run.pk]

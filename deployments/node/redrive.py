@@ -8,11 +8,10 @@ by Celery's task signals) and, for a row owed work that nothing has picked up fo
 
 - a deployment or a worker rank of this node in Stopping: halted here and now, in a thread of this
   process (not through Redis: Redis may be why it was lost, and may still be away);
-- a deployment Queued (its plan), or Starting/Loading with an engine and nothing following it: sent
-  again by name (to the node's plans queue), only while that queue has a free thread (a message waiting
-  behind busy threads is late, not lost); the same for what other apps register in
-  drivers.REDRIVE_DRIVERS (benchmark runs Queued) and the node's own queue. A duplicate finds its row
-  moved on and returns.
+- a deployment Queued (its plan), or Starting/Loading with an engine and nothing following it, and what
+  other apps register in drivers.REDRIVE_DRIVERS (benchmark runs Queued): sent again by name (queue.route
+  picks the node's queue of its kind), only while the agent's worker has a free thread (a message waiting
+  behind busy threads is late, not lost). A duplicate finds its row moved on and returns.
 
 Bound: a halt lost at time t runs by t + REDRIVE_AFTER_S + REDRIVE_EVERY_S (plus the halt itself).
 Host work in hand is known per process, so the loop runs in the agent that consumes the node's queues.
@@ -27,7 +26,7 @@ from celery import current_app, signals
 from django.db import close_old_connections
 from django.utils import timezone
 
-from controlpanel.queue import CONTROL_TASKS, PLAN_TASKS, send_now
+from controlpanel.queue import send_now
 from deployments import drivers
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank
 from deployments.timeline import deployment_event
@@ -88,13 +87,11 @@ def in_hand(name: str, pk) -> bool:
         return (name, pk) in _running.values() or (name, pk) in _held.values()
 
 
-def tasks_in_hand(names=None) -> int:
-    """How many tasks named in `names` run in this process now (each holding a thread); without names,
-    those of the node's own queue (neither engine control nor plans)."""
+def tasks_in_hand() -> int:
+    """How many tasks from the queues run in this process now, each holding a worker thread (a halt
+    re-driven here runs on a thread of its own)."""
     with _lock:
-        if names is None:
-            return sum(name not in CONTROL_TASKS | PLAN_TASKS for name, _ in _running.values())
-        return sum(name in names for name, _ in _running.values())
+        return sum(not str(task_id).startswith("here:") for task_id in _running)
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -102,9 +99,8 @@ def tasks_in_hand(names=None) -> int:
 class Redriver:
     """One node's re-drive: `tick()` is one pass (tests call it), `loop()` repeats it."""
 
-    def __init__(self, node_id: int, *, queue: str, slots: int, plan_slots: int, after_s: float = REDRIVE_AFTER_S):
-        self.node_id, self.queue, self.after_s = node_id, queue, after_s
-        self.slots, self.plan_slots = slots, plan_slots  # threads of the node's queue and of its plans queue
+    def __init__(self, node_id: int, *, queue: str, slots: int, after_s: float = REDRIVE_AFTER_S):
+        self.node_id, self.queue, self.slots, self.after_s = node_id, queue, slots, after_s  # slots: worker threads
         self._waiting: dict[tuple[str, object], float] = {}  # owed and not in hand since (monotonic)
         self._seen: set = set()
         self.counts: collections.Counter = collections.Counter()  # what was re-driven, by task name
@@ -141,10 +137,8 @@ class Redriver:
                                                 ).values_list("pk", flat=True):
             if self.due(RANK_HALT, pk, now=now):
                 done += self._halt(RANK_HALT, pk)
-        # A thread idle on a queue: a message sent there would have been taken by now.
-        if tasks_in_hand(PLAN_TASKS) < self.plan_slots:
+        if tasks_in_hand() < self.slots:  # a thread idle: a message sent here would have been taken by now
             done += self._plans(now)
-        if tasks_in_hand() < self.slots:
             for drive in drivers.REDRIVE_DRIVERS:
                 done += drive(self.node_id, lambda name, pk: self.due(name, pk, now=now), self.send) or 0
         self._waiting = {k: v for k, v in self._waiting.items() if k in self._seen}  # settled rows

@@ -1,8 +1,8 @@
-"""The node agent: registers this host, heartbeats, samples it, and runs three Celery consumers, each
-on threads of its own (issue 26: engine work never waits behind downloads or benchmarks): this host's
-queue `node.<name>` (downloads, benchmarks), `node.<name>.plans` (deploy plans, follows, worker ranks'
-launches) and `node.<name>.control` (halts); and the loop that re-drives lost work from the database
-(deployments/node/redrive.py).
+"""The node agent: registers this host, heartbeats, samples it, runs a Celery worker on this host's
+queues (issue 26): `node.<name>` (downloads, benchmarks), `node.<name>.plans` (deploy plans, follows,
+worker ranks' launches) and `node.<name>.control` (halts, never expiring), and the loop that re-drives
+lost work from the database (deployments/node/redrive.py), which also bounds how long a halt can wait
+for a thread.
 
     python manage.py nodeagent --name gpu-01 --model-store /models
 """
@@ -14,7 +14,6 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
 from controlpanel.celery import app as celery_app
-from controlpanel.celery import consumer_thread
 from controlpanel.queue import control_queue, plan_queue
 from deployments.agent import Agent
 from deployments.node import redrive
@@ -31,13 +30,9 @@ class Command(BaseCommand):
         parser.add_argument("--address", default="", help="Address engines are reached at (default: this host's).")
         parser.add_argument("--sample-seconds", type=float, default=settings.SAMPLE_SECONDS)
         parser.add_argument("--heartbeat-seconds", type=float, default=settings.HEARTBEAT_SECONDS)
-        parser.add_argument("--concurrency", type=int, default=4, help="Downloads and benchmarks run at once.")
-        parser.add_argument("--plan-concurrency", type=int, default=4,
-                            help="Deploy plans and follows run at once (each holds a thread for its whole load).")
-        parser.add_argument("--control-concurrency", type=int, default=4, help="Engine halts run at once.")
+        parser.add_argument("--concurrency", type=int, default=4, help="Host tasks run at once (downloads, deploys, benchmarks).")
 
-    def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency,
-               plan_concurrency, control_concurrency, **options):
+    def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency, **options):
         from django.utils.text import slugify
 
         if slugify(name) != name:
@@ -57,18 +52,21 @@ class Command(BaseCommand):
         stop = threading.Event()
         threading.Thread(target=agent.loop, args=(stop,), name="sampler", daemon=True).start()
         threading.Thread(target=agent.study_loop, args=(stop,), name="studies", daemon=True).start()
-        redriver = redrive.Redriver(agent.node_id, queue=queue, slots=concurrency, plan_slots=plan_concurrency)
+        redriver = redrive.Redriver(agent.node_id, queue=queue, slots=concurrency)
         threading.Thread(target=redriver.loop, args=(stop,), name="redrive", daemon=True).start()
         try:
             close_old_connections()
-            # Halts on threads no download, load or plan can take; plans on threads no download can take.
-            consumer_thread(control_queue(queue), f"{name}-control@{socket.gethostname()}", control_concurrency)
-            consumer_thread(plan_queue(queue), f"{name}-plans@{socket.gethostname()}", plan_concurrency)
-            # The worker consumes this node's queue only; other nodes' work never lands here. Without
-            # Celery's banner (--quiet, before the sub-command): `./panel start` prints the first admin's password.
+            # This node's queues only; other nodes' work never lands here. One pool for the three: Celery
+            # has no per-queue threads, and a second consumer in this process took the agent down with it
+            # when Redis went away (kombu 5.7 restoring unacked messages on a closed connection, the same
+            # crash this worker meets with more than 2 threads); a halt that waits for a thread is run by
+            # the re-drive after its bound. Without Celery's banner (--quiet, before the sub-command):
+            # `./panel start` prints the first admin's password.
             celery_app.worker_main([
-                "--quiet", "worker", "-Q", queue, "-n", f"{name}@%h", "--pool", "threads",
-                "--concurrency", str(concurrency), "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+                "--quiet", "worker", "-Q", ",".join((control_queue(queue), plan_queue(queue), queue)),
+                "-n", f"{name}@%h", "--pool", "threads",
+                "--concurrency", str(concurrency), "--loglevel", "INFO",
+                "--without-gossip", "--without-mingle",
             ])
         finally:
             stop.set()
