@@ -44,7 +44,8 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
 def _fit(model, node, form, deployment=None):
     """The fit estimate for what the form would deploy (its values, or its initial ones unchanged), and
     whether it stops the deploy: a "does not fit" an admin has not overridden for this deployment before."""
-    checked = form if form.is_bound else forms.DeployForm(data=deploydefaults.submitted(form), node=node)
+    checked = form if form.is_bound else forms.DeployForm(
+        data=deploydefaults.submitted(form, keep=("gpus", "port", "workers")), node=node)
     if not checked.is_valid():
         return None, False
     data = checked.cleaned_data
@@ -66,6 +67,12 @@ def _deploy_page(request, model, node, form, status=200, preset="", deployment=N
         "operator_flags": engineoptions.OPERATOR_FLAGS, "operator_env": engineoptions.OPERATOR_ENV,
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit, "fit_blocks": blocked,
         "fit_hint": fitgate.OVERRIDE_HINT, "override": form["override_fit"]}, status=status)
+
+
+def _refused(form, exc: ServiceError) -> None:
+    """A service's refusal on the field it names, else above the form (the override's own box is shown
+    to admins only, so its refusal goes above the form too)."""
+    form.add_error(exc.field if exc.field in form.fields and exc.field != "override_fit" else None, exc.message)
 
 
 def _workers(data) -> list[multinode.Worker]:
@@ -98,7 +105,7 @@ def deploy(request, pk):
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
             workers=_workers(data), master_port=data["master_port"])
     except ServiceError as exc:
-        form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+        _refused(form, exc)
         return _deploy_page(request, model, node, form, status=409)
     return redirect("deployment-detail", d.pk)
 
@@ -136,7 +143,7 @@ def deployment_edit(request, pk):
                                      env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user, **placement)
     except ServiceError as exc:
-        form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+        _refused(form, exc)
         return _deploy_page(request, d.model, d.node, form, status=409, deployment=d)
     return redirect("deployment-detail", d.pk)
 
