@@ -181,6 +181,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
                                        stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
                                        preset="" if v["preset"] == "none" else v["preset"],
                                        replace_existing=v["replace_existing"], master_port=v["master_port"],
+                                       override_fit=v["override_fit"],
                                        workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 

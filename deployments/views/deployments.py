@@ -103,7 +103,7 @@ def deploy(request, pk):
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-            workers=_workers(data), master_port=data["master_port"])
+            workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"])
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, model, node, form, status=409)
@@ -141,7 +141,8 @@ def deployment_edit(request, pk):
         placement = {"workers": _workers(data)} if d.master_port or data["placement"] else {}
         deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
-                                     stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user, **placement)
+                                     stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
+                                     override_fit=data["override_fit"], **placement)
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, d.model, d.node, form, status=409, deployment=d)
