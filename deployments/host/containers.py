@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 
 import docker
 import docker.errors
+import psutil
 from docker.types import DeviceRequest
 
 from deployments.host.errors import HostError
@@ -36,6 +38,7 @@ MARKER_LABEL = "vllm-panel.marker"  # the deployment's marker (ownership.MARKER_
 MARKER_VAR = "PANEL_ENGINE"
 API_TIMEOUT_S = 30  # an image's first start on a busy daemon takes seconds; a hung daemon must not hang a plan
 RUNTIMES = ("process", "docker")
+EXEC_WAIT_S = 10.0  # containerexec's Python start and two execs: ~0.1-0.3 s here
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 
 
@@ -139,7 +142,25 @@ def start(args: dict, log_path: str | Path) -> int:
     if not state.get("Running") or not state.get("Pid"):
         raise ContainerError(f"the engine's container exited at once (code {state.get('ExitCode')}); "
                              f"its log is {log_path}", permanent=True)
-    return int(state["Pid"])
+    pid = int(state["Pid"])
+    _wait_exec(pid)
+    return pid
+
+
+def _wait_exec(pid: int, timeout_s: float = EXEC_WAIT_S) -> None:
+    """Return once the container's main process has exec'd the engine itself (containerexec, then setpriv, then
+    /usr/bin/env where a shebang says so, each exec in place): while an exec is under way /proc/<pid>/environ
+    cannot be read, and the marker that proves the engine ours goes missing for that moment (seen here: in 5
+    launches of 15 the agent's ownership check failed once or more in the first 0.6 s without this wait)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            argv = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            return  # gone already: the follow reads why from the log
+        if argv and "deployments.host.containerexec" not in argv and Path(argv[0]).name not in ("setpriv", "env"):
+            return
+        time.sleep(0.02)
 
 
 def find(marker: str | None = None) -> list[dict]:

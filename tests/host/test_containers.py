@@ -30,7 +30,8 @@ def _spec(tmp_path, **env) -> engine.EngineSpec:
     code = "import os, time; print('serving', os.getcwd(), flush=True); time.sleep(120)"
     model = tmp_path / "model"  # the engine's working folder, as a model's: readable by the engine user
     model.mkdir(mode=0o755, exist_ok=True)
-    return engine.EngineSpec(argv=["/usr/bin/python3", "-c", code], env={ownership.MARKER_VAR: MARKER, **env},
+    # /usr/bin/env first: a shebang's hop, one exec more, as the fake engine's script has
+    return engine.EngineSpec(argv=["/usr/bin/env", "python3", "-c", code], env={ownership.MARKER_VAR: MARKER, **env},
                              log_path=tmp_path / "logs" / "engine.log", cwd=model, run_as=engineuser.current())
 
 
@@ -38,11 +39,12 @@ def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(d
     spec = _spec(tmp_path)
     handle = engine.launch(spec)
     pid = handle.pid
-    assert handle.pgid == pid and handle.create_time == psutil.Process(pid).create_time()
+    proc = psutil.Process(pid)
+    # Every exec is behind it when launch returns: mid-exec, the marker that proves it ours cannot be read.
+    assert proc.cmdline()[1:3] == ["-c", spec.argv[3]], "the container's main process is the engine itself"
+    assert handle.pgid == pid and handle.create_time == proc.create_time()
     wait_until(lambda: "serving" in spec.log_path.read_text() if spec.log_path.exists() else False, timeout=20,
                message="the engine's first log line")
-    proc = psutil.Process(pid)
-    assert proc.cmdline()[1:3] == ["-c", spec.argv[2]], "the container's main process is the engine itself (exec'd)"
     assert ownership.marker_of(pid) == MARKER and ownership.pid_owned(pid, MARKER)
     assert os.getsid(pid) == pid, "a session of its own: the agent stops the engine by its session"
     assert proc.uids().real == spec.run_as.uid, "it runs as the engine user, as on the process path"
