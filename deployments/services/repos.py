@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
-from deployments import live, modelconfig, modelfit, sealed
+from deployments import claims, live, modelconfig, modelfit, sealed
 from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 from deployments.services.nodes import node_enqueue
@@ -184,7 +184,8 @@ def model_disk_check(model: ModelRepo, nodes) -> list[dict]:
 
 def _deletable(node: Node, exclude: ModelCopy | None = None) -> list[dict]:
     """Other copies on the node, biggest first, and whether a running deployment holds each."""
-    busy = set(Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE).values_list("model_id", flat=True))
+    here = ModelCopy.objects.filter(node=node).values("model")
+    busy = set(claims.model_users(node.pk, here).values_list("model_id", flat=True))  # heads and worker ranks
     copies = ModelCopy.objects.filter(node=node).exclude(state=ModelCopy.State.DELETING).select_related("model")
     if exclude:
         copies = copies.exclude(pk=exclude.pk)
@@ -368,10 +369,10 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
 
 
 def _copy_users(copy: ModelCopy):
-    """Active deployments on the copy's node that use its folder (by model, or by the same path)."""
+    """Active deployments that use the copy's folder on its node (by model, or by the same path), with their
+    head there or a worker rank there (a multi-node deployment's rank serves from its own node's copy)."""
     same_folder = ModelCopy.objects.filter(node=copy.node_id, path=copy.path).values("model") if copy.path else []
-    users = Deployment.objects.filter(node=copy.node_id, status__in=Deployment.ACTIVE)
-    return users.filter(model=copy.model_id) | users.filter(model__in=same_folder)
+    return claims.model_users(copy.node_id, [copy.model_id]) | claims.model_users(copy.node_id, same_folder)
 
 
 def model_copy_remove(copy_id: int) -> int:

@@ -5,7 +5,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from deployments.models import ModelRepo
+from controlpanel.errors import ServiceError
+from deployments.models import DeploymentRank, ModelRepo
+from deployments.services import repos
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -80,3 +82,20 @@ def test_a_model_with_a_copy_or_a_deployment_is_not_removed_and_says_what_holds_
     assert "has deployments (tiny-cpu-01)" in api.delete(f"/api/models/{model.pk}/").json()["error"]["message"]
     lone = ModelRepoFactory(repo_id="acme/typo")
     assert api.delete(f"/api/models/{lone.pk}/").status_code == 204 and not ModelRepo.objects.filter(pk=lone.pk).exists()
+
+
+def test_a_copy_a_worker_rank_serves_from_is_not_deleted_and_is_shown_in_use():
+    """A multi-node deployment headed elsewhere holds the copy on its worker node through its rank there."""
+    head, worker = NodeFactory(name="gpu-a"), NodeFactory(name="gpu-b")
+    model = _model()
+    ModelCopyFactory(model=model, node=head, path="/models/a")
+    copy = ModelCopyFactory(model=model, node=worker, path="/models/b")
+    d = DeploymentFactory(model=model, node=head, name="two-nodes", status="ready")
+    DeploymentRank.objects.create(deployment=d, node=worker, rank=1, state=DeploymentRank.State.RUNNING)
+    with pytest.raises(ServiceError) as refused:
+        repos.model_copy_delete(copy)
+    assert refused.value.code == "in_use" and "by two-nodes" in refused.value.message
+    other = ModelCopyFactory(node=worker, path="/models/other")
+    assert {r["model"]: r["in_use"] for r in repos._deletable(worker, exclude=other)} == {str(model): True}
+    DeploymentRank.objects.filter(deployment=d).update(state=DeploymentRank.State.STOPPED)
+    assert repos.model_copy_delete(copy).state == "deleting"
