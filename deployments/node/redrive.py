@@ -13,7 +13,8 @@ by Celery's task signals) and, for a row owed work that nothing has picked up fo
   picks the node's queue of its kind), only while the agent's worker has a free thread (a message waiting
   behind busy threads is late, not lost). A duplicate finds its row moved on and returns.
 
-Bound: a halt lost at time t runs by t + REDRIVE_AFTER_S + REDRIVE_EVERY_S (plus the halt itself).
+Bound: a halt lost at time t, or kept waiting for a worker thread, runs by t + REDRIVE_AFTER_S +
+REDRIVE_EVERY_S (12 s; plus the halt itself). Measured: ~10-12 s (tests/faults/test_lost_halts.py).
 Host work in hand is known per process, so the loop runs in the agent that consumes the node's queues.
 """
 import collections
