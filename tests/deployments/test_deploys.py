@@ -56,11 +56,11 @@ def _create(model, node, **kw):
     return deploys.deployment_create(**{**args, **kw})
 
 
-def test_a_deploy_is_queued_on_the_nodes_own_queue(model, node, sent, django_capture_on_commit_callbacks):
+def test_a_deploy_is_queued_on_the_nodes_own_plans_queue(model, node, sent, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         d = _create(model, node)
     assert d.status == S.QUEUED and d.gpu_indices == [0, 1]
-    assert sent.call_args.kwargs["queue"] == "node.gpu-01" and sent.call_args.kwargs["args"] == [d.pk]
+    assert sent.call_args.kwargs["queue"] == "node.gpu-01.plans" and sent.call_args.kwargs["args"] == [d.pk]
     assert d.events.get().step == "queued"
 
 
