@@ -5,7 +5,7 @@ from django.db import transaction
 
 from deployments.models import Deployment, DeploymentRank, Node
 
-__all__ = ["deployment_holders", "lock_node", "first_clash"]
+__all__ = ["deployment_holders", "lock_node", "first_clash", "model_users"]
 
 
 def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
@@ -36,3 +36,12 @@ def first_clash(node: Node, gpu_indices: list[int], exclude: Deployment) -> Depl
     with transaction.atomic():
         lock_node(node.pk)
         return deployment_holders(node, gpu_indices, exclude=exclude).first()
+
+
+def model_users(node_id: int, model_ids):
+    """Active deployments that use one of these models on the node, as its head or through a worker rank there:
+    a copy they load or serve from must not be deleted."""
+    ranked = DeploymentRank.objects.filter(node_id=node_id).exclude(state__in=DeploymentRank.ENDED).values(
+        "deployment_id")
+    users = Deployment.objects.filter(status__in=Deployment.ACTIVE, model__in=model_ids)
+    return users.filter(node_id=node_id) | users.filter(pk__in=ranked)

@@ -54,9 +54,17 @@ def marker_of(pid: int) -> str | None:
 
 
 def engines_marked(marker: str | None) -> list[int]:
-    """The engine leaders carrying `marker`: processes the panel launched as the engine itself (ROLE_VAR
+    """The engine leaders (process group leaders) carrying `marker`: processes the panel launched as the engine itself (ROLE_VAR
     "engine"), never a Ray node of the same deployment, which carries the marker too (ROLE_VAR "ray")."""
-    return [pid for pid in find(marker) if environ_var(pid, ROLE_VAR) == "engine"]
+    leaders = []
+    for pid in find(marker):
+        try:
+            leader = os.getpgid(pid) == pid  # its children (EngineCore, workers) inherit the marker and the role
+        except OSError:
+            continue
+        if leader and environ_var(pid, ROLE_VAR) == "engine":
+            leaders.append(pid)
+    return leaders
 
 
 def unit_of(pid: int) -> str | None:

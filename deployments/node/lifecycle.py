@@ -117,8 +117,7 @@ def adopt(p: EngineProcess) -> bool:
         if status and status.main_pid and ownership.marker_of(status.main_pid) == p.marker:
             found = status.main_pid
     if found is None:
-        leaders = ownership.engines_marked(p.marker)
-        found = next((pid for pid in leaders if pgid_of(pid) == pid), leaders[0] if leaders else None)
+        found = next(iter(ownership.engines_marked(p.marker)), None)
     if found is None:
         return False
     save(p, pid=found, pgid=pgid_of(found), pid_create_time=create_time(found))

@@ -167,7 +167,9 @@ def model_ready(d: Deployment, node: Node) -> str:
                 except InvalidTransition as exc:  # being deleted
                     raise PlanFailed(f"The model's copy on {node} is {copy.get_state_display().lower()}.") from exc
                 copy.save()
-            copy = model_copy_download(copy.pk)
+            copy = model_copy_download(copy.pk, deployment_id=d.pk)  # a stop cancels only a download its plan started
+        if copy.state == ModelCopy.State.CANCELLED and Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+            raise Aborted("stop requested")  # the stop cancelled it (repos.model_download_cancel_for)
         if copy.state != ModelCopy.State.READY:
             raise PlanFailed(f"The model could not be downloaded to {node}: {copy.error or copy.state}")
     ModelCopy.objects.filter(pk=copy.pk).update(last_used=timezone.now())
