@@ -144,7 +144,9 @@ def test_an_engine_container_sees_what_the_agent_sees_at_the_same_paths():
 
 def test_the_node_agent_can_firewall_multi_node_engines():
     """deployments/host/firewall.py refuses multi-node and Ray deploys where it cannot work: nft in the image,
-    CAP_NET_ADMIN, and the host's cgroup namespace (engine containers' cgroups are matched there)."""
+    CAP_NET_ADMIN, and the host's cgroup namespace, writable (engine containers' cgroups are matched there, its
+    self-test probe gets a cgroup of its own)."""
     agent = SERVICES["nodeagent"]
     assert agent["cgroup"] == "host" and "NET_ADMIN" in agent["cap_add"]
+    assert "/sys/fs/cgroup:/sys/fs/cgroup:rw" in agent["volumes"], "Docker mounts cgroupfs read-only otherwise"
     assert re.search(r"apt-get install .*\bnftables\b", (ROOT / agent["build"]["dockerfile"]).read_text())
