@@ -13,7 +13,7 @@ import redis
 from django.db import close_old_connections
 
 from deployments import drivers, history
-from deployments.host import disk, engineuser, gpu
+from deployments.host import disk, engineuser, firewall, gpu
 from deployments.node import guards, reconcile, watch
 from deployments.services import loadtime, nodes, repos
 
@@ -88,10 +88,21 @@ class Agent:
             report = reconcile.deployments_reconcile(node)
             if any(report.values()):
                 log.info("node %s: deployments after restart: %s", self.name, report)
+            self._sweep_firewall()
             self._reconciled = True
         except Exception:  # noqa: BLE001 - retried next tick
             log.exception("node %s: settling what the last agent left failed; retrying", self.name)
             close_old_connections()
+
+    def _sweep_firewall(self) -> None:
+        """Drop the firewall rules of engine groups that ended while no agent watched (host/firewall.py)."""
+        try:
+            swept = firewall.sweep()
+        except firewall.FirewallError as exc:
+            log.warning("node %s: cannot clean the engines' firewall rules: %s", self.name, exc)
+            return
+        if swept:
+            log.info("node %s: firewall rules of %d ended engine group(s) removed", self.name, len(swept))
 
     def _report_engine(self) -> None:
         try:

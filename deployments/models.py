@@ -283,8 +283,8 @@ class Deployment(Transitions, EngineProcess):
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
     status_message = models.TextField(blank=True)
     systemd_unit = models.CharField(max_length=128, blank=True)
-    ray_token = models.CharField(max_length=128, blank=True, help_text="The Ray cluster's token (RAY_AUTH_TOKEN), new at each "
-                                 "Ray head start; write-only: never shown.")
+    ray_token = models.CharField(max_length=256, blank=True, help_text="The Ray cluster's token (RAY_AUTH_TOKEN), new at each "
+                                 "Ray head start; sealed at rest (deployments/sealed.py); write-only: never shown.")
     stop_foreign = models.BooleanField(default=False, help_text="Stop other (non-panel) processes on the chosen GPUs.")
     prewarm = models.BooleanField(default=False, help_text="Read the model's shards into the page cache while others stop (issue 16).")
     expires_at = models.DateTimeField(null=True, blank=True, help_text="A queued plan not started by then is dropped.")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.host import engine, enginelog, engineuser, ownership, systemd
+from deployments.host import engine, enginelog, engineuser, firewall, ownership, systemd
 from deployments.models import Deployment, DeploymentRank, EngineProcess
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,15 @@ def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
         handle = engine.launch(engine.EngineSpec(argv=spec.argv, env=env, log_path=spec.log_path, cwd=spec.cwd,
                                                  run_as=spec.run_as))
         save(p, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
+    d = deployment_of(p)
+    if d.master_port:  # multi-node or Ray: its cluster ports admit only the deployment's nodes (the API port all)
+        firewall.guard(marker, [p.pid], node_addresses(d), [d.port] if p is d else [])
     return p.pid
+
+
+def node_addresses(d: Deployment) -> list[str]:
+    """Every node of the deployment, head first: who may reach its cluster ports."""
+    return [d.node.address or "127.0.0.1", *(r.node.address or "127.0.0.1" for r in d.ranks.select_related("node"))]
 
 
 def running(p: EngineProcess) -> bool:
@@ -132,6 +140,7 @@ def stop_marked(marker: str) -> list[int]:
     for _ in range(3):  # a member may fork while its group is being stopped
         groups = {g for g in map(pgid_of, ownership.find(marker)) if g and g not in (os.getpgrp(), os.getsid(0))}
         if not groups:
+            firewall.release(marker)  # nothing of it is left: its firewall rules and cgroup go too
             return []
         survivors = [pid for g in groups for pid in engine.stop(g, RAY_TERM_S, STOP_KILL_S).survivors]
     return survivors

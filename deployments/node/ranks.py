@@ -27,7 +27,7 @@ from controlpanel.queue import enqueue
 from controlpanel.states import InvalidTransition
 from deployments import claims, engineargs, layout, secrets
 from deployments.dispatch import node_enqueue
-from deployments.host import engine, enginecli, enginelog, preflight, systemd
+from deployments.host import engine, enginecli, enginelog, firewall, preflight, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
 from deployments.node import lifecycle, raycluster
 from deployments.node.cluster import head_address, multinode_args, rank_env, ranks_failed
@@ -87,6 +87,10 @@ def _set(d: Deployment, state: str) -> None:
 
 def head_preflight(d: Deployment) -> str:
     """Listen on the master port; every worker node connects to the head's address and reports."""
+    try:
+        fw = firewall.check()  # the deployment's ports can be guarded here (else refused, saying why)
+    except firewall.FirewallError as exc:
+        raise PlanFailed(f"Head node {d.node.name}: {exc.message}") from exc
     address = head_address(d)
     ranks_wait(d, {R.PREPARED}, PREPARE_TIMEOUT_S, "Preparing the worker nodes")
     port = layout.port_name(d.engine_args)
@@ -98,7 +102,7 @@ def head_preflight(d: Deployment) -> str:
         _set(d, R.PREFLIGHT)
         ranks_wait(d, {R.REACHED}, PREFLIGHT_TIMEOUT_S, f"Pre-flight to head node {d.node.name} at {address}:{d.master_port}")
     names = ", ".join(d.ranks.values_list("node__name", flat=True))
-    return f"Worker node(s) {names} reached head node {d.node.name} at {address}:{d.master_port} ({port})."
+    return f"Worker node(s) {names} reached head node {d.node.name} at {address}:{d.master_port} ({port}). {fw}"
 
 
 def head_launch_workers(d: Deployment) -> str:
@@ -180,6 +184,7 @@ def rank_run(rank_id: int) -> DeploymentRank:
         _note(r, R.PREPARED)
         _await(r, R.PREFLIGHT)
         address = head_address(d)
+        firewall.check()  # a FirewallError (an EngineError) fails the rank naming this node
         try:
             took = preflight.reach(address, d.master_port, REACH_TIMEOUT_S)
         except preflight.PreflightError as exc:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from django.conf import settings
 
-from deployments import layout
-from deployments.host import engine, enginelog, ownership, raynode
+from deployments import layout, sealed
+from deployments.host import engine, enginelog, firewall, ownership, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle
 from deployments.node.cluster import head_address, rank_env, ranks_failed
@@ -69,6 +69,10 @@ NO_METRICS = {"RAY_enable_metrics_collection": "0"}
 def token(d: Deployment) -> str:
     """The cluster's token as stored now: a worker node's agent loaded its row before the head made it."""
     stored = Deployment.objects.filter(pk=d.pk).values_list("ray_token", flat=True).first() or ""
+    try:
+        stored = sealed.unseal(stored)  # sealed at rest (a token stored before sealing existed: as it is)
+    except sealed.Unreadable as exc:
+        raise PlanFailed(f"Cannot read the Ray cluster's token on this node: {exc}") from exc
     d.ray_token = stored
     try:
         return raynode.auth_env(stored)["RAY_AUTH_TOKEN"]
@@ -90,12 +94,16 @@ def node_env(d: Deployment, address: str, gpu_indices) -> dict:
 def head_start(d: Deployment) -> str:
     """On the head: start the Ray head on the master port, marked as this deployment's."""
     ray = _ray_bin()
+    try:
+        firewall.check()  # a one-node Ray deployment has no pre-flight: refused here where its ports cannot be guarded
+    except firewall.FirewallError as exc:
+        raise PlanFailed(f"Head node {d.node.name}: {exc.message}") from exc
     if not engine.port_free("0.0.0.0", d.master_port):
         raise PlanFailed(f"Port {d.master_port} (the Ray head's) is in use on {d.node}.")
     d.marker = ownership.new_marker(d.pk)  # the engine launched later carries the same one
     d.ray_token = raynode.new_token()  # a new cluster, a new token: the workers' Ray nodes read it from the row
     d.log_path = str(Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-ray-{int(time.time())}.log")
-    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, ray_token=d.ray_token, log_path=d.log_path)
+    Deployment.objects.filter(pk=d.pk).update(marker=d.marker, ray_token=sealed.seal(d.ray_token), log_path=d.log_path)
     address = head_address(d)
     argv = raynode.start_argv(ray, port=d.master_port, node_ip=address, num_gpus=len(d.gpu_indices) or None,
                               temp_dir=_temp_dir(d))
@@ -103,7 +111,8 @@ def head_start(d: Deployment) -> str:
     env = lifecycle.marked_env(node_env(d, address, d.gpu_indices), d.marker, lifecycle.RAY)
     handle = engine.launch(engine.EngineSpec(argv=argv, env=env,
                                              log_path=Path(d.log_path), run_as=engine_user("", "")))
-    return f"Ray head: PID {handle.pid} at {address}:{d.master_port} (log {d.log_path})."
+    fw = firewall.guard(d.marker, [handle.pid], lifecycle.node_addresses(d))
+    return f"Ray head: PID {handle.pid} at {address}:{d.master_port} (log {d.log_path}). {fw}"
 
 
 def rank_argv(r: DeploymentRank) -> list[str]:

@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 from rest_framework.test import APIClient
 
+from deployments import sealed
 from deployments.host import engine, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import plan, ranks
@@ -45,18 +46,20 @@ def _ray_run(model, node, host, env=None):
 def test_the_ray_head_vllm_and_the_panels_status_calls_get_the_deployments_token_in_their_environment(
         model, node, ray_host):
     d, ray_spec, vllm_spec = _ray_run(model, node, ray_host, env={"RAY_AUTH_MODE": "disabled"})
-    assert len(d.ray_token) == 64
+    assert sealed.is_sealed(d.ray_token)  # the row holds ciphertext (deployments/sealed.py)
+    token = sealed.unseal(d.ray_token)
+    assert len(token) == 64 and token not in d.ray_token
     for spec in (ray_spec, vllm_spec):
-        assert spec.env["RAY_AUTH_MODE"] == "token" and spec.env["RAY_AUTH_TOKEN"] == d.ray_token  # set last: wins
-        assert d.ray_token not in " ".join(spec.argv)  # argv is every local user's to read
+        assert spec.env["RAY_AUTH_MODE"] == "token" and spec.env["RAY_AUTH_TOKEN"] == token  # set last: wins
+        assert token not in " ".join(spec.argv)  # argv is every local user's to read
     asked = ray_host.alive_nodes.call_args
-    assert asked.args[2]["RAY_AUTH_TOKEN"] == d.ray_token and asked.args[2]["RAY_AUTH_MODE"] == "token"
+    assert asked.args[2]["RAY_AUTH_TOKEN"] == token and asked.args[2]["RAY_AUTH_MODE"] == "token"
     argv = ray_spec.argv
     assert argv[argv.index("--node-ip-address") + 1] == node.address
     assert argv[argv.index("--include-dashboard") + 1] == "false"
     assert ray_spec.env["RAY_enable_metrics_collection"] == "0"  # no Prometheus endpoint on every interface
     again, _, _ = _ray_run(model, node, ray_host)
-    assert again.ray_token != d.ray_token  # each cluster its own
+    assert sealed.unseal(again.ray_token) != token  # each cluster its own
 
 
 def test_a_worker_nodes_ray_reads_the_token_the_head_made_after_its_row_was_loaded(tmp_path, settings):
