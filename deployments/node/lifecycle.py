@@ -7,6 +7,7 @@ What differs between a head, a worker rank and a Ray node is a parameter (the ar
 role, the unit), never a copy of these steps."""
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,17 @@ def running(p: EngineProcess) -> bool:
     and the create time recorded for its PID (a reused PID is someone else's)."""
     return bool(p.pid) and engine.alive(p.pid, p.pid_create_time or 0.0) and ownership.pid_owned(
         p.pid, p.marker, unit_of(p))
+
+
+def still_running(p: EngineProcess, tries: int = 3, wait_s: float = 0.1) -> bool:
+    """running(), asked again a few times before an engine counts as gone: right after a launch the process is
+    still exec'ing (setpriv, then env, then the engine), and its environment cannot be read for that moment."""
+    for attempt in range(tries):
+        if running(p):
+            return True
+        if attempt < tries - 1:
+            time.sleep(wait_s)
+    return False
 
 
 def adopt(p: EngineProcess) -> bool:

@@ -268,7 +268,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                 live.send_deployment_status(d)
                 if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
                     raise Aborted("stop requested")
-            if not engine_running(d):
+            if not lifecycle.still_running(d):
                 raise PlanFailed(f"The engine exited while loading: {progress.error or (tail[-1] if tail else 'no output')}")
             if vllm.health(base_url, timeout=1.0):
                 break

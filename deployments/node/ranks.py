@@ -276,7 +276,7 @@ def _follow(r: DeploymentRank) -> None:
             progress.feed(line)
         tail = (tail + lines)[-TAIL_LINES:]
         status = Deployment.objects.filter(pk=r.deployment_id).values_list("status", flat=True).first()
-        if not rank_running(r):
+        if not lifecycle.still_running(r):
             raise PlanFailed(f"node {r.node.name}: the rank's engine exited: "
                              f"{progress.error or (tail[-1] if tail else 'no output')}")
         if status == S.READY:
