@@ -198,6 +198,8 @@ LIVE_TICK_S = env_float("LIVE_TICK_S", 0.05)
 LIVE_HEARTBEAT_S = env_float("LIVE_HEARTBEAT_S", 3.0)
 
 CELERY_BROKER_URL = REDIS_URL
+# kombu's Redis transport with the fix that keeps a worker alive when Redis goes away mid-BRPOP (controlpanel/broker.py).
+CELERY_BROKER_TRANSPORT = "controlpanel.broker:Transport"
 CELERY_RESULT_BACKEND = REDIS_URL
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ACKS_LATE = True

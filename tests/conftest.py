@@ -255,7 +255,7 @@ def spawn(tmp_path):
 
 def agent_argv(name, model_store, sample_seconds=0.5, heartbeat_seconds=0.5):
     return [sys.executable, "manage.py", "nodeagent", "--name", name, "--model-store", str(model_store),
-            "--sample-seconds", str(sample_seconds), "--heartbeat-seconds", str(heartbeat_seconds), "--concurrency", "2"]
+            "--sample-seconds", str(sample_seconds), "--heartbeat-seconds", str(heartbeat_seconds)]
 
 
 @pytest.fixture
