@@ -94,6 +94,8 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
 
     Retried while the database is away (a dropped connection, a restart): the row must not stay
     mid-plan once it is back."""
+    if connection.connection is not None and not connection.in_atomic_block:
+        connection.close_if_unusable_or_obsolete()  # the error that brought us here may have broken it: halting reads rows
     try:
         halt_engine(d)  # a persisted one's unit disabled too: systemd must not start it again
     except (engine.EngineError, systemd.SystemdError, PlanFailed) as exc:
