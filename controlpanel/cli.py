@@ -215,10 +215,12 @@ def cmd_bench(panel, args):
             if p["concurrency"] not in shown:
                 shown.add(p["concurrency"])
                 asked = p.get("prompt_tokens_requested")
-                say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {p['ttft_ms'].get('median', 0):.1f} ms"
-                    f"  TPOT {p['tpot_ms'].get('median', 0):.2f} ms  {p['tok_s_per_user']:.1f} tok/s per user"
+                say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
+                    f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
                     f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
         if run["status"] in ("done", "failed", "cancelled"):
+            if run.get("saturation"):
+                say(f"  {run['saturation']['text']}")
             for warning in run.get("warnings") or []:
                 say(f"  note: {warning}")
             result = {**run, "points": points}
@@ -229,6 +231,12 @@ def cmd_bench(panel, args):
         time.sleep(2)
     say(f"Timed out after {args.timeout:.0f} s; the run goes on (panelctl runs).")
     return TIMED_OUT
+
+
+def _ms(quantiles: dict, digits: int) -> str:
+    """A median in ms, or a dash where none was measured (a level whose tokens all came in one read has no TPOT:
+    never a made-up 0)."""
+    return f"{quantiles['median']:.{digits}f} ms" if quantiles.get("median") is not None else "— ms"
 
 
 def cmd_deployments(panel, args):

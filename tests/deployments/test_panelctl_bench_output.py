@@ -1,0 +1,34 @@
+"""panelctl bench's lines say what was measured (issue 27 item 3): a level with no TPOT (every token came in one read)
+prints a dash, never a made-up 0.00, and a finished run says where it saturated, as the run page and the API do."""
+import argparse
+
+from controlpanel import cli
+
+POINT = {"concurrency": 1, "output_throughput": 120.0, "ttft_ms": {"median": 41.5}, "tpot_ms": {},
+         "tok_s_per_user": 0.0, "prompt_tokens_requested": 32, "prompt_tokens_mean": 32.0}
+RUN = {"id": 7, "params": {"levels": [1, 2]}, "status": "done", "warnings": [], "single_stream_tok_s": None,
+       "error": "", "saturation": {"level": 2, "reason": "throughput", "text": "Saturated at c=2: output throughput rose 1 %."}}
+
+
+class Panel:
+    """The API's answers for one finished run (the shapes GET /api/runs/{id}/ and its points give)."""
+
+    def post(self, path, body, key=None):
+        return {**RUN, "status": "queued"}
+
+    def get(self, path):
+        if path.endswith("points/"):
+            return [POINT, {**POINT, "concurrency": 2, "tpot_ms": {"median": 5.17}}]
+        return RUN
+
+
+def test_a_level_without_tpot_prints_a_dash_and_the_run_says_where_it_saturated(capsys):
+    args = argparse.Namespace(concurrency="1,2", max_tokens=16, input_tokens=32, prompts="random", no_ignore_eos=False,
+                              requests_per_user=1, past_saturation=False, prompts_file=None, target="http://e:8000",
+                              model="m", idempotency_key=None, wait=True, timeout=5, json=False)
+    assert cli.cmd_bench(Panel(), args) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip().startswith("c=")]
+    assert "TPOT — ms" in lines[0] and "0.00" not in lines[0], lines
+    assert "TPOT 5.17 ms" in lines[1] and "TTFT 41.5 ms" in lines[0]
+    assert "Saturated at c=2" in err
