@@ -58,10 +58,11 @@ class Command(BaseCommand):
             close_old_connections()
             # This node's queues only; other nodes' work never lands here. One pool for the three: Celery
             # has no per-queue threads, and a second consumer in this process took the agent down with it
-            # when Redis went away (kombu 5.7 restoring unacked messages on a closed connection, the same
-            # crash this worker meets with more than 2 threads); a halt that waits for a thread is run by
-            # the re-drive after its bound. Without Celery's banner (--quiet, before the sub-command):
-            # `./panel start` prints the first admin's password.
+            # when Redis went away (kombu 5.7 restoring unacked messages on a closed connection: the crash
+            # controlpanel/broker.py fixes, which also ended this worker whenever a thread was free; a second
+            # consumer has not been tried since); a halt that waits for a thread is run by the re-drive after
+            # its bound. Without Celery's banner (--quiet, before the sub-command): `./panel start` prints the
+            # first admin's password.
             celery_app.worker_main([
                 "--quiet", "worker", "-Q", ",".join((control_queue(queue), plan_queue(queue), queue)),
                 "-n", f"{name}@%h", "--pool", "threads",
