@@ -191,11 +191,14 @@ def test_a_halt_flushed_from_redis_right_after_the_stop_is_redriven(private_redi
         stop_leftover_engines(tmp_path)
 
 
+BUSY_REPOS = ("one", "two", "three", "four")  # one download per worker thread of the agent (nodeagent's --concurrency 4)
+
+
 @pytest.fixture
 def slow_hub(tmp_path):
-    """A Hugging Face double serving two 12 MB repos at 200 KB/s: each download holds a thread for a minute."""
+    """A Hugging Face double serving four 12 MB repos at 200 KB/s: each download holds a thread for a minute."""
     root = tmp_path / "hub"
-    for name in ("one", "two"):
+    for name in BUSY_REPOS:
         repo = root / "acme" / name
         repo.mkdir(parents=True)
         (repo / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
@@ -210,24 +213,25 @@ def test_a_stop_waits_at_most_the_bound_behind_downloads_holding_every_worker_th
         process_env, spawn, unique, tmp_path, settings, fake_model, slow_hub):
     settings.HF_ENDPOINT = slow_hub
     env = agent_env(process_env, tmp_path, HF_ENDPOINT=slow_hub)
-    agent = Agent(spawn, env, f"busy-{unique}", tmp_path / "store")  # 2 worker threads (agent_argv's --concurrency)
+    agent = Agent(spawn, env, f"busy-{unique}", tmp_path / "store")  # 4 worker threads (nodeagent's default)
     node = agent.start()
     try:
         model = add_fake_model(node, fake_model)
         d = _ready(model, node)
         copies = []
-        for name in ("one", "two"):
+        for name in BUSY_REPOS:
             hub_model = ModelRepo.objects.create(repo_id=f"acme/{name}")
             in_thread(repos.model_inspect, hub_model.pk)
             copies.append(repos.model_download(ModelRepo.objects.get(pk=hub_model.pk), node))
-        wait_until(lambda: ModelCopy.objects.filter(pk__in=[c.pk for c in copies], state="downloading").count() == 2,
-                   timeout=30, message="both downloads to hold the node queue's threads")
+        downloading = ModelCopy.objects.filter(pk__in=[c.pk for c in copies], state="downloading")
+        wait_until(lambda: downloading.count() == len(BUSY_REPOS), timeout=30,
+                   message="the downloads to hold the node queue's threads")
         asked = time.monotonic()
         deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
         took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
         COUNTS["halts_behind_busy_queue"] += 1
         print(f"Stop with every worker thread downloading: engine stopped {took:.1f} s after the Stop")
-        assert ModelCopy.objects.filter(pk__in=[c.pk for c in copies], state="downloading").count() == 2
+        assert downloading.count() == len(BUSY_REPOS)
         assert _redriven(agent, "deployments.deployment_halt") == 1  # the re-drive ran it, not a free thread
         for copy in copies:
             repos.model_copy_cancel(ModelCopy.objects.get(pk=copy.pk))
