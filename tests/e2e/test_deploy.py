@@ -50,7 +50,8 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator("#smoke")).to_contain_text("completion tokens", timeout=60_000)
     steps = page.locator("#timeline tbody td:first-child")
     expect(steps).to_contain_text(["queued", "model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"])
-    expect(page.locator("#timeline")).to_contain_text("100 % of the model is in the page cache")
+    # 99 % seen in CI when the model was already cached and one page had been evicted by other memory pressure.
+    expect(page.locator("#timeline")).to_contain_text(re.compile(r"(99|100) % of the model is in the page cache"))
     assert "Loading safetensors checkpoint shards" in page.locator("#log").text_content()
     first = Deployment.objects.get(name="tiny-a")
     assert first.smoke["completion_tokens"] > 0 and engine.members(first.pgid)
