@@ -1,6 +1,7 @@
 """Lost node work re-driven from the database (deployments/node/redrive.py) and engine control routed to
 its own queue (controlpanel/queue.py), one pass at a time with the broker replaced at send_now; the real
 processes (the agent, Redis emptied, a web process killed) are tests/faults/test_lost_halts.py."""
+import contextlib
 from datetime import timedelta
 from unittest import mock
 
@@ -51,6 +52,18 @@ def _settle_threads():
         if t.name.startswith("redrive-"):
             t.join(5)
 
+
+
+@contextlib.contextmanager
+def _busy(tasks):
+    """These (task name, first argument) running on the agent's worker threads for the block."""
+    for name, pk in tasks:
+        redrive._started(name, [pk], task_id=f"t-{pk}")
+    try:
+        yield
+    finally:
+        for name, pk in tasks:
+            redrive._ended(name, [pk], task_id=f"t-{pk}")
 
 def test_engine_control_goes_to_the_nodes_control_queue_and_never_expires_plans_to_its_plans_queue():
     assert queue.route("deployments.deployment_halt", {"queue": "node.gpu-01", "expires": 600}) == {
@@ -116,14 +129,8 @@ def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_th
     d = DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() + timedelta(seconds=300))
     DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() - timedelta(seconds=1), port=9001)
     redrive._started(redrive.HALT, [5])  # a halt re-driven here runs on a thread of its own: no matter
-    busy = [(redrive.PLAN, 98), ("deployments.model_copy_download", 99)]
-    for name, pk in busy:  # both worker threads are taken: the plan waits behind them, it is not lost
-        redrive._started(name, [pk], task_id=f"t-{pk}")
-    try:
-        assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0
-    finally:
-        for name, pk in busy:
-            redrive._ended(name, [pk], task_id=f"t-{pk}")
+    with _busy([(redrive.PLAN, 98), ("deployments.model_copy_download", 99)]):  # both worker threads are taken:
+        assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0  # the plan waits behind them, it is not lost
     assert redriver.tick(now=AFTER + 1) == 0
     assert redriver.tick(now=2 * AFTER + 1) == 1
     (name,), options = sent.call_args.args, sent.call_args.kwargs
@@ -149,14 +156,8 @@ def test_a_lost_run_is_sent_again_only_while_the_worker_has_a_free_thread_and_on
         node, redriver, sent):
     d = DeploymentFactory(node=node, status=S.READY)
     run = BenchmarkRunFactory(deployment=d, status=BenchmarkRun.Status.QUEUED)
-    busy = [("deployments.model_copy_download", 1), ("benchmarks.run_execute", 2)]
-    for name, pk in busy:  # queue tasks hold both worker threads
-        redrive._started(name, [pk], task_id=f"t-{pk}")
-    try:
+    with _busy([("deployments.model_copy_download", 1), ("benchmarks.run_execute", 2)]):  # both worker threads
         assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0
-    finally:
-        for name, pk in busy:
-            redrive._ended(name, [pk], task_id=f"t-{pk}")
     redriver.tick(now=AFTER + 1)
     redriver.tick(now=2 * AFTER + 1)
     assert sent.call_args.args == (runqueue.RUN_EXECUTE,) and sent.call_args.kwargs["args"] == [run.pk]
