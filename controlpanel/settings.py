@@ -108,6 +108,7 @@ INSTALLED_APPS = [
     "axes",
     "controlpanel",
     "deployments",
+    "deployments.gateway",
     "benchmarks",
 ]
 
@@ -300,6 +301,8 @@ VLLM_BIN = env_str("VLLM_BIN", "vllm")
 # first port from ENGINE_PORT_FIRST that no active deployment on the node holds (deployment_free_port).
 PANEL_PORT = env_int("PANEL_PORT", 8000)
 ENGINE_PORT_FIRST = env_int("ENGINE_PORT_FIRST", 8100)
+# Each node's gateway (issue 28), the one public door to its engines: http://<node address>:GATEWAY_PORT/v1.
+GATEWAY_PORT = env_int("GATEWAY_PORT", 4000)
 # URL prefixes a benchmark may target besides deployments (benchmarks/allowlist.py); default none.
 BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")
 # What one benchmark may ask for (benchmarks/caps.py, refused with a 400 naming the limit): requests per

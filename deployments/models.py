@@ -34,6 +34,8 @@ class Node(models.Model):
                                          help_text="Processes on the GPUs the panel did not start, as the agent last saw them.")
     disk_read = models.JSONField(default=dict, blank=True,
                                  help_text="The model store's sequential read rate: {bps, bytes, cold, at} (issue 16).")
+    gateway_port = models.PositiveIntegerField(null=True, blank=True,
+                                               help_text="The port the node's gateway listens on, as its gateway reports it.")
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -285,6 +287,8 @@ class Deployment(Transitions, EngineProcess):
     systemd_unit = models.CharField(max_length=128, blank=True)
     ray_token = models.CharField(max_length=256, blank=True, help_text="The Ray cluster's token (RAY_AUTH_TOKEN), new at each "
                                  "Ray head start; sealed at rest (deployments/sealed.py); write-only: never shown.")
+    engine_key = models.CharField(max_length=256, blank=True, help_text="The engine's own --api-key (issue 28): random per "
+                                  "deployment, known to the panel and its gateways only; sealed at rest; never shown.")
     stop_foreign = models.BooleanField(default=False, help_text="Stop other (non-panel) processes on the chosen GPUs.")
     prewarm = models.BooleanField(default=False, help_text="Read the model's shards into the page cache while others stop (issue 16).")
     expires_at = models.DateTimeField(null=True, blank=True, help_text="A queued plan not started by then is dropped.")

@@ -288,11 +288,29 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
     watch.finish()
 
 
+SMOKE_BOUND_S = 180.0  # the first answer of a just-loaded engine may be slow (a busy host, a first-request compile)
+SMOKE_RETRY_S = 2.0
+
+
+def _ask_smoke(d: Deployment, base_url: str) -> vllm.SmokeResult:
+    """The smoke test's answer, asked again after a timeout or a 5xx until SMOKE_BOUND_S has passed;
+    a 4xx (our request is wrong) is the answer at once."""
+    deadline = time.monotonic() + SMOKE_BOUND_S
+    while True:
+        try:
+            name = d.served_model_name or (vllm.served_models(base_url) or [""])[0]
+            return vllm.smoke_test(base_url, name, timeout=max(1.0, min(60.0, deadline - time.monotonic())))
+        except vllm.VllmError as exc:
+            if exc.permanent or time.monotonic() + SMOKE_RETRY_S >= deadline:
+                raise
+            log.warning("Smoke test of %s will be asked again: %s", d.name, exc)
+            time.sleep(SMOKE_RETRY_S)
+
+
 def _smoke(d: Deployment, base_url: str) -> None:
     with step(d, "smoke_test") as event:
         try:
-            name = d.served_model_name or (vllm.served_models(base_url) or [""])[0]
-            result = vllm.smoke_test(base_url, name)
+            result = _ask_smoke(d, base_url)
         except vllm.VllmError as exc:
             event.level = DeploymentEvent.Level.WARNING
             event.message = f"The engine is up but the smoke test failed: {exc}"
