@@ -454,3 +454,28 @@ class NodeMetric(models.Model):
 
     def __str__(self):
         return f"{self.node} @ {self.t:%Y-%m-%d %H:%M}"
+
+
+class Recipe(models.Model):
+    """A recipe or strategy file in vllm-project/recipes' YAML layout, as read and checked (deployments/recipes/),
+    with where it came from: the shipped folder, RECIPES_DIR, or an import from a checkout."""
+
+    class Kind(models.TextChoices):
+        MODEL = "model", "model recipe"
+        STRATEGY = "strategy", "strategy"
+
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    name = models.CharField(max_length=200, help_text="The model id (models/<org>/<model>.yaml) or strategy name.")
+    source = models.CharField(max_length=300, help_text="panel (shipped), folder:<path> (RECIPES_DIR) or import:<name>.")
+    version = models.CharField(max_length=80, blank=True, help_text="The checkout's git commit, else the file's sha256.")
+    path = models.CharField(max_length=400, help_text="The file's path inside its source.")
+    digest = models.CharField(max_length=64, help_text="sha256 of the file's text.")
+    data = models.JSONField(help_text="The file's YAML as read (checked by deployments/recipes/schema.py).")
+    loaded = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["kind", "name", "source"]
+        constraints = [models.UniqueConstraint(fields=["kind", "name", "source"], name="recipe_unique_per_source")]
+
+    def __str__(self):
+        return f"{self.name} ({self.source})"
