@@ -214,6 +214,16 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBIL
 CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 
+# Outgoing mail for notifications (issue 33; Django's SMTP backend reads these; all optional).
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_secret("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = 10
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "vllm-panel@localhost")
+
 # Checked wherever a person sets a password (the account page, the admin site, an interactive createsuperuser, the
 # launcher's first admin); not by create_user()/set_password() in code.
 AUTH_PASSWORD_VALIDATORS = [
@@ -301,6 +311,9 @@ VLLM_BIN = env_str("VLLM_BIN", "vllm")
 # first port from ENGINE_PORT_FIRST that no active deployment on the node holds (deployment_free_port).
 PANEL_PORT = env_int("PANEL_PORT", 8000)
 ENGINE_PORT_FIRST = env_int("ENGINE_PORT_FIRST", 8100)
+# Folder of recipe and strategy YAML in vllm-project/recipes' layout (models/<org>/<model>.yaml,
+# strategies/*.yaml); empty: the recipes shipped in deployments/recipes/data/.
+RECIPES_DIR = env_str("RECIPES_DIR", "")
 # Each node's gateway (issue 28), the one public door to its engines: http://<node address>:GATEWAY_PORT/v1.
 GATEWAY_PORT = env_int("GATEWAY_PORT", 4000)
 # URL prefixes a benchmark may target besides deployments (benchmarks/allowlist.py); default none.
