@@ -1,0 +1,192 @@
+"""The snapshot a node gateway serves from: every caller key by digest and every active deployment as a target
+(where to send, with which key, how many at once), loaded from the database in one go and swapped in whole.
+
+Why a snapshot: a request must never wait on the database (issue 28: keys are checked without a round trip),
+and a swap of one object keeps a request from seeing half of a reload. deployments/gateway/server.py reloads it
+when deployments/gateway/changes.py's version moves, or when the database's own stamps (stamps()) do.
+"""
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db import IntegrityError
+from django.db.models import Count, Max
+
+from deployments import callit, sealed
+from deployments.gateway.models import CallerKey, Route
+from deployments.models import Deployment, Node
+
+log = logging.getLogger(__name__)
+
+# vLLM 0.32's --max-num-seqs defaults for its API server (vllm/engine/arg_utils.py
+# get_batch_defaults): 1024 on GPUs of 70 GB or more (A100 excepted), else 256; 128 per rank on CPUs.
+BIG_GPU_BYTES = 70 * 1024**3
+INTERNAL_KEY_NAME = "gateway"
+
+
+@dataclass(frozen=True)
+class Key:
+    """A caller key as the gateway checks it (no secret: the digest is the dict key)."""
+
+    id: int
+    prefix: str
+    model_names: frozenset
+    deployments: frozenset  # deployment ids; empty: any
+    expires_at: float | None  # epoch seconds
+    revoked: bool
+    internal: bool
+    rps: float | None
+    tpm: int | None
+    concurrency: int | None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One active deployment: a local engine (its loopback port, its engine key) or a remote node's gateway."""
+
+    id: int
+    name: str  # the deployment's slug
+    names: tuple  # model names callers may use: the served name, then the route's aliases
+    served: str  # what the engine itself answers to: the body's "model" is rewritten to it
+    url: str
+    bearer: str  # the engine key (local) or the gateways' internal key (remote)
+    local: bool
+    ready: bool
+    max_in_flight: int
+    queue_bound: int
+    media_domains: tuple
+
+
+@dataclass
+class Snapshot:
+    keys: dict = field(default_factory=dict)  # digest -> Key
+    targets: dict = field(default_factory=dict)  # deployment id -> Target
+    by_name: dict = field(default_factory=dict)  # model name -> [deployment id] (active, ready or not)
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def internal_secret() -> str:
+    """The key gateways send to each other: derived from SECRET_KEY, which every node of a panel shares, so no
+    node has to store or fetch it; only its digest is in the database (internal_key_ensure)."""
+    raw = hmac.new(settings.SECRET_KEY.encode(), b"vllm control panel: gateway to gateway", hashlib.sha256).hexdigest()
+    return "vcp-" + raw[:43]
+
+
+def internal_key_ensure() -> bool:
+    """Make sure the internal gateway key exists (owned by the first superuser, as the Prometheus key is);
+    False when there is no user to own it yet (then remote deployments are not routed to)."""
+    secret_digest = digest(internal_secret())
+    if CallerKey.objects.filter(digest=secret_digest).exists():
+        return True
+    users = get_user_model().objects.order_by("-is_superuser", "id")
+    owner = users.first()
+    if owner is None:
+        return False
+    try:
+        CallerKey.objects.create(owner=owner, name=INTERNAL_KEY_NAME, prefix=internal_secret()[:12],
+                                 digest=secret_digest, internal=True)
+    except IntegrityError:
+        pass  # another node's gateway made it first
+    return True
+
+
+def default_in_flight(d: Deployment) -> int:
+    """The engine's own --max-num-seqs, else vLLM's default for its hardware."""
+    try:
+        return max(1, int(d.engine_args.get("max-num-seqs")))
+    except (TypeError, ValueError):
+        pass
+    gpus = list(d.gpus.all())
+    if not gpus:
+        return 128 * max(1, _int(d.engine_args.get("tensor-parallel-size")))
+    if all(g.memory_total >= BIG_GPU_BYTES and "a100" not in g.name.lower() for g in gpus):
+        return 1024
+    return 256
+
+
+def _int(value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 1
+
+
+def _epoch(dt) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+def load_keys() -> dict:
+    scopes: dict[int, set] = {}
+    for key_id, deployment_id in CallerKey.deployments.through.objects.values_list("callerkey_id", "deployment_id"):
+        scopes.setdefault(key_id, set()).add(deployment_id)
+    keys = {}
+    for row in CallerKey.objects.values_list("id", "prefix", "digest", "model_names", "expires_at", "revoked_at",
+                                             "internal", "rps_limit", "tpm_limit", "max_concurrency"):
+        key_id, prefix, key_digest, names, expires, revoked, internal, rps, tpm, conc = row
+        keys[key_digest] = Key(key_id, prefix, frozenset(n for n in names or () if isinstance(n, str)),
+                               frozenset(scopes.get(key_id, ())), _epoch(expires), revoked is not None, internal,
+                               rps, tpm, conc)
+    return keys
+
+
+def load_targets(node_name: str) -> dict:
+    targets = {}
+    remote_bearer = internal_secret() if internal_key_ensure() else ""
+    routes = {r.deployment_id: r for r in Route.objects.all()}
+    for d in Deployment.objects.filter(status__in=Deployment.ACTIVE).select_related("node").prefetch_related("gpus"):
+        served = callit.served_models(d)
+        if not served:
+            continue
+        route = routes.get(d.pk)
+        aliases = [n for n in (route.names if route else []) if isinstance(n, str) and n]
+        local = d.node.name == node_name
+        ready = d.status == Deployment.Status.READY
+        if local:
+            url = f"http://127.0.0.1:{d.port}"
+            try:
+                bearer = sealed.unseal(d.engine_key or "")
+            except sealed.Unreadable as exc:
+                log.error("Deployment %s is not routed to: its engine key cannot be read here (%s)", d.name, exc)
+                bearer, ready = "", False
+        else:
+            if not d.node.address or not remote_bearer:
+                continue
+            url = f"http://{d.node.address}:{d.node.gateway_port or settings.GATEWAY_PORT}"
+            bearer = remote_bearer
+        targets[d.pk] = Target(
+            id=d.pk, name=d.name, names=tuple(dict.fromkeys([served[0], *aliases])), served=served[0], url=url,
+            bearer=bearer, local=local, ready=ready,
+            max_in_flight=(route.max_in_flight if route and route.max_in_flight else default_in_flight(d)),
+            queue_bound=route.queue_bound if route else 256,
+            media_domains=tuple(str(m).lower().strip(".") for m in (route.media_domains if route else []) if m))
+    return targets
+
+
+def load(node_name: str) -> Snapshot:
+    """Everything the gateway of `node_name` serves from (two queries for keys, two for targets)."""
+    targets = load_targets(node_name)
+    by_name: dict[str, list[int]] = {}
+    for target in targets.values():
+        for name in target.names:
+            by_name.setdefault(name, []).append(target.id)
+    return Snapshot(keys=load_keys(), targets=targets, by_name=by_name)
+
+
+def stamps() -> tuple:
+    """What changes in the database when a key is added, revoked or deleted, or a deployment moves, gets a new
+    engine key or a route changes: polled when Redis cannot say (and for deployments always: a relaunch makes a
+    new engine key without anyone calling changes.changed). Edits of a live key's scope or limits show only
+    through changes.changed()."""
+    keys = CallerKey.objects.aggregate(n=Count("id"), last=Max("id"), revoked=Max("revoked_at"))
+    active = list(Deployment.objects.filter(status__in=Deployment.ACTIVE).order_by("id").values_list(
+        "id", "status", "engine_key", "port", "node_id", "engine_args"))
+    routes = list(Route.objects.order_by("id").values_list("deployment_id", "names", "max_in_flight", "queue_bound",
+                                                           "media_domains"))
+    nodes = list(Node.objects.order_by("id").values_list("id", "address", "gateway_port"))
+    return (keys["n"], keys["last"], keys["revoked"]), repr((active, routes, nodes))

@@ -1,0 +1,71 @@
+"""Checking a caller's key in memory: who it is, whether it still holds, and what it may call.
+
+Answers follow OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`), so the OpenAI clients
+raise their usual AuthenticationError / PermissionDeniedError / NotFoundError. A refusal never echoes the key.
+"""
+import time
+
+from deployments.gateway.config import Key, Snapshot, digest
+
+
+class Refused(Exception):
+    """A request the gateway answers itself: an HTTP status, an OpenAI error code and a message."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after, self.kind = status, code, message, retry_after, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+
+
+def bearer(header: str) -> str:
+    scheme, _, token = (header or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def authenticate(snapshot: Snapshot, header: str, now: float | None = None) -> Key:
+    """The key an `Authorization: Bearer …` header carries, or Refused(401)."""
+    secret = bearer(header)
+    if not secret:
+        raise Refused(401, "invalid_api_key", "Send your key as 'Authorization: Bearer <key>'.",
+                      kind="authentication_error")
+    key = snapshot.keys.get(digest(secret))
+    if key is None:
+        raise Refused(401, "invalid_api_key", "Incorrect API key provided.", kind="authentication_error")
+    if key.revoked:
+        raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has been revoked.", kind="authentication_error")
+    if key.expires_at is not None and key.expires_at <= (now if now is not None else time.time()):
+        raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has expired.", kind="authentication_error")
+    return key
+
+
+def may_call(key: Key, name: str) -> bool:
+    return key.internal or not key.model_names or name in key.model_names
+
+
+def may_use(key: Key, deployment_id: int) -> bool:
+    return key.internal or not key.deployments or deployment_id in key.deployments
+
+
+def names_for(snapshot: Snapshot, key: Key) -> list[str]:
+    """The model names `key` may call now (GET /v1/models)."""
+    return sorted(name for name, ids in snapshot.by_name.items()
+                  if may_call(key, name) and any(may_use(key, i) for i in ids))
+
+
+def scope_check(snapshot: Snapshot, key: Key, name: str) -> list[int]:
+    """The deployments serving `name` that `key` may use; Refused(404) for a name nothing serves, (403) for one
+    outside the key's scope."""
+    ids = snapshot.by_name.get(name)
+    if not ids:
+        raise Refused(404, "model_not_found", f"The model '{name}' does not exist here.")
+    if not may_call(key, name):
+        raise Refused(403, "model_not_allowed", f"The key {key.prefix}… may not call '{name}'.",
+                      kind="permission_error")
+    allowed = [i for i in ids if may_use(key, i)]
+    if not allowed:
+        raise Refused(403, "model_not_allowed", f"The key {key.prefix}… may not call the deployments serving '{name}'.",
+                      kind="permission_error")
+    return allowed

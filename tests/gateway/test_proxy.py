@@ -1,0 +1,252 @@
+"""The gateway in a thread against known-schedule servers: what callers see on every path."""
+import datetime as dt
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from django.db.models import Sum
+from django.utils import timezone
+
+from deployments.gateway.models import CallerKey, Usage
+from deployments.models import Deployment, Node
+from tests.conftest import free_port
+from tests.gateway.conftest import GatewayThread, make_deployment, make_key
+from tests.schedserver import SchedServer
+
+CHAT = {"model": "sched", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 8}
+
+
+def post(gw, key, body, path="/v1/chat/completions", **kw):
+    return httpx.post(gw.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
+
+
+def events(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def usage_totals(**filters):
+    return Usage.objects.filter(**filters).aggregate(
+        requests=Sum("requests"), errors=Sum("errors"), prompt=Sum("prompt_tokens"),
+        reasoning=Sum("reasoning_tokens"), content=Sum("content_tokens"))
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def test_a_stream_passes_through_without_the_usage_chunk_the_caller_did_not_ask_for(node, sched, gateway):
+    make_deployment(node, sched.port)
+    key = make_key()
+    gateway.reload()
+    reply = post(gateway, key, {**CHAT, "stream": True})
+    assert reply.status_code == 200
+    chunks = events(reply.text)
+    assert chunks and all(c["choices"] for c in chunks) and not any(c.get("usage") for c in chunks)
+    assert reply.text.rstrip().endswith("data: [DONE]")
+    asked = post(gateway, key, {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert events(asked.text)[-1]["usage"] == {"prompt_tokens": 3, "total_tokens": 11, "completion_tokens": 8,
+                                               "completion_tokens_details": {"reasoning_tokens": 3}}
+    key_id = CallerKey.objects.get(prefix=key[:12]).pk
+    totals = wait_for(lambda: (t := usage_totals(key_id=key_id))["requests"] == 2 and t)
+    assert totals == {"requests": 2, "errors": 0, "prompt": 6, "reasoning": 6, "content": 10}
+    assert CallerKey.objects.get(pk=key_id).last_used_at is not None
+
+
+def test_plain_chat_and_completions_answer_and_count_the_engines_usage(node, sched, gateway):
+    make_deployment(node, sched.port)
+    key = make_key()
+    gateway.reload()
+    chat = post(gateway, key, CHAT)
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 8
+    text = post(gateway, key, {"model": "sched", "prompt": "a b", "max_tokens": 4}, "/v1/completions")
+    assert text.status_code == 200 and text.json()["choices"][0]["text"] == "w " * 4
+    streamed = post(gateway, key, {"model": "sched", "prompt": "a b", "max_tokens": 4, "stream": True},
+                    "/v1/completions")
+    assert "".join(c["choices"][0]["text"] for c in events(streamed.text)) == "w " * 4
+    totals = wait_for(lambda: (t := usage_totals())["requests"] == 3 and t)
+    # schedserver's plain answers carry no completion_tokens_details: all 8 chat tokens are content then
+    assert totals == {"requests": 3, "errors": 0, "prompt": 3 + 2 + 2, "reasoning": 0, "content": 8 + 4 + 4}
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/health"), ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/pause"), ("POST", "/update_weights"),
+    ("POST", "/scale_elastic_ep"), ("POST", "/invocations"), ("GET", "/stats"), ("POST", "/v1/models"),
+    ("GET", "/v1/chat/completions"), ("GET", "/v1/models/sched"), ("POST", "/v1/chat/completions/"),
+])
+def test_every_path_outside_the_openai_api_is_404(node, sched, gateway, method, path):
+    make_deployment(node, sched.port)
+    key = make_key()
+    gateway.reload()
+    reply = httpx.request(method, gateway.url + path, headers={"Authorization": f"Bearer {key}"}, json=CHAT)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"
+
+
+def test_keys_that_do_not_hold_are_refused_the_openai_way(node, sched, gateway):
+    d = make_deployment(node, sched.port, aliases=["kimi"])
+    other = make_deployment(node, sched.port, served="other")
+    past = timezone.now() - dt.timedelta(seconds=1)
+    keys = {"expired": make_key(expires_at=past), "revoked": make_key(revoked_at=past),
+            "names": make_key(model_names=["other"]), "deployments": make_key(deployments=[other]),
+            "good": make_key(model_names=["kimi"], expires_at=timezone.now() + dt.timedelta(hours=1))}
+    gateway.reload()
+    cases = {"missing": (None, 401), "wrong": ("vcp-" + "x" * 43, 401), "expired": (keys["expired"], 401),
+             "revoked": (keys["revoked"], 401), "names": (keys["names"], 403), "deployments": (keys["deployments"], 403)}
+    for case, (secret, status) in cases.items():
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        reply = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "model": "kimi"}, headers=headers)
+        assert reply.status_code == status, case
+        error = reply.json()["error"]
+        assert error["code"] and error["message"] and "type" in error, case
+        assert not secret or secret not in reply.text
+    assert post(gateway, keys["good"], {**CHAT, "model": "kimi"}).status_code == 200
+    assert post(gateway, keys["good"], {**CHAT, "model": "sched"}).status_code == 403  # not in its names
+    assert post(gateway, keys["good"], {**CHAT, "model": "nobody"}).status_code == 404
+    assert d.pk != other.pk
+
+
+def test_models_lists_the_names_the_key_may_call(node, sched, gateway):
+    make_deployment(node, sched.port, aliases=["kimi"])
+    make_deployment(node, sched.port, served="other")
+    scoped, anyone = make_key(model_names=["kimi"]), make_key()
+    gateway.reload()
+
+    def names(key):
+        reply = httpx.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        return [m["id"] for m in reply.json()["data"]]
+
+    assert names(scoped) == ["kimi"]
+    assert names(anyone) == ["kimi", "other", "sched"]
+    assert httpx.get(gateway.url + "/v1/models").status_code == 401
+
+
+def test_an_alias_reaches_the_engine_under_its_served_name(node, sched, gateway):
+    make_deployment(node, sched.port, aliases=["kimi"])
+    key = make_key()
+    gateway.reload()
+    reply = post(gateway, key, {**CHAT, "model": "kimi"})
+    assert reply.status_code == 200 and reply.json()["model"] == "sched"  # schedserver echoes the model it got
+    assert wait_for(lambda: Usage.objects.filter(model_name="kimi").exists())
+
+
+def test_rps_limit_answers_429_with_retry_after(node, sched, gateway):
+    make_deployment(node, sched.port)
+    key = make_key(rps_limit=2)
+    gateway.reload()
+    codes = [post(gateway, key, CHAT).status_code for _ in range(4)]
+    assert codes[:2] == [200, 200] and 429 in codes[2:]
+    refused = post(gateway, key, CHAT)
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    assert 0 < int(refused.headers["retry-after-ms"]) <= 500
+    time.sleep(0.6)
+    assert post(gateway, key, CHAT).status_code == 200
+
+
+def test_concurrency_and_token_limits_answer_429(node, gateway):
+    with SchedServer(ttft_ms=300, gap_ms=1, default_max_tokens=4) as slow:
+        make_deployment(node, slow.port)
+        one_at_a_time, budget = make_key(max_concurrency=1), make_key(tpm_limit=10)
+        gateway.reload()
+        first = threading.Thread(target=post, args=(gateway, one_at_a_time, CHAT))
+        first.start()
+        time.sleep(0.1)
+        assert post(gateway, one_at_a_time, CHAT).status_code == 429
+        first.join()
+        assert post(gateway, budget, CHAT).status_code == 200  # 3 + 8 tokens: over 10 now
+        over = post(gateway, budget, CHAT)
+        assert over.status_code == 429 and 55 <= int(over.headers["Retry-After"]) <= 60
+
+
+def test_a_full_deployment_queue_answers_429(node, gateway):
+    with SchedServer(ttft_ms=400, gap_ms=1, default_max_tokens=2) as slow:
+        make_deployment(node, slow.port, max_in_flight=1, queue_bound=1)
+        key = make_key()
+        gateway.reload()
+        codes = []
+        threads = [threading.Thread(target=lambda: codes.append(post(gateway, key, CHAT).status_code))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        assert sorted(codes) == [200, 200, 429]  # one in flight, one waited and then ran, one refused
+
+
+def test_no_ready_deployment_waits_then_answers_503_and_follows_one_that_becomes_ready(node, sched, gateway):
+    d = make_deployment(node, sched.port, status=Deployment.Status.LOADING)
+    key = make_key()
+    gateway.reload()
+    started = time.monotonic()
+    reply = post(gateway, key, CHAT)
+    assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
+    assert time.monotonic() - started >= 1.9  # the gateway's ready wait (2 s here)
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("reply", post(gateway, key, CHAT)))
+    waiter.start()
+    time.sleep(0.5)
+    Deployment.objects.filter(pk=d.pk).update(status=Deployment.Status.READY)
+    gateway.reload()
+    waiter.join()
+    assert result["reply"].status_code == 200
+
+
+def test_a_refused_connection_goes_to_the_other_ready_deployment(node, sched, gateway):
+    make_deployment(node, free_port(), aliases=["kimi"])  # nothing listens there
+    make_deployment(node, sched.port, aliases=["kimi"])
+    key = make_key()
+    gateway.reload()
+    assert all(post(gateway, key, {**CHAT, "model": "kimi"}).status_code == 200 for _ in range(4))
+
+
+def test_media_urls_only_from_the_routes_domains(node, sched, gateway):
+    make_deployment(node, sched.port, media_domains=["images.example.com"])
+    key = make_key()
+    gateway.reload()
+
+    def ask(url):
+        part = {"type": "image_url", "image_url": {"url": url}}
+        return post(gateway, key, {**CHAT, "messages": [{"role": "user", "content": [part]}]}).status_code
+
+    assert ask("https://images.example.com/cat.png") == 200
+    assert ask("https://cdn.images.example.com/cat.png") == 200
+    assert ask("data:image/png;base64,iVBORw0KGgo=") == 200
+    assert ask("http://169.254.169.254/latest/meta-data") == 400
+    assert ask("https://images.example.com.evil.org/x.png") == 400
+    assert ask("file:///etc/passwd") == 400
+
+
+def test_engine_metrics_only_for_internal_keys(node, sched, gateway):
+    d = make_deployment(node, sched.port)
+    internal, caller = make_key(internal=True), make_key()
+    gateway.reload()
+    url = f"{gateway.url}/engines/{d.pk}/metrics"
+    reply = httpx.get(url, headers={"Authorization": f"Bearer {internal}"})
+    assert reply.status_code == 200 and "vllm:num_requests_running" in reply.text
+    assert httpx.get(url, headers={"Authorization": f"Bearer {caller}"}).status_code == 403
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(f"{gateway.url}/engines/999999/metrics", headers={"Authorization": f"Bearer {internal}"}).status_code == 404
+
+
+def test_the_gateway_reports_its_port_and_health(node, gateway):
+    assert Node.objects.get(pk=node.pk).gateway_port == gateway.gateway.port
+    assert httpx.get(gateway.url + "/healthz").json()["status"] == "ok"
+
+
+def test_a_revoked_key_is_refused_after_the_next_poll(node, sched):
+    make_deployment(node, sched.port)
+    key = make_key()
+    with GatewayThread(node.name, ready_wait_s=1.0) as gw:
+        assert post(gw, key, CHAT).status_code == 200
+        CallerKey.objects.filter(prefix=key[:12]).update(revoked_at=timezone.now())
+        started = time.monotonic()
+        while post(gw, key, CHAT).status_code == 200:
+            assert time.monotonic() - started < 1.5
+            time.sleep(0.02)
