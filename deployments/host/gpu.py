@@ -258,3 +258,108 @@ def _text(value: str | bytes) -> str:
 
 def _gib(used: int | None) -> str:
     return "an unknown amount" if used is None else f"{used / GIB:.1f} GiB"
+
+
+# --- What the host doctor asks NVML (issue 29 item 4; deployments/host/doctor.py judges it) -------------------
+
+P2P_CAPS_INDEX_READ = 0  # pynvml 13.615 spells NVML_P2P_CAPS_INDEX_READ as the tuple (0,)
+# NVML's common-ancestor levels, nearest first, as nvidia-smi topo -m names them.
+TOPOLOGY_LEVELS = {0: "same board", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+P2P_STATUS = {0: "OK", 1: "chipset not supported", 2: "GPU not supported", 3: "IOH topology not supported",
+              4: "disabled by regkey", 5: "not supported"}
+SLOWDOWN_REASONS = {0x8: "HW slowdown", 0x20: "SW thermal slowdown", 0x40: "HW thermal slowdown",
+                    0x80: "HW power brake"}
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """One GPU's settings the doctor checks; any None means NVML could not tell."""
+
+    index: int
+    name: str | None
+    pci_bus_id: str | None  # "0000:18:00.0", as /sys/bus/pci/devices names it
+    memory_total: int | None
+    bar1_total: int | None
+    persistence: bool | None
+    ecc_enabled: bool | None
+    ecc_pending: bool | None
+    ecc_uncorrected: int | None
+    sm_clock_mhz: int | None
+    sm_clock_max_mhz: int | None
+    slowdowns: list[str] | None
+    pcie_gen: int | None
+    pcie_width: int | None
+    pcie_gen_max: int | None  # what the GPU and the slot together can reach
+    pcie_gen_gpu_max: int | None  # what the GPU alone can reach
+    pcie_width_max: int | None
+    nvlinks_active: int | None  # links up; None where NVML does not support NVLink queries
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """The driver, each GPU's settings, and every GPU pair's P2P status and common ancestor."""
+
+    driver_version: str | None
+    cuda_driver_version: str | None  # the newest CUDA the driver runs: "13.0"
+    gpus: list[GpuFacts]
+    pairs: list[dict]  # {"a", "b", "p2p": "OK" | reason | None, "link": "NVLink" | "PIX"... | None}
+
+
+def host_facts() -> HostFacts:
+    """Read what the doctor checks, every field on its own (a refused one is None); raises NvmlUnavailable."""
+    nvml = _nvml()
+    cuda = _read(pynvml.nvmlSystemGetCudaDriverVersion)
+    gpus = [_gpu_facts(i, h) for i, h in enumerate(nvml.handles)]
+    pairs = []
+    for a in range(len(nvml.handles)):
+        for b in range(a + 1, len(nvml.handles)):
+            ha, hb = nvml.handles[a], nvml.handles[b]
+            status = _read(lambda: pynvml.nvmlDeviceGetP2PStatus(ha, hb, P2P_CAPS_INDEX_READ))
+            nvlink = _read(lambda: pynvml.nvmlDeviceGetP2PStatus(ha, hb, 2))  # NVML_P2P_CAPS_INDEX_NVLINK
+            level = _read(lambda: pynvml.nvmlDeviceGetTopologyCommonAncestor(ha, hb))
+            link = "NVLink" if nvlink == 0 and (gpus[a].nvlinks_active or 0) > 0 else TOPOLOGY_LEVELS.get(level)
+            pairs.append({"a": a, "b": b, "p2p": None if status is None else P2P_STATUS.get(status, f"status {status}"),
+                          "link": link})
+    return HostFacts(driver_version=_read(lambda: _text(pynvml.nvmlSystemGetDriverVersion())),
+                     cuda_driver_version=f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None, gpus=gpus, pairs=pairs)
+
+
+def _gpu_facts(index: int, h) -> GpuFacts:
+    memory = _read(lambda: _memory_info(h))
+    ecc = _read(lambda: pynvml.nvmlDeviceGetEccMode(h))
+    reasons = _read(lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
+    pci = _read(lambda: pynvml.nvmlDeviceGetPciInfo(h))
+    links = None
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        state = _read(lambda: pynvml.nvmlDeviceGetNvLinkState(h, link))
+        if state is None:
+            break  # NotSupported (a PCIe card) or past the GPU's last link
+        links = (links or 0) + (state == pynvml.NVML_FEATURE_ENABLED)
+    return GpuFacts(
+        index=index, name=_read(lambda: _text(pynvml.nvmlDeviceGetName(h))),
+        pci_bus_id=_pci_bus_id(pci), memory_total=memory.total if memory is not None else None,
+        bar1_total=_read(lambda: pynvml.nvmlDeviceGetBAR1MemoryInfo(h).bar1Total),
+        persistence=_flag(_read(lambda: pynvml.nvmlDeviceGetPersistenceMode(h))),
+        ecc_enabled=_flag(ecc[0]) if ecc else None, ecc_pending=_flag(ecc[1]) if ecc else None,
+        ecc_uncorrected=_read(lambda: _ecc_errors(h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)),
+        sm_clock_mhz=_read(lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+        sm_clock_max_mhz=_read(lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
+        slowdowns=None if reasons is None else [name for bit, name in SLOWDOWN_REASONS.items() if reasons & bit],
+        pcie_gen=_read(lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
+        pcie_width=_read(lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)),
+        pcie_gen_max=_read(lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),
+        pcie_gen_gpu_max=_read(lambda: pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration(h)),
+        pcie_width_max=_read(lambda: pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)),
+        nvlinks_active=links)
+
+
+def _flag(value) -> bool | None:
+    return None if value is None else value == pynvml.NVML_FEATURE_ENABLED
+
+
+def _pci_bus_id(pci) -> str | None:
+    """NVML's "00000000:18:00.0" as sysfs writes it: "0000:18:00.0"."""
+    if pci is None:
+        return None
+    bus = _text(pci.busId).lower()
+    return bus[-12:] if len(bus) >= 12 else bus
