@@ -36,6 +36,9 @@ class Node(models.Model):
                                  help_text="The model store's sequential read rate: {bps, bytes, cold, at} (issue 16).")
     gateway_port = models.PositiveIntegerField(null=True, blank=True,
                                                help_text="The port the node's gateway listens on, as its gateway reports it.")
+    host_checks = models.JSONField(default=dict, blank=True,
+                                   help_text="The host doctor's last report: {at, checks: [{name, status, summary, fix, data}], "
+                                             "topology, nccl_presets} (deployments/host/doctor.py, issue 29).")
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -479,3 +482,24 @@ class Recipe(models.Model):
 
     def __str__(self):
         return f"{self.name} ({self.source})"
+
+
+class FitCalibration(models.Model):
+    """One load's KV-cache estimate against the figure its engine logged (issue 29 item 3): the error, and the
+    correction of the engine's reserve per GPU it implies, which the next estimate for this node and model uses."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="fit_calibrations")
+    model = models.ForeignKey(ModelRepo, on_delete=models.CASCADE, related_name="fit_calibrations")
+    deployment = models.ForeignKey(Deployment, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    layout = models.CharField(max_length=100, help_text="The layout and KV dtype estimated: 'TP 8 × DCP 8, fp8'.")
+    predicted_tokens = models.BigIntegerField()
+    observed_tokens = models.BigIntegerField(help_text="The engine's own 'KV cache size: N tokens'.")
+    error = models.FloatField(help_text="(predicted - observed) / observed, before this correction.")
+    correction_bytes = models.BigIntegerField(help_text="Added to the reserve per GPU by the next estimate.")
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created", "-id"]
+
+    def __str__(self):
+        return f"{self.model} on {self.node}: {self.error:+.1%}"
