@@ -1,5 +1,6 @@
 """The host firewall of a multi-node or Ray deployment: every port its processes open is reachable only from
-loopback and the deployment's own nodes (and the engine's API port from anywhere). Plain Python, no Django.
+loopback and the deployment's own nodes. The engine's API server listens on loopback only (issue 28: the node's
+gateway is the public door), so no port of theirs is open to all. Plain Python, no Django.
 
 Why not addresses: Ray 2.60 (GCS, raylet, object manager, workers), torch's TCPStore (the master port), gloo,
 NCCL and vLLM's ZeroMQ queues listen on every interface whatever address they are given, many on ports they
@@ -10,7 +11,7 @@ the cgroup of the socket it is for. One table of the panel's (`inet panel_engine
 
     map guarded { type cgroupsv2 : verdict }                    # a launched group's cgroup -> its chain
     chain input { hook input; ct state new socket cgroupv2 level 2 vmap @guarded }
-    chain <key> { iif lo return; ip saddr {nodes} return; tcp dport {API port} return; reject }
+    chain <key> { iif lo return; ip saddr {nodes} return; [tcp dport {open_ports} return;] reject }
 
 Replies to connections an engine opens itself are not new: they pass. The table only rejects; it never
 accepts what another firewall drops. A process started under a cgroup of its own already (a systemd unit, an
@@ -351,13 +352,20 @@ def _occupied(nft_path: str) -> bool:
 def _rebuild(drop: set[str]) -> None:
     """Write the map again without the dropped keys and without elements whose cgroup is gone (nft can no
     longer name those, so they cannot be deleted one by one), and delete every chain no element jumps to. One
-    nft transaction: at no moment is a live group unguarded."""
+    nft transaction: at no moment is a live group unguarded. No table yet (a fresh host, where no multi-node
+    or Ray group was ever guarded): nothing to drop."""
+    if not _table_exists():
+        return
     keep = {path: chain for path, chain in _elements().items()
             if chain not in drop and (NFT_CGROUP_BASE / path).is_dir()}
     script = f"flush map inet {TABLE} guarded\n" + "".join(
         f"add element inet {TABLE} guarded {_element(path, chain)}\n" for path, chain in keep.items())
     script += "".join(f"delete chain inet {TABLE} {chain}\n" for chain in _chains() - set(keep.values()) - {"input"})
     _nft(script)
+
+
+def _table_exists() -> bool:
+    return subprocess.run([_nft_bin(), "list", "table", "inet", TABLE], capture_output=True, timeout=20).returncode == 0
 
 
 def _chains() -> set[str]:

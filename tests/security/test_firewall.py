@@ -147,3 +147,20 @@ def test_sweep_drops_the_rules_of_a_group_that_ended_unwatched():
         live.kill()
         live.wait(5)
         assert firewall.release(markers[1]) is True
+
+
+def test_a_host_that_never_guarded_a_group_stops_and_sweeps_without_a_table():
+    """A fresh host has no `inet panel_engines` table until a multi-node or Ray group is guarded; every stop
+    releases its marker and every agent start sweeps: neither may fail there (CI on a fresh machine failed
+    single-node stops with "nft refused the panel's rules: No such file or directory"). Run in a network
+    namespace of its own, where the table does not exist whatever this host's other runs do."""
+    with netns.machines("fresh") as found:
+        ns = found["fresh"][0]
+        # What release() and sweep() run once they found no process left (`ip netns exec` remounts /sys, so
+        # the cgroup side is not reachable from in there: the nft side is called as they call it).
+        code = "from deployments.host import firewall; firewall._rebuild(drop={firewall.key_of('0.freshgroup')})"
+        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet", firewall.TABLE],
+                              capture_output=True).returncode != 0  # nothing created either
