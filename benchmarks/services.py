@@ -13,7 +13,7 @@ from benchmarks.runner.saturation import queue_note
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
-from deployments import live, secrets
+from deployments import enginekey, live, secrets
 from deployments.host import engine, vllm
 from deployments.models import Deployment, ModelCopy
 from deployments.selectors import deployment_startup
@@ -183,14 +183,15 @@ def run_execute(run_id: int) -> BenchmarkRun:
         live.send_run_status(run)
 
     try:
-        model = target.model or _served_model(target.base_url)
+        key = _engine_key(run.deployment)
+        model = target.model or _served_model(target.base_url, key)
         if model != run.served_model:
             run.served_model = model
             BenchmarkRun.objects.filter(pk=run.pk).update(served_model=model)
         # A deployment is vLLM: ask for usage in every chunk, so ITL per token divides each gap by the tokens
         # that came in it exactly (another server may refuse the option: its chunks' tokens are estimated).
         spec = runner.LoadSpec(base_url=target.base_url, model=model, **_spec_params(run.params),
-                               continuous_usage_stats=bool(run.deployment_id),
+                               continuous_usage_stats=bool(run.deployment_id), api_key=key,
                                tokenizer_path=run.environment.get("model_path", "") if run.deployment_id else "")
         # In a child process under a memory limit: whatever the run asks, this process and the engine
         # next to it keep their memory (benchmarks/runner/child.py).
@@ -223,9 +224,20 @@ def _spec_params(params: dict) -> dict:
     return spec
 
 
-def _served_model(base_url: str) -> str:
+def _engine_key(d: Deployment | None) -> str:
+    """The key of the deployment's engine (issue 28: every engine the panel starts wants it), read here on its
+    node; "" for any other server."""
+    if d is None:
+        return ""
     try:
-        models = vllm.served_models(base_url)
+        return enginekey.current(d)
+    except enginekey.KeyUnreadable as exc:
+        raise ServiceError(str(exc)) from exc
+
+
+def _served_model(base_url: str, key: str = "") -> str:
+    try:
+        models = vllm.served_models(base_url, key=key)
     except vllm.VllmError as exc:
         raise ServiceError(f"Cannot list the server's models: {exc}") from exc
     if not models:

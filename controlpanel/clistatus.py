@@ -45,8 +45,8 @@ def call_lines(item: dict, snippets: bool = False) -> list[str]:
     call = item.get("call") or {}
     lines = [f"  endpoint {call.get('base_url') or item['base_url'] + '/v1'}",
              f"  model    {', '.join(call.get('models') or []) or 'unknown (no copy on the node yet)'}",
-             "  API key  " + ("needed: send the deployment's --api-key as a Bearer token (the snippets read $VLLM_API_KEY)"
-                              if call.get("key_required") else "none needed")]
+             "  API key  " + ("needed: a caller key of the node's gateway (`panelctl keys create`; the snippets read "
+                              "$OPENAI_API_KEY)" if call.get("key_required") else "none needed")]
     if snippets and call.get("curl"):
         lines += ["  curl:", *("    " + line for line in call["curl"].splitlines()),
                   "  python (openai):", *("    " + line for line in call["python"].splitlines())]

@@ -14,7 +14,8 @@ ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", 
                 "UCX_", "GLOO_", "MKL_", "TOKENIZERS_", "SAFETENSORS_", "NVSHMEM_", "TORCHINDUCTOR_", "RAY_")
 # Set by the panel itself; a user value would break what the panel relies on.
 ENV_RESERVED = {"CUDA_VISIBLE_DEVICES": "set by the panel from the chosen GPUs",
-                "RAY_ADDRESS": "set by the panel (the Ray head it starts for --distributed-executor-backend ray)"}
+                "RAY_ADDRESS": "set by the panel (the Ray head it starts for --distributed-executor-backend ray)",
+                "VLLM_API_KEY": enginecli.KEY_BY_PANEL}
 
 # Form presets: typical layouts, prefilled into the deploy form (the user can change anything).
 PRESETS = {

@@ -195,8 +195,7 @@ OPERATOR_FLAGS = {
     # loading the model's own weights
     "safetensors-load-strategy": "how the model folder's weights are read (lazy, eager, prefetch), by name",
     "max-parallel-loading-workers": "how many workers load weights at once",
-    # access
-    "api-key": "the key clients must send: it restricts who may call, runs and loads nothing (kept secret)",
+    # (--api-key is nobody's: the panel gives every engine a key of its own; callers' keys are the gateway's)
 }
 # vLLM's built-in parsers (vllm/tool_parsers, vllm/reasoning), reviewed: each parses model output text.
 TOOL_PARSERS = frozenset({

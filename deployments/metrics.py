@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.samples import Sample
+from django.conf import settings
 from django.db.models import F
 
 from deployments import live
@@ -197,14 +198,15 @@ class DownloadCollector:
 
 
 def engine_scrape_targets() -> list[dict]:
-    """Prometheus HTTP service discovery: one target group per ready engine, its /metrics at the
-    node's address and the deployment's port, labelled with node, deployment, model and GPUs."""
+    """Prometheus HTTP service discovery: one target group per ready engine, its /metrics through its node's
+    gateway (issue 28: engines listen on loopback; the gateway answers `/engines/<id>/metrics` to the internal
+    scrape key, deployments/scrapekey.py), labelled with node, deployment, model and GPUs."""
     groups = []
     for d in Deployment.objects.filter(status=Deployment.Status.READY).select_related("node", "model").prefetch_related(
             "gpus").order_by("name"):
         groups.append({
-            "targets": [f"{d.node.address or '127.0.0.1'}:{d.port}"],
-            "labels": {"__metrics_path__": "/metrics", "node": d.node.name, "deployment": d.name, "model": str(d.model),
-                       "gpus": ",".join(map(str, d.gpu_indices))},
+            "targets": [f"{d.node.address or '127.0.0.1'}:{d.node.gateway_port or settings.GATEWAY_PORT}"],
+            "labels": {"__metrics_path__": f"/engines/{d.pk}/metrics", "node": d.node.name, "deployment": d.name,
+                       "model": str(d.model), "gpus": ",".join(map(str, d.gpu_indices))},
         })
     return groups

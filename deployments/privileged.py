@@ -10,8 +10,13 @@ File paths must lie inside the model's folder, for everyone.
 import posixpath
 
 from deployments import engineoptions
-from deployments.host import store
+from deployments.host import enginecli, store
 from controlpanel.errors import ServiceError
+
+# Set by the panel for every engine, refused from everyone (issue 28): the engine's own key is the panel's, and
+# callers' keys live on the node's gateway.
+PANEL_FLAGS = {"api-key": enginecli.KEY_REFUSED}
+PANEL_ENV = {"VLLM_API_KEY": enginecli.KEY_REFUSED}
 
 # Why some of the options operators may not set need an admin (shown to the user; an option not named
 # here is refused as "not on the operator list").
@@ -82,7 +87,9 @@ def _changed(new: dict, old: dict) -> dict:
 
 
 def check(*, engine_args: dict, env: dict, model_dir: str, admin: bool, old_args=None, old_env=None) -> None:
-    """Refuse privileged options set or changed by a non-admin, and file paths outside the model's folder."""
+    """Refuse what the panel sets itself (PANEL_FLAGS, PANEL_ENV) from anyone, privileged options set or changed
+    by a non-admin, and file paths outside the model's folder."""
+    refused(engine_args, env)
     if not admin:
         new = uses(_changed(engine_args, old_args or {}), _changed(env, old_env or {}))
         if new:
@@ -94,6 +101,16 @@ def check(*, engine_args: dict, env: dict, model_dir: str, admin: bool, old_args
         if isinstance(value, str) and not _inside(value, model_dir):
             raise ServiceError(f"--{name}: a file path must lie inside the model's folder ({model_dir}).",
                                field="extra_flags")
+
+
+def refused(engine_args: dict, env: dict) -> None:
+    """A 400 naming the first option (canonical names) only the panel may set, e.g. --api-key."""
+    for name, why in PANEL_FLAGS.items():
+        if engine_args.get(name) not in (None, False):
+            raise ServiceError(f"{why}.", field="extra_flags")
+    for name, why in PANEL_ENV.items():
+        if name in env:
+            raise ServiceError(f"{why}.", field="env")
 
 
 def _inside(value: str, folder: str) -> bool:

@@ -4,7 +4,7 @@ import shlex
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 
-from deployments import history, secrets
+from deployments import enginekey, history, secrets
 from deployments.host import enginecli, engineenv, engineuser, systemd
 from deployments.host.engine import EngineError
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
@@ -68,14 +68,15 @@ def deployment_wait(deployment: Deployment, token: str, wait_s: float = 0.0) -> 
 
 
 def _engine_argv(d: Deployment) -> tuple[list[str], dict, dict]:
-    """The head engine's argv, environment and secret environment as its node runs it (--api-key travels as
-    VLLM_API_KEY in the secret part); EngineError for a row stored before flag names were canonical."""
+    """The head engine's argv, environment and secret environment as its node runs it (its key, issue 28, is
+    VLLM_API_KEY in the secret part: named, its value never here); EngineError for a row stored before flag
+    names were canonical."""
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
     argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
-                                d.port, "0.0.0.0", d.engine_args)
+                                d.port, enginecli.API_HOST, d.engine_args)
     env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices), secrets.marked(d))
     argv, flag_env = systemd.secret_argv(argv)
-    return argv, env, {**secret_env, **flag_env}
+    return argv, env, {**secret_env, **flag_env, enginekey.ENV_VAR: ""}
 
 
 def deployment_command(d: Deployment) -> str:

@@ -4,6 +4,7 @@ from datetime import timedelta
 from unittest import mock
 
 import pytest
+from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
@@ -150,11 +151,15 @@ def test_service_discovery_lists_each_ready_engine_with_its_labels(viewer_client
     response = viewer_client.get("/api/prometheus/targets/")
     assert response.status_code == 200 and response["Content-Type"] == "application/json"
     ready = fleet["ready"]
+    # Issue 28: the engine listens on loopback; its node's gateway serves its /metrics to the scrape key.
     assert response.json() == [{
-        "targets": [f"{ready.node.address}:{ready.port}"],
-        "labels": {"__metrics_path__": "/metrics", "node": ready.node.name, "deployment": ready.name,
+        "targets": [f"{ready.node.address}:{settings.GATEWAY_PORT}"],
+        "labels": {"__metrics_path__": f"/engines/{ready.pk}/metrics", "node": ready.node.name, "deployment": ready.name,
                    "model": str(ready.model), "gpus": "0,1"},
     }]
+    ready.node.gateway_port = 4321  # what the node's gateway reported at its start
+    ready.node.save()
+    assert viewer_client.get("/api/prometheus/targets/").json()[0]["targets"] == [f"{ready.node.address}:4321"]
 
 
 def test_the_panels_writer_says_what_prometheus_clients_own_would(fleet):

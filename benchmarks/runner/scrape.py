@@ -23,8 +23,8 @@ def summarize(samples: list[tuple[float, dict]]) -> dict:
 class Sampler:
     """A background thread reading /metrics every `interval_s` until stopped."""
 
-    def __init__(self, url: str, interval_s: float = 0.5, timeout_s: float = 2.0):
-        self.url, self.interval_s, self.timeout_s = url, interval_s, timeout_s
+    def __init__(self, url: str, interval_s: float = 0.5, timeout_s: float = 2.0, key: str = ""):
+        self.url, self.interval_s, self.timeout_s, self.key = url, interval_s, timeout_s, key
         self.samples: list[tuple[float, dict]] = []
         self.error = ""
         self._stop = threading.Event()
@@ -56,7 +56,7 @@ class Sampler:
     def _run(self):
         while True:
             try:
-                reading = vllm.read_metrics(self.url, self.timeout_s)
+                reading = vllm.read_metrics(self.url, self.timeout_s, key=self.key)
                 self.samples.append((time.perf_counter(), reading))
                 self.error = ""
             except vllm.VllmError as exc:
@@ -64,7 +64,7 @@ class Sampler:
             if self._stop.wait(self.interval_s):
                 # One last reading so the counter's rate covers the whole level.
                 try:
-                    self.samples.append((time.perf_counter(), vllm.read_metrics(self.url, self.timeout_s)))
+                    self.samples.append((time.perf_counter(), vllm.read_metrics(self.url, self.timeout_s, key=self.key)))
                 except vllm.VllmError:
                     pass
                 return

@@ -245,7 +245,7 @@ class Sweeper:
         for wid, slots in enumerate(_slots(shares)):
             workers.commands[wid].put(_Command(shares[wid], concurrency, total, warmup, slots, lengths, spec.tick_s))
         metrics_url = spec.metrics_url or vllm.metrics_url(self.target.root_url)
-        sampler = Sampler(metrics_url, interval_s=spec.tick_s) if spec.scrape_metrics else None
+        sampler = Sampler(metrics_url, interval_s=spec.tick_s, key=spec.api_key) if spec.scrape_metrics else None
         if sampler:
             sampler.__enter__()
         try:
@@ -377,7 +377,7 @@ def _check_lengths(spec: LoadSpec) -> None:
     """Refuse, before any request, a spec the server's max_model_len (GET /v1/models) cannot take."""
     root = Target(spec).root_url
     try:
-        lengths = vllm.max_model_lengths(root)
+        lengths = vllm.max_model_lengths(root, key=spec.api_key)
     except vllm.VllmError:
         return  # no such listing: the requests themselves will say
     if problem := length_problem(spec, lengths.get(spec.model)):

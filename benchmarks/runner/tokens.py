@@ -36,16 +36,16 @@ SERVER, FILES, WORDS_ONLY = "server /tokenize", "tokenizer files", "words (about
 
 class _ServerCounter:
     def __init__(self, spec: LoadSpec, root_url: str):
-        self.url, self.model, self.chat = root_url, spec.model, spec.endpoint == CHAT
+        self.url, self.model, self.chat, self.key = root_url, spec.model, spec.endpoint == CHAT, spec.api_key
 
     def count(self, text: str) -> int:
-        return len(vllm.tokenize(self.url, self.model, prompt=text, add_special_tokens=False))
+        return len(vllm.tokenize(self.url, self.model, prompt=text, add_special_tokens=False, key=self.key))
 
     def full(self, text: str) -> int:
         """Tokens the endpoint sees for `text` (template and special tokens included)."""
         if self.chat:
-            return len(vllm.tokenize(self.url, self.model, messages=[{"role": "user", "content": text}]))
-        return len(vllm.tokenize(self.url, self.model, prompt=text))
+            return len(vllm.tokenize(self.url, self.model, messages=[{"role": "user", "content": text}], key=self.key))
+        return len(vllm.tokenize(self.url, self.model, prompt=text, key=self.key))
 
 
 class _FileCounter:

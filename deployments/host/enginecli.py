@@ -16,9 +16,25 @@ from deployments import engineoptions
 from deployments.host import engineenv
 from deployments.host.engine import EngineError
 
+# Where every engine's API server listens (issue 28): loopback only. The node's gateway is the one door
+# callers use (it checks their keys and forwards only the OpenAI API); a multi-node deployment's cluster
+# ports are on the node's cluster address (node/cluster.py), never the API.
+API_HOST = "127.0.0.1"
+KEY_BY_PANEL = ("set by the panel (every engine gets a random key of its own); callers use keys of the node's "
+                "gateway instead (made on the account page or with `panelctl keys create`)")
+# Worded so that no word follows the flag: log and status redaction (deployments/secrets.py) masks the word after
+# a secret-looking flag.
+KEY_REFUSED = f"The engine's key (--api-key, VLLM_API_KEY) is {KEY_BY_PANEL}"
 # The panel sets these itself; the deploy form and API refuse them too (engineargs.check_flags).
-RESERVED_FLAGS = {"--host": "set by the panel", "--port": "set by the panel (the deployment's port)",
-                  "--model": "set by the panel from the model"}
+RESERVED_FLAGS = {"--host": "set by the panel (engines listen on 127.0.0.1; the node's gateway is the public door)",
+                  "--port": "set by the panel (the deployment's port)",
+                  "--model": "set by the panel from the model",
+                  "--api-key": KEY_BY_PANEL}
+
+
+def reserved(flag: str) -> str:
+    """Why `flag` (in RESERVED_FLAGS) is refused, as one sentence."""
+    return KEY_REFUSED if flag == "--api-key" else f"{flag} is {RESERVED_FLAGS[flag]}"
 
 
 def _word(name: str, value) -> str:
@@ -41,7 +57,7 @@ def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args
                               "leading dashes): redeploy to store it so", permanent=True)
         flag = f"--{name}"
         if flag in RESERVED_FLAGS:
-            raise EngineError(f"{flag} is {RESERVED_FLAGS[flag]}", permanent=True)
+            raise EngineError(reserved(flag), permanent=True)
         # False/None leave the engine's default; vLLM spells "off" for on-by-default flags --no-X.
         if value is None or value is False:
             continue
@@ -170,7 +186,7 @@ def validate_args(engine_args: dict, flags: set[str]) -> dict[str, str]:
             continue
         flag = f"--{name}"
         if flag in RESERVED_FLAGS:
-            errors[name] = f"{flag} is {RESERVED_FLAGS[flag]}"
+            errors[name] = reserved(flag)
         elif flag not in flags:
             close = difflib.get_close_matches(flag, sorted(flags), n=1, cutoff=0.75)
             hint = f"; did you mean {close[0]}?" if close else ""

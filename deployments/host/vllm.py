@@ -73,10 +73,17 @@ class SmokeResult:
     reasoning_tokens: int | None
 
 
-def _request(method: str, url: str, timeout: float, body: dict | None = None) -> str:
-    """The response body; VllmError on a refused connection, a timeout or an HTTP error status."""
+def auth_headers(key: str) -> dict[str, str]:
+    """What vLLM's --api-key (VLLM_API_KEY) check wants: `Authorization: Bearer <key>`; nothing without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _request(method: str, url: str, timeout: float, body: dict | None = None, key: str = "") -> str:
+    """The response body; VllmError on a refused connection, a timeout or an HTTP error status. `key`: the
+    engine's key (every engine the panel starts has one, issue 28), sent as a Bearer token."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **auth_headers(key)})
     try:
         with _OPENER.open(request, timeout=timeout) as resp:
             return resp.read().decode("utf-8", "replace")
@@ -90,27 +97,27 @@ def _request(method: str, url: str, timeout: float, body: dict | None = None) ->
         raise VllmError(f"{method} {url} failed: {e}") from e
 
 
-def health(base_url: str, timeout: float = 2.0) -> bool:
+def health(base_url: str, timeout: float = 2.0, key: str = "") -> bool:
     """True if GET {base_url}/health succeeds (vLLM answers 200 when up, 503 when its engine died)."""
     try:
-        _request("GET", f"{base_url.rstrip('/')}/health", timeout)
+        _request("GET", f"{base_url.rstrip('/')}/health", timeout, key=key)
         return True
     except VllmError:
         return False
 
 
-def served_models(base_url: str, timeout: float = 10.0) -> list[str]:
+def served_models(base_url: str, timeout: float = 10.0, key: str = "") -> list[str]:
     """Ids of the models the server serves (GET /v1/models)."""
-    text = _request("GET", f"{base_url.rstrip('/')}/v1/models", timeout)
+    text = _request("GET", f"{base_url.rstrip('/')}/v1/models", timeout, key=key)
     try:
         return [m["id"] for m in json.loads(text)["data"]]
     except (ValueError, KeyError, TypeError) as e:
         raise VllmError(f"unexpected /v1/models: {NOT_OPENAI}", permanent=True) from e
 
 
-def max_model_lengths(base_url: str, timeout: float = 10.0) -> dict[str, int]:
+def max_model_lengths(base_url: str, timeout: float = 10.0, key: str = "") -> dict[str, int]:
     """Each served model's max_model_len, as vLLM lists it in GET /v1/models (models without one left out)."""
-    text = _request("GET", f"{base_url.rstrip('/')}/v1/models", timeout)
+    text = _request("GET", f"{base_url.rstrip('/')}/v1/models", timeout, key=key)
     try:
         return {m["id"]: m["max_model_len"] for m in json.loads(text)["data"] if isinstance(m.get("max_model_len"), int)}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -118,12 +125,12 @@ def max_model_lengths(base_url: str, timeout: float = 10.0) -> dict[str, int]:
 
 
 def smoke_test(base_url: str, model: str, question: str = "What is the capital of France?",
-               timeout: float = 60.0, max_tokens: int = 64) -> SmokeResult:
+               timeout: float = 60.0, max_tokens: int = 64, key: str = "") -> SmokeResult:
     """Ask one non-streaming chat question and return what came back."""
     body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens, "stream": False}
     started = time.monotonic()
-    text = _request("POST", f"{base_url.rstrip('/')}/v1/chat/completions", timeout, body)
+    text = _request("POST", f"{base_url.rstrip('/')}/v1/chat/completions", timeout, body, key=key)
     latency = time.monotonic() - started
     try:
         data = json.loads(text)
@@ -168,9 +175,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     return reading
 
 
-def read_metrics(url: str, timeout: float = 2.0) -> dict[str, float]:
+def read_metrics(url: str, timeout: float = 2.0, key: str = "") -> dict[str, float]:
     """One reading (see parse_metrics) of the /metrics page at `url`."""
-    return parse_metrics(_request("GET", url, timeout))
+    return parse_metrics(_request("GET", url, timeout, key=key))
 
 
 def metrics_url(base_url: str) -> str:
@@ -188,7 +195,7 @@ def tok_s(earlier: tuple[float, dict], later: tuple[float, dict]) -> float | Non
 
 
 def tokenize(base_url: str, model: str, *, prompt: str | None = None, messages: list | None = None,
-             add_special_tokens: bool | None = None, timeout: float = 10.0) -> list[int]:
+             add_special_tokens: bool | None = None, timeout: float = 10.0, key: str = "") -> list[int]:
     """Token ids the server's tokenizer gives a prompt (POST /tokenize, a vLLM extra): a `prompt` as
     /v1/completions would see it, or `messages` rendered through the chat template with the generation
     prompt, as /v1/chat/completions would. VllmError (permanent) when the server has no /tokenize."""
@@ -199,7 +206,7 @@ def tokenize(base_url: str, model: str, *, prompt: str | None = None, messages: 
         body["prompt"] = prompt or ""
     if add_special_tokens is not None:
         body["add_special_tokens"] = add_special_tokens
-    text = _request("POST", f"{base_url.rstrip('/')}/tokenize", timeout, body)
+    text = _request("POST", f"{base_url.rstrip('/')}/tokenize", timeout, body, key=key)
     try:
         tokens = json.loads(text)["tokens"]
         return [int(t) for t in tokens]

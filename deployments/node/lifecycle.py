@@ -92,8 +92,8 @@ def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
                                                  run_as=spec.run_as))
         save(p, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
     d = deployment_of(p)
-    if d.master_port:  # multi-node or Ray: its cluster ports admit only the deployment's nodes (the API port all)
-        firewall.guard(marker, [p.pid], node_addresses(d), [d.port] if p is d else [])
+    if d.master_port:  # multi-node or Ray: its cluster ports admit only the deployment's nodes (the API server
+        firewall.guard(marker, [p.pid], node_addresses(d))  # listens on loopback: the node's gateway is the door)
     return p.pid
 
 

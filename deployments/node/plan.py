@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, live, secrets
+from deployments import claims, enginekey, live, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster
@@ -179,7 +179,8 @@ def _launch(d: Deployment, model_path: str) -> str:
     ray = raycluster.uses_ray(d)
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself
     args = {**d.engine_args, **cluster.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
-    argv = enginecli.build_argv(vllm_bin, model_path, d.port, "0.0.0.0", args)
+    argv = enginecli.build_argv(vllm_bin, model_path, d.port, enginecli.API_HOST, args)
+    enginekey.new(d)  # issue 28: a new key for every engine started (_engine_env hands it over)
     # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there. With Ray the
     # engine carries the marker its Ray head got (raycluster.head_start); a persisted one starts under its unit
     # again, enabled for the next boot.
@@ -190,12 +191,21 @@ def _launch(d: Deployment, model_path: str) -> str:
 
 
 def _engine_env(d: Deployment) -> dict[str, str]:
-    """The engine's environment, without the marker (lifecycle.launch sets it)."""
+    """The engine's environment, without the marker (lifecycle.launch sets it); its key set last (enginekey),
+    so no deployment variable replaces it."""
     own = cluster.rank_env(d, cluster.head_address(d), d.gpu_indices) if d.master_port else engineenv.deployment_env(
         d.env, d.gpu_indices)
     if raycluster.uses_ray(d):
         own.update(raycluster.engine_env(d))
-    return own
+    return {**own, **enginekey.env(_key(d))}
+
+
+def _key(d: Deployment) -> str:
+    """The engine's key as this plan stored it, or PlanFailed when this node cannot open it."""
+    try:
+        return enginekey.of(d)
+    except enginekey.KeyUnreadable as exc:
+        raise PlanFailed(str(exc)) from exc
 
 
 def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
@@ -284,7 +294,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
     d.load_phase, d.load_percent = "server_up", 100.0
     d.log_tail = "\n".join(tail)
     move(d, S.READY)
-    _smoke(d, base_url)
+    _smoke(d, base_url, _key(d))
     watch.finish()
 
 
@@ -292,14 +302,14 @@ SMOKE_BOUND_S = 180.0  # the first answer of a just-loaded engine may be slow (a
 SMOKE_RETRY_S = 2.0
 
 
-def _ask_smoke(d: Deployment, base_url: str) -> vllm.SmokeResult:
+def _ask_smoke(d: Deployment, base_url: str, key: str = "") -> vllm.SmokeResult:
     """The smoke test's answer, asked again after a timeout or a 5xx until SMOKE_BOUND_S has passed;
-    a 4xx (our request is wrong) is the answer at once."""
+    a 4xx (our request is wrong) is the answer at once. `key`: the engine's (enginekey)."""
     deadline = time.monotonic() + SMOKE_BOUND_S
     while True:
         try:
-            name = d.served_model_name or (vllm.served_models(base_url) or [""])[0]
-            return vllm.smoke_test(base_url, name, timeout=max(1.0, min(60.0, deadline - time.monotonic())))
+            name = d.served_model_name or (vllm.served_models(base_url, key=key) or [""])[0]
+            return vllm.smoke_test(base_url, name, timeout=max(1.0, min(60.0, deadline - time.monotonic())), key=key)
         except vllm.VllmError as exc:
             if exc.permanent or time.monotonic() + SMOKE_RETRY_S >= deadline:
                 raise
@@ -307,10 +317,10 @@ def _ask_smoke(d: Deployment, base_url: str) -> vllm.SmokeResult:
             time.sleep(SMOKE_RETRY_S)
 
 
-def _smoke(d: Deployment, base_url: str) -> None:
+def _smoke(d: Deployment, base_url: str, key: str) -> None:
     with step(d, "smoke_test") as event:
         try:
-            result = _ask_smoke(d, base_url)
+            result = _ask_smoke(d, base_url, key)
         except vllm.VllmError as exc:
             event.level = DeploymentEvent.Level.WARNING
             event.message = f"The engine is up but the smoke test failed: {exc}"
@@ -329,7 +339,7 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
         return _persist_group(d)
     copy = ModelCopy.objects.get(model=d.model, node=d.node)
     name = systemd.unit_name(d.name)
-    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, "0.0.0.0", d.engine_args)
+    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, enginecli.API_HOST, d.engine_args)
     try:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)

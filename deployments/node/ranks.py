@@ -249,7 +249,7 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
         argv, env = raycluster.rank_argv(r), raycluster.node_env(d, address, r.gpu_indices)
     else:
         own = multinode_args(d, r.rank, d.ranks.count() + 1)
-        argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, "0.0.0.0", {**d.engine_args, **own})
+        argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, enginecli.API_HOST, {**d.engine_args, **own})
         env = rank_env(d, address, r.gpu_indices)
     log_path = Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-rank{r.rank}-{int(time.time())}.log"
     spec = lifecycle.Launch(argv=argv, env=env, log_path=log_path, cwd=Path(model_path),

@@ -1,5 +1,6 @@
 """Issue 27 items 1 and 6: every deployment says how to call it (page, API), under the repo id by default,
-and a deploy from the API or panelctl gets the deploy form's own defaults for the node."""
+and a deploy from the API or panelctl gets the deploy form's own defaults for the node. Issue 28: that is
+always through the node's gateway, with a caller key, under the served name and the route's aliases."""
 import json
 import shlex
 from unittest import mock
@@ -7,7 +8,10 @@ from unittest import mock
 import pytest
 from django.urls import reverse
 
+from django.conf import settings
+
 from deployments import callit
+from deployments.gateway.models import Route
 from deployments.models import Deployment
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
@@ -19,6 +23,18 @@ def no_queue():
     with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True), \
          mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
         yield
+
+
+@pytest.fixture
+def admin_api():
+    """An admin: even the role that may set every other flag may not set the engine's key."""
+    from rest_framework.test import APIClient
+
+    from tests.factories import UserFactory
+
+    client = APIClient()
+    client.force_authenticate(UserFactory(role="admin"))
+    return client
 
 
 @pytest.fixture
@@ -46,14 +62,26 @@ def test_a_deploy_without_a_served_name_serves_the_repo_id_and_the_api_says_how_
     d = Deployment.objects.get()
     assert d.engine_args["served-model-name"] == "acme/tiny-chat"  # stored, so the plan and the unit show it
     call = api.get(f"/api/deployments/{d.pk}/").json()["call"]
-    assert call["base_url"] == f"http://10.0.0.5:{d.port}/v1" and call["models"] == ["acme/tiny-chat"]
-    assert call["key_required"] is False
+    gateway = f"http://10.0.0.5:{settings.GATEWAY_PORT}/v1"  # the node's gateway, never the engine's own port
+    assert call["base_url"] == gateway and call["models"] == ["acme/tiny-chat"]
+    assert call["key_required"] is True and "panelctl keys create" in call["key_help"]
     words = shlex.split(call["curl"].replace("\\\n", " "))
-    assert words[1] == f"http://10.0.0.5:{d.port}/v1/chat/completions" and "Authorization" not in call["curl"]
+    assert words[1] == f"{gateway}/chat/completions" and "Authorization: Bearer $OPENAI_API_KEY" in words
     assert json.loads(words[words.index("-d") + 1])["model"] == "acme/tiny-chat"
     compile(call["python"], "<call it>", "exec")  # the snippet is Python as shown
-    assert f'base_url="http://10.0.0.5:{d.port}/v1"' in call["python"] and 'model="acme/tiny-chat"' in call["python"]
+    assert f'base_url="{gateway}"' in call["python"] and 'model="acme/tiny-chat"' in call["python"]
+    assert 'api_key=os.environ["OPENAI_API_KEY"]' in call["python"]
     assert '"--served-model-name" "acme/tiny-chat"' in api.get(f"/api/deployments/{d.pk}/unit/").json()["text"]
+
+
+def test_the_port_the_nodes_gateway_reported_and_the_routes_aliases_are_shown(cpu_model):
+    node, model = cpu_model
+    node.gateway_port = 4123
+    node.save()
+    d = DeploymentFactory(node=node, model=model, engine_args={"served-model-name": "tiny"})
+    Route.objects.create(deployment=d, names=["kimi", "tiny", " "])
+    call = callit.call(d)
+    assert call["base_url"] == "http://10.0.0.5:4123/v1" and call["models"] == ["tiny", "kimi"]
 
 
 def test_a_served_name_the_user_gives_wins(api, cpu_model):
@@ -70,16 +98,17 @@ def test_a_deployment_stored_without_a_served_name_is_called_by_the_path_vllm_wa
     assert callit.call(d)["models"] == ["/var/models/acme--tiny-chat"]
 
 
-def test_a_deployment_with_an_api_key_says_one_is_needed_and_never_shows_it(api, operator_client, cpu_model):
+@pytest.mark.parametrize("field,value", [("engine_args", {"api-key": "sk-very-secret-1234"}),
+                                         ("engine_args", {"--api_key": "sk-very-secret-1234"}),
+                                         ("env", {"VLLM_API_KEY": "sk-very-secret-1234"})])
+def test_a_deploy_with_its_own_api_key_is_refused_saying_callers_keys_replace_it(admin_api, cpu_model, field, value):
+    """Issue 28: the engine's key is the panel's (a user's --api-key broke the smoke test and every benchmark)."""
     node, model = cpu_model
-    d = DeploymentFactory(node=node, model=model, engine_args={"api-key": "sk-very-secret-1234", "served-model-name": "m"})
-    call = api.get(f"/api/deployments/{d.pk}/").json()["call"]
-    assert call["key_required"] is True
-    assert '-H "Authorization: Bearer $VLLM_API_KEY"' in call["curl"] and 'os.environ["VLLM_API_KEY"]' in call["python"]
-    compile(call["python"], "<call it>", "exec")
-    page = operator_client.get(reverse("deployment-detail", args=[d.pk])).content.decode()
-    assert "sk-very-secret-1234" not in json.dumps(call) and "sk-very-secret-1234" not in page
-    assert 'id="call-key">needed' in page
+    answer = admin_api.post("/api/deployments/", {"model": model.pk, "node": node.name, field: value}, format="json")
+    assert answer.status_code == 400, answer.json()
+    text = json.dumps(answer.json())
+    assert "set by the panel" in text and "panelctl keys create" in text and "sk-very-secret-1234" not in text
+    assert not Deployment.objects.exists()
 
 
 def test_the_deployment_page_shows_the_model_name_and_copyable_snippets(operator_client, cpu_model):
@@ -88,8 +117,8 @@ def test_the_deployment_page_shows_the_model_name_and_copyable_snippets(operator
                           status=Deployment.Status.READY)
     page = operator_client.get(reverse("deployment-detail", args=[d.pk])).content.decode()
     call = page[page.index('id="call-it"'):]
-    assert '<code class="call-model">acme/tiny-chat</code>' in call and "none needed" in call
-    assert f"http://10.0.0.5:{d.port}/v1" in call
+    assert '<code class="call-model">acme/tiny-chat</code>' in call and "a caller key" in call
+    assert f"http://10.0.0.5:{settings.GATEWAY_PORT}/v1" in call and reverse("account") in call
     for snippet in ("call-curl", "call-python"):
         assert f'data-copy="{snippet}"' in call and f'id="{snippet}"' in call
     assert "panel/copy.js" in page

@@ -9,6 +9,7 @@ import pytest
 from celery.app.task import Task
 
 from controlpanel import cli, tokens
+from deployments import callit
 from deployments.models import Deployment, ModelRepo, Node
 from tests.factories import DeploymentEventFactory, DeploymentFactory, ModelCopyFactory, NodeFactory
 from tests.hfserver import serve
@@ -92,8 +93,8 @@ def test_status_shows_the_endpoint_the_model_name_the_state_and_the_last_error(l
     DeploymentEventFactory(deployment=d, step="launch", level="error", message="The engine exited while loading: OOM")
     assert cli.main([*login, "status", "deployment", "tiny-cpu"]) == 0
     out = capsys.readouterr().out
-    assert "tiny-cpu: failed" in out and f"endpoint {d.base_url}/v1" in out
-    assert "model    testorg/tiny-chat" in out and "API key  none needed" in out
+    assert "tiny-cpu: failed" in out and f"endpoint {callit.gateway_url(d)}" in out  # the node's gateway (issue 28)
+    assert "model    testorg/tiny-chat" in out and "API key  needed: a caller key" in out and "panelctl keys create" in out
     assert "last error The engine exited while loading: OOM (launch" in out
     assert '"model": "testorg/tiny-chat"' in out and "from openai import OpenAI" in out  # the snippets to copy
 

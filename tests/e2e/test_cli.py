@@ -16,6 +16,7 @@ import pytest
 from benchmarks import runner
 from benchmarks.runner import tokens as runner_tokens
 from controlpanel import tokens
+from deployments import enginekey
 from deployments.host import engine, engineenv
 from deployments.models import Deployment
 from tests.conftest import ROOT, VLLM, free_port
@@ -44,10 +45,11 @@ def prompts_file(out_dir):
     return path
 
 
-def vllm_bench(base_url, tokenizer, out_dir, prompts):
+def vllm_bench(base_url, tokenizer, out_dir, prompts, key=""):
     """One `vllm bench serve` run over every prompt of `prompts` at LEVEL; its --save-result JSON.
     (--skip-chat-template: its custom dataset would otherwise wrap each prompt in the chat template,
-    which the server then applies once more.)"""
+    which the server then applies once more.) `key`: the engine's (issue 28), sent as vllm bench serve sends
+    one, from OPENAI_API_KEY."""
     result = out_dir / "vllm-bench.json"
     subprocess.run([str(VLLM), "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
                     "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", str(tokenizer),
@@ -56,7 +58,8 @@ def vllm_bench(base_url, tokenizer, out_dir, prompts):
                     "--num-prompts", str(PROMPTS), "--max-concurrency", str(LEVEL), "--num-warmups", "0",
                     "--request-rate", "inf", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
                     "--result-filename", result.name],
-                   check=True, capture_output=True, timeout=300, env={**os.environ, **engineenv.OFFLINE})
+                   check=True, capture_output=True, timeout=300,
+                   env={**os.environ, **engineenv.OFFLINE, **({"OPENAI_API_KEY": key} if key else {})})
     return json.loads(result.read_text())
 
 
@@ -83,7 +86,9 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
     # what was asked, within 2 tokens, through the chat template and without one.
     for endpoint in (runner.CHAT, runner.COMPLETIONS):
         for asked in (32, 100):
+            # Straight to the engine, as the panel's own benchmark runs: on loopback, with its key (issue 28).
             spec = runner.LoadSpec(base_url=f"http://127.0.0.1:{d.port}", model=d.served_model_name, endpoint=endpoint,
+                                   api_key=enginekey.of(d),
                                    prompt_source="random", input_tokens=asked, max_tokens=4, levels=(1,),
                                    min_requests=6, requests_per_user=1, warmup_per_user=0, scrape_metrics=False)
             level = runner.sweep(spec).levels[0]
@@ -124,7 +129,8 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
     # The same prompts from vllm bench serve reach the engine as the same tokens (the server's usage
     # counts both): our request body (content, chat template, special tokens) is what vLLM's own
     # client sends.
-    theirs = vllm_bench(f"http://127.0.0.1:{port}", tiny_model, tmp_path, prompts)
+    theirs = vllm_bench(f"http://127.0.0.1:{port}", tiny_model, tmp_path, prompts,
+                        key=enginekey.of(Deployment.objects.get(pk=d.pk)))
     assert theirs["completed"] == PROMPTS and theirs["total_output_tokens"] == OUT_TOKENS * PROMPTS
     assert point["input_tokens"] == theirs["total_input_tokens"], (point["input_tokens"], theirs["total_input_tokens"])
 

@@ -3,7 +3,8 @@ it can (its own environment, every /proc/*/environ and /proc/*/cmdline it can op
 the agent's home) and signals the agent is deployed with --trust-remote-code by a real node agent on the
 real CPU vLLM engine, while the agent's own environment holds the panel's settings and secrets. The engine
 runs as its own user (vllm-engine, issue 25): it finds none of them, and the signal fails with EPERM; what
-the panel sets for it (its ownership marker, the offline switches, its API key as VLLM_API_KEY) it does see."""
+the panel sets for it (its ownership marker, the offline switches, its engine key as VLLM_API_KEY, issue 28) it
+does see."""
 import errno
 import json
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from deployments import enginekey
 from deployments.host import engine, engineuser, ownership
 from deployments.models import Deployment, Node
 from deployments.services import deploys
@@ -73,7 +75,6 @@ class SpyConfig(LlamaConfig):
 '''
 AGENT_SECRETS = {"PANEL_ADMIN_PASSWORD": "admin-pw-exfil-1", "HF_TOKEN": "hf_exfil_token_1",
                  "AWS_SECRET_ACCESS_KEY": "aws-exfil-1", "METRICS_TOKEN": "metrics-exfil-1"}
-API_KEY = "sk-exfil-deploy-key-1"
 
 
 @pytest.fixture
@@ -111,11 +112,11 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
     assert Node.objects.get(pk=node.pk).engine_user["describe"] == f"{user.name} (uid {user.uid})"
     admin = UserFactory(is_superuser=True)
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=_free_port(),
-                  engine_args={"trust-remote-code": True, "enforce-eager": True, "max-model-len": 512, "max-num-seqs": 4,
-                               "api-key": API_KEY},
+                  engine_args={"trust-remote-code": True, "enforce-eager": True, "max-model-len": 512, "max-num-seqs": 4},
                   env={"VLLM_CPU_KVCACHE_SPACE": "1"}, user=admin)
     try:
         log_path = wait_until(lambda: Deployment.objects.get(pk=d.pk).log_path, timeout=120, message="the engine's log")
+        api_key = enginekey.of(Deployment.objects.get(pk=d.pk))  # made by the plan before the launch
 
         def seen():
             try:
@@ -136,7 +137,7 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
             engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
     # The engine's own process: the engine user, no_new_privs, and no key on its command line (`ps`).
     assert status["Uid"].split()[:2] == [str(user.uid)] * 2 and status["NoNewPrivs"].strip() == "1"
-    assert API_KEY not in cmdline and "--api-key" not in cmdline and "spy-model" in cmdline
+    assert api_key and api_key not in cmdline and "--api-key" not in cmdline and "spy-model" in cmdline
     secrets = {k: v for k, v in agent_env.items()
                if k in AGENT_SECRETS or k in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "SECRET_KEY_FILE",
                                               "DJANGO_SETTINGS_MODULE", "PANEL_VAR_DIR", "VLLM_BIN", "MODEL_STORE")}
@@ -146,7 +147,7 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
         leaked = sorted({k for k in secrets if k in env} | {k for k, v in values.items() if any(v in x for x in env.values())})
         assert not leaked, f"the engine's remote code read {leaked}"
         assert env[ownership.MARKER_VAR].startswith(f"{d.pk}.") and env["HF_HUB_OFFLINE"] == "1"
-        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "PATH" in env and env["VLLM_API_KEY"] == API_KEY
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "PATH" in env and env["VLLM_API_KEY"] == api_key
         assert env["HOME"] == user.home
     # Everything else it could open: other processes' environments and command lines, var/, the agent's home.
     hidden = {k: v for k, v in agent_env.items() if k in AGENT_SECRETS or k in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")}
@@ -157,7 +158,7 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
         places |= found["files"]
         leaks = sorted(f"{k} in {where}" for where, text in places.items() for k, v in hidden.items() if v in text)
         assert not leaks, f"the engine's remote code found {leaks}"
-        assert not any(API_KEY in text for where, text in places.items() if where.endswith("/cmdline"))
+        assert not any(api_key in text for where, text in places.items() if where.endswith("/cmdline"))
         assert str(node.agent_pid) not in found["environ"]  # the agent's environment: not its to open
         assert found["kill"].get(str(node.agent_pid)) == errno.EPERM, found["kill"]
         assert not any(path.startswith((str(tmp_path), agent_home)) for path in found["files"]), sorted(found["files"])[:5]

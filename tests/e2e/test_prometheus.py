@@ -34,6 +34,7 @@ def _config(panel: str, token_file: Path) -> dict:
         job["scrape_timeout"] = "1s"
         if "static_configs" in job:
             job["static_configs"] = [{"targets": [host]}]
+        if "authorization" in job:
             job["authorization"]["credentials_file"] = str(token_file)
         for sd in job.get("http_sd_configs", []):
             sd["url"] = sd["url"].replace("http://127.0.0.1:8000", panel)

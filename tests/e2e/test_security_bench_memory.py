@@ -2,7 +2,8 @@
 (PANEL_BENCH_MEMORY_MB). A run within every cap (32 requests of short prompts) but carrying 100,000
 uploaded prompts (~14 MB, the most lines a file may hold) outgrows that limit in the load generator's child
 process: the run fails with a clear message, the engine keeps serving, and the same agent then
-benchmarks it to the end."""
+benchmarks it to the end. The engine it starts anyway is also checked for issue 28 (tests/e2e/loopback.py): it
+listens on loopback only, and its OpenAI routes answer only its key, which the panel's benchmark sends."""
 import json
 import shutil
 from pathlib import Path
@@ -11,11 +12,13 @@ import pytest
 
 from benchmarks import services
 from benchmarks.models import BenchmarkRun
+from deployments import enginekey
 from deployments.host import engine, vllm
 from deployments.models import Deployment
 from deployments.services import deploys
 from tests.conftest import free_port, in_thread, wait_until
 from tests.e2e.conftest import start_cpu_node
+from tests.e2e.loopback import assert_behind_loopback_and_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -50,6 +53,8 @@ def test_a_run_that_outgrows_the_load_generators_memory_fails_while_the_engine_k
                message="the engine to be ready")
     d.refresh_from_db()
     assert d.status == "ready", d.status_message
+    assert_behind_loopback_and_key(d)
+    key = enginekey.of(d)
     base_url = f"http://127.0.0.1:{d.port}"
     filler = " ".join(["tell me about the history of the city and its people"] * 2)
     prompts = [{"prompt": f"Question {i}: {filler}?"} for i in range(100_000)]
@@ -61,7 +66,7 @@ def test_a_run_that_outgrows_the_load_generators_memory_fails_while_the_engine_k
     assert run.error.startswith("The benchmark ran out of memory: the load generator ") and "(128 MiB)" in run.error
     # The engine kept serving: healthy, answering, the deployment still ready.
     assert vllm.health(base_url)
-    assert vllm.smoke_test(base_url, "tiny", max_tokens=8).completion_tokens > 0
+    assert vllm.smoke_test(base_url, "tiny", max_tokens=8, key=key).completion_tokens > 0
     assert Deployment.objects.get(pk=d.pk).status == "ready"
     # And the same agent benchmarks it to the end, under the same limit.
     small = in_thread(services.run_create, params={"levels": [1, 2], "max_tokens": 8, "min_requests": 4,

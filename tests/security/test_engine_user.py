@@ -56,7 +56,7 @@ def test_the_downloaded_unit_names_the_user_the_nodes_agent_reported():
     copy = ModelCopyFactory(path="/models/org/m")
     copy.node.engine_user = ENGINE.facts()
     copy.node.save()
-    d = DeploymentFactory(node=copy.node, model=copy.model, engine_args={"api-key": KEY})
+    d = DeploymentFactory(node=copy.node, model=copy.model, env={"HF_TOKEN": KEY})  # (--api-key is the panel's now)
     name, text = selectors.deployment_unit(d)
     assert "User=vllm-engine\n" in text and "--api-key" not in text and KEY not in text
     assert f"EnvironmentFile=/etc/systemd/system/{name}.env" in text

@@ -9,7 +9,7 @@ from benchmarks import services as bench
 from deployments import secrets
 from deployments.host import systemd
 from deployments.services import deploys
-from tests.factories import DeploymentFactory, ModelCopyFactory
+from tests.factories import DeploymentFactory, ModelCopyFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 TOKEN, KEY = "hf_abcdefghijklmnop", "sk-verysecretkey"
@@ -20,8 +20,8 @@ def deployment():
     copy = ModelCopyFactory(path="/models/org/m")
     return DeploymentFactory(node=copy.node, model=copy.model, status="ready",
                              env={"HF_TOKEN": TOKEN, "NCCL_PROTO": "LL", "TOKENIZERS_PARALLELISM": "false"},
-                             engine_args={"api-key": KEY, "max-num-seqs": 8},
-                             log_tail=f"INFO non-default args: {{'api_key': '{KEY}'}}\nHF_TOKEN={TOKEN}")
+                             engine_args={"hf-token": KEY, "max-num-seqs": 8},  # --api-key is the panel's (issue 28)
+                             log_tail=f"INFO non-default args: {{'hf_token': '{KEY}'}}\nHF_TOKEN={TOKEN}")
 
 
 def test_secret_names_are_recognised_and_look_alikes_are_not():
@@ -40,7 +40,7 @@ def test_the_api_shows_secrets_masked_to_viewers_and_operators(deployment, viewe
             assert TOKEN not in text and KEY not in text, url
         body = client.get(f"/api/deployments/{deployment.pk}/").json()
         assert body["env"] == {"HF_TOKEN": secrets.MASK, "NCCL_PROTO": "LL", "TOKENIZERS_PARALLELISM": "false"}
-        assert body["engine_args"]["api-key"] == secrets.MASK and body["engine_args"]["max-num-seqs"] == 8
+        assert body["engine_args"]["hf-token"] == secrets.MASK and body["engine_args"]["max-num-seqs"] == 8
 
 
 def test_pages_and_the_unit_download_never_show_a_secret(deployment, viewer_client):
@@ -57,15 +57,16 @@ def test_the_edit_form_shows_masks_and_a_mask_sent_back_keeps_the_stored_secret(
     assert TOKEN not in page and KEY not in page and secrets.MASK in page
     with mock.patch.object(Task, "apply_async", autospec=True):
         deploys.deployment_redeploy(deployment, env={"HF_TOKEN": secrets.MASK, "NCCL_PROTO": "Simple"},
-                                     engine_args={"api-key": secrets.MASK, "max-num-seqs": 8})
+                                     engine_args={"hf-token": secrets.MASK, "max-num-seqs": 8},
+                                     user=UserFactory(role="admin"))  # --hf-token is an admin's to set
     deployment.refresh_from_db()
-    assert deployment.env == {"HF_TOKEN": TOKEN, "NCCL_PROTO": "Simple"} and deployment.engine_args["api-key"] == KEY
+    assert deployment.env == {"HF_TOKEN": TOKEN, "NCCL_PROTO": "Simple"} and deployment.engine_args["hf-token"] == KEY
 
 
 def test_a_benchmark_environment_snapshot_and_its_exports_hold_no_secret(deployment, viewer_client):
     with mock.patch.object(Task, "apply_async", autospec=True):
         run = bench.run_create(params={}, deployment=deployment)
-    assert run.environment["env"]["HF_TOKEN"] == secrets.MASK and run.environment["engine_args"]["api-key"] == secrets.MASK
+    assert run.environment["env"]["HF_TOKEN"] == secrets.MASK and run.environment["engine_args"]["hf-token"] == secrets.MASK
     for url in (f"/benchmarks/{run.pk}/", f"/benchmarks/{run.pk}/export.json", f"/benchmarks/{run.pk}/export.csv"):
         text = viewer_client.get(url).content.decode()
         assert TOKEN not in text and KEY not in text, url
