@@ -1,0 +1,86 @@
+"""Periodic conditions, from what the control plane already has: each node's heartbeat (offline, back), its
+model store's free space (the heartbeat's figures), its GPUs' last telemetry sample (ECC errors, temperature),
+and crash episodes that ended (a deployment up again long enough). One pass is conditions_check(), run by beat
+(schedule.py) on the control queue; a test calls it directly. A condition fires once and resolves once: seen
+again while firing, it adds nothing."""
+import logging
+from datetime import timedelta
+
+import redis
+from django.db import transaction
+from django.utils import timezone
+
+from deployments import live
+from deployments.models import Deployment, Node
+from deployments.notify.alerts import alert_raise, alert_resolve, in_savepoint, open_alert, setting
+from deployments.notify.models import Alert
+
+log = logging.getLogger(__name__)
+
+
+def conditions_check() -> None:
+    """One pass over every node and every open crash episode."""
+    nodes = list(Node.objects.all())
+    try:
+        samples = live.kept([live.node_topic(n.pk) for n in nodes], "sample") if nodes else []
+    except redis.RedisError as exc:  # the rows still tell offline and disk; the GPU readings wait for Redis
+        log.warning("notifications: no telemetry samples (%s); GPU checks skipped this time", exc)
+        samples = [None] * len(nodes)
+    for node, sample in zip(nodes, samples):
+        in_savepoint(node_check, node, sample)
+    for alert in Alert.objects.filter(group_key__startswith="down:", resolved=None).select_related("deployment"):
+        in_savepoint(down_check, alert)
+
+
+def _condition(kind: str, group: str, node: Node, firing: bool, title: str, body: str, resolved: str, **data) -> None:
+    if firing:
+        alert_raise(kind, node=node, title=title, body=body, data=data, fold=False)
+    else:
+        alert_resolve(group, resolved, node=node)
+
+
+def node_check(node: Node, sample: dict | None) -> None:
+    """Offline or back; disk below the threshold; ECC errors; a GPU too hot."""
+    if node.last_heartbeat is not None:  # a node that never reported is not "offline", it is not there yet
+        age = (timezone.now() - node.last_heartbeat).total_seconds()
+        _condition("node_offline", "offline", node, not node.online, f"Node {node.name} is offline",
+                   f"No heartbeat for {age:.0f} s (the agent beats every {node.heartbeat_seconds:g} s).",
+                   f"Node {node.name} is back: heartbeats again.")
+    threshold = setting("NOTIFY_DISK_FREE_PERCENT", 10)
+    if node.disk_total:
+        percent = 100.0 * node.disk_free / node.disk_total
+        low = percent < threshold if open_alert("disk", node=node) is None else percent < threshold + 1  # hysteresis
+        _condition("disk_low", "disk", node, low, f"Node {node.name}: model store {percent:.1f} % free",
+                   f"{node.disk_free / 2**30:.1f} GiB free of {node.disk_total / 2**30:.1f} GiB (threshold {threshold:g} %).",
+                   f"Node {node.name}: model store {percent:.1f} % free again.", free_bytes=node.disk_free)
+    if not sample or not node.online:
+        return
+    gpus = sample.get("gpus") or []
+    uncorrected = {g["index"]: g.get("ecc_dbe_volatile") for g in gpus if g.get("ecc_dbe_volatile")}
+    _condition("gpu_ecc", "ecc", node, bool(uncorrected), f"Node {node.name}: uncorrected ECC errors on GPU "
+               + ", ".join(map(str, sorted(uncorrected))),
+               "Uncorrected (double-bit) ECC errors since the driver loaded: " +
+               ", ".join(f"GPU {i}: {n}" for i, n in sorted(uncorrected.items())) + ". Drain the GPU and reset it.",
+               f"Node {node.name}: no uncorrected ECC errors (the driver was reloaded).", gpus=sorted(uncorrected))
+    hot_c = setting("NOTIFY_GPU_TEMP_C", 85)
+    limit = hot_c if open_alert("thermal", node=node) is None else hot_c - 5
+    hot = {g["index"]: g["temperature_c"] for g in gpus if (g.get("temperature_c") or 0) >= limit}
+    _condition("gpu_thermal", "thermal", node, bool(hot), f"Node {node.name}: GPU temperature high",
+               ", ".join(f"GPU {i}: {t} °C" for i, t in sorted(hot.items())) + f" (threshold {hot_c:g} °C; "
+               "the driver throttles clocks near its slowdown temperature).",
+               f"Node {node.name}: GPU temperatures below {hot_c - 5:g} °C again.", gpus=sorted(hot))
+
+
+def down_check(alert: Alert) -> None:
+    """A crash episode ends when its deployment has stayed ready for NOTIFY_STABLE_S (5 min by default)."""
+    with transaction.atomic():
+        d = alert.deployment
+        if d is None:
+            Alert.objects.filter(pk=alert.pk).update(resolved=timezone.now(), resolve_note="The deployment was deleted.")
+            return
+        d.refresh_from_db(fields=["status", "ready_at"])
+        stable = timedelta(seconds=setting("NOTIFY_STABLE_S", 300))
+        if d.status == Deployment.Status.READY and d.ready_at and d.ready_at <= timezone.now() - stable:
+            restarts = alert.data.get("restarts", 0)
+            alert_resolve("down", f"{d.name} is ready again and stayed up for {stable.total_seconds() / 60:.0f} min"
+                          + (f" after {restarts} automatic restart(s)." if restarts else "."), deployment=d)

@@ -1,0 +1,131 @@
+"""A real SMTP sink (aiosmtpd) and a real HTTP webhook receiver, a subscriber with one channel of each, and
+`send_due()`: what the control worker's notify.deliver does for every due delivery, called as a function.
+Task sends are caught before the broker (`sent` lists them)."""
+import json
+import threading
+from dataclasses import dataclass, field
+from email import message_from_bytes
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from unittest import mock
+
+import pytest
+
+from tests.conftest import free_port
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict
+    body: bytes
+
+    @property
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+@dataclass
+class Receiver:
+    """An HTTP server that records each POST; `answer` is the status it replies with."""
+
+    port: int
+    answer: int = 200
+    received: list = field(default_factory=list)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def start(self) -> None:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                receiver.received.append(Received(self.path, dict(self.headers), body))
+                self.send_response(receiver.answer)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver(free_port())
+    r.start()
+    yield r
+    r.stop()
+
+
+class Sink:
+    def __init__(self):
+        self.messages = []
+
+    async def handle_DATA(self, server, session, envelope):
+        self.messages.append((envelope.rcpt_tos, message_from_bytes(envelope.content)))
+        return "250 OK"
+
+
+@pytest.fixture
+def smtp(settings):
+    from aiosmtpd.controller import Controller
+
+    sink = Sink()
+    controller = Controller(sink, hostname="127.0.0.1", port=free_port())
+    controller.start()
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", controller.port
+    settings.EMAIL_USE_TLS = settings.EMAIL_USE_SSL = False
+    settings.EMAIL_HOST_USER = settings.EMAIL_HOST_PASSWORD = ""
+    yield sink
+    controller.stop()
+
+
+@pytest.fixture
+def sent():
+    """Task sends caught before the broker, as (task name, args, options)."""
+    from celery.app.task import Task
+
+    calls = []
+    with mock.patch.object(Task, "apply_async", autospec=True,
+                           side_effect=lambda task, args=None, kwargs=None, **options: calls.append((task.name, args, options))):
+        yield calls
+
+
+@pytest.fixture
+def send_due(sent, django_capture_on_commit_callbacks):
+    """Send every due delivery as the control worker would (notify.deliver as a function); the outcomes."""
+    from deployments.notify import deliveries
+    from deployments.notify.models import Delivery
+
+    def run() -> list[str]:
+        return [deliveries.delivery_send(pk) for pk in
+                Delivery.objects.filter(status="pending").order_by("id").values_list("pk", flat=True)]
+    return run
+
+
+@pytest.fixture
+def subscriber(db, receiver, monkeypatch):
+    """An admin (webhook channels need one) with a signed webhook channel, subscribed to everything."""
+    from deployments.notify import services
+    from tests.factories import UserFactory
+
+    monkeypatch.setenv("NOTIFY_RETRY_BASE_S", "0.2")
+    user = UserFactory(role="admin", email="ops@example.com")
+    channel, key = services.channel_add(user, "webhook", "ops hook", receiver.url)
+    services.subscription_add(user, [])
+    user.hook, user.key = channel, key
+    return user
