@@ -10,9 +10,10 @@ from pathlib import Path
 import psutil
 from django.utils import timezone
 
-from deployments import live, selectors
+from deployments import contextfit, live, selectors
 from deployments.host import loadphases, pagecache
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
+from deployments.services import contextfit as fit_calibration
 from deployments.services.nodes import node_enqueue
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class LoadWatch:
         self.residency: pagecache.Residency | None = None
         self.residency_at = 0.0
         self.event_id: int | None = None
+        self.engine_kv = contextfit.EngineKv()  # issue 29: the KV-cache size the engine logs, for calibration
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -79,6 +81,7 @@ class LoadWatch:
         now = self.now()
         for line in lines:
             self.clock.feed(line, now)
+            self.engine_kv.feed(line)
 
     def detail(self) -> dict:
         """What the page shows beside the bar; called about once a second."""
@@ -121,6 +124,11 @@ class LoadWatch:
         # Measured here on the node (its RAM, its disk, its vLLM's flags), shown on the page, never applied.
         self.d.load_detail = {**self.d.load_detail, "phases": self.clock.as_data(), "recommend": load_recommendation(self.d)}
         Deployment.objects.filter(pk=self.d.pk).update(load_detail=self.d.load_detail)
+        if self.fresh:  # the estimate against the engine's own KV size corrects the next one (issue 29)
+            try:
+                fit_calibration.load_calibrate(self.d, self.engine_kv)
+            except Exception:  # noqa: BLE001 - a calibration must never fail a load that is ready
+                log.exception("deployment %s: KV-cache calibration failed", self.d.pk)
 
 
 def node_measure_disk(node_id: int, max_bytes: int = 1 << 30) -> dict:
