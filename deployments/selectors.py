@@ -74,7 +74,8 @@ def _engine_argv(d: Deployment) -> tuple[list[str], dict, dict]:
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
     argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
                                 d.port, enginecli.API_HOST, d.engine_args)
-    env, secret_env = secrets.split(engineenv.deployment_env(d.env, d.gpu_indices), secrets.marked(d))
+    own = engineenv.deployment_env(d.env, d.gpu_indices)
+    env, secret_env = secrets.split(own if d.master_port else {**own, **engineenv.LOOPBACK_ONLY}, secrets.marked(d))
     argv, flag_env = systemd.secret_argv(argv)
     return argv, env, {**secret_env, **flag_env, enginekey.ENV_VAR: ""}
 

@@ -192,9 +192,9 @@ def _launch(d: Deployment, model_path: str) -> str:
 
 def _engine_env(d: Deployment) -> dict[str, str]:
     """The engine's environment, without the marker (lifecycle.launch sets it); its key set last (enginekey),
-    so no deployment variable replaces it."""
-    own = cluster.rank_env(d, cluster.head_address(d), d.gpu_indices) if d.master_port else engineenv.deployment_env(
-        d.env, d.gpu_indices)
+    so no deployment variable replaces it. A single-node engine talks over loopback only (engineenv.LOOPBACK_ONLY)."""
+    own = cluster.rank_env(d, cluster.head_address(d), d.gpu_indices) if d.master_port else {
+        **engineenv.deployment_env(d.env, d.gpu_indices), **engineenv.LOOPBACK_ONLY}
     if raycluster.uses_ray(d):
         own.update(raycluster.engine_env(d))
     return {**own, **enginekey.env(_key(d))}

@@ -40,6 +40,7 @@ def test_each_launch_gets_a_new_sealed_key_in_its_environment_never_argv_and_lis
     key = enginekey.of(d)
     assert len(key) >= 40 and sealed.is_sealed(d.engine_key) and key not in d.engine_key
     assert env["VLLM_API_KEY"] == key and key not in " ".join(argv) and "--api-key" not in argv
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"  # its processes talk over loopback too
     smoke = host.mocks["vllm.smoke_test"].call_args
     assert smoke.kwargs["key"] == key  # the panel's own smoke test sends it
     Deployment.objects.filter(pk=d.pk).update(status=S.QUEUED)  # a redeploy: a new plan, a new key

@@ -1,6 +1,7 @@
 """A real Prometheus (Debian's package) scrapes the live panel with the scrape token and, through the
-panel's HTTP service discovery, the real CPU vLLM engine the panel deployed; its query API then
-answers with the panel's series, the engine's `vllm:` series labelled by the panel, and the
+panel's HTTP service discovery, the real CPU vLLM engine the panel deployed, which listens on loopback: Prometheus
+reaches its /metrics through the node's gateway (a real `manage.py gateway`, issue 28) with the same token; its
+query API then answers with the panel's series, the engine's `vllm:` series labelled by the panel, and the
 DCGM-named recording rules."""
 import shutil
 from pathlib import Path
@@ -11,10 +12,11 @@ import yaml
 from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.models import Deployment
+from deployments.models import Deployment, Node
 from deployments.services import deploys, nodes
 from tests.conftest import free_port, in_thread, wait_until
-from tests.factories import GpuFactory, NodeFactory
+from tests.e2e.test_gateway import start_gateway
+from tests.factories import GpuFactory, NodeFactory, UserFactory
 from tests.test_metrics import _sample
 from tests.test_monitoring import DASHBOARDS, VLLM_NAMES, _exprs, metric_names
 
@@ -53,10 +55,11 @@ def _query(prometheus: str, expr: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
-        live_server_asgi, cpu_node, spawn, tmp_path, unique):
+        live_server_asgi, cpu_node, spawn, process_env, tmp_path, unique):
     """A real engine load, then a real Prometheus's first scrapes and its recording rules' first evaluation."""
     assert Path(PROMETHEUS).exists(), "./panel test installs Debian's prometheus package"
     node, model = cpu_node
+    UserFactory(role="admin")  # the scrape key's owner (deployments/scrapekey.py)
     gpu_node = NodeFactory(name=f"gpu-{unique}")  # a GPU host's telemetry, as its agent would send it
     GpuFactory(node=gpu_node, index=0, uuid="GPU-0", name="NVIDIA H200")
     deployment = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
@@ -64,6 +67,8 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
                            engine_args={"max-model-len": 2048, "served-model-name": "tiny", "enforce-eager": True})
     wait_until(lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", timeout=300, interval=1,
                message="the engine to be ready")
+    start_gateway(spawn, process_env, node.name)  # it reports its port on the node's row: discovery lists it
+    gateway_port = wait_until(lambda: Node.objects.get(pk=node.pk).gateway_port, timeout=30, message="the gateway's port")
 
     # Recorded now, not before the load: the latest sample is kept for a bounded time, and a load on a busy
     # machine can outlast it (the recording rules would then have no GPU figures to evaluate).
@@ -110,7 +115,10 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
         labels = engine[0]["metric"]
         assert (labels["node"], labels["deployment"], labels["model"]) == (node.name, deployment.name, str(model))
         assert "gpus" not in labels  # a CPU engine: Prometheus drops a label whose value is empty
-        assert labels["instance"] == f"{node.address or '127.0.0.1'}:{deployment.port}"
+        assert labels["instance"] == f"{node.address or '127.0.0.1'}:{gateway_port}"  # the gateway, not the engine
+        scraped = [t["scrapeUrl"] for t in httpx.get(f"{prometheus}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+                   if t["labels"].get("job") == "vllm"]
+        assert scraped == [f"http://{node.address or '127.0.0.1'}:{gateway_port}/engines/{deployment.pk}/metrics"]
 
     # The recorded vLLM names the dashboards are checked against are what this engine serves.
     text = httpx.get(f"http://127.0.0.1:{deployment.port}/metrics", timeout=5).text
