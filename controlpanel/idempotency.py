@@ -7,7 +7,11 @@ still running; keys are per user and kept 24 hours. Without the header, nothing 
 Keys live in the database, not Redis: a retry after Redis restarted empty (compose and the
 embedded Redis keep nothing on disk) must still find the first call, or it would create a second
 deployment. The key's row is committed before the call runs, so a concurrent retry meets the
-unique index and waits its turn (409) rather than running the call twice.
+unique index and waits its turn (409) rather than running the call twice. A row still without an answer
+after PENDING is a call whose process died between the claim and the answer (a web worker killed or
+restarted): the next retry takes the row over and runs the call, instead of answering 409 for a day.
+The row's `created` names the claim, so a first call that does finish late cannot overwrite the answer of
+the one that took over.
 """
 import functools
 import hashlib
@@ -22,6 +26,7 @@ from rest_framework.response import Response
 from controlpanel.models import IdempotencyKey
 
 TTL = timedelta(hours=24)
+PENDING = timedelta(seconds=60)  # longer than any API call that starts work takes; then its process is gone
 
 
 def _error(code: str, message: str, http_status: int, fields: dict | None = None) -> Response:
@@ -29,13 +34,24 @@ def _error(code: str, message: str, http_status: int, fields: dict | None = None
 
 
 def _claim(digest: str) -> IdempotencyKey | None:
-    """The new row for `digest`, or None when a call with it already ran or runs (keys past TTL are gone)."""
-    IdempotencyKey.objects.filter(created__lt=timezone.now() - TTL).delete()
+    """The row for `digest` this call owns: new, or taken over from a call that left no answer for PENDING;
+    None when a call with it already ran or runs (keys past TTL are gone)."""
+    now = timezone.now()
+    IdempotencyKey.objects.filter(created__lt=now - TTL).delete()
     try:
         with transaction.atomic():
-            return IdempotencyKey.objects.create(digest=digest)
+            return IdempotencyKey.objects.create(digest=digest, created=now)
     except IntegrityError:
-        return None
+        pass
+    # One UPDATE with the condition: of two retries at once, only one takes the row (the other then sees it fresh).
+    if IdempotencyKey.objects.filter(digest=digest, status=None, created__lt=now - PENDING).update(created=now):
+        return IdempotencyKey.objects.filter(digest=digest, created=now).first()
+    return None
+
+
+def _mine(row: IdempotencyKey):
+    """The row while this call still owns it (not taken over since)."""
+    return IdempotencyKey.objects.filter(pk=row.pk, created=row.created)
 
 
 def idempotent(view):
@@ -58,13 +74,12 @@ def idempotent(view):
         try:
             response = view(self, request, *args, **kwargs)
         except Exception:
-            row.delete()  # an exception answer is produced later by DRF; let a retry run again
+            _mine(row).delete()  # an exception answer is produced later by DRF; let a retry run again
             raise
         if response.status_code >= 500:
-            row.delete()
+            _mine(row).delete()
         else:
-            IdempotencyKey.objects.filter(pk=row.pk).update(
-                status=response.status_code, body=json.dumps(response.data, default=str))
+            _mine(row).update(status=response.status_code, body=json.dumps(response.data, default=str))
         return response
 
     return wrapper

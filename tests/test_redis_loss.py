@@ -61,6 +61,34 @@ def test_a_key_still_running_answers_409_and_one_past_a_day_runs_again(api, uniq
 
 
 @pytest.mark.django_db
+def test_a_key_left_without_an_answer_by_a_dead_call_is_taken_over_after_the_pending_bound(api, unique):
+    from controlpanel import idempotency
+
+    first = _add(api, f"k-{unique}")
+    IdempotencyKey.objects.update(status=None, created=timezone.now() - idempotency.PENDING + timedelta(seconds=5))
+    assert _add(api, f"k-{unique}", repo="org/kept-2").status_code == 409  # still within the bound: running
+    IdempotencyKey.objects.update(created=timezone.now() - idempotency.PENDING - timedelta(seconds=1))
+    again = _add(api, f"k-{unique}", repo="org/kept-2")  # its process died before answering: run again
+    assert first.status_code == again.status_code == 202 and "Idempotent-Replayed" not in again
+    assert again.json()["repo_id"] == "org/kept-2"
+    assert _add(api, f"k-{unique}", repo="org/kept-3").json() == again.json()  # the new answer is the key's now
+    assert IdempotencyKey.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_call_whose_key_was_taken_over_cannot_overwrite_the_new_answer():
+    from controlpanel import idempotency
+
+    old = idempotency._claim("d" * 64)
+    IdempotencyKey.objects.update(created=timezone.now() - idempotency.PENDING - timedelta(seconds=1))
+    old.refresh_from_db()
+    new = idempotency._claim("d" * 64)
+    assert new is not None and new.pk == old.pk and idempotency._claim("d" * 64) is None  # one taker at a time
+    assert idempotency._mine(old).update(status=202, body="{}") == 0  # the dead call's late answer: nothing
+    assert idempotency._mine(new).update(status=201, body="{}") == 1
+
+
+@pytest.mark.django_db
 def test_a_failed_call_leaves_no_key_so_a_retry_runs(api, unique):
     with mock.patch("deployments.services.repos.model_add", autospec=True, side_effect=RuntimeError("boom")):
         with pytest.raises(RuntimeError):
