@@ -183,7 +183,7 @@ class StudyVariant(models.Model):
         return self.name
 
 
-class StudyTrial(models.Model):
+class StudyTrial(Transitions, models.Model):
     """One repeat of one variant: a redeploy with its settings, then the workload as a benchmark run."""
 
     class Status(models.TextChoices):
@@ -195,6 +195,14 @@ class StudyTrial(models.Model):
         SKIPPED = "skipped", "Skipped"
 
     OPEN = frozenset({Status.PENDING, Status.DEPLOYING, Status.BENCHMARKING})
+    TERMINAL = frozenset({Status.DONE, Status.FAILED, Status.SKIPPED})
+    # An open trial may fail; a redeploy or a run the agent restart cut short runs the trial again (PENDING);
+    # a pending one is skipped when its variant failed earlier or the study is cancelled. Ended trials stay.
+    TRANSITIONS = {
+        Status.PENDING: {Status.DEPLOYING, Status.SKIPPED, Status.FAILED},
+        Status.DEPLOYING: {Status.BENCHMARKING, Status.PENDING, Status.FAILED},
+        Status.BENCHMARKING: {Status.DONE, Status.PENDING, Status.FAILED},
+    }
     study = models.ForeignKey(Study, on_delete=models.CASCADE, related_name="trials")
     variant = models.ForeignKey(StudyVariant, on_delete=models.CASCADE, related_name="trials")
     position = models.PositiveIntegerField(help_text="Its place in the study's order.")

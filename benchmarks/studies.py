@@ -214,7 +214,7 @@ def study_cancel(study: Study) -> Study:
             raise ServiceError(f"The study is {study.get_status_display().lower()}.", code="not_running")
         study.cancel_requested = True
         if study.status == S.QUEUED:
-            study.trials.update(status=T.SKIPPED, error="The study was cancelled.")
+            study.trials.filter(status=T.PENDING).update(status=T.SKIPPED, error="The study was cancelled.")
             study.transition(S.CANCELLED)
         elif study.status == S.PAUSED:
             study.transition(S.FINISHING)
@@ -307,7 +307,7 @@ def _advance(study: Study, trial: StudyTrial) -> None:
         except ServiceError as exc:
             _variant_failed(trial, exc.message)
             return
-        trial.status = T.DEPLOYING
+        trial.transition(T.DEPLOYING)
         trial.save()
         return
     agent_restarted = trial.agent_pid is not None and _agent_pid(study) != trial.agent_pid
@@ -318,7 +318,7 @@ def _advance(study: Study, trial: StudyTrial) -> None:
             trial.ready_s = round((now - trial.started).total_seconds(), 2)
             run = runs.run_create(params=study.workload, deployment=d, user=study.created_by,
                                   name=f"{study} · {trial.variant.name} · repeat {trial.repeat}")
-            trial.run, trial.status, trial.agent_pid = run, T.BENCHMARKING, _agent_pid(study)
+            trial.transition(T.BENCHMARKING, run=run, agent_pid=_agent_pid(study))
             trial.save()
         elif d.status in Deployment.TERMINAL and d.stopped_at and trial.started and d.stopped_at >= trial.started:
             if agent_restarted and trial.attempts < MAX_ATTEMPTS:
@@ -356,12 +356,12 @@ def _smoke_tested(d: Deployment, trial: StudyTrial) -> bool:
 
 
 def _retry(trial: StudyTrial, why: str) -> None:
-    trial.status, trial.error, trial.run = T.PENDING, f"Run again: {why}.", None
+    trial.transition(T.PENDING, error=f"Run again: {why}.", run=None)
     trial.save()
 
 
 def _close(trial: StudyTrial, status: str, error: str) -> None:
-    trial.status, trial.error, trial.finished = status, error, timezone.now()
+    trial.transition(status, error=error, finished=timezone.now())
     if trial.started:
         trial.startup, trial.overhead_s = studyresults.trial_times(trial)
     trial.save()

@@ -311,3 +311,21 @@ def test_the_api_lets_operators_start_studies_and_viewers_only_watch(d, api):
     assert viewer.post(f"/api/studies/{created.json()['id']}/cancel/").status_code == 403
     again = operator.post("/api/studies/", body, format="json")
     assert again.status_code == 409
+
+
+def test_a_trial_moves_only_along_its_transitions_and_an_ended_one_stays_ended(d):
+    from controlpanel.states import InvalidTransition
+
+    study = make(d)
+    step(study)
+    trial = current(study)
+    assert trial.status == "deploying"
+    with pytest.raises(InvalidTransition):
+        trial.transition(StudyTrial.Status.DONE)  # a trial is done only after its benchmark
+    studies._close(trial, StudyTrial.Status.FAILED, "the engine did not start")
+    for to in StudyTrial.Status:
+        assert not trial.can_transition(to)  # failed, done and skipped trials stay as they ended
+    with pytest.raises(InvalidTransition):
+        studies._retry(trial, "a late agent restart")  # a stale step cannot reopen it
+    assert StudyTrial.objects.get(pk=trial.pk).status == "failed"
+    assert set(StudyTrial.TRANSITIONS) == StudyTrial.OPEN and StudyTrial.TERMINAL.isdisjoint(StudyTrial.OPEN)
