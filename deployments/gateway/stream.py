@@ -49,9 +49,9 @@ async def relay(chunks, write, strip: bool) -> Tokens | None:
     async for piece in chunks:
         if carry:
             piece, carry = carry + piece, b""
-        end = piece.rfind(END)
-        if end != len(piece) - 2:  # the piece ends inside an event: keep its start for the next piece
-            piece, carry = piece[:end + 2] if end >= 0 else b"", piece[end + 2:] if end >= 0 else piece
+        if not piece.endswith(END):  # the piece ends inside an event: keep its start for the next piece
+            end = piece.rfind(END)
+            piece, carry = (piece[:end + 2], piece[end + 2:]) if end >= 0 else (b"", piece)
             if len(carry) > MAX_CARRY:
                 piece, carry = piece + carry, b""
             if not piece:

@@ -1,0 +1,269 @@
+"""End to end: the node gateway as its own process (`manage.py gateway`) in front of the real CPU vLLM (with its
+engine key and a reasoning parser) and of known-schedule servers (tests/schedserver.py)."""
+import asyncio
+import datetime
+import json
+import re
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db.models import Sum
+from django.utils import timezone
+
+from deployments.gateway import changes
+from deployments.gateway.models import CallerKey, Usage
+from deployments.host import engine, enginecli, enginelog, vllm
+from deployments.models import Deployment
+from tests.conftest import VLLM, free_port, wait_until
+from tests.factories import NodeFactory
+from tests.gateway.conftest import make_deployment, make_key
+from tests.schedserver import SchedServer
+
+START_TIMEOUT_S = 300
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VLLM.exists(), reason=f"no engine at {VLLM}: run scripts/install-engine"),
+]
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(tiny_model, tmp_path_factory):
+    """The CPU engine on loopback with an engine key (VLLM_API_KEY) and the qwen3 reasoning parser: (port, key)."""
+    tmp = tmp_path_factory.mktemp("gw-engine")
+    port, key = free_port(), secrets.token_urlsafe(32)
+    argv = enginecli.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
+        "enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny", "reasoning-parser": "qwen3",
+        "max-num-seqs": 32})
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_API_KEY": key}
+    log_path = tmp / "engine.log"
+    handle = engine.launch(engine.EngineSpec(argv, env, log_path, cwd=tmp))
+    base, started = f"http://127.0.0.1:{port}", time.monotonic()
+    try:
+        while not vllm.health(base):
+            if not engine.alive(handle.pid, handle.create_time):
+                pytest.fail("engine exited while starting:\n" + "\n".join(enginelog.tail(log_path, 40)))
+            if time.monotonic() - started > START_TIMEOUT_S:
+                pytest.fail("engine not up:\n" + "\n".join(enginelog.tail(log_path, 40)))
+            time.sleep(0.3)
+        yield port, key
+    finally:
+        engine.stop(handle.pgid, term_timeout_s=5.0)
+
+
+def start_gateway(spawn, env, node_name: str, ready_wait: float = 5.0) -> str:
+    """`manage.py gateway` for `node_name` on a free port; its base URL once it says it listens."""
+    proc = spawn([sys.executable, "manage.py", "gateway", "--node", node_name, "--host", "127.0.0.1", "--port", "0",
+                  "--ready-wait", str(ready_wait)], env, name="gateway")
+    found = wait_until(lambda: re.search(rb"listening on http://127\.0\.0\.1:(\d+)", Path(proc.log_path).read_bytes()),
+                       timeout=60, message="the gateway to listen")
+    return f"http://127.0.0.1:{int(found.group(1))}"
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def sse(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def totals(**filters) -> dict:
+    return Usage.objects.filter(**filters).aggregate(
+        requests=Sum("requests"), errors=Sum("errors"), prompt=Sum("prompt_tokens"),
+        reasoning=Sum("reasoning_tokens"), content=Sum("content_tokens"))
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 24, "temperature": 0}
+TEXT = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+RESPONSES = {"model": "tiny", "input": "What is the capital of France?", "max_output_tokens": 16, "temperature": 0}
+EMBED = {"model": "tiny", "input": "hello"}
+
+
+def test_every_openai_route_answers_through_the_gateway_as_the_engine_does(cpu_engine, process_env, spawn):
+    port, engine_key = cpu_engine
+    node = NodeFactory(name="gw-e2e", address="127.0.0.1")
+    make_deployment(node, port, served="tiny", aliases=["paris"], engine_key=engine_key)
+    key = make_key()
+    gateway = start_gateway(spawn, process_env, node.name)
+    direct = f"http://127.0.0.1:{port}"
+    assert httpx.post(direct + "/v1/completions", json=TEXT).status_code == 401  # the engine wants its key
+    with httpx.Client(timeout=120) as client:
+        for path, body in [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT), ("/v1/responses", RESPONSES),
+                           ("/v1/embeddings", EMBED)]:
+            for stream in (False, True) if path != "/v1/embeddings" else (False,):
+                sent = {**body, "stream": True} if stream else body
+                mine = client.post(direct + path, json=sent, headers=bearer(engine_key))
+                theirs = client.post(gateway + path, json={**sent, "model": "paris"}, headers=bearer(key))
+                assert theirs.status_code == mine.status_code, (path, stream, theirs.text[:300])
+                if mine.status_code != 200:
+                    assert path == "/v1/embeddings"  # the tiny model generates: the engine's own refusal passes
+                    assert theirs.json()["error"]["message"] == mine.json()["error"]["message"]
+                    continue
+                if stream:
+                    assert theirs.text.rstrip().endswith("data: [DONE]") or "response.completed" in theirs.text
+                    assert theirs.text.replace(" ", "")[:6] == mine.text.replace(" ", "")[:6]
+                elif path == "/v1/responses":
+                    assert theirs.json()["output"] == mine.json()["output"]  # temperature 0: the same answer
+                else:
+                    assert theirs.json()["choices"] == mine.json()["choices"]
+        models = client.get(gateway + "/v1/models", headers=bearer(key)).json()
+        assert [m["id"] for m in models["data"]] == ["paris", "tiny"]
+
+
+def test_vllm_routes_outside_the_openai_api_are_404_through_the_gateway(cpu_engine, process_env, spawn):
+    port, engine_key = cpu_engine
+    node = NodeFactory(name="gw-e2e-404", address="127.0.0.1")
+    make_deployment(node, port, served="tiny", engine_key=engine_key)
+    key = make_key(internal=True)  # even the panel's own keys
+    gateway = start_gateway(spawn, process_env, node.name)
+    direct = f"http://127.0.0.1:{port}"
+    # Harmless to ask the engine itself: they exist there.
+    for method, path, body in [("GET", "/version", None), ("GET", "/health", None), ("GET", "/metrics", None),
+                               ("POST", "/tokenize", {"model": "tiny", "prompt": "hi"}), ("GET", "/ping", None),
+                               ("POST", "/detokenize", {"model": "tiny", "tokens": [1, 2]})]:
+        assert httpx.request(method, direct + path, json=body, headers=bearer(engine_key)).status_code != 404, path
+        assert httpx.request(method, gateway + path, json=body, headers=bearer(key)).status_code == 404, path
+    # Never asked of the engine here (they would pause it, change its weights, ...): 404 at the gateway.
+    for path in ["/pause", "/resume", "/update_weights", "/scale_elastic_ep", "/invocations", "/sleep", "/wake_up",
+                 "/reset_prefix_cache", "/collective_rpc", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                 "/pooling", "/classify", "/score", "/rerank", "/v1/rerank", "/v1/score", "/v1/audio/transcriptions",
+                 "/server_info", "/is_sleeping", "/start_profile", "/stop_profile", "/v1/completions/render",
+                 "/v1/chat/completions/render", "/inference/v1/generate"]:
+        assert httpx.post(gateway + path, json={"model": "tiny"}, headers=bearer(key)).status_code == 404, path
+
+
+def test_usage_matches_the_engines_own_usage_fields_exactly(cpu_engine, process_env, spawn):
+    port, engine_key = cpu_engine
+    node = NodeFactory(name="gw-e2e-usage", address="127.0.0.1")
+    d = make_deployment(node, port, served="tiny", engine_key=engine_key)
+    key = make_key()
+    gateway = start_gateway(spawn, process_env, node.name)
+    direct = f"http://127.0.0.1:{port}"
+    asked = {"stream": True, "stream_options": {"include_usage": True}}
+    expected = {"requests": 0, "errors": 0, "prompt": 0, "reasoning": 0, "content": 0}
+    with httpx.Client(timeout=120) as client:
+        for path, body in [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)]:
+            for variant in ({}, {"stream": True}, asked):
+                reply = client.post(gateway + path, json={**body, **variant}, headers=bearer(key))
+                assert reply.status_code == 200
+                if variant.get("stream"):
+                    chunks = sse(reply.text)
+                    usage_chunks = [c for c in chunks if c.get("usage")]
+                    assert len(usage_chunks) == (1 if variant is asked else 0)  # stripped unless asked for
+                # The engine's own count of the same request (temperature 0: the same tokens), asked directly.
+                own = client.post(direct + path, json={**body, "stream": False}, headers=bearer(engine_key)).json()
+                usage = own["usage"]
+                if variant is asked:
+                    assert usage_chunks[0]["usage"] == usage
+                reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+                expected["requests"] += 1
+                expected["prompt"] += usage["prompt_tokens"]
+                expected["reasoning"] += reasoning
+                expected["content"] += usage["completion_tokens"] - reasoning
+    print("engine usage:", expected)
+    assert expected["reasoning"] is not None and expected["content"] > 0
+    wait_until(lambda: totals(deployment=d)["requests"] == expected["requests"], timeout=10, message="usage flushed")
+    assert totals(deployment=d) == expected
+
+
+def test_keys_are_refused_and_a_revocation_holds_within_a_second(process_env, spawn):
+    with SchedServer(ttft_ms=1, gap_ms=1, default_max_tokens=2) as sched:
+        node = NodeFactory(name="gw-e2e-keys", address="127.0.0.1")
+        make_deployment(node, sched.port, aliases=["kimi"])
+        good, scoped = make_key(), make_key(model_names=["other"])
+        expired = make_key(expires_at=timezone.now() - datetime.timedelta(seconds=1))
+        gateway = start_gateway(spawn, process_env, node.name)
+        chat = {"model": "kimi", "messages": [{"role": "user", "content": "hi"}]}
+        url = gateway + "/v1/chat/completions"
+        assert httpx.post(url, json=chat, headers=bearer(good)).status_code == 200
+        assert httpx.post(url, json=chat, headers=bearer("vcp-wrong")).status_code == 401
+        assert httpx.post(url, json=chat, headers=bearer(expired)).status_code == 401
+        assert httpx.post(url, json=chat, headers=bearer(scoped)).status_code == 403
+        latencies = []
+        for _ in range(3):
+            victim = make_key()
+            changes.changed("keys")
+            wait_until(lambda: httpx.post(url, json=chat, headers=bearer(victim)).status_code == 200, timeout=5)
+            CallerKey.objects.filter(prefix=victim[:12]).update(revoked_at=timezone.now())
+            changes.changed("keys")  # what the revoke service does after its commit
+            revoked = time.monotonic()
+            with httpx.Client() as client:
+                while client.post(url, json=chat, headers=bearer(victim)).status_code == 200:
+                    assert time.monotonic() - revoked < 1.0
+            latencies.append(time.monotonic() - revoked)
+        print(f"revocation refused after {max(latencies) * 1000:.0f} ms at most")
+
+
+def test_the_rps_limit_lets_through_its_rate_and_answers_429_with_retry_after(process_env, spawn):
+    rate, seconds = 20.0, 4.0
+    with SchedServer(ttft_ms=1, gap_ms=1, default_max_tokens=1) as sched:
+        node = NodeFactory(name="gw-e2e-rps", address="127.0.0.1")
+        make_deployment(node, sched.port)
+        key = make_key(rps_limit=rate)
+        gateway = start_gateway(spawn, process_env, node.name)
+        chat = {"model": "sched", "messages": [{"role": "user", "content": "hi"}]}
+
+        async def hammer():
+            ok, refused, end = [], [], time.monotonic() + seconds
+            async with httpx.AsyncClient(base_url=gateway, headers=bearer(key)) as client:
+                async def worker():
+                    while time.monotonic() < end:
+                        reply = await client.post("/v1/chat/completions", json=chat)
+                        (ok if reply.status_code == 200 else refused).append((time.monotonic(), reply))
+                await asyncio.gather(*(worker() for _ in range(4)))
+            return ok, refused
+
+        ok, refused = asyncio.run(hammer())
+    assert refused and all(r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 for _, r in refused)
+    first = ok[0][0]
+    after_burst = [t for t, _ in ok if t > first + 1.0]  # the bucket starts full: one second's worth
+    measured = len(after_burst) / (ok[-1][0] - first - 1.0)
+    print(f"rps limit {rate:g}: {measured:.1f} requests/s let through, {len(refused)} refused")
+    assert abs(measured - rate) <= 0.1 * rate
+
+
+def test_an_alias_follows_a_swap_with_no_failed_request(process_env, spawn):
+    """Streams to the alias keep going while deployment A stops and B becomes ready: the ones in flight on A end
+    there, the ones arriving meanwhile wait in the gateway and complete on B."""
+    with SchedServer(ttft_ms=20, gap_ms=5, default_max_tokens=20) as a, SchedServer(ttft_ms=20, gap_ms=5,
+                                                                                     default_max_tokens=20) as b:
+        node = NodeFactory(name="gw-e2e-swap", address="127.0.0.1")
+        old = make_deployment(node, a.port, served="sched", aliases=["kimi"])
+        new = make_deployment(node, b.port, served="sched", aliases=["kimi"], status=Deployment.Status.QUEUED)
+        key = make_key()
+        gateway = start_gateway(spawn, process_env, node.name, ready_wait=10)
+        results, stop = [], threading.Event()
+
+        def caller():
+            with httpx.Client(timeout=30) as client:
+                while not stop.is_set():
+                    reply = client.post(gateway + "/v1/chat/completions", headers=bearer(key), json={
+                        "model": "kimi", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+                    results.append((reply.status_code, reply.text.rstrip().endswith("[DONE]")))
+
+        threads = [threading.Thread(target=caller) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        Deployment.objects.filter(pk=old.pk).update(status=Deployment.Status.STOPPING)  # the swap's plan stops A
+        changes.changed("deployments")
+        time.sleep(1.5)  # nothing ready: callers wait in the gateway
+        waiting_on_a = a.server.requests_total
+        Deployment.objects.filter(pk=new.pk).update(status=Deployment.Status.READY)
+        changes.changed("deployments")
+        time.sleep(1.5)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        served_by_a_after = a.server.requests_total - waiting_on_a
+    assert results and all(r == (200, True) for r in results), [r for r in results if r != (200, True)][:5]
+    assert b.server.requests_total > 0 and served_by_a_after == 0
+    print(f"{len(results)} streams, all complete; {b.server.requests_total} on the new deployment")
