@@ -197,8 +197,9 @@ def context_table(spec: ModelSpec, weight_bytes: int, gpu_memory_bytes: list[int
 
 # --- What the engine itself found, from its log ------------------------------------------------------------
 
-# "GPU KV cache size: 57,216 tokens" / "CPU KV cache size: 2,097,152 tokens" (kv_cache_utils.py, vLLM 0.32)
-_TOKENS_RE = re.compile(r"\b([GC]PU) KV cache size: ([\d,]+) tokens")
+# "GPU KV cache size: 57,216 tokens" / "CPU KV cache size: 2,097,152 tokens" (kv_cache_utils.py, vLLM 0.32: the
+# capacity of one engine in tokens, DCP's sharding included, as max concurrency × max_model_len)
+_TOKENS_RE = re.compile(r"\b([GC]PU)(?: \+ host)? KV cache size: ([\d,]+) tokens")
 _AVAILABLE_RE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")  # gpu_worker.py, per worker
 # cpu_worker.py: "Explicitly set (1.0/15.21) GiB for KV cache on node 0." or "Auto set (a/b) GiB for KV cache
 # on node 0, with c GiB requested memory for the worker. d GiB memory was consumed by non-kv usages."

@@ -169,6 +169,7 @@ def test_uvm_hmm_setting_from_the_module_parameter(tmp_path):
     write(tmp_path, "sys/module/nvidia_uvm/parameters/uvm_disable_hmm", "N\n")
     off = doctor.uvm_check(str(tmp_path), True)
     assert off.status == doctor.FAIL and "uvm_disable_hmm=1" in off.fix
+    assert doctor.uvm_check(str(tmp_path), True, multi_gpu=False).status == doctor.WARN  # one GPU: no NCCL between GPUs
     write(tmp_path, "sys/module/nvidia_uvm/parameters/uvm_disable_hmm", "Y\n")
     assert doctor.uvm_check(str(tmp_path), True).status == doctor.PASS
 
@@ -200,10 +201,13 @@ def test_acs_redirect_on_a_bridge_is_found_in_its_config_space(tmp_path):
     assert doctor.acs_control(bridge_config(None)) is None
 
 
-def test_acs_needs_the_extended_config_space(tmp_path):
+def test_acs_needs_the_extended_config_space_and_a_vm_without_bridges_passes(tmp_path):
+    write(tmp_path, "sys/bus/pci/devices/0000:00:05.0/class", "0x030200\n")  # a GPU passed into a VM, no bridge
+    assert "no PCI bridge visible" in doctor.acs_check(str(tmp_path), True).summary
     write(tmp_path, "sys/bus/pci/devices/0000:16:00.0/class", "0x060400\n")
     write(tmp_path, "sys/bus/pci/devices/0000:16:00.0/config", bytes(256))  # what a non-root reader gets
-    assert doctor.acs_check(str(tmp_path), True).status == doctor.UNKNOWN
+    unread = doctor.acs_check(str(tmp_path), True)
+    assert unread.status == doctor.UNKNOWN and "needs root" in unread.summary
 
 
 def test_free_disk_against_the_largest_recipe(tmp_path):
