@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlpanel import clistatus, clitune
+from controlpanel import clikeys, clistatus, clitune
 from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
                                   UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
                                   _number, say, with_common)
@@ -151,6 +151,8 @@ def cmd_deploy(panel, args):
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
             "stop_foreign": args.stop_foreign, "override_fit": args.override_fit,
             "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []]}
+    body.update(aliases=args.alias or [], max_in_flight=args.max_in_flight, queue_bound=args.queue_bound,
+                media_domains=args.media_domain or [])  # the gateway's route (deployments/gateway/keys.py checks)
     if others and args.master_port:
         body["master_port"] = args.master_port
     if args.name:
@@ -347,6 +349,14 @@ def parser() -> argparse.ArgumentParser:
                    "the chosen GPUs (a node without GPUs: other vLLM engines on it); without it such a deploy is refused")
     s.add_argument("--override-fit", action="store_true", help="deploy although the fit check says it does not fit "
                    "(admins only, recorded on the timeline); without it such a deploy is refused (exit 3)")
+    s.add_argument("--alias", action="append", metavar="NAME", help="another model name callers may use at the "
+                   "gateway (e.g. kimi), repeatable: the name follows a swap")
+    s.add_argument("--max-in-flight", type=int, default=None, help="requests the gateway sends to it at once "
+                   "(default: its --max-num-seqs)")
+    s.add_argument("--queue-bound", type=int, default=None, help="requests waiting in the gateway beyond that "
+                   "(default 256); then 429")
+    s.add_argument("--media-domain", action="append", metavar="DOMAIN", help="a domain multimodal URLs may come "
+                   "from, repeatable (default: data: URLs only)")
     s.add_argument("--wait", action="store_true", help="wait until ready (exit 1 if it fails)")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_deploy)
@@ -393,6 +403,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--csv", action="store_true")
         s.set_defaults(fn=fn)
     clitune.add(sub, common)
+    clikeys.add(sub, common)
     return p
 
 

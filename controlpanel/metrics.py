@@ -19,6 +19,7 @@ from rest_framework.views import APIView
 from benchmarks.metrics import BenchmarkCollector
 from controlpanel import apicache, livedrops
 from controlpanel.scrape import ScrapeAccess
+from deployments.gateway.metrics import UsageCollector
 from deployments.metrics import DeploymentCollector, DownloadCollector, FleetCollector
 from deployments.models import Deployment, Node
 
@@ -68,7 +69,8 @@ def exposition() -> bytes:
     gpus = apicache.cached_value(("metrics", "gpus"), FleetCollector.gpu_rows, current)
     deployments = apicache.cached_value(("metrics", "deployment names"),
                                         lambda: dict(Deployment.objects.values_list("id", "name")), current)
-    parts = [render(FleetCollector(gpus).collect()).encode(), render(_live()).encode()]
+    parts = [render(FleetCollector(gpus).collect()).encode(), render(_live()).encode(),
+             render(UsageCollector().collect()).encode()]  # the gateways flush it every ~2 s: read it each time
     for collector, names in ((DeploymentCollector(nodes), nodes), (DownloadCollector(nodes), nodes),
                              (BenchmarkCollector(deployments), deployments)):
         key = ("metrics", type(collector).__name__, tuple(names.items()))

@@ -26,6 +26,8 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api/", include("deployments.api.urls")),
     path("api/", include("benchmarks.api.urls")),
+    path("api/", include("deployments.gateway.api")),
     path("", include("deployments.urls")),
+    path("", include("deployments.gateway.urls")),
     path("benchmarks/", include("benchmarks.urls")),
 ]

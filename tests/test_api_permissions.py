@@ -18,8 +18,13 @@ DOCS = {"/api/schema/", "/api/docs/"}
 
 
 @pytest.fixture
-def objects(api_objects):
-    return {name: (obj.name if name == "nodes" else obj.pk) for name, obj in api_objects.items()}
+def objects(api_objects, operator):
+    from deployments.gateway.models import CallerKey
+
+    ids = {name: (obj.name if name == "nodes" else obj.pk) for name, obj in api_objects.items()}
+    # A caller key of the operator's (operators change their own keys, admins everyone's).
+    ids["keys"] = CallerKey.objects.create(owner=operator, name="team", prefix="vcp-test", digest="f" * 64).pk
+    return ids
 
 
 def _concrete(path: str, ids: dict) -> str:
@@ -81,6 +86,9 @@ OPERATOR_ANSWERS = {
     ("POST", "/api/studies/{id}/resume/"): (409, "not_paused"),
     ("POST", "/api/studies/{id}/cancel/"): (202, None),
     ("POST", "/api/studies/{id}/apply/"): (400, "invalid"),  # no winner yet, none chosen
+    ("POST", "/api/keys/"): (400, "invalid"),  # a name is required
+    ("PATCH", "/api/keys/{id}/"): (200, None),  # nothing given: nothing changed
+    ("POST", "/api/keys/{id}/revoke/"): (200, None),
 }
 
 

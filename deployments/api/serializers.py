@@ -4,6 +4,7 @@ from rest_framework import serializers
 from controlpanel.params import DB_INT_MAX
 from deployments import callit, engineoptions, secrets, validators
 from deployments.engineargs import PRESETS
+from deployments.gateway.models import Route
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
 
 
@@ -144,14 +145,20 @@ class DeploymentDetailSerializer(DeploymentSerializer):
     ranks = RankSerializer(many=True, read_only=True)
     call = serializers.SerializerMethodField(help_text="How to call it: base_url, models (the names to put in "
                                              "\"model\"), key_required, and curl and OpenAI-Python snippets.")
+    route = serializers.SerializerMethodField(help_text="At the gateway: aliases, max_in_flight, queue_bound, media_domains.")
 
     class Meta(DeploymentSerializer.Meta):
         fields = DeploymentSerializer.Meta.fields + ["master_port", "ranks", "smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
                                                      "secret_env", "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired",
-                                                     "call"]
+                                                     "call", "route"]
 
     def get_call(self, obj) -> dict:
         return callit.call(obj)
+
+    def get_route(self, obj) -> dict:
+        route = Route.objects.filter(deployment_id=obj.pk).first()
+        return {"aliases": route.names if route else [], "max_in_flight": route.max_in_flight if route else None,
+                "queue_bound": route.queue_bound if route else 256, "media_domains": route.media_domains if route else []}
 
 
 class WorkerSerializer(serializers.Serializer):
@@ -199,6 +206,14 @@ class DeployRequestSerializer(serializers.Serializer):
     master_port = serializers.IntegerField(min_value=1024, max_value=65535, required=False, default=None, allow_null=True,
                                            help_text="Multi-node: the head's port the ranks meet at, its DP RPC port "
                                                      "with data-parallel-size > 1 (default: from 29500).")
+    aliases = serializers.ListField(child=serializers.CharField(max_length=200), required=False, default=list, max_length=50,
+                                    help_text="More model names callers may use at the gateway (e.g. kimi): a name follows a swap.")
+    max_in_flight = serializers.IntegerField(required=False, default=None, allow_null=True,
+                                             help_text="Requests the gateway sends to it at once (default: its --max-num-seqs).")
+    queue_bound = serializers.IntegerField(required=False, default=None, allow_null=True,
+                                           help_text="Requests waiting in the gateway beyond that (default 256); then 429.")
+    media_domains = serializers.ListField(child=serializers.CharField(max_length=253), required=False, default=list,
+                                          max_length=100, help_text="Domains multimodal URLs may come from (empty: data: URLs only).")
 
     def validate_engine_args(self, value):
         from deployments import engineargs

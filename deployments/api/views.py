@@ -19,6 +19,7 @@ from controlpanel.params import int_param
 
 from deployments import modelfit, secrets, selectors
 from deployments.api import serializers
+from deployments.gateway import keys
 from deployments.models import ModelCopy
 from deployments.services import deploys, fitgate, loadtime, multinode, repos
 
@@ -175,6 +176,8 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         body = serializers.DeployRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         v = body.validated_data
+        route = keys.route_check(aliases=v["aliases"], max_in_flight=v["max_in_flight"], queue_bound=v["queue_bound"],
+                                 media_domains=v["media_domains"])
         d = deploys.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
                                        engine_args=v["engine_args"], env=v["env"], secret_env=v["secret_env"], name=v["name"], replace_ids=v["replace"],
                                        auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
@@ -183,6 +186,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
                                        replace_existing=v["replace_existing"], master_port=v["master_port"],
                                        override_fit=v["override_fit"],
                                        workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
+        keys.route_set(d, **route)
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})

@@ -11,6 +11,7 @@ from rest_framework.authtoken.models import Token
 from controlpanel import tokens
 from controlpanel.roles import is_operator
 from deployments import forms
+from deployments.gateway import views as gateway_views
 from deployments.services import repos
 
 
@@ -29,6 +30,12 @@ def panel_settings(request):
                                              "hf_endpoint": settings.HF_ENDPOINT})
 
 
+def account_context(request, password_form=None) -> dict:
+    """What the account page shows: the API token's state, the password form, the gateway keys section."""
+    return {"has_token": Token.objects.filter(user=request.user).exists(),
+            "password_form": password_form if password_form is not None else PasswordChangeForm(request.user), **gateway_views.account_keys(request.user)}
+
+
 def account(request):
     """The account page; a POST changes the user's own password (old one first), keeping this session."""
     form = PasswordChangeForm(request.user, request.POST or None)
@@ -36,9 +43,7 @@ def account(request):
         update_session_auth_hash(request, form.save())
         messages.success(request, "Password changed.")
         return redirect("account")
-    token = Token.objects.filter(user=request.user).first()
-    return render(request, "account.html", {"has_token": token is not None, "password_form": form},
-                  status=400 if form.is_bound else 200)
+    return render(request, "account.html", account_context(request, form), status=400 if form.is_bound else 200)
 
 
 @require_POST
@@ -48,4 +53,5 @@ def account_token(request):
     if request.POST.get("action") == "revoke":
         messages.success(request, "API token revoked.")
         return redirect("account")
-    return render(request, "account.html", {"has_token": True, "new_token": tokens.issue(request.user)})
+    new_token = tokens.issue(request.user)
+    return render(request, "account.html", {**account_context(request), "new_token": new_token})

@@ -9,6 +9,7 @@ from controlpanel.errors import ServiceError
 from controlpanel.params import int_param
 from controlpanel.roles import operator_required
 from deployments import callit, deploydefaults, engineargs, engineoptions, forms, privileged, secrets, selectors
+from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import deploys, fitgate, multinode
 
@@ -56,7 +57,8 @@ def _fit(model, node, form, deployment=None):
     return fit, not earlier
 
 
-def _deploy_page(request, model, node, form, status=200, preset="", deployment=None):
+def _deploy_page(request, model, node, form, status=200, preset="", deployment=None, route_form=None):
+    route_form = route_form or gateway_forms.RouteForm(prefix="route", initial=gateway_forms.route_initial(deployment))
     copies = {c.node_id: c for c in ModelCopy.objects.filter(model=model)}
     holders = list(node.deployments.filter(status__in=Deployment.ACTIVE)) if node else []
     fit, blocked = _fit(model, node, form, deployment)
@@ -66,7 +68,7 @@ def _deploy_page(request, model, node, form, status=200, preset="", deployment=N
         "privileged": privileged.FLAGS, "privileged_env": privileged.ENV,
         "operator_flags": engineoptions.OPERATOR_FLAGS, "operator_env": engineoptions.OPERATOR_ENV,
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit, "fit_blocks": blocked,
-        "fit_hint": fitgate.OVERRIDE_HINT, "override": form["override_fit"]}, status=status)
+        "fit_hint": fitgate.OVERRIDE_HINT, "override": form["override_fit"], "route_form": route_form}, status=status)
 
 
 def _refused(form, exc: ServiceError) -> None:
@@ -95,8 +97,10 @@ def deploy(request, pk):
         initial["port"] = deploys.deployment_free_port(node)
         return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key)
     form = forms.DeployForm(request.POST, node=node)
-    if not form.is_valid() or "check" in request.POST:  # "Check fit": the estimate for these values, nothing deployed
-        return _deploy_page(request, model, node, form, status=200 if form.is_valid() else 400)
+    route_form = gateway_forms.RouteForm(request.POST, prefix="route")
+    valid = form.is_valid() & route_form.is_valid()  # both: every error shows at once
+    if not valid or "check" in request.POST:  # "Check fit": the estimate for these values, nothing deployed
+        return _deploy_page(request, model, node, form, status=200 if valid else 400, route_form=route_form)
     data = form.cleaned_data
     try:
         d = deploys.deployment_create(
@@ -106,7 +110,8 @@ def deploy(request, pk):
             workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"])
     except ServiceError as exc:
         _refused(form, exc)
-        return _deploy_page(request, model, node, form, status=409)
+        return _deploy_page(request, model, node, form, status=409, route_form=route_form)
+    keys.route_set(d, **route_form.cleaned_data["route"])
     return redirect("deployment-detail", d.pk)
 
 
@@ -134,8 +139,10 @@ def deployment_edit(request, pk):
     if request.method != "POST":
         return _deploy_page(request, d.model, d.node, forms.DeployForm(node=d.node, initial=_initial(None, d)), deployment=d)
     form = forms.DeployForm(request.POST, node=d.node)
-    if not form.is_valid() or "check" in request.POST:
-        return _deploy_page(request, d.model, d.node, form, status=200 if form.is_valid() else 400, deployment=d)
+    route_form = gateway_forms.RouteForm(request.POST, prefix="route")
+    valid = form.is_valid() & route_form.is_valid()
+    if not valid or "check" in request.POST:
+        return _deploy_page(request, d.model, d.node, form, status=200 if valid else 400, deployment=d, route_form=route_form)
     data = form.cleaned_data
     try:
         placement = {"workers": _workers(data)} if d.master_port or data["placement"] else {}
@@ -145,7 +152,8 @@ def deployment_edit(request, pk):
                                      override_fit=data["override_fit"], **placement)
     except ServiceError as exc:
         _refused(form, exc)
-        return _deploy_page(request, d.model, d.node, form, status=409, deployment=d)
+        return _deploy_page(request, d.model, d.node, form, status=409, deployment=d, route_form=route_form)
+    keys.route_set(d, **route_form.cleaned_data["route"])
     return redirect("deployment-detail", d.pk)
 
 

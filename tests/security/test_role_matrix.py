@@ -23,6 +23,7 @@ from rest_framework.test import APIClient
 
 from controlpanel.asgi import application
 from controlpanel.routing import websocket_urlpatterns
+from deployments.gateway.models import CallerKey
 from tests.conftest import run_async
 from tests.factories import (BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, StudyFactory,
                              UserFactory)
@@ -34,18 +35,22 @@ MACHINE_READABLE = {"/metrics"}  # answers 401/403 like the API
 OPERATOR_PAGES = ("/deploy/", "/edit/")  # forms that only make sense to someone who may change things
 # The resource a path parameter names, by the literal path before it.
 RESOURCE = {"nodes": "node", "models": "model", "deployments": "deployment", "copies": "copy", "benchmarks": "run",
-            "studies": "study"}
+            "studies": "study", "keys": "key"}
 # The action a page's `<action>` names, by the resource before its id: one that works on `world`'s object.
 ACTION = {"copies": "delete", "deployments": "stop", "studies": "pause"}
 # What a working page answers that is not a 200 GET, by URL name. POST-only views refuse a GET:
 POST_ONLY = {"account-token", "logout", "run-cancel", "study-control", "study-apply", "copy-action", "deployment-action",
-             "model-download", "model-remove"}
+             "model-download", "model-remove", "key-create", "key-revoke"}
 # A form's POST address answers a GET (a reload, a typed URL) with a redirect to the form, for every role.
 GET_REDIRECTS = {"model-add", "model-add-local"}
 # An operator's empty POST: a form without its fields answers 400; everything else a 2xx or a redirect.
-EMPTY_FORM = {"run-list", "study-list", "deployment-edit", "model-deploy", "model-download", "model-add", "model-add-local"}
+EMPTY_FORM = {"run-list", "study-list", "deployment-edit", "model-deploy", "model-download", "model-add", "model-add-local",
+              "key-create"}
 # Actions that need no field: an operator's empty POST does the work (a row changes).
-ACTS = {"run-cancel", "study-control", "copy-action", "deployment-action", "account-token"}
+ACTS = {"run-cancel", "study-control", "copy-action", "deployment-action", "account-token", "key-revoke"}
+# Actions on what a user owns (a caller key): `world`'s belongs to someone else, so an operator gets 403 and
+# changes nothing; an admin does the work.
+OWNED = {"key-revoke"}
 
 
 def _walk(patterns, prefix=""):
@@ -88,7 +93,8 @@ def world(db):
     run = BenchmarkRunFactory(deployment=d)  # queued: it may be cancelled
     study = StudyFactory(deployment=d)  # queued: it may be paused
     spare = ModelCopyFactory(node=node, path="/models/org/spare")  # no deployment uses it: it may be deleted
-    ids = {"node": node.pk, "model": copy.model.pk, "copy": spare.pk, "deployment": d.pk, "run": run.pk, "study": study.pk,
+    key = CallerKey.objects.create(owner=UserFactory(role="operator"), name="theirs", prefix="vcp-world", digest="e" * 64)
+    ids = {"key": key.pk, "node": node.pk, "model": copy.model.pk, "copy": spare.pk, "deployment": d.pk, "run": run.pk, "study": study.pk,
            "nodes": "n1", "models": copy.model.pk, "copies": spare.pk, "deployments": d.pk, "runs": run.pk,
            "studies": study.pk}
     with mock.patch.object(Task, "apply_async", autospec=True) as sent:
@@ -114,12 +120,12 @@ def _client(role) -> Client:
 def _rows() -> dict:
     """Every row of the panel's own tables, by model (so that a changed field shows, not only a count)."""
     return {m.__name__: sorted(map(repr, m.objects.values())) for m in apps.get_models()
-            if m._meta.app_label in ("deployments", "benchmarks", "authtoken")}
+            if m._meta.app_label in ("deployments", "benchmarks", "authtoken", "gateway")}
 
 
 def test_the_matrix_covers_every_page():
     assert len(PAGE_REGEXES) >= 25 and any("unit" in r for r in PAGE_REGEXES)
-    assert POST_ONLY | GET_REDIRECTS | EMPTY_FORM | ACTS <= set(PAGES.values())  # no stale name
+    assert POST_ONLY | GET_REDIRECTS | EMPTY_FORM | ACTS | OWNED <= set(PAGES.values())  # no stale name
 
 
 def _allowed_get(name: str) -> int:
@@ -158,7 +164,9 @@ def test_every_page_for_every_role(world, regex, role):
     if role in ("anonymous", "no role", "viewer") and path != "/account/token/" and not public:
         # Whatever the answer, nothing changed and nothing was queued.
         assert _rows() == before and not sent.called, f"POST {path} as {role} changed something"
-    if role in ("operator", "admin") and not public and path not in MACHINE_READABLE:
+    if role == "operator" and name in OWNED:
+        assert posted.status_code == 403 and _rows() == before, f"POST {path} as {role}: {posted.status_code}"
+    elif role in ("operator", "admin") and not public and path not in MACHINE_READABLE:
         if name in EMPTY_FORM:
             assert posted.status_code == 400, f"POST {path} as {role}: {posted.status_code}"
         else:

@@ -1,0 +1,86 @@
+"""Reads of the gateway's control plane: callers' keys as lists show them, and usage summed by hour or day per key,
+model name or deployment (the gateways may write several rows for one group and hour: readers always sum)."""
+from datetime import timedelta, timezone as tz
+
+from django.db.models import Sum
+from django.db.models.functions import TruncDay, TruncHour
+from django.utils import timezone
+
+from benchmarks import csvsafe
+from controlpanel.errors import ServiceError
+from deployments.gateway.models import CallerKey, Usage
+
+MEASURES = ("requests", "errors", "prompt_tokens", "reasoning_tokens", "content_tokens")
+GROUPS = {"key": ("key_id", "key__name", "key__prefix"), "model": ("model_name",),
+          "deployment": ("deployment_id", "deployment__name")}
+BY = {"hour": TruncHour, "day": TruncDay}
+DEFAULT_DAYS = {"hour": 2, "day": 30}
+MAX_DAYS = 366
+
+
+def keys_listed(owner=None):
+    """Callers' keys (never the panel's internal ones), newest first, with their usage totals; `owner`: only theirs."""
+    keys = CallerKey.objects.filter(internal=False).select_related("owner").prefetch_related("deployments")
+    if owner is not None:
+        keys = keys.filter(owner=owner)
+    return keys.annotate(**{f"used_{m}": Sum(f"usage__{m}") for m in MEASURES}).order_by("revoked_at", "-created")
+
+
+def key_label(name, prefix) -> str:
+    return f"{name} ({prefix}…)" if name is not None else "(deleted key)"
+
+
+def _label(group: str, row: dict) -> str:
+    if group == "key":
+        return key_label(row["key__name"], row["key__prefix"])
+    if group == "deployment":
+        return row["deployment__name"] or "(deleted deployment)"
+    return row["model_name"]
+
+
+def window(by: str, days=None, now=None) -> tuple:
+    """(since, until) of a usage query: the last `days` (the default by resolution), whole hours."""
+    if by not in BY:
+        raise ServiceError("by: hour or day.", field="by")
+    if days in (None, ""):
+        days = DEFAULT_DAYS[by]
+    try:
+        days = int(days)
+    except (TypeError, ValueError):
+        raise ServiceError(f"days: a whole number from 1 to {MAX_DAYS}.", field="days") from None
+    if not 1 <= days <= MAX_DAYS:
+        raise ServiceError(f"days: a whole number from 1 to {MAX_DAYS}.", field="days")
+    until = (now or timezone.now()).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    return until - timedelta(days=days), until
+
+
+def usage(group: str = "key", by: str = "hour", days=None, key_id: int | None = None, now=None) -> list[dict]:
+    """[{period, group, label, requests, errors, prompt_tokens, reasoning_tokens, content_tokens}] in period order."""
+    if group not in GROUPS:
+        raise ServiceError("group: key, model or deployment.", field="group")
+    since, until = window(by, days, now)
+    rows = Usage.objects.filter(hour__gte=since, hour__lt=until)
+    if key_id is not None:
+        rows = rows.filter(key_id=key_id)
+    rows = (rows.annotate(period=BY[by]("hour", tzinfo=tz.utc)).values("period", *GROUPS[group])
+            .annotate(**{m: Sum(m) for m in MEASURES}).order_by("period", *GROUPS[group]))
+    return [{"period": row["period"], "group": group, "label": _label(group, row), **{m: row[m] or 0 for m in MEASURES}}
+            for row in rows]
+
+
+CSV_COLUMNS = ["period", "group", "name", *MEASURES]
+
+
+def usage_csv(rows: list[dict]) -> str:
+    """The rows as CSV; names (keys, aliases) a spreadsheet would run as formulas are quoted (csvsafe)."""
+    return csvsafe.rows_text(CSV_COLUMNS, ([r["period"].isoformat(), r["group"], r["label"], *(r[m] for m in MEASURES)]
+                                           for r in rows))
+
+
+def usage_totals() -> list[dict]:
+    """All-time sums per (key, model name, deployment): what /metrics exposes as counters (no hour in the labels,
+    so the label sets stay as small as the combinations ever used)."""
+    rows = (Usage.objects.values("key__name", "key__prefix", "model_name", "deployment__name")
+            .annotate(**{m: Sum(m) for m in MEASURES}).order_by("key__name", "model_name", "deployment__name"))
+    return list(rows)
+

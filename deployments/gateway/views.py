@@ -1,0 +1,79 @@
+"""Pages of the gateway's control plane: the account page's keys (create: the secret shown once; revoke) and the
+Usage page (charts by hour or day per key, model name or deployment)."""
+from django.contrib import messages
+from django.http import HttpResponseForbidden
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from controlpanel.errors import ServiceError
+from controlpanel.roles import is_admin, operator_required
+from deployments.gateway import forms, keys, selectors
+from deployments.gateway.models import CallerKey
+
+
+def account_keys(user, form=None) -> dict:
+    """The account page's keys section: the user's own keys (an admin's: everyone's) and the create form."""
+    everyone = is_admin(user)
+    return {"caller_keys": selectors.keys_listed(None if everyone else user), "keys_everyone": everyone,
+            "key_form": form or forms.KeyForm(), "measures": selectors.MEASURES}
+
+
+def _account(request, status=200, **extra):
+    from deployments.views.account import account_context  # the page is the account view's (it imports this module)
+
+    return render(request, "account.html", {**account_context(request), **extra}, status=status)
+
+
+@require_POST
+@operator_required
+def key_create(request):
+    """Create a key; the page shows its secret this once."""
+    form = forms.KeyForm(request.POST)
+    if form.is_valid():
+        try:
+            key, secret = keys.key_create(request.user, form.cleaned_data["name"], **form.service_args())
+        except ServiceError as exc:
+            form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+        else:
+            return _account(request, new_key=key, new_secret=secret)
+    return _account(request, status=400, **account_keys(request.user, form))
+
+
+@require_POST
+@operator_required
+def key_revoke(request, pk):
+    key = get_object_or_404(CallerKey, pk=pk, internal=False)
+    try:
+        keys.key_revoke(key, request.user)
+    except ServiceError as exc:
+        if exc.code == "forbidden":
+            return HttpResponseForbidden(exc.message)
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, f"Key {key.name} ({key.prefix}…) revoked: every gateway refuses it within a second.")
+    return redirect("account")
+
+
+def usage(request):
+    """Usage by hour or day (?by=), per key, model name or deployment (?group=), over ?days= (charts + table)."""
+    group = request.GET.get("group") if request.GET.get("group") in selectors.GROUPS else "key"
+    by = request.GET.get("by") if request.GET.get("by") in selectors.BY else "hour"
+    try:
+        rows = selectors.usage(group, by, request.GET.get("days"))
+        error = ""
+    except ServiceError as exc:
+        rows, error = selectors.usage(group, by), exc.message
+    labels = sorted({r["label"] for r in rows})
+    totals = {label: {m: sum(r[m] for r in rows if r["label"] == label) for m in selectors.MEASURES} for label in labels}
+    periods = sorted({r["period"] for r in rows})
+    data = {"by": by, "measures": list(selectors.MEASURES), "labels": labels,
+            "periods": [int(p.timestamp()) for p in periods],
+            "series": {m: {label: [None] * len(periods) for label in labels} for m in selectors.MEASURES}}
+    index = {p: i for i, p in enumerate(periods)}
+    for r in rows:
+        for m in selectors.MEASURES:
+            data["series"][m][r["label"]][index[r["period"]]] = r[m]
+    return render(request, "gateway/usage.html", {
+        "group": group, "by": by, "days": request.GET.get("days") or selectors.DEFAULT_DAYS[by], "error": error,
+        "groups": list(selectors.GROUPS), "totals": totals, "measures": selectors.MEASURES, "data": data},
+        status=400 if error else 200)
