@@ -74,11 +74,14 @@ def alert_resolve(group: str, note: str, *, deployment=None, node=None) -> Alert
 def recipients(kind: str, deployment_id, node_id) -> set:
     """Users subscribed to `kind` for this deployment or node who may see it (any role; no role: nothing)."""
     subs = (Subscription.objects.filter(Q(deployment=None) | Q(deployment_id=deployment_id))
-            .filter(Q(node=None) | Q(node_id=node_id)).select_related("user"))
+            .filter(Q(node=None) | Q(node_id=node_id)).select_related("user", "team"))
     users = {}
     for sub in subs:
-        if sub.user.is_active and sub.matches(kind, deployment_id, node_id) and roles.is_viewer(sub.user):
-            users[sub.user_id] = sub.user
+        if not sub.matches(kind, deployment_id, node_id):
+            continue
+        for user in (sub.team.user_set.all() if sub.team_id else [sub.user]):
+            if user.is_active and roles.is_viewer(user):
+                users[user.pk] = user
     return set(users.values())
 
 

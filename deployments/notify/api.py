@@ -26,6 +26,8 @@ class SubscriptionSerializer(serializers.Serializer):
     kinds = serializers.ListField(child=serializers.ChoiceField(choices=catalog.SUBSCRIBABLE), required=False, default=list)
     deployment = serializers.IntegerField(source="deployment_id", required=False, allow_null=True, min_value=1, max_value=2**62)
     node = serializers.IntegerField(source="node_id", required=False, allow_null=True, min_value=1, max_value=2**62)
+    team = serializers.IntegerField(source="team_id", required=False, allow_null=True, min_value=1, max_value=2**62,
+                                    help_text="A group you are in: every member hears of it on their own channels.")
 
 
 class QuietSerializer(serializers.Serializer):
@@ -108,7 +110,8 @@ class SubscriptionList(_Mine):
         s = SubscriptionSerializer(data=request.data)
         s.is_valid(raise_exception=True)
         v = s.validated_data
-        sub = _call(services.subscription_add, request.user, v.get("kinds", []), v.get("deployment_id"), v.get("node_id"))
+        sub = _call(services.subscription_add, request.user, v.get("kinds", []), v.get("deployment_id"), v.get("node_id"),
+                    v.get("team_id"))
         return Response(SubscriptionSerializer(sub).data, status=status.HTTP_201_CREATED)
 
 

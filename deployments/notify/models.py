@@ -3,6 +3,7 @@
 from urllib.parse import urlsplit
 
 from django.conf import settings
+from django.contrib.auth.models import Group
 from django.db import models
 from django.utils import timezone
 
@@ -60,9 +61,13 @@ class Channel(models.Model):
 
 
 class Subscription(models.Model):
-    """A user wants to hear of these kinds (all when empty), about one deployment or node, or about all."""
+    """A user (or every member of a team, a group) wants to hear of these kinds (all when empty), about one
+    deployment or node, or about all. Each member hears it on their own channels."""
 
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notify_subscriptions")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notify_subscriptions",
+                             help_text="Who made it; its recipient unless it is a team's.")
+    team = models.ForeignKey(Group, null=True, blank=True, on_delete=models.CASCADE, related_name="notify_subscriptions",
+                             help_text="A team (group): every member hears of it.")
     kinds = models.JSONField(default=list, blank=True, help_text="Event kinds (catalog.SUBSCRIBABLE); empty: all.")
     deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.CASCADE, related_name="+")

@@ -4,6 +4,7 @@ import secrets
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from django.contrib.auth.models import Group
 from django.core.exceptions import ValidationError
 from django.core.validators import EmailValidator, URLValidator
 from django.db import transaction
@@ -81,9 +82,15 @@ def channel_test(user, channel_id: int) -> Delivery:
         return alerts.delivery_test(channel_get(user, channel_id))
 
 
-def subscription_add(user, kinds: list[str], deployment_id=None, node_id=None) -> Subscription:
-    """Subscribe `user` to `kinds` (all when empty), for one deployment or node, or for everything."""
+def subscription_add(user, kinds: list[str], deployment_id=None, node_id=None, team_id=None) -> Subscription:
+    """Subscribe `user` (or their team: a group they are in; admins: any group) to `kinds` (all when empty), for
+    one deployment or node, or for everything."""
     _need_role(user)
+    team = None
+    if team_id:
+        team = Group.objects.filter(pk=team_id).first()
+        if team is None or not (roles.is_admin(user) or user.groups.filter(pk=team_id).exists()):
+            raise NotifyError("No such team of yours (a group you are a member of).")
     unknown = sorted(set(kinds) - set(catalog.SUBSCRIBABLE))
     if unknown:
         raise NotifyError(f"Unknown event kinds: {', '.join(unknown)}; known: {', '.join(catalog.SUBSCRIBABLE)}.")
@@ -93,7 +100,7 @@ def subscription_add(user, kinds: list[str], deployment_id=None, node_id=None) -
     node = Node.objects.filter(pk=node_id).first() if node_id else None
     if (deployment_id and deployment is None) or (node_id and node is None):
         raise NotifyError("No such deployment or node.")
-    return Subscription.objects.create(user=user, kinds=sorted(set(kinds)), deployment=deployment, node=node)
+    return Subscription.objects.create(user=user, team=team, kinds=sorted(set(kinds)), deployment=deployment, node=node)
 
 
 def subscription_remove(user, subscription_id: int) -> None:

@@ -20,10 +20,11 @@ def page(request):
     deliveries = (Delivery.objects.filter(channel__user=user).select_related("channel", "alert")
                   .prefetch_related("log").order_by("-created")[:50])
     return render(request, "notify/page.html", {
-        "channels": user.notify_channels.all(), "subscriptions": user.notify_subscriptions.select_related("deployment", "node"),
+        "channels": user.notify_channels.all(), "subscriptions": user.notify_subscriptions.select_related("deployment", "node", "team"),
         "quiet": QuietHours.objects.filter(user=user).first(),
         "kinds": [catalog.KINDS[k] for k in catalog.SUBSCRIBABLE], "channel_kinds": services.Channel.Kind.choices,
         "deployments": Deployment.objects.order_by("name").only("id", "name"), "nodes": Node.objects.only("id", "name"),
+        "teams": user.groups.all(),
         "deliveries": deliveries,
         "may_webhook": roles.is_admin(user), "new_key": request.session.pop("notify_new_key", None),
     })
@@ -57,7 +58,8 @@ def action(request, what: str):
             services.channel_test(user, _id(p.get("channel")))
             messages.success(request, "Test message queued: its result shows in the delivery log below.")
         elif what == "subscription-add":
-            services.subscription_add(user, p.getlist("kinds"), _id(p.get("deployment")), _id(p.get("node")))
+            services.subscription_add(user, p.getlist("kinds"), _id(p.get("deployment")), _id(p.get("node")),
+                                      _id(p.get("team")))
             messages.success(request, "Subscribed.")
         elif what == "subscription-remove":
             services.subscription_remove(user, _id(p.get("subscription")))

@@ -215,3 +215,22 @@ def test_the_test_button_sends_to_its_channel_only(subscriber, receiver, send_du
     assert send_due() == ["sent"]
     [got] = receiver.received
     assert got.json["phase"] == "test" and _valid(got, subscriber.key)
+
+
+def test_a_team_subscription_reaches_each_member_on_their_own_channel_and_no_one_else(db, smtp, send_due):
+    from django.contrib.auth.models import Group
+
+    team = Group.objects.create(name="inference-oncall")
+    alice, bob, outsider = UserFactory(role="viewer"), UserFactory(role="operator"), UserFactory(role="viewer")
+    for user, address in ((alice, "alice@example.com"), (bob, "bob@example.com"), (outsider, "out@example.com")):
+        services.channel_add(user, "email", "mail", address)
+    alice.groups.add(team)
+    bob.groups.add(team)
+    with pytest.raises(services.NotifyError):
+        services.subscription_add(outsider, ["crashed"], team_id=team.pk)  # not a member
+    services.subscription_add(alice, ["crashed"], team_id=team.pk)
+    d = _ready()
+    crashes.deployment_crashed(d, "exit 1")
+    assert send_due() == ["sent", "sent"]
+    assert sorted(to[0] for to, _ in smtp.messages) == ["alice@example.com", "bob@example.com"]
+    assert all(mail["Subject"] == f"[ERROR] {d.name} crashed" for _, mail in smtp.messages)
