@@ -11,8 +11,6 @@ variable the OpenAI clients themselves read.
 import json
 import shlex
 
-from django.conf import settings
-
 from deployments.gateway.models import Route
 from deployments.models import Deployment, ModelCopy, ModelRepo
 
@@ -44,9 +42,8 @@ def model_names(d: Deployment) -> list[str]:
 
 
 def gateway_url(d: Deployment) -> str:
-    """The node gateway's OpenAI base URL: the port its gateway reported, else the configured one."""
-    port = d.node.gateway_port or settings.GATEWAY_PORT
-    return f"http://{d.node.address or '127.0.0.1'}:{port}/v1"
+    """The node gateway's OpenAI base URL (Deployment.base_url: the port its gateway reported, else the configured one)."""
+    return f"{d.base_url}/v1"
 
 
 def call(d: Deployment) -> dict:

@@ -335,8 +335,9 @@ class Deployment(Transitions, EngineProcess):
 
     @property
     def base_url(self) -> str:
+        """Where callers reach it: its node's gateway (issue 28; the engine itself listens on loopback only)."""
         host = self.node.address or "127.0.0.1"
-        return f"http://{host}:{self.port}"
+        return f"http://{host}:{self.node.gateway_port or settings.GATEWAY_PORT}"
 
     @property
     def served_model_name(self) -> str:
