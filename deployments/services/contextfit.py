@@ -116,11 +116,12 @@ def _memory(node: Node, env: dict, gpu_indices, engine_args: dict) -> dict | Non
 
 
 def _recipe_choices(recipe, engine_args: dict, spec, layout: Layout) -> tuple[list[str], list[int]]:
-    """KV dtypes and DCP sizes to show: the recipe's (model.allowed_kv_cache_dtypes, model.supports_dcp) when one
+    """KV dtypes and DCP sizes to show: the recipe's (model.kv_cache_dtypes, model.supports_dcp) when one
     is chosen, plus the deploy's own choice so it is always a row."""
     data = getattr(recipe, "data", recipe) or {}
     section = data.get("model") if isinstance(data.get("model"), dict) else {}
-    kv_dtypes = [str(k) for k in section.get("allowed_kv_cache_dtypes") or contextfit.DEFAULT_KV_DTYPES]
+    allowed = section.get("kv_cache_dtypes") or section.get("allowed_kv_cache_dtypes")  # the shipped recipes' key
+    kv_dtypes = [str(k) for k in allowed or contextfit.DEFAULT_KV_DTYPES]
     chosen = str(engine_args.get("kv-cache-dtype") or "auto")
     if chosen not in kv_dtypes:
         kv_dtypes.append(chosen)
