@@ -214,11 +214,18 @@ def start(args) -> int:
                                   "-n", "control@%h", "--loglevel", "INFO", "--concurrency", "2"], env)
         agent = children.start("nodeagent", [PYTHON, "manage.py", "nodeagent", "--name", node_name,
                                      "--model-store", env["MODEL_STORE"]], env)
+        # The node's gateway (issue 28): the one door callers use; engines listen on loopback behind it.
+        gateway_port = args.gateway_port
+        env["GATEWAY_PORT"] = str(gateway_port)  # the panel's pages say where the node's gateway is
+        children.start("gateway", [PYTHON, "manage.py", "gateway", "--node", node_name, "--host", args.host,
+                                   "--port", str(gateway_port)], env)
         wait_for_port(args.port, timeout=30)
         wait_for_node(node_name, agent.pid, env, children)  # the box comes after the agent's start-up lines, not among them
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
         print("\n" + "=" * 64)
         print(f"  vLLM panel is up: {url}")
+        print(f"  Gateway (call your deployments here, with a key from /account/): "
+              f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{gateway_port}/v1")
         if password:
             print(f"  First admin:  {username}  /  {password}   (shown once; change it on the account page, /account/)")
         else:
@@ -278,6 +285,8 @@ def main(argv=None) -> int:
     p_start.add_argument("--host", default=os.environ.get("PANEL_HOST", "127.0.0.1"))
     p_start.add_argument("--port", type=int, default=int(os.environ.get("PANEL_PORT", "8000")))
     p_start.add_argument("--node-name", default="")
+    p_start.add_argument("--gateway-port", type=int, default=int(os.environ.get("GATEWAY_PORT", "4000")),
+                         help="the node gateway's port (issue 28): callers' one door to the engines")
     sub.add_parser("test", help="run the test suite; every argument after `test` goes to pytest")
     args = parser.parse_args(argv)
     if shutil.which("nvidia-smi") is None:

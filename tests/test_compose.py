@@ -18,11 +18,11 @@ def _argv(service) -> list[str]:
 
 
 def test_compose_has_every_production_service():
-    assert {"postgres", "redis", "web", "worker", "nodeagent", "migrate"} <= set(SERVICES)
+    assert {"postgres", "redis", "web", "worker", "nodeagent", "gateway", "migrate"} <= set(SERVICES)
 
 
 def test_every_long_running_service_has_a_healthcheck():
-    for name in ("postgres", "redis", "web", "worker", "nodeagent"):
+    for name in ("postgres", "redis", "web", "worker", "nodeagent", "gateway"):
         assert SERVICES[name]["healthcheck"]["test"], name
 
 
@@ -74,7 +74,7 @@ def test_every_container_that_reads_the_stored_hf_token_shares_its_key():
     node agent (downloads) must open it with one key, kept on a volume rather than in each container."""
     key_file = SERVICES["web"]["environment"]["HF_TOKEN_KEY_FILE"]
     folder = key_file.rsplit("/", 1)[0]
-    for name in ("web", "worker", "nodeagent"):
+    for name in ("web", "worker", "nodeagent", "gateway"):  # the gateway unseals engine keys
         env = SERVICES[name]["environment"]
         assert env["HF_TOKEN_KEY_FILE"] == key_file, name
         assert f"panelkeys:{folder}" in SERVICES[name]["volumes"], name
@@ -86,6 +86,17 @@ def test_every_gpu_host_must_name_its_node_agent():
     for text in (" ".join(_argv(agent)), " ".join(agent["healthcheck"]["test"])):
         assert re.search(r"\$\{NODE_NAME:\?[^}]+\}", text), text
         assert "NODE_NAME:-" not in text
+
+
+def test_the_gateway_is_the_nodes_door_on_the_host_network_named_like_its_agent():
+    """Engines listen on the host's loopback (issue 28): the gateway must share the host's network, serve the
+    agent's node name, and listen on every interface (it is the one public door)."""
+    gateway, agent = SERVICES["gateway"], SERVICES["nodeagent"]
+    argv, agent_argv = _argv(gateway), _argv(agent)
+    assert gateway["network_mode"] == "host" and argv[:3] == ["python", "manage.py", "gateway"]
+    assert argv[argv.index("--node") + 1] == agent_argv[agent_argv.index("--name") + 1]
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert gateway["environment"]["DATABASE_URL"] == agent["environment"]["DATABASE_URL"]
 
 
 def test_grafana_needs_a_password_from_env_and_listens_on_localhost_by_default():

@@ -27,6 +27,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlpanel import tokens
+from deployments import enginekey
 from deployments.host import engine, firewall, ownership
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.node import ranks
@@ -114,16 +115,18 @@ def listening(*markers) -> list[tuple[str, int, str, int]]:
 def firewalled(stranger, api_port, *markers) -> list[tuple[str, int, str, int]]:
     """Issue 25: every socket the deployment's processes listen on beyond loopback (Ray's, torch's TCPStore on the
     master port, the DP RPC port, gloo's, ZeroMQ's) is in a group the host firewall guards, and a machine that is
-    not a node is refused on each; the engine's API port alone answers it. Those sockets are returned."""
+    not a node is refused on each; the engine's API server listens on loopback only (issue 28), so it is not
+    among them. Those sockets are returned."""
     ns, _, host_ip = stranger
     outside = [s for s in listening(*markers) if not ipaddress.ip_address(s[0]).is_loopback]
     assert outside, "nothing listens beyond loopback: nothing was tested"
+    assert api_port not in {p for _, p, _, _ in outside}, "the API server listens beyond loopback"
     assert [s for s in outside if not firewall.covered(s[3])] == [], "sockets outside the firewall's groups"
     for address in {a for a, _, _, _ in outside}:
         ports = sorted({p for a, p, _, _ in outside if a == address})
         target = host_ip if ipaddress.ip_address(address).is_unspecified else address
         answers = netns.connect(ns, target, ports)
-        assert answers == {p: "open" if p == api_port else "ConnectionRefusedError" for p in ports}, (address, answers)
+        assert answers == {p: "ConnectionRefusedError" for p in ports}, (address, answers)
     return outside
 
 
@@ -208,7 +211,8 @@ def test_tensor_parallel_over_two_nodes_downloads_answers_stops_and_fails_as_one
     ask = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content":
            "Name three rivers of Europe and say which one of them is the longest, please."}]}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(ask).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {enginekey.of(Deployment.objects.get(pk=d.pk))}"})
     with urllib.request.urlopen(request, timeout=120) as answer:
         reply = json.load(answer)
     assert reply["usage"]["completion_tokens"] > 0 and reply["choices"][0]["message"]["content"]
@@ -269,10 +273,12 @@ def negate_final_norm(model_folder):
         f.write(data)
 
 
-def _greedy(port: int, dp_rank: int) -> str:
-    """The tiny model's greedy answer, pinned by vLLM's header to one DP rank."""
-    answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
-                        headers={"X-data-parallel-rank": str(dp_rank)},
+def _greedy(d, dp_rank: int) -> str:
+    """The tiny model's greedy answer, pinned by vLLM's header to one DP rank (the engine's key: new at every
+    launch, so read from the row once it is ready)."""
+    answer = httpx.post(f"http://127.0.0.1:{d.port}/v1/chat/completions", timeout=120,
+                        headers={"X-data-parallel-rank": str(dp_rank),
+                                 "Authorization": f"Bearer {enginekey.of(Deployment.objects.get(pk=d.pk))}"},
                         json={"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [
                             {"role": "user", "content": "Which of the rivers of Europe is the longest one, please?"}]})
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0, answer.text
@@ -298,9 +304,9 @@ def test_a_data_parallel_deployment_over_two_nodes_answers_from_the_worker_nodes
     rank = _rank_running(d)
     # vLLM routes a request to the DP rank its header names. Rank 0 answers the same twice (greedy decoding is
     # repeatable here); rank 1 answers as only the worker's copy can: its replica, on the worker node, served it.
-    head_answer = _greedy(d.port, 0)
-    assert _greedy(d.port, 0) == head_answer
-    worker_answer = _greedy(d.port, 1)
+    head_answer = _greedy(d, 0)
+    assert _greedy(d, 0) == head_answer
+    worker_answer = _greedy(d, 1)
     assert worker_answer != head_answer, f"DP rank 1 answered {worker_answer!r}, as the head's replica does"
     head_argv, rank_argv = " ".join(_cmdline(d.pid)), " ".join(_cmdline(rank.pid))
     address = ranks.head_address(d)

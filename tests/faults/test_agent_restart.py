@@ -190,7 +190,8 @@ def panel(process_env, private_redis, spawn, unique, tmp_path):
     """`./panel start` (python -m controlpanel.launcher start) on this test's database and private Redis;
     yields a function that (re)starts it and returns its node; stopped with Ctrl-C's SIGINT at the end."""
     env = agent_env(process_env, tmp_path, REDIS_URL=private_redis.url, PANEL_ADMIN_PASSWORD="correct-horse-battery-9")
-    argv = [sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(free_port()), "--node-name", f"up-{unique}"]
+    argv = [sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(free_port()),
+            "--gateway-port", str(free_port()), "--node-name", f"up-{unique}"]
     running, agents = [], set()
 
     def start() -> Node:

@@ -51,7 +51,7 @@ class Panel:
         self.log = base / "panel.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(self.port),
-                                          "--node-name", NODE], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          "--gateway-port", str(free_port()), "--node-name", NODE], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=30)
 

@@ -29,9 +29,10 @@ def slow_hub(tmp_path):
 def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, slow_hub):
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "PANEL_ADMIN_PASSWORD", "SECRET_KEY")}
     env.update(PANEL_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1", NODE_NAME="launcher-node", HF_ENDPOINT=slow_hub)
-    port = free_port()
+    port, gateway_port = free_port(), free_port()
     log = open(tmp_path / "launcher.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(port),
+                             "--gateway-port", str(gateway_port)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         def banner():
@@ -43,6 +44,8 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "uvicorn" in names and "celery" in names and "nodeagent" in names
+        log.seek(0)
+        assert "manage.py gateway --node launcher-node" in names and f"http://127.0.0.1:{gateway_port}/v1" in log.read()
         # Secrets at rest and at start: nothing world-readable, no password or key on a command line.
         var = tmp_path / "var"
         assert (var / "secret_key").stat().st_mode & 0o777 == 0o600
@@ -60,6 +63,10 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
             assert home.url.path == "/" and "Fleet" in home.text
             nodes = wait_until(lambda: http.get("/api/nodes/").json()["results"], timeout=60, message="the local node")
             assert nodes[0]["name"] == "launcher-node" and nodes[0]["online"]
+            # The node's gateway answers, and refuses a call without a key (issue 28).
+            assert wait_until(lambda: httpx.get(f"http://127.0.0.1:{gateway_port}/healthz").status_code == 200,
+                              timeout=30, message="the gateway")
+            assert httpx.post(f"http://127.0.0.1:{gateway_port}/v1/chat/completions", json={}).status_code == 401
 
             # A download still running when Ctrl-C comes (the first hour's case): no traceback at the stop.
             def csrf(path):
