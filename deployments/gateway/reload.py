@@ -14,7 +14,7 @@ from deployments.models import Node
 log = logging.getLogger(__name__)
 
 STAMPS_S = 1.0
-RELOAD_S = 30.0
+RELOAD_S = 60.0
 REDIS_TIMEOUT_S = 1.0
 
 
@@ -23,6 +23,7 @@ class Watcher:
         self.gateway, self.poll_s = gateway, poll_s
         self.version = None
         self.stamps = None
+        self.revoked_at = None  # the newest revoked_at seen
         self.loaded_at = 0.0
         self.stamped_at = 0.0
         self.port_reported = False
@@ -43,6 +44,7 @@ class Watcher:
         snapshot = await self.gateway.db(config.load, self.gateway.node)
         self.gateway.install(snapshot)
         self.stamps, self.loaded_at = stamps, time.monotonic()
+        self.revoked_at = stamps[0][2]
         if not self.port_reported and self.gateway.port:
             self.port_reported = await self.gateway.db(report_port, self.gateway.node, self.gateway.port)
 
@@ -63,6 +65,8 @@ class Watcher:
             stale = await self.gateway.db(_stamps) != self.stamps
         if not stale:
             return False
+        digests, self.revoked_at = await self.gateway.db(config.revoked_since, self.revoked_at)
+        self.gateway.revoke(digests)  # at once: the whole reload below takes longer with many keys
         await self.reload()
         if version is not None:
             self.version = version

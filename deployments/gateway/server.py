@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 from aiohttp import web
 
-from deployments.gateway import config, keyset, media, stream, usage
+from deployments.gateway import config, keyset, media, upstream, usage
 from deployments.gateway.keyset import Refused
 from deployments.gateway.limits import Admission, KeyLimits, retry_after_header
 from deployments.gateway.reload import Watcher
@@ -65,7 +65,8 @@ class Gateway:
         self.db_pool = ThreadPoolExecutor(1, thread_name_prefix="gateway-db")
         self.changed = asyncio.Event()
         self.watcher = Watcher(self, poll_s)
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # answers read whole, engine metrics
+        self.pool = upstream.Pool()  # streams
         self.port = None
 
     async def db(self, fn, *args):
@@ -77,6 +78,14 @@ class Gateway:
         self.down.clear()
         changed, self.changed = self.changed, asyncio.Event()
         changed.set()
+
+    def revoke(self, digests) -> None:
+        """Refuse these keys from now on, without waiting for the next snapshot."""
+        keys = self.snapshot.keys
+        for key_digest in digests:
+            key = keys.get(key_digest)
+            if key is not None:
+                keys[key_digest] = key._replace(revoked=True)
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
@@ -93,6 +102,7 @@ class Gateway:
         await self.flush()
         if self.session is not None:
             await self.session.close()
+        self.pool.close()
         self.db_pool.shutdown(wait=True)
 
     async def _flush_loop(self) -> None:
@@ -149,10 +159,10 @@ class Gateway:
         headers = {"Authorization": f"Bearer {target.bearer}"} if target.bearer else {}
         try:
             async with self.session.get(f"{target.url}/metrics", headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=10)) as upstream:
-                body = await upstream.read()
-                return web.Response(body=body, status=upstream.status,
-                                    headers={"Content-Type": upstream.headers.get("Content-Type", "text/plain")})
+                                        timeout=aiohttp.ClientTimeout(total=10)) as reply:
+                body = await reply.read()
+                return web.Response(body=body, status=reply.status,
+                                    headers={"Content-Type": reply.headers.get("Content-Type", "text/plain")})
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return error(Refused(502, "engine_unreachable", f"{target.name}'s engine did not answer: {exc}",
                                  kind="api_error"))
@@ -269,35 +279,76 @@ class Gateway:
         if not target.local:
             headers[PIN] = str(target.id)
         data = raw if out is body else json.dumps(out).encode()
+        if streaming:
+            return await self._stream(request, target, headers, data, strip)
         try:
-            upstream = await self.session.post(target.url + request.path, data=data, headers=headers)
+            reply = await self.session.post(target.url + request.path, data=data, headers=headers)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
             raise EngineDown(str(exc)) from exc
-        async with upstream:
-            kind = upstream.headers.get("Content-Type", "application/json")
-            if not streaming or upstream.status != 200 or not kind.startswith("text/event-stream"):
-                try:
-                    answer = await upstream.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    raise Refused(502, "engine_error", f"{target.name}'s engine broke off its answer: {exc}",
-                                  kind="api_error") from exc
-                tokens = None
-                if upstream.status == 200:
-                    try:
-                        tokens = usage.tokens_of(json.loads(answer).get("usage"))
-                    except (ValueError, AttributeError):
-                        pass
-                return web.Response(body=answer, status=upstream.status, headers={"Content-Type": kind}), tokens, \
-                    upstream.status >= 400
-            response = web.StreamResponse(headers={"Content-Type": kind, "Cache-Control": "no-cache"})
-            await response.prepare(request)
+        async with reply:
+            kind = reply.headers.get("Content-Type", "application/json")
             try:
-                tokens = await stream.relay(upstream.content.iter_any(), response.write, strip)
-                await response.write_eof()
-            except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.info("A stream from %s ended early: %s", target.name, exc)
-                return response, None, True
-            return response, tokens, False
+                answer = await reply.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise Refused(502, "engine_error", f"{target.name}'s engine broke off its answer: {exc}",
+                              kind="api_error") from exc
+            return _answer(answer, reply.status, kind)
+
+    async def _stream(self, request, target: config.Target, headers: dict, data: bytes, strip: bool):
+        """A streamed answer through upstream.py's direct relay (the caller's socket written from the engine's)."""
+        host, port = target.address
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            try:
+                conn, reused = await self.pool.connect(host, port)
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise EngineDown(str(exc)) from exc
+            sink = upstream.Sink(loop, strip, framed=request.version >= aiohttp.HttpVersion11)
+            conn.send(upstream.request_bytes(host, port, request.path, headers, data), sink)
+            try:
+                status, head = await sink.head
+                break
+            except upstream.Broken as exc:
+                if not reused:  # a kept connection the engine had closed: once more on a new one
+                    raise EngineDown(str(exc)) from exc
+            except asyncio.CancelledError:
+                sink.finish(upstream.Broken("the caller went away"))
+                raise
+        kind = head.get("content-type", "application/json")
+        if status != 200 or not kind.startswith("text/event-stream"):
+            broken = await sink.done
+            if broken is not None:
+                raise Refused(502, "engine_error", f"{target.name}'s engine broke off its answer: {broken}",
+                              kind="api_error")
+            return _answer(b"".join(sink.held), status, kind)
+        response = web.StreamResponse(headers={"Content-Type": kind, "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sink.attach(request.transport)
+        try:
+            broken = await sink.done
+        except asyncio.CancelledError:  # the caller went away: so does the engine's request
+            sink.finish(upstream.Broken("the caller went away"))
+            raise
+        rest = sink.rest()
+        transport = request.transport
+        if broken is not None or transport is None or transport.is_closing():
+            log.info("A stream from %s ended early: %s", target.name, broken or "the caller went away")
+            return response, None, True
+        if rest:
+            await response.write(rest)
+        await response.write_eof()
+        return response, sink.relay.tokens, False
+
+
+def _answer(answer: bytes, status: int, kind: str):
+    """(response, tokens, failed) for an answer read whole."""
+    tokens = None
+    if status == 200:
+        try:
+            tokens = usage.tokens_of(json.loads(answer).get("usage"))
+        except (ValueError, AttributeError):
+            pass
+    return web.Response(body=answer, status=status, headers={"Content-Type": kind}), tokens, status >= 400
 
 
 async def _body(request) -> tuple[dict, bytes]:

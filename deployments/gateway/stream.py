@@ -1,4 +1,4 @@
-"""Passing an engine's server-sent events through to the caller as they come, reading usage on the way.
+"""What of an engine's server-sent events goes to the caller, as they come, and the usage read on the way.
 
 Why not parse every event: at 256 streams of one token per event that is ~25,000 JSON documents a second on
 the gateway's one core. The gateway asks the engine for `stream_options.include_usage` (vLLM then sends one
@@ -43,26 +43,29 @@ def _data(event: bytes):
         return None
 
 
-async def relay(chunks, write, strip: bool) -> Tokens | None:
-    """Forward every piece `chunks` yields (an async iterator of bytes) through `write`; the last usage seen."""
-    tokens, carry = None, b""
-    async for piece in chunks:
-        if carry:
-            piece, carry = carry + piece, b""
+class Relay:
+    """The bytes to forward for each piece an engine's stream is read in, and the last usage seen."""
+
+    __slots__ = ("strip", "carry", "tokens")
+
+    def __init__(self, strip: bool):
+        self.strip, self.carry, self.tokens = strip, b"", None
+
+    def feed(self, piece: bytes) -> bytes:
+        if self.carry:
+            piece, self.carry = self.carry + piece, b""
         if not piece.endswith(END):  # the piece ends inside an event: keep its start for the next piece
             end = piece.rfind(END)
-            piece, carry = (piece[:end + 2], piece[end + 2:]) if end >= 0 else (b"", piece)
-            if len(carry) > MAX_CARRY:
-                piece, carry = piece + carry, b""
-            if not piece:
-                continue
+            piece, self.carry = (piece[:end + 2], piece[end + 2:]) if end >= 0 else (b"", piece)
+            if len(self.carry) > MAX_CARRY:
+                piece, self.carry = piece + self.carry, b""
         if USAGE in piece:
-            piece, found = scan(piece, strip)
+            piece, found = scan(piece, self.strip)
             if found is not None:
-                tokens = found
-            if not piece:
-                continue
-        await write(piece)
-    if carry:
-        await write(carry)
-    return tokens
+                self.tokens = found
+        return piece
+
+    def close(self) -> bytes:
+        """What is left at the end of the stream (an unterminated last event, forwarded as it is)."""
+        rest, self.carry = self.carry, b""
+        return rest

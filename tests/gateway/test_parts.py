@@ -94,17 +94,12 @@ DONE = b"data: [DONE]\n\n"
 
 
 def relay(pieces, strip):
-    out = []
-
-    async def write(data):
-        out.append(data)
-
-    async def chunks():
-        for piece in pieces:
-            yield piece
-
-    tokens = asyncio.run(stream.relay(chunks(), write, strip))
-    return b"".join(out), out, tokens
+    """What the caller gets for `pieces` read from the engine: (all bytes, each write, the usage seen)."""
+    forward = stream.Relay(strip)
+    writes = [w for w in (forward.feed(p) for p in pieces) if w]
+    rest = forward.close()
+    writes += [rest] if rest else []
+    return b"".join(writes), writes, forward.tokens
 
 
 @pytest.mark.parametrize("cut", [1, 7, 40, 120, len(TOKEN_EVENT) + 5])
