@@ -3,7 +3,7 @@ items 3-4), as inclusion tags: each computes what it shows from the page's own c
 they are."""
 from django import template
 
-from deployments import deploydefaults, forms
+from deployments import deploydefaults, engineoptions, forms
 from deployments.services import contextfit, doctor
 
 register = template.Library()
@@ -36,5 +36,9 @@ def deploy_context_fit(context):
     fit = contextfit.deploy_context(model, node, data["engine_args"], data["env_vars"],
                                     gpu_indices=data["gpu_indices"] or None, recipe=recipe)
     warnings = doctor.layout_warnings(node, data["engine_args"], data["env_vars"])
+    try:
+        multi = contextfit.layout_of(data["engine_args"]).gpus > 1  # NCCL presets matter between GPUs only
+    except (ValueError, engineoptions.OptionError):
+        multi = False
     return {"context_fit": fit, "host_warnings": warnings, "node": node,
-            "presets": (node.host_checks or {}).get("nccl_presets") or []}
+            "presets": ((node.host_checks or {}).get("nccl_presets") or []) if multi else []}

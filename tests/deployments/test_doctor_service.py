@@ -96,3 +96,4 @@ def test_the_deploy_warning_names_the_failing_check_for_the_forms_layout(tmp_pat
     form = forms.DeployForm(node=node, initial={"tp": 2, "gpus": ["0", "1"], "port": 8000, "served_model_name": "m"})
     shown = hostchecks.deploy_context_fit({"model": model, "node": node, "form": form})
     assert shown["host_warnings"] and "P2P" in shown["host_warnings"][0]
+    assert [p["name"] for p in shown["presets"]] == ["PCIe, high concurrency"]  # P2P off: the P2P-free one only
