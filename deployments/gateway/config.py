@@ -152,7 +152,8 @@ def _load_keys() -> dict:
 def revoked_since(stamp) -> tuple[list[str], object]:
     """Digests of the keys revoked after `stamp` (a revoked_at) and the newest revoked_at: the quick path that
     refuses a revoked key at once, before the whole reload (which takes a while with 10,000 keys)."""
-    rows = list(CallerKey.objects.filter(revoked_at__gt=stamp).values_list("digest", "revoked_at")) if stamp else []
+    revoked = CallerKey.objects.filter(revoked_at__gt=stamp) if stamp else CallerKey.objects.exclude(revoked_at=None)
+    rows = list(revoked.values_list("digest", "revoked_at"))
     newest = max((r[1] for r in rows), default=stamp)
     return [r[0] for r in rows], newest
 

@@ -250,3 +250,20 @@ def test_a_revoked_key_is_refused_after_the_next_poll(node, sched):
         while post(gw, key, CHAT).status_code == 200:
             assert time.monotonic() - started < 1.5
             time.sleep(0.02)
+
+
+def test_a_deployment_on_another_node_is_reached_through_that_nodes_gateway(node, sched):
+    other = Node.objects.create(name="gw-other", address="127.0.0.1")
+    d = make_deployment(other, sched.port, aliases=["far"])
+    key = make_key()
+    with GatewayThread(other.name, ready_wait_s=1.0) as there, GatewayThread(node.name, ready_wait_s=1.0) as here:
+        here.reload()  # after the other gateway wrote its port into its node's row
+        reply = post(here, key, {**CHAT, "model": "far", "stream": True})
+        assert reply.status_code == 200 and not any(c.get("usage") for c in events(reply.text))
+        assert post(here, key, {**CHAT, "model": "far"}).status_code == 200
+        assert there.gateway.port != here.gateway.port
+    # Counted once, by the gateway the caller called, under the caller's key and the remote deployment.
+    key_id = CallerKey.objects.get(prefix=key[:12]).pk
+    assert usage_totals(key_id=key_id)["requests"] == 2
+    assert usage_totals(deployment=d)["requests"] == 2
+    assert not Usage.objects.filter(key__internal=True).exists()
