@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlpanel import clikeys, clistatus, clitune
+from controlpanel import clirecipes, clikeys, clistatus, clitune
 from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
                                   UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
                                   _number, say, with_common)
@@ -144,13 +144,14 @@ def cmd_deploy(panel, args):
             return _indices(args.gpus, "--gpus")
         return [g["index"] for g in (info or panel.get(f"nodes/{name}/"))["gpus"]][:per_node]
 
-    gpus = gpus_on(head, node)
+    # With a recipe and no GPUs named, the server takes the recipe's (its TP size may be pinned below the count).
+    gpus = [] if args.recipe and not args.gpus and placement[head] is None else gpus_on(head, node)
     workers = [{"node": name, "gpus": gpus_on(name)} for name in others]
     body = {"model": model_id, "node": head, "gpus": gpus, "workers": workers, "port": args.port, "engine_args": engine_args,
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
             "stop_foreign": args.stop_foreign, "override_fit": args.override_fit,
-            "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []]}
+            "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []], **clirecipes.deploy_body(args)}
     body.update(aliases=args.alias or [], max_in_flight=args.max_in_flight, queue_bound=args.queue_bound,
                 media_domains=args.media_domain or [])  # the gateway's route (deployments/gateway/keys.py checks)
     if others and args.master_port:
@@ -357,6 +358,7 @@ def parser() -> argparse.ArgumentParser:
                    "(default 256); then 429")
     s.add_argument("--media-domain", action="append", metavar="DOMAIN", help="a domain multimodal URLs may come "
                    "from, repeatable (default: data: URLs only)")
+    clirecipes.deploy_arguments(s)
     s.add_argument("--wait", action="store_true", help="wait until ready (exit 1 if it fails)")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_deploy)
@@ -403,6 +405,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--csv", action="store_true")
         s.set_defaults(fn=fn)
     clitune.add(sub, common)
+    clirecipes.add(sub, common)
     clikeys.add(sub, common)
     return p
 

@@ -18,21 +18,59 @@ def preset_key(node, key: str = "auto") -> str:
     return engineargs.node_preset(node.gpus.exists()) if key == "auto" else key
 
 
-def form_defaults(node, key: str = "auto") -> tuple[dict, dict]:
+# Engine flags the deploy form has a field of its own for (the rest go to its extra flags).
+FIELDS = {"tensor-parallel-size": "tp", "pipeline-parallel-size": "pp", "data-parallel-size": "dp",
+          "enable-expert-parallel": "expert_parallel", "max-model-len": "max_model_len",
+          "gpu-memory-utilization": "gpu_memory_utilization", "max-num-seqs": "max_num_seqs",
+          "kv-cache-dtype": "kv_cache_dtype", "attention-backend": "attention_backend",
+          "reasoning-parser": "reasoning_parser", "tool-call-parser": "tool_call_parser",
+          "trust-remote-code": "trust_remote_code", "served-model-name": "served_model_name"}
+
+
+def flags_initial(flags: dict, env: dict) -> dict:
+    """The deploy form's initial values for these flags and environment (a recipe's): each flag in its own
+    field where that field can hold the value, the others as extra flags."""
+    from django import forms
+
+    from deployments.forms import DeployForm
+
+    initial, extra = {}, {}
+    for name, value in flags.items():
+        field = DeployForm.base_fields.get(FIELDS.get(name, ""))
+        if isinstance(field, forms.ChoiceField):
+            fits = str(value) in {str(k) for k, _ in field.choices}
+        else:
+            fits = field is not None and (value is True or not isinstance(field, forms.BooleanField))
+        if fits:
+            initial[FIELDS[name]] = value
+        elif name != "enable-auto-tool-choice" or not flags.get("tool-call-parser"):  # the parser's field sets it
+            extra[name] = value
+    initial["extra_flags"] = " ".join(engineargs.argv_words(extra))
+    initial["env"] = "\n".join(f"{k}={v}" for k, v in env.items())
+    return initial
+
+
+def form_defaults(node, key: str = "auto", initial: dict | None = None) -> tuple[dict, dict]:
     """The engine flags and environment the deploy form sends for `node` when nothing is changed on it
-    (its preset and its fields' own defaults, e.g. --gpu-memory-utilization 0.9): the form submitted
-    with its initial values. A preset the node's engine refuses falls back to the preset alone."""
+    (its preset, or the `initial` values a recipe filled in, and its fields' own defaults, e.g.
+    --gpu-memory-utilization 0.9): the form submitted with its initial values. A preset the node's engine
+    refuses falls back to the preset alone; a recipe it refuses is refused, naming the field."""
+    from controlpanel.errors import ServiceError
     from deployments.forms import DeployForm
 
     key = preset_key(node, key)
-    unbound = DeployForm(node=node, initial=preset_initial(key))
+    unbound = DeployForm(node=node, initial=preset_initial(key) if initial is None else initial)
     data = submitted(unbound, keep=())
-    tp = int(data.get("tp") or 1)
-    data["gpus"] = [str(g.index) for g in node.gpus.all()][:tp]
+    needed = int(data.get("tp") or 1) * int(data.get("pp") or 1) * int(data.get("dp") or 1)
+    data["gpus"] = [str(g.index) for g in node.gpus.all()][:needed]
     data["port"] = 1024  # any valid port: the caller's or a free one is used, never this
     form = DeployForm(data=data, node=node)
     if form.is_valid():
         return form.cleaned_data["engine_args"], form.cleaned_data["env_vars"]
+    if initial is not None:
+        field, errors = next(iter(form.errors.items()))
+        raise ServiceError(f"The recipe does not fit the deploy form on {node}: {field}: {' '.join(errors)}",
+                           field="recipe")
     return engineargs.with_preset(key, {}, {})
 
 
@@ -48,11 +86,12 @@ def submitted(unbound, keep=("gpus", "port")) -> dict:
     return data
 
 
-def with_defaults(node, model, engine_args: dict, env: dict, key: str = "") -> tuple[dict, dict]:
+def with_defaults(node, model, engine_args: dict, env: dict, key: str = "", base: tuple | None = None) -> tuple[dict, dict]:
     """The caller's flags and environment over the form's defaults (`key`: a preset, "auto", or "" for
-    none), with --served-model-name the repo id unless the caller named it."""
+    none; `base`: a recipe's form defaults, used instead of a preset), with --served-model-name the repo id
+    unless the caller named it."""
     if key:
-        flags, variables = form_defaults(node, key)
+        flags, variables = base or form_defaults(node, key)
         engine_args, env = {**flags, **engine_args}, {**variables, **env}
     knows = not node.engine_flags or "--served-model-name" in node.engine_flags  # every vLLM does; a stand-in may not
     if knows and not str(engine_args.get("served-model-name") or "").strip():

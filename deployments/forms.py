@@ -105,6 +105,11 @@ class DeployForm(forms.Form):
                                        help_text="No fixed load timeout: a load fails only when neither log nor GPU memory moved this long.")
     override_fit = forms.BooleanField(required=False, label="Deploy anyway, against the fit check (admins)",
                                       help_text="Recorded on the deployment's timeline.")
+    override_compat = forms.BooleanField(required=False, label="Deploy anyway, against the compatibility check (admins)",
+                                         help_text="Recorded on the deployment's timeline.")
+    # The recipe that filled the form ("id:variant:strategy", deployments/services/recipes.py), for the gate and
+    # the timeline; the flags above are what is deployed.
+    recipe = forms.CharField(required=False, max_length=300, widget=forms.HiddenInput)
 
     # Fields that mean nothing on a node without GPUs, and those of a deploy over several nodes: sent as
     # they are (their defaults), not shown where they cannot apply (issue 27: ~24 fields on a CPU node).

@@ -89,6 +89,7 @@ OPERATOR_ANSWERS = {
     ("POST", "/api/keys/"): (400, "invalid"),  # a name is required
     ("PATCH", "/api/keys/{id}/"): (200, None),  # nothing given: nothing changed
     ("POST", "/api/keys/{id}/revoke/"): (200, None),
+    ("POST", "/api/recipes/import/"): (400, "invalid"),  # source and files required (then: the admin role's)
 }
 
 

@@ -199,6 +199,18 @@ class DeployRequestSerializer(serializers.Serializer):
     override_fit = serializers.BooleanField(default=False, help_text="Deploy although the fit check says the model does "
                                             "not fit (admins only; recorded on the timeline); without it such a deploy "
                                             "answers 409 does_not_fit.")
+    recipe = serializers.CharField(required=False, default="", allow_blank=True, max_length=300,
+                                   help_text="Start from this recipe (its id or model id, see /api/recipes/): its flags "
+                                             "and environment for the node go under engine_args/env (yours win), "
+                                             "its GPUs by default; the timeline says what you changed.")
+    variant = serializers.CharField(required=False, default="", allow_blank=True, max_length=80,
+                                    help_text="The recipe's variant (default: default).")
+    strategy = serializers.CharField(required=False, default="", allow_blank=True, max_length=80,
+                                     help_text="The recipe's strategy, e.g. single_node_tp (default: its first that "
+                                               "applies to the node).")
+    override_compat = serializers.BooleanField(default=False, help_text="Deploy although the compatibility check says "
+                                               "it would fail (admins only; recorded on the timeline); without it "
+                                               "such a deploy answers 409 incompatible.")
     workers = WorkerSerializer(many=True, required=False, default=list, max_length=63,
                                help_text="Multi-node: more nodes, each with its GPUs. With data-parallel-size 1, TP × PP is "
                                          "split evenly over all; above 1, each node runs its GPUs / (TP × PP) replicas "
@@ -264,6 +276,7 @@ class RedeploySerializer(serializers.Serializer):
     stop_foreign = serializers.BooleanField(required=False)
     prewarm = serializers.BooleanField(required=False)
     override_fit = serializers.BooleanField(required=False, help_text="As for a deploy: admins only.")
+    override_compat = serializers.BooleanField(required=False, help_text="As for a deploy: admins only.")
     workers = WorkerSerializer(many=True, required=False, max_length=63,
                                help_text="Multi-node: the worker nodes and their GPUs from now on (default: as placed).")
 

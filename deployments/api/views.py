@@ -21,7 +21,7 @@ from deployments import modelfit, secrets, selectors
 from deployments.api import serializers
 from deployments.gateway import keys
 from deployments.models import ModelCopy
-from deployments.services import deploys, fitgate, loadtime, multinode, repos
+from deployments.services import deploys, fitgate, loadtime, multinode, recipes, repos
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
@@ -184,7 +184,9 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
                                        stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
                                        preset="" if v["preset"] == "none" else v["preset"],
                                        replace_existing=v["replace_existing"], master_port=v["master_port"],
-                                       override_fit=v["override_fit"],
+                                       override_fit=v["override_fit"], override_compat=v["override_compat"],
+                                       recipe=recipes.recipe_choice(v["recipe"], v["variant"], v["strategy"])
+                                       if v["recipe"] else None,
                                        workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
         keys.route_set(d, **route)
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)

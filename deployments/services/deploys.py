@@ -11,9 +11,9 @@ from django.utils.text import slugify
 
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_admin
-from deployments import deploydefaults, engineoptions, flagvalues, live, privileged, secrets
+from deployments import callit, deploydefaults, engineoptions, flagvalues, live, privileged, secrets
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
-from deployments.services import fitgate, multinode, repos
+from deployments.services import compatgate, fitgate, multinode, recipes, repos
 from deployments.claims import deployment_holders, lock_node
 from deployments.dispatch import node_enqueue, send_plan
 from deployments.dispatch import ranks_stop as deployment_ranks_stop
@@ -26,14 +26,17 @@ __all__ = ["deployment_ranks_stop", "deployment_create", "deployment_free_port",
 
 def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
            replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False, nnodes: int = 1,
-           env: dict | None = None, override_fit: bool = False, admin: bool = False) -> fitgate.FitOverride | None:
+           env: dict | None = None, override_fit: bool = False, admin: bool = False, resolved=None,
+           override_compat: bool = False) -> list[tuple[str, object]]:
     """Refuse what cannot work before anything is stopped or started. Callers hold the node's
     row lock, so two claims on one node's GPUs are decided one after the other.
 
     Each check says its own reason, in the order a user can act on (issue 27): what was typed (flag
     values, GPUs, the model), then the port, then what holds the node (the panel's own deployments
     loading, then processes the panel did not start) — a bad value is never reported as a busy host.
-    A fit verdict (issue 27 item 2) belongs after the port and before the holders."""
+    A fit verdict (issue 27 item 2) and the compatibility gate (a recipe's minimum vLLM and GPU memory,
+    combinations known to fail) belong after the port and before the holders. Returns the admin overrides
+    to record on the timeline, as (step, override)."""
     if problems := flagvalues.problems(engine_args):
         raise ServiceError("; ".join(problems) + ".", field="engine_args")
     gpus = {g.index for g in node.gpus.all()}
@@ -68,6 +71,9 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
                            f"{listener['command'][:60]}): choose another port, or stop it.", field="port", code="port_in_use")
     fit = fitgate.model_fit_gate(model, node, gpu_indices, engine_args, env or {}, nnodes=nnodes,
                                  override=override_fit, admin=admin, deployment=deployment)
+    compat = compatgate.compat_gate(model, node, gpu_indices, engine_args, env or {}, resolved=resolved, nnodes=nnodes,
+                                    gpu_bytes=sum(g.memory_total for g in node.gpus.all() if g.index in gpu_indices) * nnodes,
+                                    override=override_compat, admin=admin, deployment=deployment)
     busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in Deployment.IN_FLIGHT]
     if busy:
         raise ServiceError(f"GPUs {', '.join(map(str, gpu_indices))} are busy: {busy[0].name} is "
@@ -75,7 +81,7 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     foreign = [p for p in strangers if not gpu_indices or set(p.get("gpus") or []) & set(gpu_indices)]
     if foreign and not stop_foreign:
         raise ForeignProcesses(processes=foreign, on_gpus=bool(gpus))
-    return fit
+    return [(step, o) for step, o in (("fit_override", fit), ("compat_override", compat)) if o]
 
 
 @dataclass
@@ -120,19 +126,25 @@ def _unique_name(base: str) -> str:
 def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int | None, engine_args: dict,
                       env: dict, name: str = "", replace_ids=(), secret_env=(), auto_restart: bool = False, stall_seconds: int = 600,
                       stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False,
-                      workers=(), master_port: int | None = None, override_fit: bool = False) -> Deployment:
+                      workers=(), master_port: int | None = None, override_fit: bool = False,
+                      recipe: recipes.Choice | None = None, override_compat: bool = False) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
 
     `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
     A stopped or failed deployment of this model on this node under the default name is deployed again
     rather than a new `-2` row made per try; an existing name is redeployed only with `replace_existing`.
-    `workers` (multinode.Worker: node and GPUs) spread it over more nodes, `node` being the head (issue 17)."""
+    `workers` (multinode.Worker: node and GPUs) spread it over more nodes, `node` being the head (issue 17).
+    `recipe`: the deploy starts from that recipe, variant and strategy on this node — with a preset
+    key its form values go under the given flags (the API and panelctl), without one the flags are complete
+    (the form, filled from it) — its GPUs by default, and the queued step says which recipe and what changed."""
     workers = multinode.lock_nodes(node, list(workers)) if workers else []  # every node's lock, in id order
     node = lock_node(node.pk)  # one deploy decision per node at a time
     engine_args, env = privileged.canonical(engine_args, env)  # one spelling for every check below and the argv
     # The form's defaults for the node under the caller's own (issue 27: the CLI is the form), and the
     # repo id as the served name unless one is given, so the stored flags and the plan show what to call.
-    engine_args, env = deploydefaults.with_defaults(node, model, engine_args, env, preset)
+    use = recipes.recipe_use(recipe, node, gpu_indices, 1 + len(workers), callit.served_name(model)) if recipe else None
+    gpu_indices = gpu_indices or (use.gpu_indices if use else [])
+    engine_args, env = deploydefaults.with_defaults(node, model, engine_args, env, preset, base=use and use.defaults)
     if problem := secrets.check_marked(secret_env, env):
         raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
@@ -143,15 +155,16 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
                                    env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
                                    stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user,
-                                   override_fit=override_fit,
+                                   override_fit=override_fit, override_compat=override_compat,
                                    **({"workers": workers} if workers else {}))
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
                            "Restart on its page) or choose another name.", field="name", code="exists")
     port = port or deployment_free_port(node)
-    fit = _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
-                 replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers), env=env,
-                 override_fit=override_fit, admin=is_admin(user))
+    overrides = _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
+                       replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers), env=env,
+                       override_fit=override_fit, admin=is_admin(user), resolved=use and use.resolved,
+                       override_compat=override_compat)
     multinode.check_executor(engine_args, 1 + len(workers))
     if workers:
         multinode.check(model=model, head=node, head_gpus=gpu_indices, workers=workers, engine_args=engine_args,
@@ -164,15 +177,21 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     if workers or ray:  # Ray on one node too: the panel starts (and stops) its one-node cluster
         multinode.place(d, workers, master_port)
+    changed = recipes.recipe_changes(use, engine_args, env, model.repo_id, secret_env) if use else {}
+    said = (" " + recipes.recipe_summary(use, changed)) if use else ""
+    said_data = {"recipe": {"id": use.row.pk, "name": use.row.name, "source": use.row.source, "version": use.row.version,
+                            "variant": use.resolved.variant, "strategy": use.resolved.strategy,
+                            "hardware": use.resolved.hardware}, "changed": changed} if use else {}
     if workers:
         deployment_event(d, "queued", f"Queued over {1 + len(workers)} nodes: head {node} (GPUs {gpu_indices or 'none, CPU'}, "
                          f"port {port}, {multinode.port_name(engine_args)} {d.master_port}); " + "; ".join(
-                             f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})" for i, w in enumerate(workers, 1)) + ".")
+                             f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})" for i, w in enumerate(workers, 1))
+                         + "." + said, **said_data)
     else:
         deployment_event(d, "queued", f"Queued on {node}: GPUs {gpu_indices or 'none (CPU)'}, port {port}"
-                         + (f", Ray head on port {d.master_port}." if ray else "."))
-    if fit:
-        deployment_event(d, "fit_override", fit.message, level="warning", **fit.data)
+                         + (f", Ray head on port {d.master_port}." if ray else ".") + said, **said_data)
+    for step, override in overrides:
+        deployment_event(d, step, override.message, level="warning", **override.data)
     send_plan(d)
     return d
 
@@ -189,6 +208,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     gpu_indices = changes.pop("gpu_indices", d.gpu_indices)
     user = changes.pop("user", None)
     override_fit = changes.pop("override_fit", False)
+    override_compat = changes.pop("override_compat", False)
     old_args, old_env = d.engine_args, d.env
     if "engine_args" in changes:  # one spelling for every check below and the argv
         changes["engine_args"] = deploydefaults.keep_served_name(privileged.canonical(changes["engine_args"], {})[0],
@@ -209,9 +229,9 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
             changed |= value != getattr(d, field)
             setattr(d, field, value)
     d.engine_args, d.env = privileged.canonical(d.engine_args, d.env)  # a row stored before canonical names too
-    fit = _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
-                 replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers), env=d.env,
-                 override_fit=override_fit, admin=is_admin(user))
+    overrides = _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
+                       replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers), env=d.env,
+                       override_fit=override_fit, admin=is_admin(user), override_compat=override_compat)
     multinode.check_executor(d.engine_args, 1 + len(workers))
     if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
         ray = multinode.executor(d.engine_args) == "ray"
@@ -230,8 +250,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         placed = " on new worker nodes: " + "; ".join(f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})"
                                                       for i, w in enumerate(workers, 1))
     deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changed else "")) + ".")
-    if fit:
-        deployment_event(d, "fit_override", fit.message, level="warning", **fit.data)
+    for step, override in overrides:
+        deployment_event(d, step, override.message, level="warning", **override.data)
     send_plan(d)
     live.send_deployment_status(d)
     return d

@@ -12,6 +12,7 @@ from deployments import callit, deploydefaults, engineargs, engineoptions, forms
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import deploys, fitgate, multinode
+from deployments.views import recipes as recipe_pages
 
 
 def deployment_list(request):
@@ -57,7 +58,7 @@ def _fit(model, node, form, deployment=None):
     return fit, not earlier
 
 
-def _deploy_page(request, model, node, form, status=200, preset="", deployment=None, route_form=None):
+def _deploy_page(request, model, node, form, status=200, preset="", deployment=None, use=None, route_form=None):
     route_form = route_form or gateway_forms.RouteForm(prefix="route", initial=gateway_forms.route_initial(deployment))
     copies = {c.node_id: c for c in ModelCopy.objects.filter(model=model)}
     holders = list(node.deployments.filter(status__in=Deployment.ACTIVE)) if node else []
@@ -68,13 +69,15 @@ def _deploy_page(request, model, node, form, status=200, preset="", deployment=N
         "privileged": privileged.FLAGS, "privileged_env": privileged.ENV,
         "operator_flags": engineoptions.OPERATOR_FLAGS, "operator_env": engineoptions.OPERATOR_ENV,
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit, "fit_blocks": blocked,
-        "fit_hint": fitgate.OVERRIDE_HINT, "override": form["override_fit"], "route_form": route_form}, status=status)
+        "fit_hint": fitgate.OVERRIDE_HINT, "override": form["override_fit"],
+        **recipe_pages.deploy_context(model, node, form, use), "route_form": route_form}, status=status)
 
 
 def _refused(form, exc: ServiceError) -> None:
     """A service's refusal on the field it names, else above the form (the override's own box is shown
     to admins only, so its refusal goes above the form too)."""
-    form.add_error(exc.field if exc.field in form.fields and exc.field != "override_fit" else None, exc.message)
+    shown = exc.field in form.fields and exc.field not in ("override_fit", "override_compat") and not form[exc.field].is_hidden
+    form.add_error(exc.field if shown else None, exc.message)
 
 
 def _workers(data) -> list[multinode.Worker]:
@@ -93,9 +96,11 @@ def deploy(request, pk):
         key = request.GET.get("preset", "")
         key = key if key in engineargs.PRESETS else engineargs.node_preset(node.gpus.exists())
         initial = {**_initial(key, None), "served_model_name": callit.served_name(model)}
+        filled, use = recipe_pages.deploy_initial(request, model, node)  # ?recipe=&variant=&strategy=
+        initial = filled or initial
         initial.setdefault("gpus", [str(g.index) for g in node.gpus.all()][: int(initial.get("tp") or 1)])
         initial["port"] = deploys.deployment_free_port(node)
-        return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key)
+        return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key, use=use)
     form = forms.DeployForm(request.POST, node=node)
     route_form = gateway_forms.RouteForm(request.POST, prefix="route")
     valid = form.is_valid() & route_form.is_valid()  # both: every error shows at once
@@ -107,7 +112,8 @@ def deploy(request, pk):
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-            workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"])
+            workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"],
+            **recipe_pages.deploy_kwargs(data))
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, model, node, form, status=409, route_form=route_form)
@@ -149,7 +155,7 @@ def deployment_edit(request, pk):
         deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-                                     override_fit=data["override_fit"], **placement)
+                                     override_fit=data["override_fit"], override_compat=data["override_compat"], **placement)
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, d.model, d.node, form, status=409, deployment=d, route_form=route_form)

@@ -12,6 +12,7 @@ from controlpanel.roles import operator_required
 from deployments import forms, modelfit, selectors
 from deployments.models import ModelCopy, ModelRepo, Node
 from deployments.services import fitgate, repos
+from deployments.views import recipes as recipe_pages
 
 
 def model_list(request):
@@ -76,7 +77,7 @@ def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     return render(request, "deployments/model_detail.html", {
         "model": model, "fits": fits, "fit_form": fit_form, "tp": tp,
         "download_form": download_form or forms.DownloadForm(model=model), "disk_short": disk_short,
-        "copies": copies, "disk": repos.model_disk_check(model, nodes),
+        "copies": copies, "disk": repos.model_disk_check(model, nodes), **recipe_pages.model_recipes(request, model, nodes),
     }, status=status)
 
 
