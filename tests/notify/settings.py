@@ -6,3 +6,5 @@ from controlpanel.settings import INSTALLED_APPS
 if "deployments.notify" not in INSTALLED_APPS:
     INSTALLED_APPS = [*INSTALLED_APPS, "deployments.notify"]
 ROOT_URLCONF = "tests.notify.urls"
+if not globals().get("CELERY_BEAT_SCHEDULE"):
+    from deployments.notify.schedule import BEAT_SCHEDULE as CELERY_BEAT_SCHEDULE  # noqa: F401
