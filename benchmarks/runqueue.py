@@ -21,11 +21,12 @@ def run_claim(run: BenchmarkRun) -> bool:
     return False
 
 
-def runs_redrive(node_id: int, due, send) -> int:
-    """Send `run_execute` again for the runs Queued on this node's deployments that nothing ran for the
-    re-drive's bound (`due`); how many were sent."""
+def runs_redrive(node_id: int | None, due, send) -> int:
+    """Send `run_execute` again for the runs Queued on this node's deployments (no node: the runs against a URL,
+    which the control worker runs) that nothing ran for the re-drive's bound (`due`); how many were sent."""
     sent = 0
-    queued = BenchmarkRun.objects.filter(status=S.QUEUED, cancel_requested=False, deployment__node_id=node_id)
+    queued = BenchmarkRun.objects.filter(status=S.QUEUED, cancel_requested=False)
+    queued = queued.filter(deployment__node_id=node_id) if node_id else queued.filter(deployment=None).exclude(base_url="")
     for pk in queued.values_list("pk", flat=True):
         if due(RUN_EXECUTE, pk):
             sent += send(RUN_EXECUTE, pk, why="the run was queued and nothing ran it")

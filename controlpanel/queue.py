@@ -9,7 +9,8 @@ agent's worker with `node.<name>` (downloads, benchmarks):
 - `node.<name>.control`: halts and forgets, short, never expiring (a node that was away owes its stops
   when it returns; deployments/node/redrive.py re-drives one that was lost or kept waiting for a thread).
 - `node.<name>.plans`: plans, follows and worker ranks' launches; a plan keeps its expiry.
-One thread pool serves the three (nodeagent.py says why); the names let a consumer of its own take one.
+The agent's worker takes the three and runs each task on the threads of its `lane` (controlpanel/pool.py),
+so a halt or a plan never waits for a thread behind downloads and benchmarks.
 """
 from celery import current_app
 from django.db import transaction
@@ -25,6 +26,12 @@ PLAN_TASKS = frozenset({
     "deployments.deployment_persist",
 })
 NODE_PREFIX = "node."
+CONTROL, PLANS, HOST = "control", "plans", "host"  # lanes: the threads a task runs on in the node agent
+
+
+def lane(name: str) -> str:
+    """Whose threads run task `name` in the node agent: engine control, engine plans, or host work."""
+    return CONTROL if name in CONTROL_TASKS else PLANS if name in PLAN_TASKS else HOST
 
 
 def control_queue(node_queue: str) -> str:

@@ -12,10 +12,10 @@ from dataclasses import asdict
 import redis
 from django.db import close_old_connections
 
-from deployments import drivers, history
+from deployments import drivers, history, loads
 from deployments.host import disk, engineuser, firewall, gpu
 from deployments.node import guards, reconcile, watch
-from deployments.services import loadtime, nodes, repos
+from deployments.services import doctor, nodes, repos
 
 log = logging.getLogger(__name__)
 ENGINES_REFRESH_S = 5.0  # how often the agent re-reads which process groups belong to deployments
@@ -44,6 +44,7 @@ class Agent:
         self._reconciled = False
         self._foreign: list[dict] = []
         self._net: tuple[float, int, int] | None = None  # (time, sent, received) of the previous sample
+        self._doctor_at: float | None = None  # the first tick's clock: the host checks ran at start (_report_engine)
 
     def register(self) -> None:
         """Create or update this node and its GPUs."""
@@ -107,7 +108,14 @@ class Agent:
     def _report_engine(self) -> None:
         try:
             reconcile.node_engine_report(self.node_id)
-            loadtime.node_measure_disk_once(self.node_id)  # issue 16: the store's read rate, once
+            loads.node_measure_disk_once(self.node_id)  # issue 16: the store's read rate, once
+            doctor.node_doctor_run(self.node_id, self.model_store)  # issue 29: host checks, once at start
+        finally:
+            close_old_connections()
+
+    def _doctor(self) -> None:
+        try:
+            doctor.node_doctor_run(self.node_id, self.model_store)  # never raises
         finally:
             close_old_connections()
 
@@ -132,6 +140,10 @@ class Agent:
             nodes.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"],
                                  ram_total=sample["host"].get("ram_total"), cpu_count=sample["host"].get("cpu_count"))
             self._last_heartbeat = now
+        self._doctor_at = now if self._doctor_at is None else self._doctor_at
+        if now - self._doctor_at >= doctor.DOCTOR_EVERY_S:  # host checks again every 10 min, off the sampler
+            self._doctor_at = now
+            threading.Thread(target=self._doctor, name="doctor", daemon=True).start()
         if not self._reconciled:
             self._reconcile()
         if now - self._watched_at >= WATCH_EVERY_S:

@@ -7,9 +7,15 @@ import socket
 
 from celery import shared_task
 
+from deployments import drivers, loads
 from deployments.host import hub
-from deployments.node import plan, ranks, watch
-from deployments.services import loadtime, repos
+from deployments.node import plan, ranks, redrive, watch  # noqa: F401 - redrive: its signals count the work in hand
+from deployments.services import contextfit, repos
+
+# The node follows loads (deployments/loads.py); what a finished one teaches the context estimate is control-plane
+# knowledge, given to it here, where both sides meet.
+if contextfit.load_calibrate not in drivers.LOAD_FINISHED:
+    drivers.LOAD_FINISHED.append(contextfit.load_calibrate)
 
 
 @shared_task(name="deployments.node_ping")
@@ -77,7 +83,7 @@ def deployment_persist(deployment_id: int) -> None:
 @shared_task(name="deployments.node_measure_disk")
 def node_measure_disk(node_id: int) -> None:
     """On a node: measure the model store's sequential read rate (issue 16)."""
-    loadtime.node_measure_disk(node_id)
+    loads.node_measure_disk(node_id)
 
 
 @shared_task(name="deployments.rank_run")

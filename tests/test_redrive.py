@@ -124,15 +124,16 @@ def test_a_stopping_rank_on_this_node_is_halted_here(node, redriver, halted):
     halted[0].assert_not_called()  # the head's deployment is another node's to halt
 
 
-def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_the_worker_has_a_free_thread(
+def test_a_lost_plan_is_sent_again_with_what_is_left_of_its_expiry_only_while_the_plan_lane_has_a_free_thread(
         node, redriver, sent):
     d = DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() + timedelta(seconds=300))
     DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() - timedelta(seconds=1), port=9001)
     redrive._started(redrive.HALT, [5])  # a halt re-driven here runs on a thread of its own: no matter
-    with _busy([(redrive.PLAN, 98), ("deployments.model_copy_download", 99)]):  # both worker threads are taken:
+    with _busy([(redrive.PLAN, 98), (redrive.FOLLOW, 99)]):  # both plan threads are taken:
         assert redriver.tick(now=0.0) == redriver.tick(now=AFTER) == 0  # the plan waits behind them, it is not lost
-    assert redriver.tick(now=AFTER + 1) == 0
-    assert redriver.tick(now=2 * AFTER + 1) == 1
+    with _busy([("deployments.model_copy_download", 96), ("benchmarks.run_execute", 97)]):  # host threads, all:
+        assert redriver.tick(now=AFTER + 1) == 0  # no matter to a plan, which has threads of its own
+        assert redriver.tick(now=2 * AFTER + 1) == 1
     (name,), options = sent.call_args.args, sent.call_args.kwargs
     assert name == redrive.PLAN and options["args"] == [d.pk] and options["queue"] == "node.gpu-01"
     assert 290 < options["expires"] <= 300  # the expired one ends failed by the watch, never re-sent
@@ -191,3 +192,53 @@ def test_a_plan_waiting_for_its_countdown_in_the_agent_is_not_sent_again(node, r
     assert redriver.tick(now=5 * AFTER + 1) == 0  # from then on, a bound like any other
     assert redriver.tick(now=6 * AFTER + 1) == 1
     sent.assert_called_once()
+
+
+@pytest.mark.django_db(transaction=True)  # the failure is recorded from a thread of its own
+def test_a_plan_cut_off_mid_way_is_failed_after_the_bound_and_one_running_is_left_alone(node, redriver, sent):
+    cut = DeploymentFactory(node=node, status=S.PREPARING)
+    stopping_others = DeploymentFactory(node=node, status=S.STOPPING_OTHERS, port=9003)
+    running = DeploymentFactory(node=node, status=S.STARTING, port=9004)  # its plan launches the engine now
+    launched = DeploymentFactory(node=node, status=S.STARTING, pid=4545, port=9005)  # followed, not failed
+    with _busy([(redrive.PLAN, running.pk)]):
+        assert redriver.tick(now=0.0) == 0
+        assert redriver.tick(now=AFTER) == 3  # two failed here, one follow sent
+        _settle_threads()
+    assert [c.kwargs["args"] for c in sent.call_args_list] == [[launched.pk]]
+    after = {d.pk: Deployment.objects.get(pk=d.pk) for d in (cut, stopping_others, running, launched)}
+    assert after[cut.pk].status == after[stopping_others.pk].status == S.FAILED
+    assert "The deploy plan stopped while preparing and nothing ran it" in after[cut.pk].status_message
+    assert after[running.pk].status == after[launched.pk].status == S.STARTING
+
+
+def test_the_control_worker_resends_a_lost_url_run_only_while_it_has_a_free_slot(node, sent):
+    url_run = BenchmarkRunFactory(deployment=None, base_url="http://10.0.0.5:8000", status=BenchmarkRun.Status.QUEUED)
+    BenchmarkRunFactory(deployment=DeploymentFactory(node=node, status=S.READY),
+                        status=BenchmarkRun.Status.QUEUED)  # the node agent's to re-drive
+    control = redrive.ControlRedriver(queue="control", slots=2)
+    held = set()
+    with mock.patch.object(redrive, "_reserved", lambda: held):
+        held.update({("benchmarks.run_execute", url_run.pk)})  # received by the worker: late, not lost
+        assert control.tick(now=0.0) == control.tick(now=AFTER) == 0
+        held.clear()
+        held.update({("deployments.model_inspect", 1), ("benchmarks.run_execute", 0)})  # both slots taken
+        assert control.tick(now=AFTER + 1) == control.tick(now=3 * AFTER) == 0
+        held.clear()
+        assert control.tick(now=3 * AFTER + 1) == 0
+        assert control.tick(now=4 * AFTER + 1) == 1
+    assert sent.call_args.args == (runqueue.RUN_EXECUTE,)
+    assert sent.call_args.kwargs == {"args": [url_run.pk], "queue": "control"}
+
+
+def test_the_control_worker_alone_starts_the_control_redrive():
+    from types import SimpleNamespace
+
+    started = []
+    with mock.patch.object(redrive.threading, "Thread", lambda target, **kw: SimpleNamespace(
+            start=lambda: started.append(target.__self__))):
+        with mock.patch.object(redrive.current_app.amqp.queues, "_consume_from", {"node.gpu-01": None}):
+            redrive._control_worker_ready(sender=SimpleNamespace(controller=SimpleNamespace(concurrency=3)))
+        assert started == []
+        with mock.patch.object(redrive.current_app.amqp.queues, "_consume_from", {"control": None}):
+            redrive._control_worker_ready(sender=SimpleNamespace(controller=SimpleNamespace(concurrency=3)))
+    assert [type(r) for r in started] == [redrive.ControlRedriver] and started[0].slots[queue.HOST] == 3

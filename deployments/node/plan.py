@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, enginekey, live, secrets
+from deployments import claims, enginekey, live, loads, secrets
 from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster
@@ -20,7 +20,6 @@ from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, TAIL_LINES, rec
 from deployments.node.lifecycle import running as engine_running
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, mark_stopped, model_ready, move,
                                     step, unit_install, unit_text)
-from deployments.services import loadtime
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ def deployment_run(deployment_id: int) -> Deployment:
         with step(d, "model") as event:
             model_path = model_ready(d, d.node)
             event.message = f"{d.model} is at {model_path}."
-        warm = loadtime.Prewarm(model_path) if d.prewarm else None  # reads while the others stop
+        warm = loads.Prewarm(model_path) if d.prewarm else None  # reads while the others stop
         move(d, S.STOPPING_OTHERS)
         with step(d, "stop_others") as event:
             event.message = _stop_holders(d)
@@ -240,7 +239,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
     """Follow the log and GPU memory until /health answers; stalled only when both stop moving.
     fresh=False: a load the agent follows again after a restart (its timings are not learnt from)."""
     progress = enginelog.LoadProgress()
-    watch = loadtime.LoadWatch(d, fresh)  # issue 16: phases, prediction, read rate
+    watch = loads.LoadWatch(d, fresh)  # issue 16: phases, prediction, read rate
     offset, tail = 0, []
     memory = _gpu_memory(d.gpu_indices)
     moved_at = time.monotonic()

@@ -10,11 +10,19 @@ by Celery's task signals) and, for a row owed work that nothing has picked up fo
   process (not through Redis: Redis may be why it was lost, and may still be away);
 - a deployment Queued (its plan), or Starting/Loading with an engine and nothing following it, and what
   other apps register in drivers.REDRIVE_DRIVERS (benchmark runs Queued): sent again by name (queue.route
-  picks the node's queue of its kind), only while the agent's worker has a free thread (a message waiting
-  behind busy threads is late, not lost). A duplicate finds its row moved on and returns.
+  picks the node's queue of its kind), only while its lane of the agent's worker has a free thread
+  (controlpanel/pool.py; the worker takes every message at once, so one waiting for a thread is received
+  and in hand, but a thread free is the surer sign). A duplicate finds its row moved on and returns.
+- a deployment Preparing, Stopping others, or Starting with no engine yet, whose plan nothing runs: the plan
+  cannot go on from the middle, so it is failed here (its engine, if any, stopped; a redeploy starts afresh),
+  as an agent restart does (reconcile.py), instead of staying mid-plan for ever.
 
-Bound: a halt lost at time t, or kept waiting for a worker thread, runs by t + REDRIVE_AFTER_S +
-REDRIVE_EVERY_S (12 s; plus the halt itself). Measured: ~10-12 s (tests/faults/test_lost_halts.py).
+The control-plane worker (queue `control`) re-drives its own work the same way (ControlRedriver, started
+with that worker): benchmark runs against a URL, Queued and not in its hand.
+
+Bound: a halt lost at time t runs by t + REDRIVE_AFTER_S + REDRIVE_EVERY_S (12 s; plus the halt itself).
+Measured: ~10-12 s (tests/faults/test_lost_halts.py). A halt delivered runs at once on the control lane,
+whatever the downloads hold (0.2-0.4 s there).
 Host work in hand is known per process, so the loop runs in the agent that consumes the node's queues.
 """
 import collections
@@ -25,11 +33,13 @@ import time
 
 from celery import current_app, signals
 from django.db import close_old_connections
+from django.db.models import Q
 from django.utils import timezone
 
-from controlpanel.queue import send_now
+from controlpanel.queue import CONTROL, HOST, PLANS, lane, send_now
 from deployments import drivers
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank
+from deployments.node.steps import fail
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
@@ -88,11 +98,12 @@ def in_hand(name: str, pk) -> bool:
         return (name, pk) in _running.values() or (name, pk) in _held.values()
 
 
-def tasks_in_hand() -> int:
-    """How many tasks from the queues run in this process now, each holding a worker thread (a halt
-    re-driven here runs on a thread of its own)."""
+def tasks_in_hand(of_lane: str | None = None) -> int:
+    """How many tasks from the queues run in this process now (of one lane, controlpanel/queue.py), each
+    holding a worker thread (a halt re-driven here runs on a thread of its own)."""
     with _lock:
-        return sum(not str(task_id).startswith("here:") for task_id in _running)
+        return sum(not str(task_id).startswith("here:") and of_lane in (None, lane(name))
+                   for task_id, (name, _) in _running.items())
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -100,8 +111,10 @@ def tasks_in_hand() -> int:
 class Redriver:
     """One node's re-drive: `tick()` is one pass (tests call it), `loop()` repeats it."""
 
-    def __init__(self, node_id: int, *, queue: str, slots: int, after_s: float = REDRIVE_AFTER_S):
-        self.node_id, self.queue, self.slots, self.after_s = node_id, queue, slots, after_s  # slots: worker threads
+    def __init__(self, node_id: int, *, queue: str, slots: int | dict, after_s: float = REDRIVE_AFTER_S):
+        self.node_id, self.queue, self.after_s = node_id, queue, after_s
+        # The worker's threads by lane (controlpanel/pool.py); one number: the same for each.
+        self.slots = slots if isinstance(slots, dict) else dict.fromkeys((CONTROL, PLANS, HOST), slots)
         self._waiting: dict[tuple[str, object], float] = {}  # owed and not in hand since (monotonic)
         self._seen: set = set()
         self.counts: collections.Counter = collections.Counter()  # what was re-driven, by task name
@@ -112,7 +125,7 @@ class Redriver:
         now = time.monotonic() if now is None else now
         key = (name, pk)
         self._seen.add(key)
-        if any(in_hand(n, pk) for n in (name, *also)):
+        if any(self.in_hand(n, pk) for n in (name, *also)):
             self._waiting[key] = now
             return False
         since = self._waiting.setdefault(key, now)
@@ -122,6 +135,8 @@ class Redriver:
         self.counts[name] += 1
         return True
 
+
+    in_hand = staticmethod(in_hand)  # what this process holds (ControlRedriver reads its worker's state)
 
     def tick(self, now: float | None = None) -> int:
         """One pass: halt what is lost in Stopping, re-send lost plans, follows and runs; how many."""
@@ -138,8 +153,10 @@ class Redriver:
                                                 ).values_list("pk", flat=True):
             if self.due(RANK_HALT, pk, now=now):
                 done += self._halt(RANK_HALT, pk)
-        if tasks_in_hand() < self.slots:  # a thread idle: a message sent here would have been taken by now
+        # A thread of the lane idle: a message sent here would have been taken by now.
+        if tasks_in_hand(PLANS) < self.slots[PLANS]:
             done += self._plans(now)
+        if tasks_in_hand(HOST) < self.slots[HOST]:
             for drive in drivers.REDRIVE_DRIVERS:
                 done += drive(self.node_id, lambda name, pk: self.due(name, pk, now=now), self.send) or 0
         self._waiting = {k: v for k, v in self._waiting.items() if k in self._seen}  # settled rows
@@ -156,6 +173,11 @@ class Redriver:
         for pk in loading.values_list("pk", flat=True):
             if self.due(FOLLOW, pk, PLAN, now=now):
                 sent += self.send(FOLLOW, pk, why="nothing was following its engine")
+        cut = Deployment.objects.filter(Q(status__in=(S.PREPARING, S.STOPPING_OTHERS)) | Q(status=S.STARTING, pid=None),
+                                        node_id=self.node_id)
+        for pk in cut.values_list("pk", flat=True):
+            if self.due(PLAN, pk, FOLLOW, now=now):
+                sent += self._here(PLAN, pk, self._fail_cut)
         return sent
 
     def send(self, name: str, pk, *, why: str, **options) -> int:
@@ -170,21 +192,37 @@ class Redriver:
         return 1
 
     def _halt(self, name: str, pk) -> int:
-        """Run the halt in a thread of this process, marked in hand so that the next pass waits for it."""
         log.warning("re-driving %s(%s): Stopping for %.0f s with no halt running (lost)", name, pk, self.after_s)
+        return self._here(name, pk, self._run_halt)
+
+    def _here(self, name: str, pk, work) -> int:
+        """Run `work(name, pk)` in a thread of this process, marked in hand as task `name` so that the next
+        pass waits for it."""
         _started(name, [pk])
-        threading.Thread(target=self._run_halt, args=(name, pk), name=f"redrive-{pk}", daemon=True).start()
+        threading.Thread(target=self._run_here, args=(name, pk, work), name=f"redrive-{pk}", daemon=True).start()
         return 1
 
-    def _run_halt(self, name: str, pk) -> None:
+    def _run_here(self, name: str, pk, work) -> None:
         try:
-            self._note(name, pk)
-            current_app.tasks[name].run(pk)  # the task's own function: the same code a queued halt runs
-        except Exception:  # noqa: BLE001 - the row stays Stopping: re-driven again after the bound
+            work(name, pk)
+        except Exception:  # noqa: BLE001 - the row still says it is owed: re-driven again after the bound
             log.exception("re-driven %s(%s) failed", name, pk)
         finally:
             _ended(name, [pk])
             close_old_connections()
+
+    def _run_halt(self, name: str, pk) -> None:
+        self._note(name, pk)
+        current_app.tasks[name].run(pk)  # the task's own function: the same code a queued halt runs
+
+    def _fail_cut(self, name: str, pk) -> None:
+        """A plan that stopped mid-way (its thread ended without failing the row, or its message was lost after
+        it began): failed, engine stopped, as an agent restart would; a redeploy starts it afresh."""
+        d = Deployment.objects.select_related("node", "model").get(pk=pk)
+        if d.status in (S.PREPARING, S.STOPPING_OTHERS) or (d.status == S.STARTING and d.pid is None):
+            log.warning("re-driving %s(%s): %s for %.0f s with no plan running", name, pk, d.status, self.after_s)
+            fail(d, f"The deploy plan stopped while {d.get_status_display().lower()} and nothing ran it for "
+                    f"{self.after_s:.0f} s; redeploy it.")
 
     def _note(self, name: str, pk) -> None:
         """Say on the deployment's timeline why it is stopped again (best effort: Redis may be away)."""
@@ -211,3 +249,46 @@ class Redriver:
                 close_old_connections()
             stop.wait(every_s)
 
+
+
+# --- the control-plane worker's own work ----------------------------------------------------------------
+
+def _reserved() -> set:
+    """What this process's Celery worker holds, received and not ended, whatever its pool: its consumer's own
+    state (with the control worker's prefork pool the task signals fire in the children)."""
+    from celery.worker import state
+
+    return {_key(r.name, r.args) for r in list(state.reserved_requests)}
+
+
+class ControlRedriver(Redriver):
+    """The re-drive of the control queue's work (drivers.REDRIVE_DRIVERS called with no node: URL runs), in the
+    control-plane worker, while it has a free slot (a message waiting behind busy slots is late, not lost)."""
+
+    def __init__(self, *, queue: str, slots: int, after_s: float = REDRIVE_AFTER_S):
+        super().__init__(None, queue=queue, slots=slots, after_s=after_s)
+
+    @staticmethod
+    def in_hand(name: str, pk) -> bool:
+        return (name, pk) in _reserved()
+
+    def tick(self, now: float | None = None) -> int:
+        self._seen = set()
+        done = 0
+        if len(_reserved()) < self.slots[HOST]:
+            for drive in drivers.REDRIVE_DRIVERS:
+                done += drive(None, lambda name, pk: self.due(name, pk, now=now), self.send) or 0
+        self._waiting = {k: v for k, v in self._waiting.items() if k in self._seen}
+        return done
+
+
+@signals.worker_ready.connect(weak=False, dispatch_uid="redrive-control-worker")
+def _control_worker_ready(sender=None, **_):
+    """Start the ControlRedriver in the worker that consumes the control queue (not in node agents)."""
+    control = current_app.conf.task_default_queue
+    if control not in set(current_app.amqp.queues.consume_from or ()):
+        return
+    slots = getattr(getattr(sender, "controller", None), "concurrency", None) or 1
+    redriver = ControlRedriver(queue=control, slots=slots)
+    threading.Thread(target=redriver.loop, args=(threading.Event(),), name="redrive-control", daemon=True).start()
+    log.info("re-driving the %s queue's lost work every %.0f s (%d slots)", control, REDRIVE_EVERY_S, slots)

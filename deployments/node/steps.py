@@ -16,12 +16,13 @@ from django.utils import timezone
 from controlpanel.states import InvalidTransition
 from deployments import live, secrets
 from deployments.dispatch import ranks_stop
+from deployments.gateway import changes
 from deployments.host import engine, enginelog, engineuser, systemd
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import lifecycle
 from deployments.node.lifecycle import TAIL_LINES
 from deployments.node.lifecycle import running as engine_running
-from deployments.services.repos import model_copy_download
+from deployments.modelcopies import model_copy_download
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def move(d: Deployment, status: str, message: str = "") -> None:
     """Move to `status` unless the row moved meanwhile (a stop request): then abort the plan."""
     with transaction.atomic():
         row = Deployment.objects.select_for_update().get(pk=d.pk)
+        before = row.status
         try:
             row.transition(status, secrets.redact_deployment(d, message))  # it may quote log lines
         except InvalidTransition as exc:
@@ -54,6 +56,8 @@ def move(d: Deployment, status: str, message: str = "") -> None:
     d.status, d.status_message, d.started, d.ready_at, d.stopped_at = (
         row.status, row.status_message, row.started, row.ready_at, row.stopped_at)
     live.send_deployment_status(d)
+    if S.READY in (before, row.status):  # the node gateways route to ready engines only: now, not at their next poll
+        changes.changed("deployments")
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""deployments.services.loadtime: a load's phases kept with its timeline, history, prediction basis,
+"""deployments/loads.py: a load's phases kept with its timeline, history, prediction basis,
 the store's read rate, and start-up in run environments."""
 import os
 from datetime import timedelta
@@ -8,10 +8,9 @@ import pytest
 from django.utils import timezone
 
 from benchmarks.services import environment_of
-from deployments import selectors
+from deployments import loads, selectors
 from deployments.models import DeploymentEvent, Node
 from deployments.models import Deployment
-from deployments.services import loadtime
 from deployments.node import plan
 from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401 - fixtures of the plan's tests
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.django_db
 def _load(d, lines=CPU_LOG.splitlines(), pid=None):
     """Follow a load as plan._follow does: a `load` step, lines fed, ready, smoke test done."""
     d.started, d.pid = timezone.now() - timedelta(seconds=1), pid
-    watch = loadtime.LoadWatch(d)
+    watch = loads.LoadWatch(d)
     event = DeploymentEvent.objects.create(deployment=d, step="load", message="…")
     watch.event_id = event.pk
     watch.feed(lines)
@@ -44,7 +43,7 @@ def test_a_finished_load_keeps_its_phases_and_the_next_one_predicts_from_it():
     assert first_detail["prediction"] is None and "no earlier load" in first_detail["basis"]
     assert first_changes == ""
     assert {"process", "api_up", "smoke_test"} <= set(event.data["totals"])
-    assert event.data["key"] == loadtime.load_key(d)
+    assert event.data["key"] == loads.load_key(d)
 
     watch, detail, _, _ = _load(d, lines=CPU_LOG.splitlines()[:3])
     assert detail["prediction"] is not None
@@ -57,13 +56,13 @@ def test_other_flags_are_another_history_and_another_node_is_scaled_by_its_disk(
     d = DeploymentFactory(node=NodeFactory(disk_read={"bps": 2e9}))
     _load(d)
     other_flags = DeploymentFactory(model=d.model, node=d.node, engine_args={"max-model-len": 512})
-    assert loadtime.load_history(other_flags)[0] == []  # same node: no scaling across flags
+    assert loads.load_history(other_flags)[0] == []  # same node: no scaling across flags
     slow_node = NodeFactory(disk_read={"bps": 1e9})
     elsewhere = DeploymentFactory(model=d.model, node=slow_node)
-    history, basis, scale, _ = loadtime.load_history(elsewhere)
+    history, basis, scale, _ = loads.load_history(elsewhere)
     assert len(history) == 1 and scale == 2.0 and d.node.name in basis
     unmeasured = DeploymentFactory(model=d.model, node=NodeFactory())
-    assert loadtime.load_history(unmeasured)[0] == []
+    assert loads.load_history(unmeasured)[0] == []
 
 
 def _finished_load(d, watch) -> DeploymentEvent:
@@ -80,7 +79,7 @@ def test_a_load_the_plan_launched_is_learned_from_even_when_its_watch_started_la
     """A busy host may start following a load long after launch: still this plan's own load."""
     d = DeploymentFactory()
     d.started, d.pid = timezone.now() - timedelta(minutes=5), None
-    event = _finished_load(d, loadtime.LoadWatch(d))
+    event = _finished_load(d, loads.LoadWatch(d))
     assert event.data["totals"] and selectors.load_events(deployment=d).exists()
 
 
@@ -95,11 +94,30 @@ def test_an_agent_restart_follows_a_load_as_not_fresh(monkeypatch):
 def test_a_load_followed_again_after_an_agent_restart_is_shown_but_not_learned_from():
     d = DeploymentFactory()
     d.started, d.pid = timezone.now() - timedelta(minutes=5), None
-    event = _finished_load(d, loadtime.LoadWatch(d, fresh=False))
+    event = _finished_load(d, loads.LoadWatch(d, fresh=False))
     assert "segments" in event.data and "totals" not in event.data
     assert not selectors.load_events(deployment=d).exists()
     d.refresh_from_db()
     assert d.load_detail["phases"]["segments"]
+
+
+def test_a_fresh_load_is_handed_to_the_control_planes_calibration_and_a_replayed_one_is_not(monkeypatch):
+    """The node follows loads; issue 29's KV calibration is the control plane's and registers itself
+    (deployments/tasks.py), so deployments/loads.py imports no service; one that fails never fails the load."""
+    from deployments import drivers
+    from deployments.services import contextfit
+
+    assert contextfit.load_calibrate in drivers.LOAD_FINISHED
+    learnt = []
+
+    def broken(d, engine_kv):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(drivers, "LOAD_FINISHED", [broken, lambda d, engine_kv: learnt.append((d.pk, engine_kv))])
+    fresh, replayed = DeploymentFactory(), DeploymentFactory()
+    watch, _, _, _ = _load(fresh)
+    _finished_load(replayed, loads.LoadWatch(replayed, fresh=False))
+    assert learnt == [(fresh.pk, watch.engine_kv)]
 
 
 def test_the_detail_reports_model_size_residency_and_free_ram(tmp_path):
@@ -120,7 +138,7 @@ def test_measuring_the_store_keeps_its_rate_on_the_node(tmp_path):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(os.urandom(2 << 20))
     ModelCopyFactory(node=node, path=str(folder))
-    result = loadtime.node_measure_disk(node.pk, max_bytes=1 << 20)
+    result = loads.node_measure_disk(node.pk, max_bytes=1 << 20)
     assert result["bytes"] == 1 << 20 and result["bps"] > 0
     assert Node.objects.get(pk=node.pk).disk_read["bps"] == result["bps"]
 
@@ -144,7 +162,7 @@ def test_prewarm_reads_the_model_into_the_page_cache_and_says_so_on_its_step(tmp
     files = pagecache.weight_files(folder)
     for p in files:
         pagecache.drop(p)
-    warm = loadtime.Prewarm(str(folder), workers=3)
+    warm = loads.Prewarm(str(folder), workers=3)
     event = DeploymentEvent.objects.create(deployment=DeploymentFactory(), step="prewarm")
     message = warm.wait(event)
     assert pagecache.residency(files).percent == 100
@@ -153,8 +171,8 @@ def test_prewarm_reads_the_model_into_the_page_cache_and_says_so_on_its_step(tmp
 
 def test_prewarm_is_skipped_with_a_reason_when_the_model_does_not_fit_in_free_ram(tmp_path, monkeypatch):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
-    monkeypatch.setattr(loadtime, "PREWARM_RAM_SHARE", 0.0)
-    warm = loadtime.Prewarm(str(tmp_path))
+    monkeypatch.setattr(loads, "PREWARM_RAM_SHARE", 0.0)
+    warm = loads.Prewarm(str(tmp_path))
     message = warm.wait(DeploymentEvent.objects.create(deployment=DeploymentFactory(), step="prewarm"))
     assert message.startswith("Skipped: the model") and "free RAM" in message
 
@@ -163,12 +181,12 @@ def test_the_recommendation_names_prefetch_only_where_this_vllm_offers_it(tmp_pa
     (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
     d = DeploymentFactory(node=NodeFactory(engine_flags=["safetensors-load-strategy", "load-format"]))
     ModelCopyFactory(model=d.model, node=d.node, path=str(tmp_path))
-    assert any(r.startswith("--safetensors-load-strategy prefetch") for r in loadtime.load_recommendation(d))
+    assert any(r.startswith("--safetensors-load-strategy prefetch") for r in loads.load_recommendation(d))
     d.engine_args = {"safetensors-load-strategy": "prefetch"}
-    assert loadtime.load_recommendation(d) == []  # already chosen
+    assert loads.load_recommendation(d) == []  # already chosen
     old = DeploymentFactory(model=d.model, node=NodeFactory(engine_flags=["load-format"]))
     ModelCopyFactory(model=d.model, node=old.node, path=str(tmp_path))
-    assert loadtime.load_recommendation(old) == []
+    assert loads.load_recommendation(old) == []
 
 
 def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_loads_phases(model, node, host, tmp_path):
@@ -190,14 +208,14 @@ def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_load
 
 def test_the_agent_measures_a_store_once_and_an_operator_can_ask_again(tmp_path, operator_client, django_capture_on_commit_callbacks):
     node = NodeFactory()
-    assert loadtime.node_measure_disk_once(node.pk) == {}  # no model here yet: nothing to read
+    assert loads.node_measure_disk_once(node.pk) == {}  # no model here yet: nothing to read
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(os.urandom(1 << 20))
     ModelCopyFactory(node=node, path=str(folder))
-    first = loadtime.node_measure_disk_once(node.pk)
+    first = loads.node_measure_disk_once(node.pk)
     assert first["bytes"] == 1 << 20
-    assert loadtime.node_measure_disk_once(node.pk) == {}  # once
+    assert loads.node_measure_disk_once(node.pk) == {}  # once
     with mock.patch("deployments.tasks.node_measure_disk.apply_async", autospec=True) as sent, \
             django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(f"/api/nodes/{node.name}/measure-disk/")

@@ -6,8 +6,8 @@ halt is re-driven by its own node's agent; a benchmark run whose run_execute was
 
 The bound: a halt that nothing picked up runs by REDRIVE_AFTER_S + REDRIVE_EVERY_S after the Stop
 (deployments/node/redrive.py), plus the halt itself (the fake engine goes at SIGTERM); one the queue
-still delivers runs at once when a worker thread is free; one that finds every thread taken waits at
-most the re-drive's bound, like a lost one, and runs on a thread of its own."""
+still delivers runs at once on the agent's control lane, and a plan on its plans lane, even while every
+host thread downloads (controlpanel/pool.py)."""
 import json
 import os
 import signal
@@ -209,11 +209,14 @@ def slow_hub(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_a_stop_waits_at_most_the_bound_behind_downloads_holding_every_worker_thread(
+def test_a_stop_and_a_plan_run_at_once_while_downloads_hold_every_host_thread(
         process_env, spawn, unique, tmp_path, settings, fake_model, slow_hub):
+    """Engine control and plans have threads of their own in the agent (controlpanel/pool.py): with a download
+    on each of its 4 host threads (nodeagent's --concurrency) and a minute of each left, a Stop's halt and a
+    deploy's plan are taken from their queues and run at once, not by the re-drive after its bound."""
     settings.HF_ENDPOINT = slow_hub
     env = agent_env(process_env, tmp_path, HF_ENDPOINT=slow_hub)
-    agent = Agent(spawn, env, f"busy-{unique}", tmp_path / "store")  # 4 worker threads (nodeagent's default)
+    agent = Agent(spawn, env, f"busy-{unique}", tmp_path / "store")  # 4 host threads (nodeagent's default)
     node = agent.start()
     try:
         model = add_fake_model(node, fake_model)
@@ -228,13 +231,26 @@ def test_a_stop_waits_at_most_the_bound_behind_downloads_holding_every_worker_th
                    message="the downloads to hold the node queue's threads")
         asked = time.monotonic()
         deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
-        took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
+        took = _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
         COUNTS["halts_behind_busy_queue"] += 1
-        print(f"Stop with every worker thread downloading: engine stopped {took:.1f} s after the Stop")
-        assert downloading.count() == len(BUSY_REPOS)
-        assert _redriven(agent, "deployments.deployment_halt") == 1  # the re-drive ran it, not a free thread
+        print(f"Stop with every host thread downloading: engine stopped {took:.1f} s after the Stop")
+
+        asked = time.monotonic()
+        d = deploys.deployment_redeploy(Deployment.objects.get(pk=d.pk))
+        wait_until(lambda: Deployment.objects.get(pk=d.pk).status not in ("queued", "stopped"),
+                   timeout=QUEUED_BOUND_S, message="the plan to start behind the downloads")
+        started = time.monotonic() - asked
+        assert settle(d, timeout=60).status == "ready"
+        COUNTS["plans_behind_busy_queue"] += 1
+        print(f"Deploy with every host thread downloading: plan running {started:.1f} s after the deploy, "
+              f"ready {time.monotonic() - asked:.1f} s after it")
+        assert downloading.count() == len(BUSY_REPOS)  # the host threads were downloading all along
+        assert _redriven(agent, "deployments.deployment_halt") == _redriven(agent, "deployments.deployment_run") == 0
         for copy in copies:
             repos.model_copy_cancel(ModelCopy.objects.get(pk=copy.pk))
+        asked = time.monotonic()
+        deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
+        _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
     finally:
         stop_leftover_engines(tmp_path)
 

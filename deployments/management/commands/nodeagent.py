@@ -1,8 +1,8 @@
 """The node agent: registers this host, heartbeats, samples it, runs a Celery worker on this host's
 queues (issue 26): `node.<name>` (downloads, benchmarks), `node.<name>.plans` (deploy plans, follows,
 worker ranks' launches) and `node.<name>.control` (halts, never expiring), and the loop that re-drives
-lost work from the database (deployments/node/redrive.py), which also bounds how long a halt can wait
-for a thread.
+lost work from the database (deployments/node/redrive.py). Engine control and plans run on threads of
+their own (controlpanel/pool.py), so they never wait behind downloads and benchmarks.
 
     python manage.py nodeagent --name gpu-01 --model-store /models
 """
@@ -13,8 +13,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
+from controlpanel import pool
 from controlpanel.celery import app as celery_app
-from controlpanel.queue import control_queue, plan_queue
+from controlpanel.queue import CONTROL, HOST, PLANS, control_queue, plan_queue
 from deployments.agent import Agent
 from deployments.node import redrive
 
@@ -30,13 +31,22 @@ class Command(BaseCommand):
         parser.add_argument("--address", default="", help="Address engines are reached at (default: this host's).")
         parser.add_argument("--sample-seconds", type=float, default=settings.SAMPLE_SECONDS)
         parser.add_argument("--heartbeat-seconds", type=float, default=settings.HEARTBEAT_SECONDS)
-        parser.add_argument("--concurrency", type=int, default=4, help="Host tasks run at once (downloads, deploys, benchmarks).")
+        parser.add_argument("--concurrency", type=int, default=4, help="Host tasks run at once (downloads, benchmarks).")
+        parser.add_argument("--control-threads", type=int, default=pool.LANE_THREADS[CONTROL],
+                            help="Threads kept for halts and forgets.")
+        parser.add_argument("--plan-threads", type=int, default=pool.LANE_THREADS[PLANS],
+                            help="Threads kept for deploy plans and follows (one per engine loading at once).")
 
-    def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency, **options):
+    def handle(self, *args, name, model_store, address, sample_seconds, heartbeat_seconds, concurrency,
+               control_threads, plan_threads, **options):
         from django.utils.text import slugify
 
         if slugify(name) != name:
             raise CommandError(f"node name {name!r} must be lowercase letters, digits and hyphens")
+        for option, value in (("--concurrency", concurrency), ("--control-threads", control_threads),
+                              ("--plan-threads", plan_threads)):
+            if value < 1:
+                raise CommandError(f"{option} must be at least 1, not {value}")
         settings.NODE_NAME = name
         agent = Agent(name=name, model_store=model_store, address=address or _own_address(),
                       version=AGENT_VERSION, sample_seconds=sample_seconds, heartbeat_seconds=heartbeat_seconds)
@@ -52,21 +62,23 @@ class Command(BaseCommand):
         stop = threading.Event()
         threading.Thread(target=agent.loop, args=(stop,), name="sampler", daemon=True).start()
         threading.Thread(target=agent.study_loop, args=(stop,), name="studies", daemon=True).start()
-        redriver = redrive.Redriver(agent.node_id, queue=queue, slots=concurrency)
+        pool.LANE_THREADS.update({CONTROL: control_threads, PLANS: plan_threads})
+        redriver = redrive.Redriver(agent.node_id, queue=queue,
+                                    slots={CONTROL: control_threads, PLANS: plan_threads, HOST: concurrency})
         threading.Thread(target=redriver.loop, args=(stop,), name="redrive", daemon=True).start()
         try:
             close_old_connections()
-            # This node's queues only; other nodes' work never lands here. One pool for the three: Celery
-            # has no per-queue threads, and a second consumer in this process took the agent down with it
-            # when Redis went away (kombu 5.7 restoring unacked messages on a closed connection: the crash
-            # controlpanel/broker.py fixes, which also ended this worker whenever a thread was free; a second
-            # consumer has not been tried since); a halt that waits for a thread is run by the re-drive after
-            # its bound. Without Celery's banner (--quiet, before the sub-command): `./panel start` prints the
-            # first admin's password.
+            # This node's queues only; other nodes' work never lands here. Every message is taken as it comes
+            # (prefetch unlimited: the queues are this node's alone) and run on its lane's threads (the pool);
+            # what waits, waits here, received, where the re-drive sees it in hand. One consumer: a second one in
+            # this process took the agent down when Redis went away (before controlpanel/broker.py's fix).
+            # Without Celery's banner (--quiet, before the sub-command): `./panel start` prints the first admin's
+            # password.
+            celery_app.conf.worker_pool = "controlpanel.pool:TaskPool"  # no --pool: the CLI takes only its aliases
+            celery_app.conf.worker_prefetch_multiplier = 0
             celery_app.worker_main([
                 "--quiet", "worker", "-Q", ",".join((control_queue(queue), plan_queue(queue), queue)),
-                "-n", f"{name}@%h", "--pool", "threads",
-                "--concurrency", str(concurrency), "--loglevel", "INFO",
+                "-n", f"{name}@%h", "--concurrency", str(concurrency), "--loglevel", "INFO",
                 "--without-gossip", "--without-mingle",
             ])
         finally:
