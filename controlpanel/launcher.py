@@ -210,8 +210,10 @@ def start(args) -> int:
             env,
         )
         # --quiet (Celery's global option): no banner, so the first admin's password below is not scrolled away.
+        # -B: this one control worker also runs Celery beat (the notification checks, settings.CELERY_BEAT_SCHEDULE).
         children.start("worker", [PYTHON, "-m", "celery", "-A", "controlpanel", "--quiet", "worker", "-Q", "control",
-                                  "-n", "control@%h", "--loglevel", "INFO", "--concurrency", "2"], env)
+                                  "-n", "control@%h", "--loglevel", "INFO", "--concurrency", "2",
+                                  "-B", "-s", str(var_dir / "celerybeat-schedule")], env)
         agent = children.start("nodeagent", [PYTHON, "manage.py", "nodeagent", "--name", node_name,
                                      "--model-store", env["MODEL_STORE"]], env)
         # The node's gateway (issue 28): the one door callers use; engines listen on loopback behind it.

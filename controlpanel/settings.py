@@ -109,6 +109,7 @@ INSTALLED_APPS = [
     "controlpanel",
     "deployments",
     "deployments.gateway",
+    "deployments.notify",
     "benchmarks",
 ]
 
@@ -213,6 +214,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 12 * 3600)}
 CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+# Celery beat (the launcher's control worker runs it with -B; compose runs a `beat` service): the notification
+# conditions and due deliveries every NOTIFY_BEAT_S.
+from deployments.notify.schedule import BEAT_SCHEDULE as CELERY_BEAT_SCHEDULE  # noqa: E402 - plain data, no Django
 
 # Outgoing mail for notifications (issue 33; Django's SMTP backend reads these; all optional).
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")

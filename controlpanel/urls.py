@@ -27,6 +27,8 @@ urlpatterns = [
     path("api/", include("deployments.api.urls")),
     path("api/", include("benchmarks.api.urls")),
     path("api/", include("deployments.gateway.api")),
+    path("api/", include("deployments.notify.api_urls")),
+    path("notifications/", include("deployments.notify.urls")),
     path("", include("deployments.urls")),
     path("", include("deployments.gateway.urls")),
     path("benchmarks/", include("benchmarks.urls")),

@@ -90,6 +90,13 @@ OPERATOR_ANSWERS = {
     ("PATCH", "/api/keys/{id}/"): (200, None),  # nothing given: nothing changed
     ("POST", "/api/keys/{id}/revoke/"): (200, None),
     ("POST", "/api/recipes/import/"): (400, "invalid"),  # source and files required (then: the admin role's)
+    # Notifications: every user's own (the ids below are nobody's channel or subscription: 404).
+    ("POST", "/api/notify/channels/"): (400, "invalid"),  # kind, name and target required
+    ("DELETE", "/api/notify/channels/{id}/"): (404, "not_found"),
+    ("POST", "/api/notify/channels/{id}/test/"): (404, "not_found"),
+    ("PUT", "/api/notify/quiet/"): (400, "invalid"),  # start and end required (null for none)
+    ("POST", "/api/notify/subscriptions/"): (201, None),  # no kinds, no deployment: every event, everywhere
+    ("DELETE", "/api/notify/subscriptions/{id}/"): (404, "not_found"),
 }
 
 

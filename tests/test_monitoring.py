@@ -96,7 +96,9 @@ def test_promtool_accepts_the_config_and_the_rules(tmp_path):
     assert checked.returncode == 0, checked.stdout + checked.stderr
     (tmp_path / "token").write_text("t")
     text = (MONITORING / "prometheus.yml").read_text()
-    text = text.replace("/etc/prometheus/dcgm-rules.yml", str(rules)).replace("/run/secrets/metrics_token", str(tmp_path / "token"))
+    text = (text.replace("/etc/prometheus/dcgm-rules.yml", str(rules))
+            .replace("/etc/prometheus/alerts.yml", str(MONITORING / "alerts.yml"))
+            .replace("/run/secrets/metrics_token", str(tmp_path / "token")))
     (tmp_path / "prometheus.yml").write_text(text)
     checked = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -365,7 +365,11 @@ def _rebuild(drop: set[str]) -> None:
 
 
 def _table_exists() -> bool:
-    return subprocess.run([_nft_bin(), "list", "table", "inet", TABLE], capture_output=True, timeout=20).returncode == 0
+    """Whether the panel's table is there: never on a host without nftables (nothing was ever guarded there, so a
+    stop's release and an agent's sweep have nothing to do)."""
+    nft = shutil.which("nft")
+    return nft is not None and subprocess.run([nft, "list", "table", "inet", TABLE], capture_output=True,
+                                              timeout=20).returncode == 0
 
 
 def _chains() -> set[str]:

@@ -2,7 +2,7 @@
 log. Any role may use it for themselves (webhook channels: admins); the services say who may do what."""
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
-from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -60,6 +60,8 @@ def _call(fn, *args):
     except services.NotifyError as exc:
         if exc.forbidden:
             raise PermissionDenied(str(exc)) from None
+        if exc.missing:
+            raise NotFound(str(exc)) from None
         raise ValidationError({"detail": str(exc)}) from None
 
 

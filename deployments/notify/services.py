@@ -19,11 +19,13 @@ WEBHOOK_KINDS = frozenset({Channel.Kind.WEBHOOK, Channel.Kind.SLACK, Channel.Kin
 
 
 class NotifyError(Exception):
-    """Bad input or not allowed, with the message to show; `forbidden`: a role is missing (403, not 400)."""
+    """Bad input or not allowed, with the message to show; `forbidden`: a role is missing (403, not 400);
+    `missing`: the channel or subscription named is not the user's (404)."""
 
-    def __init__(self, message: str, forbidden: bool = False):
+    def __init__(self, message: str, forbidden: bool = False, missing: bool = False):
         super().__init__(message)
         self.forbidden = forbidden
+        self.missing = missing
 
 
 def _need_role(user) -> None:
@@ -67,7 +69,7 @@ def channel_add(user, kind: str, name: str, target: str) -> tuple[Channel, str]:
 def channel_get(user, channel_id: int) -> Channel:
     channel = Channel.objects.filter(pk=channel_id, user=user).first()
     if channel is None:
-        raise NotifyError("No such channel of yours.")
+        raise NotifyError("No such channel of yours.", missing=True)
     return channel
 
 
@@ -105,7 +107,7 @@ def subscription_add(user, kinds: list[str], deployment_id=None, node_id=None, t
 
 def subscription_remove(user, subscription_id: int) -> None:
     if not Subscription.objects.filter(pk=subscription_id, user=user).delete()[0]:
-        raise NotifyError("No such subscription of yours.")
+        raise NotifyError("No such subscription of yours.", missing=True)
 
 
 def quiet_hours_set(user, start, end, tz: str = "UTC") -> QuietHours | None:

@@ -44,6 +44,8 @@ def _time(value) -> dt.time | None:
 @require_POST
 def action(request, what: str):
     """One change from the page: add/remove/test a channel, add/remove a subscription, set quiet hours."""
+    if not roles.is_viewer(request.user):
+        return render(request, "no_role.html", status=403)
     p, user = request.POST, request.user
     try:
         if what == "channel-add":
@@ -68,7 +70,7 @@ def action(request, what: str):
             services.quiet_hours_set(user, _time(p.get("start")), _time(p.get("end")), p.get("tz") or "UTC")
             messages.success(request, "Quiet hours saved.")
         else:
-            return HttpResponseForbidden("Unknown action.")
+            messages.error(request, f"Unknown action {what!r}.")
     except services.NotifyError as exc:
         if exc.forbidden:
             return HttpResponseForbidden(str(exc))

@@ -30,7 +30,8 @@ def _config(panel: str, token_file: Path) -> dict:
     """monitoring/prometheus.yml, pointed at the live panel instead of compose's 127.0.0.1:8000."""
     config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    config["rule_files"] = [str(ROOT / "monitoring" / "dcgm-rules.yml")]
+    config["rule_files"] = [str(ROOT / "monitoring" / "dcgm-rules.yml"), str(ROOT / "monitoring" / "alerts.yml")]
+    config.pop("alerting", None)  # no Alertmanager here
     host = panel.removeprefix("http://")
     for job in config["scrape_configs"]:
         job["scrape_timeout"] = "1s"
@@ -67,7 +68,7 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
                            engine_args={"max-model-len": 2048, "served-model-name": "tiny", "enforce-eager": True})
     wait_until(lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", timeout=300, interval=1,
                message="the engine to be ready")
-    start_gateway(spawn, process_env, node.name)  # it reports its port on the node's row: discovery lists it
+    gateway = start_gateway(spawn, process_env, node.name)  # it reports its port on the node's row: discovery lists it
     gateway_port = wait_until(lambda: Node.objects.get(pk=node.pk).gateway_port, timeout=30, message="the gateway's port")
 
     # Recorded now, not before the load: the latest sample is kept for a bounded time, and a load on a busy
@@ -79,6 +80,15 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
     port = free_port()
     prometheus = f"http://127.0.0.1:{port}"
     with override_settings(METRICS_TOKEN=TOKEN):
+        # What Prometheus will do, by hand first: discovery (which keeps the gateways' scrape key), then the engine's
+        # /metrics through the gateway with the scrape token (refused without it).
+        listed = httpx.get(f"{live_server_asgi}/api/prometheus/targets/", headers={"Authorization": f"Bearer {TOKEN}"},
+                           timeout=10).json()
+        assert [g["labels"]["__metrics_path__"] for g in listed] == [f"/engines/{deployment.pk}/metrics"]
+        engine_metrics = f"{gateway}/engines/{deployment.pk}/metrics"
+        wait_until(lambda: httpx.get(engine_metrics, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).status_code
+                   == 200, timeout=10, interval=0.2, message="the gateway to take the scrape key")
+        assert httpx.get(engine_metrics, timeout=5).status_code == 401
         spawn([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                f"--web.listen-address=127.0.0.1:{port}"], {"PATH": "/usr/bin:/bin"}, name="prometheus")
 
@@ -89,7 +99,11 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
                 return False
             return up if up.get("panel") == "1" and up.get("vllm") == "1" else False
 
-        wait_until(both_up, timeout=90, interval=1, message="Prometheus to scrape the panel and the engine")
+        try:
+            wait_until(both_up, timeout=90, interval=1, message="Prometheus to scrape the panel and the engine")
+        except pytest.fail.Exception:  # say why: each target's last scrape
+            targets = httpx.get(f"{prometheus}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+            pytest.fail(f"not both up in 90 s: {[(t['scrapeUrl'], t['health'], t.get('lastError')) for t in targets]}")
         try:
             wait_until(lambda: _query(prometheus, "DCGM_FI_DEV_FB_USED"), timeout=60, interval=1,
                        message="the recording rules' first evaluation")

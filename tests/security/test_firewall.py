@@ -18,6 +18,8 @@ from tests import netns
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and nftables need root")
+# `./panel test` installs nftables; the fast tier installs nothing, so there these tests wait for the whole run.
+needs_nft = pytest.mark.skipif(shutil.which("nft") is None, reason="nftables is not installed (./panel test installs it)")
 
 # Binds every port it is given on 0.0.0.0 once told to (a socket is tagged with its maker's cgroup, so it is moved
 # first), forks a child that binds one more, prints "up", then holds them.
@@ -40,6 +42,7 @@ def namespaces():
         yield found
 
 
+@needs_nft
 def test_a_guarded_group_is_reached_from_loopback_and_its_nodes_only_and_its_api_port_from_anywhere(namespaces):
     assert shutil.which("nft"), "install nftables (apt-get install nftables): multi-node deploys need it"
     (peer_ns, peer_ip, host_for_peer), (stranger_ns, _, host_for_stranger) = namespaces["peer"], namespaces["stranger"]
@@ -99,6 +102,7 @@ def test_a_host_without_nftables_refuses_with_the_reason_and_firewall_off_says_s
     assert firewall.guard("1.x", [os.getpid()], ["10.0.0.1"]).startswith("Not firewalled")
 
 
+@needs_nft
 def test_a_group_in_a_cgroup_of_its_own_is_matched_there_not_moved(namespaces):
     """A systemd unit's or an engine container's processes sit in their own cgroup (system.slice/x.service): that
     one is guarded, and they stay in it (systemd and Docker track their processes by it)."""
@@ -128,6 +132,7 @@ def test_a_group_in_a_cgroup_of_its_own_is_matched_there_not_moved(namespaces):
             folder.rmdir()
 
 
+@needs_nft
 def test_sweep_drops_the_rules_of_a_group_that_ended_unwatched():
     """An agent that died with its engines: the next one's sweep removes the rules and cgroups of groups with no
     process left, and keeps a live group's."""
@@ -161,6 +166,7 @@ def test_a_host_that_never_guarded_a_group_stops_and_sweeps_without_a_table():
         code = "from deployments.host import firewall; firewall._rebuild(drop={firewall.key_of('0.freshgroup')})"
         out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=60)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet", firewall.TABLE],
-                              capture_output=True).returncode != 0  # nothing created either
+        assert out.returncode == 0, out.stderr[-2000:]  # with or without nftables installed
+        if shutil.which("nft"):
+            assert subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet", firewall.TABLE],
+                                  capture_output=True).returncode != 0  # nothing created either

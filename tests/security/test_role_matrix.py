@@ -40,7 +40,7 @@ RESOURCE = {"nodes": "node", "models": "model", "deployments": "deployment", "co
 ACTION = {"copies": "delete", "deployments": "stop", "studies": "pause"}
 # What a working page answers that is not a 200 GET, by URL name. POST-only views refuse a GET:
 POST_ONLY = {"account-token", "logout", "run-cancel", "study-control", "study-apply", "copy-action", "deployment-action",
-             "model-download", "model-remove", "key-create", "key-revoke"}
+             "model-download", "model-remove", "key-create", "key-revoke", "notify-action"}
 # A form's POST address answers a GET (a reload, a typed URL) with a redirect to the form, for every role.
 GET_REDIRECTS = {"model-add", "model-add-local"}
 # An operator's empty POST: a form without its fields answers 400; everything else a 2xx or a redirect.
@@ -120,7 +120,7 @@ def _client(role) -> Client:
 def _rows() -> dict:
     """Every row of the panel's own tables, by model (so that a changed field shows, not only a count)."""
     return {m.__name__: sorted(map(repr, m.objects.values())) for m in apps.get_models()
-            if m._meta.app_label in ("deployments", "benchmarks", "authtoken", "gateway")}
+            if m._meta.app_label in ("deployments", "benchmarks", "authtoken", "gateway", "notify")}
 
 
 def test_the_matrix_covers_every_page():
