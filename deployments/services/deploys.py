@@ -155,7 +155,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         return deployment_redeploy(existing, gpu_indices=gpu_indices, port=port or existing.port, engine_args=engine_args,
                                    env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
                                    stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user,
-                                   override_fit=override_fit, override_compat=override_compat,
+                                   override_fit=override_fit, override_compat=override_compat, recipe_use=use,
                                    **({"workers": workers} if workers else {}))
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
@@ -177,11 +177,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     if workers or ray:  # Ray on one node too: the panel starts (and stops) its one-node cluster
         multinode.place(d, workers, master_port)
-    changed = recipes.recipe_changes(use, engine_args, env, model.repo_id, secret_env) if use else {}
-    said = (" " + recipes.recipe_summary(use, changed)) if use else ""
-    said_data = {"recipe": {"id": use.row.pk, "name": use.row.name, "source": use.row.source, "version": use.row.version,
-                            "variant": use.resolved.variant, "strategy": use.resolved.strategy,
-                            "hardware": use.resolved.hardware}, "changed": changed} if use else {}
+    said, said_data = _recipe_said(use, engine_args, env, model.repo_id, secret_env)
     if workers:
         deployment_event(d, "queued", f"Queued over {1 + len(workers)} nodes: head {node} (GPUs {gpu_indices or 'none, CPU'}, "
                          f"port {port}, {multinode.port_name(engine_args)} {d.master_port}); " + "; ".join(
@@ -196,10 +192,23 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     return d
 
 
+def _recipe_said(use: recipes.Use | None, engine_args: dict, env: dict, served_name: str, secret_env) -> tuple[str, dict]:
+    """The queued step's words and data for a deploy from a recipe: which one, and what the deploy changed."""
+    if use is None:
+        return "", {}
+    changed = recipes.recipe_changes(use, engine_args, env, served_name, secret_env)
+    return " " + recipes.recipe_summary(use, changed), {
+        "recipe": {"id": use.row.pk, "name": use.row.name, "source": use.row.source, "version": use.row.version,
+                   "variant": use.resolved.variant, "strategy": use.resolved.strategy, "hardware": use.resolved.hardware},
+        "changed": changed}
+
+
 @transaction.atomic
 def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     """Run the plan again (restart), optionally with changed settings; a running engine is stopped first.
-    A multi-node deployment's placement is checked again (issue 17); `workers` (multinode.Worker) changes it."""
+    A multi-node deployment's placement is checked again (issue 17); `workers` (multinode.Worker) changes it.
+    `recipe_use` (recipes.Use): the new settings come from that recipe, which the gate checks and the queued
+    step names, as for a new deployment."""
     workers = _redeploy_workers(d, changes.pop("workers", None))  # every node's lock, in id order
     lock_node(d.node_id)
     d = Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
@@ -209,6 +218,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     user = changes.pop("user", None)
     override_fit = changes.pop("override_fit", False)
     override_compat = changes.pop("override_compat", False)
+    use = changes.pop("recipe_use", None)
     old_args, old_env = d.engine_args, d.env
     if "engine_args" in changes:  # one spelling for every check below and the argv
         changes["engine_args"] = deploydefaults.keep_served_name(privileged.canonical(changes["engine_args"], {})[0],
@@ -231,7 +241,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     d.engine_args, d.env = privileged.canonical(d.engine_args, d.env)  # a row stored before canonical names too
     overrides = _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
                        replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers), env=d.env,
-                       override_fit=override_fit, admin=is_admin(user), override_compat=override_compat)
+                       override_fit=override_fit, admin=is_admin(user), override_compat=override_compat,
+                       resolved=use and use.resolved)
     multinode.check_executor(d.engine_args, 1 + len(workers))
     if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
         ray = multinode.executor(d.engine_args) == "ray"
@@ -249,7 +260,9 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         multinode.place(d, workers, d.master_port)
         placed = " on new worker nodes: " + "; ".join(f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})"
                                                       for i, w in enumerate(workers, 1))
-    deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changed else "")) + ".")
+    said, said_data = _recipe_said(use, d.engine_args, d.env, d.model.repo_id, d.secret_env)
+    deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changed else "")) + "." + said,
+                     **said_data)
     for step, override in overrides:
         deployment_event(d, step, override.message, level="warning", **override.data)
     send_plan(d)

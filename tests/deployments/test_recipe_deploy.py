@@ -18,7 +18,7 @@ from controlpanel.errors import ServiceError
 from deployments.host import enginecli
 from deployments.models import Deployment, Recipe
 from deployments.services import deploys, recipes
-from tests.factories import GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, UserFactory
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, UserFactory
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 KIMI_FLAGS = ["--tensor-parallel-size", "--gpu-memory-utilization", "--trust-remote-code", "--tool-call-parser",
@@ -123,6 +123,38 @@ def test_kimi_on_eight_h100s_is_refused_for_its_memory_before_anything_starts(qu
     assert refused.value.code == "incompatible" and not Deployment.objects.exists()
     assert "needs 714 GB of GPU memory; the 8 chosen GPU(s) have 640 GB" in refused.value.message
     assert "Fix: choose more or larger GPUs" in refused.value.message and "--override-compat" in refused.value.message
+
+
+@pytest.mark.django_db
+def test_a_recipe_deploy_over_a_stopped_row_of_the_default_name_still_runs_the_recipes_checks(quiet):
+    node = _node(gpu="H100", capability="9.0", memory=80 * 10**9)
+    model, admin = _model(node), UserFactory(role="admin")
+    kept = DeploymentFactory(name=deploys.deployment_default_name(model, node), model=model, node=node,
+                             status=Deployment.Status.STOPPED, engine_args={"tensor-parallel-size": 8})
+    kept.gpus.set(node.gpus.all())
+    with pytest.raises(ServiceError) as refused:  # the row is deployed again, with the recipe's gate as a new one
+        _create(model, node, admin, recipe=recipes.Choice(_kimi_id(), "default", "single_node_tp"))
+    assert refused.value.code == "incompatible"
+    assert "needs 714 GB of GPU memory; the 8 chosen GPU(s) have 640 GB" in refused.value.message
+    kept.refresh_from_db()
+    assert kept.status == Deployment.Status.STOPPED and not kept.events.exists()
+
+
+@pytest.mark.django_db
+def test_a_recipe_redeploy_of_the_default_name_names_the_recipe_and_what_changed(quiet):
+    node = _node()
+    model = _model(node)
+    kept = DeploymentFactory(name=deploys.deployment_default_name(model, node), model=model, node=node,
+                             status=Deployment.Status.FAILED, engine_args={"tensor-parallel-size": 8})
+    d = _create(model, node, UserFactory(role="admin"), recipe=recipes.Choice(_kimi_id(), "default", "single_node_tp"),
+                engine_args={"max-model-len": 131072}, preset="auto")  # as the API sends it
+    assert d.pk == kept.pk and d.status == Deployment.Status.QUEUED
+    queued = d.events.get(step="queued")
+    assert "Recipe moonshotai/Kimi-K2.5 · default · single_node_tp · sm120 (panel, " in queued.message
+    assert "changed: --max-model-len 131072 (recipe: unset)" in queued.message
+    assert queued.data["recipe"]["strategy"] == "single_node_tp" and queued.data["changed"] == {
+        "--max-model-len": [None, 131072]}
+    assert d.engine_args["attention-backend"] == "TRITON_MLA"
 
 
 @pytest.mark.django_db
