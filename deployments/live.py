@@ -241,6 +241,13 @@ class EngineFigures:
     running: float | None
     waiting: float | None
     kv_cache: float | None  # fraction of the KV cache in use
+    # Over the last `window_s` seconds (at most 5 minutes, deployments/host/slo.py): the notifications' SLO check
+    # reads these from the kept message.
+    ttft_p95_s: float | None = None
+    error_share: float | None = None  # aborted or failed / finished
+    window_requests: int = 0
+    window_s: float = 0.0
+    at: float = 0.0  # Unix time of the reading
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def _agent_class():
 
 def host_boundaries(gpus: int) -> ExitStack:
     """Replace what an agent reads from its host and its engines, for this process."""
-    from deployments.host import gpu, vllm
+    from deployments.host import gpu, slo, vllm
     from deployments.node import watch
     from tests.host.test_gpu import FakeGpu, FakeNvml
 
@@ -99,12 +99,12 @@ def host_boundaries(gpus: int) -> ExitStack:
     stack.enter_context(mock.patch.object(vllm, "health", return_value=True))
     tokens = {"n": 0.0}
 
-    def read_metrics(url, timeout=2.0):  # a busy engine: ~80 tok/s per request, 4 running
+    def read_engine(url, timeout=2.0):  # a busy engine: ~80 tok/s per request, 4 running
         tokens["n"] += 160.0
-        return {"generation_tokens_total": tokens["n"], "num_requests_running": 4.0, "num_requests_waiting": 0.0,
-                "kv_cache_usage_perc": 0.3}
+        return ({"generation_tokens_total": tokens["n"], "num_requests_running": 4.0, "num_requests_waiting": 0.0,
+                 "kv_cache_usage_perc": 0.3}, slo.Counters())
 
-    stack.enter_context(mock.patch.object(vllm, "read_metrics", side_effect=read_metrics))
+    stack.enter_context(mock.patch.object(vllm, "read_engine", side_effect=read_engine))
     return stack
 
 

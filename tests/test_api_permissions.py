@@ -97,6 +97,8 @@ OPERATOR_ANSWERS = {
     ("PUT", "/api/notify/quiet/"): (400, "invalid"),  # start and end required (null for none)
     ("POST", "/api/notify/subscriptions/"): (201, None),  # no kinds, no deployment: every event, everywhere
     ("DELETE", "/api/notify/subscriptions/{id}/"): (404, "not_found"),
+    ("PUT", "/api/notify/slos/{id}/"): (400, "invalid"),  # no objective given
+    ("DELETE", "/api/notify/slos/{id}/"): (404, "not_found"),  # the deployment has none
 }
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments.host import slo
 from deployments.host.errors import HostError
 
 # A reading's keys and the vLLM metric names they come from, newest name first.
@@ -178,6 +179,25 @@ def parse_metrics(text: str) -> dict[str, float]:
 def read_metrics(url: str, timeout: float = 2.0, key: str = "") -> dict[str, float]:
     """One reading (see parse_metrics) of the /metrics page at `url`."""
     return parse_metrics(_request("GET", url, timeout, key=key))
+
+
+_SLO_PREFIXES = tuple(f"{prefix}{name.removesuffix('_total')}" for name in (slo.TTFT, slo.FINISHED)
+                      for prefix in ("", "# HELP ", "# TYPE "))
+
+
+def parse_slo_counters(text: str) -> slo.Counters:
+    """The TTFT histogram and finished-request counters of a /metrics text (host/slo.py turns them into figures)."""
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_SLO_PREFIXES))
+    try:
+        return slo.counters(text_string_to_metric_families(wanted))
+    except ValueError as e:
+        raise VllmError(f"unreadable /metrics: {e}", permanent=True) from e
+
+
+def read_engine(url: str, timeout: float = 2.0, key: str = "") -> tuple[dict[str, float], slo.Counters]:
+    """One reading for the agent's watch: the gauges and token counter (parse_metrics) and the SLO counters."""
+    text = _request("GET", url, timeout, key=key)
+    return parse_metrics(text), parse_slo_counters(text)
 
 
 def metrics_url(base_url: str) -> str:

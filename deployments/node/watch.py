@@ -5,7 +5,7 @@ import time
 from django.utils import timezone
 
 from deployments import live
-from deployments.host import systemd, vllm
+from deployments.host import slo, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import raycluster, units
 from deployments.node.crashes import deployment_crashed
@@ -79,19 +79,25 @@ def expire_queued(node_id: int) -> None:
 
 def deployments_metrics(node_id: int, state: dict) -> None:
     """Live engine figures for ready deployments, benchmark or not: generation tok/s from the rate of
-    vllm:generation_tokens_total, running and waiting requests, KV-cache use."""
+    vllm:generation_tokens_total, running and waiting requests, KV-cache use, and the SLO figures of the last
+    5 minutes (TTFT p95, the share of requests aborted or failed; host/slo.py), which the notifications'
+    periodic check reads from the kept message. `state`: per deployment, the last reading and its window."""
     for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
         try:
-            reading = (time.monotonic(), vllm.read_metrics(vllm.metrics_url(f"http://127.0.0.1:{d.port}"), timeout=2.0))
+            t = time.monotonic()
+            gauges, counters = vllm.read_engine(vllm.metrics_url(f"http://127.0.0.1:{d.port}"), timeout=2.0)
         except vllm.VllmError:
             continue
-        before, state[d.pk] = state.get(d.pk), reading
+        before, window = state.get(d.pk) or (None, slo.Window())
+        reading = (t, gauges)
+        window.add(t, counters)
+        state[d.pk] = (reading, window)
         rate = vllm.tok_s(before, reading) if before else None
         if rate is None:
             continue
-        m = reading[1]
+        figures = window.figures()
         live.send_engine_figures(node_id, live.EngineFigures(
-            id=d.pk, name=d.name, tok_s=rate, running=m.get("num_requests_running"),
-            waiting=m.get("num_requests_waiting"), kv_cache=m.get("kv_cache_usage_perc")))
-
-
+            id=d.pk, name=d.name, tok_s=rate, running=gauges.get("num_requests_running"),
+            waiting=gauges.get("num_requests_waiting"), kv_cache=gauges.get("kv_cache_usage_perc"),
+            ttft_p95_s=figures.ttft_p95_s, error_share=figures.error_share, window_requests=figures.requests,
+            window_s=round(figures.span_s, 1), at=time.time()))

@@ -8,7 +8,7 @@ from rest_framework.views import APIView
 
 from controlpanel import roles
 from deployments.notify import catalog, services
-from deployments.notify.models import Delivery, QuietHours
+from deployments.notify.models import Delivery, QuietHours, Slo
 
 
 class ChannelSerializer(serializers.Serializer):
@@ -28,6 +28,17 @@ class SubscriptionSerializer(serializers.Serializer):
     node = serializers.IntegerField(source="node_id", required=False, allow_null=True, min_value=1, max_value=2**62)
     team = serializers.IntegerField(source="team_id", required=False, allow_null=True, min_value=1, max_value=2**62,
                                     help_text="A group you are in: every member hears of it on their own channels.")
+
+
+class SloSerializer(serializers.Serializer):
+    deployment = serializers.IntegerField(source="deployment_id", read_only=True)
+    ttft_p95_ms = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1, max_value=3_600_000,
+                                           help_text="TTFT p95 at most this over the last 5 minutes (ms).")
+    error_pct = serializers.FloatField(required=False, allow_null=True, default=None, min_value=0, max_value=99.999,
+                                       help_text="At most this share of requests aborted or failed (%).")
+    minutes = serializers.IntegerField(required=False, default=5, min_value=0, max_value=services.SLO_MAX_MINUTES,
+                                       help_text="How long a breach lasts before it is told (0: at once).")
+    breach_since = serializers.DateTimeField(read_only=True, allow_null=True)
 
 
 class QuietSerializer(serializers.Serializer):
@@ -120,6 +131,30 @@ class SubscriptionList(_Mine):
 class SubscriptionDetail(_Mine):
     def delete(self, request, pk: int):
         _call(services.subscription_remove, request.user, pk)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class SloList(_Mine):
+    """Every deployment's objectives (anyone with a role reads them; operators set them)."""
+
+    @extend_schema(responses=SloSerializer(many=True))
+    def get(self, request):
+        return Response(SloSerializer(Slo.objects.order_by("deployment_id"), many=True).data)
+
+
+class SloDetail(_Mine):
+    """One deployment's objectives (its id in the path): set (PUT) or dropped (DELETE) by an operator."""
+
+    @extend_schema(request=SloSerializer, responses=SloSerializer)
+    def put(self, request, pk: int):
+        s = SloSerializer(data=request.data)
+        s.is_valid(raise_exception=True)
+        v = s.validated_data
+        slo = _call(services.slo_set, request.user, pk, v["ttft_p95_ms"], v["error_pct"], v["minutes"])
+        return Response(SloSerializer(slo).data)
+
+    def delete(self, request, pk: int):
+        _call(services.slo_remove, request.user, pk)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -9,5 +9,7 @@ urlpatterns = [
     path("notify/subscriptions/", api.SubscriptionList.as_view(), name="api-notify-subscriptions"),
     path("notify/subscriptions/<id:pk>/", api.SubscriptionDetail.as_view(), name="api-notify-subscription"),
     path("notify/quiet/", api.Quiet.as_view(), name="api-notify-quiet"),
+    path("notify/slos/", api.SloList.as_view(), name="api-notify-slos"),
+    path("notify/slos/<id:pk>/", api.SloDetail.as_view(), name="api-notify-slo"),
     path("notify/deliveries/", api.DeliveryList.as_view(), name="api-notify-deliveries"),
 ]

@@ -30,6 +30,7 @@ KINDS = {k.name: k for k in (
     Kind("node_offline", "Node offline", ERROR, "offline"),
     Kind("gpu_ecc", "GPU ECC errors", ERROR, "ecc"),
     Kind("gpu_thermal", "GPU temperature high", WARNING, "thermal"),
+    Kind("slo_breached", "SLO breached", WARNING, "slo"),
     Kind("benchmark_finished", "Benchmark finished", INFO),
     Kind("study_finished", "Study finished", INFO),
     Kind("test", "Test message", INFO),

@@ -1,9 +1,11 @@
 """Periodic conditions, from what the control plane already has: each node's heartbeat (offline, back), its
 model store's free space (the heartbeat's figures), its GPUs' last telemetry sample (ECC errors, temperature),
-and crash episodes that ended (a deployment up again long enough). One pass is conditions_check(), run by beat
+crash episodes that ended (a deployment up again long enough), and each SLO against its engine's last kept
+figures (the agent's reading of the engine's own /metrics over 5 minutes). One pass is conditions_check(), run by beat
 (schedule.py) on the control queue; a test calls it directly. A condition fires once and resolves once: seen
 again while firing, it adds nothing."""
 import logging
+import time
 from datetime import timedelta
 
 import redis
@@ -13,7 +15,7 @@ from django.utils import timezone
 from deployments import live
 from deployments.models import Deployment, Node
 from deployments.notify.alerts import alert_raise, alert_resolve, in_savepoint, open_alert, setting
-from deployments.notify.models import Alert
+from deployments.notify.models import Alert, Slo
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,14 @@ def conditions_check() -> None:
         in_savepoint(node_check, node, sample)
     for alert in Alert.objects.filter(group_key__startswith="down:", resolved=None).select_related("deployment"):
         in_savepoint(down_check, alert)
+    slos = list(Slo.objects.select_related("deployment__node"))
+    try:
+        figures = live.kept([live.deployment_topic(o.deployment_id) for o in slos], "engine") if slos else []
+    except redis.RedisError as exc:  # a breach's clock waits for Redis; nothing is resolved on no news
+        log.warning("notifications: no engine figures (%s); SLO checks skipped this time", exc)
+        return
+    for objective, engine in zip(slos, figures):
+        in_savepoint(slo_check, objective, engine)
 
 
 def _condition(kind: str, group: str, node: Node, firing: bool, title: str, body: str, resolved: str, **data) -> None:
@@ -84,3 +94,48 @@ def down_check(alert: Alert) -> None:
             restarts = alert.data.get("restarts", 0)
             alert_resolve("down", f"{d.name} is ready again and stayed up for {stable.total_seconds() / 60:.0f} min"
                           + (f" after {restarts} automatic restart(s)." if restarts else "."), deployment=d)
+
+
+FRESH_S = 60  # engine figures older than this say nothing (the agent reads every ready engine every 2 s)
+
+
+def slo_breaches(slo: Slo, engine: dict) -> list[str]:
+    """What of `slo` the engine's figures break, in words (empty: met). A figure the window has not got (no
+    request finished) breaks nothing."""
+    broken = []
+    ttft = engine.get("ttft_p95_s")
+    if slo.ttft_p95_ms is not None and ttft is not None and ttft * 1000 > slo.ttft_p95_ms:
+        broken.append(f"TTFT p95 {ttft * 1000:,.0f} ms (objective {slo.ttft_p95_ms:,} ms)")
+    errors = engine.get("error_share")
+    if slo.error_pct is not None and errors is not None and errors * 100 > slo.error_pct:
+        broken.append(f"{errors * 100:.1f} % of requests aborted or failed (objective {slo.error_pct:g} %)")
+    return broken
+
+
+def slo_check(slo: Slo, engine: dict | None) -> None:
+    """A breach that has lasted `minutes` fires slo_breached once; met again (or the deployment no longer
+    serving), it resolves. Figures that are missing or stale change nothing."""
+    d = slo.deployment
+    if d.status != Deployment.Status.READY:
+        if slo.breach_since is not None:
+            Slo.objects.filter(pk=slo.pk).update(breach_since=None)
+        alert_resolve("slo", f"{d.name} is no longer serving ({d.status}).", deployment=d)
+        return
+    if not engine or engine.get("at", 0) < time.time() - FRESH_S:
+        return
+    broken = slo_breaches(slo, engine)
+    window = f"over the last {engine.get('window_s', 0) / 60:.1f} min, {engine.get('window_requests', 0)} requests"
+    if not broken:
+        if slo.breach_since is not None:
+            Slo.objects.filter(pk=slo.pk).update(breach_since=None)
+        alert_resolve("slo", f"{d.name} meets its objectives again ({window}).", deployment=d)
+        return
+    now = timezone.now()
+    since = slo.breach_since or now
+    if slo.breach_since is None:
+        Slo.objects.filter(pk=slo.pk).update(breach_since=now)
+    if now - since >= timedelta(minutes=slo.minutes):
+        alert_raise("slo_breached", deployment=d, title=f"{d.name} breaks its SLO: " + "; ".join(broken),
+                    body=f"For {max((now - since).total_seconds() / 60, 0):.0f} min ({window}).", fold=False,
+                    data={"ttft_p95_s": engine.get("ttft_p95_s"), "error_share": engine.get("error_share"),
+                          "window_requests": engine.get("window_requests")})

@@ -93,6 +93,22 @@ class QuietHours(models.Model):
     tz = models.CharField(max_length=64, default="UTC", help_text="An IANA time zone, e.g. Europe/Berlin.")
 
 
+class Slo(models.Model):
+    """A deployment's service-level objectives, checked against its engine's own figures over the last 5
+    minutes (TTFT p95, the share of requests aborted or failed): a breach that lasts `minutes` is told once as
+    slo_breached, and resolved when both are met again. Operators set them; everyone sees them."""
+
+    deployment = models.OneToOneField(Deployment, on_delete=models.CASCADE, related_name="slo")
+    ttft_p95_ms = models.PositiveIntegerField(null=True, blank=True, help_text="TTFT p95 at most this (ms).")
+    error_pct = models.FloatField(null=True, blank=True, help_text="At most this share of requests aborted or failed (%).")
+    minutes = models.PositiveSmallIntegerField(default=5, help_text="How long a breach lasts before it is told.")
+    breach_since = models.DateTimeField(null=True, blank=True, help_text="When the current breach began.")
+    updated = models.DateTimeField(auto_now=True)
+
+    def __str__(self):
+        return f"SLO of {self.deployment}"
+
+
 class Alert(models.Model):
     """Something worth telling about one deployment or node: a moment, or a condition that fires (events of
     its group folded in, `count`) until it resolves."""

@@ -1,5 +1,6 @@
-"""A user's own notification settings: channels (added, removed, tested), subscriptions and quiet hours. Views
-and the API validate and call these; every check that says who may do what is here, once."""
+"""A user's own notification settings: channels (added, removed, tested), subscriptions and quiet hours; and the
+deployments' service-level objectives (an operator's). Views and the API validate and call these; every check
+that says who may do what is here, once."""
 import secrets
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -13,7 +14,7 @@ from controlpanel import roles
 from deployments import sealed
 from deployments.models import Deployment, Node
 from deployments.notify import alerts, catalog
-from deployments.notify.models import Channel, Delivery, QuietHours, Subscription
+from deployments.notify.models import Channel, Delivery, QuietHours, Slo, Subscription
 
 WEBHOOK_KINDS = frozenset({Channel.Kind.WEBHOOK, Channel.Kind.SLACK, Channel.Kind.MATRIX})
 
@@ -122,3 +123,40 @@ def quiet_hours_set(user, start, end, tz: str = "UTC") -> QuietHours | None:
         raise NotifyError(f"Unknown time zone {tz!r} (an IANA name, e.g. Europe/Berlin).") from None
     quiet, _ = QuietHours.objects.update_or_create(user=user, defaults={"start": start, "end": end, "tz": tz})
     return quiet
+
+
+SLO_MAX_MINUTES = 24 * 60
+
+
+def slo_set(user, deployment_id: int | None, ttft_p95_ms: int | None, error_pct: float | None,
+            minutes: int = 5) -> Slo:
+    """Set a deployment's objectives (operators): TTFT p95 at most `ttft_p95_ms`, at most `error_pct` % of
+    requests aborted or failed, a breach told once it has lasted `minutes` (0: at the first check)."""
+    if not roles.is_operator(user):
+        raise NotifyError("Setting objectives needs the operator role.", forbidden=True)
+    if ttft_p95_ms is None and error_pct is None:
+        raise NotifyError("Give a TTFT p95 objective (ms), an error-rate objective (%), or both.")
+    if ttft_p95_ms is not None and not 1 <= ttft_p95_ms <= 3_600_000:
+        raise NotifyError("The TTFT p95 objective is in milliseconds, from 1 to 3,600,000.")
+    if error_pct is not None and not 0 <= error_pct < 100:
+        raise NotifyError("The error-rate objective is a percentage from 0 to below 100.")
+    if not 0 <= minutes <= SLO_MAX_MINUTES:
+        raise NotifyError(f"A breach is told after 0 to {SLO_MAX_MINUTES} minutes.")
+    deployment = Deployment.objects.filter(pk=deployment_id).first() if deployment_id else None
+    if deployment is None:
+        raise NotifyError("No such deployment.", missing=True)
+    slo, _ = Slo.objects.update_or_create(deployment=deployment, defaults={
+        "ttft_p95_ms": ttft_p95_ms, "error_pct": error_pct, "minutes": minutes, "breach_since": None})
+    return slo
+
+
+def slo_remove(user, deployment_id: int) -> None:
+    """Drop a deployment's objectives (operators); a breach they fired is resolved."""
+    if not roles.is_operator(user):
+        raise NotifyError("Removing objectives needs the operator role.", forbidden=True)
+    with transaction.atomic():
+        slo = Slo.objects.select_related("deployment").filter(deployment_id=deployment_id).first()
+        if slo is None:
+            raise NotifyError("That deployment has no objectives.", missing=True)
+        alerts.alert_resolve("slo", "Its objectives were removed.", deployment=slo.deployment)
+        slo.delete()

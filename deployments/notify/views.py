@@ -10,7 +10,7 @@ from django.views.decorators.http import require_POST
 from controlpanel import roles
 from deployments.models import Deployment, Node
 from deployments.notify import catalog, services
-from deployments.notify.models import Delivery, QuietHours
+from deployments.notify.models import Delivery, QuietHours, Slo
 
 
 def page(request):
@@ -26,12 +26,35 @@ def page(request):
         "deployments": Deployment.objects.order_by("name").only("id", "name"), "nodes": Node.objects.only("id", "name"),
         "teams": user.groups.all(),
         "deliveries": deliveries,
-        "may_webhook": roles.is_admin(user), "new_key": request.session.pop("notify_new_key", None),
+        "slos": Slo.objects.select_related("deployment").order_by("deployment__name"),
+        "may_webhook": roles.is_admin(user), "may_operate": roles.is_operator(user),
+        "new_key": request.session.pop("notify_new_key", None),
     })
 
 
 def _id(value) -> int | None:
     return int(value) if str(value or "").isdigit() and len(str(value)) < 12 else None
+
+
+def _int(value) -> int | None:
+    """A whole number from a form field (blank: None)."""
+    if value in (None, ""):
+        return None
+    if not str(value).lstrip("-").isdigit() or len(str(value)) > 9:
+        raise services.NotifyError(f"{value!r} is not a whole number.")
+    return int(value)
+
+
+def _number(value) -> float | None:
+    if value in (None, ""):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        raise services.NotifyError(f"{value!r} is not a number.") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise services.NotifyError(f"{value!r} is not a number.")
+    return number
 
 
 def _time(value) -> dt.time | None:
@@ -69,6 +92,13 @@ def action(request, what: str):
         elif what == "quiet":
             services.quiet_hours_set(user, _time(p.get("start")), _time(p.get("end")), p.get("tz") or "UTC")
             messages.success(request, "Quiet hours saved.")
+        elif what == "slo-set":
+            slo = services.slo_set(user, _id(p.get("deployment")), _int(p.get("ttft_p95_ms")), _number(p.get("error_pct")),
+                                   _int(p.get("minutes")) if p.get("minutes") else 5)
+            messages.success(request, f"Objectives of {slo.deployment.name} saved.")
+        elif what == "slo-remove":
+            services.slo_remove(user, _id(p.get("deployment")))
+            messages.success(request, "Objectives removed.")
         else:
             messages.error(request, f"Unknown action {what!r}.")
     except services.NotifyError as exc:

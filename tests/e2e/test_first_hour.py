@@ -15,10 +15,11 @@ from benchmarks import runner
 from benchmarks.models import BenchmarkRun
 from controlpanel import tokens as api_tokens
 from deployments.host import engine
-from deployments.models import Deployment, ModelCopy, ModelRepo
-from tests.conftest import ENGINE_VENV
+from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+from tests.conftest import ENGINE_VENV, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.e2e.test_cli import panelctl
+from tests.e2e.test_gateway import start_gateway
 from tests.hfserver import get_stats, serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -102,6 +103,9 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
     spawn([sys.executable, "-m", "celery", "-A", "controlpanel", "worker", "-Q", "control", "-n", f"control-{unique}@%h",
            "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"], env, name="control-worker")
     node, _, _ = start_cpu_node(env, spawn, unique, tmp_path, None)
+    # The node's gateway, as `./panel start` runs it: the one door callers use (engines listen on loopback).
+    gateway = start_gateway(spawn, env, node.name)
+    wait_until(lambda: Node.objects.get(pk=node.pk).gateway_port, timeout=30, message="the gateway's port")
     page = logged_in_page
     cli_env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": api_tokens.issue(operator),
                "PANELCTL_CONFIG": str(tmp_path / "none.json")}
@@ -130,17 +134,26 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
     deployment = Deployment.objects.get(node=node)
     assert deployment.engine_args.get("enforce-eager") is True  # the CPU preset, applied by the server
 
-    # Call it as the page says (issue 27): the model name it shows is the repo id, and its Python snippet,
-    # copied with its Copy button, runs as is with the official openai client.
+    # Call it as the page says: the model name it shows is the repo id, the base URL is the node's gateway, a
+    # caller key is needed; its Python snippet, copied with its Copy button, runs as is with the official openai
+    # client and a key made on the account page.
     expect(page.locator("#call-models .call-model")).to_have_text(["acme/tiny-chat"])
-    expect(page.locator("#call-key")).to_have_text("none needed")
+    expect(page.locator("#call-key")).to_contain_text("needed")
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     page.click('button[data-copy="call-python"]')
     expect(page.locator('button[data-copy="call-python"]')).to_have_text("Copied")
     snippet = page.evaluate("navigator.clipboard.readText()")
     assert snippet == page.locator("#call-python").inner_text() and 'model="acme/tiny-chat"' in snippet
+    assert f'base_url="{gateway}/v1"' in snippet  # the gateway, never the engine's own port
+    page.goto(f"{page.base_url}/account/")
+    page.fill("#id_name", "first key")
+    page.click("#key-form button[type=submit]")
+    secret = page.locator("#new-key-secret").text_content()
+    no_key = subprocess.run([_openai_python(), "-c", snippet], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "NO_PROXY": "*", "OPENAI_API_KEY": "vcp-not-a-key"})
+    assert no_key.returncode != 0 and "401" in no_key.stderr, no_key.stderr[-2000:]  # the gateway checks keys
     called = subprocess.run([_openai_python(), "-c", snippet], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "NO_PROXY": "*"})
+                            env={**os.environ, "NO_PROXY": "*", "OPENAI_API_KEY": secret})
     assert called.returncode == 0 and called.stdout.strip(), called.stderr[-2000:]
     print(f"the openai client got {called.stdout.strip()[:80]!r}")
 

@@ -2,8 +2,12 @@
 panel's HTTP service discovery, the real CPU vLLM engine the panel deployed, which listens on loopback: Prometheus
 reaches its /metrics through the node's gateway (a real `manage.py gateway`, issue 28) with the same token; its
 query API then answers with the panel's series, the engine's `vllm:` series labelled by the panel, and the
-DCGM-named recording rules."""
+DCGM-named recording rules. The same engine then tells a subscriber (a real webhook receiver) that it is ready and,
+once killed, that it crashed; and the shipped alert rules put DeploymentDown into a real Alertmanager."""
+import os
+import re
 import shutil
+import signal
 from pathlib import Path
 
 import httpx
@@ -12,26 +16,34 @@ import yaml
 from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments import enginekey, live
+from deployments.host import vllm
 from deployments.models import Deployment, Node
+from deployments.notify import checks, deliveries, services as notify
+from deployments.notify.models import Delivery
 from deployments.services import deploys, nodes
 from tests.conftest import free_port, in_thread, wait_until
 from tests.e2e.test_gateway import start_gateway
 from tests.factories import GpuFactory, NodeFactory, UserFactory
 from tests.test_metrics import _sample
 from tests.test_monitoring import DASHBOARDS, VLLM_NAMES, _exprs, metric_names
+from tests.webhooks import receiving, signed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parent.parent.parent
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-alertmanager"
 TOKEN = "scrape-token-for-the-e2e-test"
 
 
-def _config(panel: str, token_file: Path) -> dict:
-    """monitoring/prometheus.yml, pointed at the live panel instead of compose's 127.0.0.1:8000."""
+def _config(panel: str, token_file: Path, alerts: Path, alertmanager: str) -> dict:
+    """monitoring/prometheus.yml, pointed at the live panel instead of compose's 127.0.0.1:8000, with the alert
+    rules at `alerts` and the Alertmanager at `alertmanager` (host:port)."""
     config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    config["rule_files"] = [str(ROOT / "monitoring" / "dcgm-rules.yml"), str(ROOT / "monitoring" / "alerts.yml")]
-    config.pop("alerting", None)  # no Alertmanager here
+    config["rule_files"] = [str(ROOT / "monitoring" / "dcgm-rules.yml"), str(alerts)]
+    [am] = config["alerting"]["alertmanagers"]
+    am["static_configs"] = [{"targets": [alertmanager]}]
     host = panel.removeprefix("http://")
     for job in config["scrape_configs"]:
         job["scrape_timeout"] = "1s"
@@ -54,13 +66,37 @@ def _query(prometheus: str, expr: str) -> list[dict]:
     return answer["data"]["result"]
 
 
+def _alerts(alertmanager: str, name: str) -> list[dict]:
+    response = httpx.get(f"{alertmanager}/api/v2/alerts", params={"filter": f'alertname="{name}"'}, timeout=5)
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.fixture
+def hook():
+    with receiving() as receiver:
+        yield receiver
+
+
+def _deliver_pending() -> list[str]:
+    """What the control worker's notify.deliver does with each pending delivery (called here as a function)."""
+    return [deliveries.delivery_send(pk) for pk in Delivery.objects.filter(status="pending").order_by("id")
+            .values_list("pk", flat=True)]
+
+
 @pytest.mark.slow
 def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
-        live_server_asgi, cpu_node, spawn, process_env, tmp_path, unique):
-    """A real engine load, then a real Prometheus's first scrapes and its recording rules' first evaluation."""
+        live_server_asgi, cpu_node, spawn, process_env, tmp_path, unique, hook):
+    """A real engine load, then a real Prometheus's first scrapes and its recording rules' first evaluation, then
+    the engine killed: a crash told to a subscriber and raised in Alertmanager (over 60 s: one CPU engine load)."""
     assert Path(PROMETHEUS).exists(), "./panel test installs Debian's prometheus package"
+    assert Path(ALERTMANAGER).exists(), "./panel test installs Debian's prometheus-alertmanager package"
     node, model = cpu_node
     UserFactory(role="admin")  # the scrape key's owner (deployments/scrapekey.py)
+    # A subscriber to "ready" and "crashed", on a signed webhook (webhook channels are an admin's).
+    ops = UserFactory(role="admin", username=f"ops-{unique}")
+    channel, signing_key = notify.channel_add(ops, "webhook", "ops hook", hook.url)
+    notify.subscription_add(ops, ["ready", "crashed", "slo_breached"])
     gpu_node = NodeFactory(name=f"gpu-{unique}")  # a GPU host's telemetry, as its agent would send it
     GpuFactory(node=gpu_node, index=0, uuid="GPU-0", name="NVIDIA H200")
     deployment = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
@@ -68,6 +104,11 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
                            engine_args={"max-model-len": 2048, "served-model-name": "tiny", "enforce-eager": True})
     wait_until(lambda: Deployment.objects.get(pk=deployment.pk).status == "ready", timeout=300, interval=1,
                message="the engine to be ready")
+    # The agent's move to ready wrote the alert and its delivery in the same transaction: one signed message.
+    assert _deliver_pending() == ["sent"]
+    [told] = hook.received
+    assert signed(told, signing_key) and (told.json["event"], told.json["phase"]) == ("ready", "firing")
+    assert told.json["title"].startswith(f"{deployment.name} is ready after ") and told.json["data"]["load_seconds"] > 0
     gateway = start_gateway(spawn, process_env, node.name)  # it reports its port on the node's row: discovery lists it
     gateway_port = wait_until(lambda: Node.objects.get(pk=node.pk).gateway_port, timeout=30, message="the gateway's port")
 
@@ -76,7 +117,16 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
     nodes.node_sample_record(gpu_node.pk, _sample(1_700_000_000.0, [(40, 90)]), {})
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(_config(live_server_asgi, token_file)))
+    # The shipped rules with every `for:` shortened (a test cannot wait minutes), and a real Alertmanager.
+    alerts = tmp_path / "alerts.yml"
+    alerts.write_text(re.sub(r"\bfor: \d+[smh]\b", "for: 1s", (ROOT / "monitoring" / "alerts.yml").read_text()))
+    am_port = free_port()
+    alertmanager = f"http://127.0.0.1:{am_port}"
+    spawn([ALERTMANAGER, f"--config.file={ROOT / 'monitoring' / 'alertmanager.yml'}", f"--storage.path={tmp_path / 'am'}",
+           f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="], {"PATH": "/usr/bin:/bin"},
+          name="alertmanager")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(
+        _config(live_server_asgi, token_file, alerts, f"127.0.0.1:{am_port}")))
     port = free_port()
     prometheus = f"http://127.0.0.1:{port}"
     with override_settings(METRICS_TOKEN=TOKEN):
@@ -134,10 +184,42 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
                    if t["labels"].get("job") == "vllm"]
         assert scraped == [f"http://{node.address or '127.0.0.1'}:{gateway_port}/engines/{deployment.pk}/metrics"]
 
-    # The recorded vLLM names the dashboards are checked against are what this engine serves.
-    text = httpx.get(f"http://127.0.0.1:{deployment.port}/metrics", timeout=5).text
-    served = {s.name for f in text_string_to_metric_families(text) for s in f.samples} | {
-        f.name for f in text_string_to_metric_families(text)}
-    dashboard_vllm = {n for d in DASHBOARDS.values() for e in _exprs(d) for n in metric_names(e) if n.startswith("vllm:")}
-    assert dashboard_vllm and dashboard_vllm <= served
-    assert dashboard_vllm <= VLLM_NAMES
+        # The recorded vLLM names the dashboards are checked against are what this engine serves.
+        text = httpx.get(f"http://127.0.0.1:{deployment.port}/metrics", timeout=5).text
+        served = {s.name for f in text_string_to_metric_families(text) for s in f.samples} | {
+            f.name for f in text_string_to_metric_families(text)}
+        dashboard_vllm = {n for d in DASHBOARDS.values() for e in _exprs(d) for n in metric_names(e)
+                          if n.startswith("vllm:")}
+        assert dashboard_vllm and dashboard_vllm <= served
+        assert dashboard_vllm <= VLLM_NAMES
+
+        # An objective no engine meets (TTFT p95 at most 1 ms, told at once): one real request, the agent's reading
+        # of the engine's own TTFT histogram, and the periodic check tells the subscriber.
+        notify.slo_set(ops, deployment.pk, ttft_p95_ms=1, error_pct=None, minutes=0)
+        served = Deployment.objects.get(pk=deployment.pk)
+        vllm.smoke_test(f"http://127.0.0.1:{served.port}", "tiny", key=enginekey.of(served))
+        figures = wait_until(lambda: (live.kept([live.deployment_topic(deployment.pk)], "engine")[0] or {}).get(
+            "window_requests") and live.kept([live.deployment_topic(deployment.pk)], "engine")[0], timeout=30,
+            interval=0.5, message="the agent's SLO figures of the engine")
+        assert figures["ttft_p95_s"] > 0.001 and figures["error_share"] == 0.0
+        checks.conditions_check()
+        assert _deliver_pending() == ["sent"]
+        breach = hook.received[-1].json
+        assert breach["event"] == "slo_breached" and breach["title"].startswith(f"{deployment.name} breaks its SLO: TTFT p95")
+
+        # Kill the engine: the agent fails the deployment as crashed, the subscriber is told once, and the shipped
+        # rules raise DeploymentDown for it in Alertmanager.
+        assert not _alerts(alertmanager, "DeploymentDown")
+        os.kill(Deployment.objects.get(pk=deployment.pk).pid, signal.SIGKILL)
+        wait_until(lambda: Deployment.objects.get(pk=deployment.pk).status == "failed", timeout=120, interval=0.5,
+                   message="the agent to see the crash")
+        assert Deployment.objects.get(pk=deployment.pk).status_message.startswith("Crashed")
+        assert _deliver_pending() == ["sent"]
+        assert [r.json["event"] for r in hook.received] == ["ready", "slo_breached", "crashed"]
+        crash = hook.received[2]
+        assert signed(crash, signing_key) and crash.json["title"] == f"{deployment.name} crashed"
+        assert crash.json["severity"] == "error"
+        down = wait_until(lambda: _alerts(alertmanager, "DeploymentDown"), timeout=90, interval=1,
+                          message="DeploymentDown in Alertmanager")
+        assert [(a["labels"]["deployment"], a["labels"]["node"], a["labels"]["severity"]) for a in down] == [
+            (deployment.name, node.name, "critical")]

@@ -1,73 +1,19 @@
 """A real SMTP sink (aiosmtpd) and a real HTTP webhook receiver, a subscriber with one channel of each, and
 `send_due()`: what the control worker's notify.deliver does for every due delivery, called as a function.
 Task sends are caught before the broker (`sent` lists them)."""
-import json
-import threading
-from dataclasses import dataclass, field
 from email import message_from_bytes
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from unittest import mock
 
 import pytest
 
 from tests.conftest import free_port
-
-
-@dataclass
-class Received:
-    path: str
-    headers: dict
-    body: bytes
-
-    @property
-    def json(self) -> dict:
-        return json.loads(self.body)
-
-
-@dataclass
-class Receiver:
-    """An HTTP server that records each POST; `answer` is the status it replies with."""
-
-    port: int
-    answer: int = 200
-    received: list = field(default_factory=list)
-    server: ThreadingHTTPServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hook"
-
-    def start(self) -> None:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                receiver.received.append(Received(self.path, dict(self.headers), body))
-                self.send_response(receiver.answer)
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args):
-                pass
-
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-            self.server = None
+from tests.webhooks import receiving
 
 
 @pytest.fixture
 def receiver():
-    r = Receiver(free_port())
-    r.start()
-    yield r
-    r.stop()
+    with receiving() as r:
+        yield r
 
 
 class Sink:

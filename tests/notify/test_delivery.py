@@ -2,8 +2,6 @@
 periodic check), delivered to a real HTTP receiver and a real SMTP sink: each event exactly one message with the
 right content and a valid signature; repeats folded; a resolve after a firing; nobody told what they may not see."""
 import datetime as dt
-import hashlib
-import hmac
 import time
 
 import pytest
@@ -15,15 +13,13 @@ from deployments.notify import checks, services
 from deployments.notify.models import Attempt, Delivery
 from deployments.services import nodes
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory, UserFactory
+from tests.webhooks import signed
 
 S = Deployment.Status
 pytestmark = pytest.mark.django_db
 
 
-def _valid(received, key: str) -> bool:
-    expected = "sha256=" + hmac.new(key.encode(), received.headers["X-Panel-Timestamp"].encode() + b"." + received.body,
-                                    hashlib.sha256).hexdigest()
-    return hmac.compare_digest(received.headers.get("X-Panel-Signature", ""), expected)
+_valid = signed
 
 
 def _loading(**fields) -> Deployment:
