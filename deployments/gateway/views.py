@@ -6,21 +6,13 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from controlpanel.errors import ServiceError
-from controlpanel.roles import is_admin, operator_required
+from controlpanel.roles import operator_required
 from deployments.gateway import forms, keys, selectors
 from deployments.gateway.models import CallerKey
-
-
-def account_keys(user, form=None) -> dict:
-    """The account page's keys section: the user's own keys (an admin's: everyone's) and the create form."""
-    everyone = is_admin(user)
-    return {"caller_keys": selectors.keys_listed(None if everyone else user), "keys_everyone": everyone,
-            "key_form": form or forms.KeyForm(), "measures": selectors.MEASURES}
+from deployments.views.accountpage import account_context, account_keys
 
 
 def _account(request, status=200, **extra):
-    from deployments.views.account import account_context  # the page is the account view's (it imports this module)
-
     return render(request, "account.html", {**account_context(request), **extra}, status=status)
 
 

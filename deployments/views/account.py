@@ -11,8 +11,8 @@ from rest_framework.authtoken.models import Token
 from controlpanel import tokens
 from controlpanel.roles import is_operator
 from deployments import forms
-from deployments.gateway import views as gateway_views
 from deployments.services import repos
+from deployments.views.accountpage import account_context
 
 
 def panel_settings(request):
@@ -28,12 +28,6 @@ def panel_settings(request):
             return redirect("settings")
     return render(request, "settings.html", {"form": form, "hf_token_set": bool(repos.hf_token()),
                                              "hf_endpoint": settings.HF_ENDPOINT})
-
-
-def account_context(request, password_form=None) -> dict:
-    """What the account page shows: the API token's state, the password form, the gateway keys section."""
-    return {"has_token": Token.objects.filter(user=request.user).exists(),
-            "password_form": password_form if password_form is not None else PasswordChangeForm(request.user), **gateway_views.account_keys(request.user)}
 
 
 def account(request):
