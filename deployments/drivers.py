@@ -5,6 +5,3 @@ STUDY_DRIVERS: list = []  # filled by benchmarks' AppConfig.ready
 # Re-drives of queued work other apps own (benchmark runs), called by deployments/node/redrive.py with
 # (node id, due(task name, pk) -> bool, send(task name, pk, why=...) -> int); they return how many they sent.
 REDRIVE_DRIVERS: list = []
-# What the control plane learns from a fresh load that reached ready (issue 29's KV-cache calibration), called by
-# deployments/loads.py with (deployment, contextfit.EngineKv) on the node; registered by deployments/tasks.py.
-LOAD_FINISHED: list = []

@@ -2,8 +2,8 @@
 loader's read rate against the store's own, page-cache residency, pre-warm and the store's measurement.
 
 Beneath both sides (issue 26): the node's plan follows loads with it, the control plane asks for a measurement
-(services/loadtime.py). What the control plane learns from a finished load (issue 29's KV-cache calibration)
-is registered in drivers.LOAD_FINISHED, so nothing here imports a control-plane service."""
+(services/loadtime.py). A finished load's KV-cache calibration is kvcalibration.py, beneath both sides too, so
+nothing here imports a control-plane service."""
 import hashlib
 import json
 import logging
@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 from django.utils import timezone
 
-from deployments import contextfit, drivers, live, selectors
+from deployments import contextfit, kvcalibration, live, selectors
 from deployments.host import loadphases, pagecache
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 
@@ -127,12 +127,11 @@ class LoadWatch:
         # Measured here on the node (its RAM, its disk, its vLLM's flags), shown on the page, never applied.
         self.d.load_detail = {**self.d.load_detail, "phases": self.clock.as_data(), "recommend": load_recommendation(self.d)}
         Deployment.objects.filter(pk=self.d.pk).update(load_detail=self.d.load_detail)
-        if self.fresh:  # the estimate against the engine's own KV size corrects the next one (issue 29)
-            for learn in drivers.LOAD_FINISHED:
-                try:
-                    learn(self.d, self.engine_kv)
-                except Exception:  # noqa: BLE001 - a calibration must never fail a load that is ready
-                    log.exception("deployment %s: %s after the load failed", self.d.pk, getattr(learn, "__name__", learn))
+        if self.fresh:  # the estimate against the engine's own KV size corrects the next one
+            try:
+                kvcalibration.load_calibrate(self.d, self.engine_kv)
+            except Exception:  # noqa: BLE001 - a calibration must never fail a load that is ready
+                log.exception("deployment %s: the KV-cache calibration after the load failed", self.d.pk)
 
 
 def node_measure_disk(node_id: int, max_bytes: int = 1 << 30) -> dict:

@@ -7,15 +7,10 @@ import socket
 
 from celery import shared_task
 
-from deployments import drivers, loads
+from deployments import loads
 from deployments.host import hub
 from deployments.node import plan, ranks, redrive, watch  # noqa: F401 - redrive: its signals count the work in hand
-from deployments.services import contextfit, repos
-
-# The node follows loads (deployments/loads.py); what a finished one teaches the context estimate is control-plane
-# knowledge, given to it here, where both sides meet.
-if contextfit.load_calibrate not in drivers.LOAD_FINISHED:
-    drivers.LOAD_FINISHED.append(contextfit.load_calibrate)
+from deployments.services import repos
 
 
 @shared_task(name="deployments.node_ping")

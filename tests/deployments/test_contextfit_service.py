@@ -1,6 +1,7 @@
 """How much context fits, shown before Deploy, and the calibration after each load from the engine's own log
 (issue 29 item 3), on recorded real CPU engine logs."""
 import json
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from deployments import contextfit
+from deployments import contextfit, kvcalibration
 from deployments.models import DeploymentEvent, FitCalibration
 from deployments.services import contextfit as service
 from deployments.services import loadtime
@@ -85,13 +86,13 @@ def test_calibration_on_recorded_real_engine_logs_lowers_the_next_error():
     node = NodeFactory(ram_total=first.memory_total, cpu_count=2)
     model = ModelRepoFactory(config=config("tiny-llama"), files=TINY_FILES, total_size=1_904_056)
     later = _deployment(node, model, 0.16)
-    before = service.deployment_estimate(later)
+    before = kvcalibration.deployment_estimate(later)
     error_before = abs(before.tokens - second.tokens) / second.tokens
 
     _finished_load(_deployment(node, model, 0.12), log_lines(AUTO_LOGS[0.12]))
     cal = FitCalibration.objects.get()
     assert cal.observed_tokens == first.tokens and cal.correction_bytes != 0
-    after = service.deployment_estimate(later)
+    after = kvcalibration.deployment_estimate(later)
     error_after = abs(after.tokens - second.tokens) / second.tokens
     print(f"calibration: error {error_before:.1%} before, {error_after:.1%} after")
     assert error_after < error_before and error_after < 0.05, (error_before, error_after)
@@ -108,3 +109,24 @@ def test_an_explicit_kv_size_or_a_log_without_it_stores_nothing():
     _finished_load(_deployment(node, model, 0.9), ["INFO nothing about the KV cache"])
     assert not FitCalibration.objects.exists()
 
+
+
+def test_the_node_records_a_loads_calibration_without_entering_a_control_plane_service():
+    """Following a load runs on the node: its calibration writes the row from code beneath both sides."""
+    first = contextfit.EngineKv.from_lines(log_lines(AUTO_LOGS[0.12]))
+    node = NodeFactory(ram_total=first.memory_total, cpu_count=2)
+    model = ModelRepoFactory(config=config("tiny-llama"), files=TINY_FILES, total_size=1_904_056)
+    entered = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            entered.add(frame.f_globals.get("__name__", ""))
+
+    sys.setprofile(profile)
+    try:
+        _finished_load(_deployment(node, model, 0.12), log_lines(AUTO_LOGS[0.12]))
+    finally:
+        sys.setprofile(None)
+    assert FitCalibration.objects.get().observed_tokens == first.tokens
+    assert "deployments.kvcalibration" in entered
+    assert sorted(m for m in entered if m.startswith("deployments.services")) == []

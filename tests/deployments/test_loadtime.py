@@ -101,23 +101,23 @@ def test_a_load_followed_again_after_an_agent_restart_is_shown_but_not_learned_f
     assert d.load_detail["phases"]["segments"]
 
 
-def test_a_fresh_load_is_handed_to_the_control_planes_calibration_and_a_replayed_one_is_not(monkeypatch):
-    """The node follows loads; issue 29's KV calibration is the control plane's and registers itself
-    (deployments/tasks.py), so deployments/loads.py imports no service; one that fails never fails the load."""
-    from deployments import drivers
-    from deployments.services import contextfit
+def test_a_fresh_load_is_calibrated_a_replayed_one_is_not_and_a_failed_calibration_never_fails_the_load(monkeypatch):
+    """The node calibrates the KV estimate itself (deployments/kvcalibration.py, beneath both sides)."""
+    from deployments import kvcalibration
 
-    assert contextfit.load_calibrate in drivers.LOAD_FINISHED
     learnt = []
 
-    def broken(d, engine_kv):
+    def calibrate(d, engine_kv):
+        learnt.append((d.pk, engine_kv))
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(drivers, "LOAD_FINISHED", [broken, lambda d, engine_kv: learnt.append((d.pk, engine_kv))])
+    monkeypatch.setattr(kvcalibration, "load_calibrate", calibrate)
     fresh, replayed = DeploymentFactory(), DeploymentFactory()
-    watch, _, _, _ = _load(fresh)
+    watch, _, _, event = _load(fresh)
     _finished_load(replayed, loads.LoadWatch(replayed, fresh=False))
     assert learnt == [(fresh.pk, watch.engine_kv)]
+    fresh.refresh_from_db()
+    assert event.data["totals"] and fresh.load_detail["phases"]  # the load is kept all the same
 
 
 def test_the_detail_reports_model_size_residency_and_free_ram(tmp_path):
