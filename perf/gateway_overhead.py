@@ -7,10 +7,10 @@ Engines: the known-schedule server (tests/schedserver.py, TTFT 50 ms, a token ev
 and the real CPU vLLM serving the tiny model (unless --no-engine). The client is a bare asyncio/aiohttp
 chunk reader (uvloop) streaming /v1/completions with include_usage; tokens are the engine's usage counts.
 
-Figures (the last line holds them as name=value pairs; targets in brackets):
+Figures (a PASS, MISS or NOT RUN line per target, then the last line holds them as name=value pairs):
   tok/s ratio gateway/direct at c=1, 64, 256, schedserver and CPU engine   [>= 0.98]
   added TTFT p50 / p99 at c=64 (gateway minus direct, schedserver)          [<= 1 ms / <= 5 ms]
-  the c=64 ratio with 1 key and with 10,000 keys configured                 [no measurable change]
+  the c=64 ratio with 1 key and with 10,000 keys configured                 [no measurable change: >= -0.02]
   revocation: revoke + changes.changed() -> the first 401, worst of 5        [<= 1 s]
   gateway RSS over a soak at the zero-delay schedserver's top speed         [flat, +-10 %]
 
@@ -267,6 +267,33 @@ def soak(gateway_url, key, seconds, proc) -> dict:
             "growth": settled[-1] / settled[0] - 1}
 
 
+def verdicts(figures) -> list[str]:
+    """One line per issue target: PASS or MISS with the figure, or NOT RUN when its part was skipped."""
+    out = []
+
+    def check(name, ok, shown, target):
+        out.append(f"{'PASS' if ok else 'MISS'}  {name} {shown}  [{target}]")
+
+    for peer in ("sched", "cpu_engine"):
+        found = {k: v for k, v in figures.items() if k.startswith(f"{peer}_c") and k.endswith("_ratio")}
+        if not found:
+            out.append(f"NOT RUN  {peer} tok/s ratios  [>= 0.98]")
+        for k, v in found.items():
+            check(k, v >= 0.98, f"{v:.3f}", ">= 0.98")
+    if "added_ttft_p50_ms" in figures:
+        check("added TTFT p50 at c=64", figures["added_ttft_p50_ms"] <= 1.0, f"{figures['added_ttft_p50_ms']:+.2f} ms",
+              "<= 1 ms")
+        check("added TTFT p99 at c=64", figures["added_ttft_p99_ms"] <= 5.0, f"{figures['added_ttft_p99_ms']:+.2f} ms",
+              "<= 5 ms")
+    if "sched_c64_ratio" in figures:
+        drift = figures["sched_c64_ratio"] - figures["sched_c64_ratio_1key"]
+        check(f"c=64 ratio, {KEYS} keys vs 1", drift >= -0.02, f"{drift:+.3f}", "no measurable change: >= -0.02")
+    check("revocation", figures["revocation_ms"] <= 1000, f"{figures['revocation_ms']:.0f} ms", "<= 1 s")
+    growth = figures["soak_rss_growth"]
+    check("gateway RSS over the soak", abs(growth) <= 0.10, f"{growth * 100:+.1f} %", "+-10 %")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="each peer's time at each concurrency")
@@ -326,7 +353,7 @@ def main():
     finally:
         children.stop()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {KEYS} keys configured")
-    for line in report:
+    for line in report + verdicts(figures):
         print(line)
     print(" ".join(f"{k}={v}" for k, v in figures.items()))
 
