@@ -380,7 +380,7 @@ class DeploymentRank(Transitions, EngineProcess):
         State.REACHED: {State.PENDING, State.LAUNCH},
         State.LAUNCH: {State.PENDING, State.LOADING},
         State.LOADING: {State.PENDING, State.RUNNING},
-        State.RUNNING: {State.PENDING},
+        State.RUNNING: {State.PENDING, State.LOADING},  # loading again: its unit restarts a persisted rank's engine
         State.STOPPING: {State.PENDING},
         State.STOPPED: {State.PENDING},
         State.FAILED: {State.PENDING},

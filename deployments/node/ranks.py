@@ -9,7 +9,9 @@ The order, as vLLM's `--nnodes` launch needs it (tensor/pipeline parallel over t
   3. workers launch `vllm serve … --headless --node-rank R` first, then the head (rank 0);
   4. health and smoke test on the head. Any rank dying fails the whole deployment and every other
      rank is stopped; Stop stops all ranks. A persisted deployment runs every rank under a systemd
-     unit of its own node (the same order: each agent installs its rank's unit when told to launch).
+     unit of its own node (the same order: each agent installs its rank's unit when told to launch),
+     and systemd owns its restarts, as a persisted head's (units.py): a rank whose engine exited, or
+     whose unit starts after the agent, waits in loading and is adopted once its unit's engine runs.
 A data-parallel layout (DP > 1) runs the same plan with vLLM's data-parallel launch instead: the
 master port is the head's DP RPC port, each worker runs `--headless` with its replicas
 (`--data-parallel-size-local`) from its first DP rank (`--data-parallel-start-rank`).
@@ -29,7 +31,7 @@ from deployments import claims, engineargs, layout, secrets
 from deployments.dispatch import node_enqueue
 from deployments.host import engine, enginecli, enginelog, firewall, preflight, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
-from deployments.node import lifecycle, raycluster
+from deployments.node import lifecycle, raycluster, units
 from deployments.node.cluster import head_address, multinode_args, rank_env, ranks_failed
 from deployments.node.crashes import deployment_crashed
 from deployments.node.lifecycle import RAY_TERM_S, STOP_TERM_S, TAIL_LINES
@@ -315,36 +317,89 @@ def rank_halt(rank_id: int) -> DeploymentRank:
 
 def ranks_watch(node_id: int) -> None:
     """One pass over the worker ranks this node runs: a dead rank fails the whole deployment (its head's
-    node does that, stopping every other rank)."""
+    node does that, stopping every other rank), unless its unit starts it again (a persisted deployment)."""
     for r in DeploymentRank.objects.select_related("deployment__node", "node").filter(node_id=node_id,
                                                                                       state__in=DeploymentRank.ENGINE):
-        if r.pid is None or rank_running(r):
-            if r.state == R.LOADING and r.deployment.status == S.READY and r.pid:
+        if r.pid is None:
+            if lifecycle.unit_of(r) and r.marker:
+                _unit_watch(r)
+            continue
+        if rank_running(r):
+            if r.state == R.LOADING and r.deployment.status == S.READY:
                 _end(r, R.RUNNING, "")  # its rank_run task ended (an agent restart) before the head was ready
             continue
-        with transaction.atomic():
-            row = DeploymentRank.objects.select_for_update().get(pk=r.pk)
-            if row.state not in DeploymentRank.ENGINE or row.pid != r.pid:
+        if lifecycle.unit_of(r):
+            coming, said = units.unit_coming(r)
+            if coming:
+                _unit_wait(r, f"the engine exited; {said}: systemd starts it again")
                 continue
-            row.transition(R.FAILED, message="its engine process exited")
-            row.save(update_fields=["state", "message", "updated"])
-        _give_up(r, f"node {r.node.name}: rank {r.rank}'s engine process exited")
-        enqueue("deployments.deployment_rank_lost", args=[r.deployment_id, r.pk], queue=r.deployment.node.queue)
+        _lost(r, "its engine process exited")
+
+
+def _lost(r: DeploymentRank, why: str) -> None:
+    """The rank's engine is gone for good: the rank fails (its unit disabled) and its head's node fails the rest."""
+    with transaction.atomic():
+        row = DeploymentRank.objects.select_for_update().get(pk=r.pk)
+        if row.state not in DeploymentRank.ENGINE or row.pid != r.pid:
+            return
+        row.transition(R.FAILED, message=why)
+        row.save(update_fields=["state", "message", "updated"])
+    _give_up(r, f"node {r.node.name}: rank {r.rank}: {why}")
+    enqueue("deployments.deployment_rank_lost", args=[r.deployment_id, r.pk], queue=r.deployment.node.queue)
+
+
+def _unit_wait(r: DeploymentRank, why: str) -> None:
+    """A persisted rank's engine is gone and its unit starts it again: the rank waits in "loading" naming no
+    process (its marker kept: the unit's engine carries it), since when its `updated` says."""
+    with transaction.atomic():
+        row = DeploymentRank.objects.select_for_update().get(pk=r.pk)
+        if row.state not in DeploymentRank.ENGINE or row.pid != r.pid:
+            return
+        if row.state == R.RUNNING:
+            row.transition(R.LOADING)
+        DeploymentRank.objects.filter(pk=r.pk).update(state=row.state, pid=None, pgid=None, pid_create_time=None,
+                                                      message=why, updated=timezone.now())
+    r.state, r.pid, r.pgid, r.pid_create_time, r.message = row.state, None, None, None, why
+    deployment_event(r.deployment, f"unit_restart@{r.node.name}", f"Rank {r.rank}: {why}.", node=r.node.name)
+
+
+def _unit_watch(r: DeploymentRank) -> None:
+    """A persisted rank waiting for its unit: adopted once the unit's MainPID carries the marker (running again
+    once the head is ready); failed when systemd gave up, or after units.UNIT_WAIT_S."""
+    d = r.deployment
+    if d.status not in Deployment.ACTIVE or d.status == S.STOPPING:
+        return  # the head's Stop or failure halts the rank (rank_halt)
+    if lifecycle.adopt(r):
+        DeploymentRank.objects.filter(pk=r.pk).update(message="", updated=timezone.now())
+        deployment_event(d, f"adopted@{r.node.name}", f"systemd started rank {r.rank}'s engine again under "
+                         f"{lifecycle.unit_of(r)} (PID {r.pid}, proven by its marker); adopted.", node=r.node.name)
+        return
+    coming, said = units.unit_coming(r)
+    if not coming:
+        _lost(r, f"{said}: systemd will not start the engine again")
+    elif (timezone.now() - r.updated).total_seconds() > units.UNIT_WAIT_S:
+        _lost(r, f"{lifecycle.unit_of(r)} did not start the engine within {units.UNIT_WAIT_S:.0f} s")
 
 
 def ranks_reconcile(node) -> dict:
-    """On agent start: a rank whose engine still runs for an active deployment is adopted; any other
-    is failed and its deployment told (the head fails the whole group)."""
-    report = {"adopted": [], "failed": []}
+    """On agent start: a rank whose engine still runs for an active deployment is adopted; one whose unit is
+    to start it waits for it (a persisted deployment); any other is failed and its deployment told (the head
+    fails the whole group)."""
+    report = {"adopted": [], "failed": [], "waiting": []}
     for r in DeploymentRank.objects.select_related("deployment__node", "node").filter(node=node).exclude(
             state__in=DeploymentRank.ENDED):
         d = r.deployment
+        active = d.status in Deployment.ACTIVE - {S.STOPPING}
         if r.state == R.STOPPING:
             enqueue("deployments.rank_halt", args=[r.pk], queue=node.queue)
-        elif r.state in DeploymentRank.ENGINE and lifecycle.adopt(r) and d.status in Deployment.ACTIVE - {S.STOPPING}:
+        elif r.state in DeploymentRank.ENGINE and lifecycle.adopt(r) and active:
             report["adopted"].append(str(r))
             deployment_event(d, f"adopted@{node.name}", f"The agent of {node.name} restarted and adopted rank {r.rank} "
                              f"(PID {r.pid}).", node=node.name)
+        elif (r.state in DeploymentRank.ENGINE and active and lifecycle.unit_of(r) and r.marker
+              and (coming := units.unit_coming(r))[0]):
+            report["waiting"].append(str(r))
+            _unit_wait(r, f"the agent restarted and the engine is not running; waiting for {coming[1]}")
         else:
             report["failed"].append(str(r))
             _give_up(r, f"node {node.name}: the agent restarted and rank {r.rank} was not running")

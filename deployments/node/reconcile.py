@@ -39,9 +39,10 @@ def deployments_reconcile(node) -> dict:
         else:
             report["failed"].append(d.name)
             fail(d, "The node agent restarted and the engine is not running (or the plan was interrupted); redeploy it.")
-    ranked = ranks_reconcile(node)  # this node's worker ranks: adopted, or their group failed
+    ranked = ranks_reconcile(node)  # this node's worker ranks: adopted, waiting for their unit, or their group failed
     report["adopted"] += ranked["adopted"]
     report["failed"] += ranked["failed"]
+    report["following"] += ranked["waiting"]
     return report
 
 

@@ -7,6 +7,8 @@ agent asks systemd for the unit's MainPID and adopts that process when it carrie
 load is (a "load" step in its history). While systemd is still to start it (restarting, or enabled for a boot
 not yet done) the deployment waits in "loading" with no PID, for at most UNIT_WAIT_S; a unit systemd gave up on,
 or one no longer enabled, fails the deployment, and fail() disables the unit, so nothing comes back as an orphan.
+A worker rank of a persisted multi-node deployment runs under a unit of its own node and follows the same rule
+(ranks.py asks `unit_coming`).
 """
 import logging
 import os
@@ -14,7 +16,7 @@ import time
 
 from deployments.dispatch import node_enqueue
 from deployments.host import systemd
-from deployments.models import Deployment
+from deployments.models import Deployment, EngineProcess
 from deployments.node import lifecycle
 from deployments.node.steps import Aborted, fail, move
 from deployments.timeline import deployment_event
@@ -24,12 +26,20 @@ S = Deployment.Status
 UNIT_WAIT_S = float(os.environ.get("ENGINE_UNIT_WAIT_S", "600"))  # a boot, or systemd's RestartSec, well within
 
 
-def _status(d: Deployment) -> systemd.UnitStatus | None:
+def _status(p: EngineProcess) -> systemd.UnitStatus | None:
     try:
-        return systemd.unit_status(d.systemd_unit)
+        return systemd.unit_status(lifecycle.unit_of(p))
     except systemd.SystemdError as exc:
-        log.warning("deployment %s: cannot read %s: %s", d.name, d.systemd_unit, exc)
+        log.warning("%s: cannot read %s: %s", p, lifecycle.unit_of(p), exc)
         return None
+
+
+def unit_coming(p: EngineProcess) -> tuple[bool, str]:
+    """Whether systemd starts the engine of `p` (a head or a worker rank) again by itself, and its unit's state."""
+    status = _status(p)
+    if status is None:
+        return False, f"{lifecycle.unit_of(p)} cannot be read"
+    return status.coming, f"{lifecycle.unit_of(p)} is {status.active} ({status.enabled})"
 
 
 def _wait(d: Deployment, why: str) -> None:
