@@ -214,8 +214,12 @@ def start(args) -> int:
         children.start("worker", [PYTHON, "-m", "celery", "-A", "controlpanel", "--quiet", "worker", "-Q", "control",
                                   "-n", "control@%h", "--loglevel", "INFO", "--concurrency", "2",
                                   "-B", "-s", str(var_dir / "celerybeat-schedule")], env)
+        # The address pages give callers (the gateway's base URL) is where the gateway listens: this host's
+        # own address when it listens on every interface, else the address it was given (loopback by default).
+        node_address = [] if args.host in ("0.0.0.0", "::") else [
+            "--address", "127.0.0.1" if args.host == "localhost" else args.host]
         agent = children.start("nodeagent", [PYTHON, "manage.py", "nodeagent", "--name", node_name,
-                                     "--model-store", env["MODEL_STORE"]], env)
+                                             "--model-store", env["MODEL_STORE"], *node_address], env)
         # The node's gateway (issue 28): the one door callers use; engines listen on loopback behind it.
         gateway_port = args.gateway_port
         env["GATEWAY_PORT"] = str(gateway_port)  # the panel's pages say where the node's gateway is

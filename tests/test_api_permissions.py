@@ -9,6 +9,8 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from benchmarks.models import BenchmarkRun
+from deployments.models import Recipe
+from deployments.services import recipes
 
 pytestmark = pytest.mark.django_db
 PATHS = SchemaGenerator().get_schema(request=None, public=True)["paths"]
@@ -24,6 +26,10 @@ def objects(api_objects, operator):
     ids = {name: (obj.name if name == "nodes" else obj.pk) for name, obj in api_objects.items()}
     # A caller key of the operator's (operators change their own keys, admins everyone's).
     ids["keys"] = CallerKey.objects.create(owner=operator, name="team", prefix="vcp-test", digest="f" * 64).pk
+    # The shipped recipes, as the list reads them in: ids are the database's own (PostgreSQL's sequences never
+    # go back, so an id of 1 may be long gone).
+    recipes.recipes_sync()
+    ids["recipes"] = Recipe.objects.order_by("pk").values_list("pk", flat=True).first()
     return ids
 
 

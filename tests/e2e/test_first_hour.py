@@ -104,7 +104,7 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
            "--pool", "threads", "--concurrency", "2", "--without-gossip", "--without-mingle"], env, name="control-worker")
     node, _, _ = start_cpu_node(env, spawn, unique, tmp_path, None)
     # The node's gateway, as `./panel start` runs it: the one door callers use (engines listen on loopback).
-    gateway = start_gateway(spawn, env, node.name)
+    gateway = start_gateway(spawn, env, node.name, host=Node.objects.get(pk=node.pk).address or "127.0.0.1")
     wait_until(lambda: Node.objects.get(pk=node.pk).gateway_port, timeout=30, message="the gateway's port")
     page = logged_in_page
     cli_env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": api_tokens.issue(operator),

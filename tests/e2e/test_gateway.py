@@ -19,7 +19,7 @@ from deployments.gateway import changes
 from deployments.gateway.models import CallerKey, Usage
 from deployments.host import engine, enginecli, enginelog, vllm
 from deployments.models import Deployment
-from tests.conftest import VLLM, free_port, wait_until
+from tests.conftest import VLLM, free_port, run_async, wait_until
 from tests.factories import NodeFactory
 from tests.gateway.conftest import make_deployment, make_key
 from tests.schedserver import SchedServer
@@ -57,13 +57,15 @@ def cpu_engine(tiny_model, tmp_path_factory):
         engine.stop(handle.pgid, term_timeout_s=5.0)
 
 
-def start_gateway(spawn, env, node_name: str, ready_wait: float = 5.0) -> str:
-    """`manage.py gateway` for `node_name` on a free port; its base URL once it says it listens."""
-    proc = spawn([sys.executable, "manage.py", "gateway", "--node", node_name, "--host", "127.0.0.1", "--port", "0",
+def start_gateway(spawn, env, node_name: str, ready_wait: float = 5.0, host: str = "127.0.0.1") -> str:
+    """`manage.py gateway` for `node_name` on `host` and a free port; its base URL once it says it listens. Pass
+    the node's registered address where callers are given the node's URL (pages, Prometheus discovery)."""
+    proc = spawn([sys.executable, "manage.py", "gateway", "--node", node_name, "--host", host, "--port", "0",
                   "--ready-wait", str(ready_wait)], env, name="gateway")
-    found = wait_until(lambda: re.search(rb"listening on http://127\.0\.0\.1:(\d+)", Path(proc.log_path).read_bytes()),
+    found = wait_until(lambda: re.search(rb"listening on http://" + re.escape(host.encode()) + rb":(\d+)",
+                                         Path(proc.log_path).read_bytes()),
                        timeout=60, message="the gateway to listen")
-    return f"http://127.0.0.1:{int(found.group(1))}"
+    return f"http://{host}:{int(found.group(1))}"
 
 
 def bearer(key: str) -> dict:
@@ -232,7 +234,7 @@ def test_the_rps_limit_lets_through_its_rate_and_answers_429_with_retry_after(pr
                 await asyncio.gather(*(worker() for _ in range(4)))
             return ok, refused
 
-        ok, refused = asyncio.run(hammer())
+        ok, refused = run_async(hammer())
     assert refused and all(r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 for _, r in refused)
     first = ok[0][0]
     after_burst = [t for t, _ in ok if t > first + 1.0]  # the bucket starts full: one second's worth

@@ -109,7 +109,8 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
     [told] = hook.received
     assert signed(told, signing_key) and (told.json["event"], told.json["phase"]) == ("ready", "firing")
     assert told.json["title"].startswith(f"{deployment.name} is ready after ") and told.json["data"]["load_seconds"] > 0
-    gateway = start_gateway(spawn, process_env, node.name)  # it reports its port on the node's row: discovery lists it
+    # On the node's address (discovery gives Prometheus that); it reports its port on the node's row.
+    gateway = start_gateway(spawn, process_env, node.name, host=node.address or "127.0.0.1")
     gateway_port = wait_until(lambda: Node.objects.get(pk=node.pk).gateway_port, timeout=30, message="the gateway's port")
 
     # Recorded now, not before the load: the latest sample is kept for a bounded time, and a load on a busy

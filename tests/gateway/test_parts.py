@@ -7,6 +7,7 @@ from deployments.gateway import keyset, media, stream, usage
 from deployments.gateway.config import Key, Snapshot, digest
 from deployments.gateway.keyset import Refused
 from deployments.gateway.limits import Admission, KeyLimits, MinuteWindow, TokenBucket, retry_after_header
+from tests.conftest import run_async
 
 
 def key(**fields) -> Key:
@@ -70,7 +71,7 @@ def test_admission_queues_in_order_and_refuses_beyond_its_queue():
         gate.release(1)
         return order, gate.in_flight, len(gate.waiters)
 
-    assert asyncio.run(scenario()) == ([0, 1], 0, 0)
+    assert run_async(scenario()) == ([0, 1], 0, 0)
 
 
 def test_a_cancelled_waiter_leaves_the_queue():
@@ -84,7 +85,7 @@ def test_a_cancelled_waiter_leaves_the_queue():
         gate.release(1)
         return gate.in_flight, len(gate.waiters)
 
-    assert asyncio.run(scenario()) == (0, 0)
+    assert run_async(scenario()) == (0, 0)
 
 
 USAGE_EVENT = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8,' \

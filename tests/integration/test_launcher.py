@@ -63,6 +63,8 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
             assert home.url.path == "/" and "Fleet" in home.text
             nodes = wait_until(lambda: http.get("/api/nodes/").json()["results"], timeout=60, message="the local node")
             assert nodes[0]["name"] == "launcher-node" and nodes[0]["online"]
+            # Pages give callers the gateway at the node's address: where it listens (loopback here).
+            assert nodes[0]["address"] == "127.0.0.1"
             # The node's gateway answers, and refuses a call without a key (issue 28).
             assert wait_until(lambda: httpx.get(f"http://127.0.0.1:{gateway_port}/healthz").status_code == 200,
                               timeout=30, message="the gateway")
