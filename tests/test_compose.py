@@ -161,3 +161,14 @@ def test_the_node_agent_can_firewall_multi_node_engines():
     assert agent["cgroup"] == "host" and "NET_ADMIN" in agent["cap_add"]
     assert "/sys/fs/cgroup:/sys/fs/cgroup:rw" in agent["volumes"], "Docker mounts cgroupfs read-only otherwise"
     assert re.search(r"apt-get install .*\bnftables\b", (ROOT / agent["build"]["dockerfile"]).read_text())
+
+
+def test_one_beat_service_runs_the_notification_schedule():
+    """The periodic notification checks need Celery beat, exactly once per panel: a service of its own (workers
+    may scale), with the schedule settings.py takes from deployments/notify/schedule.py."""
+    from django.conf import settings
+
+    beats = [name for name, s in SERVICES.items() if "beat" in s.get("command", [])]
+    assert beats == ["beat"] and SERVICES["beat"]["command"][:3] == ["celery", "-A", "controlpanel"]
+    assert "-B" not in SERVICES["worker"]["command"]
+    assert {e["task"] for e in settings.CELERY_BEAT_SCHEDULE.values()} == {"notify.conditions_check", "notify.deliveries_due"}
