@@ -30,7 +30,7 @@ from controlpanel import tokens
 from deployments import enginekey
 from deployments.host import engine, firewall, ownership
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
-from deployments.node import ranks
+from deployments.node import plan, ranks
 from deployments.services import deploys, multinode, repos
 from django.conf import settings as django_settings
 
@@ -136,8 +136,10 @@ def _settle(d, states, timeout=LOAD_TIMEOUT_S):
 
 
 def _smoked(d):
-    return wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=120,
-                      message=f"{d.name}'s smoke test")
+    """Its smoke answer, waited for as long as the plan asks (plan.SMOKE_BOUND_S): a TP-2 engine's first answer
+    on a busy 2-core host took over 120 s on CI."""
+    return wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=plan.SMOKE_BOUND_S + 30,
+                      interval=0.5, message=f"{d.name}'s smoke test")
 
 
 def _rank_running(d):
