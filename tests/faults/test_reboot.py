@@ -84,7 +84,10 @@ def _persisted(agent, model):
     d = deploy(model, Node.objects.get(pk=agent.node.pk))
     assert settle(d, timeout=60).status == "ready"
     deploys.deployment_persist(Deployment.objects.get(pk=d.pk))
-    wait_until(lambda: (r := Deployment.objects.get(pk=d.pk)).systemd_unit and r.status == "ready" and r.pid,
+    # Ready again after the switch: the row names the unit's engine (its PID) while it still reads "ready" from
+    # before, until the plan moves it to loading; only after the "Installed" step is "ready" the unit's engine's.
+    wait_until(lambda: DeploymentEvent.objects.filter(deployment=d, step="persist", message__startswith="Installed")
+               .exists() and (r := Deployment.objects.get(pk=d.pk)).systemd_unit and r.status == "ready" and r.pid,
                timeout=60, message="the deployment to run under its unit")
     return Deployment.objects.get(pk=d.pk)
 
