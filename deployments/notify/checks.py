@@ -112,23 +112,26 @@ def slo_breaches(slo: Slo, engine: dict) -> list[str]:
     return broken
 
 
+def _slo_met(slo: Slo, note: str) -> None:
+    """No breach now: its clock stops and a breach told before is resolved with `note`."""
+    if slo.breach_since is not None:
+        Slo.objects.filter(pk=slo.pk).update(breach_since=None)
+    alert_resolve("slo", note, deployment=slo.deployment)
+
+
 def slo_check(slo: Slo, engine: dict | None) -> None:
     """A breach that has lasted `minutes` fires slo_breached once; met again (or the deployment no longer
     serving), it resolves. Figures that are missing or stale change nothing."""
     d = slo.deployment
     if d.status != Deployment.Status.READY:
-        if slo.breach_since is not None:
-            Slo.objects.filter(pk=slo.pk).update(breach_since=None)
-        alert_resolve("slo", f"{d.name} is no longer serving ({d.status}).", deployment=d)
+        _slo_met(slo, f"{d.name} is no longer serving ({d.status}).")
         return
     if not engine or engine.get("at", 0) < time.time() - FRESH_S:
         return
     broken = slo_breaches(slo, engine)
     window = f"over the last {engine.get('window_s', 0) / 60:.1f} min, {engine.get('window_requests', 0)} requests"
     if not broken:
-        if slo.breach_since is not None:
-            Slo.objects.filter(pk=slo.pk).update(breach_since=None)
-        alert_resolve("slo", f"{d.name} meets its objectives again ({window}).", deployment=d)
+        _slo_met(slo, f"{d.name} meets its objectives again ({window}).")
         return
     now = timezone.now()
     since = slo.breach_since or now
