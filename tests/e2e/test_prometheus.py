@@ -199,9 +199,9 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
         notify.slo_set(ops, deployment.pk, ttft_p95_ms=1, error_pct=None, minutes=0)
         served = Deployment.objects.get(pk=deployment.pk)
         vllm.smoke_test(f"http://127.0.0.1:{served.port}", "tiny", key=enginekey.of(served))
-        figures = wait_until(lambda: (live.kept([live.deployment_topic(deployment.pk)], "engine")[0] or {}).get(
-            "window_requests") and live.kept([live.deployment_topic(deployment.pk)], "engine")[0], timeout=30,
-            interval=0.5, message="the agent's SLO figures of the engine")
+        topic = live.deployment_topic(deployment.pk)
+        figures = wait_until(lambda: (kept := live.kept([topic], "engine")[0] or {}).get("window_requests") and kept,
+                             timeout=30, interval=0.5, message="the agent's SLO figures of the engine")
         assert figures["ttft_p95_s"] > 0.001 and figures["error_share"] == 0.0
         checks.conditions_check()
         assert _deliver_pending() == ["sent"]
