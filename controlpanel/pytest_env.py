@@ -20,3 +20,23 @@ os.environ.setdefault("PANEL_TEST_PASSWORD_HASHER", "md5")
 os.environ.setdefault("PANEL_CACHE_DIR", tempfile.mkdtemp(prefix="panel-test-cache-"))
 # The key the tests' Hugging Face tokens are sealed with: this session's own, never the user's var/hf-token.key.
 os.environ.setdefault("HF_TOKEN_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="panel-test-key-"), "hf-token.key"))
+
+
+def _worker_apart() -> None:
+    """Under pytest-xdist (`./panel test` runs the suite on two workers), each worker gets a Redis database and
+    key prefix of its own: its Celery queues (the control queue included), Channels groups, cached answers and
+    live state are never another worker's. The database is pytest-django's per-worker test database."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    n = int(worker[2:])
+    os.environ["CHANNELS_PREFIX"] = f"{os.environ['CHANNELS_PREFIX']}{n}"
+    url = os.environ.get("REDIS_URL")
+    if url:
+        base, _, db = url.rpartition("/")
+        if not db.isdigit():  # no database named: the URL ends at the host
+            base, db = url.rstrip("/"), "0"
+        os.environ["REDIS_URL"] = f"{base}/{(int(db) + 1 + n) % 16}"
+
+
+_worker_apart()
