@@ -34,6 +34,10 @@ def test_parameters_under_a_million_are_written_with_separators(operator_client)
     assert '<dd id="parameters">8.0 billion</dd>' in _html(operator_client, ModelRepoFactory(num_parameters=8_030_261_248))
 
 
+def test_the_commit_id_is_clipped_in_its_card_with_the_whole_id_in_its_title(operator_client):
+    assert f'<code class="clip" id="commit" title="{"c" * 40}">' in _html(operator_client, _model())
+
+
 def test_a_ready_copy_lists_its_files_verified_and_in_units_that_show_them(operator_client):
     model = _model()
     ModelCopyFactory(model=model, node=NodeFactory(name="cpu-01"), state="ready")
