@@ -199,6 +199,8 @@ LIVE_TICK_S = env_float("LIVE_TICK_S", 0.05)
 # as after Redis restarted empty and forgot every group (deployments/consumers.py, static/panel/live.js).
 LIVE_HEARTBEAT_S = env_float("LIVE_HEARTBEAT_S", 3.0)
 
+# How long the smoke test may wait for a just-loaded engine's first answer (a busy host, a first-request compile).
+SMOKE_BOUND_S = env_float("PANEL_SMOKE_BOUND_S", 180.0)
 CELERY_BROKER_URL = REDIS_URL
 # kombu's Redis transport with the fix that keeps a worker alive when Redis goes away mid-BRPOP (controlpanel/broker.py).
 CELERY_BROKER_TRANSPORT = "controlpanel.broker:Transport"

@@ -1,4 +1,5 @@
 """Shared fixtures. Django is imported lazily so `tests/gpu` runs on a GPU host without Django."""
+import fcntl
 import os
 import socket
 import subprocess
@@ -44,6 +45,22 @@ def pytest_collection_modifyitems(config, items):
             misplaced.append(f"{item.nodeid} is marked slow without a docstring saying why it must be")
     if misplaced:
         raise pytest.UsageError("\n".join(misplaced))
+    if os.environ.get("DATABASE_URL", "").startswith("postgres"):
+        one_db = [item for item in items if item.get_closest_marker("sqlite_only")]
+        if one_db:
+            config.hook.pytest_deselected(items=one_db)
+            items[:] = [item for item in items if not item.get_closest_marker("sqlite_only")]
+    # The longest first: xdist's `load` scheduling deals the first quarter out in turn and the rest as workers
+    # free up, so the slow tests start at once on both workers and the short ones fill in around them.
+    items.sort(key=_cost_rank)
+
+
+def _cost_rank(item) -> int:
+    """Slow, then end-to-end, fault and integration tests, then the rest (a stable sort keeps modules together)."""
+    for rank, marker in enumerate(("slow", "e2e", "faults", "integration")):
+        if item.get_closest_marker(marker):
+            return rank
+    return 4
 
 
 _durations: dict[str, float] = {}
@@ -147,6 +164,21 @@ def _fresh_live_state(request):
         keys = list(client.scan_iter(pattern, count=1000))
         if keys:
             client.delete(*keys)
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_beside(request):
+    """Under pytest-xdist the suite runs on two workers at once. A test marked `alone` counts every real engine's
+    /dev/shm file that appears while it runs as its own, so no other real engine may start meanwhile: it holds
+    this run's engine lock exclusively, and every test that serves the tiny model holds it shared."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    alone = request.node.get_closest_marker("alone") is not None
+    if not run or not (alone or "tiny_model" in request.fixturenames):
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"panel-tests-{run}.engines.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ def test_ci_prints_the_thirty_slowest_tests_and_a_developer_run_does_not():
 def test_the_suite_runs_on_two_workers_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("PANEL_TEST_WORKERS", raising=False)
     argv = launcher.pytest_argv([], ci=True)
-    assert argv[argv.index("-n") + 1] == "2" and argv[argv.index("--dist") + 1] == "worksteal"
+    assert argv[argv.index("-n") + 1] == "2" and argv[argv.index("--dist") + 1] == "load"
     assert launcher.pytest_argv(["-n", "0", "tests/host"], ci=False) == ["-n", "0", "tests/host"]
     monkeypatch.setenv("PANEL_TEST_WORKERS", "3")
     assert launcher.pytest_argv([], ci=False)[:2] == ["-n", "3"]

@@ -297,14 +297,13 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
     watch.finish()
 
 
-SMOKE_BOUND_S = 180.0  # the first answer of a just-loaded engine may be slow (a busy host, a first-request compile)
 SMOKE_RETRY_S = 2.0
 
 
 def _ask_smoke(d: Deployment, base_url: str, key: str = "") -> vllm.SmokeResult:
-    """The smoke test's answer, asked again after a timeout or a 5xx until SMOKE_BOUND_S has passed;
+    """The smoke test's answer, asked again after a timeout or a 5xx until settings.SMOKE_BOUND_S has passed;
     a 4xx (our request is wrong) is the answer at once. `key`: the engine's (enginekey)."""
-    deadline = time.monotonic() + SMOKE_BOUND_S
+    deadline = time.monotonic() + settings.SMOKE_BOUND_S
     while True:
         try:
             name = d.served_model_name or (vllm.served_models(base_url, key=key) or [""])[0]

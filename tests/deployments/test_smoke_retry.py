@@ -63,8 +63,8 @@ def test_a_4xx_is_the_answer_at_once(fast):
     assert asked == [404]
 
 
-def test_transient_failures_stop_at_the_bound(fast, monkeypatch):
-    monkeypatch.setattr(plan, "SMOKE_BOUND_S", 0.5)
+def test_transient_failures_stop_at_the_bound(fast, settings):
+    settings.SMOKE_BOUND_S = 0.5
     server, asked = _server([503])
     try:
         with pytest.raises(vllm.VllmError, match="503"):

@@ -1,4 +1,7 @@
 """Fixtures for the end-to-end tests: a node agent with the real CPU vLLM engine."""
+import shutil
+from pathlib import Path
+
 import pytest
 
 from deployments.host import engine
@@ -21,6 +24,9 @@ def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_e
     if model_folder is None:
         wait_until(lambda: Node.objects.get(pk=node.pk).engine_flags, timeout=120, message="the engine's flags")
         return node, None, env
+    # A copy of its own: engines run in their model's folder, and what a test counts as its engine's processes
+    # (tests/truestate.engines_under) is what runs there, never another test's engine serving the same files.
+    model_folder = Path(shutil.copytree(model_folder, tmp_path / "model"))
     model = in_thread(repos.model_add_local, node, str(model_folder))
     wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
                message="the local model on the node")

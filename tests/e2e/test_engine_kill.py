@@ -19,14 +19,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def shm_watch():
-    """Files with the real engine's /dev/shm names count as this test's once they appear: e2e tests
-    run under the heavy-run lock (CI runs one suite), so no other real engine starts meanwhile."""
+    """Files with the real engine's /dev/shm names count as this test's once they appear: the test runs
+    `alone` (no other test of the run starts a real engine meanwhile) and CI runs one suite at a time."""
     truestate.WATCH = truestate.ShmWatch(real_names=True)
     yield truestate.WATCH
     truestate.WATCH = None
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(900)
 def test_agent_killed_while_the_real_engine_loads_adopts_it_and_stops_it_clean(process_env, spawn, unique, tmp_path,
                                                                                 tiny_model, shm_watch):

@@ -25,10 +25,11 @@ from rest_framework.test import APIClient
 from deployments import sealed
 from deployments.host import engine, engineenv, ownership, raynode
 from deployments.models import Deployment, DeploymentRank
-from deployments.node import lifecycle, plan, steps
+from deployments.node import lifecycle, steps
 from deployments.services import deploys, multinode
 from tests.conftest import VLLM, free_port, wait_until
-from tests.e2e.test_multinode import agents, firewalled, listening, place_model, stranger  # noqa: F401 - a fixture
+from tests.e2e.test_multinode import (SMOKE_BOUND_S, agents, firewalled, listening, place_model,  # noqa: F401
+                                      stranger)  # a fixture
 from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -121,8 +122,8 @@ def _ray_ready(ray_nodes, name):
     d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).status in {"ready", "failed"} and row,
                    timeout=LOAD_TIMEOUT_S, interval=0.5, message="the Ray deployment to load")
     assert d.status == "ready", f"{d.status_message}\n{d.log_tail[-3000:]}"
-    # As long as the plan asks (plan.SMOKE_BOUND_S): the first answer over Ray on a busy 2-core host took over 120 s.
-    d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=plan.SMOKE_BOUND_S + 30,
+    # As long as the agents' plan asks (SMOKE_BOUND_S): the first answer over Ray on a busy 2-core host took over 120 s.
+    d = wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=SMOKE_BOUND_S + 30,
                    interval=0.5, message="the smoke test")
     rank = wait_until(lambda: (r := DeploymentRank.objects.get(deployment=d)).state == "running" and r, timeout=30,
                       message="the worker node's Ray running")
