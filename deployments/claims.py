@@ -3,9 +3,9 @@ every claiming path takes. Beneath both sides: the control plane checks a deploy
 (services/deploys.py, multinode.py), the node checks again right before an engine starts (node/)."""
 from django.db import transaction
 
-from deployments.models import Deployment, DeploymentRank, Node
+from deployments.models import Deployment, DeploymentRank, ModelCopy, Node
 
-__all__ = ["deployment_holders", "lock_node", "first_clash", "model_users"]
+__all__ = ["deployment_holders", "lock_node", "lock_nodes", "lock_copy_node", "first_clash", "model_users"]
 
 
 def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
@@ -29,6 +29,20 @@ def lock_node(node_id: int) -> Node:
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("lock_node() outside a transaction locks nothing")
     return Node.objects.select_for_update().get(pk=node_id)
+
+
+def lock_nodes(node_ids) -> dict[int, Node]:
+    """Lock several nodes' rows in id order (two claims over the same nodes never deadlock): {id: fresh row}."""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("lock_nodes() outside a transaction locks nothing")
+    return {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=list(node_ids)).order_by("pk")}
+
+
+def lock_copy_node(copy_id: int) -> Node | None:
+    """Lock the node of a model copy (None when the copy is gone): a copy's delete and a deploy of its model
+    there are decided one after the other."""
+    node_id = ModelCopy.objects.filter(pk=copy_id).values_list("node_id", flat=True).first()
+    return lock_node(node_id) if node_id is not None else None
 
 
 def first_clash(node: Node, gpu_indices: list[int], exclude: Deployment) -> Deployment | None:

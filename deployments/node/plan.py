@@ -18,7 +18,7 @@ from deployments.node import cluster, lifecycle, ranks, raycluster
 from deployments.node.guards import foreign_holders
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, TAIL_LINES, record_shm
 from deployments.node.lifecycle import running as engine_running
-from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, mark_stopped, model_ready, move,
+from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, model_ready, move,
                                     step, unit_install, unit_text)
 from deployments.timeline import deployment_event
 
@@ -105,18 +105,8 @@ def _stop_holders(d: Deployment) -> str:
     if d.pid or d.systemd_unit:  # a redeploy: our own previous engine goes first
         result = halt_engine(d)
         done.append(f"the previous engine of {d.name} ({result})")
-    for other in {o.pk: o for o in targets}.values():
-        if other.node_id != d.node_id:  # issue 17: its head runs elsewhere; only Stop ends all its ranks
-            raise PlanFailed(f"{other.name} (a multi-node deployment with its head on {other.node}) has a rank on "
-                             f"{d.node}: stop it first.")
-        if other.status != S.STOPPING:
-            try:
-                move(other, S.STOPPING, f"stopped to make room for {d.name}")
-            except Aborted:
-                continue
-        result = halt_engine(other)
-        mark_stopped(other, f"stopped to make room for {d.name}")
-        done.append(f"{other.name} ({result})")
+    done += make_room(d, targets, d.node, "{other.name} (a multi-node deployment with its head on {other.node}) "
+                                          "has a rank on {node}: stop it first.")
     strays = _stop_foreign(d)
     if strays:
         done.append("other processes " + "; ".join(strays))

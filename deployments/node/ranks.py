@@ -35,8 +35,7 @@ from deployments.node import lifecycle, raycluster, units
 from deployments.node.cluster import head_address, multinode_args, rank_env, ranks_failed
 from deployments.node.crashes import deployment_crashed
 from deployments.node.lifecycle import RAY_TERM_S, STOP_TERM_S, TAIL_LINES
-from deployments.node.steps import (Aborted, PlanFailed, engine_user, halt_engine, mark_stopped, model_ready, move,
-                                    unit_install)
+from deployments.node.steps import Aborted, PlanFailed, engine_user, make_room, model_ready, unit_install
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
@@ -228,17 +227,8 @@ def _stop_holders(r: DeploymentRank) -> str:
     """Single-node deployments on this node's chosen GPUs (the whole host without GPUs) are stopped;
     another multi-node deployment's rank is refused (stop that deployment first)."""
     d = r.deployment
-    done = []
-    for other in claims.deployment_holders(r.node, r.gpu_indices, exclude=d):
-        if other.node_id != r.node_id:
-            raise PlanFailed(f"node {r.node.name} is held by {other.name} (a multi-node deployment): stop it first")
-        if other.status != S.STOPPING:
-            try:
-                move(other, S.STOPPING, f"stopped to make room for {d.name}")
-            except Aborted:
-                continue
-        done.append(f"{other.name} ({halt_engine(other)})")
-        mark_stopped(other, f"stopped to make room for {d.name}")
+    done = make_room(d, claims.deployment_holders(r.node, r.gpu_indices, exclude=d), r.node,
+                     "node {node.name} is held by {other.name} (a multi-node deployment): stop it first")
     return ("stopped " + "; ".join(done)) if done else "nothing held it"
 
 

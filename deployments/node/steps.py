@@ -152,6 +152,25 @@ def mark_stopped(d: Deployment, message: str) -> None:
     live.send_deployment_status(row)
 
 
+def make_room(d: Deployment, others, node: Node, elsewhere: str) -> list[str]:
+    """Stop each of `others` (deployments holding what `d` needs on `node`) for `d`: moved to stopping, its engine
+    halted, marked stopped; one whose head runs on another node is refused with `elsewhere` (formatted with
+    `other` and `node`): only its own Stop ends all its ranks. What was stopped, one line each."""
+    done = []
+    for other in {o.pk: o for o in others}.values():
+        if other.node_id != node.pk:
+            raise PlanFailed(elsewhere.format(other=other, node=node))
+        if other.status != S.STOPPING:
+            try:
+                move(other, S.STOPPING, f"stopped to make room for {d.name}")
+            except Aborted:  # it ended meanwhile
+                continue
+        result = halt_engine(other)
+        mark_stopped(other, f"stopped to make room for {d.name}")
+        done.append(f"{other.name} ({result})")
+    return done
+
+
 def model_ready(d: Deployment, node: Node) -> str:
     """The model's folder on `node` (the head's, or a worker rank's, issue 17); downloaded first, in this
     worker and with the copy's live progress, when it is not there. A stop request aborts the wait."""

@@ -14,6 +14,7 @@ from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo,
 from deployments.layout import (EXECUTORS, data_parallel, dp_ranks, dp_split, executor, layout,  # noqa: F401
                                  port_name, world_size)
 from deployments.services import repos
+from deployments import claims
 from deployments.claims import deployment_holders
 
 # vLLM's multi-node launch (mp executor) needs these on every node; its data-parallel launch the second set.
@@ -168,6 +169,5 @@ def place(d: Deployment, workers: list[Worker], master_port: int | None) -> None
 def lock_nodes(head: Node, workers: list[Worker]) -> list[Worker]:
     """Lock every node of the placement in id order (two placements over the same nodes never deadlock;
     each claim is all or nothing) and return the workers with fresh rows."""
-    pks = [head.pk, *(w.node.pk for w in workers)]
-    fresh = {n.pk: n for n in Node.objects.select_for_update().filter(pk__in=pks).order_by("pk")}
+    fresh = claims.lock_nodes([head.pk, *(w.node.pk for w in workers)])
     return [Worker(fresh[w.node.pk], sorted(set(w.gpu_indices))) for w in workers]

@@ -250,7 +250,7 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
     with transaction.atomic():
         # The node's row lock is the one deploys take: a delete and a deploy racing are decided one
         # after the other, and exactly one wins (a deploy refuses a copy being deleted).
-        Node.objects.select_for_update().get(pk=copy.node_id)
+        claims.lock_node(copy.node_id)
         copy = ModelCopy.objects.select_for_update().select_related("node", "model").get(pk=copy.pk)
         users = _copy_users(copy)
         if users.exists():
@@ -275,7 +275,7 @@ def _copy_users(copy: ModelCopy):
 def model_copy_remove(copy_id: int) -> int:
     """On the node: remove the copy's folder from the model store, then its row."""
     with transaction.atomic():
-        Node.objects.select_for_update().filter(pk=ModelCopy.objects.filter(pk=copy_id).values("node")[:1]).first()
+        claims.lock_copy_node(copy_id)
         copy = ModelCopy.objects.select_related("node", "model").filter(pk=copy_id).first()
         if copy is None or copy.state != ModelCopy.State.DELETING:
             return 0  # a duplicate message, or the copy came back meanwhile
