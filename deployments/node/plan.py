@@ -334,9 +334,10 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
         halt_engine(d)
         d.systemd_unit = name
         Deployment.objects.filter(pk=d.pk).update(systemd_unit=name)
+        # Loading before the unit's engine is recorded: the row never reads ready with a loading engine's PID.
+        move(d, S.LOADING, f"restarting under systemd as {name}")
         spec = lifecycle.Launch(argv=argv, env=_engine_env(d), log_path=Path(d.log_path) if d.log_path else _log_path(d))
         lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
-        move(d, S.LOADING, f"restarting under systemd as {name}")
         deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
         _follow(d)
     except (systemd.SystemdError, PlanFailed, engine.EngineError, OSError, Aborted) as exc:

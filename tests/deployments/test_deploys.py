@@ -362,9 +362,16 @@ def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model
     log = tmp_path / "engine.log"
     log.write_text("Starting vLLM server on http://0.0.0.0:8000\n")
     d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), port=8000)
-    with mock.patch("deployments.host.systemd.install", autospec=True, return_value=5555) as install, \
+    at_launch = []
+
+    def install_unit(*args, **kwargs):  # the row as anyone reads it while the unit's engine starts
+        at_launch.append(Deployment.objects.values_list("status", flat=True).get(pk=d.pk))
+        return 5555
+
+    with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit) as install, \
          mock.patch("os.getpgid", return_value=5555):
         plan.deployment_persist_here(d.pk)
+    assert at_launch == [S.LOADING]  # never "ready" with the loading engine's PID
     d.refresh_from_db()
     assert install.call_args.args[0] == f"vllm-{d.name}.service" and "ExecStart=" in install.call_args.args[1]
     assert d.systemd_unit == f"vllm-{d.name}.service" and d.pid == 5555 and d.status == S.READY
