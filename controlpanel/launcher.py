@@ -264,9 +264,9 @@ def pytest_argv(pytest_args: list[str], ci: bool) -> list[str]:
     if ci:
         args = ["--durations=30", "--durations-min=1", *args]
     if not any(a.startswith(("-n", "--numprocesses")) for a in args):
-        # Two workers: much of the suite waits on processes it started (agents, engines, a browser). `load` deals
-        # the tests out as workers free up; tests/conftest.py puts the longest first.
-        args = ["-n", os.environ.get("PANEL_TEST_WORKERS", "2"), "--dist", "load", *args]
+        # Two workers: much of the suite waits on processes it started (agents, engines, a browser). Each starts on
+        # its share of the long tests (tests/conftest.py orders them) and an idle one steals short ones.
+        args = ["-n", os.environ.get("PANEL_TEST_WORKERS", "2"), "--dist", "worksteal", *args]
     return args
 
 
