@@ -1,4 +1,5 @@
 """Shared fixtures. Django is imported lazily so `tests/gpu` runs on a GPU host without Django."""
+import contextlib
 import fcntl
 import os
 import socket
@@ -192,12 +193,17 @@ def _alone_or_beside(request):
     this run's engine lock exclusively, and every test that serves the tiny model holds it shared."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     alone = request.node.get_closest_marker("alone") is not None
-    if not run or not (alone or "tiny_model" in request.fixturenames):
+    exclusive = request.node.get_closest_marker("exclusive")
+    with contextlib.ExitStack() as held:
+        if run and exclusive:  # one test at a time of those naming this (e.g. clusters over one host's two addresses)
+            fcntl.flock(held.enter_context(_lock_file(run, exclusive.args[0])), fcntl.LOCK_EX)
+        if run and (alone or "tiny_model" in request.fixturenames):
+            fcntl.flock(held.enter_context(_lock_file(run, "engines")), fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield
-        return
-    with open(Path(tempfile.gettempdir()) / f"panel-tests-{run}.engines.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        yield
+
+
+def _lock_file(run: str, name: str):
+    return open(Path(tempfile.gettempdir()) / f"panel-tests-{run}.{name}.lock", "a")
 
 
 @pytest.fixture

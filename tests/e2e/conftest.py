@@ -26,7 +26,7 @@ def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_e
         return node, None, env
     # A copy of its own: engines run in their model's folder, and what a test counts as its engine's processes
     # (tests/truestate.engines_under) is what runs there, never another test's engine serving the same files.
-    model_folder = Path(shutil.copytree(model_folder, tmp_path / "model"))
+    model_folder = Path(shutil.copytree(model_folder, tmp_path / "own-model" / Path(model_folder).name))
     model = in_thread(repos.model_add_local, node, str(model_folder))
     wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
                message="the local model on the node")

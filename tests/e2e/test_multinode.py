@@ -40,7 +40,9 @@ from tests.e2e.test_cli import panelctl
 from tests.factories import UserFactory
 from tests.hfserver import serve
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# "Nodes" here are this host's addresses: two such clusters at once share its cores, /dev/shm and firewall table
+# (a TP-2 engine died at its first request while the other test worker ran another cluster); one at a time.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.exclusive("clusters")]
 LOAD_TIMEOUT_S = 420  # two engines start on 2 shared cores
 # TP 2 over the two nodes: one rank each. Small and eager, as the CPU engine's preset.
 ENGINE_ARGS = {"tensor-parallel-size": 2, "enforce-eager": True, "max-model-len": 512, "max-num-seqs": 8,

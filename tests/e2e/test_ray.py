@@ -32,7 +32,9 @@ from tests.e2e.test_multinode import (SMOKE_BOUND_S, agents, firewalled, listeni
                                       stranger)  # a fixture
 from tests.factories import UserFactory
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# "Nodes" here are this host's addresses: two such clusters at once share its cores, /dev/shm and firewall table
+# (a TP-2 engine died at its first request while the other test worker ran another cluster); one at a time.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.exclusive("clusters")]
 LOAD_TIMEOUT_S = 420
 SHIM = Path(__file__).parent / "vllm_cpu_ray"
 ENGINE_ARGS = {"tensor-parallel-size": 2, "distributed-executor-backend": "ray", "enforce-eager": True,

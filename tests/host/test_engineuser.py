@@ -80,7 +80,8 @@ status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 out = {{"uid": os.getuid(), "gid": os.getgid(), "nnp": status["NoNewPrivs"].strip(), "home": os.environ["HOME"],
        "key": os.environ.get("VLLM_API_KEY"), "cmdline": open("/proc/self/cmdline").read(),
        "secret": read({str(secret)!r}), "environ": read("/proc/{os.getpid()}/environ"), "kill": kill({os.getpid()})}}
-open({str(outside / "probe.json")!r}, "w").write(json.dumps(out))
+open({str(outside / "probe.tmp")!r}, "w").write(json.dumps(out))
+os.replace({str(outside / "probe.tmp")!r}, {str(outside / "probe.json")!r})  # whole, never half-written when read
 """
     try:
         handle = engine.launch(engine.EngineSpec(argv=[PY, "-c", probe, "--api-key", "sk-launch-4"], env={},
