@@ -27,12 +27,15 @@ def redeploy_seconds(d: Deployment) -> tuple[float, str]:
                 .order_by("-finished").values_list("ready_s", flat=True)[:10])
     if past:
         return round(statistics.median(past), 1), f"its last {len(past)} redeploys in studies"
-    smoke = DeploymentEvent.objects.filter(deployment=d, step="smoke_test", ended__isnull=False).order_by("-started").first()
-    queued = smoke and DeploymentEvent.objects.filter(deployment=d, step="queued", started__lte=smoke.started).order_by("-started").first()
+    # The last plan's end: its smoke test, or its load while the smoke test has not answered yet (a study made
+    # right after ready must not fall back to the guess: that made a 51 s study read 22 minutes).
+    last = DeploymentEvent.objects.filter(deployment=d, step__in=("smoke_test", "load"), ended__isnull=False) \
+        .order_by("-started", "-pk").first()
+    queued = last and DeploymentEvent.objects.filter(deployment=d, step="queued", started__lte=last.started).order_by("-started").first()
     if queued:
-        steps = DeploymentEvent.objects.filter(deployment=d, started__gte=queued.started, started__lte=smoke.started)
+        steps = DeploymentEvent.objects.filter(deployment=d, started__gte=queued.started, started__lte=last.started)
         stopped = steps.filter(step__in=("stop", "stop_others")).exists()
-        wall = (smoke.ended - queued.started).total_seconds()
+        wall = (last.ended - queued.started).total_seconds()
         return round(wall + (0 if stopped else STOP_S), 1), "its last load"
     return DEFAULT_READY_S, "no load of it recorded yet: a guess"
 

@@ -99,6 +99,14 @@ def test_a_study_counts_its_trials_and_estimates_from_the_deployments_last_load(
     assert study.estimate_s > 7 * ready_s
 
 
+def test_a_study_made_before_the_smoke_test_answered_estimates_from_the_load(d):
+    """perf/tune_verdicts.py: a study made right after ready read 1,295 s (the 120 s guess per redeploy) and took 51 s."""
+    loaded(d, seconds=31.0)
+    DeploymentEvent.objects.filter(deployment=d, step="smoke_test").update(ended=None)  # still asking
+    ready_s, basis = studyestimate.redeploy_seconds(d)
+    assert basis == "its last load" and ready_s == 2.0 + studyestimate.STOP_S  # queued to the load's end, and a stop
+
+
 def loaded(d, seconds, stop=False):
     """A plan on the node's timeline: queued, (stop,) load, smoke test ended `seconds` after the request."""
     t0 = timezone.now() - timedelta(minutes=30)
