@@ -88,6 +88,8 @@ _durations: dict[str, float] = {}
 
 def pytest_runtest_logreport(report):
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if "slow" in report.keywords:  # the report's own markers: under xdist this process collected nothing
+        _slow_ids.add(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter, config):

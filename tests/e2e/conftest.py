@@ -15,9 +15,10 @@ def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_e
     without a folder, no model (None)."""
     assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
     # CPU_HOST_EXCLUSIVE off: other test sessions on this shared machine run engines of their own
-    # (tests/faults checks the whole-host claim with it on).
+    # (tests/faults checks the whole-host claim with it on). The smoke test's bound as the multi-node e2e has it: the
+    # other test worker's engine shares the 2 cores (a CLI deploy's smoke test once gave up at 180 s).
     env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path),
-               CPU_HOST_EXCLUSIVE="0", **extra_env)
+               CPU_HOST_EXCLUSIVE="0", PANEL_SMOKE_BOUND_S="420", **extra_env)
     name = f"cpu-{unique}"
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")

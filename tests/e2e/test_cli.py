@@ -77,7 +77,8 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
     code, out, err = panelctl(env, "deploy", str(model.pk), "--wait", "--json")
     assert code == 0, err
     deployed = json.loads(out)
-    assert deployed["status"] == "ready" and deployed["node"] == node.name and deployed["smoke"]["completion_tokens"] > 0
+    assert deployed["status"] == "ready" and deployed["node"] == node.name, err
+    assert deployed["smoke"].get("completion_tokens", 0) > 0, err  # the step's message says why when it failed
     assert "load" in err and "smoke_test" in err  # readable progress on stderr
     d = Deployment.objects.get(pk=deployed["id"])
     assert deployed["call"]["models"] == [model.repo_id] == [d.served_model_name]  # the repo id, not a path
