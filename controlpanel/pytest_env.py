@@ -25,12 +25,17 @@ os.environ.setdefault("HF_TOKEN_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix=
 def _worker_apart() -> None:
     """Under pytest-xdist (`./panel test` runs the suite on two workers), each worker gets a Redis database and
     key prefix of its own: its Celery queues (the control queue included), Channels groups, cached answers and
-    live state are never another worker's. The database is pytest-django's per-worker test database."""
+    live state are never another worker's; and default engine ports of its own. The database is pytest-django's
+    per-worker test database."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if not worker.startswith("gw"):
         return
     n = int(worker[2:])
     os.environ["CHANNELS_PREFIX"] = f"{os.environ['CHANNELS_PREFIX']}{n}"
+    # Engines deployed with the default port: each worker's database knows only its own deployments, so two
+    # workers both chose 8100 and one engine's health check answered for the other's (CI: a CLI deploy "ready"
+    # in seconds, its smoke test refused). Each worker starts from ports of its own.
+    os.environ["ENGINE_PORT_FIRST"] = str(int(os.environ.get("ENGINE_PORT_FIRST", "8100")) + 100 * n)
     url = os.environ.get("REDIS_URL")
     if url:
         base, _, db = url.rpartition("/")
