@@ -27,7 +27,14 @@ def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_e
         return node, None, env
     # A copy of its own: engines run in their model's folder, and what a test counts as its engine's processes
     # (tests/truestate.engines_under) is what runs there, never another test's engine serving the same files.
-    model_folder = Path(shutil.copytree(model_folder, tmp_path / "own-model" / Path(model_folder).name))
+    # Made readable for the engine user whatever this process's umask (a test may have left it 077: CI once saw the
+    # engine refused its model folder).
+    own = tmp_path / "own-model"
+    own.mkdir(exist_ok=True)
+    own.chmod(0o755)
+    model_folder = Path(shutil.copytree(model_folder, own / Path(model_folder).name))
+    for path in [model_folder, *model_folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     model = in_thread(repos.model_add_local, node, str(model_folder))
     wait_until(lambda: ModelCopy.objects.filter(model=model, node=node, state="ready").exists(), timeout=60,
                message="the local model on the node")
