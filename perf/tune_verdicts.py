@@ -53,6 +53,8 @@ CONCURRENCY, TOKENS, REQUESTS, GAP_MS, TTFT_MS, JITTER = 4, 24, 16, 2.0, 5.0, 0.
 # The overhead study's engine: its load, its schedule and the study's workload (all known, so subtracted).
 LOAD_S, STUDY_TTFT_MS, STUDY_GAP_MS, SMOKE_TOKENS = 1.0, 20.0, 5.0, 64
 STUDY_WORKLOAD = {"levels": [4], "max_tokens": 32, "requests_per_user": 2, "min_requests": 8, "warmup_per_user": 0}
+STUDY_VARIANTS = [{"name": "8", "engine_args": {"max-num-seqs": 8}, "env": {}},
+                  {"name": "4", "engine_args": {"max-num-seqs": 4}, "env": {}}]
 
 
 def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> dict:
@@ -145,7 +147,7 @@ def overhead(repeats: int) -> dict:
         call_command("migrate", verbosity=0)
         children.start("agent", [launcher.PYTHON, "manage.py", "nodeagent", "--name", "perf-tune", "--model-store",
                                  str(var / "store"), "--concurrency", "2"], env)
-        from benchmarks import studies
+        from benchmarks import studies, studyresults
         from benchmarks.models import Study, StudyTrial
         from deployments.models import Deployment, ModelCopy, Node
         from deployments.services import deploys, repos
@@ -167,9 +169,7 @@ def overhead(repeats: int) -> dict:
                 f"{e.step}: {e.message}" for e in row.events.order_by("pk")) + f"\n{row.log_tail[-2000:]}")
         started = time.monotonic()
         study = studies.study_create(deployment=Deployment.objects.get(pk=d.pk), repeats=repeats,
-                                     variants=[{"name": "8", "engine_args": {"max-num-seqs": 8}, "env": {}},
-                                               {"name": "4", "engine_args": {"max-num-seqs": 4}, "env": {}}],
-                                     workload=STUDY_WORKLOAD)
+                                     variants=STUDY_VARIANTS, workload=STUDY_WORKLOAD)
         ended = {}  # trial position -> when this script first saw it end
         while True:  # this script's clock: poll every 50 ms
             status = Study.objects.filter(pk=study.pk).values_list("status", flat=True).get()
@@ -209,13 +209,11 @@ def overhead(repeats: int) -> dict:
         # The estimate a study is made with (issue 27: within 30 % of what it took): this first one knew only the
         # deployment's load and smoke test; the same study again knows the first one's trials.
         again = studies.study_create(deployment=Deployment.objects.get(pk=d.pk), repeats=repeats,
-                                     variants=[{"name": "8", "engine_args": {"max-num-seqs": 8}, "env": {}},
-                                               {"name": "4", "engine_args": {"max-num-seqs": 4}, "env": {}}],
-                                     workload=STUDY_WORKLOAD)
+                                     variants=STUDY_VARIANTS, workload=STUDY_WORKLOAD)
         wait_until(lambda: Study.objects.get(pk=again.pk).status in Study.TERMINAL, timeout=600, interval=0.2,
                    message="the second study")
         for name, done in (("first", study), ("repeated", Study.objects.get(pk=again.pk))):
-            took = (done.finished - done.started).total_seconds()
+            took = studyresults.took_s(done)  # as the study's page and API give it beside its estimate
             err = 100 * (done.estimate_s - took) / took
             print(f"{name} study: estimated {done.estimate_s:.1f} s, took {took:.1f} s ({err:+.0f} %)", flush=True)
             figures[f"estimate_{name}_err_pct"] = err

@@ -84,11 +84,12 @@ def _cost_rank(item) -> int:
 
 
 _durations: dict[str, float] = {}
+_slow_ids: set[str] = set()
 
 
 def pytest_runtest_logreport(report):
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
-    if "slow" in report.keywords:  # the report's own markers: under xdist this process collected nothing
+    if "slow" in report.keywords:  # the report's own markers (under xdist the controller collects nothing)
         _slow_ids.add(report.nodeid)
 
 
@@ -99,14 +100,6 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section(f"tests over {SLOW_S:.0f} s not marked slow")
         for seconds, nodeid in sorted(unmarked, reverse=True):
             terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
-
-
-_slow_ids: set[str] = set()
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    _slow_ids.update(item.nodeid for item in session.items if item.get_closest_marker("slow"))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -15,7 +15,6 @@ from deployments.layout import (EXECUTORS, data_parallel, dp_ranks, dp_split, ex
                                  port_name, world_size)
 from deployments.services import repos
 from deployments import claims
-from deployments.claims import deployment_holders
 
 # vLLM's multi-node launch (mp executor) needs these on every node; its data-parallel launch the second set.
 NEEDED_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
@@ -95,7 +94,7 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
         if gpus and not data_parallel(engine_args) and len(indices) != per_node:
             raise ServiceError(f"TP × PP × DP = {world} over {count} nodes runs {per_node} rank(s) per node; "
                                f"{len(indices)} GPU(s) chosen on {node.name}.", field="workers")
-        busy = [d for d in deployment_holders(node, indices) if d.status in Deployment.IN_FLIGHT]
+        busy = [d for d in claims.deployment_holders(node, indices) if d.status in Deployment.IN_FLIGHT]
         if busy:
             raise ServiceError(f"{node.name} is busy: {busy[0].name} is {busy[0].get_status_display().lower()}.",
                                field="workers", code="gpus_busy")

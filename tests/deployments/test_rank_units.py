@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from unittest import mock
@@ -26,7 +27,9 @@ from tests.factories import DeploymentFactory
 pytestmark = pytest.mark.django_db
 DOUBLE = Path(__file__).parent.parent / "faults" / "systemd"
 UNIT = "vllm-kimi.rank1.service"
-MARKER = "7.rank-marker"
+# Its own marker per process: engines are found by marker host-wide, and another test worker (or run) runs this file
+# at the same time.
+MARKER = f"7.{uuid.uuid4().hex}"
 
 
 @pytest.fixture

@@ -9,16 +9,20 @@ from deployments.models import Deployment, ModelCopy, Node
 from deployments.services import repos
 from tests.conftest import VLLM, agent_argv, in_thread, wait_until
 
+# How long e2e agents' smoke test waits for a just-loaded engine's first answer (PANEL_SMOKE_BOUND_S): the other test
+# worker's engine shares the 2 cores (a CLI deploy gave up at 180 s), and a TP-2 engine's first answer over two nodes
+# took over 180 s beside it.
+SMOKE_BOUND_S = 420
+
 
 def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_env):
     """A real node agent with the CPU engine and `model_folder` as a ready local model: (node, model, agent env);
     without a folder, no model (None)."""
     assert VLLM.exists(), "scripts/install-engine installs the CPU engine"
     # CPU_HOST_EXCLUSIVE off: other test sessions on this shared machine run engines of their own
-    # (tests/faults checks the whole-host claim with it on). The smoke test's bound as the multi-node e2e has it: the
-    # other test worker's engine shares the 2 cores (a CLI deploy's smoke test once gave up at 180 s).
+    # (tests/faults checks the whole-host claim with it on).
     env = dict(process_env, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), PANEL_VAR_DIR=str(tmp_path),
-               CPU_HOST_EXCLUSIVE="0", PANEL_SMOKE_BOUND_S="420", **extra_env)
+               CPU_HOST_EXCLUSIVE="0", PANEL_SMOKE_BOUND_S=str(SMOKE_BOUND_S), **extra_env)
     name = f"cpu-{unique}"
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=1, heartbeat_seconds=2), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")

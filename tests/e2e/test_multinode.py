@@ -36,6 +36,7 @@ from django.conf import settings as django_settings
 
 from tests import netns
 from tests.conftest import VLLM, agent_argv, free_port, in_thread, wait_until
+from tests.e2e.conftest import SMOKE_BOUND_S
 from tests.e2e.test_cli import panelctl
 from tests.factories import UserFactory
 from tests.hfserver import serve
@@ -49,9 +50,6 @@ ENGINE_ARGS = {"tensor-parallel-size": 2, "enforce-eager": True, "max-model-len"
                "served-model-name": "tiny"}
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 UNREACHABLE = "192.0.2.1"  # TEST-NET-1: routed nowhere
-# How long the agents' smoke test waits for the first answer (PANEL_SMOKE_BOUND_S): a TP-2 engine's first answer over
-# two nodes took over 120 s on CI's 2 cores, and over 180 s beside the other test worker's engine.
-SMOKE_BOUND_S = 420
 
 
 def agents(spawn, process_env, tmp_path, *nodes):

@@ -28,7 +28,8 @@ from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle, steps
 from deployments.services import deploys, multinode
 from tests.conftest import VLLM, free_port, wait_until
-from tests.e2e.test_multinode import (SMOKE_BOUND_S, agents, firewalled, listening, place_model,  # noqa: F401
+from tests.e2e.conftest import SMOKE_BOUND_S
+from tests.e2e.test_multinode import (agents, firewalled, listening, place_model,  # noqa: F401
                                       stranger)  # a fixture
 from tests.factories import UserFactory
 
