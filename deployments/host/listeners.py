@@ -11,3 +11,20 @@ def listening_ports(pid: int) -> list[int]:
     except psutil.Error:
         return []
     return sorted({c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN and c.laddr})
+
+
+def listening(port: int) -> tuple[set[int], bool]:
+    """(the PIDs listening on TCP `port` on any address, whether a listener's PID could not be read): a socket of
+    another user's process shows no PID to an agent that is not root."""
+    pids, hidden = set(), False
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return set(), True
+    for c in connections:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            if c.pid is None:
+                hidden = True
+            else:
+                pids.add(c.pid)
+    return pids, hidden

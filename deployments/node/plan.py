@@ -12,7 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from deployments import claims, enginekey, live, loads, secrets
-from deployments.host import engine, enginecli, engineenv, enginelog, gpu, ownership, systemd, vllm
+from deployments.host import engine, enginecli, engineenv, enginelog, gpu, listeners, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster
 from deployments.node.guards import foreign_holders
@@ -270,6 +270,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
             if not lifecycle.still_running(d):
                 raise PlanFailed(f"The engine exited while loading: {progress.error or (tail[-1] if tail else 'no output')}")
             if vllm.health(base_url, timeout=1.0):
+                _answered_by_ours(d, base_url)
                 break
             idle = min(progress.idle_s(now), now - moved_at)
             if idle > d.stall_seconds:
@@ -285,6 +286,28 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
     move(d, S.READY)
     _smoke(d, base_url, _key(d))
     watch.finish()
+
+
+def _answered_by_ours(d: Deployment, base_url: str) -> None:
+    """The server answering /health on the deployment's port is its engine, or PlanFailed naming who it is: a
+    stranger that took the port between the port check and the engine's bind would otherwise be taken for the
+    engine. Proven by the listener's PID (the engine's marker on it or an ancestor, or its unit), or, where that
+    PID cannot be read (another user's socket, an agent that is not root), by the engine's own key."""
+    pids, hidden = listeners.listening(d.port)
+    unit = lifecycle.unit_of(d)
+    marked = {d.marker: (d.pid, d.pid_create_time)} if d.marker else {}
+    strangers = [pid for pid in sorted(pids) if not ownership.owner(pid, marked, {unit} if unit else frozenset())]
+    if strangers:
+        who = ownership.describe(strangers[0])
+        raise PlanFailed(f"Port {d.port} is answered by another process, not this deployment's engine: PID {who['pid']} "
+                         f"({who['user']}: {who['command']}). Choose another port or stop that process.")
+    if pids and not hidden:
+        return
+    try:
+        vllm.served_models(base_url, timeout=5.0, key=_key(d))
+    except vllm.VllmError as exc:
+        raise PlanFailed(f"Port {d.port} answers /health but not with this deployment's engine key ({exc}): another "
+                         "server holds the port. Choose another port or stop that server.") from exc
 
 
 SMOKE_RETRY_S = 2.0

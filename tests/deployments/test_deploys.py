@@ -160,6 +160,7 @@ class FakeHost:
             "gpu.processes_on": mock.Mock(return_value={}),
             "gpu.sample": mock.Mock(return_value=[]),
             "vllm.served_models": mock.Mock(return_value=["tiny"]),
+            "listeners.listening": mock.Mock(return_value=(set(), True)),  # who listens: unknown, the key decides
             "vllm.smoke_test": mock.Mock(return_value=vllm.SmokeResult("Paris.", "", 0.42, 12, 3, None)),
         }
         self.mocks = patches
@@ -254,6 +255,60 @@ def test_a_port_in_use_fails_before_launch(model, node, host):
     d.refresh_from_db()
     assert d.status == S.FAILED and "Port 8000 is in use" in d.status_message
     host.mocks["engine.launch"].assert_not_called()
+
+
+def test_a_stranger_answering_on_the_port_is_not_taken_for_the_engine(model, node, host):
+    """A process that took the port before the engine bound it answers /health: the plan names it instead of
+    calling the deployment ready (seen in CI: another engine on the same port made a deploy "ready")."""
+    import subprocess
+    import sys
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host.mocks["listeners.listening"].return_value = ({stranger.pid}, False)
+        d = _queued(model, node)
+        plan.deployment_run(d.pk)
+        d.refresh_from_db()
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert d.status == S.FAILED
+    assert d.status_message.startswith(f"Port 8000 is answered by another process, not this deployment's engine: "
+                                       f"PID {stranger.pid}") and "time.sleep(60)" in d.status_message
+    assert not d.events.filter(step="smoke_test").exists()
+
+
+def test_an_engine_process_of_the_deployment_listening_on_the_port_is_its_own(model, node, host):
+    import subprocess
+    import sys
+
+    procs = []
+
+    def launch(spec):  # the listener: a real process with the engine's environment (its marker)
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                      env={**spec.env, "PATH": "/usr/bin:/bin"}))
+        host.mocks["listeners.listening"].return_value = ({procs[0].pid}, False)
+        return FakeHost.launch(host, spec)
+
+    host.mocks["engine.launch"].side_effect = launch
+    d = _queued(model, node)
+    try:
+        plan.deployment_run(d.pk)
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+    d.refresh_from_db()
+    assert d.status == S.READY, d.status_message
+    host.mocks["vllm.served_models"].assert_not_called()  # the listener's marker proved it
+
+
+def test_where_the_listener_cannot_be_read_the_engine_key_decides(model, node, host):
+    host.mocks["vllm.served_models"].side_effect = vllm.VllmError("HTTP 401: Unauthorized")
+    d = _queued(model, node)
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and "Port 8000 answers /health but not with this deployment's engine key" in d.status_message
+    assert host.mocks["vllm.served_models"].call_args.kwargs["key"]  # asked with the engine's key
 
 
 def test_a_plan_does_not_download_a_copy_that_is_being_deleted(model, node, host):
