@@ -120,6 +120,33 @@ def still_running(p: EngineProcess, tries: int = 3, wait_s: float = 0.1) -> bool
     return False
 
 
+class LogFollow:
+    """An engine's log followed while it loads, for a head and a worker rank alike: the lines written since the
+    last read, fed to the load progress, and the last TAIL_LINES kept."""
+
+    def __init__(self, p: EngineProcess):
+        self.p, self.progress, self.offset, self.lines = p, enginelog.LoadProgress(), 0, []
+
+    def read(self) -> list[str]:
+        """The new complete lines (already fed to the progress)."""
+        lines, self.offset = enginelog.read_lines(Path(self.p.log_path), self.offset)
+        for line in lines:
+            self.progress.feed(line)
+        if lines:
+            self.lines = (self.lines + lines)[-TAIL_LINES:]
+        return lines
+
+    @property
+    def tail(self) -> str:
+        return "\n".join(self.lines)
+
+    def exited(self) -> str | None:
+        """Why the engine is gone (its error, else its last line), or None while it still runs and is ours."""
+        if still_running(self.p):
+            return None
+        return self.progress.error or (self.lines[-1] if self.lines else "no output")
+
+
 def adopt(p: EngineProcess) -> bool:
     """Take a running engine as the row's when the marker proves it: the unit's MainPID for a persisted one
     (systemd started it again after a reboot or a crash: a new PID, the same marker), else the engine

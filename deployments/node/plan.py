@@ -12,12 +12,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from deployments import claims, enginekey, live, loads, secrets
-from deployments.host import engine, enginecli, engineenv, enginelog, gpu, listeners, ownership, systemd, vllm
+from deployments.host import engine, enginecli, engineenv, gpu, listeners, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster
 from deployments.node.guards import foreign_holders
-from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, TAIL_LINES, record_shm
-from deployments.node.lifecycle import running as engine_running
+from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, model_ready, move,
                                     step, unit_install, unit_text)
 from deployments.timeline import deployment_event
@@ -228,9 +227,9 @@ HEALTH_POLL_S = 0.1
 def _follow(d: Deployment, fresh: bool = True) -> None:
     """Follow the log and GPU memory until /health answers; stalled only when both stop moving.
     fresh=False: a load the agent follows again after a restart (its timings are not learnt from)."""
-    progress = enginelog.LoadProgress()
-    watch = loads.LoadWatch(d, fresh)  # issue 16: phases, prediction, read rate
-    offset, tail = 0, []
+    follow = lifecycle.LogFollow(d)
+    progress = follow.progress
+    watch = loads.LoadWatch(d, fresh)  # phases, prediction, read rate
     memory = _gpu_memory(d.gpu_indices)
     moved_at = time.monotonic()
     saved_at = 0.0
@@ -238,12 +237,9 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
     with step(d, "load") as event:
         watch.event_id = event.pk
         while True:
-            lines, offset = enginelog.read_lines(Path(d.log_path), offset)
-            for line in lines:
-                progress.feed(line)
+            lines = follow.read()
             watch.feed(lines)
             if lines:
-                tail = (tail + lines)[-TAIL_LINES:]
                 live.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
             now = time.monotonic()
             current = _gpu_memory(d.gpu_indices)
@@ -260,15 +256,15 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                     cluster.ranks_failed(d)
                     if raycluster.uses_ray(d) and not raycluster.head_alive(d):
                         raise PlanFailed(f"The Ray head on {d.node} exited while the engine loaded.")
-                d.log_tail = "\n".join(tail)
+                d.log_tail = follow.tail
                 Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
                                                           load_detail=d.load_detail, log_tail=d.log_tail)
                 record_shm(d)
                 live.send_deployment_status(d)
                 if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
                     raise Aborted("stop requested")
-            if not lifecycle.still_running(d):
-                raise PlanFailed(f"The engine exited while loading: {progress.error or (tail[-1] if tail else 'no output')}")
+            if why := follow.exited():
+                raise PlanFailed(f"The engine exited while loading: {why}")
             if vllm.health(base_url, timeout=1.0):
                 _answered_by_ours(d, base_url)
                 break
@@ -282,7 +278,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
         if changes := watch.ready():
             event.message += f" {changes[0].upper()}{changes[1:]}."
     d.load_phase, d.load_percent = "server_up", 100.0
-    d.log_tail = "\n".join(tail)
+    d.log_tail = follow.tail
     move(d, S.READY)
     _smoke(d, base_url, _key(d))
     watch.finish()

@@ -29,12 +29,12 @@ from controlpanel.queue import enqueue
 from controlpanel.states import InvalidTransition
 from deployments import claims, engineargs, layout, secrets
 from deployments.dispatch import node_enqueue
-from deployments.host import engine, enginecli, enginelog, firewall, preflight, systemd
+from deployments.host import engine, enginecli, firewall, preflight, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
 from deployments.node import lifecycle, raycluster, units
 from deployments.node.cluster import head_address, multinode_args, rank_env, ranks_failed
 from deployments.node.crashes import deployment_crashed
-from deployments.node.lifecycle import RAY_TERM_S, STOP_TERM_S, TAIL_LINES
+from deployments.node.lifecycle import RAY_TERM_S, STOP_TERM_S
 from deployments.node.steps import Aborted, PlanFailed, engine_user, make_room, model_ready, unit_install
 from deployments.timeline import deployment_event
 
@@ -260,26 +260,21 @@ def rank_running(r: DeploymentRank) -> bool:
 
 def _follow(r: DeploymentRank) -> None:
     """Follow the rank's log until the head is ready (then the agent's watch takes over)."""
-    progress = enginelog.LoadProgress()
-    offset, tail, saved = 0, [], 0.0
+    follow, saved = lifecycle.LogFollow(r), 0.0
     while True:
-        lines, offset = enginelog.read_lines(Path(r.log_path), offset)
-        for line in lines:
-            progress.feed(line)
-        tail = (tail + lines)[-TAIL_LINES:]
+        follow.read()
         status = Deployment.objects.filter(pk=r.deployment_id).values_list("status", flat=True).first()
-        if not lifecycle.still_running(r):
-            raise PlanFailed(f"node {r.node.name}: the rank's engine exited: "
-                             f"{progress.error or (tail[-1] if tail else 'no output')}")
+        if why := follow.exited():
+            raise PlanFailed(f"node {r.node.name}: the rank's engine exited: {why}")
         if status == S.READY:
-            _note(r, R.RUNNING, "", load_phase="server_up", load_percent=100.0, log_tail="\n".join(tail))
+            _note(r, R.RUNNING, "", load_phase="server_up", load_percent=100.0, log_tail=follow.tail)
             return
         r.refresh_from_db(fields=["state"])
         if status not in Deployment.ACTIVE or status == S.STOPPING or r.state == R.STOPPING:
             raise Aborted("the deployment ended")
         if time.monotonic() - saved >= 1.0:
             saved = time.monotonic()
-            _note(r, load_phase=progress.phase, load_percent=float(progress.percent), log_tail="\n".join(tail))
+            _note(r, load_phase=follow.progress.phase, load_percent=float(follow.progress.percent), log_tail=follow.tail)
         time.sleep(0.5)
 
 

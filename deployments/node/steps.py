@@ -21,7 +21,6 @@ from deployments.host import engine, enginelog, engineuser, systemd
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import lifecycle
 from deployments.node.lifecycle import TAIL_LINES
-from deployments.node.lifecycle import running as engine_running
 from deployments.modelcopies import model_copy_download
 from deployments.timeline import deployment_event
 
