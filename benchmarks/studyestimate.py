@@ -35,7 +35,9 @@ def redeploy_seconds(d: Deployment) -> tuple[float, str]:
     if queued:
         steps = DeploymentEvent.objects.filter(deployment=d, started__gte=queued.started, started__lte=last.started)
         stopped = steps.filter(step__in=("stop", "stop_others")).exists()
-        wall = (last.ended - queued.started).total_seconds()
+        # A redeploy finds the copy in place: the last plan's download (its "model" step) is not repeated.
+        fetched = sum((e.ended - e.started).total_seconds() for e in steps.filter(step="model", ended__isnull=False))
+        wall = (last.ended - queued.started).total_seconds() - fetched
         return round(wall + (0 if stopped else STOP_S), 1), "its last load"
     return DEFAULT_READY_S, "no load of it recorded yet: a guess"
 

@@ -7,6 +7,7 @@ from unittest import mock
 
 import pytest
 from celery.app.task import Task
+from django.db.models import F
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -105,6 +106,18 @@ def test_a_study_made_before_the_smoke_test_answered_estimates_from_the_load(d):
     DeploymentEvent.objects.filter(deployment=d, step="smoke_test").update(ended=None)  # still asking
     ready_s, basis = studyestimate.redeploy_seconds(d)
     assert basis == "its last load" and ready_s == 2.0 + studyestimate.STOP_S  # queued to the load's end, and a stop
+
+
+def test_the_estimate_leaves_out_the_download_of_the_last_plan(d):
+    """A redeploy finds the copy on the node: a first deploy's 20-minute download is not part of every trial."""
+    loaded(d, seconds=31.0)
+    queued = DeploymentEvent.objects.get(deployment=d, step="queued")
+    DeploymentEvent.objects.create(deployment=d, step="model", started=queued.started + timedelta(milliseconds=500),
+                                   ended=queued.started + timedelta(milliseconds=500, minutes=20))
+    DeploymentEvent.objects.filter(deployment=d).exclude(step__in=("queued", "model")).update(
+        started=F("started") + timedelta(minutes=20), ended=F("ended") + timedelta(minutes=20))
+    ready_s, basis = studyestimate.redeploy_seconds(d)
+    assert basis == "its last load" and ready_s == 31.0 + studyestimate.STOP_S
 
 
 def loaded(d, seconds, stop=False):
