@@ -1,7 +1,12 @@
 """Prometheus metric families for benchmark runs: each level's summary figures, labelled by run,
-level (concurrency) and deployment, read from the BenchmarkRun and BenchmarkPoint rows."""
+level (concurrency) and deployment, read from the BenchmarkRun and BenchmarkPoint rows.
+
+State, not history (Prometheus keeps the history of what it scrapes): each deployment's latest finished run
+(and the latest run against a bare URL), and the runs queued or running now. Older runs stay in the API and
+the CSV export, so a scrape's size is bounded by the fleet, not by the runs kept."""
 from collections.abc import Iterator
 
+from django.db.models import Max, Q
 from prometheus_client.core import GaugeMetricFamily
 
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
@@ -32,8 +37,16 @@ LATENCIES = [
 STATS = ("median", "p99")
 
 
+def current_runs() -> Q:
+    """The runs /metrics shows: each deployment's latest done run (the bare-URL runs count as one deployment)
+    and every run not ended yet."""
+    latest = (BenchmarkRun.objects.filter(status=BenchmarkRun.Status.DONE).values("deployment_id")
+              .annotate(last=Max("pk")).values_list("last", flat=True))
+    return Q(pk__in=list(latest)) | Q(status__in=BenchmarkRun.ACTIVE)
+
+
 class BenchmarkCollector:
-    """Every run's state and figures; a run against a bare URL has deployment="". Deployment names
+    """The current runs' state and figures (current_runs); a run against a bare URL has deployment="". Deployment names
     come from the caller, so that what this reads (and a cache of it) does not depend on the
     deployment table, which a loading engine writes every second."""
 
@@ -47,7 +60,8 @@ class BenchmarkCollector:
         single = gauge("panel_benchmark_single_stream_tokens_per_second", "Output tokens per second of one stream alone.",
                         RUN_LABELS)
         targets = {}
-        for pk, name, deployment_id, served_model, status, ended, single_tok_s in BenchmarkRun.objects.values_list(
+        shown = current_runs()
+        for pk, name, deployment_id, served_model, status, ended, single_tok_s in BenchmarkRun.objects.filter(shown).values_list(
                 "id", "name", "deployment_id", "served_model", "status", "finished", "single_stream_tok_s"):
             labels = targets[pk] = [str(pk), self.deployment_names.get(deployment_id, "")]
             info.add_metric(labels + [name, served_model, status], 1)
@@ -61,7 +75,7 @@ class BenchmarkCollector:
         latencies = [(gauge(name, doc + " Milliseconds in the run's page, seconds here.", LEVEL_LABELS + ["stat"]), field)
                      for name, doc, field in LATENCIES]
         fields = ["run_id", "concurrency"] + [f for _, f, _ in figures] + [f for _, f in latencies]
-        for row in BenchmarkPoint.objects.values_list(*fields):
+        for row in BenchmarkPoint.objects.filter(run__in=list(targets)).values_list(*fields):
             run = targets.get(row[0])
             if run is None:  # a point written after the runs were read
                 continue

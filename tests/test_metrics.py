@@ -10,6 +10,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlpanel import tokens
+from benchmarks.models import BenchmarkRun
 from deployments.models import Deployment
 from deployments.services import nodes
 from tests.factories import (BenchmarkPointFactory, BenchmarkRunFactory, DeploymentEventFactory, DeploymentFactory,
@@ -130,6 +131,35 @@ def test_download_and_benchmark_figures(viewer_client, fleet):
     assert value(samples, "panel_benchmark_itl_seconds", stat="median", **level) == pytest.approx(0.009)
     assert value(samples, "panel_benchmark_single_stream_tokens_per_second", run=str(run.pk)) == 75.0
     assert value(samples, "panel_benchmark_run_info", run=str(run.pk), status="done") == 1
+
+
+def test_benchmarks_show_state_not_history_so_a_scrape_is_bounded_by_the_fleet(viewer_client, fleet):
+    """Each deployment's latest finished run and the runs not ended: older runs stay in the API and CSV."""
+    ready, old = fleet["ready"], fleet["run"]
+
+    def runs_shown():
+        return sorted(dict(ls)["run"] for (n, ls), v in scrape(viewer_client).items() if n == "panel_benchmark_run_info")
+
+    def benchmark_samples():
+        return sum(1 for (n, _), _v in scrape(viewer_client).items() if n.startswith("panel_benchmark_"))
+
+    before = benchmark_samples()
+    newer = BenchmarkRunFactory(deployment=ready, status="done", finished=timezone.now())
+    BenchmarkPointFactory(run=newer, concurrency=8, output_throughput=2000.0)
+    running = BenchmarkRunFactory(deployment=ready, status="running")
+    failed = BenchmarkRunFactory(deployment=ready, status="failed", finished=timezone.now())
+    shown = runs_shown()
+    assert str(newer.pk) in shown and str(running.pk) in shown
+    assert str(old.pk) not in shown and str(failed.pk) not in shown
+    level = {"run": str(newer.pk), "deployment": ready.name, "level": "8"}
+    assert value(scrape(viewer_client), "panel_benchmark_output_tokens_per_second", **level) == 2000.0
+    for _ in range(20):  # many more finished runs of the same deployment: the answer does not grow
+        BenchmarkPointFactory(run=BenchmarkRunFactory(deployment=ready, status="done", finished=timezone.now()),
+                              concurrency=8)
+    running.status = "done"
+    running.save()
+    assert benchmark_samples() <= before + 2  # the running run's info went with it; only the latest done run stays
+    assert BenchmarkRun.objects.filter(deployment=ready).count() == 24  # and nothing was deleted
 
 
 def test_metrics_need_a_viewer_an_api_token_or_the_scrape_token(client, viewer, fleet):
