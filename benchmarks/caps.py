@@ -1,4 +1,4 @@
-"""What a benchmark may ask for (issue 25): prompt and output lengths within the deployment's max model
+"""What a benchmark may ask for: prompt and output lengths within the deployment's max model
 length, and requests per level and prompt bytes per run under the limits in settings. A refusal names
 the limit and the value asked; runs (API and form) and studies are checked alike, before anything is
 queued. The runner checks the lengths again against the server's own /v1/models when it starts."""

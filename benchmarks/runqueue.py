@@ -1,4 +1,4 @@
-"""A queued benchmark run is never lost (issue 26): a lost `run_execute` (Redis restarted empty, a web
+"""A queued benchmark run is never lost: a lost `run_execute` (Redis restarted empty, a web
 process killed before `on_commit`) left the run Queued forever and blocked every new run on its
 deployment. The node agent's re-drive loop (deployments/node/redrive.py) calls `runs_redrive`, which
 sends it again; `run_claim` lets exactly one copy run it."""

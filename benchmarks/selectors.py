@@ -1,9 +1,8 @@
 """Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
-from benchmarks import csvsafe
+from benchmarks import csvsafe, payloads
 from benchmarks.models import BenchmarkRun
 from benchmarks.runner.saturation import saturation_point
 from benchmarks.runner.spec import LevelResult
-from deployments import live
 
 CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_requests", "duration_s",
                "request_throughput", "output_throughput", "total_token_throughput", "input_tokens", "output_tokens",
@@ -129,7 +128,7 @@ def run_labels(runs: list[BenchmarkRun]) -> dict[int, str]:
 def export_json(runs) -> list[dict]:
     return [{"id": r.pk, "name": r.name, "target": r.target, "status": r.status, "params": {k: v for k, v in r.params.items() if k != "prompts"},
              "environment": r.environment, "single_stream_tok_s": r.single_stream_tok_s, "warnings": r.warnings,
-             "started": r.started, "finished": r.finished, "points": [live.run_point_data(p) for p in r.points.all()]} for r in runs]
+             "started": r.started, "finished": r.finished, "points": [payloads.run_point_data(p) for p in r.points.all()]} for r in runs]
 
 
 CPU_STREAMS_PER_CORE = 16  # a CPU engine's batch is bounded by its cores long before by its max-num-seqs

@@ -8,12 +8,12 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import allowlist, caps, runner, runqueue, selectors
+from benchmarks import allowlist, caps, payloads, runner, runqueue, selectors
 from benchmarks.runner.saturation import queue_note
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
-from deployments import enginekey, live, secrets
+from deployments import enginekey, secrets
 from deployments.host import engine, vllm
 from deployments.models import Deployment, ModelCopy
 from deployments.selectors import deployment_startup
@@ -54,7 +54,7 @@ def environment_of(d: Deployment) -> dict:
         "engine_version": d.node.engine_version, "engine_args": secrets.mask(d.engine_args), "env": secrets.mask(d.env, secrets.marked(d)),
         "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total} for g in d.gpus.all()],
         "model_path": copy.path if copy else "",
-        "startup": deployment_startup(d),  # seconds per start-up phase of its latest load (issue 16)
+        "startup": deployment_startup(d),  # seconds per start-up phase of its latest load
     }
 
 
@@ -116,7 +116,7 @@ def run_cancel(run: BenchmarkRun) -> BenchmarkRun:
         if run.status == S.QUEUED:
             run.transition(S.CANCELLED)
         run.save()
-    live.send_run_status(run)
+    payloads.send_run_status(run)
     return run
 
 
@@ -130,7 +130,7 @@ def run_abandon(run: BenchmarkRun, reason: str) -> BenchmarkRun:
             run.transition(S.RUNNING)
         run.transition(S.FAILED, error=reason, cancel_requested=True)
         run.save()
-    live.send_run_status(run)
+    payloads.send_run_status(run)
     return run
 
 
@@ -139,7 +139,7 @@ def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
         run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
-    live.send_run_point(run.pk, point)
+    payloads.send_run_point(run.pk, point)
     if note := queue_note(level, selectors.max_num_seqs(run)):
         run.warnings.append(note)
     return point
@@ -154,7 +154,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
     if command := engine_command(run.deployment):
         run.environment = {**run.environment, "engine_command": command}
     run.save()
-    live.send_run_status(run)
+    payloads.send_run_status(run)
     started = time.monotonic()
     state = {"checked": 0.0, "cancel": False, "saved": 0.0}
 
@@ -168,7 +168,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
     def on_tick(tick: runner.Tick) -> None:
         point = [round(time.monotonic() - started, 2), tick.concurrency, round(tick.tok_s, 1)]
         run.ticks = (run.ticks + [point])[-TICK_KEEP:]
-        live.send_run_tick(run.pk, live.RunTick(t=point[0], concurrency=tick.concurrency, tok_s=tick.tok_s,
+        payloads.send_run_tick(run.pk, payloads.RunTick(t=point[0], concurrency=tick.concurrency, tok_s=tick.tok_s,
                                                 in_flight=tick.in_flight, completed=tick.completed,
                                                 failed=tick.failed, server=tick.server))
         if point[0] - state["saved"] >= 5:
@@ -180,7 +180,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
             return  # a level cut short is not a measurement
         _save_point(run, level)
         BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks, warnings=run.warnings)
-        live.send_run_status(run)
+        payloads.send_run_status(run)
 
     try:
         key = _engine_key(run.deployment)
@@ -214,7 +214,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
                      "per level or shorter prompts and outputs, or raise PANEL_BENCH_MEMORY_MB on the node.")
         run.transition(S.FAILED, error=error)
     run.save()
-    live.send_run_status(run)
+    payloads.send_run_status(run)
     return run
 
 
@@ -225,7 +225,7 @@ def _spec_params(params: dict) -> dict:
 
 
 def _engine_key(d: Deployment | None) -> str:
-    """The key of the deployment's engine (issue 28: every engine the panel starts wants it), read here on its
+    """The key of the deployment's engine (every engine the panel starts wants it), read here on its
     node; "" for any other server."""
     if d is None:
         return ""

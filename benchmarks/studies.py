@@ -1,4 +1,4 @@
-"""Tuning studies (issue 15): create (validated, with a count and an estimate), drive one step at a
+"""Tuning studies: create (validated, with a count and an estimate), drive one step at a
 time, pause, resume, cancel, apply the winner.
 
 A study is a state machine kept in the database. The node agent's study driver calls study_step()
@@ -17,12 +17,12 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import caps, studyestimate, studyresults, tunestats
+from benchmarks import caps, payloads, studyestimate, studyresults, tunestats
 from benchmarks import services as runs
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_admin
-from deployments import engineargs, engineoptions, live, privileged
+from deployments import engineargs, engineoptions, privileged
 from deployments.models import Deployment, DeploymentEvent
 from deployments.services import deploys
 
@@ -168,7 +168,7 @@ def study_create(*, deployment: Deployment, variants: list[dict], workload: dict
                                          env=v["env"]) for i, v in enumerate(variants, 1)]
     StudyTrial.objects.bulk_create([StudyTrial(study=study, variant=rows[v], position=i, repeat=r)
                                     for i, (v, r) in enumerate(schedule(len(rows), repeats, order, seed=study.pk))])
-    live.send_study(study.pk, studyresults.study_live(study))
+    payloads.send_study(study.pk, studyresults.study_live(study))
     return study
 
 
@@ -444,4 +444,4 @@ def _persist_applied(node_id: int) -> None:
 
 
 def _publish(study: Study) -> None:
-    live.send_study(study.pk, studyresults.study_live(Study.objects.get(pk=study.pk)))
+    payloads.send_study(study.pk, studyresults.study_live(Study.objects.get(pk=study.pk)))

@@ -1,4 +1,4 @@
-"""Tuning study pages (issue 15): the list with a new-study form (preview, then start), a study's
+"""Tuning study pages: the list with a new-study form (preview, then start), a study's
 live page (matrix, verdicts, Pareto view, winner), its controls and the winner's apply."""
 from django import forms
 from django.contrib import messages

@@ -7,13 +7,12 @@ from django.http import HttpResponse, HttpResponseForbidden
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from benchmarks import selectors, services
+from benchmarks import payloads, selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.params import ids_param, int_param
 from controlpanel.roles import is_operator, operator_required
-from deployments import live
 from deployments.models import Deployment
 
 
@@ -43,7 +42,7 @@ def run_detail(request, pk):
     return render(request, "benchmarks/run_detail.html", {
         "run": run, "points": points, "environment": selectors.environment_rows(run.environment),
         "saturation": selectors.run_saturation(run, points),
-        "initial": {"ticks": run.ticks, "points": [live.run_point_data(p) for p in points]}})
+        "initial": {"ticks": run.ticks, "points": [payloads.run_point_data(p) for p in points]}})
 
 
 @require_POST
@@ -69,7 +68,7 @@ def compare(request):
     for r in runs:
         r.label, r.startup_text = labels[r.pk], selectors.startup_text(r.environment)
     data = [{"id": r.pk, "name": r.name, "label": r.label, "single_stream_tok_s": r.single_stream_tok_s,
-             "points": [live.run_point_data(p) for p in r.points.all()]} for r in runs]
+             "points": [payloads.run_point_data(p) for p in r.points.all()]} for r in runs]
     return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
                                                        "ids": ",".join(str(r.pk) for r in runs)})
 

@@ -181,7 +181,7 @@ def kept(topics: list[str], kind: str) -> list[dict[str, Any] | None]:
 
 # --- payloads: what each kind of message carries -------------------------------------------------
 
-def _pick(cls, obj, **given):
+def pick(cls, obj, **given):
     """An instance of the payload dataclass `cls` from obj's attributes of the same names, plus `given`."""
     return cls(**{f.name: given[f.name] if f.name in given else getattr(obj, f.name) for f in fields(cls)})
 
@@ -203,7 +203,7 @@ class DeploymentStatus:
 
     @classmethod
     def of(cls, d: Deployment) -> "DeploymentStatus":
-        return _pick(cls, d, id=d.pk, status_display=d.get_status_display(), message=d.status_message)
+        return pick(cls, d, id=d.pk, status_display=d.get_status_display(), message=d.status_message)
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class TimelineStep:
 
     @classmethod
     def of(cls, event: DeploymentEvent) -> "TimelineStep":
-        return _pick(cls, event, id=event.pk, started=event.started.isoformat(),
+        return pick(cls, event, id=event.pk, started=event.started.isoformat(),
                      ended=event.ended.isoformat() if event.ended else None)
 
 
@@ -312,71 +312,9 @@ class CopyProgress:
 
     @classmethod
     def of(cls, copy: ModelCopy, state: str | None = None) -> "CopyProgress":
-        return _pick(cls, copy, id=copy.pk, model=copy.model_id, node=copy.node_id, node_name=copy.node.name,
+        return pick(cls, copy, id=copy.pk, model=copy.model_id, node=copy.node_id, node_name=copy.node.name,
                      state=state or copy.state, files=copy.progress.get("files", {}),
                      current_file=copy.progress.get("current_file"))
-
-
-# Benchmark payloads are built from the benchmarks app's rows by attribute (no import of it here:
-# benchmarks depends on deployments, never the other way round).
-
-@dataclass(frozen=True)
-class RunStatus:
-    """kind "status" on run:<id>."""
-
-    status: str
-    status_display: str
-    error: str
-    single_stream_tok_s: float | None
-    warnings: list[str]
-
-    @classmethod
-    def of(cls, run) -> "RunStatus":
-        return _pick(cls, run, status_display=run.get_status_display())
-
-
-@dataclass(frozen=True)
-class RunPoint:
-    """kind "point.<concurrency>" on run:<id>: one finished level (also the page's initial points)."""
-
-    concurrency: int
-    output_throughput: float
-    total_token_throughput: float
-    request_throughput: float
-    ttft_ms: dict  # {"mean", "median", "std", "p90", "p95", "p99"}
-    ttft_vllm_bench_ms: dict  # TTFT as vllm bench serve counts it (role-only chunk included)
-    ttfc_ms: dict
-    tpot_ms: dict
-    itl_ms: dict
-    itl_per_token_ms: dict
-    e2e_ms: dict
-    tok_s_per_user: float
-    reasoning_tokens: int
-    content_tokens: int
-    output_tokens: int
-    num_requests: int
-    failed_requests: int
-    server_metrics: dict
-    prompt_tokens_requested: int | None  # random prompts: the length asked for, in the model's tokens
-    prompt_tokens_mean: float  # what the server counted (usage.prompt_tokens), per request
-    prompt_tokens_counted_by: str
-
-    @classmethod
-    def of(cls, point) -> "RunPoint":
-        return _pick(cls, point)
-
-
-@dataclass(frozen=True)
-class RunTick:
-    """kind "tick" on run:<id>, not kept: tok/s over time while a level runs."""
-
-    t: float  # seconds since the run started
-    concurrency: int
-    tok_s: float
-    in_flight: int
-    completed: int
-    failed: int
-    server: dict
 
 
 # --- senders: one per message, so each payload goes to the same topics every time ---------------
@@ -441,26 +379,3 @@ def send_copy_progress(progress: CopyProgress) -> None:
     data = asdict(progress)
     publish(model_topic(progress.model), f"copy.{progress.id}", data)
     publish(node_topic(progress.node), f"copy.{progress.id}", data)
-
-
-def send_run_status(run) -> None:
-    publish(run_topic(run.pk), "status", asdict(RunStatus.of(run)))
-
-
-def run_point_data(point) -> dict[str, Any]:
-    """A stored level as the browser gets it, live or in the page's initial data."""
-    return asdict(RunPoint.of(point))
-
-
-def send_run_point(run_id: int, point) -> None:
-    publish(run_topic(run_id), f"point.{point.concurrency}", run_point_data(point))
-
-
-def send_run_tick(run_id: int, tick: RunTick) -> None:
-    publish(run_topic(run_id), "tick", asdict(tick), keep=False)
-
-
-def send_study(study_id: int, data: dict[str, Any]) -> None:
-    """kind "study" on study:<id>: the whole study as benchmarks.studyresults.study_live builds it (status,
-    variants, the variant x level matrix of trials, the trial in progress, results once done)."""
-    publish(study_topic(study_id), "study", data)

@@ -1,4 +1,4 @@
-"""The tuning studies API (issue 15): operators create, pause, resume, cancel and apply; viewers watch."""
+"""The tuning studies API: operators create, pause, resume, cancel and apply; viewers watch."""
 from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets

@@ -3,6 +3,7 @@ from unittest import mock
 
 import pytest
 
+from benchmarks import payloads
 from deployments import live
 from tests.factories import (BenchmarkPointFactory, BenchmarkRunFactory, DeploymentFactory, ModelCopyFactory,
                              NodeFactory)
@@ -85,9 +86,9 @@ def test_a_node_sample_also_sets_the_fleet_pages_state_to_what_a_node_card_shows
 def test_a_runs_status_point_and_tick_go_to_the_run_page(sent):
     run = BenchmarkRunFactory(status="running", warnings=["w"])
     point = BenchmarkPointFactory(run=run, concurrency=4)
-    live.send_run_status(run)
-    live.send_run_point(run.pk, point)
-    live.send_run_tick(run.pk, live.RunTick(t=1.5, concurrency=4, tok_s=99.0, in_flight=4, completed=2, failed=0,
+    payloads.send_run_status(run)
+    payloads.send_run_point(run.pk, point)
+    payloads.send_run_tick(run.pk, payloads.RunTick(t=1.5, concurrency=4, tok_s=99.0, in_flight=4, completed=2, failed=0,
                                             server={}))
     (t1, k1, status, _), (_, k2, data, _), (_, k3, tick, keep) = _messages(sent)
     assert (t1, k1, k2, k3, keep) == (f"run:{run.pk}", "status", "point.4", "tick", False)

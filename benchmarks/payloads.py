@@ -1,0 +1,89 @@
+"""The live messages of benchmark runs and studies: their payload shapes and senders, on the topics
+"run:<id>" and "study:<id>" of deployments.live (which publishes them and knows nothing of benchmarks).
+The browser code in static/panel/ reads these field names."""
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deployments import live
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """kind "status" on run:<id>."""
+
+    status: str
+    status_display: str
+    error: str
+    single_stream_tok_s: float | None
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, run) -> "RunStatus":
+        return live.pick(cls, run, status_display=run.get_status_display())
+
+
+@dataclass(frozen=True)
+class RunPoint:
+    """kind "point.<concurrency>" on run:<id>: one finished level (also the page's initial points)."""
+
+    concurrency: int
+    output_throughput: float
+    total_token_throughput: float
+    request_throughput: float
+    ttft_ms: dict  # {"mean", "median", "std", "p90", "p95", "p99"}
+    ttft_vllm_bench_ms: dict  # TTFT as vllm bench serve counts it (role-only chunk included)
+    ttfc_ms: dict
+    tpot_ms: dict
+    itl_ms: dict
+    itl_per_token_ms: dict
+    e2e_ms: dict
+    tok_s_per_user: float
+    reasoning_tokens: int
+    content_tokens: int
+    output_tokens: int
+    num_requests: int
+    failed_requests: int
+    server_metrics: dict
+    prompt_tokens_requested: int | None  # random prompts: the length asked for, in the model's tokens
+    prompt_tokens_mean: float  # what the server counted (usage.prompt_tokens), per request
+    prompt_tokens_counted_by: str
+
+    @classmethod
+    def of(cls, point) -> "RunPoint":
+        return live.pick(cls, point)
+
+
+@dataclass(frozen=True)
+class RunTick:
+    """kind "tick" on run:<id>, not kept: tok/s over time while a level runs."""
+
+    t: float  # seconds since the run started
+    concurrency: int
+    tok_s: float
+    in_flight: int
+    completed: int
+    failed: int
+    server: dict
+
+
+def send_run_status(run) -> None:
+    live.publish(live.run_topic(run.pk), "status", asdict(RunStatus.of(run)))
+
+
+def run_point_data(point) -> dict[str, Any]:
+    """A stored level as the browser gets it, live or in the page's initial data."""
+    return asdict(RunPoint.of(point))
+
+
+def send_run_point(run_id: int, point) -> None:
+    live.publish(live.run_topic(run_id), f"point.{point.concurrency}", run_point_data(point))
+
+
+def send_run_tick(run_id: int, tick: RunTick) -> None:
+    live.publish(live.run_topic(run_id), "tick", asdict(tick), keep=False)
+
+
+def send_study(study_id: int, data: dict[str, Any]) -> None:
+    """kind "study" on study:<id>: the whole study as benchmarks.studyresults.study_live builds it (status,
+    variants, the variant x level matrix of trials, the trial in progress, results once done)."""
+    live.publish(live.study_topic(study_id), "study", data)
