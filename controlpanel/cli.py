@@ -127,7 +127,7 @@ def cmd_deploy(panel, args):
     model_id = _model_id(panel, args.model)
     placement = _placement(args.node or [_deploy_node(panel, model_id)])
     args.node = list(placement)
-    head, *others = args.node  # --node a --node b: a multi-node deployment, a the head (issue 17)
+    head, *others = args.node  # --node a --node b: a multi-node deployment, a the head
     node = panel.get(f"nodes/{head}/")
     engine_args = _pairs(args.flag, "--flag")
     for flag, value in (("tensor-parallel-size", args.tp), ("pipeline-parallel-size", args.pp),

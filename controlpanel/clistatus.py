@@ -41,7 +41,7 @@ def wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued
 
 
 def call_lines(item: dict, snippets: bool = False) -> list[str]:
-    """How to call a deployment (issue 27): endpoint, model name(s), key; with `snippets`, curl and Python."""
+    """How to call a deployment: endpoint, model name(s), key; with `snippets`, curl and Python."""
     call = item.get("call") or {}
     lines = [f"  endpoint {call.get('base_url') or item['base_url'] + '/v1'}",
              f"  model    {', '.join(call.get('models') or []) or 'unknown (no copy on the node yet)'}",

@@ -1,4 +1,4 @@
-"""panelctl tune: tuning studies from the terminal (issue 15), through the REST API.
+"""panelctl tune: tuning studies from the terminal, through the REST API.
 
     panelctl tune start qwen3-cpu-01 --vary NCCL_PROTO=LL,LL128,Simple --vary max-num-seqs=8,16 \\
         --concurrency 1,16 --repeats 3 --dry-run           # count and estimate only

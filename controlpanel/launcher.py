@@ -220,7 +220,7 @@ def start(args) -> int:
             "--address", "127.0.0.1" if args.host == "localhost" else args.host]
         agent = children.start("nodeagent", [PYTHON, "manage.py", "nodeagent", "--name", node_name,
                                              "--model-store", env["MODEL_STORE"], *node_address], env)
-        # The node's gateway (issue 28): the one door callers use; engines listen on loopback behind it.
+        # The node's gateway: the one door callers use; engines listen on loopback behind it.
         gateway_port = args.gateway_port
         env["GATEWAY_PORT"] = str(gateway_port)  # the panel's pages say where the node's gateway is
         children.start("gateway", [PYTHON, "manage.py", "gateway", "--node", node_name, "--host", args.host,
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
     p_start.add_argument("--port", type=int, default=int(os.environ.get("PANEL_PORT", "8000")))
     p_start.add_argument("--node-name", default="")
     p_start.add_argument("--gateway-port", type=int, default=int(os.environ.get("GATEWAY_PORT", "4000")),
-                         help="the node gateway's port (issue 28): callers' one door to the engines")
+                         help="the node gateway's port: callers' one door to the engines")
     sub.add_parser("test", help="run the test suite; every argument after `test` goes to pytest")
     args = parser.parse_args(argv)
     if shutil.which("nvidia-smi") is None:

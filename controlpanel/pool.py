@@ -1,5 +1,5 @@
 """The node agent's worker pool: threads in three lanes, so that work controlling engines never waits for
-a thread behind downloads and benchmarks (issue 26: a Stop always happens).
+a thread behind downloads and benchmarks (a Stop always happens).
 
 Celery gives a worker one pool and its consumer one prefetch window for all its queues: with every
 thread downloading, a halt waited in Redis until the re-drive's bound (12 s) ran it. Here the agent's

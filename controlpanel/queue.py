@@ -4,7 +4,7 @@ Services name a task instead of importing their app's tasks module: tasks.py imp
 imports go one way. Each app's AppConfig.ready imports its tasks.py, so every process that runs
 services has the tasks registered.
 
-Engine work has queues of its own on every node (issue 26: a Stop always happens), consumed by the node
+Engine work has queues of its own on every node (so a Stop always happens), consumed by the node
 agent's worker with `node.<name>` (downloads, benchmarks):
 - `node.<name>.control`: halts and forgets, short, never expiring (a node that was away owes its stops
   when it returns; deployments/node/redrive.py re-drives one that was lost or kept waiting for a thread).

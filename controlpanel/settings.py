@@ -220,7 +220,7 @@ CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 # conditions and due deliveries every NOTIFY_BEAT_S.
 from deployments.notify.schedule import BEAT_SCHEDULE as CELERY_BEAT_SCHEDULE  # noqa: E402 - plain data, no Django
 
-# Outgoing mail for notifications (issue 33; Django's SMTP backend reads these; all optional).
+# Outgoing mail for notifications (Django's SMTP backend reads these; all optional).
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25)
@@ -320,7 +320,7 @@ ENGINE_PORT_FIRST = env_int("ENGINE_PORT_FIRST", 8100)
 # Folder of recipe and strategy YAML in vllm-project/recipes' layout (models/<org>/<model>.yaml,
 # strategies/*.yaml); empty: the recipes shipped in deployments/recipes/data/.
 RECIPES_DIR = env_str("RECIPES_DIR", "")
-# Each node's gateway (issue 28), the one public door to its engines: http://<node address>:GATEWAY_PORT/v1.
+# Each node's gateway, the one public door to its engines: http://<node address>:GATEWAY_PORT/v1.
 GATEWAY_PORT = env_int("GATEWAY_PORT", 4000)
 # URL prefixes a benchmark may target besides deployments (benchmarks/allowlist.py); default none.
 BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")

@@ -34,7 +34,7 @@ class DeploymentEventInline(admin.TabularInline):
 
 
 class DeploymentRankInline(admin.TabularInline):
-    """A multi-node deployment's worker ranks (issue 17); the log tail stays on the panel's page (redacted)."""
+    """A multi-node deployment's worker ranks; the log tail stays on the panel's page (redacted)."""
 
     model = DeploymentRank
     extra = 0

@@ -108,8 +108,8 @@ class Agent:
     def _report_engine(self) -> None:
         try:
             reconcile.node_engine_report(self.node_id)
-            loads.node_measure_disk_once(self.node_id)  # issue 16: the store's read rate, once
-            doctor.node_doctor_run(self.node_id, self.model_store)  # issue 29: host checks, once at start
+            loads.node_measure_disk_once(self.node_id)  # load time: the store's read rate, once
+            doctor.node_doctor_run(self.node_id, self.model_store)  # the host doctor: host checks, once at start
         finally:
             close_old_connections()
 
@@ -156,7 +156,7 @@ class Agent:
         return sample
 
     def drive_studies(self) -> int:
-        """One step of each tuning study on this node's deployments (issue 15): the study's state lives in
+        """One step of each tuning study on this node's deployments: the study's state lives in
         the database, so the next agent continues where a killed one stopped. The benchmarks app registers
         its driver (drivers.STUDY_DRIVERS) when it loads: it depends on deployments, never the other way round."""
         return sum(drive(self.node_id) or 0 for drive in drivers.STUDY_DRIVERS)

@@ -1,4 +1,4 @@
-"""How to call a deployment (issue 27 "Call it", issue 28): the node gateway's base URL, the model names it
+"""How to call a deployment (its "Call it" card): the node gateway's base URL, the model names it
 answers to for this deployment, that a caller key is needed, and curl and OpenAI-Python snippets that work as
 shown. One place, for the page, the API (`call` in a deployment's representation) and `panelctl status`.
 

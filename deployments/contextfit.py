@@ -1,4 +1,4 @@
-"""How much context a model holds on a layout of GPUs (issue 29 item 3), and learning from the engine's own
+"""How much context a model holds on a layout of GPUs, and learning from the engine's own
 figure after each load (no Django).
 
 modelfit.py answers "does it fit"; this module answers "how long a context, and how many sequences at a

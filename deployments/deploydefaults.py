@@ -1,5 +1,5 @@
 """What a deploy gets for what its caller leaves out, the same from the form, the API and panelctl
-(issue 27: "the CLI is the form"): the deploy form's own values for the node, computed by the form itself
+("the CLI is the form"): the deploy form's own values for the node, computed by the form itself
 so that no copy of its defaults can drift, and the served model name clients call it by."""
 from deployments import callit, engineargs
 
@@ -100,7 +100,7 @@ def with_defaults(node, model, engine_args: dict, env: dict, key: str = "", base
 
 
 def keep_served_name(engine_args: dict, old_args: dict) -> dict:
-    """A redeploy's new flags keep the name clients call it by when they do not name one (issue 27), so
+    """A redeploy's new flags keep the name clients call it by when they do not name one, so
     a changed setting does not turn the name into a path; flags stored without a name stay without."""
     name = old_args.get("served-model-name")
     if name and "served-model-name" not in engine_args:

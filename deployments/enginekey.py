@@ -1,4 +1,4 @@
-"""Each deployment's engine key (issue 28): the engine's own API key, random and new at every launch, known to
+"""Each deployment's engine key: the engine's own API key, random and new at every launch, known to
 the panel and its node gateways only.
 
 Why: engines listen on loopback, and the node's gateway is the one public door; the key makes sure that
@@ -30,7 +30,7 @@ def new(d: Deployment) -> str:
 
 
 def of(d: Deployment) -> str:
-    """The key `d`'s engine was started with, "" when it has none (started before issue 28); KeyUnreadable when
+    """The key `d`'s engine was started with, "" when it has none (started before engines had keys); KeyUnreadable when
     this host cannot open it."""
     try:
         return sealed.unseal(d.engine_key or "")

@@ -1,4 +1,4 @@
-"""The value each common engine flag takes, checked before a deploy is accepted (issue 27): a value vLLM's
+"""The value each common engine flag takes, checked before a deploy is accepted: a value vLLM's
 argument parser would refuse (`--max-num-seqs abc`) is the caller's to fix, so it is named at once with
 what the flag takes, instead of being accepted and failing on the node (or hidden behind another check).
 

@@ -112,7 +112,7 @@ class DeployForm(forms.Form):
     recipe = forms.CharField(required=False, max_length=300, widget=forms.HiddenInput)
 
     # Fields that mean nothing on a node without GPUs, and those of a deploy over several nodes: sent as
-    # they are (their defaults), not shown where they cannot apply (issue 27: ~24 fields on a CPU node).
+    # they are (their defaults), not shown where they cannot apply (~24 fields on a CPU node).
     GPU_FIELDS = ("gpus", "tp", "pp", "expert_parallel", "gpu_memory_utilization", "attention_backend")
     MULTI_NODE_FIELDS = ("workers", "worker_gpus", "master_port")
 

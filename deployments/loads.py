@@ -1,7 +1,7 @@
-"""Load time (issue 16), as the node measures it: a load's phases, its prediction from earlier loads, the
+"""Load time, as the node measures it: a load's phases, its prediction from earlier loads, the
 loader's read rate against the store's own, page-cache residency, pre-warm and the store's measurement.
 
-Beneath both sides (issue 26): the node's plan follows loads with it, the control plane asks for a measurement
+Beneath both sides: the node's plan follows loads with it, the control plane asks for a measurement
 (services/loadtime.py). A finished load's KV-cache calibration is kvcalibration.py, beneath both sides too, so
 nothing here imports a control-plane service."""
 import hashlib
@@ -75,7 +75,7 @@ class LoadWatch:
         self.residency: pagecache.Residency | None = None
         self.residency_at = 0.0
         self.event_id: int | None = None
-        self.engine_kv = contextfit.EngineKv()  # issue 29: the KV-cache size the engine logs, for calibration
+        self.engine_kv = contextfit.EngineKv()  # the KV-cache size the engine logs, for calibration
 
     def now(self) -> float:
         return time.time() - self.t0

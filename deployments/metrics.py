@@ -199,7 +199,7 @@ class DownloadCollector:
 
 def engine_scrape_targets() -> list[dict]:
     """Prometheus HTTP service discovery: one target group per ready engine, its /metrics through its node's
-    gateway (issue 28: engines listen on loopback; the gateway answers `/engines/<id>/metrics` to the internal
+    gateway (engines listen on loopback; the gateway answers `/engines/<id>/metrics` to the internal
     scrape key, deployments/scrapekey.py), labelled with node, deployment, model and GPUs."""
     groups = []
     for d in Deployment.objects.filter(status=Deployment.Status.READY).select_related("node", "model").prefetch_related(

@@ -1,4 +1,4 @@
-"""A model copy's download on its node (issue 26: beneath both sides): run by the node's host task and by a
+"""A model copy's download on its node (beneath both sides): run by the node's host task and by a
 deploy plan whose model is not there yet (deployments/node/steps.py), and the Hugging Face token it uses.
 The control plane's model services (services/repos.py) queue downloads, cancel and retry them."""
 import logging
@@ -34,7 +34,7 @@ def _repo_info(model: ModelRepo) -> hub.RepoInfo:
 def model_copy_download(copy_id: int, deployment_id: int | None = None) -> ModelCopy:
     """On the node: fetch the copy's files (resuming partials), verify them, record progress live.
     `deployment_id`: the deployment whose plan started it, recorded on the copy; a stop or delete of that
-    deployment cancels it (issue 27), and so does the deployment no longer wanting it."""
+    deployment cancels it, and so does the deployment no longer wanting it."""
     with transaction.atomic():
         copy = ModelCopy.objects.select_for_update().select_related("model", "node").get(pk=copy_id)
         if copy.state not in ModelCopy.DOWNLOADABLE:

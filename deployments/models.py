@@ -335,7 +335,7 @@ class Deployment(Transitions, EngineProcess):
 
     @property
     def base_url(self) -> str:
-        """Where callers reach it: its node's gateway (issue 28; the engine itself listens on loopback only)."""
+        """Where callers reach it: its node's gateway (the engine itself listens on loopback only)."""
         host = self.node.address or "127.0.0.1"
         return f"http://{host}:{self.node.gateway_port or settings.GATEWAY_PORT}"
 
@@ -486,7 +486,7 @@ class Recipe(models.Model):
 
 
 class FitCalibration(models.Model):
-    """One load's KV-cache estimate against the figure its engine logged (issue 29 item 3): the error, and the
+    """One load's KV-cache estimate against the figure its engine logged: the error, and the
     correction of the engine's reserve per GPU it implies, which the next estimate for this node and model uses."""
 
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="fit_calibrations")

@@ -13,7 +13,7 @@ from deployments import engineoptions
 from deployments.host import enginecli, store
 from controlpanel.errors import ServiceError
 
-# Set by the panel for every engine, refused from everyone (issue 28): the engine's own key is the panel's, and
+# Set by the panel for every engine, refused from everyone: the engine's own key is the panel's, and
 # callers' keys live on the node's gateway.
 PANEL_FLAGS = {"api-key": enginecli.KEY_REFUSED}
 PANEL_ENV = {"VLLM_API_KEY": enginecli.KEY_REFUSED}

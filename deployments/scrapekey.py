@@ -1,4 +1,4 @@
-"""The key Prometheus scrapes the engines with (issue 28): engines listen on loopback, so Prometheus reaches each
+"""The key Prometheus scrapes the engines with: engines listen on loopback, so Prometheus reaches each
 one's /metrics through its node's gateway (`/engines/<deployment id>/metrics`), which answers internal keys only.
 
 Prometheus already holds one secret of the panel's, the scrape token (METRICS_TOKEN, a credentials_file in

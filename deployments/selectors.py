@@ -16,7 +16,7 @@ def node_list() -> QuerySet[Node]:
 
 
 def node_ranks(node: Node) -> QuerySet[DeploymentRank]:
-    """The ranks this node runs for active multi-node deployments headed on other nodes (issue 17)."""
+    """The ranks this node runs for active multi-node deployments headed on other nodes."""
     return (DeploymentRank.objects.filter(node=node, deployment__status__in=Deployment.ACTIVE)
             .exclude(state__in=DeploymentRank.ENDED).select_related("deployment__node", "deployment__model"))
 
@@ -68,7 +68,7 @@ def deployment_wait(deployment: Deployment, token: str, wait_s: float = 0.0) -> 
 
 
 def _engine_argv(d: Deployment) -> tuple[list[str], dict, dict]:
-    """The head engine's argv, environment and secret environment as its node runs it (its key, issue 28, is
+    """The head engine's argv, environment and secret environment as its node runs it (its key is
     VLLM_API_KEY in the secret part: named, its value never here); EngineError for a row stored before flag
     names were canonical."""
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
@@ -107,7 +107,7 @@ def deployment_unit(d: Deployment) -> tuple[str, str]:
 
 
 def load_events(**lookup) -> QuerySet:
-    """Finished loads kept for history (issue 16): their data has per-phase `totals`, newest first."""
+    """Finished loads kept for history: their data has per-phase `totals`, newest first."""
     return (DeploymentEvent.objects.filter(step="load", level=DeploymentEvent.Level.INFO, ended__isnull=False,
                                            data__has_key="totals", **lookup)
             .select_related("deployment__node").order_by("-started"))

@@ -77,7 +77,7 @@ def deployment_persist(deployment_id: int) -> None:
 
 @shared_task(name="deployments.node_measure_disk")
 def node_measure_disk(node_id: int) -> None:
-    """On a node: measure the model store's sequential read rate (issue 16)."""
+    """On a node: measure the model store's sequential read rate."""
     loads.node_measure_disk(node_id)
 
 

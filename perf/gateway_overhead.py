@@ -1,4 +1,4 @@
-"""What the node gateway costs a caller (issue 28), against direct access to the same engine in the same run.
+"""What the node gateway costs a caller, against direct access to the same engine in the same run.
 
 Peers, each measured right after the other at the same concurrency with the same client:
   direct:  the client -> the engine (the engine key as Bearer)
@@ -16,7 +16,7 @@ Figures (a PASS, MISS or NOT RUN line per target, then the last line holds them 
 
     python perf/gateway_overhead.py [--seconds 6] [--soak-seconds 60] [--full-soak] [--no-engine]
 
---full-soak: the issue's 10-minute soak. A fresh SQLite file and an embedded Redis of its own.
+--full-soak: the full 10-minute soak. A fresh SQLite file and an embedded Redis of its own.
 Everything shares this machine's cores (client, gateway, engine): the figures say what one host does.
 """
 import argparse
@@ -268,7 +268,7 @@ def soak(gateway_url, key, seconds, proc) -> dict:
 
 
 def verdicts(figures) -> list[str]:
-    """One line per issue target: PASS or MISS with the figure, or NOT RUN when its part was skipped."""
+    """One line per target: PASS or MISS with the figure, or NOT RUN when its part was skipped."""
     out = []
 
     def check(name, ok, shown, target):
@@ -298,7 +298,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="each peer's time at each concurrency")
     parser.add_argument("--soak-seconds", type=float, default=60.0)
-    parser.add_argument("--full-soak", action="store_true", help="the issue's 10-minute soak")
+    parser.add_argument("--full-soak", action="store_true", help="the full 10-minute soak")
     parser.add_argument("--no-engine", action="store_true", help="schedserver only (no CPU vLLM)")
     parser.add_argument("--levels", default="1,64,256")
     args = parser.parse_args()

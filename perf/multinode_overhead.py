@@ -1,4 +1,4 @@
-"""The panel's own overhead of a two-node deploy over a one-node deploy of the same engine (issue 17).
+"""The panel's own overhead of a two-node deploy over a one-node deploy of the same engine.
 
 The panel runs as in production (embedded Redis, uvicorn, real node agents on their own queues, the CPU
 vLLM engine and the tiny model), here with two agents on this machine as two nodes. Each round deploys

@@ -1,4 +1,4 @@
-"""Issue 16's figures: pre-warm against a plain `cat`, and how well a load's time to ready is predicted.
+"""The load-time figures: pre-warm against a plain `cat`, and how well a load's time to ready is predicted.
 
 1. prewarm_ratio: the same files, dropped from the page cache (posix_fadvise DONTNEED per file)
    before each read, read by host/pagecache.prewarm (parallel) and by one sequential `cat f... >

@@ -1,4 +1,4 @@
-"""Are a tuning study's verdicts right, and what does the panel add per variant? (issue 15, issue 24)
+"""Are a tuning study's verdicts right, and what does the panel add per variant?
 
 Verdicts, no engine: many small studies against three OpenAI-compatible test servers with a known
 schedule (tests/schedserver.py), each request's token gap drawn from the schedule's gap ± 5 %
@@ -206,7 +206,7 @@ def overhead(repeats: int) -> dict:
         accounted = sorted(t.overhead_s for t in trials if t.overhead_s is not None)
         figures = {"overhead_p50_s": statistics.median(values), "overhead_p95_s": percentile(values, 95),
                    "overhead_total_s": total, "accounted_p95_s": percentile(accounted, 95) if accounted else float("nan")}
-        # The estimate a study is made with (issue 27: within 30 % of what it took): this first one knew only the
+        # The estimate a study is made with (its target: within 30 % of what it took): this first one knew only the
         # deployment's load and smoke test; the same study again knows the first one's trials.
         again = studies.study_create(deployment=Deployment.objects.get(pk=d.pk), repeats=repeats,
                                      variants=STUDY_VARIANTS, workload=STUDY_WORKLOAD)

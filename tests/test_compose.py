@@ -89,7 +89,7 @@ def test_every_gpu_host_must_name_its_node_agent():
 
 
 def test_the_gateway_is_the_nodes_door_on_the_host_network_named_like_its_agent():
-    """Engines listen on the host's loopback (issue 28): the gateway must share the host's network, serve the
+    """Engines listen on the host's loopback: the gateway must share the host's network, serve the
     agent's node name, and listen on every interface (it is the one public door)."""
     gateway, agent = SERVICES["gateway"], SERVICES["nodeagent"]
     argv, agent_argv = _argv(gateway), _argv(agent)

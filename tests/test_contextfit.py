@@ -1,4 +1,4 @@
-"""How much context fits (issue 29 item 3): the published Kimi-K2.5 figures, the layouts, and the calibration
+"""How much context fits: the published Kimi-K2.5 figures, the layouts, and the calibration
 from real engine logs."""
 import json
 from pathlib import Path

@@ -181,7 +181,7 @@ def test_service_discovery_lists_each_ready_engine_with_its_labels(viewer_client
     response = viewer_client.get("/api/prometheus/targets/")
     assert response.status_code == 200 and response["Content-Type"] == "application/json"
     ready = fleet["ready"]
-    # Issue 28: the engine listens on loopback; its node's gateway serves its /metrics to the scrape key.
+    # The engine listens on loopback; its node's gateway serves its /metrics to the scrape key.
     assert response.json() == [{
         "targets": [f"{ready.node.address}:{settings.GATEWAY_PORT}"],
         "labels": {"__metrics_path__": f"/engines/{ready.pk}/metrics", "node": ready.node.name, "deployment": ready.name,

@@ -74,7 +74,7 @@ def test_prometheus_reads_the_mounted_rules_and_the_token_compose_hands_it():
     assert COMPOSE["secrets"][secret] == {"environment": "METRICS_TOKEN"}
     assert COMPOSE["x-panel-env"]["METRICS_TOKEN"] == "${METRICS_TOKEN:-}"
     jobs = {job["job_name"]: job for job in PROMETHEUS["scrape_configs"]}
-    # The vllm job's own: engines' /metrics through the gateways take the scrape token too (issue 28).
+    # The vllm job's own: engines' /metrics through the gateways take the scrape token too.
     for authorization in (jobs["panel"]["authorization"], jobs["vllm"]["http_sd_configs"][0]["authorization"],
                           jobs["vllm"]["authorization"]):
         assert authorization == {"type": "Bearer", "credentials_file": f"/run/secrets/{secret}"}

@@ -132,7 +132,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
 
 
 class RankSerializer(serializers.ModelSerializer):
-    """A worker node's rank of a multi-node deployment (issue 17)."""
+    """A worker node's rank of a multi-node deployment."""
 
     node = serializers.SlugRelatedField(slug_field="name", read_only=True)
 
@@ -171,7 +171,7 @@ class WorkerSerializer(serializers.Serializer):
 
 class DeployRequestSerializer(serializers.Serializer):
     """A deploy: engine flags as a dict ({"tensor-parallel-size": 8}), environment as a dict; `workers`
-    spread it over more nodes (issue 17: `node` is the head, rank 0)."""
+    spread it over more nodes (`node` is the head, rank 0)."""
 
     model = serializers.PrimaryKeyRelatedField(queryset=ModelRepo.objects.all())
     node = NodeField()

@@ -1,3 +1,3 @@
-"""The node gateway (issue 28): the one public door of a node. Callers' keys, the names a deployment answers
+"""The node gateway: the one public door of a node. Callers' keys, the names a deployment answers
 to, its admission bounds and the usage the gateways count live here (a Django app of its own, label
 `gateway`); the proxy process is `manage.py gateway` (deployments/gateway/server.py)."""

@@ -1,7 +1,7 @@
 """The snapshot a node gateway serves from: every caller key by digest and every active deployment as a target
 (where to send, with which key, how many at once), loaded from the database in one go and swapped in whole.
 
-Why a snapshot: a request must never wait on the database (issue 28: keys are checked without a round trip),
+Why a snapshot: a request must never wait on the database (keys are checked without a round trip),
 and a swap of one object keeps a request from seeing half of a reload. deployments/gateway/server.py reloads it
 when deployments/gateway/changes.py's version moves, or when the database's own stamps (stamps()) do.
 """

@@ -1,4 +1,4 @@
-"""The node gateway (issue 28): the one public door to a node's engines, an asyncio proxy of the panel's own.
+"""The node gateway: the one public door to a node's engines, an asyncio proxy of the panel's own.
 
 Why our own and not nginx or vllm-router: it must check caller keys against a set that changes within a second
 on every node, apply per-key limits and per-deployment admission, follow names across a swap by waiting for a

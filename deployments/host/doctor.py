@@ -1,4 +1,4 @@
-"""The host doctor (issue 29 item 4): the host settings that decide whether a multi-GPU engine works at all,
+"""The host doctor: the host settings that decide whether a multi-GPU engine works at all,
 each judged pass, warn or fail with its fix in one line. Runs on the node (plain Python, no Django): NVML facts
 come from gpu.host_facts(), everything else from /sys and /proc under `root`, so tests run it on fixture trees.
 

@@ -16,7 +16,7 @@ from deployments import engineoptions
 from deployments.host import engineenv
 from deployments.host.engine import EngineError
 
-# Where every engine's API server listens (issue 28): loopback only. The node's gateway is the one door
+# Where every engine's API server listens: loopback only. The node's gateway is the one door
 # callers use (it checks their keys and forwards only the OpenAI API); a multi-node deployment's cluster
 # ports are on the node's cluster address (node/cluster.py), never the API.
 API_HOST = "127.0.0.1"

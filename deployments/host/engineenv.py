@@ -45,7 +45,7 @@ def engine_environ(own: Mapping[str, str], environ: Mapping[str, str] | None = N
     return {**inherited(environ, passthrough()), **(user_env or {}), **OFFLINE, **{str(k): str(v) for k, v in own.items()}}
 
 
-# A single-node engine's processes talk to each other over loopback only (issue 28: nothing of it listens beyond
+# A single-node engine's processes talk to each other over loopback only (nothing of it listens beyond
 # 127.0.0.1). Left alone, gloo (the CPU engine's collectives, vLLM's CPU process groups on GPUs) listens on the
 # address the host name resolves to, and NCCL's bootstrap on the first network interface. Set last for a
 # single-node engine; a multi-node one's ranks must reach each other over the cluster network.

@@ -1,4 +1,4 @@
-"""Who engines run as: a dedicated unprivileged system user when the agent is root (issue 25).
+"""Who engines run as: a dedicated unprivileged system user when the agent is root.
 
 Why: an engine runs code the panel did not write (vLLM, and a model repository's Python under
 --trust-remote-code). As root it could read the agent's environment (/proc/<pid>/environ), the panel's

@@ -1,5 +1,5 @@
 """The host firewall of a multi-node or Ray deployment: every port its processes open is reachable only from
-loopback and the deployment's own nodes. The engine's API server listens on loopback only (issue 28: the node's
+loopback and the deployment's own nodes. The engine's API server listens on loopback only (the node's
 gateway is the public door), so no port of theirs is open to all. Plain Python, no Django.
 
 Why not addresses: Ray 2.60 (GCS, raylet, object manager, workers), torch's TCPStore (the master port), gloo,

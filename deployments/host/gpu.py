@@ -260,7 +260,7 @@ def _gib(used: int | None) -> str:
     return "an unknown amount" if used is None else f"{used / GIB:.1f} GiB"
 
 
-# --- What the host doctor asks NVML (issue 29 item 4; deployments/host/doctor.py judges it) -------------------
+# --- What the host doctor asks NVML (deployments/host/doctor.py judges it) ------------------------------------
 
 P2P_CAPS_INDEX_READ = 0  # pynvml 13.615 spells NVML_P2P_CAPS_INDEX_READ as the tuple (0,)
 # NVML's common-ancestor levels, nearest first, as nvidia-smi topo -m names them.

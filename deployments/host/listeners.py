@@ -1,5 +1,5 @@
 """The TCP ports a process listens on, so a deploy onto a port a stranger's engine holds is refused naming
-that port (issue 27) rather than as "other processes hold the GPUs". Plain Python, no Django."""
+that port rather than as "other processes hold the GPUs". Plain Python, no Django."""
 import psutil
 
 

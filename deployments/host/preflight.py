@@ -1,4 +1,4 @@
-"""The network pre-flight of a multi-node deployment (issue 17): before any engine starts, the head
+"""The network pre-flight of a multi-node deployment: before any engine starts, the head
 listens on its master port and each worker node opens a TCP connection to it. A worker that cannot
 reach the head fails here, in seconds, instead of vLLM hanging in its rendezvous. The pre-flight step also
 asks each node whether it can firewall the deployment (host/firewall.check). Plain Python, no Django.

@@ -1,8 +1,8 @@
-"""Ray for vLLM's Ray executor (issue 17): the `ray start` command line of a head or worker node, where the
+"""Ray for vLLM's Ray executor (multi-node): the `ray start` command line of a head or worker node, where the
 engine's `ray` lives, and how many nodes the cluster shows alive. Launching and stopping a Ray node go through
 host/engine.py like an engine (own session, whole group stopped). Plain Python, no Django.
 
-Every cluster uses Ray's token authentication (issue 25): without it whoever reaches the GCS can run code
+Every cluster uses Ray's token authentication: without it whoever reaches the GCS can run code
 as the engine's user on every node. The pinned Ray (2.60) reads the mode and the token from the
 environment (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN), never from argv: each Ray node, the vLLM driver and the
 panel's own status calls get them there, and a client without the token is refused

@@ -81,7 +81,7 @@ def auth_headers(key: str) -> dict[str, str]:
 
 def _request(method: str, url: str, timeout: float, body: dict | None = None, key: str = "") -> str:
     """The response body; VllmError on a refused connection, a timeout or an HTTP error status. `key`: the
-    engine's key (every engine the panel starts has one, issue 28), sent as a Bearer token."""
+    engine's key (every engine the panel starts has one), sent as a Bearer token."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json", **auth_headers(key)})

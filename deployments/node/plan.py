@@ -33,7 +33,7 @@ def deployment_run(deployment_id: int) -> Deployment:
         return d  # stopped or already running: a stale or duplicate message
     try:
         move(d, S.PREPARING)
-        if d.master_port:  # issue 17: every worker node prepares its rank meanwhile
+        if d.master_port:  # multi-node: every worker node prepares its rank meanwhile
             ranks.ranks_send(d)
         with step(d, "model") as event:
             model_path = model_ready(d, d.node)
@@ -53,7 +53,7 @@ def deployment_run(deployment_id: int) -> Deployment:
                 event.message = ranks.head_preflight(d)
         move(d, S.STARTING)
         ray = raycluster.uses_ray(d)
-        if ray:  # issue 17: the Ray head, then each worker node's Ray joins it
+        if ray:  # multi-node with Ray: the Ray head, then each worker node's Ray joins it
             with step(d, "ray_head") as event:
                 event.message = raycluster.head_start(d)
         if spans:  # workers first, as vLLM's multi-node launch needs
@@ -168,7 +168,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself
     args = {**d.engine_args, **cluster.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
     argv = enginecli.build_argv(vllm_bin, model_path, d.port, enginecli.API_HOST, args)
-    enginekey.new(d)  # issue 28: a new key for every engine started (_engine_env hands it over)
+    enginekey.new(d)  # a new key for every engine started (_engine_env hands it over)
     # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there. With Ray the
     # engine carries the marker its Ray head got (raycluster.head_start); a persisted one starts under its unit
     # again, enabled for the next boot.

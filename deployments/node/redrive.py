@@ -1,4 +1,4 @@
-"""Lost node work, re-driven from the database (issue 26: a Stop always happens).
+"""Lost node work, re-driven from the database (a Stop always happens).
 
 A halt, a plan or a benchmark run is a Celery message; the row saying it is owed is in the database.
 The message can be lost after the row was written: Redis restarted empty (compose and the embedded

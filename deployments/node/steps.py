@@ -117,7 +117,7 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
                     return  # failed already by another path (a rank lost while the watch saw the head die)
                 mark_stopped(d, message)
             deployment_event(d, "failed", message, level=DeploymentEvent.Level.ERROR)
-            ranks_stop(d)  # issue 17: any rank failing ends every other rank
+            ranks_stop(d)  # multi-node: any rank failing ends every other rank
             return
         except DatabaseError:
             log.warning("deployment %s: cannot record the failure yet (database away), retrying", d.name)
@@ -171,7 +171,7 @@ def make_room(d: Deployment, others, node: Node, elsewhere: str) -> list[str]:
 
 
 def model_ready(d: Deployment, node: Node) -> str:
-    """The model's folder on `node` (the head's, or a worker rank's, issue 17); downloaded first, in this
+    """The model's folder on `node` (the head's, or a multi-node worker rank's); downloaded first, in this
     worker and with the copy's live progress, when it is not there. A stop request aborts the wait."""
     copy, _ = ModelCopy.objects.get_or_create(model=d.model, node=node)
     if copy.state != ModelCopy.State.READY:

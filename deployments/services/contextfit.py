@@ -1,4 +1,4 @@
-"""How much context a deploy holds on a node, shown before Deploy (issue 29 item 3). The arithmetic is
+"""How much context a deploy holds on a node, shown before Deploy. The arithmetic is
 deployments/contextfit.py; here: a node's GPUs (or RAM), the deploy's flags, the recipe's KV dtypes and DCP
 sizes, and the corrections learnt from this node and model's earlier loads (deployments/kvcalibration.py,
 which the node calls after each load)."""

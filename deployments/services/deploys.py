@@ -31,10 +31,10 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     """Refuse what cannot work before anything is stopped or started. Callers hold the node's
     row lock, so two claims on one node's GPUs are decided one after the other.
 
-    Each check says its own reason, in the order a user can act on (issue 27): what was typed (flag
+    Each check says its own reason, in the order a user can act on: what was typed (flag
     values, GPUs, the model), then the port, then what holds the node (the panel's own deployments
     loading, then processes the panel did not start) — a bad value is never reported as a busy host.
-    A fit verdict (issue 27 item 2) and the compatibility gate (a recipe's minimum vLLM and GPU memory,
+    A fit verdict and the compatibility gate (a recipe's minimum vLLM and GPU memory,
     combinations known to fail) belong after the port and before the holders. Returns the admin overrides
     to record on the timeline, as (step, override)."""
     if problems := flagvalues.problems(engine_args):
@@ -133,14 +133,14 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
     A stopped or failed deployment of this model on this node under the default name is deployed again
     rather than a new `-2` row made per try; an existing name is redeployed only with `replace_existing`.
-    `workers` (multinode.Worker: node and GPUs) spread it over more nodes, `node` being the head (issue 17).
+    `workers` (multinode.Worker: node and GPUs) spread it over more nodes, `node` being the head.
     `recipe`: the deploy starts from that recipe, variant and strategy on this node — with a preset
     key its form values go under the given flags (the API and panelctl), without one the flags are complete
     (the form, filled from it) — its GPUs by default, and the queued step says which recipe and what changed."""
     workers = multinode.lock_nodes(node, list(workers)) if workers else []  # every node's lock, in id order
     node = lock_node(node.pk)  # one deploy decision per node at a time
     engine_args, env = privileged.canonical(engine_args, env)  # one spelling for every check below and the argv
-    # The form's defaults for the node under the caller's own (issue 27: the CLI is the form), and the
+    # The form's defaults for the node under the caller's own (the CLI is the form), and the
     # repo id as the served name unless one is given, so the stored flags and the plan show what to call.
     use = recipes.recipe_use(recipe, node, gpu_indices, 1 + len(workers), callit.served_name(model)) if recipe else None
     gpu_indices = gpu_indices or (use.gpu_indices if use else [])
@@ -206,7 +206,7 @@ def _recipe_said(use: recipes.Use | None, engine_args: dict, env: dict, served_n
 @transaction.atomic
 def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     """Run the plan again (restart), optionally with changed settings; a running engine is stopped first.
-    A multi-node deployment's placement is checked again (issue 17); `workers` (multinode.Worker) changes it.
+    A multi-node deployment's placement is checked again; `workers` (multinode.Worker) changes it.
     `recipe_use` (recipes.Use): the new settings come from that recipe, which the gate checks and the queued
     step names, as for a new deployment."""
     workers = _redeploy_workers(d, changes.pop("workers", None))  # every node's lock, in id order
@@ -315,7 +315,7 @@ def deployment_delete(d: Deployment) -> bool:
         if d.status not in Deployment.TERMINAL:
             raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; stop it first.", code="busy")
         repos.model_download_cancel_for(d)
-        if d.systemd_unit and d.ranks.exists():  # issue 17: every worker node removes its rank's unit, then the head
+        if d.systemd_unit and d.ranks.exists():  # multi-node: every worker node removes its rank's unit, then the head
             workers = ", ".join(d.ranks.values_list("node__name", flat=True))
             deployment_event(d, "delete", f"Removing each rank's unit from {workers}, then {d.systemd_unit} from {d.node}, "
                              "then this deployment.")
@@ -335,7 +335,7 @@ def deployment_persist(d: Deployment) -> Deployment:
     """Ask the node to install the deployment as a systemd unit that survives reboots (multi-node: the head's
     node restarts the group with one unit per node)."""
     d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
-    nodes = [d.node, *(r.node for r in d.ranks.select_related("node"))]  # issue 17: one unit per node
+    nodes = [d.node, *(r.node for r in d.ranks.select_related("node"))]  # multi-node: one unit per node
     if without := [n.name for n in nodes if not n.systemd]:
         raise ServiceError(f"{', '.join(without)} cannot install systemd units (no systemd, or the agent is not root); "
                            "download the unit file and install it by hand.", code="no_systemd")

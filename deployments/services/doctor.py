@@ -1,4 +1,4 @@
-"""The host doctor's report (issue 29 item 4): run on the node by its agent (deployments/host/doctor.py does the
+"""The host doctor's report: run on the node by its agent (deployments/host/doctor.py does the
 checking), kept in Node.host_checks for the node page, and the warnings the deploy form shows when a chosen
 layout depends on a check that fails."""
 from __future__ import annotations

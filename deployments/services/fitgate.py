@@ -1,5 +1,5 @@
-"""Whether a model fits a node (its GPUs, or its RAM for the CPU engine), and the fit verdict gating a deploy
-(issue 27): the estimate the deploy page shows for the deploy's own settings, and the refusal of what it
+"""Whether a model fits a node (its GPUs, or its RAM for the CPU engine), and the fit verdict gating a deploy:
+the estimate the deploy page shows for the deploy's own settings, and the refusal of what it
 says will not fit unless an admin overrides it."""
 from dataclasses import dataclass, field
 

@@ -1,4 +1,4 @@
-"""Load time (issue 16), control side: asking a node to measure its model store's read rate. What the node
+"""Load time, control side: asking a node to measure its model store's read rate. What the node
 measures (a load's phases and prediction, pre-warm, the store's rate) is deployments/loads.py, beneath both
 sides; its names are read here too by the control plane's callers."""
 from deployments.loads import (LoadWatch, Prewarm, load_history, load_key, load_recommendation,  # noqa: F401

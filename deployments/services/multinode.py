@@ -1,4 +1,4 @@
-"""Multi-node deployments (issue 17), control-plane side: check a placement across nodes before
+"""Multi-node deployments, control-plane side: check a placement across nodes before
 anything starts, and write one rank row per worker node. deployments/node/ranks.py runs it.
 
 A placement is the head (the deployment's node and GPUs, rank 0) plus worker nodes, each with its

@@ -55,7 +55,7 @@ def hf_token_set(value: str) -> None:
 
 def model_add(repo_id: str, revision: str = "main") -> ModelRepo:
     """Add a Hub repo (or find it) and fetch its files and config on the control worker. A repo or revision
-    the hub does not know is refused before any row exists, with the hub's answer (issue 27); a hub that
+    the hub does not know is refused before any row exists, with the hub's answer; a hub that
     cannot be asked now leaves it to the inspection, which retries."""
     revision = revision or "main"
     if not ModelRepo.objects.filter(repo_id=repo_id, revision=revision).exists():
@@ -224,7 +224,7 @@ def model_copy_cancel(copy: ModelCopy) -> ModelCopy:
 
 
 def model_download_cancel_for(d: Deployment) -> list[str]:
-    """Cancel the downloads `d`'s plan started that still run (a stop or delete while it prepares, issue 27);
+    """Cancel the downloads `d`'s plan started that still run (a stop or delete while it prepares);
     a download a user started, which the plan only waits for, goes on. One line per copy, for the timeline."""
     said = []
     for copy in ModelCopy.objects.filter(model=d.model_id, state__in=ModelCopy.DOWNLOADABLE,

@@ -1,5 +1,5 @@
-"""The host doctor on the node page and the context fit with the host warnings on the deploy page (issue 29
-items 3-4), as inclusion tags: each computes what it shows from the page's own context, so the views stay as
+"""The host doctor on the node page and the context fit with the host warnings on the deploy page, as
+inclusion tags: each computes what it shows from the page's own context, so the views stay as
 they are."""
 from django import template
 

@@ -1,4 +1,4 @@
-"""How the pages say why a node has no GPU: NVML's reason in words, once (issue 27: the fleet card said
+"""How the pages say why a node has no GPU: NVML's reason in words, once (the fleet card said
 "no NVIDIA GPU on this node" twice, the second time inside NVML's raw error)."""
 from django import template
 

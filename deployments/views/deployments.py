@@ -36,7 +36,7 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
         initial["extra_flags"] = " ".join(engineargs.argv_words(args))
         initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env, secrets.marked(deployment)).items())
         initial["secret_env"] = " ".join(secrets.marked(deployment))
-        placed = deployment.ranks.select_related("node")  # issue 17: the worker nodes as placed, to keep or change
+        placed = deployment.ranks.select_related("node")  # multi-node: the worker nodes as placed, to keep or change
         initial["workers"] = [r.node.name for r in placed]
         initial["worker_gpus"] = " ".join(f"{r.node.name}={','.join(map(str, r.gpu_indices))}" for r in placed)
         return initial

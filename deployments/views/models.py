@@ -37,7 +37,7 @@ def _model_add(request):
             "models": selectors.model_list(), "add_form": form, "local_form": forms.LocalModelForm()}, status=400)
     try:
         model = repos.model_add(form.cleaned_data["repo_id"], form.cleaned_data["revision"] or "main")
-    except ServiceError as exc:  # the hub does not know it: nothing was added (issue 27)
+    except ServiceError as exc:  # the hub does not know it: nothing was added
         form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         return render(request, "deployments/model_list.html", {
             "models": selectors.model_list(), "add_form": form, "local_form": forms.LocalModelForm()}, status=400)

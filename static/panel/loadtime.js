@@ -1,4 +1,4 @@
-// Deployment page, load time (issue 16): start-up phases as a Gantt bar, the predicted time to
+// Deployment page, load time: start-up phases as a Gantt bar, the predicted time to
 // ready, the loader's read rate against the disk's own, page-cache residency and free RAM.
 (function () {
   const D = window.DEPLOYMENT;

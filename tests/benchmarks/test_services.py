@@ -180,7 +180,7 @@ def gauges(running, waiting, kv):
 def test_a_queue_is_blamed_on_max_num_seqs_or_the_kv_cache_only_when_their_gauges_show_it(ready):
     run = BenchmarkRunFactory(deployment=ready, environment={"engine_args": {"max-num-seqs": 64}})
     with mock.patch("deployments.live.publish", autospec=True):
-        # The case once misreported: max-num-seqs 64, 12 waiting, the KV cache at 0 %: neither was the limit.
+        # The case this guards against: max-num-seqs 64, 12 waiting, the KV cache at 0 %: neither was the limit.
         services._save_point(run, runner.LevelResult(concurrency=32, server_metrics=gauges(20, 12, 0.0)))
         services._save_point(run, runner.LevelResult(concurrency=128, server_metrics=gauges(64, 64, 0.3)))
     first, second = run.warnings

@@ -137,7 +137,7 @@ def test_missing_repeats_give_no_answer_rather_than_a_wrong_one():
 
 
 def test_one_repeat_gives_a_figure_but_no_interval_and_no_verdict():
-    # What the issue saw: repeats=1 and "TTFT p95 +96.2 % [+96.2 %, +96.2 %] worse".
+    # The case this guards against: repeats=1 and "TTFT p95 +96.2 % [+96.2 %, +96.2 %] worse".
     base, slow = [Repeat(100.0, (90.0, 110.0))], [Repeat(196.2, (180.0, 212.0))]
     est = tunestats.estimate(slow)
     assert (est.median, est.low, est.high, est.n) == (196.2, None, None, 1)

@@ -1,5 +1,5 @@
-"""Issue 27 items 1 and 6: every deployment says how to call it (page, API), under the repo id by default,
-and a deploy from the API or panelctl gets the deploy form's own defaults for the node. Issue 28: that is
+"""Every deployment says how to call it (page, API), under the repo id by default,
+and a deploy from the API or panelctl gets the deploy form's own defaults for the node. That is
 always through the node's gateway, with a caller key, under the served name and the route's aliases."""
 import json
 import shlex
@@ -102,7 +102,7 @@ def test_a_deployment_stored_without_a_served_name_is_called_by_the_path_vllm_wa
                                          ("engine_args", {"--api_key": "sk-very-secret-1234"}),
                                          ("env", {"VLLM_API_KEY": "sk-very-secret-1234"})])
 def test_a_deploy_with_its_own_api_key_is_refused_saying_callers_keys_replace_it(admin_api, cpu_model, field, value):
-    """Issue 28: the engine's key is the panel's (a user's --api-key broke the smoke test and every benchmark)."""
+    """The engine's key is the panel's (a user's --api-key broke the smoke test and every benchmark)."""
     node, model = cpu_model
     answer = admin_api.post("/api/deployments/", {"model": model.pk, "node": node.name, field: value}, format="json")
     assert answer.status_code == 400, answer.json()

@@ -1,5 +1,5 @@
-"""How much context fits, shown before Deploy, and the calibration after each load from the engine's own log
-(issue 29 item 3), on recorded real CPU engine logs."""
+"""How much context fits, shown before Deploy, and the calibration after each load from the engine's own log,
+on recorded real CPU engine logs."""
 import json
 import sys
 from datetime import timedelta

@@ -1,4 +1,4 @@
-"""The deployment page (issue 27): the start-up card is titled by what it shows, and the engine's whole
+"""The deployment page: the start-up card is titled by what it shows, and the engine's whole
 command line is on the page with a Copy button, secrets not in it."""
 import shlex
 
@@ -32,7 +32,7 @@ def test_the_engine_command_is_shown_whole_with_a_copy_button_and_no_secret(oper
     assert "VLLM_CPU_KVCACHE_SPACE=1" in words and "--max-num-seqs" in words
     assert words[words.index("--served-model-name") + 1] == "acme/tiny chat"  # quoted as one word
     assert "sk-very-secret" not in command and "hunter2" not in command
-    # Its key (issue 28) is named, never shown; it listens on loopback, behind the node's gateway.
+    # Its key is named, never shown; it listens on loopback, behind the node's gateway.
     assert command.splitlines()[0] == "# export MY_TOKEN MY_SECRET VLLM_API_KEY first (secret: never shown here)"
     assert words[words.index("--host") + 1] == "127.0.0.1"
     html = operator_client.get(reverse("deployment-detail", args=[d.pk])).content.decode()

@@ -1,4 +1,4 @@
-"""Ownership by descent, and "stop other processes" signalling exactly the holders (issue 25, item 4).
+"""Ownership by descent, and "stop other processes" signalling exactly the holders.
 
 Processes here are real: a marker in one process's environment, children without it (as vLLM's titled
 EngineCore and workers show none once setproctitle wrote over it), a holder in a shell's session with a

@@ -1,4 +1,4 @@
-"""The host doctor's report (issue 29 item 4): run on the node into Node.host_checks, shown on the node page, and
+"""The host doctor's report: run on the node into Node.host_checks, shown on the node page, and
 the deploy form's warning when a chosen layout depends on a failing check."""
 from unittest import mock
 

@@ -1,4 +1,4 @@
-"""Issue 28 item 1, node side and panel side with the engine replaced at its boundary: every engine the panel starts
+"""Engine keys, node side and panel side with the engine replaced at its boundary: every engine the panel starts
 listens on loopback with a key of its own, new at every launch, sealed at rest and handed over in VLLM_API_KEY (never
 argv); the smoke test and the benchmark runner send it; a user's own --api-key is refused everywhere; Prometheus'
 scrape key for the gateways follows the scrape token. The real engine (its sockets, its 401) is

@@ -1,4 +1,4 @@
-"""Defaults that work on the node they run on (issue 14): a free engine port, the node's preset applied by
+"""Defaults that work on the node they run on: a free engine port, the node's preset applied by
 the server for the API, the CLI and the form alike, and a deploy that is tried again reusing its row."""
 from unittest import mock
 

@@ -1,4 +1,4 @@
-"""The fit verdict gates a deploy, and a deployment's stop cancels the download its plan started (issue 27)."""
+"""The fit verdict gates a deploy, and a deployment's stop cancels the download its plan started."""
 import json
 from pathlib import Path
 from unittest import mock

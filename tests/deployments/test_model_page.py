@@ -1,4 +1,4 @@
-"""The model page says true things and offers only what applies (issue 27): counts formatted, file sizes
+"""The model page says true things and offers only what applies: counts formatted, file sizes
 that are not "0.0 MiB", "verified" once a copy is ready, no Download where the model already is, a model
 the hub could not read can be removed, and the add form's address answers a GET with the form."""
 import pytest

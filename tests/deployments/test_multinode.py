@@ -1,4 +1,4 @@
-"""Multi-node placements (issue 17): what is refused before anything starts, naming the nodes; the ranks
+"""Multi-node placements: what is refused before anything starts, naming the nodes; the ranks
 and master port written; the API, the deploy form and the claim across nodes; the pre-flight socket.
 
 The real two-agent, real-engine run is tests/e2e/test_multinode.py.
@@ -224,7 +224,7 @@ def test_a_deployment_from_a_single_node_is_not_a_holder_elsewhere(model, nodes)
     assert list(deploys.deployment_holders(worker, [0])) == []
 
 
-# --- a redeploy checks the placement again (issue 17 item 3) ------------------------------------
+# --- a redeploy checks the placement again -------------------------------------------------------
 
 def _ready(d):
     Deployment.objects.filter(pk=d.pk).update(status="ready")

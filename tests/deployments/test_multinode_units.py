@@ -1,4 +1,4 @@
-"""Multi-node deployments (issue 17) on their nodes: persisted as one systemd unit per node (workers first),
+"""Multi-node deployments on their nodes: persisted as one systemd unit per node (workers first),
 stopped, adopted and deleted through those units; a worker rank downloading the model in its prepare step.
 
 systemd, the engine and the GPUs are replaced at their boundary (test_deploys.FakeHost; systemctl and

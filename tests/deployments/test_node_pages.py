@@ -1,4 +1,4 @@
-"""Node pages say once, in words, why a node has no GPU (issue 27: the fleet card said "no NVIDIA GPU on
+"""Node pages say once, in words, why a node has no GPU (the fleet card said "no NVIDIA GPU on
 this node" twice, the second time inside NVML's raw error), and name the disk chart for what it measures."""
 import re
 

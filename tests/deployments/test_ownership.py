@@ -1,5 +1,5 @@
 """Touch only what the panel owns: markers, foreign GPU holders, claims, model files, systemd units,
-and rows that end in the true state after faults (issue 12). Each test reproduces a finding.
+and rows that end in the true state after faults. Each test reproduces a finding.
 
 Processes here are real (`sleep` in its own session): ownership is read from /proc."""
 import os
@@ -131,7 +131,7 @@ def test_with_the_checkbox_foreign_processes_are_stopped_but_never_a_display_ser
         held[0] += _holder(xorg.pid)[0]
         host.mocks["gpu.processes_on"].return_value = held
         plan.deployment_run(d.pk)
-    stranger.wait(5)  # signalled itself (issue 25: exactly the holders, not their groups)
+    stranger.wait(5)  # signalled itself (exactly the holders, not their groups)
     assert _alive(xorg) and f"PID {xorg.pid}" not in Deployment.objects.get(pk=d.pk).events.get(step="stop_others").message
     assert Deployment.objects.get(pk=d.pk).status == S.READY
 

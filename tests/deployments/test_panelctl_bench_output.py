@@ -1,4 +1,4 @@
-"""panelctl bench's lines say what was measured (issue 27 item 3): a level with no TPOT (every token came in one read)
+"""panelctl bench's lines say what was measured: a level with no TPOT (every token came in one read)
 prints a dash, never a made-up 0.00, and a finished run says where it saturated, as the run page and the API do."""
 import argparse
 

@@ -1,4 +1,4 @@
-"""panelctl against the real ASGI server (issue 27 items 2 and 5): a deploy the fit check says will not fit
+"""panelctl against the real ASGI server: a deploy the fit check says will not fit
 exits 3 naming the fit, an operator's --override-fit exits 4, an admin's deploys and the timeline says so;
 model-remove forgets a model added by mistake and refuses one that has a copy, saying so."""
 import pytest

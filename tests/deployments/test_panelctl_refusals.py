@@ -1,4 +1,4 @@
-"""panelctl against the real ASGI server (issue 27 items 5 and 6): every refusal exits non-zero with its own
+"""panelctl against the real ASGI server: every refusal exits non-zero with its own
 code and reason, the commands it suggests exist, `status` says how to call a deployment and its last error,
 and `--wait` prints only what happens after the request. A repo the hub does not know is refused before
 any row exists, with the hub's answer (the Hub-compatible test server)."""
@@ -93,7 +93,7 @@ def test_status_shows_the_endpoint_the_model_name_the_state_and_the_last_error(l
     DeploymentEventFactory(deployment=d, step="launch", level="error", message="The engine exited while loading: OOM")
     assert cli.main([*login, "status", "deployment", "tiny-cpu"]) == 0
     out = capsys.readouterr().out
-    assert "tiny-cpu: failed" in out and f"endpoint {callit.gateway_url(d)}" in out  # the node's gateway (issue 28)
+    assert "tiny-cpu: failed" in out and f"endpoint {callit.gateway_url(d)}" in out  # the node's gateway
     assert "model    testorg/tiny-chat" in out and "API key  needed: a caller key" in out and "panelctl keys create" in out
     assert "last error The engine exited while loading: OOM (launch" in out
     assert '"model": "testorg/tiny-chat"' in out and "from openai import OpenAI" in out  # the snippets to copy

@@ -1,4 +1,4 @@
-"""Ray as the executor (issue 17, item 4): which executors may span nodes, the Ray head's port, the `ray start`
+"""Ray as the executor: which executors may span nodes, the Ray head's port, the `ray start`
 and `vllm serve` command lines of the head and the worker nodes, the plan's order, a Ray head that dies, and
 stopping every process a Ray node started.
 

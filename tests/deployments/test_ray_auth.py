@@ -1,4 +1,4 @@
-"""Every Ray cluster the panel starts is authenticated (issue 25, item 3): a new token at each Ray head start,
+"""Every Ray cluster the panel starts is authenticated: a new token at each Ray head start,
 handed to each Ray node, to `vllm serve` (Ray's driver) and to the panel's own status calls through the
 environment, never argv; stored write-only; the dashboard is not started.
 

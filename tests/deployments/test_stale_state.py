@@ -1,4 +1,4 @@
-"""Every page tells the current truth (issue 14): actions by state, flags as the command line, timeline rows that
+"""Every page tells the current truth: actions by state, flags as the command line, timeline rows that
 end, sizes with their unit. Each case is one a newcomer met: a regression test per stale state."""
 import re
 

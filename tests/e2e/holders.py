@@ -16,7 +16,7 @@ from tests import truestate
 def record_whole_host_holders(node, folder) -> list:
     """Record the node's foreign processes as its agent would with the whole-host claim on, seeing only the
     engine processes started for the model in `folder` (API server, EngineCore, workers); (the processes it
-    saw, the stored record). vLLM's titled children are among them: what the redeploy's 409 named (issue 25)."""
+    saw, the stored record). vLLM's titled children are among them: what the redeploy's 409 named."""
     seen = truestate.engines_under(folder)
     with override_settings(CPU_HOST_EXCLUSIVE=True), \
          mock.patch("deployments.host.ownership.engine_processes", return_value=[p.pid for p in seen]), \

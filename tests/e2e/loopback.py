@@ -1,4 +1,4 @@
-"""What a real engine the panel started must look like from outside (issue 28 item 1), for the end-to-end tests that
+"""What a real engine the panel started must look like from outside, for the end-to-end tests that
 start one anyway: every socket its processes listen on is a loopback one, its API port among them; from the
 node's own network address it answers nothing; its OpenAI routes refuse a request without its key (or with a
 wrong one) and answer the panel's key."""

@@ -48,7 +48,7 @@ def prompts_file(out_dir):
 def vllm_bench(base_url, tokenizer, out_dir, prompts, key=""):
     """One `vllm bench serve` run over every prompt of `prompts` at LEVEL; its --save-result JSON.
     (--skip-chat-template: its custom dataset would otherwise wrap each prompt in the chat template,
-    which the server then applies once more.) `key`: the engine's (issue 28), sent as vllm bench serve sends
+    which the server then applies once more.) `key`: the engine's, sent as vllm bench serve sends
     one, from OPENAI_API_KEY."""
     result = out_dir / "vllm-bench.json"
     subprocess.run([str(VLLM), "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
@@ -73,7 +73,7 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
     env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": tokens.issue(operator),
            "PANELCTL_CONFIG": str(tmp_path / "none.json")}
 
-    # Nothing but the model (issue 14): the form's defaults, ready, and the repo id is the model name to call.
+    # Nothing but the model: the form's defaults, ready, and the repo id is the model name to call.
     code, out, err = panelctl(env, "deploy", str(model.pk), "--wait", "--json")
     assert code == 0, err
     deployed = json.loads(out)
@@ -87,7 +87,7 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
     # what was asked, within 2 tokens, through the chat template and without one.
     for endpoint in (runner.CHAT, runner.COMPLETIONS):
         for asked in (32, 100):
-            # Straight to the engine, as the panel's own benchmark runs: on loopback, with its key (issue 28).
+            # Straight to the engine, as the panel's own benchmark runs: on loopback, with its key.
             spec = runner.LoadSpec(base_url=f"http://127.0.0.1:{d.port}", model=d.served_model_name, endpoint=endpoint,
                                    api_key=enginekey.of(d),
                                    prompt_source="random", input_tokens=asked, max_tokens=4, levels=(1,),
@@ -99,7 +99,7 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
             assert all(abs(n - asked) <= 2 for n in counted), (endpoint, asked, counted)
             assert level.prompt_tokens_requested == asked and abs(level.prompt_tokens_mean - asked) <= 2
 
-    # Redeployed changed, as the CLI's own `deploy --replace` example does (issue 25): what the agent records as
+    # Redeployed changed, as the CLI's own `deploy --replace` example does: what the agent records as
     # holding the host (the whole-host claim of a node without GPUs) names none of the engine's own processes,
     # vLLM's titled EngineCore among them, so no "stop other processes" is needed.
     seen, record = record_whole_host_holders(node, model.copies.get(node=node).path)

@@ -1,8 +1,8 @@
 """The Deploy button end to end: a real node agent, the real CPU vLLM engine and Chromium.
 
 A user deploys the tiny model with pre-warm on, watches it load phase by phase (and as phases on a Gantt bar)
-and sees the smoke-test answer; redeploys it with a change (not refused for its own engine's processes,
-issue 25) and sees the second load predicted from the first (how close the prediction comes is a figure,
+and sees the smoke-test answer; redeploys it with a change (not refused for its own engine's processes)
+and sees the second load predicted from the first (how close the prediction comes is a figure,
 measured by perf/prewarm.py, not asserted here); deploys a second engine that
 replaces the first (the old one is stopped, its processes gone); then stops the second from its page.
 """
@@ -65,7 +65,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator("#load-legend")).to_contain_text("weights")
     assert sum(first.events.get(step="load").data["totals"].values()) > 0
 
-    # Redeploy with changes (issue 25): what the agent records as holding the host (the whole-host claim of
+    # Redeploy with changes: what the agent records as holding the host (the whole-host claim of
     # a node without GPUs) names none of the engine's own processes, vLLM's titled EngineCore among them, so
     # the redeploy is not refused (409) and needs no "stop other processes".
     seen, record = record_whole_host_holders(node, model.copies.get(node=node).path)

@@ -112,7 +112,7 @@ def test_a_download_killed_midway_resumes_after_the_agent_restarts_and_verifies(
 def test_stopping_a_deployment_while_it_prepares_cancels_the_download_its_plan_started(
         hub_repo, process_env, spawn, unique, tmp_path, settings, operator):
     """A real agent's plan downloads the model (throttled); a Stop while it prepares cancels that download
-    within seconds, keeps what was fetched for a retry, and the hub serves no more (issue 27)."""
+    within seconds, keeps what was fetched for a retry, and the hub serves no more."""
     url, _ = hub_repo
     settings.HF_ENDPOINT = url
     env = dict(process_env, HF_ENDPOINT=url, CPU_HOST_EXCLUSIVE="0")  # other sessions here run engines of their own

@@ -2,8 +2,8 @@
 it can (its own environment, every /proc/*/environ and /proc/*/cmdline it can open, the panel's var/ folder,
 the agent's home) and signals the agent is deployed with --trust-remote-code by a real node agent on the
 real CPU vLLM engine, while the agent's own environment holds the panel's settings and secrets. The engine
-runs as its own user (vllm-engine, issue 25): it finds none of them, and the signal fails with EPERM; what
-the panel sets for it (its ownership marker, the offline switches, its engine key as VLLM_API_KEY, issue 28) it
+runs as its own user (vllm-engine): it finds none of them, and the signal fails with EPERM; what
+the panel sets for it (its ownership marker, the offline switches, its engine key as VLLM_API_KEY) it
 does see."""
 import errno
 import json

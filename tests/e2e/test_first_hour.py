@@ -110,7 +110,7 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
     cli_env = {**os.environ, "PANEL_URL": live_server_asgi, "PANEL_TOKEN": api_tokens.issue(operator),
                "PANELCTL_CONFIG": str(tmp_path / "none.json")}
 
-    # What cannot work is refused before anything is left behind (issue 27).
+    # What cannot work is refused before anything is left behind.
     _refused_and_nothing_left(page, cli_env, node, url)
 
     # Add the model: its repo id is the one thing a newcomer types.

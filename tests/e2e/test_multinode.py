@@ -1,4 +1,4 @@
-"""Multi-node deployments end to end (issue 17): real node agents on this machine (their own names, model
+"""Multi-node deployments end to end: real node agents on this machine (their own names, model
 stores and queues) run real CPU-engine deployments with vLLM's own multi-node launch:
 `--nnodes 2 --tensor-parallel-size 2` over gloo, the worker `--headless --node-rank 1`.
 
@@ -118,9 +118,9 @@ def listening(*markers) -> list[tuple[str, int, str, int]]:
 
 
 def firewalled(stranger, api_port, *markers) -> list[tuple[str, int, str, int]]:
-    """Issue 25: every socket the deployment's processes listen on beyond loopback (Ray's, torch's TCPStore on the
+    """Every socket the deployment's processes listen on beyond loopback (Ray's, torch's TCPStore on the
     master port, the DP RPC port, gloo's, ZeroMQ's) is in a group the host firewall guards, and a machine that is
-    not a node is refused on each; the engine's API server listens on loopback only (issue 28), so it is not
+    not a node is refused on each; the engine's API server listens on loopback only, so it is not
     among them. Those sockets are returned."""
     ns, _, host_ip = stranger
     outside = [s for s in listening(*markers) if not ipaddress.ip_address(s[0]).is_loopback]

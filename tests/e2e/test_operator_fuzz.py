@@ -1,4 +1,4 @@
-"""An operator fuzz (issue 25): every flag the real CPU engine lists in `vllm serve --help=all`, each spelled
+"""An operator fuzz: every flag the real CPU engine lists in `vllm serve --help=all`, each spelled
 dashed, underscored and upper-cased and smuggled as `--enforce-eager=--<flag>`, sent as an operator through
 the API, the deploy form's text box and a study variant. What is accepted is launched through the agent's
 own launch step (plan._launch, engine.launch) and the launched process's /proc/<pid>/cmdline is read back:

@@ -1,6 +1,6 @@
 """A real Prometheus (Debian's package) scrapes the live panel with the scrape token and, through the
 panel's HTTP service discovery, the real CPU vLLM engine the panel deployed, which listens on loopback: Prometheus
-reaches its /metrics through the node's gateway (a real `manage.py gateway`, issue 28) with the same token; its
+reaches its /metrics through the node's gateway (a real `manage.py gateway`) with the same token; its
 query API then answers with the panel's series, the engine's `vllm:` series labelled by the panel, and the
 DCGM-named recording rules. The same engine then tells a subscriber (a real webhook receiver) that it is ready and,
 once killed, that it crashed; and the shipped alert rules put DeploymentDown into a real Alertmanager."""

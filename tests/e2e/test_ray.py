@@ -1,9 +1,9 @@
-"""Ray as the executor, end to end (issue 17, item 4): two real node agents on this machine, one of them at
+"""Ray as the executor, end to end: two real node agents on this machine, one of them at
 127.0.0.2 (vLLM wants every Ray node at an address of its own; all of 127/8 is this host), a real Ray cluster
 the agents start (a head, a worker node joining it) and one real CPU engine, `vllm serve --tensor-parallel-size 2
 --distributed-executor-backend ray` on the head, its two workers placed by vLLM over both Ray nodes.
 
-Ready, smoke test answered through the head, authenticated (issue 25: `ray status`, a Ray driver and the panel's
+Ready, smoke test answered through the head, authenticated (`ray status`, a Ray driver and the panel's
 own status call without the deployment's token are refused; no unauthenticated metrics endpoint); stopped as
 one with no Ray or vLLM process left on either "node";
 a second deployment on the same agents fails as a whole when the worker node's Ray is killed.
@@ -83,7 +83,7 @@ def _ask(argv, token=None, timeout=90):
 
 
 def _authenticated(d, rank, stranger):
-    """Issue 25: the cluster asks for its token (`ray status`, a Ray driver and the panel's own status call
+    """The cluster asks for its token (`ray status`, a Ray driver and the panel's own status call
     without it are refused; with it they answer), the token is sealed at rest, the cluster opens no
     unauthenticated metrics endpoint, and every port it opens beyond loopback refuses a machine that is no
     node (the host firewall); what it listens on (address, port, process, pid) is returned."""

@@ -1,8 +1,8 @@
-"""The memory cap (issue 25) on the real CPU engine: the node agent's load generator limited to 128 MiB
+"""The memory cap on the real CPU engine: the node agent's load generator limited to 128 MiB
 (PANEL_BENCH_MEMORY_MB). A run within every cap (32 requests of short prompts) but carrying 100,000
 uploaded prompts (~14 MB, the most lines a file may hold) outgrows that limit in the load generator's child
 process: the run fails with a clear message, the engine keeps serving, and the same agent then
-benchmarks it to the end. The engine it starts anyway is also checked for issue 28 (tests/e2e/loopback.py): it
+benchmarks it to the end. The engine it starts anyway is also checked from outside (tests/e2e/loopback.py): it
 listens on loopback only, and its OpenAI routes answer only its key, which the panel's benchmark sends."""
 import json
 import shutil

@@ -1,4 +1,4 @@
-"""A Stop always happens (issue 26 item 3), with real agents and the fake engine: the halt dropped three
+"""A Stop always happens, with real agents and the fake engine: the halt dropped three
 ways (the web process killed after its commit, before on_commit sent it; Redis emptied by FLUSHALL right
 after the Stop; every worker thread of the agent held by throttled downloads) and the engine is stopped
 within the bound, every time; a Stop pressed again sends the halt again at once; a worker rank's lost

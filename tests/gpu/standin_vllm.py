@@ -1,4 +1,4 @@
-"""An engine stand-in for the GPU machine, run by the panel's agent as `vllm` (issue 25).
+"""An engine stand-in for the GPU machine, run by the panel's agent as `vllm`.
 
 It is tests/faults/fakevllm/vllm (vLLM's CLI: `--version`, `serve --help=all`, the load log lines, /health,
 /v1/models, /v1/chat/completions, /metrics, a process group of two) plus what only a GPU shows: an

@@ -1,4 +1,4 @@
-"""The host doctor's NVML checks on a real NVIDIA GPU (issue 29 item 4), checked against nvidia-smi's own answers:
+"""The host doctor's NVML checks on a real NVIDIA GPU, checked against nvidia-smi's own answers:
 driver and CUDA versions, persistence, ECC, clocks, PCIe, BAR1, and P2P per pair where the host has several GPUs."""
 import re
 import subprocess

@@ -1,4 +1,4 @@
-"""An engine stand-in started as the engine user (issue 25) on a real NVIDIA GPU: it opens the device nodes
+"""An engine stand-in started as the engine user on a real NVIDIA GPU: it opens the device nodes
 and allocates real GPU memory as that user, NVML attributes the memory to its PID, host/engine.stop gives
 it back, and the stand-in can read neither this process's (the agent's) environment nor signal it.
 

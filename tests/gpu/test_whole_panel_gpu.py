@@ -1,4 +1,4 @@
-"""The whole panel on a real NVIDIA GPU (issue 25): the launcher's embedded path (web, control worker, node
+"""The whole panel on a real NVIDIA GPU: the launcher's embedded path (web, control worker, node
 agent, embedded Redis, SQLite) registers the GPU node, and a deploy through the REST API runs an engine
 stand-in (tests/gpu/standin_vllm.py) as the engine user, whose EngineCore-like child holds real GPU memory.
 NVML attributes that memory to the deployment (the node page's live sample, over the WebSocket the page

@@ -1,4 +1,4 @@
-"""The host doctor (issue 29 item 4): NVML facts against a fake pynvml that speaks pynvml's names, every /sys and
+"""The host doctor: NVML facts against a fake pynvml that speaks pynvml's names, every /sys and
 /proc check on fixture trees written here."""
 from types import SimpleNamespace
 

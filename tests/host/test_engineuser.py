@@ -1,4 +1,4 @@
-"""Engines as their own user (issue 25): the launch options, the unit text, and real processes started as
+"""Engines as their own user: the launch options, the unit text, and real processes started as
 that user on this machine (it runs as root, so the switch is real). No vLLM, no database."""
 import errno
 import json

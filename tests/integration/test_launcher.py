@@ -65,7 +65,7 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
             assert nodes[0]["name"] == "launcher-node" and nodes[0]["online"]
             # Pages give callers the gateway at the node's address: where it listens (loopback here).
             assert nodes[0]["address"] == "127.0.0.1"
-            # The node's gateway answers, and refuses a call without a key (issue 28).
+            # The node's gateway answers, and refuses a call without a key.
             assert wait_until(lambda: httpx.get(f"http://127.0.0.1:{gateway_port}/healthz").status_code == 200,
                               timeout=30, message="the gateway")
             assert httpx.post(f"http://127.0.0.1:{gateway_port}/v1/chat/completions", json={}).status_code == 401
@@ -90,7 +90,7 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
     log.seek(0)
     output = log.read()
     assert "Stopping" in output and "Traceback" not in output, output[output.find("Stopping"):][:4000]
-    # The first admin's box comes after every Celery start-up banner, not buried under them (issue 27).
+    # The first admin's box comes after every Celery start-up banner, not buried under them.
     assert output.rfind("[queues]") < output.find("First admin"), output[:6000]
 
 

@@ -1,4 +1,4 @@
-"""The memory cap (issue 25), with real processes: a Celery worker runs benchmarks as the node agent does
+"""The memory cap, with real processes: a Celery worker runs benchmarks as the node agent does
 (benchmarks.services.run_execute), its load generator limited to 128 MiB by PANEL_BENCH_MEMORY_MB,
 against an OpenAI-compatible server that streams as fast as a core allows (tests/schedserver.py). A run
 that passes every cap but outgrows that limit fails with a clear message; the worker lives on and runs

@@ -1,4 +1,4 @@
-"""A sweep in a child process under a memory limit (issue 25): its levels and ticks come back as they
+"""A sweep in a child process under a memory limit: its levels and ticks come back as they
 happen, and a run that outgrows the limit fails with a clear error while its caller and the server
 carry on."""
 import json

@@ -1,4 +1,4 @@
-"""Benchmarks cannot take the host down (issue 25): a run asking for more than the deployment's max model
+"""Benchmarks cannot take the host down: a run asking for more than the deployment's max model
 length, the requests per level or the prompt bytes allowed is refused with a 400 that names the limit
 and what was asked (API, form, studies), before anything is queued; prompts are made one at a time."""
 import tracemalloc

@@ -1,4 +1,4 @@
-"""CSV exports open in a spreadsheet as data, never as formulas (issue 25 item 6; OWASP's CSV injection rule)."""
+"""CSV exports open in a spreadsheet as data, never as formulas (OWASP's CSV injection rule)."""
 import csv
 import io
 

@@ -1,6 +1,6 @@
 """One canonical spelling of engine flags and variables, and the operator list (deployments/engineoptions.py).
 
-Each hole issue 25 confirmed is tried here as an operator, through the API, the deploy form and a study
+Each known way around the operator list is tried here as an operator, through the API, the deploy form and a study
 variant: the flag dashed, underscored, upper-cased, as `--enforce-eager=--trust-remote-code`, with a newline
 or a leading dash. The real engine's whole flag list is tried in tests/e2e/test_operator_fuzz.py.
 """

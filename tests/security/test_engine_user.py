@@ -1,4 +1,4 @@
-"""Engines as their own user (issue 25), the panel's side: what the agent reports and the node page shows,
+"""Engines as their own user, the panel's side: what the agent reports and the node page shows,
 and the units the panel writes (installed or downloaded) with the engine user and no secret in ExecStart=."""
 import os
 from unittest import mock

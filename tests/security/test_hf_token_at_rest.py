@@ -1,5 +1,5 @@
 """The Hugging Face token set on the settings page is encrypted at rest with a key file only the panel's
-user reads (issue 25 item 6): the database holds ciphertext, the downloads still get the token."""
+user reads: the database holds ciphertext, the downloads still get the token."""
 import importlib
 import stat
 from pathlib import Path

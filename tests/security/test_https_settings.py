@@ -1,4 +1,4 @@
-"""Secure cookies, HSTS and the proxy's HTTPS header are set from the environment (issue 25 item 6), and
+"""Secure cookies, HSTS and the proxy's HTTPS header are set from the environment, and
 the passwords people set meet Django's four validators."""
 import importlib.util
 

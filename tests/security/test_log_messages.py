@@ -1,5 +1,5 @@
 """Messages built from engine log lines (status, timeline, rank messages, live lines, the log tail) pass
-through the secret masker, also for secrets the panel never knew (issue 25 item 6)."""
+through the secret masker, also for secrets the panel never knew."""
 from unittest import mock
 
 import pytest

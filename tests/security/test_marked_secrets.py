@@ -1,4 +1,4 @@
-"""Env variables marked secret on the form/API are masked exactly like secret-looking names (issue 13 item 3)."""
+"""Env variables marked secret on the form/API are masked exactly like secret-looking names."""
 from unittest import mock
 
 import pytest

@@ -1,4 +1,4 @@
-"""A Ray cluster's token is sealed at rest like the Hugging Face token (issue 25 item 3): the row holds ciphertext
+"""A Ray cluster's token is sealed at rest like the Hugging Face token: the row holds ciphertext
 (191 characters, which PostgreSQL must hold), the cluster's processes get the token; a token stored in plain text
 before is sealed by the migration."""
 import importlib

@@ -20,7 +20,7 @@ def deployment():
     copy = ModelCopyFactory(path="/models/org/m")
     return DeploymentFactory(node=copy.node, model=copy.model, status="ready",
                              env={"HF_TOKEN": TOKEN, "NCCL_PROTO": "LL", "TOKENIZERS_PARALLELISM": "false"},
-                             engine_args={"hf-token": KEY, "max-num-seqs": 8},  # --api-key is the panel's (issue 28)
+                             engine_args={"hf-token": KEY, "max-num-seqs": 8},  # --api-key is the panel's
                              log_tail=f"INFO non-default args: {{'hf_token': '{KEY}'}}\nHF_TOKEN={TOKEN}")
 
 

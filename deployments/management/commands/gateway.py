@@ -1,4 +1,4 @@
-"""`manage.py gateway --node NAME`: the node's gateway, the one public door to its engines (issue 28)."""
+"""`manage.py gateway --node NAME`: the node's gateway, the one public door to its engines."""
 import asyncio
 import logging
 import signal

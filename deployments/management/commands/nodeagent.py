@@ -1,5 +1,5 @@
 """The node agent: registers this host, heartbeats, samples it, runs a Celery worker on this host's
-queues (issue 26): `node.<name>` (downloads, benchmarks), `node.<name>.plans` (deploy plans, follows,
+queues: `node.<name>` (downloads, benchmarks), `node.<name>.plans` (deploy plans, follows,
 worker ranks' launches) and `node.<name>.control` (halts, never expiring), and the loop that re-drives
 lost work from the database (deployments/node/redrive.py). Engine control and plans run on threads of
 their own (controlpanel/pool.py), so they never wait behind downloads and benchmarks.
