@@ -1,0 +1,9 @@
+"""What sits on a host: nodes, their GPUs, models, model copies and deployments. One module per subject
+(hosts, store, engines, learned); everything is imported from here, as Django and the rest of the code expect."""
+from deployments.models.engines import Deployment, DeploymentEvent, DeploymentRank, EngineProcess
+from deployments.models.hosts import Gpu, Node, NodeMetric
+from deployments.models.learned import FitCalibration, Recipe
+from deployments.models.store import ModelCopy, ModelRepo, Secret
+
+__all__ = ["Deployment", "DeploymentEvent", "DeploymentRank", "EngineProcess", "FitCalibration", "Gpu", "ModelCopy",
+           "ModelRepo", "Node", "NodeMetric", "Recipe", "Secret"]
