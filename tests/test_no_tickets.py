@@ -2,8 +2,6 @@
 a reader outside the project's history learns nothing from it, so each says what the code does instead.
 A citation of an upstream project's bug tracker (the project named just before the number) stays allowed.
 Reads the files as text; migrations (generated, frozen) and third-party vendored files are left out.
-Model fields' help_text is part of each migration's frozen state, so rewording one takes a migration of its own:
-the ones in KNOWN wait for that; keep the list shrinking."""
 import re
 from pathlib import Path
 
@@ -15,16 +13,6 @@ TICKET = re.compile(r"\b(?:issues?|tickets?) ?#?\d+\b", re.IGNORECASE)
 # An upstream project named right before the number ("vLLM issue 12345", "GPUStack's issue #2116") is a citation.
 UPSTREAM = re.compile(r"\b(?:vllm|gpustack|xinference|ray|nccl|celery|django|pytorch|torch|huggingface|transformers|"
                       r"redis|uvicorn|daphne|channels|nvidia)(?:'s)?(?:\s+github)?\s*$", re.IGNORECASE)
-# Pieces of model fields' help_text (their lines other than the ticket), allowed in the model modules until their
-# next migration.
-MODEL_MODULES = ("deployments/models.py", "deployments/models/")
-KNOWN = {
-    "sequential read rate: {bps, bytes, cold, at}",
-    "topology, nccl_presets} (deployments/host/doctor.py,",
-    "help_text=\"The engine's own --api-key",
-    "help_text=\"Read the model's shards into the page cache while others stop",
-    "the head's --master-port the worker ranks join.",
-}
 
 
 def _files():
@@ -58,7 +46,5 @@ def test_the_pattern_finds_a_ticket_and_spares_an_upstream_citation():
 
 def test_no_file_names_a_ticket_number():
     offenders = [f"{path.relative_to(ROOT)}:{number}: {line[:120]}"
-                 for path, text in _files() for number, line in _ticket_references(text)
-                 if not (path.relative_to(ROOT).as_posix().startswith(MODEL_MODULES)
-                         and any(piece in line for piece in KNOWN))]
+                 for path, text in _files() for number, line in _ticket_references(text)]
     assert not offenders, "ticket numbers mean nothing to a reader; say what the code does:\n" + "\n".join(offenders)

@@ -79,17 +79,17 @@ class Deployment(Transitions, EngineProcess):
     systemd_unit = models.CharField(max_length=128, blank=True)
     ray_token = models.CharField(max_length=256, blank=True, help_text="The Ray cluster's token (RAY_AUTH_TOKEN), new at each "
                                  "Ray head start; sealed at rest (deployments/sealed.py); write-only: never shown.")
-    engine_key = models.CharField(max_length=256, blank=True, help_text="The engine's own --api-key (issue 28): random per "
+    engine_key = models.CharField(max_length=256, blank=True, help_text="The engine's own --api-key: random per "
                                   "deployment, known to the panel and its gateways only; sealed at rest; never shown.")
     stop_foreign = models.BooleanField(default=False, help_text="Stop other (non-panel) processes on the chosen GPUs.")
-    prewarm = models.BooleanField(default=False, help_text="Read the model's shards into the page cache while others stop (issue 16).")
+    prewarm = models.BooleanField(default=False, help_text="Read the model's shards into the page cache while others stop.")
     expires_at = models.DateTimeField(null=True, blank=True, help_text="A queued plan not started by then is dropped.")
     auto_restart = models.BooleanField(default=False)
     restarts = models.PositiveIntegerField(default=0)
     replace = models.JSONField(default=list, blank=True, help_text="Deployments the plan stops first (ids).")
     stall_seconds = models.PositiveIntegerField(default=600, help_text="Fail a load when neither log nor GPU memory moved for this long.")
     master_port = models.PositiveIntegerField(null=True, blank=True,
-                                              help_text="Multi-node (issue 17): the head's --master-port the worker ranks join.")
+                                              help_text="Multi-node: the head's --master-port the worker ranks join.")
     load_detail = models.JSONField(default=dict, blank=True, help_text="Shards, seconds left, ...")
     smoke = models.JSONField(default=dict, blank=True, help_text="The smoke test's reply, reasoning, latency, tokens.")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)

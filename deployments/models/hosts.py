@@ -31,12 +31,12 @@ class Node(models.Model):
     foreign_processes = models.JSONField(default=list, blank=True,
                                          help_text="Processes on the GPUs the panel did not start, as the agent last saw them.")
     disk_read = models.JSONField(default=dict, blank=True,
-                                 help_text="The model store's sequential read rate: {bps, bytes, cold, at} (issue 16).")
+                                 help_text="The model store's sequential read rate: {bps, bytes, cold, at}.")
     gateway_port = models.PositiveIntegerField(null=True, blank=True,
                                                help_text="The port the node's gateway listens on, as its gateway reports it.")
     host_checks = models.JSONField(default=dict, blank=True,
                                    help_text="The host doctor's last report: {at, checks: [{name, status, summary, fix, data}], "
-                                             "topology, nccl_presets} (deployments/host/doctor.py, issue 29).")
+                                             "topology, nccl_presets} (deployments/host/doctor.py).")
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
