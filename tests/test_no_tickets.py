@@ -1,7 +1,7 @@
 """No code, comment, docstring, template, script or test name points at one of the project's own tickets by number:
 a reader outside the project's history learns nothing from it, so each says what the code does instead.
 A citation of an upstream project's bug tracker (the project named just before the number) stays allowed.
-Reads the files as text; migrations (generated, frozen) and third-party vendored files are left out.
+Reads the files as text; migrations (generated, frozen) and third-party vendored files are left out."""
 import re
 from pathlib import Path
 
