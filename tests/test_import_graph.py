@@ -114,3 +114,10 @@ def test_the_graph_sees_imports_inside_functions_and_relative_ones(tmp_path):
     graph = {name: _imported(name, path, known) for name, path in known.items() if name != "pkg"}
     assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}}
     assert _cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_no_module_is_over_450_lines():
+    """A module a newcomer can read in one sitting: past 450 lines, split it by what its parts do."""
+    long = {name: n for name, path in _modules().items()
+            if "migrations" not in path.parts and (n := len(path.read_text().splitlines())) > 450}
+    assert long == {}

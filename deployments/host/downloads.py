@@ -6,7 +6,6 @@ download resumes where it stopped. Metadata (what to fetch): host/hub.py.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -24,6 +23,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from deployments.host import diskwrite
 from deployments.host.hub import USER_AGENT, HubError, RepoFile, RepoInfo, endpoint_url, file_url, status_error
 
 PARTIAL_DIR = ".partial"
@@ -128,37 +128,6 @@ def _disk_error(e: OSError, path: str) -> HubError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return HubError(f"The disk is full while writing {path}; what was written is kept.", True, "disk_full")
     return HubError(f"Cannot write {path}: {e.strerror or e}.", True, "io_error")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-try:
-    _SYNC_FILE_RANGE = ctypes.CDLL(None, use_errno=True).sync_file_range
-    _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (OSError, AttributeError):  # not Linux
-    _SYNC_FILE_RANGE = None
-SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    # Left alone, the kernel keeps a whole model in dirty pages and writes it all during the final fsync
-    # (seconds per GB); starting writeback block by block overlaps the disk with the network. Advisory.
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE)
-
-
-def _write_all(fd: int, block: list[bytes]) -> None:
-    written, total = os.writev(fd, block), sum(map(len, block))
-    if written < total:  # a short write, e.g. on a nearly full disk
-        rest = memoryview(b"".join(block))[written:]
-        while rest:
-            rest = rest[os.write(fd, rest):]
 
 
 class _Stop(Exception):
@@ -337,7 +306,7 @@ class _Download:
         final = self.dest / f.path
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(_part_path(self.dest, f), final)
-        _fsync_dir(final.parent)
+        diskwrite.fsync_dir(final.parent)
         self.ledger.update(f.path, verified=_identity(f))
 
     def _discard(self, f: RepoFile) -> None:
@@ -350,8 +319,8 @@ class _Download:
         if hasher is not None:
             for piece in block:
                 hasher.update(piece)
-        _write_all(fd, block)
-        _start_writeback(fd, self.done[f.path], size)
+        diskwrite.write_all(fd, block)
+        diskwrite.start_writeback(fd, self.done[f.path], size)
         self.done[f.path] += size
         self.fetched[f.path] += size
 

@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 
-from deployments.host import downloads, hub
+from deployments.host import diskwrite, downloads, hub
 from tests.hfserver import configure, get_stats, reset_stats, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,7 +283,7 @@ def test_a_server_ignoring_range_makes_the_resume_start_over(url, repos, dest):
 def test_disk_full_midway_keeps_what_was_written(url, repos, dest):
     info = hub.repo_info("org/small", endpoint=url)
     budget = [10 * MB]
-    real_write_all = downloads._write_all
+    real_write_all = diskwrite.write_all
 
     def write_until_full(fd, block):
         data = b"".join(block)
@@ -294,7 +294,7 @@ def test_disk_full_midway_keeps_what_was_written(url, repos, dest):
         budget[0] -= len(data)
         real_write_all(fd, block)
 
-    with mock.patch.object(downloads, "_write_all", side_effect=write_until_full):
+    with mock.patch.object(diskwrite, "write_all", side_effect=write_until_full):
         with pytest.raises(hub.HubError) as e:
             downloads.download(info, dest, endpoint=url, chunk_bytes=1 << 20, workers=1)
     assert e.value.code == "disk_full" and e.value.permanent
