@@ -7,7 +7,7 @@ class BenchmarksConfig(AppConfig):
 
     def ready(self):
         from benchmarks import studies, tasks  # noqa: F401 - registers the tasks services enqueue by name
-        from deployments import drivers
+        from deployments import agenthooks
 
-        if studies.studies_drive not in drivers.STUDY_DRIVERS:  # the node agent steps tuning studies
-            drivers.STUDY_DRIVERS.append(studies.studies_drive)
+        if studies.studies_drive not in agenthooks.STUDY_STEPPERS:  # the node agent steps tuning studies
+            agenthooks.STUDY_STEPPERS.append(studies.studies_drive)

@@ -2,7 +2,7 @@
 from celery import shared_task
 
 from benchmarks import runqueue, services
-from deployments import drivers
+from deployments import agenthooks
 
 
 @shared_task(name="benchmarks.run_execute")
@@ -13,5 +13,5 @@ def run_execute(run_id: int) -> None:
 
 # The node agent re-sends queued runs whose task was lost (registered where the task is: every process
 # that runs the agent loads this module through the app's ready()).
-if runqueue.runs_redrive not in drivers.REDRIVE_DRIVERS:
-    drivers.REDRIVE_DRIVERS.append(runqueue.runs_redrive)
+if runqueue.runs_redrive not in agenthooks.REDRIVERS:
+    agenthooks.REDRIVERS.append(runqueue.runs_redrive)

@@ -12,7 +12,7 @@ from dataclasses import asdict
 import redis
 from django.db import close_old_connections
 
-from deployments import drivers, history, loads
+from deployments import agenthooks, history, loads
 from deployments.host import disk, engineuser, firewall, gpu
 from deployments.node import guards, reconcile, watch
 from deployments.services import doctor, nodes, repos
@@ -158,8 +158,8 @@ class Agent:
     def drive_studies(self) -> int:
         """One step of each tuning study on this node's deployments: the study's state lives in
         the database, so the next agent continues where a killed one stopped. The benchmarks app registers
-        its driver (drivers.STUDY_DRIVERS) when it loads: it depends on deployments, never the other way round."""
-        return sum(drive(self.node_id) or 0 for drive in drivers.STUDY_DRIVERS)
+        its stepper (agenthooks.STUDY_STEPPERS) when it loads: it depends on deployments, never the other way round."""
+        return sum(drive(self.node_id) or 0 for drive in agenthooks.STUDY_STEPPERS)
 
     def study_loop(self, stop: threading.Event, every_s: float = STUDY_STEP_S) -> None:
         """Step studies every `every_s` in a thread of their own, so a slow step never delays a sample."""

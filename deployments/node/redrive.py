@@ -9,7 +9,7 @@ by Celery's task signals) and, for a row owed work that nothing has picked up fo
 - a deployment or a worker rank of this node in Stopping: halted here and now, in a thread of this
   process (not through Redis: Redis may be why it was lost, and may still be away);
 - a deployment Queued (its plan), or Starting/Loading with an engine and nothing following it, and what
-  other apps register in drivers.REDRIVE_DRIVERS (benchmark runs Queued): sent again by name (queue.route
+  other apps register in agenthooks.REDRIVERS (benchmark runs Queued): sent again by name (queue.route
   picks the node's queue of its kind), only while its lane of the agent's worker has a free thread
   (controlpanel/pool.py; the worker takes every message at once, so one waiting for a thread is received
   and in hand, but a thread free is the surer sign). A duplicate finds its row moved on and returns.
@@ -37,7 +37,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlpanel.queue import CONTROL, HOST, PLANS, lane, send_now
-from deployments import drivers
+from deployments import agenthooks
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank
 from deployments.node.steps import fail
 from deployments.timeline import deployment_event
@@ -157,7 +157,7 @@ class Redriver:
         if tasks_in_hand(PLANS) < self.slots[PLANS]:
             done += self._plans(now)
         if tasks_in_hand(HOST) < self.slots[HOST]:
-            for drive in drivers.REDRIVE_DRIVERS:
+            for drive in agenthooks.REDRIVERS:
                 done += drive(self.node_id, lambda name, pk: self.due(name, pk, now=now), self.send) or 0
         self._waiting = {k: v for k, v in self._waiting.items() if k in self._seen}  # settled rows
         return done
@@ -262,7 +262,7 @@ def _reserved() -> set:
 
 
 class ControlRedriver(Redriver):
-    """The re-drive of the control queue's work (drivers.REDRIVE_DRIVERS called with no node: URL runs), in the
+    """The re-drive of the control queue's work (agenthooks.REDRIVERS called with no node: URL runs), in the
     control-plane worker, while it has a free slot (a message waiting behind busy slots is late, not lost)."""
 
     def __init__(self, *, queue: str, slots: int, after_s: float = REDRIVE_AFTER_S):
@@ -276,7 +276,7 @@ class ControlRedriver(Redriver):
         self._seen = set()
         done = 0
         if len(_reserved()) < self.slots[HOST]:
-            for drive in drivers.REDRIVE_DRIVERS:
+            for drive in agenthooks.REDRIVERS:
                 done += drive(None, lambda name, pk: self.due(name, pk, now=now), self.send) or 0
         self._waiting = {k: v for k, v in self._waiting.items() if k in self._seen}
         return done
