@@ -167,6 +167,10 @@ def overhead(repeats: int) -> dict:
             row = Deployment.objects.get(pk=d.pk)
             raise SystemExit(f"the deployment is {row.status}: {row.status_message}\n" + "\n".join(
                 f"{e.step}: {e.message}" for e in row.events.order_by("pk")) + f"\n{row.log_tail[-2000:]}")
+        from benchmarks import studyestimate
+
+        parts = studyestimate.study_estimate(Deployment.objects.get(pk=d.pk), 1, STUDY_WORKLOAD)
+        print("first study's estimate per trial: " + ", ".join(f"{k} {v}" for k, v in parts.items()), flush=True)
         started = time.monotonic()
         study = studies.study_create(deployment=Deployment.objects.get(pk=d.pk), repeats=repeats,
                                      variants=STUDY_VARIANTS, workload=STUDY_WORKLOAD)

@@ -360,14 +360,34 @@ def in_thread(fn, *args, **kwargs):
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn, *args, **kwargs).result(30)
+        return pool.submit(fn, *args, **kwargs).result(45)
 
 
-def run_async(coro):
-    """Run a coroutine to the end on its own loop in another thread (Playwright may own this one)."""
+def run_async(coro, timeout: float = 30):
+    """Run a coroutine to the end (at most `timeout` s) on its own loop in another thread (Playwright may own this
+    one), on a channel layer of its own; what it left running is cancelled, and a task that will not end within
+    10 s fails the test naming where it waits, instead of hanging it (asyncio.run waits for ever: CI lost a test to
+    a WebSocket consumer that did not end)."""
     import asyncio
 
-    return in_thread(asyncio.run, coro)
+    from channels.layers import channel_layers
+
+    def run():
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        finally:
+            left = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in left:
+                task.cancel()
+            stuck = loop.run_until_complete(asyncio.wait(left, timeout=10))[1] if left else set()
+            if not stuck:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            assert not stuck, f"tasks that did not end once cancelled: {[task.get_stack() for task in stuck]}"
+
+    channel_layers.backends.clear()  # a layer's receive state belongs to one loop: the last test's is not shared
+    return in_thread(run)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,10 @@ started it again after a reboot or a crash).
 
 What differs between a head, a worker rank and a Ray node is a parameter (the argv, the environment, the
 role, the unit), never a copy of these steps."""
+import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,31 @@ STOP_TERM_S, STOP_KILL_S = 30.0, 10.0
 RAY_TERM_S = 3.0
 TAIL_LINES = 400
 ENGINE, RAY = "engine", "ray"  # ownership.ROLE_VAR: only an "engine" process is ever adopted as the engine
+
+
+_driven: set[int] = set()
+_driven_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def driving(deployment_id: int):
+    """A plan or a follow of this agent process drives the deployment's engine meanwhile: the watchers (a unit's
+    engine to adopt, a follow to send) leave it alone, and a second follow of it returns at once. Yields whether
+    this caller is the one driving (False: another thread of this process already is)."""
+    with _driven_lock:
+        mine = deployment_id not in _driven
+        _driven.add(deployment_id)
+    try:
+        yield mine
+    finally:
+        if mine:
+            with _driven_lock:
+                _driven.discard(deployment_id)
+
+
+def driven(deployment_id: int) -> bool:
+    with _driven_lock:
+        return deployment_id in _driven
 
 
 def deployment_of(p: EngineProcess) -> Deployment:

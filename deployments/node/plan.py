@@ -28,6 +28,11 @@ MEMORY_TIMEOUT_S = float(os.environ.get("DEPLOY_MEMORY_TIMEOUT", "180"))
 
 def deployment_run(deployment_id: int) -> Deployment:
     """The deploy plan, step by step: model, stop holders, memory back, launch, load, smoke test."""
+    with lifecycle.driving(deployment_id):
+        return _run(deployment_id)
+
+
+def _run(deployment_id: int) -> Deployment:
     d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
     if d.status != S.QUEUED:
         return d  # stopped or already running: a stale or duplicate message
@@ -77,10 +82,18 @@ def deployment_run(deployment_id: int) -> Deployment:
 
 
 def deployment_follow(deployment_id: int) -> Deployment:
-    """Follow an engine that is already loading (after an agent restart) until it is ready."""
-    d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
-    if d.status not in (S.STARTING, S.LOADING) or not d.pid:
+    """Follow an engine that is already loading (after an agent restart) until it is ready; nothing when a plan
+    or another follow of this agent drives it already."""
+    with lifecycle.driving(deployment_id) as mine:
+        d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
+        if mine:
+            _follow_again(d)
         return d
+
+
+def _follow_again(d: Deployment) -> None:
+    if d.status not in (S.STARTING, S.LOADING) or not d.pid:
+        return
     try:
         if d.status == S.STARTING:
             move(d, S.LOADING)
@@ -92,7 +105,6 @@ def deployment_follow(deployment_id: int) -> Deployment:
     except Exception as exc:  # noqa: BLE001 - see deployment_run
         log.exception("deployment %s: following the load broke", d.name)
         fail(d, f"Following the load broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
-    return d
 
 
 def _stop_holders(d: Deployment) -> str:
@@ -341,6 +353,11 @@ def _smoke(d: Deployment, base_url: str, key: str) -> None:
 
 def deployment_persist_here(deployment_id: int) -> Deployment:
     """Install the deployment as a systemd unit; the unit then owns the engine."""
+    with lifecycle.driving(deployment_id):
+        return _persist(deployment_id)
+
+
+def _persist(deployment_id: int) -> Deployment:
     d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
     if d.master_port:
         return _persist_group(d)

@@ -103,6 +103,8 @@ def units_watch(node_id: int, waiting: dict | None = None) -> None:
     seen = set()
     for d in rows:
         seen.add(d.pk)
+        if lifecycle.driven(d.pk):  # its plan launches the unit's engine right now (a persist switch)
+            continue
         since = waiting.setdefault(d.pk, time.monotonic())
         if lifecycle.adopt(d):
             waiting.pop(d.pk, None)

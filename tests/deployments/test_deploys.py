@@ -433,6 +433,44 @@ def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model
     assert Path(d.log_path) == log
 
 
+def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, node, host, tmp_path):
+    """CI: the switch's row (loading, no PID yet, its unit and marker set) was taken by the agent's unit watch for
+    a restart of the unit's engine: adopted, a second follow sent, and the plan's own move to ready then failed
+    the deployment ("cannot go from ready to ready")."""
+    from deployments.node import units
+
+    log = tmp_path / "engine.log"
+    log.write_text("Starting vLLM server on http://0.0.0.0:8000\n")
+    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), port=8000)
+
+    def install_unit(*args, **kwargs):  # the agent's watcher looks while the unit's engine starts
+        units.units_watch(node.pk)
+        return 5555
+
+    with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit), \
+         mock.patch("os.getpgid", return_value=5555), \
+         mock.patch("deployments.node.lifecycle.adopt", autospec=True, return_value=True) as adopt, \
+         mock.patch("deployments.node.units.node_enqueue", autospec=True) as sent:
+        plan.deployment_persist_here(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.READY and d.pid == 5555, d.status_message
+    adopt.assert_not_called()
+    sent.assert_not_called()
+    assert not d.events.filter(step="adopted").exists()
+
+
+def test_a_follow_of_a_deployment_its_plan_drives_returns_at_once(model, node, host):
+    from deployments.node import lifecycle
+
+    d = DeploymentFactory(model=model, node=node, status=S.LOADING, pid=4242, pgid=4242, port=8000)
+    with lifecycle.driving(d.pk), mock.patch("deployments.node.plan._follow", autospec=True) as follow:
+        plan.deployment_follow(d.pk)
+    follow.assert_not_called()
+    with mock.patch("deployments.node.plan._follow", autospec=True) as follow:
+        plan.deployment_follow(d.pk)
+    follow.assert_called_once()
+
+
 class _Metrics(BaseHTTPRequestHandler):
     """vLLM's /metrics with two engines; each read finds 400 more tokens generated."""
 

@@ -58,6 +58,7 @@ def test_losing_the_role_closes_the_socket_and_keeping_one_does_not():
         assert await ws.receive_nothing(timeout=0.5)  # still a viewer
         await sync_to_async(user.groups.clear)()
         assert await _closed_with(ws) == 4403
+        await ws.disconnect()
     run_async(scenario())
 
 
@@ -70,6 +71,7 @@ def test_a_session_ended_behind_the_sockets_back_is_noticed_on_the_timer(setting
         ws = await _open(cookie)
         await sync_to_async(lambda: Session.objects.all().delete())()  # expiry, or a flush by an admin
         assert await _closed_with(ws) == 4401
+        await ws.disconnect()
     run_async(scenario())
 
 
@@ -81,6 +83,7 @@ def test_a_user_without_a_role_cannot_open_a_socket():
                                    headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
         connected, code = await ws.connect()
         assert not connected and code == 4403
+        await ws.disconnect()
     run_async(scenario())
 
 
