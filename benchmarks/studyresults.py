@@ -215,6 +215,27 @@ def took_s(study: Study) -> float | None:
     return round((study.finished - study.started).total_seconds(), 1) if study.finished and study.started else None
 
 
+def left_s(study: Study, trials: list[StudyTrial], now=None) -> float | None:
+    """Seconds a study in progress still needs, from its own trials' wall times once one has ended: the trials
+    left at the median wall (the current one less what it has run), and the closing redeploy. None before."""
+    from django.utils import timezone
+
+    if study.status in Study.TERMINAL:
+        return None
+    walls = [(t.finished - t.started).total_seconds() for t in trials
+             if t.status not in StudyTrial.OPEN and t.started and t.finished]
+    if not walls:
+        return None
+    now = now or timezone.now()
+    wall = statistics.median(walls)
+    left = 0.0
+    for t in trials:
+        if t.status in StudyTrial.OPEN:
+            left += max(0.0, wall - (now - t.started).total_seconds()) if t.started else wall
+    readies = [t.ready_s for t in trials if t.ready_s is not None]
+    return round(left + (statistics.median(readies) if readies else 0.0), 1)
+
+
 def study_live(study: Study) -> dict:
     """The study as its page shows it: status, variants, every trial with its levels' tok/s (the matrix),
     the trial in progress and, once done, the results."""
@@ -231,7 +252,7 @@ def study_live(study: Study) -> dict:
     return {"id": study.pk, "status": study.status, "status_display": study.get_status_display(), "error": study.error,
             "pause_requested": study.pause_requested, "cancel_requested": study.cancel_requested,
             "levels": study.workload.get("levels", []), "trials_done": done, "trials_total": len(trials),
-            "estimate_s": study.estimate_s, "took_s": took_s(study),
+            "estimate_s": study.estimate_s, "took_s": took_s(study), "left_s": left_s(study, trials),
             "variants": [{"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,
                           "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v)}
                          for v in study.variants.all()],

@@ -85,6 +85,7 @@ def _lines(study: dict) -> list[str]:
     live = study["live"]
     results = live.get("results") or {}
     out = [f"Study {study['id']} {study['status']}: {live['trials_done']}/{live['trials_total']} trials"
+           + (f", about {live['left_s'] / 60:.1f} min left" if live.get("left_s") is not None else "")
            + (f" — {study['error']}" if study["error"] else "")]
     levels = live["levels"]
     for v in live["variants"]:
@@ -119,7 +120,9 @@ def _follow(panel, study_id: int, args) -> int:
         study = panel.get(f"studies/{study_id}/")
         if study["live"]["trials_done"] != done:
             done = study["live"]["trials_done"]
-            clibase.say(f"  {done}/{study['live']['trials_total']} trials, {study['status']}")
+            left = study["live"].get("left_s")
+            clibase.say(f"  {done}/{study['live']['trials_total']} trials, {study['status']}"
+                        + (f", about {left / 60:.1f} min left" if left is not None else ""))
         if study["status"] in TERMINAL:
             clibase._emit(study, args.json, _lines(study))
             return 0 if study["status"] != "failed" else clibase.FAILED

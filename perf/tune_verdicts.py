@@ -26,6 +26,8 @@ subtracted: what is left is the panel's (agent polling, the plan's steps, the ru
   estimate_first_err_pct           the study's own estimate against what it took (target within ±30), for a
                                    first study (the node knows one load and its smoke test) and the same study
   estimate_repeated_err_pct        again (it knows the first one's trials)
+  estimate_after_first_trial_err_pct   the first study's elapsed time plus the time left its page shows once its
+                                   first trial ended, against what it took (target within ±30)
 
     python perf/tune_verdicts.py [--studies 60] [--drift 0.03] [--skip-overhead]
 
@@ -175,12 +177,16 @@ def overhead(repeats: int) -> dict:
         study = studies.study_create(deployment=Deployment.objects.get(pk=d.pk), repeats=repeats,
                                      variants=STUDY_VARIANTS, workload=STUDY_WORKLOAD)
         ended = {}  # trial position -> when this script first saw it end
+        after_first = None  # the study's own estimate once its first trial ended: elapsed + what it says is left
         while True:  # this script's clock: poll every 50 ms
             status = Study.objects.filter(pk=study.pk).values_list("status", flat=True).get()
             now = time.monotonic()
             for pos in study.trials.filter(status__in=(StudyTrial.Status.DONE, StudyTrial.Status.FAILED)) \
                     .exclude(position__in=list(ended)).values_list("position", flat=True):
                 ended[pos] = now
+            if ended and after_first is None:
+                left = studyresults.study_live(Study.objects.get(pk=study.pk))["left_s"]
+                after_first = None if left is None else (now - started) + left
             if status in Study.TERMINAL:
                 break
             if now - started > 600:
@@ -221,6 +227,10 @@ def overhead(repeats: int) -> dict:
             err = 100 * (done.estimate_s - took) / took
             print(f"{name} study: estimated {done.estimate_s:.1f} s, took {took:.1f} s ({err:+.0f} %)", flush=True)
             figures[f"estimate_{name}_err_pct"] = err
+        if after_first is not None:  # what the page says once the first trial ended ("about N min left")
+            err = 100 * (after_first - wall) / wall
+            print(f"first study after its first trial: {after_first:.1f} s in all, took {wall:.1f} s ({err:+.0f} %)")
+            figures["estimate_after_first_trial_err_pct"] = err
         return figures
     finally:
         try:

@@ -166,6 +166,28 @@ def test_the_estimate_models_each_level_from_the_runs_measured_on_the_node(d):
     assert bench == pytest.approx(5 * per_request + 8 / 4 * per_request * 4 ** 0.2 + (30.0 - own), abs=0.1)
 
 
+def test_a_running_study_says_what_is_left_from_its_own_trials(d):
+    """Once a trial has ended, the time left comes from what the study's own trials took (the estimate made at
+    its start may have had to guess), not from the estimate."""
+    study = make(d)  # 4 trials
+    Study.objects.filter(pk=study.pk).update(status="running", started=timezone.now())
+    study.refresh_from_db()
+    trials = list(study.trials.order_by("position"))
+    assert studyresults.left_s(study, trials) is None  # nothing measured yet
+    now = timezone.now()
+    for t, wall in zip(trials[:2], (40.0, 50.0)):
+        StudyTrial.objects.filter(pk=t.pk).update(status="done", started=now - timedelta(seconds=100 + wall),
+                                                  finished=now - timedelta(seconds=100), ready_s=10.0)
+    StudyTrial.objects.filter(pk=trials[2].pk).update(status="benchmarking", started=now - timedelta(seconds=15))
+    trials = list(study.trials.order_by("position"))
+    # The current trial: 45 - 15 s; the last: 45 s; then the closing redeploy: 10 s.
+    assert studyresults.left_s(study, trials, now=now) == 30.0 + 45.0 + 10.0
+    assert studyresults.study_live(study)["left_s"] is not None
+    Study.objects.filter(pk=study.pk).update(status="done", finished=now)
+    study.refresh_from_db()
+    assert studyresults.left_s(study, trials) is None
+
+
 def test_the_estimate_of_a_repeated_study_is_its_past_trials_wall_time(d):
     study = make(d)
     study = run_through(study, d, {"baseline": 100.0, "one seq": 20.0})
