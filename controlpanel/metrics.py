@@ -1,4 +1,4 @@
-"""GET /metrics: the panel's figures in Prometheus' text format (README, "Prometheus and Grafana").
+"""GET /metrics: the panel's figures in Prometheus' text format (docs/monitoring.md).
 
 Built from rows and the telemetry the agents already sent (deployments.metrics, benchmarks.metrics);
 a scrape never waits on an agent or an engine. The collectors yield prometheus_client metric

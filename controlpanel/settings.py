@@ -70,9 +70,10 @@ def _secret_key() -> str:
 SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
-# Behind HTTPS (README "HTTPS"): cookies sent over HTTPS only, HSTS, and the proxy's header that says a
-# request came in over HTTPS (e.g. HTTP_X_FORWARDED_PROTO,https; set it only when a proxy always sets or
-# strips that header: a client could send it itself). Off by default: `./panel start` serves plain HTTP.
+# Behind HTTPS (docs/security.md, "What to set in production"): cookies sent over HTTPS only, HSTS, and
+# the proxy's header that says a request came in over HTTPS (e.g. HTTP_X_FORWARDED_PROTO,https; set it
+# only when a proxy always sets or strips that header: a client could send it itself). Off by default:
+# `./panel start` serves plain HTTP.
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
@@ -331,7 +332,7 @@ BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")
 BENCH_MAX_REQUESTS_PER_LEVEL = env_int("PANEL_BENCH_MAX_REQUESTS_PER_LEVEL", 100_000)
 BENCH_MAX_PROMPT_BYTES = env_int("PANEL_BENCH_MAX_PROMPT_BYTES", 8 * 2**30)
 BENCH_MEMORY_MB = env_int("PANEL_BENCH_MEMORY_MB", 0)
-# Monitoring (README "Prometheus and Grafana"): a read-only secret for /metrics and the service
+# Monitoring (docs/monitoring.md): a read-only secret for /metrics and the service
 # discovery (sent as `Authorization: Bearer ...`), and Grafana's URL for links from the pages.
 METRICS_TOKEN = env_secret("METRICS_TOKEN")
 GRAFANA_URL = env_str("GRAFANA_URL").rstrip("/")

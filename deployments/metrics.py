@@ -3,8 +3,8 @@ already holds: the rows, and each node's last telemetry sample kept in Redis (de
 Nothing here asks an agent or an engine; a scrape costs a few queries and one Redis round trip.
 
 GPU families are named the Prometheus way (base units: bytes, ratio, hertz) and labelled like
-dcgm-exporter (`gpu`, `UUID`, `modelName`) plus `node`; README.md maps each one to its
-`DCGM_FI_DEV_*` name and monitoring/prometheus/dcgm-rules.yml records them under those names.
+dcgm-exporter (`gpu`, `UUID`, `modelName`) plus `node`; docs/monitoring.md maps each one to its
+`DCGM_FI_DEV_*` name and monitoring/dcgm-rules.yml records them under those names.
 """
 import time
 from collections.abc import Iterator

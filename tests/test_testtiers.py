@@ -1,4 +1,4 @@
-"""The test tiers the README names: `./panel test --fast` selects by marker, CI lists the slowest tests."""
+"""The test tiers docs/testing.md names: `./panel test --fast` selects by marker, CI lists the slowest tests."""
 from controlpanel import launcher
 
 

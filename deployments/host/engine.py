@@ -87,7 +87,7 @@ def _check_reachable(spec: EngineSpec, env: dict) -> None:
         if not engineuser.can_reach(user, path, want):
             raise EngineError(f"the engine user {user.name} cannot {'run' if want == 'x' else 'read'} {path}: make it and "
                               f"its parent folders readable by {user.name} (group or others), or see PANEL_ENGINE_USER "
-                              "in the README", permanent=True)
+                              "in docs/security.md", permanent=True)
 
 
 def launch(spec: EngineSpec) -> EngineHandle:

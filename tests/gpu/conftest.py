@@ -29,7 +29,7 @@ def _needs_gpu(gpus):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """On a host with an NVIDIA GPU nothing here may be skipped: a skip there means a missing part
-    (NVML, torch, free memory) and would pass unseen. The README's command (--confcutdir=tests/gpu)
+    (NVML, torch, free memory) and would pass unseen. The command in docs/testing.md (--confcutdir=tests/gpu)
     does not load tests/conftest.py, so this folder carries its own rule."""
     outcome = yield
     report = outcome.get_result()
