@@ -89,6 +89,10 @@ class BenchmarkPoint(models.Model):
     itl_per_token_ms = models.JSONField(default=dict)
     e2e_ms = models.JSONField(default=dict)
     server_metrics = models.JSONField(default=dict, help_text="/metrics gauges scraped during the level.")
+    energy_j = models.FloatField(null=True, blank=True, help_text=(
+        "Joules the deployment's GPUs used over the level's measured window (NVML's energy counters); "
+        "empty on a node without them."))
+    watts_per_gpu = models.FloatField(null=True, blank=True, help_text="Average power per GPU over the level (W).")
     prompt_tokens_requested = models.PositiveIntegerField(null=True, blank=True, help_text=(
         "Prompt length asked for (random prompts), in the served model's tokens."))
     prompt_tokens_mean = models.FloatField(default=0.0, help_text="Mean prompt tokens the server counted (usage).")

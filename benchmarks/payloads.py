@@ -47,10 +47,14 @@ class RunPoint:
     prompt_tokens_requested: int | None  # random prompts: the length asked for, in the model's tokens
     prompt_tokens_mean: float  # what the server counted (usage.prompt_tokens), per request
     prompt_tokens_counted_by: str
+    energy_j: float | None  # the deployment's GPUs over the level (NVML); None without energy counters
+    watts_per_gpu: float | None
+    joules_per_token: float | None  # energy_j per output token
 
     @classmethod
     def of(cls, point) -> "RunPoint":
-        return live.pick(cls, point)
+        per_token = round(point.energy_j / point.output_tokens, 4) if point.energy_j is not None and point.output_tokens else None
+        return live.pick(cls, point, joules_per_token=per_token)
 
 
 @dataclass(frozen=True)

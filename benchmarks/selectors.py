@@ -8,7 +8,7 @@ CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_r
                "request_throughput", "output_throughput", "total_token_throughput", "input_tokens", "output_tokens",
                "reasoning_tokens", "content_tokens", "tok_s_per_user", "ttft_median_ms", "ttft_p99_ms",
                "ttft_vllm_bench_median_ms", "ttfc_median_ms", "tpot_median_ms", "itl_median_ms", "itl_per_token_median_ms", "e2e_median_ms",
-               "prompt_tokens_requested", "prompt_tokens_mean"]
+               "prompt_tokens_requested", "prompt_tokens_mean", "energy_j", "watts_per_gpu"]
 
 
 def runs_with_points(ids) -> list[BenchmarkRun]:
@@ -22,7 +22,8 @@ def csv_rows(runs):
                    p.request_throughput, p.output_throughput, p.total_token_throughput, p.input_tokens, p.output_tokens,
                    p.reasoning_tokens, p.content_tokens, p.tok_s_per_user, p.ttft_ms.get("median"), p.ttft_ms.get("p99"),
                    p.ttft_vllm_bench_ms.get("median"), p.ttfc_ms.get("median"), p.tpot_ms.get("median"), p.itl_ms.get("median"),
-                   p.itl_per_token_ms.get("median"), p.e2e_ms.get("median"), p.prompt_tokens_requested, p.prompt_tokens_mean]
+                   p.itl_per_token_ms.get("median"), p.e2e_ms.get("median"), p.prompt_tokens_requested, p.prompt_tokens_mean,
+                   p.energy_j, p.watts_per_gpu]
 
 
 def export_csv(runs) -> str:

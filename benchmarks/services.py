@@ -14,7 +14,7 @@ from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
 from deployments import enginekey, secrets
-from deployments.host import engine, vllm
+from deployments.host import engine, gpu, vllm
 from deployments.models import Deployment, ModelCopy
 from deployments.selectors import deployment_startup
 from deployments.node.lifecycle import running as engine_running
@@ -134,8 +134,11 @@ def run_abandon(run: BenchmarkRun, reason: str) -> BenchmarkRun:
     return run
 
 
-def _save_point(run: BenchmarkRun, level: runner.LevelResult) -> BenchmarkPoint:
+def _save_point(run: BenchmarkRun, level: runner.LevelResult, energy_j: float | None = None,
+                gpus: int = 0) -> BenchmarkPoint:
     values = level.to_dict()
+    if energy_j is not None and gpus and level.duration_s > 0:
+        values.update(energy_j=round(energy_j, 3), watts_per_gpu=round(energy_j / level.duration_s / gpus, 1))
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
         run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
@@ -157,6 +160,10 @@ def run_execute(run_id: int) -> BenchmarkRun:
     payloads.send_run_status(run)
     started = time.monotonic()
     state = {"checked": 0.0, "cancel": False, "saved": 0.0}
+    # The deployment's GPUs' energy over each level (this node's: a multi-node deployment's other nodes are not
+    # read), from readings at the start, every tick and each level's end.
+    meter = gpu.EnergyMeter(run.deployment.gpu_indices if run.deployment_id else [])
+    meter.read()
 
     def cancelled() -> bool:
         now = time.monotonic()
@@ -166,6 +173,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
         return state["cancel"]
 
     def on_tick(tick: runner.Tick) -> None:
+        meter.read()
         point = [round(time.monotonic() - started, 2), tick.concurrency, round(tick.tok_s, 1)]
         run.ticks = (run.ticks + [point])[-TICK_KEEP:]
         payloads.send_run_tick(run.pk, payloads.RunTick(t=point[0], concurrency=tick.concurrency, tok_s=tick.tok_s,
@@ -178,7 +186,8 @@ def run_execute(run_id: int) -> BenchmarkRun:
     def on_level(level: runner.LevelResult) -> None:
         if level.cancelled:
             return  # a level cut short is not a measurement
-        _save_point(run, level)
+        end = meter.read()  # the level ended just before its result came
+        _save_point(run, level, meter.joules(end - level.duration_s, end), len(meter.indices))
         BenchmarkRun.objects.filter(pk=run.pk).update(ticks=run.ticks, warnings=run.warnings)
         payloads.send_run_status(run)
 

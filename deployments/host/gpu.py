@@ -197,6 +197,63 @@ def processes_on(indices: Iterable[int]) -> dict[int, list[GpuProcess]]:
     return {i: nvml.processes(i) or [] for i in indices}
 
 
+def energy_mj(indices: Iterable[int]) -> int | None:
+    """The GPUs' energy counters summed, in millijoules since the driver loaded (nvmlDeviceGetTotalEnergyConsumption,
+    Volta and newer); None when any of them cannot say (an older GPU, no NVML here)."""
+    try:
+        nvml = _nvml()
+    except NvmlUnavailable:
+        return None
+    total = 0
+    for i in indices:
+        h = nvml.handles[i]
+        value = _read(lambda h=h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h))
+        if value is None:
+            return None
+        total += value
+    return total
+
+
+class EnergyMeter:
+    """Readings of the GPUs' energy counters over time, to tell the joules spent between two moments of this
+    process's monotonic clock (a benchmark level's measured window) by interpolating between readings."""
+
+    def __init__(self, indices: Iterable[int], read: Callable[[list[int]], int | None] | None = None):
+        self.indices, self._read_counters = list(indices), read  # None: energy_mj
+        self.readings: list[tuple[float, int]] = []
+        self.supported = bool(self.indices)
+
+    def read(self, now: float | None = None) -> float:
+        """Take a reading; returns its moment (now, when nothing could be read)."""
+        now = time.monotonic() if now is None else now
+        if not self.supported:
+            return now
+        value = (self._read_counters or energy_mj)(self.indices)
+        if value is None:
+            self.supported = False
+            return now
+        self.readings.append((now, value))
+        del self.readings[:-4096]  # hours of a reading a second
+        return now
+
+    def _at(self, t: float) -> float | None:
+        before = [r for r in self.readings if r[0] <= t]
+        after = [r for r in self.readings if r[0] >= t]
+        if not before or not after:
+            return None
+        (t0, e0), (t1, e1) = before[-1], after[0]
+        return float(e0) if t1 == t0 else e0 + (e1 - e0) * (t - t0) / (t1 - t0)
+
+    def joules(self, start: float, end: float) -> float | None:
+        """Joules the GPUs used between `start` and `end`; None unless readings cover the whole window."""
+        if not self.supported:
+            return None
+        first, last = self._at(start), self._at(end)
+        if first is None or last is None or last < first:
+            return None
+        return (last - first) / 1000.0
+
+
 def wait_memory_released(
     indices: Iterable[int], pids: Iterable[int] | None, timeout_s: float, poll_s: float = 0.2
 ) -> None:

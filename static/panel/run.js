@@ -38,7 +38,8 @@
         `<td class="num">${fmt(p.ttfc_ms.median)}</td>` +
         `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt((p.itl_per_token_ms || {}).median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
         `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
-        `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td></tr>`;
+        `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td>` +
+        `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td></tr>`;
     }).join("");
     const single = points.get(1);
     if (single) document.getElementById("single-stream-output").textContent = fmt(single.output_throughput) + " tok/s";

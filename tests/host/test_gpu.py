@@ -22,6 +22,7 @@ class FakeGpu:
         self.exits_after: dict[int, int] = {}  # pid -> process-list reads before it is gone
         self.used = 20 * GIB
         self.limit_mw = 700_000
+        self.energy_mj = 0  # the driver's energy counter
 
     def check(self, function):
         if function in self.fails:
@@ -93,6 +94,10 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, h):
         h.check("nvmlDeviceGetPowerUsage")
         return 412_345  # milliwatts
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        h.check("nvmlDeviceGetTotalEnergyConsumption")
+        return h.energy_mj
 
     def nvmlDeviceGetPowerManagementLimit(self, h):
         h.check("nvmlDeviceGetPowerManagementLimit")
@@ -274,3 +279,26 @@ def test_wait_memory_released_without_pids_waits_for_every_process(fake):
 
     with pytest.raises(gpu.MemoryNotReleased, match="PID 99 holds an unknown amount"):
         gpu.wait_memory_released([1], None, timeout_s=0)
+
+
+def test_the_energy_counters_of_the_chosen_gpus_are_summed_and_unsupported_reads_none(fake):
+    fake.gpus[0].energy_mj, fake.gpus[1].energy_mj = 5_000_000, 7_000_000
+    assert gpu.energy_mj([0, 1]) == 12_000_000 and gpu.energy_mj([1]) == 7_000_000
+    fake.gpus[1].fails["nvmlDeviceGetTotalEnergyConsumption"] = pynvml.NVMLError_NotSupported
+    assert gpu.energy_mj([0, 1]) is None  # a sum without one GPU would read low
+
+
+def test_the_energy_meter_gives_a_windows_joules_between_its_readings():
+    counter = {"mj": 0}
+    meter = gpu.EnergyMeter([0, 1], read=lambda indices: counter["mj"])
+    for t, mj in ((0.0, 0), (1.0, 400_000), (2.0, 1_200_000), (4.0, 2_000_000)):
+        counter["mj"] = mj
+        meter.read(now=t)
+    assert meter.joules(1.0, 2.0) == 800.0  # between two readings
+    assert meter.joules(0.5, 3.0) == 1600.0 - 200.0  # 200 J at 0.5 s, 1,600 J at 3 s: interpolated
+    assert meter.joules(3.0, 5.0) is None  # past the last reading: not covered
+    unsupported = gpu.EnergyMeter([0], read=lambda indices: None)
+    unsupported.read(now=0.0)
+    unsupported.read(now=1.0)
+    assert not unsupported.supported and unsupported.joules(0.0, 1.0) is None
+    assert gpu.EnergyMeter([]).joules(0.0, 1.0) is None  # a CPU node: no GPUs, nothing read
