@@ -377,10 +377,13 @@ def run_async(coro, timeout: float = 30):
         try:
             return loop.run_until_complete(asyncio.wait_for(coro, timeout))
         finally:
-            left = [task for task in asyncio.all_tasks(loop) if not task.done()]
-            for task in left:
-                task.cancel()
-            stuck = loop.run_until_complete(asyncio.wait(left, timeout=10))[1] if left else set()
+            # Cancelled again until they end: a channel layer's receive in a blocking Redis read can swallow one
+            # cancellation and read again (channels_redis with redis-py), so asyncio.run's one cancel waits for ever.
+            stuck, deadline = {task for task in asyncio.all_tasks(loop) if not task.done()}, time.monotonic() + 10
+            while stuck and time.monotonic() < deadline:
+                for task in stuck:
+                    task.cancel()
+                stuck = loop.run_until_complete(asyncio.wait(stuck, timeout=0.2))[1]
             if not stuck:
                 loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
