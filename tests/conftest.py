@@ -46,11 +46,11 @@ def pytest_collection_modifyitems(config, items):
             misplaced.append(f"{item.nodeid} is marked slow without a docstring saying why it must be")
     if misplaced:
         raise pytest.UsageError("\n".join(misplaced))
-    if os.environ.get("DATABASE_URL", "").startswith("postgres"):
-        one_db = [item for item in items if item.get_closest_marker("sqlite_only")]
-        if one_db:
-            config.hook.pytest_deselected(items=one_db)
-            items[:] = [item for item in items if not item.get_closest_marker("sqlite_only")]
+    other_db = "sqlite_only" if os.environ.get("DATABASE_URL", "").startswith("postgres") else "postgres_only"
+    one_db = [item for item in items if item.get_closest_marker(other_db)]
+    if one_db:
+        config.hook.pytest_deselected(items=one_db)
+        items[:] = [item for item in items if not item.get_closest_marker(other_db)]
     items[:] = _lanes(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 

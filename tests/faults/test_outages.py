@@ -96,10 +96,9 @@ def settle_state(d):
     return Deployment.objects.get(pk=d.pk).status
 
 
+@pytest.mark.postgres_only  # SQLite has no server backends to terminate
 @pytest.mark.timeout(180)
 def test_postgresql_backends_terminated_mid_plan_end_in_the_true_state(fault_agent, fake_model):
-    if connection.vendor != "postgresql":
-        pytest.skip("terminating backends needs PostgreSQL (CI runs this suite on it)")
     node = fault_agent.node
     model = add_fake_model(node, fake_model)
     set_load(fake_model, 4.0)

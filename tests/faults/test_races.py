@@ -110,10 +110,9 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox_a
         stop_leftover_engines(tmp_path)
 
 
+@pytest.mark.postgres_only  # SQLite has no concurrent row locks: it serializes every write
 @pytest.mark.timeout(180)
 def test_fifty_concurrent_deploys_and_restarts_on_the_same_gpus_accept_exactly_one(live_server_asgi, operator):
-    if connection.vendor != "postgresql":
-        pytest.skip("concurrent row locks are checked on PostgreSQL (CI runs this suite on it)")
     from controlpanel import tokens
 
     node = NodeFactory(name="race-01", engine_flags=["--port", "--host"])
