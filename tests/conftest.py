@@ -93,8 +93,27 @@ def pytest_runtest_logreport(report):
         _slow_ids.add(report.nodeid)
 
 
+def pytest_sessionfinish(session):
+    """An xdist worker hands the faults it injected (tests/truestate.COUNTS) to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        from tests.truestate import COUNTS
+
+        session.config.workeroutput["fault_counts"] = dict(COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    from tests.truestate import COUNTS
+
+    COUNTS.update(getattr(node, "workeroutput", {}).get("fault_counts", {}))
+
+
 def pytest_terminal_summary(terminalreporter, config):
-    """Name every test past SLOW_S (setup and teardown included) that is not marked slow."""
+    """The faults injected, then every test past SLOW_S (setup and teardown included) that is not marked slow."""
+    from tests.truestate import COUNTS
+
+    if COUNTS:
+        terminalreporter.write_line("faults: " + ", ".join(f"{k}={v}" for k, v in sorted(COUNTS.items())))
     unmarked = [(s, nodeid) for nodeid, s in _durations.items() if s > SLOW_S and nodeid not in _slow_ids]
     if unmarked:
         terminalreporter.section(f"tests over {SLOW_S:.0f} s not marked slow")
