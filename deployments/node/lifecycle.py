@@ -5,6 +5,7 @@ started it again after a reboot or a crash).
 
 What differs between a head, a worker rank and a Ray node is a parameter (the argv, the environment, the
 role, the unit), never a copy of these steps."""
+import collections
 import contextlib
 import logging
 import os
@@ -27,7 +28,7 @@ TAIL_LINES = 400
 ENGINE, RAY = "engine", "ray"  # ownership.ROLE_VAR: only an "engine" process is ever adopted as the engine
 
 
-_driven: set[int] = set()
+_driven: collections.Counter = collections.Counter()  # deployment id -> plans and follows driving it now
 _driven_lock = threading.Lock()
 
 
@@ -35,21 +36,23 @@ _driven_lock = threading.Lock()
 def driving(deployment_id: int):
     """A plan or a follow of this agent process drives the deployment's engine meanwhile: the watchers (a unit's
     engine to adopt, a follow to send) leave it alone, and a second follow of it returns at once. Yields whether
-    this caller is the one driving (False: another thread of this process already is)."""
+    this caller is the first driving it (False: another thread of this process already is). Counted, so that an
+    older plan ending while a newer one of the same deployment runs leaves it driven."""
     with _driven_lock:
-        mine = deployment_id not in _driven
-        _driven.add(deployment_id)
+        mine = _driven[deployment_id] == 0
+        _driven[deployment_id] += 1
     try:
         yield mine
     finally:
-        if mine:
-            with _driven_lock:
-                _driven.discard(deployment_id)
+        with _driven_lock:
+            _driven[deployment_id] -= 1
+            if _driven[deployment_id] <= 0:
+                del _driven[deployment_id]
 
 
 def driven(deployment_id: int) -> bool:
     with _driven_lock:
-        return deployment_id in _driven
+        return _driven[deployment_id] > 0
 
 
 def deployment_of(p: EngineProcess) -> Deployment:

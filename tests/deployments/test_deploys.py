@@ -459,6 +459,19 @@ def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, nod
     assert not d.events.filter(step="adopted").exists()
 
 
+def test_a_deployment_stays_driven_while_any_of_its_plans_runs():
+    from deployments.node import lifecycle
+
+    older, newer = lifecycle.driving(7), lifecycle.driving(7)
+    assert older.__enter__() and not newer.__enter__()  # a newer plan of the same deployment starts
+    older.__exit__(None, None, None)  # the older one ends first
+    assert lifecycle.driven(7)
+    newer.__exit__(None, None, None)
+    assert not lifecycle.driven(7)
+    with lifecycle.driving(7) as again:
+        assert again
+
+
 def test_a_follow_of_a_deployment_its_plan_drives_returns_at_once(model, node, host):
     from deployments.node import lifecycle
 
