@@ -119,7 +119,9 @@ def test_several_tokens_per_chunk_and_several_chunks_per_read_multiply():
 
 
 def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
-    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3)
+    # Within 2 %: a busy machine may deliver two chunks in one read now and then (a gap of six tokens), which moves
+    # the two medians apart a little (CI: 3.3327 against 3.3337 ms); a gap not divided would be 3 times off.
+    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3, rel=0.02)
     assert level.tokens_per_chunk == "estimated"
 
 
@@ -203,7 +205,9 @@ def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):
     level = run_level(spec_for(server, continuous_usage_stats=True, min_requests=2, requests_per_user=1), 2)
     assert level.tokens_per_chunk == "usage"
     assert all(r.chunk_tokens == [3] * 10 for r in level.records)
-    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3)
+    # Within 2 %: a busy machine may deliver two chunks in one read now and then (a gap of six tokens), which moves
+    # the two medians apart a little (CI: 3.3327 against 3.3337 ms); a gap not divided would be 3 times off.
+    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3, rel=0.02)
 
 
 def test_completions_endpoint_streams_text_with_random_prompts(server):
