@@ -2,6 +2,8 @@
 benchmarks.tunestats), the winner by the study's rule, the Pareto front, the live matrix, estimates."""
 import statistics
 
+from django.utils import timezone
+
 from benchmarks import csvsafe, tunestats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
@@ -218,8 +220,6 @@ def took_s(study: Study) -> float | None:
 def left_s(study: Study, trials: list[StudyTrial], now=None) -> float | None:
     """Seconds a study in progress still needs, from its own trials' wall times once one has ended: the trials
     left at the median wall (the current one less what it has run), and the closing redeploy. None before."""
-    from django.utils import timezone
-
     if study.status in Study.TERMINAL:
         return None
     walls = [(t.finished - t.started).total_seconds() for t in trials
