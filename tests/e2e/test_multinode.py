@@ -31,7 +31,7 @@ from rest_framework.test import APIClient
 from controlpanel import tokens
 from deployments import enginekey
 from deployments.host import engine, firewall, ownership
-from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.node import ranks
 from deployments.services import deploys, multinode, repos
 from django.conf import settings as django_settings
@@ -136,7 +136,7 @@ def firewalled(stranger, api_port, *markers) -> list[tuple[str, int, str, int]]:
     return outside
 
 
-def _why(d) -> str:
+def _why(d, tail: int = 0) -> str:
     """What to read when a deployment failed: its message, then the error lines of each rank's engine log (the
     root cause of an 'EngineCore encountered an issue' is in the log of the rank that broke, not in the tail)."""
     d = Deployment.objects.get(pk=d.pk)
@@ -148,6 +148,8 @@ def _why(d) -> str:
             continue
         errors = [line for line in lines if re.search(r"Error|ERROR|Traceback|Killed|signal|gloo|timed out", line)]
         parts.append(f"--- {name} log {path}: {len(lines)} lines, error lines:\n" + "\n".join(errors[:80]))
+        if tail:
+            parts.append(f"--- its last {tail} lines:\n" + "\n".join(lines[-tail:]))
     return "\n".join(parts)
 
 
@@ -157,9 +159,21 @@ def _settle(d, states, timeout=LOAD_TIMEOUT_S):
 
 
 def _smoked(d):
-    """Its smoke answer, waited for as long as the agents' plan asks (SMOKE_BOUND_S)."""
-    return wait_until(lambda: (row := Deployment.objects.get(pk=d.pk)).smoke and row, timeout=SMOKE_BOUND_S + 30,
-                      interval=0.5, message=f"{d.name}'s smoke test")
+    """Its smoke answer, waited for as long as the agents' plan asks (SMOKE_BOUND_S); a smoke test that failed, or
+    none in that time, fails the test with the engines' logs (a hang at the first request shows no error line, so
+    the last lines of each log are shown too)."""
+    def settled():
+        row = Deployment.objects.get(pk=d.pk)
+        failed = row.events.filter(step="smoke_test", level=DeploymentEvent.Level.WARNING).exists()
+        return (row.smoke or failed or row.status != "ready") and row
+    try:
+        row = wait_until(settled, timeout=SMOKE_BOUND_S + 30, interval=0.5, message=f"{d.name}'s smoke test")
+    except pytest.fail.Exception:
+        row = Deployment.objects.get(pk=d.pk)
+    if not row.smoke:
+        pytest.fail(f"{d.name} gave no smoke answer (status {row.status}): "
+                    f"{[e.message for e in row.events.filter(step='smoke_test')]}\n{_why(row, tail=40)}")
+    return row
 
 
 def _rank_running(d):

@@ -210,12 +210,15 @@ def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):
     assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3, rel=0.02)
 
 
-def test_completions_endpoint_streams_text_with_random_prompts(server):
-    truth(server)
-    level = run_level(spec_for(server, endpoint=COMPLETIONS, prompt_source="random", input_tokens=40,
-                               min_requests=2, requests_per_user=1), 2)
+def test_completions_endpoint_streams_text_with_random_prompts():
+    # Its own server with wider gaps: a median of two requests is one late read away from the next chunk at
+    # 10 ms (it failed once on a busy machine), and which chunk was counted is what is checked.
+    with SchedServer(ttft_ms=50, gap_ms=4 * GAP_MS, tokens_per_chunk=3, reasoning_tokens=0) as wide:
+        level = run_level(spec_for(wide, endpoint=COMPLETIONS, prompt_source="random", input_tokens=40,
+                                   min_requests=2, requests_per_user=1), 2)
+        told = truth(wide)
     assert level.completed == 2 and level.output_tokens == 60 and level.input_tokens == 80
-    assert_counted_at(level.ttft_ms["median"], truth(server)["ttft_ms"])
+    assert abs(level.ttft_ms["median"] - told["ttft_ms"]) < 2 * GAP_MS, (level.ttft_ms, told)
     assert level.reasoning_tokens == 0
 
 
