@@ -42,16 +42,20 @@ class Deployment(Transitions, EngineProcess):
         STARTING = "starting", "Starting"
         LOADING = "loading", "Loading"
         READY = "ready", "Ready"
+        SLEEPING = "sleeping", "Sleeping"
         STOPPING = "stopping", "Stopping"
         STOPPED = "stopped", "Stopped"
         FAILED = "failed", "Failed"
 
     ACTIVE = frozenset(
-        {Status.QUEUED, Status.PREPARING, Status.STOPPING_OTHERS, Status.STARTING, Status.LOADING, Status.READY, Status.STOPPING}
+        {Status.QUEUED, Status.PREPARING, Status.STOPPING_OTHERS, Status.STARTING, Status.LOADING, Status.READY,
+         Status.SLEEPING, Status.STOPPING}
     )
     TERMINAL = frozenset({Status.STOPPED, Status.FAILED})
     # On its way somewhere: its GPUs cannot be taken, nor the deployment redeployed, until it arrives.
-    IN_FLIGHT = ACTIVE - {Status.READY}
+    IN_FLIGHT = ACTIVE - {Status.READY, Status.SLEEPING}
+    # An engine that is up: serving (ready) or loaded and asleep (sleep mode: its weights in host RAM or dropped).
+    UP = frozenset({Status.READY, Status.SLEEPING})
     # Where each status may go next. Any active status may fail or be stopped.
     TRANSITIONS = {
         Status.QUEUED: {Status.PREPARING, Status.STOPPING, Status.FAILED},
@@ -59,7 +63,8 @@ class Deployment(Transitions, EngineProcess):
         Status.STOPPING_OTHERS: {Status.STARTING, Status.STOPPING, Status.FAILED},
         Status.STARTING: {Status.LOADING, Status.STOPPING, Status.FAILED},
         Status.LOADING: {Status.READY, Status.STOPPING, Status.FAILED},
-        Status.READY: {Status.STOPPING, Status.FAILED, Status.LOADING, Status.QUEUED},
+        Status.READY: {Status.STOPPING, Status.FAILED, Status.LOADING, Status.QUEUED, Status.SLEEPING},
+        Status.SLEEPING: {Status.READY, Status.STOPPING, Status.FAILED, Status.QUEUED},
         Status.STOPPING: {Status.STOPPED, Status.FAILED},
         Status.STOPPED: {Status.QUEUED},
         Status.FAILED: {Status.QUEUED, Status.STOPPING},
@@ -91,6 +96,15 @@ class Deployment(Transitions, EngineProcess):
     master_port = models.PositiveIntegerField(null=True, blank=True,
                                               help_text="Multi-node: the head's --master-port the worker ranks join.")
     load_detail = models.JSONField(default=dict, blank=True, help_text="Shards, seconds left, ...")
+    sleep_mode = models.BooleanField(default=False, help_text="Started with vLLM's sleep mode: it can sleep and wake "
+                                     "on its GPUs, so another deployment of them can be swapped to in seconds.")
+    start_asleep = models.BooleanField(default=False, help_text="Put to sleep once loaded and smoke-tested: ready "
+                                       "to be swapped to.")
+    sleep_level = models.PositiveSmallIntegerField(null=True, blank=True, help_text="While asleep: 1 (weights in "
+                                                   "host RAM) or 2 (weights dropped, reloaded at wake).")
+    sleep_ram_bytes = models.BigIntegerField(null=True, blank=True, help_text="Host RAM its weights hold while asleep.")
+    reuse_memory_profile = models.BooleanField(default=False, help_text="Start with the KV cache size the last load of "
+                                               "the same settings chose (--kv-cache-memory-bytes): no profiling run.")
     smoke = models.JSONField(default=dict, blank=True, help_text="The smoke test's reply, reasoning, latency, tokens.")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created = models.DateTimeField(auto_now_add=True)
