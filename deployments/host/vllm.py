@@ -1,5 +1,5 @@
 """The one client of a running vLLM server (agent and benchmark runner): health, models, a smoke-test
-chat, and readings of its Prometheus /metrics. Plain Python, no Django.
+chat, sleep mode, and readings of its Prometheus /metrics. Plain Python, no Django.
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
@@ -149,6 +150,54 @@ def smoke_test(base_url: str, model: str, question: str = "What is the capital o
         completion_tokens=int(usage.get("completion_tokens") or 0),
         reasoning_tokens=details.get("reasoning_tokens"),
     )
+
+
+# vLLM serves /sleep, /wake_up and /is_sleeping only with VLLM_SERVER_DEV_MODE=1 (a 404 without), outside
+# its --api-key check (that guards /v1/... only). Without --enable-sleep-mode it still answers 200 to /sleep and
+# frees nothing (no memory is in its sleep pool): the flags the engine was started with are the only tell.
+NO_SLEEP_ROUTES = "the engine has no sleep endpoints: it was not started with VLLM_SERVER_DEV_MODE=1"
+
+
+def _sleep_mode(method: str, url: str, timeout: float, key: str) -> dict:
+    """The JSON object a sleep-mode endpoint answered; VllmError (permanent) when the engine has no such route."""
+    try:
+        text = _request(method, url, timeout, key=key)
+    except VllmError as e:
+        if isinstance(e.__cause__, urllib.error.HTTPError) and e.__cause__.code == 404:
+            raise VllmError(NO_SLEEP_ROUTES, permanent=True) from e
+        raise
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise VllmError(f"unexpected answer from {method} {url}: {NOT_OPENAI}", permanent=True)
+    return answer
+
+
+def sleep(base_url: str, level: int, key: str = "", timeout: float = 300.0, mode: str = "abort") -> None:
+    """Put the engine to sleep (POST /sleep?level=N): 1 moves the weights to host RAM and drops the KV cache,
+    2 drops both, 0 only pauses scheduling. vLLM's default `mode` "abort" ends the requests in flight; "wait"
+    lets them finish first, "keep" keeps them paused. Requests that come while it sleeps wait for the wake."""
+    query = urllib.parse.urlencode({"level": level, "mode": mode})
+    _sleep_mode("POST", f"{base_url.rstrip('/')}/sleep?{query}", timeout, key)
+
+
+def wake_up(base_url: str, tags: tuple[str, ...] = (), key: str = "", timeout: float = 300.0) -> bool:
+    """Wake the engine (POST /wake_up), all of it or only the given tags ("weights", "kv_cache"); True when it
+    is fully awake and serving again. After a level 2 sleep the weights come back uninitialised: vLLM reloads
+    them only on POST /collective_rpc {"method": "reload_weights"} (also a dev-mode route)."""
+    query = urllib.parse.urlencode([("tags", tag) for tag in tags])
+    answer = _sleep_mode("POST", f"{base_url.rstrip('/')}/wake_up" + (f"?{query}" if query else ""), timeout, key)
+    return answer.get("status") == "awake"
+
+
+def is_sleeping(base_url: str, key: str = "", timeout: float = 10.0) -> bool:
+    """Whether the engine sleeps at any level, level 0 (scheduling paused) included (GET /is_sleeping)."""
+    answer = _sleep_mode("GET", f"{base_url.rstrip('/')}/is_sleeping", timeout, key)
+    if not isinstance(answer.get("is_sleeping"), bool):
+        raise VllmError(f"unexpected /is_sleeping answer: {NOT_OPENAI}", permanent=True)
+    return answer["is_sleeping"]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

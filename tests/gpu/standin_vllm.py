@@ -9,6 +9,11 @@ reports what it can reach of everyone else: every other user's /proc/<pid>/envir
 each such process (kill(pid, 0)) and the paths fake_engine.json lists under "probe" (a folder is listed,
 a file read); each as 0 (it could) or the errno. One line, `GPU-STAND-IN {json}`, in the engine log.
 
+Sleep mode is the fake's (its routes, answers and timings), with the GPU memory following it as under vLLM's
+allocator: a sleep frees it on the GPU (level 1 copies it to host memory first), a wake takes it again (level 1
+copies it back; after level 2 it comes back uninitialised, as vLLM's weights do until reloaded), so NVML sees
+it go and come back. Without --enable-sleep-mode nothing is freed.
+
 The test copies this file as `vllm` (with its own interpreter, the one with torch, as the #! line) and
 the fake engine beside it as `fakevllm`, into a folder the engine user can read. Standard library and torch.
 """
@@ -62,41 +67,76 @@ def probe(paths: list[str]) -> dict:
     return {"environ": environ, "kill": kill, "files": files}
 
 
-def engine_core(model: str) -> None:
-    """Hold `gpu_gib` GiB on the first visible GPU, report once, then wait for the group's SIGTERM."""
+class GpuWeights:
+    """`gib` GiB of memory on the first visible GPU, for the fake's obey(): sleep(level) frees it on the GPU
+    (level 1 keeps a host copy), wake(tags) takes it again when the weights wake."""
+
+    def __init__(self, torch, gib: float):
+        self.torch = torch
+        self.size = int(gib * GIB)
+        self.held = torch.ones(self.size, dtype=torch.uint8, device="cuda:0")
+        self.host = None
+        torch.cuda.synchronize()
+
+    def sleep(self, level: int) -> int:
+        if self.held is None:
+            return 0
+        if level == 1:
+            self.host = self.held.to("cpu")
+        self.held = None
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()  # back to the driver: torch's caching allocator would keep it from NVML
+        return self.size
+
+    def wake(self, tags: list[str]) -> None:
+        if self.held is not None or (tags and "weights" not in tags):
+            return
+        if self.host is not None:
+            self.held, self.host = self.host.to("cuda:0"), None
+        else:
+            self.held = self.torch.empty(self.size, dtype=self.torch.uint8, device="cuda:0")
+        self.torch.cuda.synchronize()
+
+    def in_use(self) -> int:
+        return 0 if self.held is None else self.size
+
+
+def engine_core(model: str, pooled: bool) -> None:
+    """Hold `gpu_gib` GiB on the first visible GPU, report once, then obey sleep and wake until SIGTERM."""
+    standin = fake()
     config = json.loads((Path(model) / "fake_engine.json").read_text())
     if config["gpu_gib"]:
         import torch
 
-        held = torch.ones(int(config["gpu_gib"]) * GIB, dtype=torch.uint8, device="cuda:0")
-        torch.cuda.synchronize()
+        memory = GpuWeights(torch, config["gpu_gib"])
         device = torch.cuda.get_device_name(0)
     else:  # a rehearsal of the panel's side on a machine without a GPU
-        held, device = b"", "no GPU"
+        memory, device = standin.HostWeights(0), "no GPU"
     status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
     report = {"pid": os.getpid(), "uid": os.getuid(), "no_new_privs": status.get("NoNewPrivs", "").strip(),
-              "gib": len(held) / GIB, "device": device,
+              "gib": memory.in_use() / GIB, "device": device,
               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **probe(config.get("probe", []))}
     print(REPORT + json.dumps(report), flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    while True:
-        signal.pause()
+    standin.obey(memory, config, pooled)
 
 
 def serve(args: list[str]) -> None:
     """Start the GPU-holding child, pass its report to the log once it holds the memory, then serve."""
-    core = subprocess.Popen([sys.executable, __file__, "_engine_core", args[0]], stdout=subprocess.PIPE, text=True)
+    pooled = "pooled" if "--enable-sleep-mode" in args else "unpooled"
+    core = subprocess.Popen([sys.executable, __file__, "_engine_core", args[0], pooled],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = core.stdout.readline()
     if not line.startswith(REPORT):
         sys.exit(f"GPU stand-in: the engine core ended without holding GPU memory (exit {core.wait()})")
     print(line.strip(), flush=True)
-    fake().serve(args)
+    fake().serve(args, cores=(core,))
 
 
 def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["_engine_core"]:
-        engine_core(argv[1])
+        engine_core(argv[1], argv[2] == "pooled")
     elif argv[:1] == ["serve"] and not any(a.startswith("--help") for a in argv):
         serve(argv[1:])
     else:  # --version, serve --help=all, and the fake's own _core child
