@@ -151,6 +151,7 @@ def cmd_deploy(panel, args):
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
             "stop_foreign": args.stop_foreign, "override_fit": args.override_fit,
+            "reuse_memory_profile": args.reuse_memory_profile,
             "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []], **clirecipes.deploy_body(args)}
     body.update(aliases=args.alias or [], max_in_flight=args.max_in_flight, queue_bound=args.queue_bound,
                 media_domains=args.media_domain or [])  # the gateway's route (deployments/gateway/keys.py checks)
@@ -346,6 +347,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--replace", action="store_true", help="a deployment with this name exists: redeploy it")
     s.add_argument("--also-stop", action="append", metavar="DEPLOYMENT", help="also stop this deployment first")
     s.add_argument("--auto-restart", action="store_true")
+    s.add_argument("--reuse-memory-profile", action="store_true", help="start with the KV cache size the last load "
+                   "of this model, GPUs, settings and engine chose (no profiling run); refused when none matches")
     s.add_argument("--stop-foreign", action="store_true", help="stop processes the panel did not start that hold "
                    "the chosen GPUs (a node without GPUs: other vLLM engines on it); without it such a deploy is refused")
     s.add_argument("--override-fit", action="store_true", help="deploy although the fit check says it does not fit "

@@ -91,6 +91,10 @@ class DeployForm(forms.Form):
                                                 "Without this, a deploy onto GPUs others use is refused, naming them.")
     prewarm = forms.BooleanField(required=False, label="Pre-warm: read the model into the page cache first",
                                  help_text="In parallel, while other engines stop and before launch, when free RAM allows.")
+    reuse_memory_profile = forms.BooleanField(
+        required=False, label="Reuse the last memory profile (skip profiling)",
+        help_text="Start with the KV cache size the last load of this model, GPUs, settings and engine chose "
+                  "(--kv-cache-memory-bytes); refused when none matches.")
     workers = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple, label="Also on nodes (multi-node)",
                                         help_text="This node is the head (rank 0); each node ticked runs a headless rank. "
                                                   "With DP 1, TP × PP is split evenly over all of them; with DP > 1, "

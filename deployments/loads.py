@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 from django.utils import timezone
 
-from deployments import contextfit, kvcalibration, live, selectors
-from deployments.host import loadphases, pagecache
+from deployments import contextfit, kvcalibration, live, selectors, warmstart
+from deployments.host import compilecache, loadphases, pagecache
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class LoadWatch:
         self.residency_at = 0.0
         self.event_id: int | None = None
         self.engine_kv = contextfit.EngineKv()  # the KV-cache size the engine logs, for calibration
+        self.start = dict((d.load_detail or {}).get("start") or {})  # compile cache and profile (plan._launch)
+        self.cache_hits = compilecache.HitWatch()  # what the engine's log says its compile cache did
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -85,6 +87,7 @@ class LoadWatch:
         for line in lines:
             self.clock.feed(line, now)
             self.engine_kv.feed(line)
+            self.cache_hits.feed(line)
 
     def detail(self) -> dict:
         """What the page shows beside the bar; called about once a second."""
@@ -107,7 +110,7 @@ class LoadWatch:
                                               "percent": prediction.percent},
                 "previous": self.previous, "read_bps": round(self.read_bps), "disk_bps": (self.d.node.disk_read or {}).get("bps"),
                 "model_bytes": self.model_bytes, "ram_available": psutil.virtual_memory().available,
-                "resident_bytes": self.residency.resident if self.residency else None}
+                "resident_bytes": self.residency.resident if self.residency else None, "start": self.start}
 
     def ready(self) -> str:
         """The API answered: the smoke test starts. Returns the comparison with the previous load."""
@@ -117,17 +120,22 @@ class LoadWatch:
     def finish(self) -> None:
         """The smoke test is done: keep this load's phases for history and the page."""
         self.clock.finish(self.now())
-        data = {**self.clock.as_data(), "elapsed_s": round(self.now(), 1), "model_bytes": self.model_bytes}
+        data = {**self.clock.as_data(), "elapsed_s": round(self.now(), 1), "model_bytes": self.model_bytes,
+                **warmstart.load_data(self.d, self.start, self.cache_hits, self.engine_kv)}  # cold or warm, and why
         if self.fresh:
             data.update(key=load_key(self.d), model=self.d.model_id)
         else:
             data.pop("totals")  # replayed timings: not a load to learn from
+            data.pop("profile")  # nor a profile to reuse: its GPUs and settings were not seen at its launch
         if self.event_id:
             DeploymentEvent.objects.filter(pk=self.event_id).update(data=data)
         # Measured here on the node (its RAM, its disk, its vLLM's flags), shown on the page, never applied.
-        self.d.load_detail = {**self.d.load_detail, "phases": self.clock.as_data(), "recommend": load_recommendation(self.d)}
+        self.d.load_detail = {**self.d.load_detail, "phases": self.clock.as_data(), "recommend": load_recommendation(self.d),
+                              "start": {**self.start, "kind": data["start"], "warm_by": data["warm_by"],
+                                        "compile_cache": data["compile_cache"]}}  # the API's and page's last start
         Deployment.objects.filter(pk=self.d.pk).update(load_detail=self.d.load_detail)
-        if self.fresh:  # the estimate against the engine's own KV size corrects the next one
+        if self.fresh and not self.start.get("profile_reused"):  # the estimate against the engine's own KV size
+            # corrects the next one (a reused profile's size was given, not chosen)
             try:
                 kvcalibration.load_calibrate(self.d, self.engine_kv)
             except Exception:  # noqa: BLE001 - a calibration must never fail a load that is ready

@@ -149,7 +149,8 @@ class DeploymentDetailSerializer(DeploymentSerializer):
 
     class Meta(DeploymentSerializer.Meta):
         fields = DeploymentSerializer.Meta.fields + ["master_port", "ranks", "smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
-                                                     "secret_env", "replace", "base_url", "stop_foreign", "prewarm", "expires_at", "expired",
+                                                     "secret_env", "replace", "base_url", "stop_foreign", "prewarm",
+                                                     "reuse_memory_profile", "expires_at", "expired",
                                                      "call", "route"]
 
     def get_call(self, obj) -> dict:
@@ -196,6 +197,10 @@ class DeployRequestSerializer(serializers.Serializer):
                                             "chosen GPUs (never display servers); without it such a deploy answers 409.")
     prewarm = serializers.BooleanField(default=False, help_text="Read the model's shards into the page cache while other "
                                        "engines stop, before launch, when free RAM allows.")
+    reuse_memory_profile = serializers.BooleanField(default=False, help_text="Start with the KV cache size the last "
+                                                    "load of this model, GPUs, settings and engine chose "
+                                                    "(--kv-cache-memory-bytes): no profiling run. Refused ("
+                                                    "no_memory_profile) when none matches.")
     override_fit = serializers.BooleanField(default=False, help_text="Deploy although the fit check says the model does "
                                             "not fit (admins only; recorded on the timeline); without it such a deploy "
                                             "answers 409 does_not_fit.")
@@ -275,6 +280,7 @@ class RedeploySerializer(serializers.Serializer):
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
     stop_foreign = serializers.BooleanField(required=False)
     prewarm = serializers.BooleanField(required=False)
+    reuse_memory_profile = serializers.BooleanField(required=False)
     override_fit = serializers.BooleanField(required=False, help_text="As for a deploy: admins only.")
     override_compat = serializers.BooleanField(required=False, help_text="As for a deploy: admins only.")
     workers = WorkerSerializer(many=True, required=False, max_length=63,

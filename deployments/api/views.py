@@ -182,6 +182,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
                                        engine_args=v["engine_args"], env=v["env"], secret_env=v["secret_env"], name=v["name"], replace_ids=v["replace"],
                                        auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
                                        stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
+                                       reuse_memory_profile=v["reuse_memory_profile"],
                                        preset="" if v["preset"] == "none" else v["preset"],
                                        replace_existing=v["replace_existing"], master_port=v["master_port"],
                                        override_fit=v["override_fit"], override_compat=v["override_compat"],

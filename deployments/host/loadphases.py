@@ -22,7 +22,7 @@ _MARKERS = [(re.compile(p), phase) for p, phase in (
     (r"generating GPU P2P access cache|reading GPU P2P access cache", "p2p_check"),
     (r"Starting to load model|Loading (?:safetensors |pt |bin )?checkpoint shards", "weights"),
     (r"Starting torch\.compile|Dynamo bytecode transform time: ([\d.]+) s|torch\.compile t(?:akes|ook) ([\d.]+) s"
-     r"|Compiling a graph for|Directly load the compiled graph", "compile"),
+     r"|Compiling a graph for|Directly load the compiled graph|Warming up model for the compilation", "compile"),
     (r"Memory profiling takes ([\d.]+) s|Initial profiling/warmup run took ([\d.]+) s|Available KV cache memory|KV cache size:"
      r"|Profiling CUDA graph memory", "kv_cache"),
     (r"Capturing CUDA graphs|Graph capturing finished in ([\d.]+) secs", "graph_capture"),

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, enginekey, live, loads, secrets
+from deployments import claims, enginekey, live, loads, secrets, warmstart
 from deployments.host import engine, enginecli, engineenv, gpu, listeners, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster
@@ -179,13 +179,20 @@ def _launch(d: Deployment, model_path: str) -> str:
     ray = raycluster.uses_ray(d)
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself
     args = {**d.engine_args, **cluster.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
-    argv = enginecli.build_argv(vllm_bin, model_path, d.port, enginecli.API_HOST, args)
+    run_as = engine_user(model_path, d.node.model_store)
+    try:  # the compile cache's folder, and the KV size of the last matching load when asked to reuse it
+        warm_args, warm_env, start = warmstart.launch_prepare(d, model_path, run_as)
+    except warmstart.ProfileRefused as exc:
+        raise PlanFailed(str(exc)) from exc
+    d.load_detail = {**(d.load_detail or {}), "start": start}  # LoadWatch keeps it and records it with the load
+    Deployment.objects.filter(pk=d.pk).update(load_detail=d.load_detail)
+    argv = enginecli.build_argv(vllm_bin, model_path, d.port, enginecli.API_HOST, {**args, **warm_args})
     enginekey.new(d)  # a new key for every engine started (_engine_env hands it over)
     # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there. With Ray the
     # engine carries the marker its Ray head got (raycluster.head_start); a persisted one starts under its unit
     # again, enabled for the next boot.
-    spec = lifecycle.Launch(argv=argv, env=_engine_env(d), log_path=_log_path(d), cwd=Path(model_path),
-                            run_as=engine_user(model_path, d.node.model_store), marker=d.marker if ray else "")
+    spec = lifecycle.Launch(argv=argv, env={**_engine_env(d), **warm_env}, log_path=_log_path(d), cwd=Path(model_path),
+                            run_as=run_as, marker=d.marker if ray else "")
     lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
     return f"PID {d.pid}: {' '.join(argv[:3])} … (log {d.log_path})"
 
@@ -363,7 +370,8 @@ def _persist(deployment_id: int) -> Deployment:
         return _persist_group(d)
     copy = ModelCopy.objects.get(model=d.model, node=d.node)
     name = systemd.unit_name(d.name)
-    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, enginecli.API_HOST, d.engine_args)
+    warm_args, warm_env = warmstart.relaunch_extras(d)  # the same cache folder and KV size as the engine it replaces
+    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, enginecli.API_HOST, {**d.engine_args, **warm_args})
     try:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)
@@ -372,7 +380,8 @@ def _persist(deployment_id: int) -> Deployment:
         Deployment.objects.filter(pk=d.pk).update(systemd_unit=name)
         # Loading before the unit's engine is recorded: the row never reads ready with a loading engine's PID.
         move(d, S.LOADING, f"restarting under systemd as {name}")
-        spec = lifecycle.Launch(argv=argv, env=_engine_env(d), log_path=Path(d.log_path) if d.log_path else _log_path(d))
+        spec = lifecycle.Launch(argv=argv, env={**_engine_env(d), **warm_env},
+                                log_path=Path(d.log_path) if d.log_path else _log_path(d))
         lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
         deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
         _follow(d)

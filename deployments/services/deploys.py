@@ -11,7 +11,7 @@ from django.utils.text import slugify
 
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_admin
-from deployments import callit, deploydefaults, engineoptions, flagvalues, live, privileged, secrets
+from deployments import callit, deploydefaults, engineoptions, flagvalues, live, privileged, secrets, warmstart
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos
 from deployments.claims import deployment_holders, lock_node
@@ -84,6 +84,16 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     return [(step, o) for step, o in (("fit_override", fit), ("compat_override", compat)) if o]
 
 
+def _check_profile(reuse: bool, model: ModelRepo, node: Node, gpu_indices: list[int], engine_args: dict, env: dict) -> None:
+    """With \"reuse the last memory profile\": a load of the same model, GPUs, settings and engine recorded one, or
+    the deploy is refused saying what changed (the node checks again before its launch)."""
+    if reuse:
+        try:
+            warmstart.reusable_profile(model, node, gpu_indices, engine_args, env)
+        except warmstart.ProfileRefused as exc:
+            raise ServiceError(str(exc), field="reuse_memory_profile", code="no_memory_profile") from exc
+
+
 @dataclass
 class ForeignProcesses(ServiceError):
     """Processes the panel did not start hold the chosen GPUs: the operator decides (409)."""
@@ -127,6 +137,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                       env: dict, name: str = "", replace_ids=(), secret_env=(), auto_restart: bool = False, stall_seconds: int = 600,
                       stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False,
                       workers=(), master_port: int | None = None, override_fit: bool = False,
+                      reuse_memory_profile: bool = False,
                       recipe: recipes.Choice | None = None, override_compat: bool = False) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
 
@@ -156,6 +167,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                                    env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
                                    stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user,
                                    override_fit=override_fit, override_compat=override_compat, recipe_use=use,
+                                   reuse_memory_profile=reuse_memory_profile,
                                    **({"workers": workers} if workers else {}))
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
@@ -170,10 +182,12 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         multinode.check(model=model, head=node, head_gpus=gpu_indices, workers=workers, engine_args=engine_args,
                         master_port=master_port)
     privileged.check(engine_args=engine_args, env=env, model_dir=privileged.model_dir(model, node), admin=is_admin(user))
+    _check_profile(reuse_memory_profile, model, node, gpu_indices, engine_args, env)
     d = Deployment.objects.create(
         name=name or _unique_name(deployment_default_name(model, node)), model=model, node=node, port=port,
         engine_args=engine_args, env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
-        stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, created_by=user)
+        stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm,
+        reuse_memory_profile=reuse_memory_profile, created_by=user)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     if workers or ray:  # Ray on one node too: the panel starts (and stops) its one-node cluster
         multinode.place(d, workers, master_port)
@@ -233,7 +247,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     if problem := secrets.check_marked(changes.get("secret_env", ()), changes.get("env", d.env)):
         raise ServiceError(problem, field="secret_env")
     changed = gpu_indices != d.gpu_indices
-    for field in ("port", "engine_args", "env", "secret_env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm"):
+    for field in ("port", "engine_args", "env", "secret_env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm",
+                  "reuse_memory_profile"):
         if field in changes:
             value = changes.pop(field)
             changed |= value != getattr(d, field)
@@ -252,6 +267,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
                         master_port=d.master_port)
     privileged.check(engine_args=d.engine_args, env=d.env, model_dir=privileged.model_dir(d.model, d.node),
                      admin=is_admin(user), old_args=old_args, old_env=old_env)
+    _check_profile(d.reuse_memory_profile, d.model, d.node, gpu_indices, d.engine_args, d.env)
     d.transition(Deployment.Status.QUEUED)  # from ready too: the plan stops the running engine first
     d.save()
     d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))

@@ -10,7 +10,7 @@ from django.utils import timezone
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
 from deployments import claims, live, modelconfig, modelfit
-from deployments.host import hub, store
+from deployments.host import compilecache, hub, store
 from deployments.modelcopies import (hf_token, model_copy_download, model_copy_progress,  # noqa: F401 - the node's part,
                                      node_refresh_disk)  # beneath both sides; its names are services' API too
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
@@ -273,7 +273,7 @@ def _copy_users(copy: ModelCopy):
 
 
 def model_copy_remove(copy_id: int) -> int:
-    """On the node: remove the copy's folder from the model store, then its row."""
+    """On the node: remove the copy's folder and its compile caches from the model store, then its row."""
     with transaction.atomic():
         claims.lock_copy_node(copy_id)
         copy = ModelCopy.objects.select_related("node", "model").filter(pk=copy_id).first()
@@ -288,6 +288,11 @@ def model_copy_remove(copy_id: int) -> int:
     freed = 0
     if copy.path and not copy.model.local_path:  # a user's own folder is never deleted, only forgotten
         freed = store.remove(copy.path, model_store)
+    if copy.path:  # its compiled graphs go with it, a local model's too (they are the panel's, in the store)
+        try:
+            freed += compilecache.remove_model(model_store, copy.path)
+        except compilecache.CompileCacheError as exc:
+            log.warning("copy %s: %s", copy.pk, exc)
     gone = live.CopyProgress.of(copy, state="deleted")
     copy.delete()
     node_refresh_disk(copy.node, model_store)

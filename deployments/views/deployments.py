@@ -31,7 +31,8 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
                    "kv_cache_dtype": args.pop("kv-cache-dtype", "auto"), "reasoning_parser": args.pop("reasoning-parser", ""),
                    "tool_call_parser": args.pop("tool-call-parser", ""), "trust_remote_code": args.pop("trust-remote-code", False),
                    "served_model_name": args.pop("served-model-name", ""), "auto_restart": deployment.auto_restart,
-                   "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
+                   "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm,
+                   "reuse_memory_profile": deployment.reuse_memory_profile, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
         args.pop("enable-auto-tool-choice", None)
         initial["extra_flags"] = " ".join(engineargs.argv_words(args))
         initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env, secrets.marked(deployment)).items())
@@ -112,6 +113,7 @@ def deploy(request, pk):
             model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
             env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
+            reuse_memory_profile=data["reuse_memory_profile"],
             workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"],
             **recipe_pages.deploy_kwargs(data))
     except ServiceError as exc:
@@ -134,7 +136,7 @@ def deployment_detail(request, pk):
         "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env, secrets.marked(d)),
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
         "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d), "command": selectors.deployment_command(d),
-        "start_title": start_title(d.status),
+        "start_title": start_title(d.status), "starts": selectors.load_events(deployment=d)[:10],
         "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 
 
@@ -155,6 +157,7 @@ def deployment_edit(request, pk):
         deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                      env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
+                                     reuse_memory_profile=data["reuse_memory_profile"],
                                      override_fit=data["override_fit"], override_compat=data["override_compat"], **placement)
     except ServiceError as exc:
         _refused(form, exc)

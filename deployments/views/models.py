@@ -9,7 +9,7 @@ from django.views.decorators.http import require_POST
 
 from controlpanel.errors import ServiceError
 from controlpanel.roles import operator_required
-from deployments import forms, modelfit, selectors
+from deployments import forms, modelfit, selectors, warmstart
 from deployments.models import ModelCopy, ModelRepo, Node
 from deployments.services import fitgate, repos
 from deployments.views import recipes as recipe_pages
@@ -74,6 +74,7 @@ def model_detail(request, pk, download_form=None, disk_short=None, status=200):
     copies = list(model.copies.select_related("node"))
     for c in copies:
         c.file_rows = _file_rows(model, c)
+        c.compile_cache = warmstart.cache_summary(c.node, model)
     return render(request, "deployments/model_detail.html", {
         "model": model, "fits": fits, "fit_form": fit_form, "tp": tp,
         "download_form": download_form or forms.DownloadForm(model=model), "disk_short": disk_short,
