@@ -11,7 +11,8 @@ from controlpanel.params import ParamError
 # Service refusals that are about the state of things (busy, exists, no room) answer 409;
 # the rest are bad input (400).
 CONFLICT_CODES = {"busy", "exists", "in_use", "disk_full", "not_running", "not_failed", "gpus_busy", "port_in_use",
-                  "foreign_processes", "not_paused", "confirm", "does_not_fit", "revoked", "incompatible"}
+                  "foreign_processes", "not_paused", "confirm", "does_not_fit", "revoked", "incompatible",
+                  "no_sleep_mode", "not_sleeping", "not_shared"}
 
 
 def exception_handler(exc, context):

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlpanel import clirecipes, clikeys, clistatus, clitune
+from controlpanel import clirecipes, clikeys, clisleep, clistatus, clitune
 from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
                                   UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
                                   _number, say, with_common)
@@ -152,7 +152,8 @@ def cmd_deploy(panel, args):
             "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
             "stop_foreign": args.stop_foreign, "override_fit": args.override_fit,
             "reuse_memory_profile": args.reuse_memory_profile,
-            "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []], **clirecipes.deploy_body(args)}
+            "replace": [_deployment(panel, r)["id"] for r in args.also_stop or []], **clirecipes.deploy_body(args),
+            **clisleep.deploy_body(args)}
     body.update(aliases=args.alias or [], max_in_flight=args.max_in_flight, queue_bound=args.queue_bound,
                 media_domains=args.media_domain or [])  # the gateway's route (deployments/gateway/keys.py checks)
     if others and args.master_port:
@@ -362,6 +363,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--media-domain", action="append", metavar="DOMAIN", help="a domain multimodal URLs may come "
                    "from, repeatable (default: data: URLs only)")
     clirecipes.deploy_arguments(s)
+    clisleep.deploy_arguments(s)
     s.add_argument("--wait", action="store_true", help="wait until ready (exit 1 if it fails)")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_deploy)
@@ -407,6 +409,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "export":
             s.add_argument("--csv", action="store_true")
         s.set_defaults(fn=fn)
+    clisleep.add(sub)
     clitune.add(sub, common)
     clirecipes.add(sub, common)
     clikeys.add(sub, common)

@@ -27,7 +27,10 @@ def wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued
             say(line)
             last_line = line
         smoked = any(e["step"] == "smoke_test" and e["ended"] for e in events)
-        if answer["status"] == want and (want != "ready" or smoked):
+        if since in ("sleep", "wake", "swap") and (errors := [e for e in events if e["level"] == "error"]):
+            say(f"{d['name']}: {errors[-1]['step']} not done: {errors[-1]['message']}")
+            return FAILED
+        if answer["status"] == want and (want != "ready" or since != "queued" or smoked):
             final = panel.get(f"deployments/{d['id']}/")
             _emit(final, args.json, [f"{final['name']} is {want}"] + (call_lines(final) if want == "ready" else []))
             return 0

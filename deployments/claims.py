@@ -45,11 +45,12 @@ def lock_copy_node(copy_id: int) -> Node | None:
     return lock_node(node_id) if node_id is not None else None
 
 
-def first_clash(node: Node, gpu_indices: list[int], exclude: Deployment) -> Deployment | None:
-    """Under the node lock: another active deployment holding these GPUs (the whole host without GPUs), or None."""
+def first_clash(node: Node, gpu_indices: list[int], exclude: Deployment, spare=()) -> Deployment | None:
+    """Under the node lock: another active deployment holding these GPUs (the whole host without GPUs), or None;
+    `spare`: deployments that share them (asleep)."""
     with transaction.atomic():
         lock_node(node.pk)
-        return deployment_holders(node, gpu_indices, exclude=exclude).first()
+        return deployment_holders(node, gpu_indices, exclude=exclude).exclude(pk__in=list(spare)).first()
 
 
 def model_users(node_id: int, model_ids):

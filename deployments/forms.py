@@ -95,6 +95,12 @@ class DeployForm(forms.Form):
         required=False, label="Reuse the last memory profile (skip profiling)",
         help_text="Start with the KV cache size the last load of this model, GPUs, settings and engine chose "
                   "(--kv-cache-memory-bytes); refused when none matches.")
+    sleep_mode = forms.BooleanField(required=False, label="Sleep mode: can sleep, wake and swap on these GPUs",
+                                    help_text="vLLM's sleep mode (CUDA GPUs, one node). Sleep-mode deployments share GPUs, "
+                                              "one awake at a time: swapping between them takes seconds, not a load.")
+    start_asleep = forms.BooleanField(required=False, label="Start asleep (ready to be swapped to)",
+                                      help_text="Loaded, smoke-tested, then put to sleep; one serving on these GPUs sleeps "
+                                                "meanwhile and wakes again after.")
     workers = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple, label="Also on nodes (multi-node)",
                                         help_text="This node is the head (rank 0); each node ticked runs a headless rank. "
                                                   "With DP 1, TP × PP is split evenly over all of them; with DP > 1, "

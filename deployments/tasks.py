@@ -9,7 +9,7 @@ from celery import shared_task
 
 from deployments import loads
 from deployments.host import hub
-from deployments.node import plan, ranks, redrive, watch  # noqa: F401 - redrive: its signals count the work in hand
+from deployments.node import plan, ranks, redrive, sleep, watch  # noqa: F401 - redrive: its signals count the work in hand
 from deployments.services import repos
 
 
@@ -73,6 +73,24 @@ def deployment_forget(deployment_id: int) -> None:
 def deployment_persist(deployment_id: int) -> None:
     """On a node: install a deployment as a systemd unit."""
     plan.deployment_persist_here(deployment_id)
+
+
+@shared_task(name="deployments.deployment_sleep")
+def deployment_sleep(deployment_id: int, level: int | None = None) -> None:
+    """On a node: put a sleep-mode deployment to sleep (level None: chosen by free host RAM)."""
+    sleep.deployment_sleep_here(deployment_id, level)
+
+
+@shared_task(name="deployments.deployment_wake")
+def deployment_wake(deployment_id: int) -> None:
+    """On a node: wake a sleeping deployment."""
+    sleep.deployment_wake_here(deployment_id)
+
+
+@shared_task(name="deployments.deployment_swap")
+def deployment_swap(source_id: int, target_id: int) -> None:
+    """On a node: the serving deployment sleeps, the sleeping one on its GPUs wakes."""
+    sleep.deployment_swap_here(source_id, target_id)
 
 
 @shared_task(name="deployments.node_measure_disk")

@@ -118,7 +118,8 @@ class DeploymentSerializer(serializers.ModelSerializer):
     class Meta:
         model = Deployment
         fields = ["id", "name", "model", "node", "gpus", "port", "engine_args", "env", "status", "status_message",
-                  "pid", "log_path", "systemd_unit", "load_phase", "load_percent", "created", "started", "ready_at", "stopped_at"]
+                  "pid", "log_path", "systemd_unit", "load_phase", "load_percent", "created", "started", "ready_at", "stopped_at",
+                  "sleep_mode", "start_asleep", "sleep_level", "sleep_ram_bytes"]
 
     def get_gpus(self, obj) -> list[int]:
         return [gpu.index for gpu in obj.gpus.all()]
@@ -201,6 +202,11 @@ class DeployRequestSerializer(serializers.Serializer):
                                                     "load of this model, GPUs, settings and engine chose "
                                                     "(--kv-cache-memory-bytes): no profiling run. Refused ("
                                                     "no_memory_profile) when none matches.")
+    sleep_mode = serializers.BooleanField(default=False, help_text="Start with vLLM's sleep mode (CUDA GPUs, one node): it "
+                                          "can sleep and wake, and share its GPUs with other sleep-mode deployments, one "
+                                          "awake at a time (swap).")
+    start_asleep = serializers.BooleanField(default=False, help_text="Once loaded and smoke-tested, put it to sleep (and "
+                                            "wake again those its plan put to sleep): ready to be swapped to.")
     override_fit = serializers.BooleanField(default=False, help_text="Deploy although the fit check says the model does "
                                             "not fit (admins only; recorded on the timeline); without it such a deploy "
                                             "answers 409 does_not_fit.")
@@ -281,6 +287,8 @@ class RedeploySerializer(serializers.Serializer):
     stop_foreign = serializers.BooleanField(required=False)
     prewarm = serializers.BooleanField(required=False)
     reuse_memory_profile = serializers.BooleanField(required=False)
+    sleep_mode = serializers.BooleanField(required=False)
+    start_asleep = serializers.BooleanField(required=False)
     override_fit = serializers.BooleanField(required=False, help_text="As for a deploy: admins only.")
     override_compat = serializers.BooleanField(required=False, help_text="As for a deploy: admins only.")
     workers = WorkerSerializer(many=True, required=False, max_length=63,
@@ -288,3 +296,13 @@ class RedeploySerializer(serializers.Serializer):
 
     validate_engine_args = DeployRequestSerializer.validate_engine_args
     validate_env = DeployRequestSerializer.validate_env
+
+
+class SleepSerializer(serializers.Serializer):
+    level = serializers.ChoiceField(choices=[1, 2], required=False, allow_null=True, help_text="1: weights to host RAM; "
+                                    "2: weights dropped (read again at wake); none: chosen by the host's free RAM.")
+
+
+class SwapSerializer(serializers.Serializer):
+    to = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all(), help_text="The deployment to swap to "
+                                            "(asleep on the same GPUs, or stopped: deployed again).")

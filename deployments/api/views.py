@@ -21,7 +21,7 @@ from deployments import modelfit, secrets, selectors
 from deployments.api import serializers
 from deployments.gateway import keys
 from deployments.models import ModelCopy
-from deployments.services import deploys, fitgate, loadtime, multinode, recipes, repos
+from deployments.services import deploys, fitgate, loadtime, multinode, recipes, repos, sleeps
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
@@ -186,6 +186,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
                                        preset="" if v["preset"] == "none" else v["preset"],
                                        replace_existing=v["replace_existing"], master_port=v["master_port"],
                                        override_fit=v["override_fit"], override_compat=v["override_compat"],
+                                       sleep_mode=v["sleep_mode"], start_asleep=v["start_asleep"],
                                        recipe=recipes.recipe_choice(v["recipe"], v["variant"], v["strategy"])
                                        if v["recipe"] else None,
                                        workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
@@ -219,6 +220,32 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     def persist(self, request, pk=None):
         """Install the deployment as a systemd unit on its node."""
         return self._accepted(deploys.deployment_persist(self.get_object()))
+
+    @extend_schema(request=serializers.SleepSerializer, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    @idempotent
+    def sleep(self, request, pk=None):
+        """Put a sleep-mode deployment to sleep; its GPUs are free for another sleep-mode deployment."""
+        body = serializers.SleepSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return self._accepted(sleeps.deployment_sleep(self.get_object(), body.validated_data.get("level")))
+
+    @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    @idempotent
+    def wake(self, request, pk=None):
+        """Wake a sleeping deployment; refused (409) while another engine holds its GPUs (swap instead)."""
+        return self._accepted(sleeps.deployment_wake(self.get_object()))
+
+    @extend_schema(request=serializers.SwapSerializer, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    @idempotent
+    def swap(self, request, pk=None):
+        """This serving deployment sleeps and `to` wakes on the same GPUs (a stopped `to` is deployed again); the
+        gateway names (aliases) follow. Answers with `to`."""
+        body = serializers.SwapSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return self._accepted(sleeps.deployment_swap(self.get_object(), body.validated_data["to"]))
 
     @extend_schema(parameters=[OpenApiParameter("state", str, description="the `state` of your last answer"),
                                OpenApiParameter("wait", int, description="seconds to wait for a change (max 30)")],

@@ -255,13 +255,14 @@ class EnergyMeter:
 
 
 def wait_memory_released(
-    indices: Iterable[int], pids: Iterable[int] | None, timeout_s: float, poll_s: float = 0.2
+    indices: Iterable[int], pids: Iterable[int] | None, timeout_s: float, poll_s: float = 0.2, ignore: Iterable[int] = ()
 ) -> None:
-    """Return once none of `pids` (any process, if None) holds memory on `indices`."""
-    indices, wanted = list(indices), None if pids is None else set(pids)
+    """Return once none of `pids` (any process, if None) holds memory on `indices`; `ignore`: processes whose
+    memory stays (engines asleep on these GPUs keep their CUDA context)."""
+    indices, wanted, spare = list(indices), None if pids is None else set(pids), set(ignore)
     deadline = time.monotonic() + timeout_s
     while True:
-        holding = _holding(processes_on(indices), wanted)
+        holding = {pid: b for pid, b in _holding(processes_on(indices), wanted).items() if pid not in spare}
         if not holding:
             return
         if time.monotonic() >= deadline:

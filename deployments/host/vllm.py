@@ -192,6 +192,17 @@ def wake_up(base_url: str, tags: tuple[str, ...] = (), key: str = "", timeout: f
     return answer.get("status") == "awake"
 
 
+def reload_weights(base_url: str, key: str = "", timeout: float = 900.0) -> None:
+    """Read the weights again from the model's files (POST /collective_rpc {"method": "reload_weights"}), what a
+    wake from level 2 needs before the KV cache wakes: vLLM's own snapshot restore does weights, reload, kv_cache."""
+    try:
+        _request("POST", f"{base_url.rstrip('/')}/collective_rpc", timeout, {"method": "reload_weights"}, key=key)
+    except VllmError as e:
+        if isinstance(e.__cause__, urllib.error.HTTPError) and e.__cause__.code == 404:
+            raise VllmError(NO_SLEEP_ROUTES, permanent=True) from e
+        raise
+
+
 def is_sleeping(base_url: str, key: str = "", timeout: float = 10.0) -> bool:
     """Whether the engine sleeps at any level, level 0 (scheduling paused) included (GET /is_sleeping)."""
     answer = _sleep_mode("GET", f"{base_url.rstrip('/')}/is_sleeping", timeout, key)

@@ -18,7 +18,7 @@ S = Deployment.Status
 
 def deployment_crashed(d: Deployment, reason: str) -> None:
     """Fail a ready deployment whose engine (or any rank) died; auto-restart it as a whole with backoff."""
-    if not Deployment.objects.filter(pk=d.pk, status=S.READY).exists():
+    if not Deployment.objects.filter(pk=d.pk, status__in=Deployment.UP).exists():
         return  # failed or restarted already: the head's engine and a worker rank were seen dying at once
     lost = d.ranks.select_related("node").filter(state="failed").first()
     if lost:  # the head often dies because a worker rank did; say which

@@ -14,7 +14,7 @@ from django.utils import timezone
 from deployments import claims, enginekey, live, loads, secrets, warmstart
 from deployments.host import engine, enginecli, engineenv, gpu, listeners, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
-from deployments.node import cluster, lifecycle, ranks, raycluster
+from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
 from deployments.node.guards import foreign_holders
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, model_ready, move,
@@ -44,7 +44,12 @@ def _run(deployment_id: int) -> Deployment:
             model_path = model_ready(d, d.node)
             event.message = f"{d.model} is at {model_path}."
         warm = loads.Prewarm(model_path) if d.prewarm else None  # reads while the others stop
+        swap_from = (d.load_detail or {}).get("swap_from")
         move(d, S.STOPPING_OTHERS)
+        slept = []
+        if sleep.sharing(d):  # sleep-mode deployments on these GPUs go to sleep, not away
+            with step(d, "sleep_others") as event:
+                event.message, slept = sleep.make_way(d)
         with step(d, "stop_others") as event:
             event.message = _stop_holders(d)
         with step(d, "gpu_memory") as event:
@@ -71,6 +76,7 @@ def _run(deployment_id: int) -> Deployment:
             event.message = _launch(d, model_path)
         move(d, S.LOADING)
         _follow(d)
+        sleep.after_load(d, slept, swap_from)
     except Aborted:
         log.info("deployment %s: plan aborted by a stop request", d.name)
     except (PlanFailed, engine.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
@@ -111,7 +117,9 @@ def _stop_holders(d: Deployment) -> str:
     """Stop deployments on the chosen GPUs (and those asked for), then stray GPU processes."""
     indices = d.gpu_indices
     others = Deployment.objects.filter(node=d.node, status__in=Deployment.ACTIVE).exclude(pk=d.pk)
-    targets = list(claims.deployment_holders(d.node, indices, exclude=d)) + list(others.filter(pk__in=d.replace))
+    sharing = {o.pk for o in sleep.sharing(d)}  # asleep now (make_way): they share the GPUs
+    targets = [o for o in claims.deployment_holders(d.node, indices, exclude=d) if o.pk not in sharing] + list(
+        others.filter(pk__in=d.replace))
     done = []
     if d.pid or d.systemd_unit:  # a redeploy: our own previous engine goes first
         result = halt_engine(d)
@@ -159,7 +167,7 @@ def _wait_memory(d: Deployment) -> str:
         return "No GPUs chosen (CPU engine): nothing to wait for."
     started = time.monotonic()
     try:
-        gpu.wait_memory_released(indices, pids=None, timeout_s=MEMORY_TIMEOUT_S)
+        gpu.wait_memory_released(indices, pids=None, timeout_s=MEMORY_TIMEOUT_S, ignore=sleep.sharing_pids(d))
     except gpu.NvmlUnavailable:
         return "No NVIDIA GPU on this node: skipped."
     return f"GPU memory of GPUs {', '.join(map(str, indices))} released after {time.monotonic() - started:.1f} s."
@@ -179,6 +187,8 @@ def _launch(d: Deployment, model_path: str) -> str:
     ray = raycluster.uses_ray(d)
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself
     args = {**d.engine_args, **cluster.multinode_args(d, 0, d.ranks.count() + 1)} if mp_launch else d.engine_args
+    if d.sleep_mode:
+        args = {**args, **sleep.SLEEP_ARGS}
     run_as = engine_user(model_path, d.node.model_store)
     try:  # the compile cache's folder, and the KV size of the last matching load when asked to reuse it
         warm_args, warm_env, start = warmstart.launch_prepare(d, model_path, run_as)
@@ -201,7 +211,8 @@ def _engine_env(d: Deployment) -> dict[str, str]:
     """The engine's environment, without the marker (lifecycle.launch sets it); its key set last (enginekey),
     so no deployment variable replaces it. A single-node engine talks over loopback only (engineenv.LOOPBACK_ONLY)."""
     own = cluster.rank_env(d, cluster.head_address(d), d.gpu_indices) if d.master_port else {
-        **engineenv.deployment_env(d.env, d.gpu_indices), **engineenv.LOOPBACK_ONLY}
+        **engineenv.deployment_env(d.env, d.gpu_indices), **engineenv.LOOPBACK_ONLY,
+        **(sleep.SLEEP_ENV if d.sleep_mode else {})}
     if raycluster.uses_ray(d):
         own.update(raycluster.engine_env(d))
     return {**own, **enginekey.env(_key(d))}
@@ -223,7 +234,7 @@ def _unit(d: Deployment, argv: list[str]) -> tuple[str, dict[str, str]]:
 def _claim(d: Deployment) -> None:
     """Last check before an engine starts, under the node lock every claiming path takes: no other
     active deployment holds these GPUs (the whole host on a node without GPUs)."""
-    clash = claims.first_clash(d.node, d.gpu_indices, exclude=d)
+    clash = claims.first_clash(d.node, d.gpu_indices, exclude=d, spare={o.pk for o in sleep.sharing(d)})
     if clash:
         raise PlanFailed(f"{clash.name} ({clash.get_status_display().lower()}) holds "
                          f"{'GPUs ' + ', '.join(map(str, d.gpu_indices)) if d.gpu_indices else 'this host'}.")

@@ -5,7 +5,7 @@ from django.conf import settings
 from deployments.dispatch import node_enqueue
 from deployments.host import engine, enginecli, systemd
 from deployments.models import Deployment, Node
-from deployments.node import lifecycle, units
+from deployments.node import lifecycle, sleep, units
 from deployments.node.ranks import ranks_reconcile
 from deployments.node.steps import fail
 from deployments.node.watch import expire_queued
@@ -30,9 +30,10 @@ def deployments_reconcile(node) -> dict:
             node_enqueue(node, "deployments.deployment_halt", d.pk)
         elif not running and d.systemd_unit and d.marker and d.status in (S.STARTING, S.LOADING, S.READY):
             report["failed" if units.unit_settle(d) == "failed" else "following"].append(d.name)
-        elif running and d.status == S.READY:
+        elif running and d.status in Deployment.UP:
             report["adopted"].append(d.name)
             deployment_event(d, "adopted", f"The agent restarted and adopted the running engine (PID {d.pid}).")
+            sleep.reconcile_sleep(d)  # a swap cut short: asleep or serving, as the engine says
         elif running and d.status in (S.STARTING, S.LOADING):
             report["following"].append(d.name)
             node_enqueue(node, "deployments.deployment_follow", d.pk)

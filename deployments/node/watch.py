@@ -7,7 +7,7 @@ from django.utils import timezone
 from deployments import live
 from deployments.host import slo, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
-from deployments.node import raycluster, units
+from deployments.node import lifecycle, raycluster, units
 from deployments.node.crashes import deployment_crashed
 from deployments.node.lifecycle import record_shm
 from deployments.node.lifecycle import running as engine_running
@@ -44,9 +44,11 @@ def deployment_forget(deployment_id: int) -> None:
 
 
 def deployments_watch(node_id: int, state: dict) -> None:
-    """One pass of crash detection for ready engines: process gone or /health failing three times."""
+    """One pass of crash detection for engines that are up: process gone, or (serving) /health failing three times."""
     now = time.monotonic()
-    for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
+    for d in Deployment.objects.filter(node_id=node_id, status__in=Deployment.UP).exclude(pid=None):
+        if d.status == S.SLEEPING and lifecycle.driven(d.pk):
+            continue  # being woken or swapped: the wake step says how it ended
         alive = engine_running(d)
         if not alive and d.systemd_unit:  # its unit restarts it (systemd owns a persisted engine's restarts)
             units.engine_exited(d)
@@ -55,6 +57,8 @@ def deployments_watch(node_id: int, state: dict) -> None:
         ray_lost = alive and raycluster.uses_ray(d) and not raycluster.head_alive(d)
         alive = alive and not ray_lost
         failures = state.setdefault(d.pk, 0)
+        if alive and d.status == S.SLEEPING:
+            continue
         if alive and now - state.get(f"checked:{d.pk}", -1e9) >= 5:
             state[f"checked:{d.pk}"] = now
             record_shm(d)

@@ -13,7 +13,7 @@ from controlpanel.errors import ServiceError
 from controlpanel.roles import is_admin
 from deployments import callit, deploydefaults, engineoptions, flagvalues, live, privileged, secrets, warmstart
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
-from deployments.services import compatgate, fitgate, multinode, recipes, repos
+from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
 from deployments.claims import deployment_holders, lock_node
 from deployments.dispatch import node_enqueue, send_plan
 from deployments.dispatch import ranks_stop as deployment_ranks_stop
@@ -27,7 +27,7 @@ __all__ = ["deployment_ranks_stop", "deployment_create", "deployment_free_port",
 def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
            replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False, nnodes: int = 1,
            env: dict | None = None, override_fit: bool = False, admin: bool = False, resolved=None,
-           override_compat: bool = False) -> list[tuple[str, object]]:
+           override_compat: bool = False, sleep_mode: bool = False, start_asleep: bool = False) -> list[tuple[str, object]]:
     """Refuse what cannot work before anything is stopped or started. Callers hold the node's
     row lock, so two claims on one node's GPUs are decided one after the other.
 
@@ -56,7 +56,9 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     if not has_copy and (model.local_path or not model.files):
         raise ServiceError(model.inspect_error or f"{model} is not on {node} and cannot be downloaded there yet.",
                            field="model", code="not_inspected")
-    replaced = set(replace_ids) | set(deployment_holders(node, gpu_indices).values_list("pk", flat=True))
+    sleepgate.check_sleep_mode(node, nnodes, sleep_mode, start_asleep)
+    sharing = sleepgate.sharers(node, gpu_indices, sleep_mode, exclude=deployment)  # put to sleep, not stopped
+    replaced = set(replace_ids) | set(deployment_holders(node, gpu_indices).values_list("pk", flat=True)) - sharing
     same_port = node.deployments.filter(status__in=Deployment.ACTIVE, port=port).exclude(pk__in=replaced)
     if deployment:
         same_port = same_port.exclude(pk=deployment.pk)
@@ -138,7 +140,8 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                       stop_foreign: bool = False, prewarm: bool = False, user=None, preset: str = "", replace_existing: bool = False,
                       workers=(), master_port: int | None = None, override_fit: bool = False,
                       reuse_memory_profile: bool = False,
-                      recipe: recipes.Choice | None = None, override_compat: bool = False) -> Deployment:
+                      recipe: recipes.Choice | None = None, override_compat: bool = False, sleep_mode: bool = False,
+                      start_asleep: bool = False) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
 
     `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
@@ -168,6 +171,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                                    stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user,
                                    override_fit=override_fit, override_compat=override_compat, recipe_use=use,
                                    reuse_memory_profile=reuse_memory_profile,
+                                   sleep_mode=sleep_mode, start_asleep=start_asleep,
                                    **({"workers": workers} if workers else {}))
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
@@ -176,7 +180,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     overrides = _check(model=model, node=node, gpu_indices=gpu_indices, port=port, engine_args=engine_args,
                        replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers), env=env,
                        override_fit=override_fit, admin=is_admin(user), resolved=use and use.resolved,
-                       override_compat=override_compat)
+                       override_compat=override_compat, sleep_mode=sleep_mode, start_asleep=start_asleep)
     multinode.check_executor(engine_args, 1 + len(workers))
     if workers:
         multinode.check(model=model, head=node, head_gpus=gpu_indices, workers=workers, engine_args=engine_args,
@@ -187,7 +191,8 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         name=name or _unique_name(deployment_default_name(model, node)), model=model, node=node, port=port,
         engine_args=engine_args, env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
         stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm,
-        reuse_memory_profile=reuse_memory_profile, created_by=user)
+        reuse_memory_profile=reuse_memory_profile, created_by=user, sleep_mode=sleep_mode,
+        start_asleep=start_asleep)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     if workers or ray:  # Ray on one node too: the panel starts (and stops) its one-node cluster
         multinode.place(d, workers, master_port)
@@ -248,7 +253,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         raise ServiceError(problem, field="secret_env")
     changed = gpu_indices != d.gpu_indices
     for field in ("port", "engine_args", "env", "secret_env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm",
-                  "reuse_memory_profile"):
+                  "reuse_memory_profile",
+                  "sleep_mode", "start_asleep"):
         if field in changes:
             value = changes.pop(field)
             changed |= value != getattr(d, field)
@@ -257,7 +263,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     overrides = _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
                        replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers), env=d.env,
                        override_fit=override_fit, admin=is_admin(user), override_compat=override_compat,
-                       resolved=use and use.resolved)
+                       resolved=use and use.resolved, sleep_mode=d.sleep_mode, start_asleep=d.start_asleep)
     multinode.check_executor(d.engine_args, 1 + len(workers))
     if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
         ray = multinode.executor(d.engine_args) == "ray"

@@ -11,7 +11,7 @@ from controlpanel.roles import operator_required
 from deployments import callit, deploydefaults, engineargs, engineoptions, forms, privileged, secrets, selectors
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
-from deployments.services import deploys, fitgate, multinode
+from deployments.services import deploys, fitgate, multinode, sleeps
 from deployments.views import recipes as recipe_pages
 
 
@@ -32,7 +32,8 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
                    "tool_call_parser": args.pop("tool-call-parser", ""), "trust_remote_code": args.pop("trust-remote-code", False),
                    "served_model_name": args.pop("served-model-name", ""), "auto_restart": deployment.auto_restart,
                    "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm,
-                   "reuse_memory_profile": deployment.reuse_memory_profile, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
+                   "reuse_memory_profile": deployment.reuse_memory_profile,
+                   "sleep_mode": deployment.sleep_mode, "start_asleep": deployment.start_asleep, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
         args.pop("enable-auto-tool-choice", None)
         initial["extra_flags"] = " ".join(engineargs.argv_words(args))
         initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env, secrets.marked(deployment)).items())
@@ -114,6 +115,7 @@ def deploy(request, pk):
             env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
             stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
             reuse_memory_profile=data["reuse_memory_profile"],
+            sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
             workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"],
             **recipe_pages.deploy_kwargs(data))
     except ServiceError as exc:
@@ -137,6 +139,7 @@ def deployment_detail(request, pk):
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
         "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d), "command": selectors.deployment_command(d),
         "start_title": start_title(d.status), "starts": selectors.load_events(deployment=d)[:10],
+        "swap_to": sleeps.swap_targets(d),
         "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 
 
@@ -158,6 +161,7 @@ def deployment_edit(request, pk):
                                      env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                      stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
                                      reuse_memory_profile=data["reuse_memory_profile"],
+                                     sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
                                      override_fit=data["override_fit"], override_compat=data["override_compat"], **placement)
     except ServiceError as exc:
         _refused(form, exc)
@@ -170,16 +174,26 @@ def deployment_edit(request, pk):
 @operator_required
 def deployment_action(request, pk, action):
     d = get_object_or_404(Deployment, pk=pk)
-    act = {"stop": deploys.deployment_stop, "restart": deploys.deployment_redeploy, "persist": deploys.deployment_persist}
+    act = {"stop": deploys.deployment_stop, "restart": deploys.deployment_redeploy, "persist": deploys.deployment_persist,
+           "sleep": sleeps.deployment_sleep, "wake": sleeps.deployment_wake,
+           "swap": lambda d: sleeps.deployment_swap(d, _swap_target(request))}
     if action not in act:
         raise Http404
     try:
         act[action](d)
-        messages.success(request, {"stop": "Stopping", "restart": "Restarting", "persist": "Installing a systemd unit for"}[action]
+        messages.success(request, {"stop": "Stopping", "restart": "Restarting", "persist": "Installing a systemd unit for",
+                                   "sleep": "Putting to sleep", "wake": "Waking", "swap": "Swapping from"}[action]
                          + f" {d.name}.")
     except ServiceError as exc:
         messages.error(request, exc.message)
     return redirect("deployment-detail", pk)
+
+
+def _swap_target(request) -> Deployment:
+    try:
+        return Deployment.objects.get(pk=int(request.POST.get("to", "")))
+    except (ValueError, Deployment.DoesNotExist):
+        raise ServiceError("Choose the deployment to swap to.", field="to") from None
 
 
 def deployment_unit(request, pk):

@@ -133,15 +133,16 @@ def _stand_in(base: Path) -> Path:
     return vllm
 
 
-def _model(base: Path, probe: list[str]) -> Path:
-    folder = base / "models" / "gpu-stand-in"
+def _model(base: Path, probe: list[str], name: str = "gpu-stand-in", **config) -> Path:
+    """A model folder for the stand-in (fake_engine.json: `config` besides its load time, memory and probe)."""
+    folder = base / "models" / name
     folder.mkdir(parents=True)
     for path in (folder.parent, folder):
         path.chmod(0o755)
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                                     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                                                     "vocab_size": 256}))
-    (folder / "fake_engine.json").write_text(json.dumps({"load_s": 1.0, "gpu_gib": HOLD_GIB, "probe": probe}))
+    (folder / "fake_engine.json").write_text(json.dumps({"load_s": 1.0, "gpu_gib": HOLD_GIB, "probe": probe, **config}))
     for path in folder.iterdir():
         path.chmod(0o644)
     return folder

@@ -1,0 +1,64 @@
+"""panelctl: sleep mode — put a deployment to sleep, wake it, swap between two on the same GPUs."""
+from controlpanel import clistatus
+from controlpanel.clibase import CliError, _deployment, _done, say
+
+
+def cmd_sleep(panel, args):
+    d = _deployment(panel, args.deployment)
+    d = panel.post(f"deployments/{d['id']}/sleep/", {"level": args.level}, key=args.idempotency_key)
+    say(f"Putting {d['name']} to sleep" + (f" at level {args.level}." if args.level else " (level chosen by free RAM)."))
+    return clistatus.wait_deployment(panel, d, args, want="sleeping", since="sleep") if args.wait else _done(d, args)
+
+
+def cmd_wake(panel, args):
+    d = _deployment(panel, args.deployment)
+    d = panel.post(f"deployments/{d['id']}/wake/", key=args.idempotency_key)
+    say(f"Waking {d['name']}.")
+    return clistatus.wait_deployment(panel, d, args, want="ready", since="wake") if args.wait else _done(d, args)
+
+
+def cmd_swap(panel, args):
+    source, target = _deployment(panel, args.source), _deployment(panel, args.target)
+    if source["id"] == target["id"]:
+        raise CliError("Swap from one deployment to another.", 2)
+    d = panel.post(f"deployments/{source['id']}/swap/", {"to": target["id"]}, key=args.idempotency_key)
+    say(f"Swapping {source['name']} for {d['name']}: {source['name']} sleeps, {d['name']} "
+        + ("wakes." if target["status"] == "sleeping" else "is deployed again."))
+    if not args.wait:
+        return _done(d, args)
+    return clistatus.wait_deployment(panel, d, args, want="ready", since="swap" if target["status"] == "sleeping"
+                                     else "queued")
+
+
+def add(sub) -> None:
+    """The `sleep`, `wake` and `swap` subcommands (sub: with the common options)."""
+    s = sub.add_parser("sleep", help="put a sleep-mode deployment to sleep (its GPUs free for another)")
+    s.add_argument("deployment")
+    s.add_argument("--level", type=int, choices=[1, 2], default=None, help="1: weights to host RAM; 2: dropped "
+                   "(default: 1 when free RAM holds them)")
+    s.add_argument("--wait", action="store_true", help="wait until asleep")
+    s.add_argument("--timeout", type=float, default=600)
+    s.set_defaults(fn=cmd_sleep)
+    s = sub.add_parser("wake", help="wake a sleeping deployment")
+    s.add_argument("deployment")
+    s.add_argument("--wait", action="store_true", help="wait until serving")
+    s.add_argument("--timeout", type=float, default=900)
+    s.set_defaults(fn=cmd_wake)
+    s = sub.add_parser("swap", help="swap the serving SOURCE for TARGET on the same GPUs: SOURCE sleeps, TARGET "
+                       "wakes (or, stopped, is deployed again); the gateway's aliases follow")
+    s.add_argument("source")
+    s.add_argument("target")
+    s.add_argument("--wait", action="store_true", help="wait until TARGET serves, printing each step's seconds")
+    s.add_argument("--timeout", type=float, default=900)
+    s.set_defaults(fn=cmd_swap)
+
+
+def deploy_arguments(s) -> None:
+    s.add_argument("--sleep-mode", action="store_true", help="start with vLLM's sleep mode (CUDA GPUs, one node): it "
+                   "can sleep, wake and share its GPUs with other sleep-mode deployments (panelctl swap)")
+    s.add_argument("--start-asleep", action="store_true", help="with --sleep-mode: once loaded, put it to sleep "
+                   "(ready to be swapped to)")
+
+
+def deploy_body(args) -> dict:
+    return {"sleep_mode": args.sleep_mode, "start_asleep": args.start_asleep}

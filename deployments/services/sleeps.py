@@ -1,0 +1,99 @@
+"""Sleep, wake and swap, as the control plane decides them: checked here, done by the node's agent
+(deployments/node/sleep.py). Deployments started with sleep mode may share GPUs, one awake at a time; what a deploy
+checks of sleep mode is sleepgate.py."""
+from django.db import transaction
+
+from controlpanel.errors import ServiceError
+from deployments import claims, live
+from deployments.dispatch import node_enqueue
+from deployments.models import Deployment
+from deployments.services import deploys
+from deployments.timeline import deployment_event
+
+S = Deployment.Status
+
+
+def shares(a: Deployment, b: Deployment) -> bool:
+    """On one node and on a GPU of both (on a node without GPUs the whole host is one claim)."""
+    return a.node_id == b.node_id and bool(set(a.gpu_indices) & set(b.gpu_indices) or not a.node.gpus.exists())
+
+
+def swap_targets(d: Deployment) -> list[Deployment]:
+    """What a serving sleep-mode deployment can be swapped to: sleep-mode deployments sharing its GPUs, asleep or
+    stopped (a stopped one is deployed again)."""
+    if not d.sleep_mode or d.status != S.READY:
+        return []
+    found = Deployment.objects.filter(node=d.node, sleep_mode=True, master_port=None,
+                                      status__in=[S.SLEEPING, *Deployment.TERMINAL]).exclude(pk=d.pk)
+    return [o for o in found.select_related("node") if shares(d, o)]
+
+
+def _locked(d: Deployment) -> Deployment:
+    claims.lock_node(d.node_id)
+    return Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
+
+
+@transaction.atomic
+def deployment_sleep(d: Deployment, level: int | None = None) -> Deployment:
+    d = _locked(d)
+    if not d.sleep_mode:
+        raise ServiceError(f"{d.name} was not started with sleep mode: redeploy it with sleep mode to put it to sleep.",
+                           code="no_sleep_mode")
+    if d.status != S.READY:
+        raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; only a ready deployment can sleep.",
+                           code="not_running")
+    if level not in (None, 1, 2):
+        raise ServiceError("The sleep level is 1 (weights to host RAM) or 2 (weights dropped).", field="level")
+    deployment_event(d, "sleep", "Sleep requested" + (f" at level {level}." if level else " (level chosen by free RAM)."))
+    node_enqueue(d.node, "deployments.deployment_sleep", d.pk, level)
+    return d
+
+
+def _awake_beside(d: Deployment) -> list[Deployment]:
+    return [o for o in claims.deployment_holders(d.node, d.gpu_indices, exclude=d) if o.status != S.SLEEPING]
+
+
+@transaction.atomic
+def deployment_wake(d: Deployment) -> Deployment:
+    d = _locked(d)
+    if d.status != S.SLEEPING:
+        raise ServiceError(f"{d.name} is {d.get_status_display().lower()}, not asleep.", code="not_sleeping")
+    if awake := _awake_beside(d):
+        raise ServiceError(f"{awake[0].name} ({awake[0].get_status_display().lower()}) holds {d.name}'s GPUs: "
+                           f"swap to {d.name} instead, or stop it first.", code="gpus_busy")
+    deployment_event(d, "wake", "Wake requested.")
+    node_enqueue(d.node, "deployments.deployment_wake", d.pk)
+    return d
+
+
+@transaction.atomic
+def deployment_swap(source: Deployment, target: Deployment) -> Deployment:
+    """`source` (serving) sleeps and `target` (asleep on the same GPUs) wakes; a stopped or failed sleep-mode
+    target is deployed again instead, its plan putting `source` to sleep first. Returns the target."""
+    source, target = _locked(source), _locked(target)
+    if source.pk == target.pk:
+        raise ServiceError("Swap from a deployment to another one.", field="to")
+    if not shares(source, target):
+        raise ServiceError(f"{source.name} and {target.name} do not share GPUs on one node: nothing to swap.",
+                           field="to", code="not_shared")
+    if not (source.sleep_mode and target.sleep_mode):
+        plain = source if not source.sleep_mode else target
+        raise ServiceError(f"{plain.name} was not started with sleep mode: a swap needs both in sleep mode.",
+                           code="no_sleep_mode")
+    if source.status != S.READY:
+        raise ServiceError(f"{source.name} is {source.get_status_display().lower()}, not serving.", code="not_running")
+    if target.status in Deployment.TERMINAL:
+        target = deploys.deployment_redeploy(target)
+        Deployment.objects.filter(pk=target.pk).update(load_detail={"swap_from": source.pk})
+        deployment_event(target, "swap", f"Swap from {source.name}: deploying it again; its plan puts {source.name} to sleep.")
+        return target
+    if target.status != S.SLEEPING:
+        raise ServiceError(f"{target.name} is {target.get_status_display().lower()}: wait until it is loaded.",
+                           code="busy")
+    if awake := [o for o in _awake_beside(target) if o.pk != source.pk]:
+        raise ServiceError(f"{awake[0].name} ({awake[0].get_status_display().lower()}) also holds these GPUs.",
+                           code="gpus_busy")
+    deployment_event(target, "swap", f"Swap from {source.name} requested.")
+    node_enqueue(target.node, "deployments.deployment_swap", source.pk, target.pk)
+    live.send_deployment_status(target)
+    return target
