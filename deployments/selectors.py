@@ -116,6 +116,13 @@ def load_events(**lookup) -> QuerySet:
             .select_related("deployment__node").order_by("-started"))
 
 
+def deployment_starts(d: Deployment, limit: int = 10) -> list[DeploymentEvent]:
+    """Its last starts, newest first: kept loads (cold or warm) and wakes from sleep (data start "wake")."""
+    wakes = d.events.filter(step="wake", level=DeploymentEvent.Level.INFO, ended__isnull=False, data__start="wake")
+    return sorted([*load_events(deployment=d)[:limit], *wakes.order_by("-started")[:limit]],
+                  key=lambda e: e.started, reverse=True)[:limit]
+
+
 def deployment_startup(d: Deployment) -> dict:
     """The deployment's latest kept load: seconds per phase, for environment snapshots."""
     event = load_events(deployment=d).first()

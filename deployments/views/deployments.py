@@ -138,7 +138,7 @@ def deployment_detail(request, pk):
         "deployment": d, "events": d.events.all(), "unit": selectors.deployment_unit(d)[1], "env": secrets.mask(d.env, secrets.marked(d)),
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
         "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d), "command": selectors.deployment_command(d),
-        "start_title": start_title(d.status), "starts": selectors.load_events(deployment=d)[:10],
+        "start_title": start_title(d.status), "starts": selectors.deployment_starts(d),
         "swap_to": sleeps.swap_targets(d),
         "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 

@@ -10,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from django.test import Client
+
 from controlpanel.errors import ServiceError
 from deployments import enginekey
 from deployments.gateway.models import Route
@@ -17,6 +19,7 @@ from deployments.host import vllm
 from deployments.models import Deployment
 from deployments.services import sleeps
 from tests.conftest import wait_until
+from tests.factories import UserFactory
 from tests.truestate import (COUNTS, add_fake_model, deploy, engines_under, orphans, random_moment, settle,
                              stop_and_check)
 
@@ -80,6 +83,11 @@ def test_a_swap_pair_starts_asleep_swaps_wakes_and_keeps_its_true_state_through_
     swap = wait_until(lambda: Deployment.objects.get(pk=b.pk).events.filter(step="swap", data__has_key="seconds").last(),
                       timeout=10, message="the swap's timed step")
     assert swap.data["seconds"] >= SLEEP_S + WAKE_S and f"from a-{unique}" in swap.message
+    viewer = Client()
+    viewer.force_login(UserFactory(role="viewer"))
+    page = viewer.get(f"/deployments/{b.pk}/").content.decode()
+    assert 'data-start="wake"' in page and 'data-start="cold"' in page  # its starts: loaded cold, then woken
+    assert 'class="badge sleeping">Sleeping' in viewer.get(f"/deployments/{a.pk}/").content.decode()
 
     # Level 2: the weights are dropped; the wake reads them again (reload_weights) before the KV cache wakes.
     sleeps.deployment_sleep(Deployment.objects.get(pk=b.pk), 2)
