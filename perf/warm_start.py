@@ -4,17 +4,17 @@ The tiny model (var/tiny-model, scripts/install-engine) is served by `vllm serve
 same VLLM_CACHE_ROOT, a fresh folder laid out as the panel lays it out (host/compilecache.py: the model store's
 `.compile-cache/<model>/<key>`): the first start compiles and fills it (cold), the second loads from it (warm).
 A third start with a flag that changes the graph (--max-num-seqs; --no-changed skips it) gets a key of its own
-and must miss. This is the real-engine check that the cache is hit on a second start and missed after a settings
-change: three CPU starts without --enforce-eager take minutes here, too long for the test suite. Each start is timed from spawn to the first /health 200, its phases read from its log as the panel
-reads them (host/loadphases.py), and what its compile cache did from the same lines the panel uses
-(compilecache.HitWatch).
+and must miss. This is the real-engine check that the cache is used on a second start and missed after a settings
+change (exit 1 if not): three CPU starts without --enforce-eager take minutes here, too long for the test suite.
+Each start is timed from spawn to the first /health 200, its phases read from its log as the panel reads them
+(host/loadphases.py), and what its compile cache did from the same lines the panel uses (compilecache.HitWatch).
 
-    PYTHONPATH=$PWD .venv/bin/python perf/warm_start.py [--rounds 1] [--changed]
+    PYTHONPATH=$PWD .venv/bin/python perf/warm_start.py [--rounds 1] [--no-changed]
 
 Last line: cold_s, warm_s, warm_cold_ratio (median over rounds; < 1 means warm is faster), each phase's seconds
 cold and warm, the compile cache's verdict (compilecache.HitWatch) and size, the changed start's seconds and
-verdict, load1_start and load1_end. The first start also pays a cold page cache for vLLM's own files; the changed
-start, last, does not, so changed_s is the fairer cold figure.
+verdict and warm_changed_ratio, load1_start and load1_end. The first start also pays a cold page cache for vLLM's
+own files; the changed start, last, does not, so changed_s (and warm_changed_ratio) is the fairer cold figure.
 """
 import argparse
 import os
@@ -111,10 +111,14 @@ def main() -> None:
                 figures[f"{kind}_{phase}_s"] = round(statistics.median(values), 2)
     figures.update(cold_cache=colds[-1]["cache"], warm_cache=warms[-1]["cache"],
                    warm_folder_had_artifacts=warms[-1]["warm_before"], cache_mib=round(warms[-1]["cache_bytes"] / 2**20, 1),
-                   **({"changed_s": changes[-1]["seconds"], "changed_cache": changes[-1]["cache"],
+                   **({"changed_s": changes[-1]["seconds"], "warm_changed_ratio": round(warm_s / changes[-1]["seconds"], 3),
+                       "changed_cache": changes[-1]["cache"],
                        "changed_folder_had_artifacts": changes[-1]["warm_before"]} if changes else {}),
                    rounds=args.rounds, load1_start=round(load_start, 2), load1_end=round(os.getloadavg()[0], 2))
     print(" ".join(f"{k}={v}" for k, v in figures.items()))
+    used = all(w["warm_before"] and w["cache"] in ("hit", "partial", "recompiled") for w in warms)
+    if not used or any(c["warm_before"] or c["cache"] != "miss" for c in changes):
+        raise SystemExit("the compile cache was not used on the second start, or a changed setting did not miss it")
 
 
 if __name__ == "__main__":
