@@ -226,9 +226,10 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     @idempotent
     def sleep(self, request, pk=None):
         """Put a sleep-mode deployment to sleep; its GPUs are free for another sleep-mode deployment."""
+        d = self.get_object()  # an unknown id is a 404 whatever the body says
         body = serializers.SleepSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        return self._accepted(sleeps.deployment_sleep(self.get_object(), body.validated_data.get("level")))
+        return self._accepted(sleeps.deployment_sleep(d, body.validated_data.get("level")))
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])
@@ -243,9 +244,10 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
     def swap(self, request, pk=None):
         """This serving deployment sleeps and `to` wakes on the same GPUs (a stopped `to` is deployed again); the
         gateway names (aliases) follow. Answers with `to`."""
+        d = self.get_object()
         body = serializers.SwapSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        return self._accepted(sleeps.deployment_swap(self.get_object(), body.validated_data["to"]))
+        return self._accepted(sleeps.deployment_swap(d, body.validated_data["to"]))
 
     @extend_schema(parameters=[OpenApiParameter("state", str, description="the `state` of your last answer"),
                                OpenApiParameter("wait", int, description="seconds to wait for a change (max 30)")],

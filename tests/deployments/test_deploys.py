@@ -230,7 +230,8 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
     assert Deployment.objects.get(pk=holder.pk).status == S.STOPPED
     host.mocks["engine.stop"].assert_called_once_with(777, 30.0, 10.0)
     assert "old (SIGTERM in 0.4 s, 1 /dev/shm files removed)" in d.events.get(step="stop_others").message
-    host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=plan.MEMORY_TIMEOUT_S)
+    host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=plan.MEMORY_TIMEOUT_S,
+                                                                  ignore=set())  # no engine asleep on them
     argv, env = host.spec.argv, host.spec.env
     assert argv[1:3] == ["serve", model.copies.get().path] and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_PROTO"] == "LL"
