@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +135,11 @@ def prepare(store: str | Path, model_path: str | Path, key: str, user: engineuse
     model_dir = model_caches(store, model_path)
     path = model_dir / key
     try:
+        if user.separate:  # a model outside the store (a local one) did not open the store to the engine's group
+            st = Path(store).stat()
+            if not st.st_mode & 0o001 and not (st.st_gid == user.gid and st.st_mode & 0o010):
+                os.chown(store, -1, user.gid)
+                os.chmod(store, stat.S_IMODE(st.st_mode) | 0o010)
         for folder in (root, model_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
             if user.separate:

@@ -60,8 +60,9 @@ def test_the_folder_is_the_engine_users_own_and_closed_to_everyone_else(tmp_path
         pytest.skip("giving a folder to another user needs root")
     user = engineuser.resolve(engineuser.DEFAULT_NAME)
     store = tmp_path / "store"
-    store.mkdir()
+    store.mkdir(mode=0o700)
     prepared = compilecache.prepare(store, store / "org--m", _key(), user)
+    assert engineuser.can_reach(user, prepared.path, "r")  # the store is entered, as for a local model's start
     path = Path(prepared.path)
     assert path == store / ".compile-cache" / "org--m" / _key()
     st = path.stat()
