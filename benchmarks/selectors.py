@@ -73,13 +73,16 @@ def environment_diff(a: BenchmarkRun, b: BenchmarkRun) -> list[tuple[str, str, s
 
 
 def startup_text(env: dict) -> str:
-    """The measured start-up of the engine a run measured, in words: "ready in 23.1 s (weights 3.0 s, …)"."""
+    """The measured start-up of the engine a run measured, in words: "ready in 23.1 s, warm: compile cache (weights
+    3.0 s, …)"; cold or warm where its load recorded it."""
     startup = (env or {}).get("startup") or {}
     if not startup.get("ready_s"):
         return ""
     phases = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in (startup.get("totals") or {}).items()
                        if isinstance(v, (int, float)))
-    return f"ready in {startup['ready_s']:.1f} s" + (f" ({phases})" if phases else "")
+    kind = f", {startup['start']}" + (f": {' + '.join(startup.get('warm_by') or [])}" if startup.get("warm_by") else "") \
+        if startup.get("start") else ""
+    return f"ready in {startup['ready_s']:.1f} s{kind}" + (f" ({phases})" if phases else "")
 
 
 def environment_rows(env: dict) -> list[tuple[str, str]]:

@@ -124,12 +124,14 @@ def deployment_starts(d: Deployment, limit: int = 10) -> list[DeploymentEvent]:
 
 
 def deployment_startup(d: Deployment) -> dict:
-    """The deployment's latest kept load: seconds per phase, for environment snapshots."""
+    """The deployment's latest kept load: seconds per phase and whether it started cold or warm (and why), for
+    environment snapshots."""
     event = load_events(deployment=d).first()
     if not event:
         return {}
     totals = event.data["totals"]
-    return {"ready_s": round(sum(v for k, v in totals.items() if k != "smoke_test"), 1), "totals": totals}
+    return {"ready_s": round(sum(v for k, v in totals.items() if k != "smoke_test"), 1), "totals": totals,
+            **({"start": event.data["start"], "warm_by": event.data.get("warm_by") or []} if event.data.get("start") else {})}
 
 
 def node_live_fields(node_ids: list[int]) -> dict[int, dict]:

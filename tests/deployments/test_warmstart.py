@@ -170,3 +170,17 @@ def test_panelctl_deploy_sends_the_option_and_says_why_it_is_refused(live_server
         code = cli.main([*login, "deploy", str(model.pk), "--node", "gpu-01", "--gpus", "0", "--reuse-memory-profile"])
     assert code != 0 and "recorded a memory profile" in capsys.readouterr().err
     assert not Deployment.objects.exists()
+
+
+def test_a_runs_environment_says_whether_its_engine_started_cold_or_warm(model, node):
+    from benchmarks.selectors import startup_text
+    from deployments.selectors import deployment_startup
+
+    event = _loaded(model, node)
+    event.data.update(start="warm", warm_by=["compile cache", "memory profile"], totals={"weights": 2.0, "compile": 4.5})
+    event.save()
+    snapshot = deployment_startup(event.deployment)
+    assert snapshot["start"] == "warm" and snapshot["warm_by"] == ["compile cache", "memory profile"]
+    text = startup_text({"startup": snapshot})  # PostgreSQL's jsonb keeps the phases in an order of its own
+    assert text.startswith("ready in 6.5 s, warm: compile cache + memory profile (")
+    assert "weights 2.0 s" in text and "compile 4.5 s" in text
