@@ -165,3 +165,21 @@ def test_panelctl_asks_for_sleep_wake_and_swap(monkeypatch):
                      ("deployments/7/wake/", None)]
     args = cli.parser().parse_args(["deploy", "m", "--sleep-mode", "--start-asleep"])
     assert (args.sleep_mode, args.start_asleep) == (True, True)
+
+
+def test_a_swap_whose_weights_do_not_fit_in_free_ram_sleeps_at_level_2(gpu_node, monkeypatch):
+    source = _on(gpu_node, 0, status=S.READY, sleep_mode=True, name="kimi")
+    source.model.total_size = 547 * GIB
+    source.model.save()
+    asked = []
+    monkeypatch.setattr(sleep.vllm, "sleep", lambda url, level, key, timeout: asked.append(level))
+    monkeypatch.setattr(sleep, "_key", lambda d: "k")
+    monkeypatch.setattr(sleep.psutil, "virtual_memory", lambda: mock.Mock(available=400 * GIB))
+    said = sleep.put_to_sleep(Deployment.objects.select_related("model", "node").get(pk=source.pk))
+    row = Deployment.objects.get(pk=source.pk)
+    assert asked == [2] and row.status == S.SLEEPING and row.sleep_level == 2
+    assert "level 2: 547.0 GiB of weights do not fit" in said and row.events.get(step="sleep").data["level"] == 2
+    monkeypatch.setattr(sleep.psutil, "virtual_memory", lambda: mock.Mock(available=1000 * GIB))
+    Deployment.objects.filter(pk=source.pk).update(status=S.READY)
+    sleep.put_to_sleep(Deployment.objects.select_related("model", "node").get(pk=source.pk))
+    assert asked == [2, 1]
