@@ -44,7 +44,7 @@ def max_model_len(deployment, engine_args: dict | None = None) -> tuple[int | No
 
 def _spec(params: dict) -> runner.LoadSpec:
     keys = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "min_requests", "requests_per_user",
-            "warmup_per_user")
+            "warmup_per_user", "rate_duration_s")
     return runner.LoadSpec(base_url="http://checked", model="", **{k: params[k] for k in keys if k in params})
 
 
@@ -59,16 +59,22 @@ def check(params: dict, deployment=None, engine_args: dict | None = None, name: 
             field = "max_tokens" if problem.startswith("max_tokens") else "input_tokens"
             raise ServiceError(f"{problem} of {name or deployment.name} ({source}).", field=field)
     limit = settings.BENCH_MAX_REQUESTS_PER_LEVEL
-    top = levels[-1]
+    top = levels[-1] if levels else 0
     measured, warmup = spec.num_requests(top), spec.num_warmup(top)
-    if measured + warmup > limit:
+    if levels and measured + warmup > limit:
         field = "min_requests" if spec.min_requests >= spec.requests_per_user * top else "requests_per_user"
         raise ServiceError(f"Concurrency {top} would send {measured + warmup:,} requests ({measured:,} measured + "
                            f"{warmup:,} warm-up); the limit is {limit:,} per level "
                            "(PANEL_BENCH_MAX_REQUESTS_PER_LEVEL).", field=field)
+    rates = sorted(float(r) for r in params.get("rates") or ())
+    if rates and runner.rate_requests(spec, rates[-1]) > limit:
+        raise ServiceError(f"{rates[-1]:g} requests/s for {spec.rate_duration_s:g} s would send "
+                           f"{runner.rate_requests(spec, rates[-1]):,} requests; the limit is {limit:,} per level "
+                           "(PANEL_BENCH_MAX_REQUESTS_PER_LEVEL).", field="rates")
     limit = settings.BENCH_MAX_PROMPT_BYTES
-    requests = sum(spec.num_requests(c) + spec.num_warmup(c) for c in levels)
-    total = sum(runner.prompt_bytes(spec, spec.num_requests(c) + spec.num_warmup(c)) for c in levels)
+    counts = [spec.num_requests(c) + spec.num_warmup(c) for c in levels] + [runner.rate_requests(spec, r) for r in rates]
+    requests = sum(counts)
+    total = sum(runner.prompt_bytes(spec, n) for n in counts)
     if total > limit:
         field = "input_tokens" if spec.prompt_source == "random" else "prompt_source"
         raise ServiceError(f"The run would send about {_size(total)} of prompts ({requests:,} requests of about "

@@ -5,11 +5,47 @@ from benchmarks import runner
 from deployments.models import Deployment
 
 MAX_LEVEL = 4096
+MAX_RATE = 10_000.0  # requests/s: the runner keeps its schedule to 1,000/s on a small box (perf/rate_schedule.py)
+MAX_BURSTINESS = 100.0
 default = runner.spec_default
 
 
+def rates_problem(rates: list[float]) -> str:
+    """Why these request rates cannot run ("" if they can): each above 0 and at most MAX_RATE, at most 20."""
+    if len(rates) > 20:
+        return "Give at most 20 request rates."
+    for rate in rates:
+        if not rate > 0:
+            return f"A request rate is requests per second above 0 (got {rate:g}), e.g. 2,4,8."
+        if rate > MAX_RATE:
+            return f"A request rate of {rate:g}/s is more than the {MAX_RATE:,.0f} requests/s a rate level may ask."
+    return ""
+
+
+def ramp_problem(ramp: str, ramp_from: float) -> str:
+    """Why a ramp cannot run ("" if it can): an exponential ramp starts above 0."""
+    if ramp == "exponential" and not ramp_from > 0:
+        return "An exponential ramp starts above 0 requests/s: give ramp_from."
+    if ramp_from < 0 or ramp_from > MAX_RATE:
+        return f"ramp_from is requests per second between 0 and {MAX_RATE:,.0f}."
+    return ""
+
+
+def parse_rates(text: str) -> list[float]:
+    """'2,4,8' or '0.5 1' -> [0.5, 1.0]; '' -> []."""
+    try:
+        rates = sorted({float(x) for x in text.replace(",", " ").split()})
+    except ValueError:
+        raise forms.ValidationError("Request rates are numbers of requests per second, e.g. 2,4,8") from None
+    if problem := rates_problem(rates):
+        raise forms.ValidationError(problem)
+    return rates
+
+
 def parse_levels(text: str) -> list[int]:
-    """'1,2,4,8' or '1 8 64' -> [1, 2, 4, 8]; each level 1..4096, at most 20 levels."""
+    """'1,2,4,8' or '1 8 64' -> [1, 2, 4, 8]; each level 1..4096, at most 20 levels; '' -> [] (rates only)."""
+    if not text.strip():
+        return []
     try:
         levels = sorted({int(x) for x in text.replace(",", " ").split()})
     except ValueError:
@@ -27,7 +63,17 @@ class RunForm(forms.Form):
     served_model = forms.RegexField(r"^[\w./:@+-]*$", required=False, max_length=200, label="Model name",
                                    help_text="Default: the first model the server lists.")
     name = forms.CharField(required=False, max_length=200)
-    levels = forms.CharField(initial=",".join(map(str, runner.DEFAULT_LEVELS)), label="Concurrency levels")
+    levels = forms.CharField(initial=",".join(map(str, runner.DEFAULT_LEVELS)), label="Concurrency levels", required=False,
+                             help_text="Empty with request rates: rate levels only.")
+    rates = forms.CharField(required=False, label="Request rates (req/s)", help_text=(
+        "Open-loop levels after the concurrency levels, e.g. 2,4,8: Poisson arrivals (or gamma with a burstiness)."))
+    burstiness = forms.FloatField(min_value=0.01, max_value=MAX_BURSTINESS, initial=default("burstiness"), help_text=(
+        "Gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier."))
+    max_concurrency = forms.IntegerField(min_value=0, max_value=MAX_LEVEL, initial=default("max_concurrency"),
+                                         label="Max concurrency at a rate", help_text="0: no cap.")
+    ramp = forms.ChoiceField(choices=[("", "none"), ("linear", "linear"), ("exponential", "exponential")], required=False)
+    ramp_from = forms.FloatField(min_value=0, max_value=MAX_RATE, initial=default("ramp_from"), required=False,
+                                 label="Ramp from (req/s)")
     endpoint = forms.ChoiceField(choices=[(runner.CHAT, "chat completions"), (runner.COMPLETIONS, "completions")],
                                  initial=default("endpoint"))
     prompt_source = forms.ChoiceField(choices=[("builtin", "built-in prompts"), ("random", "random prompts of a length"),
@@ -47,10 +93,17 @@ class RunForm(forms.Form):
     def clean_levels(self):
         return parse_levels(self.cleaned_data["levels"])
 
+    def clean_rates(self):
+        return parse_rates(self.cleaned_data["rates"])
+
     def clean(self):
         data = super().clean()
         if bool(data.get("deployment")) == bool(data.get("base_url")):
             raise forms.ValidationError("Choose a deployment or give a URL (not both).")
+        if "levels" in data and "rates" in data and not data["levels"] and not data["rates"]:
+            self.add_error("levels", "Give concurrency levels, request rates, or both.")
+        if problem := ramp_problem(data.get("ramp") or "", data.get("ramp_from") or 0.0):
+            self.add_error("ramp_from", problem)
         if data.get("prompt_source") == "jsonl":
             upload = data.get("prompts_file")
             if not upload:
@@ -68,4 +121,9 @@ class RunForm(forms.Form):
         data = self.cleaned_data
         keys = ("levels", "endpoint", "prompt_source", "input_tokens", "max_tokens", "ignore_eos", "temperature",
                 "requests_per_user", "prompts", "stop_when_saturated")
-        return {k: data[k] for k in keys if k in data}
+        params = {k: data[k] for k in keys if k in data}
+        if data.get("rates"):
+            params.update(rates=data["rates"], burstiness=data["burstiness"], max_concurrency=data["max_concurrency"],
+                          arrival="poisson" if data["burstiness"] == 1 else "gamma", ramp=data.get("ramp") or "",
+                          ramp_from=data.get("ramp_from") or 0.0)
+        return params

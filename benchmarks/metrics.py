@@ -74,14 +74,15 @@ class BenchmarkCollector:
         figures = [(gauge(name, doc, LEVEL_LABELS), field, factor) for name, doc, field, factor in LEVEL_FIGURES]
         latencies = [(gauge(name, doc + " Milliseconds in the run's page, seconds here.", LEVEL_LABELS + ["stat"]), field)
                      for name, doc, field in LATENCIES]
-        fields = ["run_id", "concurrency"] + [f for _, f, _ in figures] + [f for _, f in latencies]
+        fields = ["run_id", "concurrency", "kind", "rate"] + [f for _, f, _ in figures] + [f for _, f in latencies]
         for row in BenchmarkPoint.objects.filter(run__in=list(targets)).values_list(*fields):
             run = targets.get(row[0])
             if run is None:  # a point written after the runs were read
                 continue
-            labels = {"run": run[0], "deployment": run[1], "level": str(row[1])}
+            level = f"{row[3]:g}/s" if row[2] == BenchmarkPoint.Kind.RATE else str(row[1])  # a rate level: "4/s"
+            labels = {"run": run[0], "deployment": run[1], "level": level}
             by_stat = {stat: {**labels, "stat": stat} for stat in STATS}
-            values = iter(row[2:])
+            values = iter(row[4:])
             for (family, _, factor), value in zip(figures, values):
                 add_sample(family, labels, value * factor)
             for family, _ in latencies:

@@ -60,10 +60,21 @@ class BenchmarkRun(Transitions, models.Model):
 
 
 class BenchmarkPoint(models.Model):
-    """The results of one concurrency level of a run; every metric is a number."""
+    """The results of one level of a run (a concurrency, or a request rate); every metric is a number."""
+
+    class Kind(models.TextChoices):
+        CONCURRENCY = "concurrency", "Concurrency"
+        RATE = "rate", "Request rate"
 
     run = models.ForeignKey(BenchmarkRun, on_delete=models.CASCADE, related_name="points")
-    concurrency = models.PositiveIntegerField()
+    kind = models.CharField(max_length=12, choices=Kind.choices, default=Kind.CONCURRENCY)
+    concurrency = models.PositiveIntegerField(help_text="Requests in flight at once; a rate level's cap (0: none).")
+    rate = models.FloatField(default=0.0, help_text="A rate level's requests/s asked (the end of a ramp); 0 otherwise.")
+    achieved_rate = models.FloatField(default=0.0, help_text="Requests/s sent: (n - 1) ÷ first to last send.")
+    lag_ms = models.JSONField(default=dict, blank=True, help_text=(
+        "Schedule lag of a rate level, sent - due, in ms: {p50, p99, max, mean}; slot waits included."))
+    slot_wait_ms = models.JSONField(default=dict, blank=True, help_text=(
+        "Waits for a slot under the rate level's max_concurrency, in ms: {p50, p99, max, mean, count}."))
     num_requests = models.PositiveIntegerField(default=0)
     failed_requests = models.PositiveIntegerField(default=0)
     duration_s = models.FloatField(default=0.0)
@@ -103,11 +114,11 @@ class BenchmarkPoint(models.Model):
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        ordering = ["run", "concurrency"]
-        constraints = [models.UniqueConstraint(fields=["run", "concurrency"], name="point_unique_level")]
+        ordering = ["run", "kind", "rate", "concurrency"]
+        constraints = [models.UniqueConstraint(fields=["run", "kind", "rate", "concurrency"], name="point_unique_level")]
 
     def __str__(self):
-        return f"{self.run} c={self.concurrency}"
+        return f"{self.run} {self.rate:g} req/s" if self.kind == self.Kind.RATE else f"{self.run} c={self.concurrency}"
 
 
 class Study(Transitions, models.Model):

@@ -24,9 +24,15 @@ class RunStatus:
 
 @dataclass(frozen=True)
 class RunPoint:
-    """kind "point.<concurrency>" on run:<id>: one finished level (also the page's initial points)."""
+    """kind "point.<concurrency>" (a rate level: "point.r<rate>") on run:<id>: one finished level (also the
+    page's initial points)."""
 
-    concurrency: int
+    kind: str  # "concurrency" | "rate"
+    concurrency: int  # a rate level's cap (0: none)
+    rate: float  # a rate level's requests/s asked
+    achieved_rate: float
+    lag_ms: dict  # sent - due: {"p50", "p99", "max", "mean"}
+    slot_wait_ms: dict
     output_throughput: float
     total_token_throughput: float
     request_throughput: float
@@ -63,6 +69,7 @@ class RunTick:
 
     t: float  # seconds since the run started
     concurrency: int
+    rate: float  # a rate level's requests/s; 0 at a concurrency level
     tok_s: float
     in_flight: int
     completed: int
@@ -80,7 +87,8 @@ def run_point_data(point) -> dict[str, Any]:
 
 
 def send_run_point(run_id: int, point) -> None:
-    live.publish(live.run_topic(run_id), f"point.{point.concurrency}", run_point_data(point))
+    key = f"r{point.rate:g}" if point.kind == point.Kind.RATE else point.concurrency
+    live.publish(live.run_topic(run_id), f"point.{key}", run_point_data(point))
 
 
 def send_run_tick(run_id: int, tick: RunTick) -> None:

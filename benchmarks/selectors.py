@@ -8,7 +8,8 @@ CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_r
                "request_throughput", "output_throughput", "total_token_throughput", "input_tokens", "output_tokens",
                "reasoning_tokens", "content_tokens", "tok_s_per_user", "ttft_median_ms", "ttft_p99_ms",
                "ttft_vllm_bench_median_ms", "ttfc_median_ms", "tpot_median_ms", "itl_median_ms", "itl_per_token_median_ms", "e2e_median_ms",
-               "prompt_tokens_requested", "prompt_tokens_mean", "energy_j", "watts_per_gpu"]
+               "prompt_tokens_requested", "prompt_tokens_mean", "energy_j", "watts_per_gpu",
+               "level_kind", "rate", "achieved_rate", "lag_p99_ms", "slot_wait_p99_ms"]
 
 
 def runs_with_points(ids) -> list[BenchmarkRun]:
@@ -23,7 +24,9 @@ def csv_rows(runs):
                    p.reasoning_tokens, p.content_tokens, p.tok_s_per_user, p.ttft_ms.get("median"), p.ttft_ms.get("p99"),
                    p.ttft_vllm_bench_ms.get("median"), p.ttfc_ms.get("median"), p.tpot_ms.get("median"), p.itl_ms.get("median"),
                    p.itl_per_token_ms.get("median"), p.e2e_ms.get("median"), p.prompt_tokens_requested, p.prompt_tokens_mean,
-                   p.energy_j, p.watts_per_gpu]
+                   p.energy_j, p.watts_per_gpu, p.kind, p.rate if p.kind == p.Kind.RATE else None,
+                   p.achieved_rate if p.kind == p.Kind.RATE else None, (p.lag_ms or {}).get("p99"),
+                   (p.slot_wait_ms or {}).get("p99")]
 
 
 def export_csv(runs) -> str:
@@ -166,6 +169,7 @@ def run_saturation(run: BenchmarkRun, points=None) -> dict | None:
     """Where the sweep saturated and why, from its stored levels: {"level": 16 or None, "reason", "text"};
     None before two levels are in (or one, once the run has ended)."""
     points = list(run.points.all()) if points is None else points
+    points = [p for p in points if p.kind == p.Kind.CONCURRENCY]  # the sweep's rule is about concurrency levels
     if len(points) < 2 and run.status not in BenchmarkRun.TERMINAL or not points:
         return None
     levels = [LevelResult(concurrency=p.concurrency, num_requests=p.num_requests, completed=p.num_requests - p.failed_requests,

@@ -23,6 +23,8 @@ S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
 SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
                "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated")
+# Open-loop levels: kept in a run's params only when it asks for rates.
+RATE_PARAMS = ("rates", "arrival", "burstiness", "max_concurrency", "ramp", "ramp_from", "rate_duration_s", "seed")
 DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS),
             **{k: runner.spec_default(k) for k in SPEC_PARAMS if k != "prompts"}}
 TICK_KEEP = 20_000  # points of the tok/s-over-time chart kept per run
@@ -94,6 +96,11 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
                            field="deployment", code="busy")
     params = {**DEFAULTS, **params}
     params["levels"] = sorted({int(c) for c in params["levels"]})
+    if params.get("rates"):
+        params = {**{k: runner.spec_default(k) for k in RATE_PARAMS}, **params}
+        params["rates"] = sorted({float(r) for r in params["rates"]})
+    else:
+        params = {k: v for k, v in params.items() if k not in RATE_PARAMS}
     caps.check(params, deployment)
     run = BenchmarkRun.objects.create(
         name=name or f"{deployment.name if deployment else base_url} {timezone.now():%Y-%m-%d %H:%M:%S}",
@@ -141,7 +148,7 @@ def _save_point(run: BenchmarkRun, level: runner.LevelResult, energy_j: float | 
         values.update(energy_j=round(energy_j, 3), watts_per_gpu=round(energy_j / level.duration_s / gpus, 1))
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
-        run=run, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
+        run=run, kind=level.kind, rate=level.rate, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
     payloads.send_run_point(run.pk, point)
     if note := queue_note(level, selectors.max_num_seqs(run)):
         run.warnings.append(note)
@@ -176,7 +183,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
         meter.read()
         point = [round(time.monotonic() - started, 2), tick.concurrency, round(tick.tok_s, 1)]
         run.ticks = (run.ticks + [point])[-TICK_KEEP:]
-        payloads.send_run_tick(run.pk, payloads.RunTick(t=point[0], concurrency=tick.concurrency, tok_s=tick.tok_s,
+        payloads.send_run_tick(run.pk, payloads.RunTick(t=point[0], concurrency=tick.concurrency, rate=tick.rate, tok_s=tick.tok_s,
                                                 in_flight=tick.in_flight, completed=tick.completed,
                                                 failed=tick.failed, server=tick.server))
         if point[0] - state["saved"] >= 5:
@@ -208,8 +215,9 @@ def run_execute(run_id: int) -> BenchmarkRun:
                                        memory_bytes=settings.BENCH_MEMORY_MB * 2**20)
         run.refresh_from_db(fields=["warnings"])
         if result.saturated:
-            skipped = [c for c in run.params["levels"] if c > result.levels[-1].concurrency]
-            run.warnings.append(f"Stopped after concurrency {result.levels[-1].concurrency}: the engine saturated "
+            last = [lv for lv in result.levels if lv.kind == "concurrency"][-1]
+            skipped = [c for c in run.params["levels"] if c > last.concurrency]
+            run.warnings.append(f"Stopped after concurrency {last.concurrency}: the engine saturated "
                                 f"({result.saturated}). Not run: {', '.join(map(str, skipped))}. "
                                 "To measure every level, untick “Stop once the engine saturates” (API: stop_when_saturated "
                                 "false; panelctl bench --past-saturation).")
@@ -228,8 +236,9 @@ def run_execute(run_id: int) -> BenchmarkRun:
 
 
 def _spec_params(params: dict) -> dict:
-    spec = {k: params[k] for k in SPEC_PARAMS if k in params}
+    spec = {k: params[k] for k in SPEC_PARAMS + RATE_PARAMS if k in params}
     spec["levels"] = tuple(params["levels"])
+    spec["rates"] = tuple(params.get("rates") or ())
     return spec
 
 

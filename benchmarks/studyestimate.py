@@ -78,7 +78,7 @@ def bench_seconds(d: Deployment, workload: dict) -> tuple[float, str]:
         if {k: run.params.get(k) for k in WORKLOAD_KEYS} == wanted:
             return round((run.finished - run.started).total_seconds(), 1), "its last run of this workload"
     for run in runs:
-        points = list(run.points.all())
+        points = [p for p in run.points.all() if p.kind == p.Kind.CONCURRENCY]
         if points:
             own = {**run.params, "levels": [p.concurrency for p in points]}
             overhead = max(0.0, (run.finished - run.started).total_seconds() - _modelled(points, own))

@@ -42,6 +42,9 @@ def run_detail(request, pk):
     return render(request, "benchmarks/run_detail.html", {
         "run": run, "points": points, "environment": selectors.environment_rows(run.environment),
         "saturation": selectors.run_saturation(run, points),
+        # A run of rate levels only is charted against the rate; any other against concurrency.
+        "axis": "rate" if run.params.get("rates") and not run.params.get("levels") else "concurrency",
+        "axis_label": "request rate" if run.params.get("rates") and not run.params.get("levels") else "concurrency",
         "initial": {"ticks": run.ticks, "points": [payloads.run_point_data(p) for p in points]}})
 
 

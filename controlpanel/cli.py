@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlpanel import clirecipes, clikeys, clisleep, clistatus, clitune
+from controlpanel import clirate, clirecipes, clikeys, clisleep, clistatus, clitune
 from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
                                   UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
                                   _number, say, with_common)
@@ -197,6 +197,7 @@ def cmd_logs(panel, args):
 
 def cmd_bench(panel, args):
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    rates = clirate.rate_body(args)
     body = {"max_tokens": args.max_tokens, "input_tokens": args.input_tokens,
             "prompt_source": args.prompts, "ignore_eos": not args.no_ignore_eos, "requests_per_user": args.requests_per_user,
             "stop_when_saturated": not args.past_saturation}
@@ -208,8 +209,9 @@ def cmd_bench(panel, args):
         body["deployment"] = _deployment(panel, args.target)["id"]
     if levels:
         body["levels"] = levels
+    body.update(rates)
     run = panel.post("runs/", body, key=args.idempotency_key)
-    say(f"Run {run['id']}: concurrency {', '.join(map(str, run['params']['levels']))}.")
+    say(f"Run {run['id']}: {clirate.asked(run['params'])}.")
     if not args.wait:
         return _done(run, args)
     deadline, shown = time.monotonic() + args.timeout, set()
@@ -217,9 +219,11 @@ def cmd_bench(panel, args):
         run = panel.get(f"runs/{run['id']}/")
         points = panel.get(f"runs/{run['id']}/points/")
         for p in points:
-            if p["concurrency"] not in shown:
-                shown.add(p["concurrency"])
+            if clirate.point_key(p) not in shown:
+                shown.add(clirate.point_key(p))
                 asked = p.get("prompt_tokens_requested")
+                if line := clirate.rate_line(p):
+                    say(line)
                 say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
                     f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
                     f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
@@ -383,6 +387,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="", help="model name for a URL target")
     s.add_argument("--concurrency", default="", help="e.g. 1,8,64 (default: 1, 2, 4, … up to what the deployment "
                    "runs at once, its --max-num-seqs; 64 on a CPU node)")
+    clirate.rate_arguments(s)
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--input-tokens", type=int, default=128)
     s.add_argument("--prompts", choices=["random", "builtin"], default="random")

@@ -430,7 +430,7 @@ def main(argv=None):
         pass
 
 
-# _new_loop and _raise_fd_limit repeat benchmarks/runner/sweep.py's on purpose: this server is the
+# _new_loop and _raise_fd_limit repeat benchmarks/runner/workers.py's on purpose: this server is the
 # yardstick the runner is measured against (tests, perf/), so it shares no code with the runner, and
 # it runs as a plain script.
 def _new_loop():

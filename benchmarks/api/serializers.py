@@ -1,6 +1,7 @@
 from rest_framework import serializers
 
 from benchmarks import runner, selectors
+from benchmarks.forms import MAX_BURSTINESS, MAX_LEVEL, MAX_RATE, ramp_problem, rates_problem
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from deployments.models import Deployment
 
@@ -53,6 +54,20 @@ class RunRequestSerializer(serializers.Serializer):
     requests_per_user = serializers.IntegerField(min_value=1, max_value=1000, default=default("requests_per_user"))
     min_requests = serializers.IntegerField(min_value=1, max_value=100_000, default=default("min_requests"))
     warmup_per_user = serializers.IntegerField(min_value=0, max_value=100, default=default("warmup_per_user"))
+    rates = serializers.ListField(child=serializers.FloatField(), max_length=20, required=False, help_text=(
+        "Open-loop levels in requests/s (each above 0, at most 10,000), run after the concurrency levels; "
+        "with rates and no levels, only rate levels run."))
+    arrival = serializers.ChoiceField(choices=list(runner.ARRIVALS), required=False, help_text=(
+        "poisson, or gamma with the burstiness as its shape (default: gamma when burstiness is not 1)."))
+    burstiness = serializers.FloatField(min_value=0.01, max_value=MAX_BURSTINESS, default=default("burstiness"))
+    max_concurrency = serializers.IntegerField(min_value=0, max_value=MAX_LEVEL, default=default("max_concurrency"),
+                                               help_text="A rate level's cap on requests in flight; 0: none.")
+    ramp = serializers.ChoiceField(choices=list(runner.RAMPS), default=default("ramp"), allow_blank=True)
+    ramp_from = serializers.FloatField(default=default("ramp_from"), help_text="Requests/s at the ramp's start.")
+    rate_duration_s = serializers.FloatField(min_value=1, max_value=3600, default=default("rate_duration_s"), help_text=(
+        "A rate level sends max(min_requests, rate × this) requests."))
+    seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, default=default("seed"), help_text=(
+        "Seeds the prompts and the arrivals: the same seed sends the same schedule."))
     stop_when_saturated = serializers.BooleanField(default=default("stop_when_saturated"), help_text=(
         "End the sweep once a level shows the engine saturated (throughput flat while latency or the waiting "
         "queue climbs); false measures every level."))
@@ -66,6 +81,12 @@ class RunRequestSerializer(serializers.Serializer):
             except runner.PromptError as exc:
                 raise serializers.ValidationError({"prompts_jsonl": [str(exc)]}) from exc
         data.pop("prompts_jsonl", None)
+        rates = data.get("rates") or []
+        if problem := rates_problem(rates):
+            raise serializers.ValidationError({"rates": [problem]})
+        if problem := ramp_problem(data["ramp"], data["ramp_from"]):
+            raise serializers.ValidationError({"ramp_from": [problem]})
+        data.setdefault("arrival", "poisson" if data["burstiness"] == 1 else "gamma")
         if not data.get("levels"):
-            data["levels"] = selectors.default_levels(data.get("deployment"))
+            data["levels"] = [] if rates else selectors.default_levels(data.get("deployment"))
         return data

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import benchmarks.runner.memory as memory  # the module, not the package: its __init__ imports this one
 from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
-from .sweep import auto_workers, sweep  # already imported by the package's __init__ when run with -m
+from .sweep import sweep, sweep_workers  # already imported by the package's __init__ when run with -m
 
 ROOT = Path(__file__).resolve().parents[2]  # the project, for `-m benchmarks.runner.child`
 CANCEL_CHECK_S = 0.2
@@ -163,10 +163,9 @@ def main() -> int:
 
     try:
         fields = json.loads(sys.stdin.readline())
-        fields["levels"] = tuple(fields["levels"])
+        fields["levels"], fields["rates"] = tuple(fields["levels"]), tuple(fields.get("rates") or ())
         spec = LoadSpec(**fields)
-        levels = [int(c) for c in spec.levels if int(c) > 0] or [1]
-        _, worker = memory.split(budget, spec.workers or auto_workers(max(levels)))
+        _, worker = memory.split(budget, sweep_workers(spec)[1])
         cancel = threading.Event()
         threading.Thread(target=_watch_stdin, args=(cancel,), daemon=True).start()
         result = sweep(spec, on_level=lambda level: send({"level": level.to_dict()}),

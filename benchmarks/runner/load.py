@@ -7,6 +7,7 @@ from .stream import Connection, Counters, open_connection, tls_context
 
 CONNECT_PARALLELISM = 64  # connection attempts at once; a burst of 1024 SYNs overflows accept queues
 CANCEL_POLL_S = 0.02
+SPIN_S = 0.002  # a due time is slept towards until this close, then spun to: loop timers are ~1 ms precise
 
 
 class Pool:
@@ -36,9 +37,24 @@ class Pool:
         self.idle.clear()
 
 
+async def until(at: float) -> None:
+    """Return at perf_counter() `at`, not before: sleep, then spin the last SPIN_S (yielding, so
+    responses are read meanwhile)."""
+    clock = time.perf_counter
+    wait = at - clock()
+    if wait > SPIN_S:
+        await asyncio.sleep(wait - SPIN_S)
+    while clock() < at:
+        await asyncio.sleep(0)
+
+
 async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: float, cancelled,
-                    report=None, tick_s: float = 0.5, busy_poll: bool = False) -> tuple[list[RequestRecord], bool]:
+                    report=None, tick_s: float = 0.5, busy_poll: bool = False, due: list | None = None,
+                    start_at: float = 0.0) -> tuple[list[RequestRecord], bool]:
     """Send `requests` [(index, warmup, bytes)] at most `concurrency` at a time; measured records back.
+
+    With `due` (a rate level) request i is sent no earlier than start_at + due[i], then as soon as a
+    slot is free; each record keeps its due time and how long it waited for a slot.
 
     `cancelled()` is checked before each request and every 20 ms; on cancel the requests in flight
     are aborted and left out. `report(counters)` is called every `tick_s`. With `busy_poll` the loop
@@ -124,12 +140,22 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         background.append(loop.create_task(ticker()))
     try:
         for index, warmup, request in requests:
-            await semaphore.acquire()
+            if due is None:
+                await semaphore.acquire()
+                record = RequestRecord(index=index, warmup=warmup)
+            else:
+                record = RequestRecord(index=index, warmup=warmup, due=start_at + due[index])
+                await until(record.due)
+                if semaphore.locked():
+                    waiting = time.perf_counter()
+                    await semaphore.acquire()
+                    record.slot_wait = time.perf_counter() - waiting
+                else:
+                    await semaphore.acquire()
             if state["cancelled"] or cancelled():
                 state["cancelled"] = True
                 semaphore.release()
                 break
-            record = RequestRecord(index=index, warmup=warmup)
             state["outstanding"] += 1
             counters.in_flight += 1
             conn = pool.take()

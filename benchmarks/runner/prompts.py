@@ -114,21 +114,22 @@ def _entry_at(spec: LoadSpec, base: list[dict] | None, index: int, lengths, leve
 
 
 def share_requests(spec: LoadSpec, target: Target, lengths: PromptLengths | None, level: int, total: int,
-                   warmup: int, slots: list[int]):
+                   warmup: int, slots: list[int], key=None):
     """(index, warmup, request bytes) of the requests a worker owns, made as they are needed: request i
-    belongs to the owner of slot i % level. Bytes of a cycled (built-in or uploaded) entry are made once."""
-    base, cache = _base(spec), {}
+    belongs to the owner of slot i % level. Bytes of a cycled (built-in or uploaded) entry are made once.
+    Random prompts are seeded by `key` (default: the level), so each level's prompts are its own."""
+    base, cache, key = _base(spec), {}, level if key is None else key
     for start in range(0, total, level):
         for slot in slots:
             index = start + slot
             if index >= total:
                 return
-            key = None if base is None else index % len(base)
-            data = cache.get(key)
+            entry = None if base is None else index % len(base)
+            data = cache.get(entry)
             if data is None:
-                data = target.request_bytes(request_body(spec, _entry_at(spec, base, index, lengths, level)))
-                if key is not None:
-                    cache[key] = data
+                data = target.request_bytes(request_body(spec, _entry_at(spec, base, index, lengths, key)))
+                if entry is not None:
+                    cache[entry] = data
             yield index, index < warmup, data
 
 

@@ -62,7 +62,7 @@ def queue_note(level: LevelResult, max_num_seqs: int | None) -> str:
     waiting = _gauge(level, "num_requests_waiting")
     if not waiting:
         return ""
-    head = f"At concurrency {level.concurrency} up to {waiting:.0f} requests waited in the engine's queue"
+    head = f"At {level.label} up to {waiting:.0f} requests waited in the engine's queue"
     if found := limits(level, max_num_seqs):
         return f"{head}: {' and '.join(found)} was the limit."
     running, kv = _gauge(level, "num_requests_running"), _gauge(level, "kv_cache_usage_perc")

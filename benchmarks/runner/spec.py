@@ -50,6 +50,14 @@ class LoadSpec:
     seed: int = 0
     tokenizer_path: str = ""  # the model's folder (tokenizer.json), for prompt lengths when there is no /tokenize
     stop_when_saturated: bool = True  # end the sweep once a level shows the engine saturated (saturation.py)
+    # Open-loop levels (arrivals.py), run after the concurrency levels: requests/s, each a level.
+    rates: tuple = ()
+    arrival: str = "poisson"  # "poisson" | "gamma" (gaps of shape `burstiness`, as vllm bench serve's)
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier, > 1 more even
+    max_concurrency: int = 0  # a rate level's cap on requests in flight (the rest wait for a slot); 0 = none
+    ramp: str = ""  # "" | "linear" | "exponential": from ramp_from to the level's rate over its requests
+    ramp_from: float = 0.0  # requests/s at the ramp's start (above 0 for an exponential ramp)
+    rate_duration_s: float = 30.0  # a rate level sends max(min_requests, rate × this) requests
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_user * concurrency)
@@ -70,7 +78,9 @@ class RequestRecord:
 
     index: int
     warmup: bool = False
-    start: float = 0.0  # when the semaphore admitted it
+    start: float = 0.0  # when it was sent: the semaphore admitted it (and a rate level's due time came)
+    due: float = 0.0  # a rate level: when its schedule said to send it
+    slot_wait: float = 0.0  # a rate level with max_concurrency: seconds it waited for a free slot
     done: float = 0.0  # when the response ended (after usage and [DONE])
     chunk_times: list = field(default_factory=list)  # every chunk carrying a token
     chunk_kinds: bytearray = field(default_factory=bytearray)  # b"r" reasoning, b"c" content, b"t" tool call
@@ -108,7 +118,7 @@ class RequestRecord:
 class Tick:
     """Live progress of a level, sent every tick_s."""
 
-    concurrency: int
+    concurrency: int  # a rate level's max_concurrency (0: none)
     elapsed_s: float  # since the level started
     tok_s: float  # output tokens received in the last window per second (estimated between usages)
     chunks_s: float
@@ -116,13 +126,14 @@ class Tick:
     completed: int
     failed: int
     server: dict | None = None  # latest /metrics gauges and generation tok/s
+    rate: float = 0.0  # a rate level's requests/s; 0 at a concurrency level
 
 
 @dataclass
 class LevelResult:
-    """Everything measured at one concurrency level; names follow vllm bench serve, extras noted."""
+    """Everything measured at one level (a concurrency, or a rate); names follow vllm bench serve, extras noted."""
 
-    concurrency: int
+    concurrency: int  # a rate level: its max_concurrency (0: none)
     num_requests: int = 0  # measured requests sent (warmup excluded)
     completed: int = 0
     failed_requests: int = 0
@@ -160,7 +171,21 @@ class LevelResult:
     prompt_tokens_mean: float = 0.0
     prompt_tokens_counted_by: str = ""
     samples: dict = field(default_factory=dict, repr=False)  # stats.request_samples(records): for studies
+    # Rate levels (arrivals.py): the requests/s asked (the end of a ramp), the cap, what was sent
+    # ((n - 1) ÷ first to last send), the schedule lag (sent - due) and the waits for a slot under the
+    # cap, in ms: {"p50", "p99", "max", "mean"} (slot waits also "count", of requests that waited).
+    kind: str = "concurrency"  # "concurrency" | "rate"
+    rate: float = 0.0
+    max_concurrency: int = 0
+    achieved_rate: float = 0.0
+    lag_ms: dict = field(default_factory=dict)
+    slot_wait_ms: dict = field(default_factory=dict)
     records: list = field(default_factory=list, repr=False)
+
+    @property
+    def label(self) -> str:
+        """ "concurrency 8" or "4 req/s", as sentences name the level."""
+        return f"{self.rate:g} req/s" if self.kind == "rate" else f"concurrency {self.concurrency}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, without the per-request records."""
@@ -183,4 +208,4 @@ class SweepResult:
 
     @property
     def single_stream_tok_s(self) -> float | None:
-        return next((lv.tok_s_per_user for lv in self.levels if lv.concurrency == 1), None)
+        return next((lv.tok_s_per_user for lv in self.levels if lv.concurrency == 1 and lv.kind == "concurrency"), None)

@@ -144,6 +144,27 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
     return result
 
 
+def _spread_ms(values_s: list[float]) -> dict[str, float]:
+    """p50, p99, max and mean in ms (zeros when empty)."""
+    values = sorted(values_s)
+    if not values:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
+    return {"p50": percentile(values, 50) * 1000.0, "p99": percentile(values, 99) * 1000.0,
+            "max": values[-1] * 1000.0, "mean": math.fsum(values) / len(values) * 1000.0}
+
+
+def schedule_figures(records: list[RequestRecord]) -> dict:
+    """A rate level's schedule as it was kept: the rate sent ((n - 1) ÷ first to last send), the lag of
+    each send behind its due time, and the waits for a slot under max_concurrency (part of the lag)."""
+    sent = [r for r in records if r.start]
+    starts = sorted(r.start for r in sent)
+    span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
+    waits = [r.slot_wait for r in sent if r.slot_wait > 0]
+    return {"achieved_rate": (len(starts) - 1) / span if span > 0 else 0.0,
+            "lag_ms": _spread_ms([r.start - r.due for r in sent]),
+            "slot_wait_ms": {**_spread_ms(waits), "count": len(waits)}}
+
+
 MAX_SAMPLES = 2000
 
 

@@ -11,37 +11,28 @@ Each worker makes its own share of the prompts (prompts.share_requests): the coo
 them, and a worker holds at most PREFETCH_BYTES of them ahead of the level's start (all of them for an
 ordinary level, so no prompt is built while requests are timed), the rest as they are sent.
 """
-import asyncio
-import gc
 import math
-import multiprocessing
-import itertools
 import os
 import pickle
 import queue
 import threading
 import time
-import traceback
-from dataclasses import dataclass
 
 from deployments.host import vllm
 
-import benchmarks.runner.memory as memory  # the module, not the package: its __init__ imports this one
-from .load import Pool, run_share
-from .prompts import Target, share_requests
+from .arrivals import due_offsets, rate_requests
+from .prompts import Target
 from .saturation import saturated
 from .scrape import Sampler
 from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
-from .stats import request_samples, summarize
-from .stream import Counters
+from .stats import request_samples, schedule_figures, summarize
 from .tokens import WORDS_ONLY, PromptLengths, prompt_lengths
+from .workers import BARRIER_TIMEOUT_S, POLL_S, Workers, _Command
 
 STREAMS_PER_WORKER = 256  # auto mode: one more process per this many streams
-BUSY_POLL_STREAMS = 256  # auto mode: a process with this many streams polls instead of sleeping
-BARRIER_TIMEOUT_S = 120.0
-POLL_S = 0.02
 CANCEL_CHECK_S = 0.2  # the caller's cancel check may be a database query: not more often
-PREFETCH_BYTES = 64 * 2**20  # request bytes a worker builds before a level starts (a quarter of its limit at most)
+START_MARGIN_S = 0.05  # a rate level's time zero, after the barrier: every worker is on its loop by then
+UNCAPPED = 1 << 30  # a rate level without max_concurrency: no slot is ever waited for
 
 
 def auto_workers(concurrency: int) -> int:
@@ -58,155 +49,6 @@ def _as_check(cancel):
     if hasattr(cancel, "is_set"):
         return cancel.is_set
     return cancel
-
-
-@dataclass
-class _Command:
-    concurrency: int  # this worker's share of the streams
-    level: int  # the level's concurrency (request i belongs to the owner of slot i % level)
-    total: int  # requests of the level, warmup included
-    warmup: int
-    slots: list  # the slots this worker owns
-    lengths: object  # PromptLengths.costed() for random prompts, else None
-    tick_s: float
-
-
-def _new_loop():  # tests/schedserver.py has its own copy: see there why
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-def _raise_fd_limit():
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _prefetched(requests, budget: int) -> list:
-    """The first requests of an iterator, up to `budget` bytes (at least one)."""
-    out, size = [], 0
-    for request in requests:
-        out.append(request)
-        size += len(request[2])
-        if size >= budget:
-            break
-    return out
-
-
-def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_process=True, memory_bytes=0):
-    """A measuring process (or thread): runs each level's share of requests on its own loop."""
-    parent = os.getppid()
-    prefetch = PREFETCH_BYTES
-    if own_process:
-        memory.limit(memory_bytes)
-        prefetch = min(prefetch, memory.current() // 4 or prefetch)
-        _raise_fd_limit()
-        gc.disable()  # a collection pauses the loop and delays timestamps; collect between levels instead
-    loop = _new_loop()
-    asyncio.set_event_loop(loop)
-    failed = []
-
-    def on_loop_error(loop, context):
-        # A MemoryError in a protocol callback would only be logged, and its request hang until the
-        # timeout: end the level instead, and say why.
-        if isinstance(context.get("exception"), MemoryError):
-            failed.append(context["exception"])
-        loop.default_exception_handler(context)
-
-    loop.set_exception_handler(on_loop_error)
-    target = Target(spec)
-    pool = Pool(target, spec.verify_tls, Counters())
-
-    def report(c):
-        results.put(("tick", wid, (c.chunks, c.tokens, c.token_chunks, c.completed, c.failed, c.in_flight)))
-
-    try:
-        while True:
-            try:
-                command = commands.get(timeout=1.0)
-            except queue.Empty:
-                if own_process and os.getppid() != parent:
-                    return  # the coordinator died without saying goodbye
-                continue
-            if command is None:
-                return
-            try:
-                requests = share_requests(spec, target, command.lengths, command.level, command.total,
-                                          command.warmup, command.slots)
-                ahead = _prefetched(requests, prefetch)
-                results.put(("ready", wid))
-                barrier.wait(BARRIER_TIMEOUT_S)
-                busy = spec.busy_poll if spec.busy_poll is not None else command.concurrency >= BUSY_POLL_STREAMS
-                records, cancelled = loop.run_until_complete(run_share(
-                    pool, itertools.chain(ahead, requests), command.concurrency, spec.request_timeout_s,
-                    lambda: bool(failed) or cancel_event.is_set(), report, command.tick_s, busy))
-                del ahead
-                if failed:
-                    raise failed.pop()
-                # Pickled here, where a MemoryError is caught and reported; a Queue would pickle in its
-                # feeder thread, which drops what it cannot send and leaves the coordinator waiting.
-                results.put(("done", wid, pickle.dumps(records, pickle.HIGHEST_PROTOCOL), cancelled))
-            except Exception:
-                requests = records = ahead = None  # after a MemoryError: room to report it
-                results.put(("error", wid, traceback.format_exc()))
-            if own_process:
-                gc.collect()
-    finally:
-        pool.close()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
-
-
-class Workers:
-    """The measuring processes of one sweep (threads when this process may not have children)."""
-
-    def __init__(self, spec: LoadSpec, count: int, memory_bytes: int = 0):
-        self.count, self.memory_bytes = count, memory_bytes
-        try:
-            self._start(spec, multiprocessing.get_context("spawn"), processes=True)
-        except AssertionError:  # "daemonic processes are not allowed to have children" (e.g. Celery prefork)
-            self.count = 1
-            self._start(spec, None, processes=False)
-
-    def _start(self, spec, ctx, processes):
-        make_queue = ctx.Queue if processes else queue.Queue
-        self.commands = [make_queue() for _ in range(self.count)]
-        self.results = make_queue()
-        self.barrier = (ctx.Barrier if processes else threading.Barrier)(self.count + 1)
-        self.cancel = (ctx.Event if processes else threading.Event)()
-        kind = ctx.Process if processes else threading.Thread
-        self.members = [kind(target=_worker_main, name=f"bench-worker-{wid}", daemon=True,
-                             args=(wid, spec, self.commands[wid], self.results, self.barrier, self.cancel, processes,
-                                   self.memory_bytes))
-                        for wid in range(self.count)]
-        for member in self.members:
-            member.start()
-
-    def check_alive(self):
-        for member in self.members:
-            if not member.is_alive():
-                raise RunnerError(f"measuring worker {member.name} died (exit code {getattr(member, 'exitcode', '?')})"
-                                  + (" at its memory limit" if self.memory_bytes else ""))
-
-    def close(self):
-        """Say goodbye; a worker still busy is given 10 s, then terminated."""
-        for commands in self.commands:
-            commands.put(None)
-        deadline = time.monotonic() + 10
-        while any(m.is_alive() for m in self.members) and time.monotonic() < deadline:
-            try:  # a process exits only once what it queued has been read
-                self.results.get(timeout=POLL_S)
-            except queue.Empty:
-                pass
-        for member in self.members:
-            if member.is_alive() and hasattr(member, "terminate"):
-                member.terminate()
-            member.join(5)
 
 
 class Sweeper:
@@ -235,7 +77,7 @@ class Sweeper:
 
     def run_level(self, concurrency: int, on_tick=None, cancel=None) -> LevelResult:
         """Measure one concurrency level; on cancel, returns what finished, with cancelled=True."""
-        spec, workers, cancelled = self.spec, self.workers, _as_check(cancel)
+        spec, workers = self.spec, self.workers
         warmup = spec.num_warmup(concurrency)
         total = warmup + spec.num_requests(concurrency)
         lengths = self.prompt_lengths().costed() if spec.prompt_source == "random" else None
@@ -244,14 +86,41 @@ class Sweeper:
                   for wid in range(workers.count)]
         for wid, slots in enumerate(_slots(shares)):
             workers.commands[wid].put(_Command(shares[wid], concurrency, total, warmup, slots, lengths, spec.tick_s))
+        records, result = self._measure(concurrency, 0.0, on_tick, cancel, warmup, active)
+        return result
+
+    def run_rate(self, rate: float, on_tick=None, cancel=None) -> LevelResult:
+        """Measure one open-loop level: requests sent at their seeded due times (arrivals.py), at most
+        spec.max_concurrency in flight (the rest wait for a slot, and the wait is recorded); no warm-up."""
+        spec, workers = self.spec, self.workers
+        cap = spec.max_concurrency
+        total = rate_requests(spec, rate)
+        due = due_offsets(spec, rate, total)
+        lengths = self.prompt_lengths().costed() if spec.prompt_source == "random" else None
+        active = min(workers.count, spec.workers or auto_workers(cap or 1), cap or workers.count)
+        for wid in range(workers.count):
+            mine = wid < active
+            share = (cap // active + (wid < cap % active) if cap else UNCAPPED) if mine else 0
+            workers.commands[wid].put(_Command(share, active, total, 0, [wid] if mine else [], lengths, spec.tick_s,
+                                               due=due if mine else None, key=f"rate{rate:g}"))
+        records, result = self._measure(cap, rate, on_tick, cancel, 0, active)
+        result.kind, result.rate, result.max_concurrency = "rate", rate, cap
+        for name, value in schedule_figures(records).items():
+            setattr(result, name, value)
+        return result
+
+    def _measure(self, concurrency, rate, on_tick, cancel, warmup, active):
+        """Start the workers' commands together, follow them to the end; (records, LevelResult)."""
+        spec, workers, cancelled = self.spec, self.workers, _as_check(cancel)
         metrics_url = spec.metrics_url or vllm.metrics_url(self.target.root_url)
         sampler = Sampler(metrics_url, interval_s=spec.tick_s, key=spec.api_key) if spec.scrape_metrics else None
         if sampler:
             sampler.__enter__()
         try:
             self._wait_ready()
+            workers.start.value = time.perf_counter() + START_MARGIN_S  # read by the workers once they pass
             workers.barrier.wait(BARRIER_TIMEOUT_S)
-            records, was_cancelled, peak = self._collect(concurrency, on_tick, cancelled, sampler)
+            records, was_cancelled, peak = self._collect((concurrency, rate), on_tick, cancelled, sampler)
         except threading.BrokenBarrierError:
             raise RunnerError("measuring workers did not start in time") from None
         except BaseException:
@@ -270,7 +139,7 @@ class Sweeper:
         if sampler:
             result.server_metrics = sampler.summary()
         result.samples = request_samples(records)
-        return result
+        return records, result
 
     def _wait_ready(self):
         """Until every worker has its first requests made: one that fails or dies meanwhile (out of
@@ -291,7 +160,7 @@ class Sweeper:
             elif message[0] == "tick":
                 self.snapshots[message[1]] = message[2]
 
-    def _collect(self, concurrency, on_tick, cancelled, sampler):
+    def _collect(self, level, on_tick, cancelled, sampler):
         workers, spec = self.workers, self.spec
         start = time.perf_counter()
         baseline = dict(self.snapshots)
@@ -320,7 +189,7 @@ class Sweeper:
                     workers.cancel.set()
             if now - last_tick >= spec.tick_s:
                 totals = self._totals()
-                tick = self._tick(concurrency, now - start, now - last_tick, previous, totals, baseline, sampler)
+                tick = self._tick(level, now - start, now - last_tick, previous, totals, baseline, sampler)
                 peak = max(peak, tick.tok_s)
                 previous, last_tick = totals, now
                 if on_tick is not None:
@@ -332,11 +201,11 @@ class Sweeper:
     def _totals(self):
         return tuple(sum(s[i] for s in self.snapshots.values()) for i in range(6))
 
-    def _tick(self, concurrency, elapsed, window, previous, totals, baseline, sampler) -> Tick:
+    def _tick(self, level, elapsed, window, previous, totals, baseline, sampler) -> Tick:
         chunks = totals[0] - previous[0]
         tokens_per_chunk = totals[1] / totals[2] if totals[2] else 1.0
         base = tuple(sum(s[i] for s in baseline.values()) for i in range(6))
-        return Tick(concurrency=concurrency, elapsed_s=elapsed, tok_s=chunks * tokens_per_chunk / window,
+        return Tick(concurrency=level[0], rate=level[1], elapsed_s=elapsed, tok_s=chunks * tokens_per_chunk / window,
                     chunks_s=chunks / window, in_flight=totals[5], completed=totals[3] - base[3],
                     failed=totals[4] - base[4], server=sampler.latest() if sampler else None)
 
@@ -357,6 +226,12 @@ def run_level(spec: LoadSpec, concurrency: int, on_tick=None, cancel=None) -> Le
     """Measure one concurrency level (warmup first, excluded); see LoadSpec for the request counts."""
     with Sweeper(spec, concurrency) as sweeper:
         return sweeper.run_level(concurrency, on_tick=on_tick, cancel=cancel)
+
+
+def run_rate(spec: LoadSpec, rate: float, on_tick=None, cancel=None) -> LevelResult:
+    """Measure one open-loop level of `rate` requests/s (see Sweeper.run_rate)."""
+    with Sweeper(spec, spec.max_concurrency or 1) as sweeper:
+        return sweeper.run_rate(rate, on_tick=on_tick, cancel=cancel)
 
 
 def length_problem(spec: LoadSpec, max_model_len: int | None) -> str:
@@ -384,9 +259,17 @@ def _check_lengths(spec: LoadSpec) -> None:
         raise RunnerError(f"{problem} of {spec.model} on the server (GET /v1/models).", permanent=True)
 
 
+def sweep_workers(spec: LoadSpec) -> tuple[int, int]:
+    """(the most streams any level of the spec runs at once, if known, its worker count)."""
+    levels = [int(c) for c in spec.levels if int(c) > 0]
+    top = max(levels + ([spec.max_concurrency or 1] if spec.rates else []) or [1])
+    return top, spec.workers or auto_workers(top)
+
+
 def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes: int = 0) -> SweepResult:
-    """Measure every level of `spec.levels` in order; stops early on cancel, and once the engine
-    saturates unless spec.stop_when_saturated is off (then result.saturated says why).
+    """Measure every level of `spec.levels` in order, then every rate of `spec.rates`; stops early on
+    cancel. Once the engine saturates the remaining concurrency levels are skipped unless
+    spec.stop_when_saturated is off (then result.saturated says why); rate levels all run.
 
     on_level(LevelResult) after each level, on_tick(Tick) every spec.tick_s; both run in this
     process. `cancel` is a callable, or an asyncio/threading Event, checked between requests.
@@ -396,27 +279,39 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
     check = _as_check(cancel)
     result = SweepResult()
     levels = [int(c) for c in spec.levels if int(c) > 0]
-    if not levels:
-        raise RunnerError("no concurrency levels to run", permanent=True)
+    rates = [float(r) for r in spec.rates if float(r) > 0]
+    if not levels and not rates:
+        raise RunnerError("no concurrency levels or rates to run", permanent=True)
     _check_lengths(spec)
-    with Sweeper(spec, max(levels), memory_bytes) as sweeper:
+
+    def measured(level: LevelResult) -> bool:
+        """Keep a level; False once the sweep must stop (cancelled)."""
+        result.levels.append(level)
+        if on_level is not None:
+            on_level(level)
+        if level.cancelled:
+            result.cancelled = True
+            return False
+        if level.num_requests and not level.completed:
+            first = level.errors[0] if level.errors else "unknown error"
+            raise RunnerError(f"every request at {level.label} failed: {first}", permanent=first.startswith("HTTP 4"))
+        return True
+
+    with Sweeper(spec, sweep_workers(spec)[0], memory_bytes) as sweeper:
         for concurrency in levels:
             if check():
                 result.cancelled = True
                 break
-            level = sweeper.run_level(concurrency, on_tick=on_tick, cancel=check)
-            result.levels.append(level)
-            if on_level is not None:
-                on_level(level)
-            if level.cancelled:
-                result.cancelled = True
+            if not measured(sweeper.run_level(concurrency, on_tick=on_tick, cancel=check)):
                 break
-            if level.num_requests and not level.completed:
-                first = level.errors[0] if level.errors else "unknown error"
-                raise RunnerError(f"every request at concurrency {concurrency} failed: {first}",
-                                  permanent=first.startswith("HTTP 4"))
             if spec.stop_when_saturated and concurrency != levels[-1]:
                 result.saturated = saturated(result.levels)
                 if result.saturated:
                     break
+        for rate in rates if not result.cancelled else []:
+            if check():
+                result.cancelled = True
+                break
+            if not measured(sweeper.run_rate(rate, on_tick=on_tick, cancel=check)):
+                break
     return result

@@ -2,7 +2,8 @@
 (function () {
   const el = document.getElementById("compare-data");
   if (!el) return;
-  const runs = JSON.parse(el.textContent);
+  // Concurrency levels are overlaid; rate levels (another axis) are in each run's own page.
+  const runs = JSON.parse(el.textContent).map((r) => ({ ...r, points: r.points.filter((p) => p.kind !== "rate") }));
   const colors = ["#2563eb", "#16a34a", "#d97706", "#dc2626", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
   const levels = [...new Set(runs.flatMap((r) => r.points.map((p) => p.concurrency)))].sort((a, b) => a - b);
   function overlay(id, value) {

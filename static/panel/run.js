@@ -3,7 +3,12 @@
   const R = window.RUN;
   const initial = JSON.parse(document.getElementById("initial").textContent);
   const ticks = initial.ticks.map(([t, c, v]) => ({ t, c, v }));
-  const points = new Map(initial.points.map((p) => [p.concurrency, p]));
+  // A level is a concurrency or a request rate (open loop): keyed apart, each kind charted on its own axis.
+  const key = (p) => (p.kind === "rate" ? "r" + p.rate : "c" + p.concurrency);
+  const points = new Map(initial.points.map((p) => [key(p), p]));
+  const byRate = R.axis === "rate";
+  const axis = byRate ? "requests/s" : "concurrency";
+  const x = (p) => (byRate ? p.rate : p.concurrency);
   const fmt = (v, d = 1) => (v == null ? "—" : Number(v).toFixed(d));
   const width = (el) => Math.max(300, el.clientWidth);
 
@@ -15,23 +20,26 @@
     [[], []], tickEl);
   const scaleEl = document.getElementById("chart-scaling");
   const scaleChart = new uPlot({ width: width(scaleEl), height: 220, scales: { x: { time: false, distr: 3 } }, legend,
-    series: [{ label: "concurrency" }, { label: "output tok/s", stroke: "#16a34a", width: 2, points: { size: 6 } }],
-    axes: [{ label: "concurrency" }, { size: 60 }] }, [[], []], scaleEl);
+    series: [{ label: axis }, { label: "output tok/s", stroke: "#16a34a", width: 2, points: { size: 6 } }],
+    axes: [{ label: axis }, { size: 60 }] }, [[], []], scaleEl);
   const ttftEl = document.getElementById("chart-ttft");
   const ttftChart = new uPlot({ width: width(ttftEl), height: 220, scales: { x: { time: false, distr: 3 } }, legend,
-    series: [{ label: "concurrency" }, { label: "TTFT median ms", stroke: "#d97706", width: 2, points: { size: 6 } }],
-    axes: [{ label: "concurrency" }, { size: 60 }] }, [[], []], ttftEl);
+    series: [{ label: axis }, { label: "TTFT median ms", stroke: "#d97706", width: 2, points: { size: 6 } }],
+    axes: [{ label: axis }, { size: 60 }] }, [[], []], ttftEl);
   window.runCharts = { ticks: tickChart, scaling: scaleChart, ttft: ttftChart };
 
   function drawTicks() { tickChart.setData([ticks.map((x) => x.t), ticks.map((x) => x.v)]); }
   function drawPoints() {
-    const ps = [...points.values()].sort((a, b) => a.concurrency - b.concurrency);
-    scaleChart.setData([ps.map((p) => p.concurrency), ps.map((p) => p.output_throughput)]);
-    ttftChart.setData([ps.map((p) => p.concurrency), ps.map((p) => p.ttft_ms.median)]);
+    const ps = [...points.values()].sort((a, b) => (a.kind || "").localeCompare(b.kind || "") || a.rate - b.rate || a.concurrency - b.concurrency);
+    const charted = ps.filter((p) => (p.kind === "rate") === byRate);
+    scaleChart.setData([charted.map(x), charted.map((p) => p.output_throughput)]);
+    ttftChart.setData([charted.map(x), charted.map((p) => p.ttft_ms.median)]);
     document.querySelector("#points tbody").innerHTML = ps.map((p) => {
       const s = p.server_metrics || {};
       const gauge = (k) => (s[k] ? fmt(s[k].max, 0) : "—");
-      return `<tr data-concurrency="${p.concurrency}"><td class="num">${p.concurrency}</td><td class="num">${fmt(p.output_throughput)}</td>` +
+      const rate = p.kind === "rate";
+      const level = rate ? `${p.rate} req/s${p.concurrency ? " ≤ " + p.concurrency : ""}` : p.concurrency;
+      return `<tr data-concurrency="${p.concurrency}" data-kind="${p.kind}" data-rate="${p.rate}"><td class="num">${level}</td><td class="num">${fmt(p.output_throughput)}</td>` +
         `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
         `<td class="num" data-f="prompt-tokens" title="${p.prompt_tokens_counted_by ? "sized by " + p.prompt_tokens_counted_by : "prompts as written"}">${p.prompt_tokens_requested ?? "—"} / ${fmt(p.prompt_tokens_mean)}</td>` +
         `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt((p.ttft_vllm_bench_ms || {}).median)}</td>` +
@@ -39,9 +47,10 @@
         `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt((p.itl_per_token_ms || {}).median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
         `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
         `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td>` +
-        `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td></tr>`;
+        `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td>` +
+        `<td class="num" data-f="rate">${rate ? fmt(p.achieved_rate, 2) + " / " + fmt((p.lag_ms || {}).p99, 2) : "—"}</td></tr>`;
     }).join("");
-    const single = points.get(1);
+    const single = points.get("c1");
     if (single) document.getElementById("single-stream-output").textContent = fmt(single.output_throughput) + " tok/s";
   }
   drawTicks();
@@ -66,9 +75,10 @@
       if (!ticks.length || d.t > ticks[ticks.length - 1].t) ticks.push({ t: d.t, c: d.concurrency, v: d.tok_s });
       drawTicks();
       const server = d.server && d.server.generation_tok_s != null ? ` · engine ${fmt(d.server.generation_tok_s)} tok/s` : "";
-      document.getElementById("now").textContent = `concurrency ${d.concurrency}: ${fmt(d.tok_s)} tok/s, ${d.in_flight} in flight, ${d.completed} done${server}`;
+      const level = d.rate ? `${d.rate} req/s` : `concurrency ${d.concurrency}`;
+      document.getElementById("now").textContent = `${level}: ${fmt(d.tok_s)} tok/s, ${d.in_flight} in flight, ${d.completed} done${server}`;
     } else if (msg.kind.startsWith("point.")) {
-      points.set(msg.data.concurrency, msg.data);
+      points.set(key(msg.data), msg.data);
       drawPoints();
     } else if (msg.kind === "status") {
       const s = msg.data;
