@@ -137,14 +137,16 @@ def _rank(rank_id: int) -> DeploymentRank:
 
 def _note(r: DeploymentRank, state: str | None = None, message: str | None = None, **fields) -> None:
     """Move the rank to `state` (a guarded transition: a rank the head or a Stop moved meanwhile aborts this
-    plan) and/or record its message and load."""
+    plan; one already there stays, as the watch moves a loading rank to running once the head is ready, racing
+    this plan's own move) and/or record its message and load."""
     if message is not None:  # it may quote the rank's log
         fields["message"] = secrets.redact_deployment(r.deployment, message)
     if state:
         with transaction.atomic():
             row = DeploymentRank.objects.select_for_update().get(pk=r.pk)
             try:
-                row.transition(state)
+                if row.state != state:
+                    row.transition(state)
             except InvalidTransition as exc:
                 raise Aborted(str(exc)) from exc
             DeploymentRank.objects.filter(pk=r.pk).update(state=state, updated=timezone.now(), **fields)
