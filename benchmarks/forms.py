@@ -67,10 +67,10 @@ class RunForm(forms.Form):
                              help_text="Empty with request rates: rate levels only.")
     rates = forms.CharField(required=False, label="Request rates (req/s)", help_text=(
         "Open-loop levels after the concurrency levels, e.g. 2,4,8: Poisson arrivals (or gamma with a burstiness)."))
-    burstiness = forms.FloatField(min_value=0.01, max_value=MAX_BURSTINESS, initial=default("burstiness"), help_text=(
+    burstiness = forms.FloatField(min_value=0.01, max_value=MAX_BURSTINESS, initial=default("burstiness"), required=False, help_text=(
         "Gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier."))
     max_concurrency = forms.IntegerField(min_value=0, max_value=MAX_LEVEL, initial=default("max_concurrency"),
-                                         label="Max concurrency at a rate", help_text="0: no cap.")
+                                         required=False, label="Max concurrency at a rate", help_text="0: no cap.")
     ramp = forms.ChoiceField(choices=[("", "none"), ("linear", "linear"), ("exponential", "exponential")], required=False)
     ramp_from = forms.FloatField(min_value=0, max_value=MAX_RATE, initial=default("ramp_from"), required=False,
                                  label="Ramp from (req/s)")
@@ -98,6 +98,9 @@ class RunForm(forms.Form):
 
     def clean(self):
         data = super().clean()
+        for name in ("burstiness", "max_concurrency"):  # left empty (a script posting only rates): the runner's own
+            if name in data and data[name] is None:
+                data[name] = default(name)
         if bool(data.get("deployment")) == bool(data.get("base_url")):
             raise forms.ValidationError("Choose a deployment or give a URL (not both).")
         if "levels" in data and "rates" in data and not data["levels"] and not data["rates"]:

@@ -65,6 +65,10 @@ def test_the_form_takes_rates_and_refuses_neither_levels_nor_rates(settings):
     assert form.params()["levels"] == [] and form.params()["rates"] == [2.0, 4.0]
     assert form.params()["arrival"] == "poisson" and form.params()["max_concurrency"] == 8
     assert not RunForm(data={**base, "levels": "", "rates": ""}).is_valid()
+    bare = {k: v for k, v in base.items() if k not in ("burstiness", "max_concurrency")}
+    plain = RunForm(data={**bare, "levels": "", "rates": "3"})  # a script that posts only its rates
+    assert plain.is_valid(), plain.errors
+    assert (plain.params()["burstiness"], plain.params()["max_concurrency"], plain.params()["arrival"]) == (1.0, 0, "poisson")
     zero = RunForm(data={**base, "levels": "1", "rates": "0"})
     assert not zero.is_valid() and "above 0" in zero.errors["rates"][0]
 
