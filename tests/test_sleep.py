@@ -183,3 +183,12 @@ def test_a_swap_whose_weights_do_not_fit_in_free_ram_sleeps_at_level_2(gpu_node,
     Deployment.objects.filter(pk=source.pk).update(status=S.READY)
     sleep.put_to_sleep(Deployment.objects.select_related("model", "node").get(pk=source.pk))
     assert asked == [2, 1]
+
+
+def test_a_sleep_mode_deployment_is_not_made_a_systemd_service(gpu_node):
+    gpu_node.systemd = True
+    gpu_node.save()
+    d = _on(gpu_node, 0, status=S.READY, sleep_mode=True)
+    with pytest.raises(ServiceError, match="cannot be made a systemd service") as refused:
+        deploys.deployment_persist(d)
+    assert refused.value.code == "no_sleep_mode" and not d.events.filter(step="persist").exists()

@@ -363,6 +363,9 @@ def deployment_persist(d: Deployment) -> Deployment:
                            "download the unit file and install it by hand.", code="no_systemd")
     if d.status != Deployment.Status.READY:
         raise ServiceError("Only a ready deployment can be made a service.", code="not_running")
+    if d.sleep_mode:  # systemd would start it awake at boot, beside the one that shares its GPUs
+        raise ServiceError("A sleep-mode deployment cannot be made a systemd service: it shares its GPUs with other "
+                           "sleep-mode deployments, and systemd would start it awake at boot.", code="no_sleep_mode")
     if multinode.executor(d.engine_args) == "ray":
         raise ServiceError("A Ray deployment cannot be made a systemd service yet: its agents own its Ray nodes.",
                            code="ray")
