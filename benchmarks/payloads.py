@@ -69,12 +69,12 @@ class RunTick:
 
     t: float  # seconds since the run started
     concurrency: int
-    rate: float  # a rate level's requests/s; 0 at a concurrency level
     tok_s: float
     in_flight: int
     completed: int
     failed: int
     server: dict
+    rate: float = 0.0  # a rate level's requests/s; 0 at a concurrency level
 
 
 def send_run_status(run) -> None:

@@ -14,10 +14,11 @@ def rate_arguments(s) -> None:
 
 def rate_body(args) -> dict:
     """The run's rate fields ({} without --rate); the panel checks the values and says what is wrong."""
+    text = getattr(args, "rate", "") or ""  # a caller that builds its own arguments may leave rates out
     try:
-        rates = [float(r) for r in args.rate.split(",") if r.strip()]
+        rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
-        raise CliError(f"--rate takes requests per second, e.g. 2,4,8 (got {args.rate!r})", BAD_INPUT) from None
+        raise CliError(f"--rate takes requests per second, e.g. 2,4,8 (got {text!r})", BAD_INPUT) from None
     if not rates:
         return {}
     return {"rates": rates, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,

@@ -11,6 +11,7 @@ from controlpanel.states import InvalidTransition
 from deployments.host import engine, ownership
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle, reconcile
+from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -48,6 +49,9 @@ def test_an_engine_whose_pid_never_reached_the_row_is_adopted_by_its_marker_and_
     head = _start(d.marker, lifecycle.RAY, tmp_path / "ray.log")
     pid = _start(d.marker, lifecycle.ENGINE, tmp_path / "engine.log")
     try:
+        # The engine runs with its marker (as one does by the time an agent restarts): on a busy machine the
+        # new process shows its environment a moment after launch returns (it failed once in CI here).
+        wait_until(lambda: pid in ownership.engines_marked(d.marker), timeout=10, message="the engine's marker")
         assert lifecycle.adopt(d)
         d.refresh_from_db()
         assert d.pid == pid and d.pgid == pid and d.pid_create_time == pytest.approx(lifecycle.create_time(pid))
