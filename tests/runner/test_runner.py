@@ -127,9 +127,16 @@ def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
 
 def test_tpot_and_e2e_end_at_the_last_token_chunk(level):
     assert level.e2e_ms["median"] == pytest.approx(ms([r.chunk_times[-1] - r.start for r in level.records]))
-    assert level.tpot_ms["median"] == pytest.approx(ms([(r.chunk_times[-1] - r.chunk_times[0]) / 29 for r in level.records]))
+    assert level.tpot_ms["median"] == pytest.approx(ms([(r.chunk_times[-1] - r.chunk_times[0]) / 29 for r in decoded(level)]))
     assert all(r.done >= r.chunk_times[-1] for r in level.records)  # usage and [DONE] came after
     assert level.e2e_ms["median"] >= 50 + 9 * GAP_MS  # the schedule's last token
+
+
+def decoded(level) -> list:
+    """The requests with a decode time a client could see: on a busy machine every chunk of one may come in the
+    read of its first, and stats.summarize leaves such a request out of TPOT and tok/s per user (it failed once here
+    under load when this test counted it)."""
+    return [r for r in level.records if r.chunk_times[-1] > r.chunk_times[0]]
 
 
 def max_in_flight(records) -> int:
@@ -165,7 +172,7 @@ def test_throughputs_are_counts_over_the_measured_duration(level):
     assert level.output_throughput * level.duration_s == pytest.approx(300)
     assert level.request_throughput * level.duration_s == pytest.approx(10)
     assert level.tok_s_per_user == pytest.approx(
-        29 * len(level.records) / sum(r.chunk_times[-1] - r.chunk_times[0] for r in level.records))
+        29 * len(decoded(level)) / sum(r.chunk_times[-1] - r.chunk_times[0] for r in decoded(level)))
 
 
 def test_warmup_requests_are_left_out_of_every_metric(level):
