@@ -5,7 +5,8 @@ from django.db import transaction
 
 from deployments.models import Deployment, DeploymentRank, ModelCopy, Node
 
-__all__ = ["deployment_holders", "lock_node", "lock_nodes", "lock_copy_node", "first_clash", "model_users"]
+__all__ = ["deployment_holders", "sleep_sharers", "awake_holders", "lock_node", "lock_nodes", "lock_copy_node",
+           "first_clash", "model_users"]
 
 
 def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
@@ -21,6 +22,18 @@ def deployment_holders(node: Node, gpu_indices: list[int], exclude: Deployment |
     if as_rank:
         holders = Deployment.objects.filter(pk__in=[*holders.values_list("pk", flat=True), *as_rank])
     return holders.exclude(pk=exclude.pk) if exclude else holders
+
+
+def sleep_sharers(node: Node, gpu_indices: list[int], exclude: Deployment | None = None):
+    """Loaded (ready or asleep) single-node sleep-mode deployments holding these GPUs: a sleep-mode deployment
+    shares them with these, one awake at a time (deployments/node/sleep.py), rather than replacing them."""
+    return deployment_holders(node, gpu_indices, exclude=exclude).filter(sleep_mode=True, status__in=Deployment.UP,
+                                                                         master_port=None)
+
+
+def awake_holders(node: Node, gpu_indices: list[int], exclude: Deployment | None = None) -> list[Deployment]:
+    """Active deployments holding these GPUs that are not asleep: what a wake on them must wait for."""
+    return [o for o in deployment_holders(node, gpu_indices, exclude=exclude) if o.status != Deployment.Status.SLEEPING]
 
 
 def lock_node(node_id: int) -> Node:

@@ -13,7 +13,7 @@ import time
 
 import psutil
 
-from deployments import enginekey
+from deployments import claims, enginekey
 from deployments.gateway import changes
 from deployments.gateway.models import Route
 from deployments.host import engine, gpu, vllm
@@ -126,8 +126,7 @@ def put_to_sleep(d: Deployment, level: int | None = None) -> str:
 def wake_blockers(d: Deployment) -> list[str]:
     """Who holds the GPUs a sleeping deployment would wake on: another of the panel's deployments that is not
     asleep, or a process the panel did not start. Empty: it may wake."""
-    from deployments import claims
-    awake = [o for o in claims.deployment_holders(d.node, d.gpu_indices, exclude=d) if o.status != S.SLEEPING]
+    awake = claims.awake_holders(d.node, d.gpu_indices, exclude=d)
     named = [f"{o.name} ({o.get_status_display().lower()})" for o in awake]
     named += [f"PID {p['pid']} ({p['user']}: {p['command'][:80]})" for p in
               foreign_holders(d.node_id, d.gpu_indices, spare=[d.pk]) if not p["display"]]
@@ -255,11 +254,9 @@ SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /sleep, /wake_up, /is_s
 
 def sharing(d: Deployment) -> list[Deployment]:
     """The loaded sleep-mode deployments on a sleep-mode deployment's GPUs: put to sleep, not stopped."""
-    from deployments import claims
     if not d.sleep_mode:
         return []
-    return list(claims.deployment_holders(d.node, d.gpu_indices, exclude=d).filter(
-        sleep_mode=True, status__in=Deployment.UP, master_port=None).select_related("model", "node"))
+    return list(claims.sleep_sharers(d.node, d.gpu_indices, exclude=d).select_related("model", "node"))
 
 
 def sharing_pids(d: Deployment) -> set[int]:

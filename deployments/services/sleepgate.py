@@ -23,5 +23,4 @@ def sharers(node: Node, gpu_indices: list[int], sleep_mode: bool, exclude: Deplo
     plan puts them to sleep instead of stopping them."""
     if not sleep_mode:
         return set()
-    holders = claims.deployment_holders(node, gpu_indices, exclude=exclude)
-    return set(holders.filter(sleep_mode=True, status__in=Deployment.UP, master_port=None).values_list("pk", flat=True))
+    return set(claims.sleep_sharers(node, gpu_indices, exclude=exclude).values_list("pk", flat=True))

@@ -49,16 +49,13 @@ def deployment_sleep(d: Deployment, level: int | None = None) -> Deployment:
     return d
 
 
-def _awake_beside(d: Deployment) -> list[Deployment]:
-    return [o for o in claims.deployment_holders(d.node, d.gpu_indices, exclude=d) if o.status != S.SLEEPING]
-
-
 @transaction.atomic
 def deployment_wake(d: Deployment) -> Deployment:
     d = _locked(d)
     if d.status != S.SLEEPING:
         raise ServiceError(f"{d.name} is {d.get_status_display().lower()}, not asleep.", code="not_sleeping")
-    if awake := _awake_beside(d):
+    awake = claims.awake_holders(d.node, d.gpu_indices, exclude=d)
+    if awake:
         raise ServiceError(f"{awake[0].name} ({awake[0].get_status_display().lower()}) holds {d.name}'s GPUs: "
                            f"swap to {d.name} instead, or stop it first.", code="gpus_busy")
     deployment_event(d, "wake", "Wake requested.")
@@ -90,7 +87,8 @@ def deployment_swap(source: Deployment, target: Deployment) -> Deployment:
     if target.status != S.SLEEPING:
         raise ServiceError(f"{target.name} is {target.get_status_display().lower()}: wait until it is loaded.",
                            code="busy")
-    if awake := [o for o in _awake_beside(target) if o.pk != source.pk]:
+    awake = [o for o in claims.awake_holders(target.node, target.gpu_indices, exclude=target) if o.pk != source.pk]
+    if awake:
         raise ServiceError(f"{awake[0].name} ({awake[0].get_status_display().lower()}) also holds these GPUs.",
                            code="gpus_busy")
     deployment_event(target, "swap", f"Swap from {source.name} requested.")
