@@ -54,6 +54,10 @@ class Schedule:
     # Each request's gap drawn from gap_ms * (1 ± jitter), uniformly (perf/tune_verdicts.py's noise).
     jitter: float = 0.0
     seed: int = 0
+    # Requests served at once (0: no limit): the rest wait, first come first served, for a slot, and their
+    # schedule starts when they get one. With a fixed schedule each request holds its slot a fixed service
+    # time (ttft + gap x (token chunks - 1)), so the server's capacity is slots / that time, exactly.
+    slots: int = 0
 
 
 class Lateness:
@@ -88,11 +92,11 @@ class Lateness:
 class _Stream:
     """One response in flight: its transport, its framed chunks and which one is next."""
 
-    __slots__ = ("transport", "frames", "sizes", "next", "anchor", "last", "done", "gap")
+    __slots__ = ("transport", "frames", "sizes", "next", "anchor", "last", "first", "done", "gap")
 
     def __init__(self, transport, frames, sizes, anchor, gap=0.0):
         self.transport, self.frames, self.sizes, self.anchor = transport, frames, sizes, anchor
-        self.next, self.last, self.gap = 0, 0.0, gap
+        self.next, self.last, self.first, self.gap = 0, 0.0, 0.0, gap
         self.done = asyncio.get_running_loop().create_future()
 
 
@@ -111,6 +115,8 @@ class Server:
         self.lateness = Lateness()
         self.truth_ttft: list[float] = []  # first-token write minus request read, as it happened
         self.truth_itl: list[float] = []  # gaps between a stream's writes, as they happened
+        self.truth_requests: list[tuple[float, float]] = []  # (TTFT, E2E) of each finished stream, from its arrival
+        self._slots = None
         self.running = 0
         self.requests_total = 0
         self.generation_tokens_total = 0
@@ -185,10 +191,12 @@ class Server:
             "itl_median_ms": statistics.median(itl) * 1000,
             "itl_p90_ms": itl[int(0.9 * (len(itl) - 1))] * 1000,
         }
+        if request.query.get("truth"):  # every finished stream's [TTFT ms, E2E ms], in the order they ended
+            body["truth"] = [[round(t * 1000, 4), round(e * 1000, 4)] for t, e in self.truth_requests]
         if request.query.get("reset"):
             late.reset()
             self.requests_total = 0
-            self.truth_ttft, self.truth_itl = [], []
+            self.truth_ttft, self.truth_itl, self.truth_requests = [], [], []
             gc.collect()  # the CLI server runs without automatic GC: collect between levels
         return web.json_response(body)
 
@@ -233,6 +241,10 @@ class Server:
         await response.prepare(request)  # a StreamResponse sends its headers right away
         if first:
             await response.write(first)  # the role-only chunk
+        if sch.slots and self._slots is None:
+            self._slots = asyncio.Semaphore(sch.slots)
+        if self._slots is not None:
+            await self._slots.acquire()
         self.running += 1
         transport = request.transport
         try:
@@ -241,11 +253,18 @@ class Server:
             else:
                 gap = sch.gap_ms / 1000 * (1 + self._rng.uniform(-sch.jitter, sch.jitter))
                 stream = _Stream(transport, frames, sizes, anchor, gap)
-                self.firsts.append((anchor + sch.ttft_ms / 1000, stream))
-                self._poke(anchor + sch.ttft_ms / 1000)
+                # With slots the schedule starts when the slot was taken (now): slots are taken one after
+                # another on this loop, so the deadlines in this queue still only grow.
+                first_at = (perf_counter() if self._slots is not None else anchor) + sch.ttft_ms / 1000
+                self.firsts.append((first_at, stream))
+                self._poke(first_at)
                 await stream.done
+                if stream.next == len(frames):
+                    self.truth_requests.append((stream.first - anchor, stream.last - anchor))
         finally:
             self.running -= 1
+            if self._slots is not None:
+                self._slots.release()
         if transport is not None and not transport.is_closing():
             await response.write_eof()
         return response
@@ -310,6 +329,8 @@ class Server:
             late = wrote - deadline
             counts[int(late * 100_000) if late < 0.1 else -1] += 1
             truth.append(wrote - (stream.anchor if first else stream.last))
+            if first:
+                stream.first = wrote
             stream.last = wrote
             generated += stream.sizes[i]
             stream.next = i = i + 1
@@ -409,13 +430,15 @@ def main(argv=None):
     parser.add_argument("--gc", action="store_true", help="keep automatic garbage collection on")
     parser.add_argument("--jitter", type=float, default=0.0, help="each request's gap drawn from gap * (1 ± jitter)")
     parser.add_argument("--seed", type=int, default=0, help="of the jitter: the same seed draws the same gaps")
+    parser.add_argument("--slots", type=int, default=0, help="requests served at once (the rest queue); 0: no limit")
     parser.add_argument("--wait-stdin", action="store_true",
                         help="bind only once a line arrives on stdin (the fake vLLM's load ends: imports are done by then)")
     args = parser.parse_args(argv)
     schedule = Schedule(ttft_ms=args.ttft_ms, gap_ms=args.gap_ms, tokens_per_chunk=args.tokens_per_chunk,
                         reasoning_tokens=args.reasoning_tokens, default_max_tokens=args.default_max_tokens,
                         zero_delay=args.zero_delay, reasoning_field=args.reasoning_field, spin_us=args.spin_us,
-                        role_with_first_token=args.role_with_first_token, jitter=args.jitter, seed=args.seed)
+                        role_with_first_token=args.role_with_first_token, jitter=args.jitter, seed=args.seed,
+                        slots=args.slots)
     _raise_fd_limit()
     if args.wait_stdin:
         sys.stdin.readline()

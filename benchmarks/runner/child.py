@@ -171,7 +171,7 @@ def main() -> int:
         result = sweep(spec, on_level=lambda level: send({"level": level.to_dict()}),
                        on_tick=lambda tick: send({"tick": dataclasses.asdict(tick)}), cancel=cancel,
                        memory_bytes=worker)
-        send({"done": {"cancelled": result.cancelled, "saturated": result.saturated}})
+        send({"done": {"cancelled": result.cancelled, "saturated": result.saturated, "capacity": result.capacity}})
         return 0
     except MemoryError:
         send({"error": {"message": "out of memory in the coordinating process", "memory": True}})

@@ -58,6 +58,11 @@ class LoadSpec:
     ramp: str = ""  # "" | "linear" | "exponential": from ramp_from to the level's rate over its requests
     ramp_from: float = 0.0  # requests/s at the ramp's start (above 0 for an exponential ramp)
     rate_duration_s: float = 30.0  # a rate level sends max(min_requests, rate × this) requests
+    # SLOs (slo.py): [{"metric": "ttft" | "itl" | "e2e", "percentile": 99, "max_ms": 2000}]; each level reports
+    # its goodput and attainment against them.
+    slos: list = field(default_factory=list)
+    # A capacity search (capacity.py), run instead of the rates: {"low", "high", "width", "repeats"} in req/s.
+    capacity: dict = field(default_factory=dict)
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_user * concurrency)
@@ -180,6 +185,9 @@ class LevelResult:
     achieved_rate: float = 0.0
     lag_ms: dict = field(default_factory=dict)
     slot_wait_ms: dict = field(default_factory=dict)
+    # Against the spec's SLOs (slo.evaluate): {"good", "goodput", "attainment_pct", "met", "each"}; {} without.
+    slo: dict = field(default_factory=dict)
+    repeat: int = 0  # a capacity search's repeat of the same rate (0 otherwise)
     records: list = field(default_factory=list, repr=False)
 
     @property
@@ -205,6 +213,7 @@ class SweepResult:
     levels: list = field(default_factory=list)
     cancelled: bool = False
     saturated: str = ""  # why the sweep stopped before its last level (saturation.py), "" if it did not
+    capacity: dict = field(default_factory=dict)  # a capacity search's answer (capacity.search), {} without one
 
     @property
     def single_stream_tok_s(self) -> float | None:

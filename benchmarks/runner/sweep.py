@@ -11,6 +11,7 @@ Each worker makes its own share of the prompts (prompts.share_requests): the coo
 them, and a worker holds at most PREFETCH_BYTES of them ahead of the level's start (all of them for an
 ordinary level, so no prompt is built while requests are timed), the rest as they are sent.
 """
+import dataclasses
 import math
 import os
 import pickle
@@ -20,10 +21,12 @@ import time
 
 from deployments.host import vllm
 
+from . import capacity as capacity_search
 from .arrivals import due_offsets, rate_requests
 from .prompts import Target
 from .saturation import saturated
 from .scrape import Sampler
+from .slo import evaluate as slo_evaluate
 from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
 from .stats import request_samples, schedule_figures, summarize
 from .tokens import WORDS_ONLY, PromptLengths, prompt_lengths
@@ -89,13 +92,14 @@ class Sweeper:
         records, result = self._measure(concurrency, 0.0, on_tick, cancel, warmup, active)
         return result
 
-    def run_rate(self, rate: float, on_tick=None, cancel=None) -> LevelResult:
+    def run_rate(self, rate: float, on_tick=None, cancel=None, repeat: int = 0) -> LevelResult:
         """Measure one open-loop level: requests sent at their seeded due times (arrivals.py), at most
-        spec.max_concurrency in flight (the rest wait for a slot, and the wait is recorded); no warm-up."""
+        spec.max_concurrency in flight (the rest wait for a slot, and the wait is recorded); no warm-up.
+        A repeat of the same rate (a capacity search's) draws its arrivals from another seed."""
         spec, workers = self.spec, self.workers
         cap = spec.max_concurrency
         total = rate_requests(spec, rate)
-        due = due_offsets(spec, rate, total)
+        due = due_offsets(dataclasses.replace(spec, seed=spec.seed + 7919 * repeat) if repeat else spec, rate, total)
         lengths = self.prompt_lengths().costed() if spec.prompt_source == "random" else None
         active = min(workers.count, spec.workers or auto_workers(cap or 1), cap or workers.count)
         for wid in range(workers.count):
@@ -104,7 +108,7 @@ class Sweeper:
             workers.commands[wid].put(_Command(share, active, total, 0, [wid] if mine else [], lengths, spec.tick_s,
                                                due=due if mine else None, key=f"rate{rate:g}"))
         records, result = self._measure(cap, rate, on_tick, cancel, 0, active)
-        result.kind, result.rate, result.max_concurrency = "rate", rate, cap
+        result.kind, result.rate, result.max_concurrency, result.repeat = "rate", rate, cap, repeat
         for name, value in schedule_figures(records).items():
             setattr(result, name, value)
         return result
@@ -262,13 +266,14 @@ def _check_lengths(spec: LoadSpec) -> None:
 def sweep_workers(spec: LoadSpec) -> tuple[int, int]:
     """(the most streams any level of the spec runs at once, if known, its worker count)."""
     levels = [int(c) for c in spec.levels if int(c) > 0]
-    top = max(levels + ([spec.max_concurrency or 1] if spec.rates else []) or [1])
+    top = max(levels + ([spec.max_concurrency or 1] if spec.rates or spec.capacity else []) or [1])
     return top, spec.workers or auto_workers(top)
 
 
 def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes: int = 0) -> SweepResult:
-    """Measure every level of `spec.levels` in order, then every rate of `spec.rates`; stops early on
-    cancel. Once the engine saturates the remaining concurrency levels are skipped unless
+    """Measure every level of `spec.levels` in order, then every rate of `spec.rates`, then a capacity
+    search when spec.capacity asks for one (result.capacity); stops early on cancel. Each level is
+    scored against spec.slos (level.slo). Once the engine saturates the remaining concurrency levels are skipped unless
     spec.stop_when_saturated is off (then result.saturated says why); rate levels all run.
 
     on_level(LevelResult) after each level, on_tick(Tick) every spec.tick_s; both run in this
@@ -280,15 +285,24 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
     result = SweepResult()
     levels = [int(c) for c in spec.levels if int(c) > 0]
     rates = [float(r) for r in spec.rates if float(r) > 0]
-    if not levels and not rates:
+    if not levels and not rates and not spec.capacity:
         raise RunnerError("no concurrency levels or rates to run", permanent=True)
+    if spec.capacity:
+        capacity_search.check(spec.capacity)
+        if not spec.slos:
+            raise RunnerError("a capacity search needs SLOs to meet", permanent=True)
     _check_lengths(spec)
 
-    def measured(level: LevelResult) -> bool:
-        """Keep a level; False once the sweep must stop (cancelled)."""
+    def kept(level: LevelResult) -> LevelResult:
+        level.slo = slo_evaluate(level.records, spec.slos, level.duration_s)
         result.levels.append(level)
         if on_level is not None:
             on_level(level)
+        return level
+
+    def measured(level: LevelResult) -> bool:
+        """Keep a level; False once the sweep must stop (cancelled)."""
+        kept(level)
         if level.cancelled:
             result.cancelled = True
             return False
@@ -314,4 +328,9 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
                 break
             if not measured(sweeper.run_rate(rate, on_tick=on_tick, cancel=check)):
                 break
+        if spec.capacity and not result.cancelled:
+            result.capacity = capacity_search.search(
+                lambda rate, repeat: kept(sweeper.run_rate(rate, on_tick=on_tick, cancel=check, repeat=repeat)),
+                spec.slos, spec.capacity, check)
+            result.cancelled = result.cancelled or any(lv.cancelled for lv in result.levels)
     return result
