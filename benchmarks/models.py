@@ -156,6 +156,8 @@ class Study(Transitions, models.Model):
     rule = models.JSONField(default=dict, help_text='How the winner is chosen: {"kind": "throughput", "level": 16}, ...')
     finish_with = models.CharField(max_length=10, default="baseline", help_text="What runs at the end: baseline or winner.")
     estimate_s = models.FloatField(null=True, blank=True, help_text="Predicted duration when it was made.")
+    estimate_basis = models.CharField(max_length=300, blank=True, help_text="What the estimate came from; it starts "
+                                      "'a guess' where nothing of the deployment was measured yet.")
     cancel_requested = models.BooleanField(default=False)
     pause_requested = models.BooleanField(default=False)
     finish_trial = models.JSONField(default=dict, blank=True, help_text="The closing redeploy: {engine_args, env, sent, agent_pid}.")

@@ -162,7 +162,7 @@ def study_create(*, deployment: Deployment, variants: list[dict], workload: dict
     study = Study.objects.create(
         name=name or f"{d.name} tuning {timezone.now():%Y-%m-%d %H:%M}", deployment=d, repeats=repeats, order=order,
         workload=workload, base_engine_args=d.engine_args, base_env=d.env, rule=rule, finish_with=finish_with,
-        estimate_s=preview["estimate_s"], created_by=user)
+        estimate_s=preview["estimate_s"], estimate_basis=preview["basis"][:300], created_by=user)
     rows = [StudyVariant.objects.create(study=study, position=0, name="baseline", is_baseline=True)]
     rows += [StudyVariant.objects.create(study=study, position=i, name=v["name"][:120], engine_args=v["engine_args"],
                                          env=v["env"]) for i, v in enumerate(variants, 1)]

@@ -1,7 +1,7 @@
 """How long a study will take, from what its node measured: the deployment's redeploys (past trials,
 else its last plan from queued to smoke-tested) and its benchmark runs (the same workload's wall time,
 else a model of each level from the nearest level measured, else the smoke test's decode rate). Only
-what was never measured is guessed, and the basis says which parts were."""
+what was never measured is guessed, and the estimate says so ("guess", and the basis begins "a guess")."""
 import math
 import statistics
 
@@ -9,6 +9,7 @@ from benchmarks.models import BenchmarkPoint, BenchmarkRun, StudyTrial
 from deployments.models import Deployment, DeploymentEvent
 
 DEFAULT_READY_S = 120.0  # a deployment never loaded: a guess
+GUESSED = "a guess"  # the words a basis ends with where nothing was measured
 STOP_S = 3.0  # stopping the running engine before a redeploy, when the last plan stopped none
 RUN_OVERHEAD_S = 4.0  # a run's own start and end (child process, prompt lengths, workers), when none was timed
 TRIAL_OVERHEAD_S = 2.0  # the study driver's steps around a trial (it looks twice a second), when none was timed
@@ -39,7 +40,7 @@ def redeploy_seconds(d: Deployment) -> tuple[float, str]:
         fetched = sum((e.ended - e.started).total_seconds() for e in steps.filter(step="model", ended__isnull=False))
         wall = (last.ended - queued.started).total_seconds() - fetched
         return round(wall + (0 if stopped else STOP_S), 1), "its last load"
-    return DEFAULT_READY_S, "no load of it recorded yet: a guess"
+    return DEFAULT_READY_S, f"no load of it recorded yet: {GUESSED}"
 
 
 def _level_counts(workload: dict, c: int) -> int:
@@ -88,7 +89,7 @@ def bench_seconds(d: Deployment, workload: dict) -> tuple[float, str]:
     if smoke.get("latency_s") and smoke.get("completion_tokens"):
         tok_s = smoke["completion_tokens"] / smoke["latency_s"]
     guess = BenchmarkPoint(concurrency=1, ttft_ms={"median": GUESS_TTFT_S * 1000}, tpot_ms={"median": 1000 / tok_s})
-    basis = "its smoke test's decode rate" if tok_s != GUESS_TOK_S else "no run of it yet: a guess"
+    basis = "its smoke test's decode rate" if tok_s != GUESS_TOK_S else f"no run or smoke test of it yet: {GUESSED}"
     return round(_modelled([guess], workload) + RUN_OVERHEAD_S, 1), basis
 
 
@@ -99,20 +100,27 @@ def trial_overhead_seconds(d: Deployment) -> float:
 
 
 def study_estimate(d: Deployment, trials: int, workload: dict) -> dict:
-    """{"ready_s", "benchmark_s", "overhead_s", "trial_s", "estimate_s", "basis"}: every trial redeploys and
-    runs the workload, then the closing redeploy puts the baseline back."""
+    """{"ready_s", "benchmark_s", "overhead_s", "trial_s", "estimate_s", "basis", "guess"}: every trial redeploys
+    and runs the workload, then the closing redeploy puts the baseline back. "guess" is true when a part was never
+    measured on the node (its basis then starts "a guess:", so every place that shows the basis says so)."""
     ready_s, ready_basis = redeploy_seconds(d)
     done = (StudyTrial.objects.filter(study__deployment=d, status=StudyTrial.Status.DONE).exclude(started=None)
             .exclude(finished=None).select_related("study").order_by("-finished")[:50])
     walls = [(t.finished - t.started).total_seconds() for t in done if t.study.workload == workload][:10]
     if walls:  # trials of this very workload ran here: their wall time says it all
         trial_s = statistics.median(walls)
-        return {"ready_s": ready_s, "benchmark_s": None, "overhead_s": None, "trial_s": round(trial_s, 1),
-                "estimate_s": round(trials * trial_s + ready_s, 1),
-                "basis": f"its last {len(walls)} trials of this workload; redeploy: {ready_basis}"}
+        return _said({"ready_s": ready_s, "benchmark_s": None, "overhead_s": None, "trial_s": round(trial_s, 1),
+                      "estimate_s": round(trials * trial_s + ready_s, 1),
+                      "basis": f"its last {len(walls)} trials of this workload; redeploy: {ready_basis}"})
     bench_s, bench_basis = bench_seconds(d, workload)
     overhead_s = round(trial_overhead_seconds(d), 1)
     total = trials * (ready_s + bench_s + overhead_s) + ready_s
-    return {"ready_s": ready_s, "benchmark_s": bench_s, "overhead_s": overhead_s,
-            "trial_s": round(ready_s + bench_s + overhead_s, 1), "estimate_s": round(total, 1),
-            "basis": f"redeploy: {ready_basis}; benchmark: {bench_basis}"}
+    return _said({"ready_s": ready_s, "benchmark_s": bench_s, "overhead_s": overhead_s,
+                  "trial_s": round(ready_s + bench_s + overhead_s, 1), "estimate_s": round(total, 1),
+                  "basis": f"redeploy: {ready_basis}; benchmark: {bench_basis}"})
+
+
+def _said(estimate: dict) -> dict:
+    """The estimate marked a guess, up front, when any part of it was never measured on the node."""
+    guess = GUESSED in estimate["basis"]
+    return {**estimate, "guess": guess, "basis": f"{GUESSED}: {estimate['basis']}" if guess else estimate["basis"]}

@@ -252,7 +252,8 @@ def study_live(study: Study) -> dict:
     return {"id": study.pk, "status": study.status, "status_display": study.get_status_display(), "error": study.error,
             "pause_requested": study.pause_requested, "cancel_requested": study.cancel_requested,
             "levels": study.workload.get("levels", []), "trials_done": done, "trials_total": len(trials),
-            "estimate_s": study.estimate_s, "took_s": took_s(study), "left_s": left_s(study, trials),
+            "estimate_s": study.estimate_s, "estimate_basis": study.estimate_basis, "took_s": took_s(study),
+            "left_s": left_s(study, trials),
             "variants": [{"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,
                           "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v)}
                          for v in study.variants.all()],

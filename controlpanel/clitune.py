@@ -110,7 +110,8 @@ def _lines(study: dict) -> list[str]:
         name = next((v["name"] for v in live["variants"] if v["id"] == results["winner"]), "?")
         out.append(f"Winner: {name} ({results.get('winner_why', '')})")
     if study.get("took_s") and study.get("estimate_s"):
-        out.append(f"Took {study['took_s'] / 60:.1f} min (estimated {study['estimate_s'] / 60:.1f} min).")
+        out.append(f"Took {study['took_s'] / 60:.1f} min (estimated {study['estimate_s'] / 60:.1f} min"
+                   + (f", {study['estimate_basis']}" if study.get("estimate_basis") else "") + ").")
     return out
 
 

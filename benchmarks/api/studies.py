@@ -99,8 +99,8 @@ class StudySerializer(serializers.ModelSerializer):
     class Meta:
         model = Study
         fields = ["id", "name", "deployment", "status", "error", "repeats", "order", "workload", "base_engine_args",
-                  "base_env", "rule", "rule_text", "finish_with", "estimate_s", "took_s", "created", "started",
-                  "finished", "live"]
+                  "base_env", "rule", "rule_text", "finish_with", "estimate_s", "estimate_basis", "took_s", "created",
+                  "started", "finished", "live"]
 
     rule_text = serializers.SerializerMethodField(help_text="How the winner is chosen, in words.")
     took_s = serializers.SerializerMethodField(help_text="Seconds from start to end, once ended (against estimate_s).")

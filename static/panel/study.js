@@ -105,7 +105,8 @@
     badge.textContent = study.status_display;
     badge.className = "badge " + study.status;
     el("study-error").textContent = study.error || "";
-    if (study.estimate_s) el("estimate").textContent = `${(study.estimate_s / 60).toFixed(1)} min` + (study.took_s ? `; took ${(study.took_s / 60).toFixed(1)} min` : "")
+    if (study.estimate_s) el("estimate").textContent = `${(study.estimate_s / 60).toFixed(1)} min`
+      + (study.estimate_basis ? ` (${study.estimate_basis})` : "") + (study.took_s ? `; took ${(study.took_s / 60).toFixed(1)} min` : "")
       + (study.left_s != null ? `; about ${(study.left_s / 60).toFixed(1)} min left, from its trials so far` : "");
     el("progress").textContent = `${study.trials_done} / ${study.trials_total} trials` + (study.pause_requested ? " · pausing after this trial" : "") + (study.cancel_requested ? " · cancelling" : "");
     document.querySelectorAll("#controls form[data-when]").forEach((f) => { f.hidden = !f.dataset.when.split(" ").includes(study.status); });
