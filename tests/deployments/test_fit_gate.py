@@ -9,7 +9,7 @@ from django.utils import timezone
 from controlpanel.errors import ServiceError
 from deployments.host import downloads
 from deployments.models import Deployment, ModelCopy
-from deployments.services import fitgate, repos
+from deployments.services import deploys, fitgate, repos
 from tests.factories import DeploymentFactory, GpuFactory, ModelRepoFactory, NodeFactory
 from tests.hfserver import serve
 
@@ -130,6 +130,19 @@ def test_a_download_a_user_started_goes_on_when_a_deploy_waiting_for_it_stops():
     assert repos.model_download_cancel_for(d) == []
     copy.refresh_from_db()
     assert not copy.cancel_requested
+
+
+def test_deleting_a_failed_deployment_cancels_the_download_its_plan_started_and_leaves_a_users_alone():
+    """A plan that failed (its node lost the engine, say) while its download went on: Delete stops that download."""
+    copy = _downloading()
+    d = DeploymentFactory(model=copy.model, node=copy.node, status=Deployment.Status.FAILED)
+    ModelCopy.objects.filter(pk=copy.pk).update(progress={"deployment": d.pk})
+    users = ModelCopy.objects.create(model=copy.model, node=NodeFactory(), state="downloading", bytes_done=GiB,
+                                     bytes_total=10 * GiB)
+    assert deploys.deployment_delete(d) is True
+    assert not Deployment.objects.filter(pk=d.pk).exists()
+    assert ModelCopy.objects.get(pk=copy.pk).cancel_requested
+    assert not ModelCopy.objects.get(pk=users.pk).cancel_requested
 
 
 @pytest.fixture
