@@ -44,7 +44,7 @@ def max_model_len(deployment, engine_args: dict | None = None) -> tuple[int | No
 
 def _spec(params: dict) -> runner.LoadSpec:
     keys = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "min_requests", "requests_per_user",
-            "warmup_per_user", "rate_duration_s")
+            "warmup_per_user", "rate_duration_s", "workload")
     return runner.LoadSpec(base_url="http://checked", model="", **{k: params[k] for k in keys if k in params})
 
 

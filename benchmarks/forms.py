@@ -1,7 +1,8 @@
 """The new-run form; the API serializer applies the same rules."""
 from django import forms
 
-from benchmarks import runner
+from benchmarks import runner, workloads
+from benchmarks.models import Workload
 from deployments.models import Deployment
 
 MAX_LEVEL = 4096
@@ -78,6 +79,9 @@ class RunForm(forms.Form):
                                  initial=default("endpoint"))
     prompt_source = forms.ChoiceField(choices=[("builtin", "built-in prompts"), ("random", "random prompts of a length"),
                                                ("jsonl", "uploaded JSONL")], initial=default("prompt_source"))
+    workload = forms.ModelChoiceField(queryset=Workload.objects.all(), required=False, empty_label="none: the prompts above",
+                                      help_text="A named workload's prompts and lengths (they replace the prompt fields); "
+                                      "a trace with no levels or rates replays at its own rate.")
     prompts_file = forms.FileField(required=False, label="JSONL prompts", help_text='{"prompt": ...} or {"messages": [...]} per line')
     input_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=default("input_tokens"))
     max_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=default("max_tokens"))
@@ -103,11 +107,12 @@ class RunForm(forms.Form):
                 data[name] = default(name)
         if bool(data.get("deployment")) == bool(data.get("base_url")):
             raise forms.ValidationError("Choose a deployment or give a URL (not both).")
-        if "levels" in data and "rates" in data and not data["levels"] and not data["rates"]:
+        trace = data.get("workload") is not None and data["workload"].kind == Workload.Kind.TRACE
+        if "levels" in data and "rates" in data and not data["levels"] and not data["rates"] and not trace:
             self.add_error("levels", "Give concurrency levels, request rates, or both.")
         if problem := ramp_problem(data.get("ramp") or "", data.get("ramp_from") or 0.0):
             self.add_error("ramp_from", problem)
-        if data.get("prompt_source") == "jsonl":
+        if data.get("prompt_source") == "jsonl" and not data.get("workload"):
             upload = data.get("prompts_file")
             if not upload:
                 self.add_error("prompts_file", "Upload a JSONL file of prompts.")
@@ -129,4 +134,6 @@ class RunForm(forms.Form):
             params.update(rates=data["rates"], burstiness=data["burstiness"], max_concurrency=data["max_concurrency"],
                           arrival="poisson" if data["burstiness"] == 1 else "gamma", ramp=data.get("ramp") or "",
                           ramp_from=data.get("ramp_from") or 0.0)
+        if data.get("workload") is not None:  # ServiceError (a multi-turn workload at rates) for the view to show
+            params = workloads.workload_params(data["workload"], params)
         return params

@@ -99,7 +99,12 @@ class BenchmarkPoint(models.Model):
     itl_ms = models.JSONField(default=dict)
     itl_per_token_ms = models.JSONField(default=dict)
     e2e_ms = models.JSONField(default=dict)
-    server_metrics = models.JSONField(default=dict, help_text="/metrics gauges scraped during the level.")
+    server_metrics = models.JSONField(default=dict, help_text=(
+        "/metrics gauges scraped during the level; prefix_cache: the engine's own prefix-cache queries, hits "
+        "(prompt tokens) and hit rate over the level, warm-up included."))
+    prefix_reuse = models.JSONField(default=dict, blank=True, help_text=(
+        "What a prefix cache could have served of the level's measured prompts, from the workload's structure: "
+        "{prompt_tokens, reusable_tokens, share}; empty for prompts without one."))
     energy_j = models.FloatField(null=True, blank=True, help_text=(
         "Joules the deployment's GPUs used over the level's measured window (NVML's energy counters); "
         "empty on a node without them."))
@@ -242,3 +247,30 @@ class StudyTrial(Transitions, models.Model):
 
     def __str__(self):
         return f"{self.variant} #{self.repeat}"
+
+
+class Workload(models.Model):
+    """A named, reusable workload (shared prefixes, multi-turn conversations, ShareGPT, a Mooncake trace)
+    that runs take their prompts from; `spec` is the runner's description, `preview` its lengths."""
+
+    class Kind(models.TextChoices):
+        PREFIX = "prefix", "Shared prefixes"
+        MULTITURN = "multiturn", "Multi-turn conversations"
+        SHAREGPT = "sharegpt", "ShareGPT conversations"
+        TRACE = "trace", "Mooncake trace"
+
+    name = models.CharField(max_length=100, unique=True)
+    kind = models.CharField(max_length=12, choices=Kind.choices)
+    spec = models.JSONField(help_text="The runner's workload (benchmarks/runner/workloads.py), file data included.")
+    input_tokens = models.PositiveIntegerField(default=128, help_text="Shared prefixes: each suffix; multi-turn: each user message.")
+    max_tokens = models.PositiveIntegerField(default=128, help_text="Shared prefixes and multi-turn: each answer (and "
+                                             "each made-up reply resent in the history).")
+    preview = models.JSONField(default=dict, blank=True, help_text="Prompt and output lengths, reuse, a trace's timing.")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name

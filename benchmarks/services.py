@@ -22,11 +22,11 @@ from deployments.node.lifecycle import running as engine_running
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
 SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
-               "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated")
+               "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated", "workload")
 # Open-loop levels: kept in a run's params only when it asks for rates.
 RATE_PARAMS = ("rates", "arrival", "burstiness", "max_concurrency", "ramp", "ramp_from", "rate_duration_s", "seed")
 DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS),
-            **{k: runner.spec_default(k) for k in SPEC_PARAMS if k != "prompts"}}
+            **{k: runner.spec_default(k) for k in SPEC_PARAMS if k not in ("prompts", "workload")}}
 TICK_KEEP = 20_000  # points of the tok/s-over-time chart kept per run
 CANCEL_CHECK_S = 0.5
 

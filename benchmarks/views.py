@@ -42,6 +42,9 @@ def run_detail(request, pk):
     return render(request, "benchmarks/run_detail.html", {
         "run": run, "points": points, "environment": selectors.environment_rows(run.environment),
         "saturation": selectors.run_saturation(run, points),
+        "prefix_rows": [(f"{p.rate:g} req/s" if p.kind == "rate" else f"concurrency {p.concurrency}",
+                         p.server_metrics.get("prefix_cache"), p.prefix_reuse) for p in points
+                        if p.server_metrics.get("prefix_cache") or p.prefix_reuse],
         # A run of rate levels only is charted against the rate; any other against concurrency.
         "axis": "rate" if run.params.get("rates") and not run.params.get("levels") else "concurrency",
         "axis_label": "request rate" if run.params.get("rates") and not run.params.get("levels") else "concurrency",

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlpanel import clirate, clirecipes, clikeys, clisleep, clistatus, clitune
+from controlpanel import clirate, clirecipes, clikeys, clisleep, clistatus, clitune, cliworkload
 from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
                                   UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
                                   _number, say, with_common)
@@ -209,6 +209,8 @@ def cmd_bench(panel, args):
         body["deployment"] = _deployment(panel, args.target)["id"]
     if levels:
         body["levels"] = levels
+    if args.workload:
+        body["workload"] = args.workload
     body.update(rates)
     run = panel.post("runs/", body, key=args.idempotency_key)
     say(f"Run {run['id']}: {clirate.asked(run['params'])}.")
@@ -223,6 +225,8 @@ def cmd_bench(panel, args):
                 shown.add(clirate.point_key(p))
                 asked = p.get("prompt_tokens_requested")
                 if line := clirate.rate_line(p):
+                    say(line)
+                if line := cliworkload.prefix_line(p):
                     say(line)
                 say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
                     f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
@@ -388,6 +392,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", default="", help="e.g. 1,8,64 (default: 1, 2, 4, … up to what the deployment "
                    "runs at once, its --max-num-seqs; 64 on a CPU node)")
     clirate.rate_arguments(s)
+    cliworkload.bench_arguments(s)
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--input-tokens", type=int, default=128)
     s.add_argument("--prompts", choices=["random", "builtin"], default="random")
@@ -418,6 +423,7 @@ def parser() -> argparse.ArgumentParser:
     clitune.add(sub, common)
     clirecipes.add(sub, common)
     clikeys.add(sub, common)
+    cliworkload.add(sub)
     return p
 
 

@@ -30,6 +30,7 @@ from aiohttp import web
 if __package__ in (None, ""):  # run as a script (perf/ does): the repository, not tests/, must be on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.schedbodies import build_chunks, count_prompt, full_response  # noqa: E402
+from tests.schedcache import PrefixCache  # noqa: E402
 
 perf_counter = time.perf_counter
 
@@ -54,6 +55,7 @@ class Schedule:
     # Each request's gap drawn from gap_ms * (1 ± jitter), uniformly (perf/tune_verdicts.py's noise).
     jitter: float = 0.0
     seed: int = 0
+    prefix_cache: bool = False  # count prefix-cache queries and hits (schedcache.py) and serve them on /metrics
     # Requests served at once (0: no limit): the rest wait, first come first served, for a slot, and their
     # schedule starts when they get one. With a fixed schedule each request holds its slot a fixed service
     # time (ttft + gap x (token chunks - 1)), so the server's capacity is slots / that time, exactly.
@@ -121,6 +123,8 @@ class Server:
         self.requests_total = 0
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
+        self.prompt_log: list[int] = []  # each request's prompt tokens as this server counted them, in arrival order
+        self.prefix = PrefixCache()
         self._wake = None
         self._wake_at = 0.0
         self._built: dict = {}
@@ -173,7 +177,7 @@ class Server:
             f"vllm:generation_tokens_total{label} {float(self.generation_tokens_total)}",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{label} {float(self.prompt_tokens_total)}",
-        ]
+        ] + (self.prefix.metrics(label) if self.schedule.prefix_cache else [])
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats(self, request):
@@ -217,6 +221,9 @@ class Server:
         prompt_tokens = count_prompt(body)
         self.requests_total += 1
         self.prompt_tokens_total += prompt_tokens
+        self.prompt_log.append(prompt_tokens)
+        if sch.prefix_cache:
+            self.prefix.query(body)
         reasoning = min(sch.reasoning_tokens, n) if chat else 0
         model = body.get("model", "sched")
         if not body.get("stream"):

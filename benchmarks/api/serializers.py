@@ -1,8 +1,10 @@
 from rest_framework import serializers
 
-from benchmarks import runner, selectors
+from benchmarks import runner, selectors, workloads
 from benchmarks.forms import MAX_BURSTINESS, MAX_LEVEL, MAX_RATE, ramp_problem, rates_problem
-from benchmarks.models import BenchmarkPoint, BenchmarkRun
+from benchmarks.models import BenchmarkPoint, BenchmarkRun, Workload
+from controlpanel.errors import ServiceError
+from controlpanel.params import DB_INT_MAX
 from deployments.models import Deployment
 
 default = runner.spec_default
@@ -29,7 +31,8 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
 
     def to_representation(self, instance):
         data = super().to_representation(instance)
-        data["params"] = {k: v for k, v in data["params"].items() if k != "prompts"}  # uploaded prompts can be large
+        # Uploaded prompts and a workload's file data can be large: the workload by name (GET /api/workloads/{id}/).
+        data["params"] = {k: v for k, v in data["params"].items() if k not in ("prompts", "workload")}
         return data
 
 
@@ -68,6 +71,9 @@ class RunRequestSerializer(serializers.Serializer):
         "A rate level sends max(min_requests, rate × this) requests."))
     seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, default=default("seed"), help_text=(
         "Seeds the prompts and the arrivals: the same seed sends the same schedule."))
+    workload = serializers.CharField(required=False, allow_blank=True, max_length=100, help_text=(
+        "A named workload (GET /api/workloads/), by id or name: its prompts, lengths (input_tokens and max_tokens "
+        "are its own) and, for a trace given neither levels nor rates, its own rate (1x)."))
     stop_when_saturated = serializers.BooleanField(default=default("stop_when_saturated"), help_text=(
         "End the sweep once a level shows the engine saturated (throughput flat while latency or the waiting "
         "queue climbs); false measures every level."))
@@ -87,6 +93,25 @@ class RunRequestSerializer(serializers.Serializer):
         if problem := ramp_problem(data["ramp"], data["ramp_from"]):
             raise serializers.ValidationError({"ramp_from": [problem]})
         data.setdefault("arrival", "poisson" if data["burstiness"] == 1 else "gamma")
-        if not data.get("levels"):
-            data["levels"] = [] if rates else selectors.default_levels(data.get("deployment"))
+        workload = _workload(data.pop("workload", ""))
+        trace = workload is not None and workload.kind == Workload.Kind.TRACE
+        if not data.get("levels"):  # a trace given neither replays at its own rate (workload_params)
+            data["levels"] = [] if rates or trace else selectors.default_levels(data.get("deployment"))
+        if workload is not None:
+            try:
+                data = workloads.workload_params(workload, data)
+            except ServiceError as exc:
+                raise serializers.ValidationError({exc.field or "workload": [exc.message]}) from exc
         return data
+
+
+def _workload(ref: str) -> Workload | None:
+    """The named workload a request asks for, by id or name (None for none)."""
+    ref = (ref or "").strip()
+    if not ref:
+        return None
+    by_id = ref.isdigit() and int(ref) <= DB_INT_MAX  # a larger number is no id (SQLite would raise on it)
+    found = Workload.objects.filter(pk=int(ref)).first() if by_id else Workload.objects.filter(name=ref).first()
+    if found is None:
+        raise serializers.ValidationError({"workload": [f"No workload {ref!r}; GET /api/workloads/ lists them."]})
+    return found

@@ -16,9 +16,10 @@ from .spec import (CHAT, COMPLETIONS, DEFAULT_LEVELS, LevelResult, LoadSpec, Pro
 from .stats import distribution, percentile, request_samples, summarize
 from .sweep import Sweeper, length_problem, run_level, run_rate, sweep
 from .arrivals import ARRIVALS, RAMPS, due_offsets, rate_requests
+from . import workfiles, workloads
 
 __all__ = [
-    "ARRIVALS", "BUILTIN", "CHAT", "RAMPS", "due_offsets", "rate_requests", "run_rate", "COMPLETIONS", "DEFAULT_LEVELS", "LevelResult", "LoadSpec", "MemoryLimitError", "PromptError",
+    "workfiles", "workloads", "ARRIVALS", "BUILTIN", "CHAT", "RAMPS", "due_offsets", "rate_requests", "run_rate", "COMPLETIONS", "DEFAULT_LEVELS", "LevelResult", "LoadSpec", "MemoryLimitError", "PromptError",
     "RequestRecord", "RunnerError", "SweepResult", "Sweeper", "Tick", "distribution", "length_problem", "load_jsonl",
     "percentile", "prompt_bytes", "request_samples", "run_level", "spec_default", "summarize", "sweep",
     "sweep_in_child",

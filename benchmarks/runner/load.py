@@ -50,11 +50,15 @@ async def until(at: float) -> None:
 
 async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: float, cancelled,
                     report=None, tick_s: float = 0.5, busy_poll: bool = False, due: list | None = None,
-                    start_at: float = 0.0) -> tuple[list[RequestRecord], bool]:
+                    start_at: float = 0.0, turns: int = 0, think_s: float = 0.0) -> tuple[list[RequestRecord], bool]:
     """Send `requests` [(index, warmup, bytes)] at most `concurrency` at a time; measured records back.
 
     With `due` (a rate level) request i is sent no earlier than start_at + due[i], then as soon as a
     slot is free; each record keeps its due time and how long it waited for a slot.
+
+    With `turns` (a multi-turn level) each of `concurrency` users sends one conversation (`turns`
+    consecutive requests) at a time: a turn goes once the answer to the one before it has ended and
+    `think_s` more seconds have passed, and then the user takes the next conversation.
 
     `cancelled()` is checked before each request and every 20 ms; on cancel the requests in flight
     are aborted and left out. `report(counters)` is called every `tick_s`. With `busy_poll` the loop
@@ -68,6 +72,7 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
     state = {"outstanding": 0, "dispatched": False, "cancelled": False}
     finished = loop.create_future()
     tasks = set()
+    answered: dict[int, asyncio.Future] = {}  # id(record) -> resolved when its response has ended
 
     def on_done(conn, record, reusable, retry=b""):
         in_flight.discard(conn)
@@ -86,6 +91,8 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
             counters.failed += 1
         if not record.warmup and not state["cancelled"]:
             records.append(record)
+        if (waiter := answered.pop(id(record), None)) is not None:
+            waiter.set_result(None)
         if reusable:
             pool.idle.append(conn)
         elif conn.transport is not None:
@@ -138,7 +145,44 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         background.append(loop.create_task(spin()))
     if report is not None:
         background.append(loop.create_task(ticker()))
+    def dispatch(record, request):
+        state["outstanding"] += 1
+        counters.in_flight += 1
+        conn = pool.take()
+        if conn is None:
+            record.start = time.perf_counter()
+            task = loop.create_task(connect_and_send(record, request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        else:
+            send(conn, record, request)  # takes the start time right before the write
+
+    def stop_now() -> bool:
+        if state["cancelled"] or cancelled():
+            state["cancelled"] = True
+        return state["cancelled"]
+
+    async def user(conversations):
+        for conversation in conversations:
+            record = None
+            for index, warmup, request in conversation:
+                if record is not None and think_s > 0:
+                    await until(record.done + think_s)  # the think time counts from the answer's end
+                await semaphore.acquire()
+                if stop_now():
+                    semaphore.release()
+                    return
+                record = RequestRecord(index=index, warmup=warmup)
+                answered[id(record)] = loop.create_future()
+                waiter = answered[id(record)]
+                dispatch(record, request)
+                await waiter
+
     try:
+        if turns:
+            shared = _conversations(requests, turns)
+            await asyncio.gather(*(user(shared) for _ in range(max(1, concurrency))))
+            requests = ()
         for index, warmup, request in requests:
             if due is None:
                 await semaphore.acquire()
@@ -152,20 +196,10 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
                     record.slot_wait = time.perf_counter() - waiting
                 else:
                     await semaphore.acquire()
-            if state["cancelled"] or cancelled():
-                state["cancelled"] = True
+            if stop_now():
                 semaphore.release()
                 break
-            state["outstanding"] += 1
-            counters.in_flight += 1
-            conn = pool.take()
-            if conn is None:
-                record.start = time.perf_counter()
-                task = loop.create_task(connect_and_send(record, request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            else:
-                send(conn, record, request)  # takes the start time right before the write
+            dispatch(record, request)
         state["dispatched"] = True
         if not state["outstanding"]:
             finished.set_result(None)
@@ -180,6 +214,19 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         report(counters)
     records.sort(key=lambda r: r.index)
     return records, state["cancelled"]
+
+
+def _conversations(requests, turns: int):
+    """Consecutive requests grouped by conversation (index // turns), one list per conversation."""
+    conversation, current = None, []
+    for item in requests:
+        if item[0] // turns != conversation and current:
+            yield current
+            current = []
+        conversation = item[0] // turns
+        current.append(item)
+    if current:
+        yield current
 
 
 class _Unsent:

@@ -5,6 +5,7 @@ import json
 import random
 from urllib.parse import urlsplit
 
+from . import workloads
 from .spec import CHAT, COMPLETIONS, LoadSpec, PromptError, RunnerError
 from .tokens import WORDS, PromptLengths
 
@@ -85,8 +86,10 @@ def random_prompt(rng: random.Random, tokens: int, lengths: PromptLengths | None
 
 
 def _base(spec: LoadSpec) -> list[dict] | None:
-    """The entries a non-random source cycles through; None for random prompts."""
-    if spec.prompt_source == "random":
+    """The entries a non-random source cycles through; None for random prompts and made-up workloads."""
+    if workloads.kind(spec) == "sharegpt":
+        return spec.workload["entries"]
+    if workloads.kind(spec) in workloads.GENERATED or spec.prompt_source == "random":
         return None
     if spec.prompt_source == "jsonl":
         if not spec.prompts:
@@ -110,6 +113,8 @@ def prompt_entries(spec: LoadSpec, count: int, lengths: PromptLengths | None = N
 def _entry_at(spec: LoadSpec, base: list[dict] | None, index: int, lengths, level: int) -> dict:
     if base is not None:
         return base[index % len(base)]
+    if workloads.kind(spec) in workloads.GENERATED:
+        return workloads.entry(spec, index, lengths, level)
     return {"prompt": random_prompt(random.Random(f"{spec.seed}/{level}/{index}"), spec.input_tokens, lengths)}
 
 
@@ -119,18 +124,26 @@ def share_requests(spec: LoadSpec, target: Target, lengths: PromptLengths | None
     belongs to the owner of slot i % level. Bytes of a cycled (built-in or uploaded) entry are made once.
     Random prompts are seeded by `key` (default: the level), so each level's prompts are its own."""
     base, cache, key = _base(spec), {}, level if key is None else key
-    for start in range(0, total, level):
+    for index in _owned(spec, total, level, slots):
+        entry = None if base is None else index % len(base)
+        data = cache.get(entry)
+        if data is None:
+            data = target.request_bytes(request_body(spec, _entry_at(spec, base, index, lengths, key)))
+            if entry is not None:
+                cache[entry] = data
+        yield index, index < warmup, data
+
+
+def _owned(spec: LoadSpec, total: int, level: int, slots: list[int]):
+    """The indices a worker owns, in order: request i is slot i % level's; in a multi-turn level a whole
+    conversation (turns consecutive indices) is slot conversation % level's, so one user sends it all."""
+    turns = spec.workload["turns"] if workloads.kind(spec) == "multiturn" else 1
+    for start in range(0, -(-total // turns), level):
         for slot in slots:
-            index = start + slot
-            if index >= total:
+            first = (start + slot) * turns
+            if first >= total:
                 return
-            entry = None if base is None else index % len(base)
-            data = cache.get(entry)
-            if data is None:
-                data = target.request_bytes(request_body(spec, _entry_at(spec, base, index, lengths, key)))
-                if entry is not None:
-                    cache[entry] = data
-            yield index, index < warmup, data
+            yield from range(first, min(first + turns, total))
 
 
 # Bytes per token of a random prompt: the words' mean length and a space (a word costs at least one token).
@@ -141,6 +154,9 @@ def prompt_bytes(spec: LoadSpec, count: int) -> int:
     """About how many prompt bytes `count` requests of the spec carry (random ones estimated from
     their length in tokens; built-in and uploaded ones counted as they cycle)."""
     base = _base(spec)
+    if workloads.kind(spec) in workloads.GENERATED:
+        tokens = sum(workloads.expected_prompt_tokens(spec, i) for i in range(count))
+        return int(tokens * RANDOM_BYTES_PER_TOKEN)
     if base is None:
         return int(count * spec.input_tokens * RANDOM_BYTES_PER_TOKEN)
     sizes = [len(json.dumps(entry.get("messages") or entry.get("prompt", ""), separators=(",", ":"))) for entry in base]

@@ -17,7 +17,20 @@ def summarize(samples: list[tuple[float, dict]]) -> dict:
     if mean is not None:
         rates = [rate for pair in zip(counted, counted[1:]) if (rate := vllm.tok_s(*pair)) is not None]
         summary["generation_tok_s"] = {"max": max(rates), "mean": mean}
+    if cache := prefix_cache(samples):
+        summary["prefix_cache"] = cache
     return summary
+
+
+def prefix_cache(samples: list[tuple[float, dict]]) -> dict:
+    """The engine's own prefix-cache counters over the level: {"queries", "hits" (prompt tokens), "hit_rate"};
+    {} when the server has no such counters."""
+    counted = [s for _, s in samples if "prefix_cache_queries_total" in s and "prefix_cache_hits_total" in s]
+    if not counted:
+        return {}
+    queries = counted[-1]["prefix_cache_queries_total"] - counted[0]["prefix_cache_queries_total"]
+    hits = counted[-1]["prefix_cache_hits_total"] - counted[0]["prefix_cache_hits_total"]
+    return {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4) if queries > 0 else 0.0}
 
 
 class Sampler:

@@ -58,6 +58,8 @@ class LoadSpec:
     ramp: str = ""  # "" | "linear" | "exponential": from ramp_from to the level's rate over its requests
     ramp_from: float = 0.0  # requests/s at the ramp's start (above 0 for an exponential ramp)
     rate_duration_s: float = 30.0  # a rate level sends max(min_requests, rate × this) requests
+    # A structured workload (workloads.py): shared prefixes, multi-turn conversations, ShareGPT, a trace.
+    workload: dict = field(default_factory=dict)
     # SLOs (slo.py): [{"metric": "ttft" | "itl" | "e2e", "percentile": 99, "max_ms": 2000}]; each level reports
     # its goodput and attainment against them.
     slos: list = field(default_factory=list)
@@ -188,6 +190,9 @@ class LevelResult:
     # Against the spec's SLOs (slo.evaluate): {"good", "goodput", "attainment_pct", "met", "each"}; {} without.
     slo: dict = field(default_factory=dict)
     repeat: int = 0  # a capacity search's repeat of the same rate (0 otherwise)
+    # What a prefix cache could have served of the level's prompts (workloads.reuse): {"prompt_tokens",
+    # "reusable_tokens", "share"}; {} for prompts without a known structure.
+    prefix_reuse: dict = field(default_factory=dict)
     records: list = field(default_factory=list, repr=False)
 
     @property

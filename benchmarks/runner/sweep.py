@@ -22,6 +22,7 @@ import time
 from deployments.host import vllm
 
 from . import capacity as capacity_search
+from . import workloads
 from .arrivals import due_offsets, rate_requests
 from .prompts import Target
 from .saturation import saturated
@@ -68,8 +69,7 @@ class Sweeper:
     def prompt_lengths(self) -> PromptLengths:
         """Word costs in the served model's tokens, measured once (random prompts only)."""
         if self.lengths is None:
-            self.lengths = (prompt_lengths(self.spec, self.target.root_url) if self.spec.prompt_source == "random"
-                            else PromptLengths(WORDS_ONLY))
+            self.lengths = prompt_lengths(self.spec, self.target.root_url) if _made_up(self.spec) else PromptLengths(WORDS_ONLY)
         return self.lengths
 
     def __enter__(self):
@@ -83,13 +83,18 @@ class Sweeper:
         spec, workers = self.spec, self.workers
         warmup = spec.num_warmup(concurrency)
         total = warmup + spec.num_requests(concurrency)
-        lengths = self.prompt_lengths().costed() if spec.prompt_source == "random" else None
+        turns = spec.workload["turns"] if workloads.kind(spec) == "multiturn" else 0
+        if turns:
+            total, warmup = workloads.level_requests(spec, concurrency)
+        lengths = self._lengths()
         active = min(workers.count, spec.workers or auto_workers(concurrency), concurrency)
         shares = [concurrency // active + (wid < concurrency % active) if wid < active else 0
                   for wid in range(workers.count)]
         for wid, slots in enumerate(_slots(shares)):
-            workers.commands[wid].put(_Command(shares[wid], concurrency, total, warmup, slots, lengths, spec.tick_s))
+            workers.commands[wid].put(_Command(shares[wid], concurrency, total, warmup, slots, lengths, spec.tick_s,
+                                               turns=turns, think_s=float(spec.workload.get("think_s", 0))))
         records, result = self._measure(concurrency, 0.0, on_tick, cancel, warmup, active)
+        result.prefix_reuse = workloads.reuse(spec, records)
         return result
 
     def run_rate(self, rate: float, on_tick=None, cancel=None, repeat: int = 0) -> LevelResult:
@@ -98,9 +103,14 @@ class Sweeper:
         A repeat of the same rate (a capacity search's) draws its arrivals from another seed."""
         spec, workers = self.spec, self.workers
         cap = spec.max_concurrency
+        if workloads.kind(spec) == "multiturn":
+            raise RunnerError("a multi-turn workload runs at concurrency levels, not at rates", permanent=True)
         total = rate_requests(spec, rate)
-        due = due_offsets(dataclasses.replace(spec, seed=spec.seed + 7919 * repeat) if repeat else spec, rate, total)
-        lengths = self.prompt_lengths().costed() if spec.prompt_source == "random" else None
+        if workloads.kind(spec) == "trace":  # the trace's own arrivals, time-scaled to the rate
+            due = workloads.trace_due(spec.workload, rate, total)
+        else:
+            due = due_offsets(dataclasses.replace(spec, seed=spec.seed + 7919 * repeat) if repeat else spec, rate, total)
+        lengths = self._lengths()
         active = min(workers.count, spec.workers or auto_workers(cap or 1), cap or workers.count)
         for wid in range(workers.count):
             mine = wid < active
@@ -111,7 +121,12 @@ class Sweeper:
         result.kind, result.rate, result.max_concurrency, result.repeat = "rate", rate, cap, repeat
         for name, value in schedule_figures(records).items():
             setattr(result, name, value)
+        result.prefix_reuse = workloads.reuse(spec, records)
         return result
+
+    def _lengths(self):
+        """Word costs for prompts made up here (random ones, or a workload's), else None."""
+        return self.prompt_lengths().costed() if _made_up(self.spec) else None
 
     def _measure(self, concurrency, rate, on_tick, cancel, warmup, active):
         """Start the workers' commands together, follow them to the end; (records, LevelResult)."""
@@ -137,7 +152,7 @@ class Sweeper:
         records.sort(key=lambda r: r.index)
         result = summarize(concurrency, records, warmup=warmup, workers=active, cancelled=was_cancelled)
         result.peak_tok_s = peak
-        if spec.prompt_source == "random":
+        if spec.prompt_source == "random" and not workloads.kind(spec):
             result.prompt_tokens_requested = spec.input_tokens
             result.prompt_tokens_counted_by = self.prompt_lengths().source
         if sampler:
@@ -214,6 +229,11 @@ class Sweeper:
                     failed=totals[4] - base[4], server=sampler.latest() if sampler else None)
 
 
+def _made_up(spec: LoadSpec) -> bool:
+    """Whether the spec's prompts are made up here (random ones, or a workload's) and need word costs."""
+    return (spec.prompt_source == "random" and not workloads.kind(spec)) or workloads.kind(spec) in workloads.GENERATED
+
+
 def _slots(shares: list[int]) -> list[list[int]]:
     """Requests follow the concurrency shares: request i goes to the owner of slot i % concurrency,
     so each worker's first requests (the warmup) fill exactly its own slots. Slots interleave the
@@ -244,6 +264,8 @@ def length_problem(spec: LoadSpec, max_model_len: int | None) -> str:
     if not max_model_len:
         return ""
     outputs = [spec.max_tokens] + [e["max_tokens"] for e in spec.prompts if "max_tokens" in e]
+    if problem := workloads.length_problem(spec, max_model_len):
+        return problem
     if spec.prompt_source == "random" and spec.input_tokens + spec.max_tokens > max_model_len:
         return (f"input_tokens + max_tokens = {spec.input_tokens} + {spec.max_tokens} = "
                 f"{spec.input_tokens + spec.max_tokens}, more than the max model length {max_model_len}")

@@ -39,6 +39,8 @@ class _Command:
     tick_s: float
     due: list | None = None  # a rate level: each request's due time, in seconds from the shared start
     key: object = None  # what seeds the level's random prompts (default: its concurrency)
+    turns: int = 0  # a multi-turn level: requests per conversation (load.run_share)
+    think_s: float = 0.0  # a multi-turn level: seconds between an answer and the next turn
 
 
 def _new_loop():  # tests/schedserver.py has its own copy: see there why
@@ -115,7 +117,8 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_proces
                 records, cancelled = loop.run_until_complete(run_share(
                     pool, itertools.chain(ahead, requests), command.concurrency, spec.request_timeout_s,
                     lambda: bool(failed) or cancel_event.is_set(), report, command.tick_s, busy,
-                    due=command.due, start_at=start.value if command.due is not None else 0.0))
+                    due=command.due, start_at=start.value if command.due is not None else 0.0,
+                    turns=command.turns, think_s=command.think_s))
                 del ahead
                 if failed:
                     raise failed.pop()

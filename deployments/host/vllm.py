@@ -24,7 +24,10 @@ GAUGES = {
     "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),  # the name before vLLM 0.10
 }
 GENERATION_TOTAL = "vllm:generation_tokens_total"
-_WANTED = {name for names in GAUGES.values() for name in names} | {GENERATION_TOTAL}
+# Counters kept as they are, summed over engines: the prefix cache's (V1's names, as vLLM 0.32 serves them).
+COUNTERS = {"prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+            "prefix_cache_hits_total": "vllm:prefix_cache_hits_total"}
+_WANTED = {name for names in GAUGES.values() for name in names} | {GENERATION_TOTAL, *COUNTERS.values()}
 _PREFIXES = tuple(f"{prefix}{name.removesuffix('_total')}" for name in _WANTED for prefix in ("", "# HELP ", "# TYPE "))
 # No proxy from the environment, like the benchmark load itself (the agent talks to 127.0.0.1, which
 # HTTP_PROXY without NO_PROXY would send away); urllib because a reading every tick must be cheap
@@ -233,6 +236,9 @@ def parse_metrics(text: str) -> dict[str, float]:
             reading[key] = max(series) if key == "kv_cache_usage_perc" else sum(series)
     if GENERATION_TOTAL in values:
         reading["generation_tokens_total"] = sum(values[GENERATION_TOTAL])
+    for key, name in COUNTERS.items():
+        if name in values:
+            reading[key] = sum(values[name])
     return reading
 
 

@@ -1,0 +1,122 @@
+"""Named workloads: created (and refused) through the API and panelctl, taken by runs from the API, the form
+and panelctl bench --workload; a real run of one against the known-schedule server stores, per level, the
+engine's own prefix-cache hit rate next to what the workload could have reused, and the run page shows both."""
+import json
+from unittest import mock
+
+import pytest
+from rest_framework.test import APIClient
+
+from benchmarks import services, workloads
+from benchmarks.forms import RunForm
+from benchmarks.models import BenchmarkRun, Workload
+from controlpanel import cli, tokens
+from tests.schedserver import SchedServer
+
+pytestmark = pytest.mark.django_db
+URL = "http://10.2.2.3:8000"
+
+
+def trace_text(n=6):
+    return "\n".join(json.dumps({"timestamp": 500 * i, "input_length": 700, "output_length": 5, "hash_ids": [0, 100 + i]})
+                     for i in range(n))
+
+
+@pytest.fixture(autouse=True)
+def _queued_not_run(settings):
+    """Runs are created and queued, not executed (a test that executes one calls the service itself)."""
+    settings.BENCHMARK_URL_ALLOWLIST = [URL]
+    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True):
+        yield
+
+
+def test_an_operator_creates_a_workload_with_its_preview_and_a_viewer_only_reads_it(api, viewer):
+    made = api.post("/api/workloads/", {"name": "chats", "kind": "multiturn", "turns": 4, "think_s": 1.5,
+                                        "input_tokens": 50, "max_tokens": 20}, format="json")
+    assert made.status_code == 201, made.json()
+    body = made.json()
+    assert body["settings"] == {"turns": 4, "think_s": 1.5}
+    assert body["preview"]["prompt_tokens"]["max"] == 4 * 50 + 3 * 20
+    assert 0 < body["preview"]["prefix_reuse"]["share"] < 1
+    reader = APIClient()
+    reader.force_authenticate(viewer)
+    assert reader.get("/api/workloads/").json()["results"][0]["name"] == "chats"
+    assert reader.post("/api/workloads/", {"name": "x", "kind": "prefix", "prefixes": 2, "prefix_tokens": 8},
+                       format="json").status_code == 403
+    assert reader.delete(f"/api/workloads/{body['id']}/").status_code == 403
+    assert api.delete(f"/api/workloads/{body['id']}/").status_code == 204 and not Workload.objects.exists()
+
+
+@pytest.mark.parametrize("body, field, says", [
+    ({"kind": "trace", "file": '{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1, "input_length": "x"}'},
+     "file", 'line 2: field "input_length"'),
+    ({"kind": "sharegpt", "file": '[{"conversations": [{"from": "human", "value": 3}]}]'}, "file",
+     'line 1: field "conversations[0].value" must be a string'),
+    ({"kind": "trace"}, "file", "Upload the file"),
+    ({"kind": "prefix", "prefixes": 0, "prefix_tokens": 8}, "prefixes", "from 1 to 10,000"),
+    ({"kind": "multiturn", "turns": 3, "think_s": 601}, "think_s", "from 0 to 600"),
+])
+def test_a_workload_that_cannot_run_is_refused_naming_the_field(api, body, field, says):
+    response = api.post("/api/workloads/", {"name": "bad", **body}, format="json")
+    assert response.status_code == 400
+    assert says in response.json()["error"]["fields"][field][0]
+    assert not Workload.objects.exists()
+
+
+def test_a_run_takes_a_workload_by_name_and_a_trace_replays_at_its_own_rate(api):
+    trace = workloads.workload_create(name="yesterday", kind="trace", values={}, file_text=trace_text())
+    response = api.post("/api/runs/", {"base_url": URL, "workload": "yesterday"}, format="json")
+    assert response.status_code == 202, response.json()
+    params = response.json()["params"]
+    assert params["levels"] == [] and params["rates"] == [pytest.approx(trace.preview["rate"])] == [2.0]
+    assert params["workload_name"] == "yesterday" and "workload" not in params  # its data stays out of the answer
+    assert BenchmarkRun.objects.get().params["workload"]["requests"] == trace.spec["requests"]
+    chats = workloads.workload_create(name="chats", kind="multiturn", values={"turns": 2, "think_s": 0})
+    refused = api.post("/api/runs/", {"base_url": URL, "workload": chats.pk, "rates": [4]}, format="json")
+    assert refused.status_code == 400 and "concurrency levels" in refused.json()["error"]["fields"]["rates"][0]
+    missing = api.post("/api/runs/", {"base_url": URL, "workload": "nope"}, format="json")
+    assert missing.status_code == 400 and "No workload 'nope'" in missing.json()["error"]["fields"]["workload"][0]
+
+
+def test_the_form_takes_a_workload_and_a_trace_needs_no_levels():
+    trace = workloads.workload_create(name="t", kind="trace", values={}, file_text=trace_text())
+    base = {"base_url": URL, "endpoint": "/v1/chat/completions", "prompt_source": "random", "input_tokens": 128,
+            "max_tokens": 64, "temperature": 0, "requests_per_user": 4, "levels": "", "rates": ""}
+    form = RunForm(data={**base, "workload": trace.pk})
+    assert form.is_valid(), form.errors
+    assert form.params()["rates"] == [2.0] and form.params()["workload"]["kind"] == "trace"
+    assert not RunForm(data=base).is_valid()  # without the trace: levels or rates are needed
+
+
+def test_panelctl_adds_a_workload_and_benches_with_it(live_server_asgi, operator, tmp_path, capsys):
+    login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]
+    (tmp_path / "trace.jsonl").write_text(trace_text())
+    assert cli.main([*login, "workload", "add", "day", "--kind", "trace", "--file", str(tmp_path / "trace.jsonl")]) == 0
+    assert "6 requests over 2.5 s (2 req/s at 1x)" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": 0}')
+    assert cli.main([*login, "workload", "add", "bad", "--kind", "trace", "--file", str(tmp_path / "bad.jsonl")]) == 2
+    assert 'line 1: field "input_length"' in capsys.readouterr().err
+    assert cli.main([*login, "bench", URL, "--model", "m", "--workload", "day", "--rate", "4,8"]) == 0
+    run = BenchmarkRun.objects.get()
+    assert run.params["rates"] == [4.0, 8.0] and run.params["workload_name"] == "day"
+
+
+def test_a_multi_turn_run_stores_the_engines_hit_rate_beside_what_it_could_reuse(viewer_client):
+    chats = workloads.workload_create(name="chats", kind="multiturn", values={"turns": 3, "think_s": 0.01,
+                                                                               "input_tokens": 40, "max_tokens": 8})
+    with SchedServer(ttft_ms=2, gap_ms=1, prefix_cache=True) as server:
+        params = workloads.workload_params(chats, {**services.DEFAULTS, "levels": [2], "min_requests": 6,
+                                                   "warmup_per_user": 0, "prompt_source": "random"})
+        run = BenchmarkRun.objects.create(base_url=server.base_url, params=params)
+        with mock.patch("deployments.live.publish", autospec=True):
+            services.run_execute(run.pk)
+        counted = sum(server.server.prompt_log)
+    run.refresh_from_db()
+    assert run.status == "done", run.error
+    point = run.points.get()
+    cache, reuse = point.server_metrics["prefix_cache"], point.prefix_reuse
+    assert cache["queries"] == reuse["prompt_tokens"] == counted
+    assert 0 < cache["hits"] <= reuse["reusable_tokens"]
+    page = viewer_client.get(f"/benchmarks/{run.pk}/").content.decode()
+    assert "Workload <strong>chats</strong> (multiturn: 3 turns" in page
+    assert f"{round(100 * cache['hits'] / cache['queries'])} % of {cache['queries']:.0f}" in page
