@@ -187,6 +187,24 @@ def test_usage_matches_the_engines_own_usage_fields_exactly(cpu_engine, process_
     assert counted == expected
 
 
+def test_a_multi_turn_workload_shows_the_engines_own_prefix_cache_hits(cpu_engine):
+    """The runner straight at the engine (prefix caching is on by default in vLLM V1): each turn resends the
+    history, and the engine's own counters (vllm:prefix_cache_queries/hits) show hits, within what the workload
+    could have reused."""
+    from benchmarks.runner import LoadSpec, run_level, workloads
+
+    port, engine_key = cpu_engine
+    spec = LoadSpec(base_url=f"http://127.0.0.1:{port}", model="tiny", api_key=engine_key, input_tokens=150, max_tokens=8,
+                    min_requests=6, warmup_per_user=0, workers=1, tick_s=0.2,
+                    workload={"kind": "multiturn", "turns": 3, "think_s": 0})
+    level = run_level(spec, 2)
+    assert level.completed == workloads.level_requests(spec, 2)[0], level.errors
+    cache, reuse = level.server_metrics.get("prefix_cache"), level.prefix_reuse
+    print("engine prefix cache:", cache, "workload could reuse:", reuse)
+    assert cache and cache["queries"] == reuse["prompt_tokens"]  # the engine counted the prompts the runner sent
+    assert 0 < cache["hits"] <= reuse["reusable_tokens"]
+
+
 def test_keys_are_refused_and_a_revocation_holds_within_a_second(process_env, spawn):
     with SchedServer(ttft_ms=1, gap_ms=1, default_max_tokens=2) as sched:
         node = NodeFactory(name="gw-e2e-keys", address="127.0.0.1")
