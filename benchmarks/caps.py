@@ -7,6 +7,7 @@ import re
 from django.conf import settings
 
 from benchmarks import runner
+from benchmarks.runner import capacity as capacity_search
 from controlpanel.errors import ServiceError
 
 GIB = 2**30
@@ -67,6 +68,8 @@ def check(params: dict, deployment=None, engine_args: dict | None = None, name: 
                            f"{warmup:,} warm-up); the limit is {limit:,} per level "
                            "(PANEL_BENCH_MAX_REQUESTS_PER_LEVEL).", field=field)
     rates = sorted(float(r) for r in params.get("rates") or ())
+    if search := params.get("capacity"):  # its rounds run below its high rate, each repeat a level
+        rates = sorted(rates + [float(search["high"])] * (capacity_rounds(search) * int(search.get("repeats") or 1)))
     if rates and runner.rate_requests(spec, rates[-1]) > limit:
         raise ServiceError(f"{rates[-1]:g} requests/s for {spec.rate_duration_s:g} s would send "
                            f"{runner.rate_requests(spec, rates[-1]):,} requests; the limit is {limit:,} per level "
@@ -88,6 +91,10 @@ def check_study(deployment, workload: dict, variants: list[dict]) -> None:
     for v in variants:
         if _flag(v["engine_args"], "max-model-len") is not None:
             check(workload, deployment, engine_args=v["engine_args"], name=f"{deployment.name} as {v['name']}")
+
+
+def capacity_rounds(search: dict) -> int:
+    return capacity_search.rounds_needed(float(search["low"]), float(search["high"]), float(search["width"]))
 
 
 def _size(n: int) -> str:

@@ -3,6 +3,7 @@ from django import forms
 
 from benchmarks import runner, workloads
 from benchmarks.models import Workload
+from benchmarks.runner import capacity as capacity_search, slo as slo_mod
 from deployments.models import Deployment
 
 MAX_LEVEL = 4096
@@ -93,12 +94,41 @@ class RunForm(forms.Form):
     stop_when_saturated = forms.BooleanField(
         required=False, initial=default("stop_when_saturated"), label="Stop once the engine saturates",
         help_text="Skip the higher levels once throughput stays flat while latency or the engine's queue climbs.")
+    slos = forms.CharField(required=False, max_length=300, label="SLOs", widget=forms.TextInput(
+        attrs={"placeholder": "ttft:p99:2s, itl:p95:50ms"}), help_text=(
+        "metric:percentile:limit (ttft, itl, e2e); each level then reports goodput and attainment."))
+    capacity_low = forms.FloatField(min_value=0, max_value=MAX_RATE, required=False, label="Capacity search from (req/s)")
+    capacity_high = forms.FloatField(min_value=0, max_value=MAX_RATE, required=False, label="to (req/s)", help_text=(
+        "Find the highest rate meeting the SLOs by bisection (instead of, or after, the levels and rates)."))
+    capacity_width = forms.FloatField(min_value=0, required=False, label="within (req/s)", help_text="0: (to − from) ÷ 64.")
+    capacity_repeats = forms.IntegerField(min_value=1, max_value=5, initial=1, required=False, label="repeats per rate")
 
     def clean_levels(self):
         return parse_levels(self.cleaned_data["levels"])
 
     def clean_rates(self):
         return parse_rates(self.cleaned_data["rates"])
+
+    def clean_slos(self):
+        try:
+            return slo_mod.parse(self.cleaned_data["slos"])
+        except runner.RunnerError as exc:
+            raise forms.ValidationError(exc.message) from None
+
+    def _capacity(self, data: dict) -> dict:
+        """The capacity search asked for ({} for none), checked; errors go on its fields."""
+        if data.get("capacity_high") is None:
+            return {}
+        search = {"low": data.get("capacity_low") or 0.0, "high": data["capacity_high"],
+                  "width": data.get("capacity_width") or 0.0, "repeats": data.get("capacity_repeats") or 1}
+        if not data.get("slos"):
+            self.add_error("slos", "A capacity search needs SLOs to meet, e.g. ttft:p99:2s.")
+            return {}
+        try:
+            return capacity_search.check(search)
+        except runner.RunnerError as exc:
+            self.add_error("capacity_high", exc.message)
+            return {}
 
     def clean(self):
         data = super().clean()
@@ -108,7 +138,9 @@ class RunForm(forms.Form):
         if bool(data.get("deployment")) == bool(data.get("base_url")):
             raise forms.ValidationError("Choose a deployment or give a URL (not both).")
         trace = data.get("workload") is not None and data["workload"].kind == Workload.Kind.TRACE
-        if "levels" in data and "rates" in data and not data["levels"] and not data["rates"] and not trace:
+        data["capacity"] = self._capacity(data)
+        if ("levels" in data and "rates" in data and not data["levels"] and not data["rates"] and not trace
+                and not data["capacity"] and data.get("capacity_high") is None):
             self.add_error("levels", "Give concurrency levels, request rates, or both.")
         if problem := ramp_problem(data.get("ramp") or "", data.get("ramp_from") or 0.0):
             self.add_error("ramp_from", problem)
@@ -130,8 +162,9 @@ class RunForm(forms.Form):
         keys = ("levels", "endpoint", "prompt_source", "input_tokens", "max_tokens", "ignore_eos", "temperature",
                 "requests_per_user", "prompts", "stop_when_saturated")
         params = {k: data[k] for k in keys if k in data}
-        if data.get("rates"):
-            params.update(rates=data["rates"], burstiness=data["burstiness"], max_concurrency=data["max_concurrency"],
+        params.update({k: data[k] for k in ("slos", "capacity") if data.get(k)})
+        if data.get("rates") or data.get("capacity"):
+            params.update(rates=data.get("rates") or [], burstiness=data["burstiness"], max_concurrency=data["max_concurrency"],
                           arrival="poisson" if data["burstiness"] == 1 else "gamma", ramp=data.get("ramp") or "",
                           ramp_from=data.get("ramp_from") or 0.0)
         if data.get("workload") is not None:  # ServiceError (a multi-turn workload at rates) for the view to show

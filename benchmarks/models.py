@@ -36,6 +36,9 @@ class BenchmarkRun(Transitions, models.Model):
     warnings = models.JSONField(default=list, blank=True)
     ticks = models.JSONField(default=list, blank=True, help_text="[[seconds since start, concurrency, tok/s], ...]")
     single_stream_tok_s = models.FloatField(null=True, blank=True)
+    capacity = models.JSONField(default=dict, blank=True, help_text=(
+        "A capacity search's answer: the highest rate measured to meet the SLOs, the interval, each round and the "
+        "sentence (benchmarks/runner/capacity.py); empty for other runs."))
     cancel_requested = models.BooleanField(default=False)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created = models.DateTimeField(auto_now_add=True)
@@ -116,11 +119,16 @@ class BenchmarkPoint(models.Model):
         "How random prompts were sized: the server's /tokenize, the tokenizer files, or words."))
     samples = models.JSONField(default=dict, blank=True, help_text=(
         "Per-request figures behind the distributions (tok_s, ttft_ms, tpot_ms), for a study's bootstrap."))
+    goodput = models.FloatField(null=True, blank=True, help_text="Requests/s meeting every SLO of the run; empty without SLOs.")
+    slo = models.JSONField(default=dict, blank=True, help_text=(
+        "The level against the run's SLOs: {good, goodput, attainment_pct, met, each: [{metric, percentile, max_ms, "
+        "met_pct, holds, value_ms}]}."))
+    repeat = models.PositiveSmallIntegerField(default=0, help_text="A capacity search's repeat of the same rate.")
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        ordering = ["run", "kind", "rate", "concurrency"]
-        constraints = [models.UniqueConstraint(fields=["run", "kind", "rate", "concurrency"], name="point_unique_level")]
+        ordering = ["run", "kind", "rate", "concurrency", "repeat"]
+        constraints = [models.UniqueConstraint(fields=["run", "kind", "rate", "concurrency", "repeat"], name="point_unique_level")]
 
     def __str__(self):
         return f"{self.run} {self.rate:g} req/s" if self.kind == self.Kind.RATE else f"{self.run} c={self.concurrency}"

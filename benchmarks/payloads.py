@@ -16,6 +16,7 @@ class RunStatus:
     error: str
     single_stream_tok_s: float | None
     warnings: list[str]
+    capacity: dict  # a capacity search's answer, with its sentence ("text"); {} for other runs
 
     @classmethod
     def of(cls, run) -> "RunStatus":
@@ -56,6 +57,9 @@ class RunPoint:
     energy_j: float | None  # the deployment's GPUs over the level (NVML); None without energy counters
     watts_per_gpu: float | None
     joules_per_token: float | None  # energy_j per output token
+    goodput: float | None  # requests/s meeting every SLO of the run; None without SLOs
+    slo: dict  # {"good", "goodput", "attainment_pct", "met", "each": [...]} (runner/slo.py)
+    repeat: int  # a capacity search's repeat of the same rate
 
     @classmethod
     def of(cls, point) -> "RunPoint":
@@ -87,7 +91,7 @@ def run_point_data(point) -> dict[str, Any]:
 
 
 def send_run_point(run_id: int, point) -> None:
-    key = f"r{point.rate:g}" if point.kind == point.Kind.RATE else point.concurrency
+    key = f"r{point.rate:g}" + (f"/{point.repeat}" if point.repeat else "") if point.kind == point.Kind.RATE else point.concurrency
     live.publish(live.run_topic(run_id), f"point.{key}", run_point_data(point))
 
 

@@ -9,7 +9,8 @@ CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_r
                "reasoning_tokens", "content_tokens", "tok_s_per_user", "ttft_median_ms", "ttft_p99_ms",
                "ttft_vllm_bench_median_ms", "ttfc_median_ms", "tpot_median_ms", "itl_median_ms", "itl_per_token_median_ms", "e2e_median_ms",
                "prompt_tokens_requested", "prompt_tokens_mean", "energy_j", "watts_per_gpu",
-               "level_kind", "rate", "achieved_rate", "lag_p99_ms", "slot_wait_p99_ms"]
+               "level_kind", "rate", "achieved_rate", "lag_p99_ms", "slot_wait_p99_ms",
+               "repeat", "goodput", "slo_attainment_pct", "slo_met"]
 
 
 def runs_with_points(ids) -> list[BenchmarkRun]:
@@ -26,7 +27,8 @@ def csv_rows(runs):
                    p.itl_per_token_ms.get("median"), p.e2e_ms.get("median"), p.prompt_tokens_requested, p.prompt_tokens_mean,
                    p.energy_j, p.watts_per_gpu, p.kind, p.rate if p.kind == p.Kind.RATE else None,
                    p.achieved_rate if p.kind == p.Kind.RATE else None, (p.lag_ms or {}).get("p99"),
-                   (p.slot_wait_ms or {}).get("p99")]
+                   (p.slot_wait_ms or {}).get("p99"), p.repeat, p.goodput, (p.slo or {}).get("attainment_pct"),
+                   (p.slo or {}).get("met")]
 
 
 def export_csv(runs) -> str:
@@ -135,6 +137,7 @@ def run_labels(runs: list[BenchmarkRun]) -> dict[int, str]:
 def export_json(runs) -> list[dict]:
     return [{"id": r.pk, "name": r.name, "target": r.target, "status": r.status, "params": {k: v for k, v in r.params.items() if k != "prompts"},
              "environment": r.environment, "single_stream_tok_s": r.single_stream_tok_s, "warnings": r.warnings,
+             "capacity": r.capacity,
              "started": r.started, "finished": r.finished, "points": [payloads.run_point_data(p) for p in r.points.all()]} for r in runs]
 
 

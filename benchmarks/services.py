@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from benchmarks import allowlist, caps, payloads, runner, runqueue, selectors
 from benchmarks.runner.saturation import queue_note
+from benchmarks.runner import capacity as capacity_search, slo as slos_mod
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from controlpanel.errors import ServiceError
 from controlpanel.queue import enqueue
@@ -25,6 +26,8 @@ SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_toke
                "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated", "workload")
 # Open-loop levels: kept in a run's params only when it asks for rates.
 RATE_PARAMS = ("rates", "arrival", "burstiness", "max_concurrency", "ramp", "ramp_from", "rate_duration_s", "seed")
+# SLOs (runner/slo.py) and a capacity search (runner/capacity.py): kept in params when asked for.
+SLO_PARAMS = ("slos", "capacity")
 DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS),
             **{k: runner.spec_default(k) for k in SPEC_PARAMS if k not in ("prompts", "workload")}}
 TICK_KEEP = 20_000  # points of the tok/s-over-time chart kept per run
@@ -96,7 +99,8 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
                            field="deployment", code="busy")
     params = {**DEFAULTS, **params}
     params["levels"] = sorted({int(c) for c in params["levels"]})
-    if params.get("rates"):
+    params = _slo_params(params)
+    if params.get("rates") or params.get("capacity"):
         params = {**{k: runner.spec_default(k) for k in RATE_PARAMS}, **params}
         params["rates"] = sorted({float(r) for r in params["rates"]})
     else:
@@ -111,6 +115,29 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
     target = run_target(run)
     enqueue("benchmarks.run_execute", args=[run.pk], queue=target.queue)
     return run
+
+
+def _slo_params(params: dict) -> dict:
+    """SLOs and a capacity search checked and normalised; absent when not asked for. ServiceError names the field."""
+    params = {k: v for k, v in params.items() if k not in SLO_PARAMS or v}
+    try:
+        if params.get("slos"):
+            params["slos"] = slos_mod.validate(params["slos"])
+    except runner.RunnerError as exc:
+        raise ServiceError(exc.message, field="slos") from exc
+    if params.get("capacity"):
+        if not params.get("slos"):
+            raise ServiceError("A capacity search needs SLOs to meet, e.g. ttft:p99:2s.", field="slos")
+        try:
+            params["capacity"] = capacity_search.check(params["capacity"])
+        except runner.RunnerError as exc:
+            raise ServiceError(exc.message, field="capacity") from exc
+    return params
+
+
+def capacity_subject(run: BenchmarkRun) -> str:
+    """Who the capacity sentence is about: the deployment by name, or the server at the run's URL."""
+    return run.deployment.name if run.deployment_id else f"The server at {run.base_url}"
 
 
 def run_cancel(run: BenchmarkRun) -> BenchmarkRun:
@@ -144,11 +171,12 @@ def run_abandon(run: BenchmarkRun, reason: str) -> BenchmarkRun:
 def _save_point(run: BenchmarkRun, level: runner.LevelResult, energy_j: float | None = None,
                 gpus: int = 0) -> BenchmarkPoint:
     values = level.to_dict()
+    values["goodput"] = round(level.slo["goodput"], 4) if level.slo else None
     if energy_j is not None and gpus and level.duration_s > 0:
         values.update(energy_j=round(energy_j, 3), watts_per_gpu=round(energy_j / level.duration_s / gpus, 1))
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
-        run=run, kind=level.kind, rate=level.rate, concurrency=level.concurrency, defaults={k: v for k, v in values.items() if k in fields})
+        run=run, kind=level.kind, rate=level.rate, concurrency=level.concurrency, repeat=level.repeat, defaults={k: v for k, v in values.items() if k in fields})
     payloads.send_run_point(run.pk, point)
     if note := queue_note(level, selectors.max_num_seqs(run)):
         run.warnings.append(note)
@@ -222,6 +250,8 @@ def run_execute(run_id: int) -> BenchmarkRun:
                                 "To measure every level, untick “Stop once the engine saturates” (API: stop_when_saturated "
                                 "false; panelctl bench --past-saturation).")
         run.single_stream_tok_s = result.single_stream_tok_s
+        if result.capacity:
+            run.capacity = {**result.capacity, "text": capacity_search.text(result.capacity, capacity_subject(run))}
         run.transition(S.CANCELLED if result.cancelled else S.DONE)
     except (runner.RunnerError, ServiceError) as exc:
         run.refresh_from_db(fields=["warnings"])
@@ -236,7 +266,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
 
 
 def _spec_params(params: dict) -> dict:
-    spec = {k: params[k] for k in SPEC_PARAMS + RATE_PARAMS if k in params}
+    spec = {k: params[k] for k in SPEC_PARAMS + RATE_PARAMS + SLO_PARAMS if k in params}
     spec["levels"] = tuple(params["levels"])
     spec["rates"] = tuple(params.get("rates") or ())
     return spec

@@ -4,7 +4,7 @@ import statistics
 
 from django.utils import timezone
 
-from benchmarks import csvsafe, tunestats
+from benchmarks import csvsafe, studylevels, tunestats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
 
@@ -105,7 +105,9 @@ def compute(study: Study, n_boot: int = 2000) -> dict:
     winner, why = choose_winner(rows, study.rule, levels)
     return {"levels": levels, "metrics": {k: m[0] for k, m in METRICS.items()} | {"start_s": START[0]},
             "variants": rows, "pareto": front, "winner": winner, "winner_why": why, "rule": study.rule,
-            "rule_text": rule_text(study.rule, levels), "gpus": gpus}
+            "rule_text": rule_text(study.rule, levels), "gpus": gpus,
+            # The winner at each level by output tok/s, and the crossover when the intervals support one.
+            "per_level": studylevels.level_winners(rows, repeats, levels, choose_winner, n_boot=n_boot)}
 
 
 def rule_text(rule: dict, levels: list[int]) -> str:

@@ -6,7 +6,7 @@ from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from benchmarks import studies, studyresults
+from benchmarks import studies, studylevels, studyresults
 from benchmarks.forms import parse_levels
 from benchmarks.models import Study, StudyVariant
 from controlpanel.errors import ServiceError
@@ -141,10 +141,15 @@ def study_control(request, pk, action):
 @operator_required
 def study_apply(request, pk):
     study = get_object_or_404(Study, pk=pk)
-    variant = StudyVariant.objects.filter(study=study, pk=request.POST.get("variant", "0") if
-                                          str(request.POST.get("variant", "")).isdigit() else 0).first()
+    level = str(request.POST.get("level", ""))
+    if level.isdigit() and len(level) < 10:  # the winner at a chosen level, in place of the variant picked
+        chosen = studylevels.winner_at(study.results, int(level))
+    else:
+        chosen = request.POST.get("variant", "0") if str(request.POST.get("variant", "")).isdigit() else 0
+    variant = StudyVariant.objects.filter(study=study, pk=chosen or 0).first()
     if variant is None:
-        messages.error(request, "Choose a variant of this study.")
+        messages.error(request, f"The study has no winner at concurrency {level}." if level.isdigit()
+                       else "Choose a variant of this study.")
         return redirect("study-detail", pk)
     names = studyresults.debug_vars(variant)
     if names and request.POST.get("confirm_debug") != "on":

@@ -10,6 +10,7 @@ from django.views.decorators.http import require_POST
 from benchmarks import payloads, selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun
+from benchmarks.runner import slo as slos_mod
 from controlpanel.errors import ServiceError
 from controlpanel.params import ids_param, int_param
 from controlpanel.roles import is_operator, operator_required
@@ -39,16 +40,18 @@ def run_list(request):
 def run_detail(request, pk):
     run = get_object_or_404(BenchmarkRun.objects.select_related("deployment"), pk=pk)
     points = list(run.points.all())
+    by_rate = bool(run.params.get("rates") or run.params.get("capacity")) and not run.params.get("levels")
     return render(request, "benchmarks/run_detail.html", {
         "run": run, "points": points, "environment": selectors.environment_rows(run.environment),
         "saturation": selectors.run_saturation(run, points),
         "prefix_rows": [(f"{p.rate:g} req/s" if p.kind == "rate" else f"concurrency {p.concurrency}",
                          p.server_metrics.get("prefix_cache"), p.prefix_reuse) for p in points
                         if p.server_metrics.get("prefix_cache") or p.prefix_reuse],
-        # A run of rate levels only is charted against the rate; any other against concurrency.
-        "axis": "rate" if run.params.get("rates") and not run.params.get("levels") else "concurrency",
-        "axis_label": "request rate" if run.params.get("rates") and not run.params.get("levels") else "concurrency",
-        "initial": {"ticks": run.ticks, "points": [payloads.run_point_data(p) for p in points]}})
+        # A run of rate levels only (or a capacity search) is charted against the rate; any other against concurrency.
+        "axis": "rate" if by_rate else "concurrency", "axis_label": "request rate" if by_rate else "concurrency",
+        "slo_text": slos_mod.describe(run.params.get("slos") or []),
+        "initial": {"ticks": run.ticks, "points": [payloads.run_point_data(p) for p in points],
+                    "slos": run.params.get("slos") or []}})
 
 
 @require_POST

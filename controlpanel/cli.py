@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlpanel import clirate, clirecipes, clikeys, clisleep, clistatus, clitune, cliworkload
+from controlpanel import clirate, clirecipes, clikeys, clisleep, clislo, clistatus, clitune, cliworkload
 from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
                                   UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
                                   _number, say, with_common)
@@ -212,8 +212,9 @@ def cmd_bench(panel, args):
     if args.workload:
         body["workload"] = args.workload
     body.update(rates)
+    body.update(clislo.slo_body(args))
     run = panel.post("runs/", body, key=args.idempotency_key)
-    say(f"Run {run['id']}: {clirate.asked(run['params'])}.")
+    say(f"Run {run['id']}: {clislo.asked(run['params'], clirate.asked(run['params']))}.")
     if not args.wait:
         return _done(run, args)
     deadline, shown = time.monotonic() + args.timeout, set()
@@ -228,12 +229,16 @@ def cmd_bench(panel, args):
                     say(line)
                 if line := cliworkload.prefix_line(p):
                     say(line)
+                if line := clislo.slo_line(p):
+                    say(line)
                 say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
                     f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
                     f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
         if run["status"] in ("done", "failed", "cancelled"):
             if run.get("saturation"):
                 say(f"  {run['saturation']['text']}")
+            if (run.get("capacity") or {}).get("text"):
+                say(run["capacity"]["text"])
             for warning in run.get("warnings") or []:
                 say(f"  note: {warning}")
             result = {**run, "points": points}
@@ -392,6 +397,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", default="", help="e.g. 1,8,64 (default: 1, 2, 4, … up to what the deployment "
                    "runs at once, its --max-num-seqs; 64 on a CPU node)")
     clirate.rate_arguments(s)
+    clislo.slo_arguments(s)
     cliworkload.bench_arguments(s)
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--input-tokens", type=int, default=128)

@@ -34,7 +34,7 @@ def asked(params: dict) -> str:
 
 
 def point_key(p: dict) -> tuple:
-    return p.get("kind", "concurrency"), p["concurrency"], p.get("rate", 0)
+    return p.get("kind", "concurrency"), p["concurrency"], p.get("rate", 0), p.get("repeat", 0)
 
 
 def rate_line(p: dict) -> str:

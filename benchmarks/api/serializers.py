@@ -3,6 +3,7 @@ from rest_framework import serializers
 from benchmarks import runner, selectors, workloads
 from benchmarks.forms import MAX_BURSTINESS, MAX_LEVEL, MAX_RATE, ramp_problem, rates_problem
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Workload
+from benchmarks.runner import capacity as capacity_search, slo as slo_mod
 from controlpanel.errors import ServiceError
 from controlpanel.params import DB_INT_MAX
 from deployments.models import Deployment
@@ -20,7 +21,7 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = BenchmarkRun
         fields = ["id", "name", "deployment", "base_url", "served_model", "params", "status", "error", "environment",
-                  "warnings", "single_stream_tok_s", "saturation", "created", "started", "finished"]
+                  "warnings", "single_stream_tok_s", "saturation", "capacity", "created", "started", "finished"]
 
     saturation = serializers.SerializerMethodField(help_text=(
         'Where more concurrency stopped buying throughput, and why: {"level": 16 or null, "reason", "text"}; '
@@ -34,6 +35,17 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
         # Uploaded prompts and a workload's file data can be large: the workload by name (GET /api/workloads/{id}/).
         data["params"] = {k: v for k, v in data["params"].items() if k not in ("prompts", "workload")}
         return data
+
+
+class CapacitySerializer(serializers.Serializer):
+    """A capacity search: the highest rate in [low, high] req/s meeting the SLOs, to within `width` (bisection)."""
+
+    low = serializers.FloatField(min_value=0, max_value=MAX_RATE, help_text="Requests/s taken to meet the SLOs.")
+    high = serializers.FloatField(min_value=0, max_value=MAX_RATE, help_text="Requests/s taken to miss them.")
+    width = serializers.FloatField(min_value=0, required=False, default=0.0, help_text=(
+        "Stop once the interval is this narrow (req/s); 0: (high - low) / 64."))
+    repeats = serializers.IntegerField(min_value=1, max_value=capacity_search.MAX_REPEATS, default=1, help_text=(
+        "Times each rate runs (each with its own arrivals); it passes when every repeat meets every SLO."))
 
 
 class RunRequestSerializer(serializers.Serializer):
@@ -74,6 +86,12 @@ class RunRequestSerializer(serializers.Serializer):
     workload = serializers.CharField(required=False, allow_blank=True, max_length=100, help_text=(
         "A named workload (GET /api/workloads/), by id or name: its prompts, lengths (input_tokens and max_tokens "
         "are its own) and, for a trace given neither levels nor rates, its own rate (1x)."))
+    slos = serializers.JSONField(required=False, help_text=(
+        'SLOs each level is scored against: "ttft:p99:2s, itl:p95:50ms" or [{"metric": "ttft", "percentile": 99, '
+        '"max_ms": 2000}, ...] (metrics ttft, itl, e2e); each level then reports its goodput and attainment.'))
+    capacity = CapacitySerializer(required=False, help_text=(
+        "Search for the highest request rate that meets the SLOs (rate levels chosen by bisection); the run's "
+        "capacity then says \"serves X req/s at p99 TTFT <= 2 s\"."))
     stop_when_saturated = serializers.BooleanField(default=default("stop_when_saturated"), help_text=(
         "End the sweep once a level shows the engine saturated (throughput flat while latency or the waiting "
         "queue climbs); false measures every level."))
@@ -96,13 +114,31 @@ class RunRequestSerializer(serializers.Serializer):
         workload = _workload(data.pop("workload", ""))
         trace = workload is not None and workload.kind == Workload.Kind.TRACE
         if not data.get("levels"):  # a trace given neither replays at its own rate (workload_params)
-            data["levels"] = [] if rates or trace else selectors.default_levels(data.get("deployment"))
+            data["levels"] = [] if rates or trace or data.get("capacity") else selectors.default_levels(data.get("deployment"))
+        data = _slo_fields(data)
         if workload is not None:
             try:
                 data = workloads.workload_params(workload, data)
             except ServiceError as exc:
                 raise serializers.ValidationError({exc.field or "workload": [exc.message]}) from exc
         return data
+
+
+def _slo_fields(data: dict) -> dict:
+    """SLOs from text or a list, checked; a capacity search's settings checked against them."""
+    raw = data.get("slos")
+    try:
+        data["slos"] = slo_mod.parse(raw) if isinstance(raw, str) else slo_mod.validate(raw or [])
+    except runner.RunnerError as exc:
+        raise serializers.ValidationError({"slos": [exc.message]}) from exc
+    if data.get("capacity"):
+        if not data["slos"]:
+            raise serializers.ValidationError({"slos": ["A capacity search needs SLOs to meet, e.g. ttft:p99:2s."]})
+        try:
+            data["capacity"] = capacity_search.check(data["capacity"])
+        except runner.RunnerError as exc:
+            raise serializers.ValidationError({"capacity": [exc.message]}) from exc
+    return data
 
 
 def _workload(ref: str) -> Workload | None:

@@ -5,7 +5,7 @@ from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from benchmarks import studies, studyresults
+from benchmarks import studies, studylevels, studyresults
 from benchmarks.api.serializers import RunRequestSerializer
 from benchmarks.models import Study
 from controlpanel.errors import ServiceError
@@ -126,7 +126,10 @@ class StudyListSerializer(StudySerializer):
 
 
 class ApplySerializer(serializers.Serializer):
-    variant = serializers.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, help_text="Default: the study's winner.")
+    variant = serializers.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, help_text=(
+        "Default: the winner at `level` when given, else the study's winner."))
+    level = serializers.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, help_text=(
+        "Apply the variant that wins at this concurrency level (results.per_level)."))
     persist = serializers.BooleanField(default=False, help_text="Also install it as a systemd service once it runs.")
     confirm_debug = serializers.BooleanField(default=False, help_text=(
         "The variant sets NCCL variables NCCL's documentation lists for debugging only: apply anyway."))
@@ -196,7 +199,10 @@ class StudyViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         body = ApplySerializer(data=request.data)
         body.is_valid(raise_exception=True)
         v = body.validated_data
-        variant_id = v.get("variant") or (study.results or {}).get("winner")
+        if v.get("level") and not v.get("variant") and studylevels.winner_at(study.results, v["level"]) is None:
+            raise ServiceError(f"The study has no winner at concurrency {v['level']}.", field="level")
+        variant_id = (v.get("variant") or (studylevels.winner_at(study.results, v["level"]) if v.get("level") else None)
+                      or (study.results or {}).get("winner"))
         variant = study.variants.filter(pk=variant_id).first() if variant_id else None
         if variant is None:
             raise ServiceError("No such variant in this study (and no winner to apply).", field="variant")

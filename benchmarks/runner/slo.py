@@ -40,6 +40,8 @@ def parse(text: str) -> list[dict]:
 
 def validate(slos: list[dict]) -> list[dict]:
     """The SLOs checked and normalised (metric known, percentile in (0, 100], limit above 0, at most MAX_SLOS)."""
+    if slos and not isinstance(slos, (list, tuple)):
+        raise SloError("SLOs are a list of {metric, percentile, max_ms}, or text like ttft:p99:2s.", permanent=True)
     out = []
     for slo in slos or []:
         try:

@@ -4,7 +4,8 @@
   const initial = JSON.parse(document.getElementById("initial").textContent);
   const ticks = initial.ticks.map(([t, c, v]) => ({ t, c, v }));
   // A level is a concurrency or a request rate (open loop): keyed apart, each kind charted on its own axis.
-  const key = (p) => (p.kind === "rate" ? "r" + p.rate : "c" + p.concurrency);
+  // A capacity search's repeats of one rate are levels of their own.
+  const key = (p) => (p.kind === "rate" ? "r" + p.rate + "/" + (p.repeat || 0) : "c" + p.concurrency);
   const points = new Map(initial.points.map((p) => [key(p), p]));
   const byRate = R.axis === "rate";
   const axis = byRate ? "requests/s" : "concurrency";
@@ -26,7 +27,17 @@
   const ttftChart = new uPlot({ width: width(ttftEl), height: 220, scales: { x: { time: false, distr: 3 } }, legend,
     series: [{ label: axis }, { label: "TTFT median ms", stroke: "#d97706", width: 2, points: { size: 6 } }],
     axes: [{ label: axis }, { size: 60 }] }, [[], []], ttftEl);
-  window.runCharts = { ticks: tickChart, scaling: scaleChart, ttft: ttftChart };
+  // SLOs: each one's metric at its percentile per level (solid) and its limit (dashed, the same colour).
+  const slos = initial.slos || [];
+  const colours = ["#dc2626", "#7c3aed", "#0891b2", "#65a30d", "#db2777", "#ca8a04"];
+  const sloName = (s) => `p${s.percentile} ${s.metric.toUpperCase()}`;
+  const sloEl = document.getElementById("chart-slo");
+  const sloChart = sloEl && slos.length ? new uPlot({ width: width(sloEl), height: 220, scales: { x: { time: false, distr: 3 } }, legend,
+    series: [{ label: axis }].concat(...slos.map((s, i) => [
+      { label: sloName(s) + " ms", stroke: colours[i % colours.length], width: 2, points: { size: 6 } },
+      { label: sloName(s) + " limit", stroke: colours[i % colours.length], width: 1, dash: [6, 4], points: { show: false } }])),
+    axes: [{ label: axis }, { size: 60 }] }, [[]].concat(slos.flatMap(() => [[], []])), sloEl) : null;
+  window.runCharts = { ticks: tickChart, scaling: scaleChart, ttft: ttftChart, slo: sloChart };
 
   function drawTicks() { tickChart.setData([ticks.map((x) => x.t), ticks.map((x) => x.v)]); }
   function drawPoints() {
@@ -34,11 +45,16 @@
     const charted = ps.filter((p) => (p.kind === "rate") === byRate);
     scaleChart.setData([charted.map(x), charted.map((p) => p.output_throughput)]);
     ttftChart.setData([charted.map(x), charted.map((p) => p.ttft_ms.median)]);
+    if (sloChart) {
+      const sloCharted = charted.filter((p) => !p.repeat);
+      sloChart.setData([sloCharted.map(x)].concat(...slos.map((s, i) => [
+        sloCharted.map((p) => (((p.slo || {}).each || [])[i] || {}).value_ms ?? null), sloCharted.map(() => s.max_ms)])));
+    }
     document.querySelector("#points tbody").innerHTML = ps.map((p) => {
       const s = p.server_metrics || {};
       const gauge = (k) => (s[k] ? fmt(s[k].max, 0) : "—");
       const rate = p.kind === "rate";
-      const level = rate ? `${p.rate} req/s${p.concurrency ? " ≤ " + p.concurrency : ""}` : p.concurrency;
+      const level = rate ? `${p.rate} req/s${p.concurrency ? " ≤ " + p.concurrency : ""}${p.repeat ? " #" + (p.repeat + 1) : ""}` : p.concurrency;
       return `<tr data-concurrency="${p.concurrency}" data-kind="${p.kind}" data-rate="${p.rate}"><td class="num">${level}</td><td class="num">${fmt(p.output_throughput)}</td>` +
         `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
         `<td class="num" data-f="prompt-tokens" title="${p.prompt_tokens_counted_by ? "sized by " + p.prompt_tokens_counted_by : "prompts as written"}">${p.prompt_tokens_requested ?? "—"} / ${fmt(p.prompt_tokens_mean)}</td>` +
@@ -48,7 +64,8 @@
         `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
         `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td>` +
         `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td>` +
-        `<td class="num" data-f="rate">${rate ? fmt(p.achieved_rate, 2) + " / " + fmt((p.lag_ms || {}).p99, 2) : "—"}</td></tr>`;
+        `<td class="num" data-f="rate">${rate ? fmt(p.achieved_rate, 2) + " / " + fmt((p.lag_ms || {}).p99, 2) : "—"}</td>` +
+        (slos.length ? `<td class="num" data-f="goodput">${p.slo && p.slo.each ? fmt(p.goodput, 2) + " / " + fmt(p.slo.attainment_pct, 1) + " %" + (p.slo.met ? " ✓" : " ✗") : "—"}</td>` : "") + "</tr>";
     }).join("");
     const single = points.get("c1");
     if (single) document.getElementById("single-stream-output").textContent = fmt(single.output_throughput) + " tok/s";
@@ -87,6 +104,8 @@
       badge.className = "badge " + s.status;
       document.getElementById("run-error").textContent = s.error || "";
       if (s.single_stream_tok_s != null) document.getElementById("single-stream").textContent = fmt(s.single_stream_tok_s) + " tok/s";
+      const capacity = document.getElementById("capacity");
+      if (capacity && s.capacity && s.capacity.text) { capacity.textContent = s.capacity.text; capacity.hidden = false; }
       document.getElementById("warnings").innerHTML = (s.warnings || []).map((w) => `<li>${w.replace(/[&<>]/g, "")}</li>`).join("");
       if (["done", "failed", "cancelled"].includes(s.status)) {
         document.getElementById("cancel")?.remove();

@@ -82,6 +82,10 @@
       `<td class="num">${fmt(p.output_tok_s)}</td>${gpus ? `<td class="num">${fmt(p.per_gpu)}</td>` : ""}<td class="num">${fmt(p.per_user, 2)}</td><td>${p.front ? "★" : ""}</td></tr>`).join("");
     const winner = r.variants.find((v) => v.id === r.winner);
     el("winner").textContent = winner ? `${winner.name}: ${r.winner_why}` : r.winner_why || "—";
+    const perLevel = r.per_level || { levels: [] };  // studies judged before per-level winners have none
+    el("crossover").textContent = perLevel.crossover || perLevel.note || "";
+    el("level-winners").querySelector("tbody").innerHTML = perLevel.levels.map((w) => `<tr data-level="${w.level}">` +
+      `<td class="num">c=${w.level}</td><td>${esc(w.name || "—")}</td><td class="muted">${esc(w.why)}</td></tr>`).join("");
     const form = el("apply-form");
     if (form && ["done", "cancelled", "failed"].includes(study.status)) {
       form.hidden = false;
@@ -89,13 +93,23 @@
       const chosen = select.value;  // a live update redraws the options: keep what the user picked
       select.innerHTML = r.variants.filter((v) => !v.failed).map((v) => `<option value="${v.id}" ${v.id === r.winner ? "selected" : ""}>${esc(v.name)}${v.id === r.winner ? " (winner)" : ""}</option>`).join("");
       if (chosen && [...select.options].some((o) => o.value === chosen)) select.value = chosen;
+      const levelSelect = el("apply-level");
+      const pickedLevel = levelSelect.value;
+      levelSelect.innerHTML = `<option value="">—</option>` + perLevel.levels.filter((w) => w.winner).map((w) =>
+        `<option value="${w.level}">c=${w.level}: ${esc(w.name)}</option>`).join("");
+      levelSelect.value = pickedLevel;
+      levelSelect.onchange = () => {  // the level's winner is what will be applied: show it as the variant
+        const w = perLevel.levels.find((x) => String(x.level) === levelSelect.value);
+        if (w) select.value = String(w.winner);
+        warn();
+      };
       const warn = () => {
         const v = r.variants.find((x) => String(x.id) === select.value);
         const names = v ? v.debug_vars : [];
         el("debug-warning").hidden = el("confirm-label").hidden = !names.length;
         el("debug-warning").textContent = names.length ? `${v.name} sets ${names.join(", ")}: NCCL's documentation lists these for debugging, not for production.` : "";
       };
-      select.onchange = warn;
+      select.onchange = () => { levelSelect.value = ""; warn(); };  // a variant picked by hand is what is applied
       warn();
     }
   }
