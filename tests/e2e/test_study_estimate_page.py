@@ -1,5 +1,6 @@
 """Real Chromium, no engine: a study of a deployment nothing was measured of yet says its estimate is a guess,
-in the form's count-and-estimate line and on the study's page (rows made with tests/factories.py)."""
+in the form's count-and-estimate line and on the study's page, whose Pareto columns are named for what they
+hold (rows made with tests/factories.py)."""
 import pytest
 from playwright.sync_api import expect
 
@@ -23,3 +24,5 @@ def test_a_first_studys_estimate_says_it_is_a_guess_in_the_form_and_on_its_page(
     expect(page.locator("#preview")).to_contain_text("no load of it recorded yet")
     page.click("#start")
     expect(page.locator("#estimate")).to_contain_text("min (a guess: ")
+    # The Pareto table's columns say what they hold: output tok/s (not "Total"), and tok/s per user.
+    assert page.locator("#pareto thead th").all_text_contents()[2:5:2] == ["Output tok/s", "tok/s per user"]
