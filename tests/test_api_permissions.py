@@ -8,7 +8,7 @@ import pytest
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
-from benchmarks.models import BenchmarkRun
+from benchmarks.models import BenchmarkRun, Workload
 from deployments.models import Recipe
 from deployments.services import recipes
 
@@ -30,6 +30,7 @@ def objects(api_objects, operator):
     # go back, so an id of 1 may be long gone).
     recipes.recipes_sync()
     ids["recipes"] = Recipe.objects.order_by("pk").values_list("pk", flat=True).first()
+    ids["workloads"] = Workload.objects.create(name="chats", kind="multiturn", spec={"kind": "multiturn", "turns": 2}).pk
     return ids
 
 
@@ -95,6 +96,8 @@ OPERATOR_ANSWERS = {
     ("POST", "/api/studies/{id}/resume/"): (409, "not_paused"),
     ("POST", "/api/studies/{id}/cancel/"): (202, None),
     ("POST", "/api/studies/{id}/apply/"): (400, "invalid"),  # no winner yet, none chosen
+    ("POST", "/api/workloads/"): (400, "invalid"),  # a name and a kind are required
+    ("DELETE", "/api/workloads/{id}/"): (204, None),
     ("POST", "/api/keys/"): (400, "invalid"),  # a name is required
     ("PATCH", "/api/keys/{id}/"): (200, None),  # nothing given: nothing changed
     ("POST", "/api/keys/{id}/revoke/"): (200, None),
