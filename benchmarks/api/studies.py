@@ -116,7 +116,8 @@ class StudySerializer(serializers.ModelSerializer):
 
     def to_representation(self, instance):
         data = super().to_representation(instance)
-        data["workload"] = {k: v for k, v in data["workload"].items() if k != "prompts"}
+        # Uploaded prompts and a named workload's data are large: the workload is shown by its name.
+        data["workload"] = {k: v for k, v in data["workload"].items() if k not in ("prompts", "workload")}
         return data
 
 

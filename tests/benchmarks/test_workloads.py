@@ -120,3 +120,49 @@ def test_a_multi_turn_run_stores_the_engines_hit_rate_beside_what_it_could_reuse
     page = viewer_client.get(f"/benchmarks/{run.pk}/").content.decode()
     assert "Workload <strong>chats</strong> (multiturn: 3 turns" in page
     assert f"{round(100 * cache['hits'] / cache['queries'])} % of {cache['queries']:.0f}" in page
+
+
+def test_a_study_takes_a_named_workload_for_every_trial(api):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from benchmarks.models import Study
+    from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
+
+    node = NodeFactory(name="cpu-01", engine_flags=["--max-num-seqs", "--max-model-len", "--port", "--host"], agent_pid=100)
+    copy = ModelCopyFactory(node=node)
+    d = DeploymentFactory(node=node, model=copy.model, status="ready", engine_args={"max-num-seqs": 16},
+                          ready_at=timezone.now() - timedelta(hours=1))
+    workloads.workload_create(name="shared", kind="prefix", values={"prefixes": 4, "prefix_tokens": 64, "input_tokens": 32})
+    body = {"deployment": d.pk, "variants": [{"engine_args": {"max-num-seqs": 8}}], "repeats": 2,
+            "workload": {"workload": "shared", "levels": [4], "min_requests": 8}}
+    with mock.patch("celery.app.task.Task.apply_async", autospec=True):
+        created = api.post("/api/studies/", body, format="json")
+    assert created.status_code == 202, created.json()
+    study = Study.objects.get()
+    assert study.workload["workload"] == {"kind": "prefix", "prefixes": 4, "prefix_tokens": 64}
+    assert study.workload["input_tokens"] == 32 and study.workload["workload_name"] == "shared"
+    assert "workload" not in created.json()["workload"]  # the data stays out of the answer, its name in
+
+
+def test_the_workloads_page_saves_a_trace_shows_its_preview_and_refuses_a_bad_file(operator_client, viewer):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+    from django.test import Client
+
+    viewer_client = Client()
+    viewer_client.force_login(viewer)
+
+    bad = operator_client.post("/benchmarks/workloads/", {
+        "name": "bad", "kind": "trace", "input_tokens": 128, "max_tokens": 128,
+        "file": SimpleUploadedFile("t.jsonl", b'{"timestamp": 0, "input_length": 9, "output_length": 1}\n{"timestamp": 1}')})
+    assert bad.status_code == 400 and 'line 2: field &quot;input_length&quot;' in bad.content.decode()
+    good = operator_client.post("/benchmarks/workloads/", {
+        "name": "day", "kind": "trace", "input_tokens": 128, "max_tokens": 128,
+        "file": SimpleUploadedFile("t.jsonl", trace_text().encode())})
+    assert good.status_code == 302 and Workload.objects.get().kind == "trace"
+    page = viewer_client.get("/benchmarks/workloads/").content.decode()
+    assert "6 requests over 2.5 s: 2.0 req/s at 1x" in page and "New workload" not in page  # viewers only read
+    assert viewer_client.post(f"/benchmarks/workloads/{Workload.objects.get().pk}/delete/").status_code == 403
+    assert operator_client.post(f"/benchmarks/workloads/{Workload.objects.get().pk}/delete/").status_code == 302
+    assert not Workload.objects.exists()
