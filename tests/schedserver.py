@@ -117,7 +117,8 @@ class Server:
         self.lateness = Lateness()
         self.truth_ttft: list[float] = []  # first-token write minus request read, as it happened
         self.truth_itl: list[float] = []  # gaps between a stream's writes, as they happened
-        self.truth_requests: list[tuple[float, float]] = []  # (TTFT, E2E) of each finished stream, from its arrival
+        # (TTFT, E2E) of each finished stream from its arrival, and how long it held its slot (the service time)
+        self.truth_requests: list[tuple[float, float, float]] = []
         self._slots = None
         self.running = 0
         self.requests_total = 0
@@ -195,8 +196,8 @@ class Server:
             "itl_median_ms": statistics.median(itl) * 1000,
             "itl_p90_ms": itl[int(0.9 * (len(itl) - 1))] * 1000,
         }
-        if request.query.get("truth"):  # every finished stream's [TTFT ms, E2E ms], in the order they ended
-            body["truth"] = [[round(t * 1000, 4), round(e * 1000, 4)] for t, e in self.truth_requests]
+        if request.query.get("truth"):  # every finished stream's [TTFT ms, E2E ms, slot held ms], in the order they ended
+            body["truth"] = [[round(x * 1000, 4) for x in each] for each in self.truth_requests]
         if request.query.get("reset"):
             late.reset()
             self.requests_total = 0
@@ -252,6 +253,7 @@ class Server:
             self._slots = asyncio.Semaphore(sch.slots)
         if self._slots is not None:
             await self._slots.acquire()
+        acquired = perf_counter()
         self.running += 1
         transport = request.transport
         try:
@@ -267,7 +269,7 @@ class Server:
                 self._poke(first_at)
                 await stream.done
                 if stream.next == len(frames):
-                    self.truth_requests.append((stream.first - anchor, stream.last - anchor))
+                    self.truth_requests.append((stream.first - anchor, stream.last - anchor, perf_counter() - acquired))
         finally:
             self.running -= 1
             if self._slots is not None:

@@ -74,6 +74,10 @@ def search(measure, slos: list[dict], capacity: dict, cancelled=lambda: False) -
     return result
 
 
+def _rate(value: float) -> str:
+    return f"{round(value, 2):g}"
+
+
 def text(result: dict, subject: str = "This deployment") -> str:
     """The answer in words: "This deployment serves 23.5 req/s at p99 TTFT <= 2 s (within 2 req/s; 6 rounds)."."""
     slo_text = slos_mod.describe(result.get("slos") or [])
@@ -82,9 +86,9 @@ def text(result: dict, subject: str = "This deployment") -> str:
     if not result.get("converged"):
         how += ", stopped before the interval reached its width"
     if result.get("rate") is None:
-        return f"{subject} serves less than {result['high']:g} req/s at {slo_text}: no rate measured met it ({how})."
+        return f"{subject} serves less than {_rate(result['high'])} req/s at {slo_text}: no rate measured met it ({how})."
     if all(r["met"] for r in result.get("rounds") or []):
-        return (f"{subject} serves at least {result['rate']:g} req/s at {slo_text}: every rate measured met it, "
+        return (f"{subject} serves at least {_rate(result['rate'])} req/s at {slo_text}: every rate measured met it, "
                 f"so the limit may lie above the range ({how}).")
-    return (f"{subject} serves {result['rate']:g} req/s at {slo_text} "
-            f"(the limit lies below {result['high']:g} req/s; {how}).")
+    return (f"{subject} serves {_rate(result['rate'])} req/s at {slo_text} "
+            f"(the limit lies below {_rate(result['high'])} req/s; {how}).")
