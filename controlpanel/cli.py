@@ -209,8 +209,7 @@ def cmd_bench(panel, args):
         body["deployment"] = _deployment(panel, args.target)["id"]
     if levels:
         body["levels"] = levels
-    if args.workload:
-        body["workload"] = args.workload
+    body.update({"workload": args.workload} if args.workload else {})
     body.update(rates)
     body.update(clislo.slo_body(args))
     run = panel.post("runs/", body, key=args.idempotency_key)
@@ -225,9 +224,7 @@ def cmd_bench(panel, args):
             if clirate.point_key(p) not in shown:
                 shown.add(clirate.point_key(p))
                 asked = p.get("prompt_tokens_requested")
-                if line := clirate.rate_line(p):
-                    say(line)
-                if line := cliworkload.prefix_line(p):
+                for line in filter(None, (clirate.rate_line(p), cliworkload.prefix_line(p))):
                     say(line)
                 if line := clislo.slo_line(p):
                     say(line)

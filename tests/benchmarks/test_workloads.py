@@ -166,3 +166,14 @@ def test_the_workloads_page_saves_a_trace_shows_its_preview_and_refuses_a_bad_fi
     assert viewer_client.post(f"/benchmarks/workloads/{Workload.objects.get().pk}/delete/").status_code == 403
     assert operator_client.post(f"/benchmarks/workloads/{Workload.objects.get().pk}/delete/").status_code == 302
     assert not Workload.objects.exists()
+
+
+def test_panelctl_says_the_engines_hit_rate_beside_what_the_workload_could_reuse():
+    from controlpanel.cliworkload import prefix_line
+
+    point = {"server_metrics": {"prefix_cache": {"queries": 3006.0, "hits": 1152.0, "hit_rate": 0.3832}},
+             "prefix_reuse": {"prompt_tokens": 3006, "reusable_tokens": 1488, "share": 0.495}}
+    assert prefix_line(point) == "  prefix cache: engine hit 38.3 % of 3,006 prompt tokens; the workload could reuse 49.5 %"
+    assert prefix_line({"server_metrics": {}, "prefix_reuse": point["prefix_reuse"]}).startswith(
+        "  prefix cache: the engine reports no prefix-cache counters")
+    assert prefix_line({"server_metrics": {}, "prefix_reuse": {}}) == ""
