@@ -144,3 +144,23 @@ def test_a_preview_shows_lengths_and_what_a_prefix_cache_could_serve():
     view = workfiles.preview(LoadSpec(base_url="http://x", model="m", workload=trace))
     assert view["requests"] == 5 and view["rate"] == pytest.approx(4 / 0.96, abs=1e-4)  # 40 ms to 1000 ms
     assert view["prompt_tokens"]["max"] == 604
+
+
+def test_a_capacity_search_on_a_trace_replays_it_at_each_rounds_rate(server):
+    """'How many requests/s at p90 TTFT <= 5 s on this traffic': each round replays the trace, time-scaled."""
+    from benchmarks.runner import slo, sweep
+
+    requests = workfiles.mooncake(trace_lines())
+    workload = {"kind": "trace", "block_tokens": workfiles.TRACE_BLOCK_TOKENS, "requests": requests}
+    spec = spec_for(server, workload, levels=(), min_requests=len(requests), rate_duration_s=0.1, scrape_metrics=False,
+                    slos=slo.parse("ttft:p90:5s"), capacity={"low": 4, "high": 12, "width": 2, "repeats": 1})
+    seen = []
+    result = sweep(spec, on_level=seen.append)
+    assert [r["rate"] for r in result.capacity["rounds"]] == [lv.rate for lv in seen] == [8.0, 10.0]
+    native = workloads.trace_rate(workload)
+    for level in seen:
+        first = min(r.due for r in level.records)
+        scale = level.rate / native
+        for record in level.records:
+            assert record.due - first == pytest.approx((requests[record.index][0] - requests[0][0]) / 1000 / scale)
+    assert result.capacity["rate"] == 10.0
