@@ -66,6 +66,11 @@ def test_a_study_started_on_the_page_fills_its_matrix_live_and_applies_a_winner_
     expect(page.locator("#rule")).to_have_text("The highest output tok/s at concurrency 4, if significantly better "
                                                "than the baseline's (else the baseline stays)")
     expect(page.locator("#estimate")).to_contain_text("took")
+    # The winner at each level, by the same rule: one row per level, named as the study's results name it.
+    study.refresh_from_db()
+    expect(page.locator("#level-winners tbody tr")).to_have_count(2)
+    shown = page.locator("#level-winners tbody td:nth-child(2)").all_inner_texts()
+    assert shown == [w["name"] or "—" for w in study.results["per_level"]["levels"]]
     # Apply NCCL_PROTO=LL: it is a debugging variable, so the page asks for a confirmation first.
     ll = study.variants.get(name="NCCL_PROTO=LL")
     page.select_option("#apply-variant", str(ll.pk))
