@@ -73,6 +73,7 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
     finished = loop.create_future()
     tasks = set()
     answered: dict[int, asyncio.Future] = {}  # id(record) -> resolved when its response has ended
+    stopped = loop.create_future()  # resolved on cancel: wakes the users of a multi-turn level mid-think
 
     def on_done(conn, record, reusable, retry=b""):
         in_flight.discard(conn)
@@ -124,6 +125,7 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         while not finished.done():
             if cancelled():
                 state["cancelled"] = True
+                stopped.set_result(None)
                 for conn in list(in_flight):
                     conn.fail("cancelled")
                 for task in list(tasks):
@@ -166,8 +168,12 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         for conversation in conversations:
             record = None
             for index, warmup, request in conversation:
-                if record is not None and think_s > 0:
-                    await until(record.done + think_s)  # the think time counts from the answer's end
+                if record is not None and think_s > 0:  # the think time counts from the answer's end
+                    at = record.done + think_s
+                    if at - time.perf_counter() > SPIN_S:  # a cancel must not wait out a long think
+                        await asyncio.wait([stopped], timeout=at - time.perf_counter() - SPIN_S)
+                    if not stopped.done():
+                        await until(at)
                 await semaphore.acquire()
                 if stop_now():
                     semaphore.release()

@@ -164,3 +164,13 @@ def test_a_capacity_search_on_a_trace_replays_it_at_each_rounds_rate(server):
         for record in level.records:
             assert record.due - first == pytest.approx((requests[record.index][0] - requests[0][0]) / 1000 / scale)
     assert result.capacity["rate"] == 10.0
+
+
+def test_a_cancel_ends_a_multi_turn_level_while_its_users_think(server):
+    import time
+
+    spec = spec_for(server, {"kind": "multiturn", "turns": 3, "think_s": 60})
+    asked = time.monotonic()
+    level = run_level(spec, 2, cancel=lambda: time.monotonic() - asked > 2)
+    assert level.cancelled
+    assert time.monotonic() - asked < 30  # not the 60 s think time: the users woke on the cancel
