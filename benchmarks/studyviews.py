@@ -6,9 +6,9 @@ from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from benchmarks import studies, studylevels, studyresults
+from benchmarks import studies, studylevels, studyresults, workloads
 from benchmarks.forms import parse_levels
-from benchmarks.models import Study, StudyVariant
+from benchmarks.models import Study, StudyVariant, Workload
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_operator, operator_required
 from deployments.models import Deployment
@@ -26,6 +26,9 @@ class StudyForm(forms.Form):
     max_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
     input_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
     requests_per_user = forms.IntegerField(min_value=1, max_value=1000, initial=4)
+    named_workload = forms.ModelChoiceField(queryset=Workload.objects.all(), required=False, label="Workload",
+                                            empty_label="none: random prompts of the lengths above",
+                                            help_text="A named workload's prompts and lengths, for every trial.")
     repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved.")
     order = forms.ChoiceField(choices=[("interleaved", "interleaved (A B C A B C)"), ("random_blocks", "randomised blocks")])
     rule = forms.ChoiceField(choices=list(studyresults.RULES.items()), initial="throughput", label="Winner rule")
@@ -81,8 +84,13 @@ class StudyForm(forms.Form):
             rule["ttft_p95_ms"] = data["ttft_p95_ms"]
         return {"deployment": data["deployment"], "variants": data["variant_list"], "repeats": data["repeats"],
                 "order": data["order"], "rule": rule, "finish_with": data["finish_with"], "name": data["name"],
-                "workload": {"levels": data["levels"], "max_tokens": data["max_tokens"], "input_tokens": data["input_tokens"],
-                             "requests_per_user": data["requests_per_user"]}}
+                "workload": self._workload()}
+
+    def _workload(self) -> dict:
+        data = self.cleaned_data
+        workload = {"levels": data["levels"], "max_tokens": data["max_tokens"], "input_tokens": data["input_tokens"],
+                    "requests_per_user": data["requests_per_user"]}
+        return workloads.workload_params(data["named_workload"], workload) if data.get("named_workload") else workload
 
 
 def _value(text: str):

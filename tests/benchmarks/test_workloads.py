@@ -122,18 +122,24 @@ def test_a_multi_turn_run_stores_the_engines_hit_rate_beside_what_it_could_reuse
     assert f"{round(100 * cache['hits'] / cache['queries'])} % of {cache['queries']:.0f}" in page
 
 
-def test_a_study_takes_a_named_workload_for_every_trial(api):
+def study_target():
+    """A ready deployment on a node whose engine knows the flags a study varies."""
     from datetime import timedelta
 
     from django.utils import timezone
 
-    from benchmarks.models import Study
     from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
 
     node = NodeFactory(name="cpu-01", engine_flags=["--max-num-seqs", "--max-model-len", "--port", "--host"], agent_pid=100)
     copy = ModelCopyFactory(node=node)
-    d = DeploymentFactory(node=node, model=copy.model, status="ready", engine_args={"max-num-seqs": 16},
-                          ready_at=timezone.now() - timedelta(hours=1))
+    return DeploymentFactory(node=node, model=copy.model, status="ready", engine_args={"max-num-seqs": 16},
+                             ready_at=timezone.now() - timedelta(hours=1))
+
+
+def test_a_study_takes_a_named_workload_for_every_trial(api):
+    from benchmarks.models import Study
+
+    d = study_target()
     workloads.workload_create(name="shared", kind="prefix", values={"prefixes": 4, "prefix_tokens": 64, "input_tokens": 32})
     body = {"deployment": d.pk, "variants": [{"engine_args": {"max-num-seqs": 8}}], "repeats": 2,
             "workload": {"workload": "shared", "levels": [4], "min_requests": 8}}
@@ -177,3 +183,19 @@ def test_panelctl_says_the_engines_hit_rate_beside_what_the_workload_could_reuse
     assert prefix_line({"server_metrics": {}, "prefix_reuse": point["prefix_reuse"]}).startswith(
         "  prefix cache: the engine reports no prefix-cache counters")
     assert prefix_line({"server_metrics": {}, "prefix_reuse": {}}) == ""
+
+
+def test_the_study_form_takes_a_named_workload(operator_client):
+    from benchmarks.models import Study
+
+    d = study_target()
+    chats = workloads.workload_create(name="chats", kind="multiturn", values={"turns": 3, "think_s": 1, "input_tokens": 40})
+    form = {"deployment": d.pk, "variants": "max-num-seqs=8", "levels": "2", "max_tokens": 16, "input_tokens": 128,
+            "requests_per_user": 1, "named_workload": chats.pk, "repeats": 2, "order": "interleaved",
+            "rule": "throughput", "finish_with": "baseline"}
+    with mock.patch("celery.app.task.Task.apply_async", autospec=True):
+        answer = operator_client.post("/benchmarks/studies/", form)
+    assert answer.status_code == 302, answer.content.decode()[-2000:]
+    study = Study.objects.get()
+    assert study.workload["workload"] == {"kind": "multiturn", "turns": 3, "think_s": 1.0}
+    assert study.workload["input_tokens"] == 40 and study.workload["levels"] == [2]
