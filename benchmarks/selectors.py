@@ -10,7 +10,7 @@ CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_r
                "ttft_vllm_bench_median_ms", "ttfc_median_ms", "tpot_median_ms", "itl_median_ms", "itl_per_token_median_ms", "e2e_median_ms",
                "prompt_tokens_requested", "prompt_tokens_mean", "energy_j", "watts_per_gpu",
                "level_kind", "rate", "achieved_rate", "lag_p99_ms", "slot_wait_p99_ms",
-               "repeat", "goodput", "slo_attainment_pct", "slo_met"]
+               "repeat", "goodput", "slo_attainment_pct", "slo_met", "prefix_cache_hit_rate", "prefix_reusable_share"]
 
 
 def runs_with_points(ids) -> list[BenchmarkRun]:
@@ -28,7 +28,8 @@ def csv_rows(runs):
                    p.energy_j, p.watts_per_gpu, p.kind, p.rate if p.kind == p.Kind.RATE else None,
                    p.achieved_rate if p.kind == p.Kind.RATE else None, (p.lag_ms or {}).get("p99"),
                    (p.slot_wait_ms or {}).get("p99"), p.repeat, p.goodput, (p.slo or {}).get("attainment_pct"),
-                   (p.slo or {}).get("met")]
+                   (p.slo or {}).get("met"), (p.server_metrics.get("prefix_cache") or {}).get("hit_rate"),
+                   (p.prefix_reuse or {}).get("share")]
 
 
 def export_csv(runs) -> str:
@@ -66,8 +67,17 @@ def _settings(env: dict) -> dict[str, str]:
     return flat
 
 
+def shown_params(params: dict) -> dict:
+    """A run's params as exports and comparisons show them: without uploaded prompts or a workload's file data
+    (its name and settings stay)."""
+    shown = {k: v for k, v in params.items() if k != "prompts"}
+    if isinstance(shown.get("workload"), dict):
+        shown["workload"] = {k: v for k, v in shown["workload"].items() if k not in ("entries", "requests")}
+    return shown
+
+
 def _workload(run: BenchmarkRun) -> dict[str, str]:
-    return _flatten({"params": {k: v for k, v in run.params.items() if k != "prompts"}})
+    return _flatten({"params": shown_params(run.params)})
 
 
 def environment_diff(a: BenchmarkRun, b: BenchmarkRun) -> list[tuple[str, str, str]]:
@@ -135,7 +145,7 @@ def run_labels(runs: list[BenchmarkRun]) -> dict[int, str]:
 
 
 def export_json(runs) -> list[dict]:
-    return [{"id": r.pk, "name": r.name, "target": r.target, "status": r.status, "params": {k: v for k, v in r.params.items() if k != "prompts"},
+    return [{"id": r.pk, "name": r.name, "target": r.target, "status": r.status, "params": shown_params(r.params),
              "environment": r.environment, "single_stream_tok_s": r.single_stream_tok_s, "warnings": r.warnings,
              "capacity": r.capacity,
              "started": r.started, "finished": r.finished, "points": [payloads.run_point_data(p) for p in r.points.all()]} for r in runs]

@@ -1,6 +1,8 @@
 """Named workloads: created (and refused) through the API and panelctl, taken by runs from the API, the form
 and panelctl bench --workload; a real run of one against the known-schedule server stores, per level, the
 engine's own prefix-cache hit rate next to what the workload could have reused, and the run page shows both."""
+import csv
+import io
 import json
 from unittest import mock
 
@@ -120,6 +122,21 @@ def test_a_multi_turn_run_stores_the_engines_hit_rate_beside_what_it_could_reuse
     page = viewer_client.get(f"/benchmarks/{run.pk}/").content.decode()
     assert "Workload <strong>chats</strong> (multiturn: 3 turns" in page
     assert f"{round(100 * cache['hits'] / cache['queries'])} % of {cache['queries']:.0f}" in page
+    rows = list(csv.DictReader(io.StringIO(viewer_client.get(f"/benchmarks/{run.pk}/export.csv").content.decode())))
+    assert float(rows[0]["prefix_cache_hit_rate"]) == cache["hit_rate"]
+    assert float(rows[0]["prefix_reusable_share"]) == reuse["share"]
+
+
+def test_exports_and_comparisons_show_a_trace_runs_workload_by_its_settings_not_its_data(api):
+    from benchmarks import selectors
+
+    workloads.workload_create(name="day", kind="trace", values={}, file_text=trace_text())
+    ids = [api.post("/api/runs/", {"base_url": URL, "workload": "day", "rates": [r]}, format="json").json()["id"]
+           for r in (2, 4)]
+    exported = api.get("/api/runs/export/", {"ids": ",".join(map(str, ids))}).json()
+    assert exported[0]["params"]["workload"] == {"kind": "trace", "block_tokens": 512}
+    runs = selectors.runs_with_points(ids)
+    assert [("params.rates", "2.0", "4.0")] == [d for d in selectors.environment_diff(*runs) if d[0].startswith("params.")]
 
 
 def study_target():
