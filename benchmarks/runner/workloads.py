@@ -21,6 +21,9 @@ from __future__ import annotations
 import math
 import random
 
+from .spec import CHAT
+from .tokens import PromptLengths
+
 KINDS = ("prefix", "multiturn", "sharegpt", "trace")
 GENERATED = ("prefix", "multiturn", "trace")  # kinds whose texts are made here, request by request
 
@@ -31,8 +34,6 @@ def kind(spec) -> str:
 
 def _text(lengths, rng: random.Random, tokens: int) -> str:
     """Words the lengths count as `tokens` tokens, without the endpoint's overhead (a part of a prompt)."""
-    from .tokens import PromptLengths
-
     lengths = lengths or PromptLengths()
     return lengths.prompt(rng, tokens + lengths.overhead)
 
@@ -53,19 +54,13 @@ def entry(spec, index: int, lengths, key) -> dict:
             messages.append({"role": "user", "content": _text(lengths, rng, spec.input_tokens)})
             if t < turn:
                 messages.append({"role": "assistant", "content": _text(lengths, rng, spec.max_tokens)})
-        return {"messages": messages} if _chat(spec) else {"prompt": "\n".join(m["content"] for m in messages)}
+        return {"messages": messages} if spec.endpoint == CHAT else {"prompt": "\n".join(m["content"] for m in messages)}
     if w["kind"] == "trace":
         t_ms, tokens, output, ids = _trace_request(w, index)
         sizes = _block_sizes(tokens, len(ids), w["block_tokens"])
         parts = [_text(lengths, random.Random(f"{seed}/{key}/h{hid}/{size}"), size) for hid, size in zip(ids, sizes)]
         return {"prompt": " ".join(parts), "max_tokens": output}
     raise ValueError(f"workload {w['kind']!r} has no generated entries")
-
-
-def _chat(spec) -> bool:
-    from .spec import CHAT
-
-    return spec.endpoint == CHAT
 
 
 def _block_sizes(tokens: int, blocks: int, block: int) -> list[int]:
