@@ -93,7 +93,7 @@ def test_a_runs_status_point_and_tick_go_to_the_run_page(sent):
     (t1, k1, status, _), (_, k2, data, _), (_, k3, tick, keep) = _messages(sent)
     assert (t1, k1, k2, k3, keep) == (f"run:{run.pk}", "status", "point.4", "tick", False)
     assert status == {"status": "running", "status_display": "Running", "error": "", "single_stream_tok_s": None,
-                      "warnings": ["w"]}
+                      "warnings": ["w"], "capacity": {}}
     assert data["concurrency"] == 4 and data["output_throughput"] == point.output_throughput
     assert set(data) == {"concurrency", "output_throughput", "total_token_throughput", "request_throughput", "ttft_ms",
                          "ttft_vllm_bench_ms",
@@ -101,7 +101,8 @@ def test_a_runs_status_point_and_tick_go_to_the_run_page(sent):
                          "reasoning_tokens", "content_tokens", "output_tokens", "num_requests", "failed_requests",
                          "server_metrics", "prompt_tokens_requested", "prompt_tokens_mean", "prompt_tokens_counted_by",
                          "energy_j", "watts_per_gpu", "joules_per_token",
-                         "kind", "rate", "achieved_rate", "lag_ms", "slot_wait_ms"}  # a rate level's schedule
+                         "kind", "rate", "achieved_rate", "lag_ms", "slot_wait_ms",  # a rate level's schedule
+                         "goodput", "slo", "repeat"}  # against the run's SLOs; a capacity search's repeat
     assert data["kind"] == "concurrency"
     assert tick == {"t": 1.5, "concurrency": 4, "tok_s": 99.0, "in_flight": 4, "completed": 2, "failed": 0, "server": {},
                     "rate": 0.0}
