@@ -174,8 +174,14 @@ def _pareto(rows: list[dict], levels: list[int], gpus: int) -> list[dict]:
                 points.append({"variant": r["id"], "name": r["name"], "level": level, "output_tok_s": round(output, 1),
                                "per_gpu": round(output / gpus, 1) if gpus else None, "per_user": round(per_user, 2)})
     front = set(tunestats.pareto([(f"{p['variant']}@{p['level']}", p["output_tok_s"], p["per_user"]) for p in points]))
+    # The front among the variants at the same level too: which settings are worth having at that load.
+    at_level = set()
+    for level in levels:
+        at_level |= set(tunestats.pareto([(f"{p['variant']}@{p['level']}", p["output_tok_s"], p["per_user"])
+                                          for p in points if p["level"] == level]))
     for p in points:
         p["front"] = f"{p['variant']}@{p['level']}" in front
+        p["level_front"] = f"{p['variant']}@{p['level']}" in at_level
     return points
 
 

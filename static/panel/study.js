@@ -79,7 +79,7 @@
     const gpus = r.gpus > 0;  // per GPU only where there are GPUs
     el("pareto").querySelector("th[data-gpu]").hidden = !gpus;
     el("pareto").querySelector("tbody").innerHTML = points.map((p) => `<tr><td>${esc(p.name)}</td><td class="num">${p.level}</td>` +
-      `<td class="num">${fmt(p.output_tok_s)}</td>${gpus ? `<td class="num">${fmt(p.per_gpu)}</td>` : ""}<td class="num">${fmt(p.per_user, 2)}</td><td>${p.front ? "★" : ""}</td></tr>`).join("");
+      `<td class="num">${fmt(p.output_tok_s)}</td>${gpus ? `<td class="num">${fmt(p.per_gpu)}</td>` : ""}<td class="num">${fmt(p.per_user, 2)}</td><td>${p.front ? "★" : ""}${p.level_front ? " ◆" : ""}</td></tr>`).join("");
     const winner = r.variants.find((v) => v.id === r.winner);
     el("winner").textContent = winner ? `${winner.name}: ${r.winner_why}` : r.winner_why || "—";
     const perLevel = r.per_level || { levels: [] };  // studies judged before per-level winners have none

@@ -54,6 +54,9 @@ def test_a_study_whose_variants_cross_over_gives_a_winner_per_level(d):  # noqa:
     assert names == {1: "few seqs", 4: "few seqs", 16: "many seqs"}
     assert per_level["crossover"] == "The winner changes with the load: few seqs below c=16, many seqs from c=16."
     assert studylevels.winner_at(study.results, 16) == study.variants.get(name="many seqs").pk
+    # The Pareto view per level: at each level only the variant faster there is unbeaten by the others.
+    level_front = {(p["level"], p["name"]) for p in study.results["pareto"] if p["level_front"]}
+    assert level_front == {(1, "few seqs"), (4, "few seqs"), (16, "many seqs")}
 
 
 def test_a_crossover_the_intervals_do_not_support_is_not_claimed(d):  # noqa: F811
