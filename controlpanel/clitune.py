@@ -3,9 +3,9 @@
     panelctl tune start qwen3-cpu-01 --vary NCCL_PROTO=LL,LL128,Simple --vary max-num-seqs=8,16 \\
         --concurrency 1,16 --repeats 3 --dry-run           # count and estimate only
     panelctl tune start qwen3-cpu-01 --variant "max-num-seqs=16" --variant "max-num-seqs=1 NCCL_ALGO=Ring" --wait
-    panelctl tune status 3 [--wait]                        # the matrix, verdicts and winner
+    panelctl tune status 3 [--wait]                        # the matrix, verdicts, winner and winner per level
     panelctl tune pause|resume|cancel 3
-    panelctl tune apply 3 [--variant ID] [--persist] [--yes]   # --yes: confirm NCCL debugging variables
+    panelctl tune apply 3 [--variant ID | --level 16] [--persist] [--yes]   # --yes: confirm NCCL debugging variables
 
 Upper-case names are environment variables, the others engine flags (NAME= for a switch, NAME=false
 to remove one). Exit codes as for the rest of panelctl; `status --wait` exits 1 when the study failed.
@@ -109,6 +109,11 @@ def _lines(study: dict) -> list[str]:
     if results.get("winner"):
         name = next((v["name"] for v in live["variants"] if v["id"] == results["winner"]), "?")
         out.append(f"Winner: {name} ({results.get('winner_why', '')})")
+    per_level = results.get("per_level") or {}
+    for item in per_level.get("levels") or []:
+        out.append(f"  at c={item['level']}: {item['name'] or '-'}")
+    if per_level.get("crossover") or per_level.get("note"):
+        out.append(per_level.get("crossover") or per_level["note"])
     if study.get("took_s") and study.get("estimate_s"):
         out.append(f"Took {study['took_s'] / 60:.1f} min (estimated {study['estimate_s'] / 60:.1f} min"
                    + (f", {study['estimate_basis']}" if study.get("estimate_basis") else "") + ").")
@@ -150,6 +155,8 @@ def cmd_apply(panel, args):
     body = {"persist": args.persist, "confirm_debug": args.yes}
     if args.variant:
         body["variant"] = args.variant
+    if args.level:
+        body["level"] = args.level
     answer = panel.post(f"studies/{args.study}/apply/", body, key=args.idempotency_key)
     clibase._emit(answer, args.json, [f"Redeploying with {answer['name']} (deployment {answer['deployment']})."])
     return 0
@@ -194,6 +201,7 @@ def add(sub, common) -> None:
     s = actions.add_parser("apply", help="redeploy with the winner (or --variant ID)")
     s.add_argument("study", type=int)
     s.add_argument("--variant", type=int, default=None)
+    s.add_argument("--level", type=int, default=None, help="apply the variant that wins at this concurrency level")
     s.add_argument("--persist", action="store_true", help="then install it as a systemd service")
     s.add_argument("--yes", action="store_true", help="confirm a winner that sets NCCL debugging variables")
     s.set_defaults(fn=cmd_apply)

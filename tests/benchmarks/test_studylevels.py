@@ -7,6 +7,7 @@ from django.utils import timezone
 
 from benchmarks import studies, studylevels
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study
+from controlpanel import cli, tokens
 from deployments.models import Deployment
 from tests.benchmarks.test_studies import comes_up, current, d, sent, step  # noqa: F401 - fixtures
 
@@ -87,3 +88,19 @@ def test_apply_takes_the_winner_for_a_chosen_level(d, api, operator_client):  # 
     page = operator_client.post(f"/benchmarks/studies/{study.pk}/apply/", {"level": "1", "variant": ""})
     assert page.status_code == 302
     assert Deployment.objects.get(pk=d.pk).engine_args["max-num-seqs"] == 2
+
+
+def test_panelctl_tune_shows_the_winner_per_level_and_applies_one(d, live_server_asgi, operator, capsys):  # noqa: F811
+    speeds = {"baseline": {1: 100.0, 4: 300.0, 16: 500.0},
+              "few seqs": {1: 160.0, 4: 420.0, 16: 520.0},
+              "many seqs": {1: 110.0, 4: 330.0, 16: 900.0}}
+    study = run_study(d, speeds)
+    Study.objects.filter(pk=study.pk).update(status="done")
+    Deployment.objects.filter(pk=d.pk).update(status="ready")
+    login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]
+    assert cli.main([*login, "tune", "status", str(study.pk)]) == 0
+    shown = capsys.readouterr().out
+    assert "at c=4: few seqs" in shown and "at c=16: many seqs" in shown
+    assert study.results["per_level"]["crossover"] in shown
+    assert cli.main([*login, "tune", "apply", str(study.pk), "--level", "16"]) == 0
+    assert "Redeploying with many seqs" in capsys.readouterr().out
