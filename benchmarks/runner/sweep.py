@@ -322,16 +322,26 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
             on_level(level)
         return level
 
+    def failed(level: LevelResult, refused_only: bool = False) -> None:
+        """Raise when every request of the level failed (only when the server refused them, 4xx, if refused_only:
+        a capacity search's overloaded rate may fail whole and is then a miss)."""
+        first = level.errors[0] if level.errors else "unknown error"
+        if level.num_requests and not level.completed and (first.startswith("HTTP 4") or not refused_only):
+            raise RunnerError(f"every request at {level.label} failed: {first}", permanent=first.startswith("HTTP 4"))
+
     def measured(level: LevelResult) -> bool:
         """Keep a level; False once the sweep must stop (cancelled)."""
         kept(level)
         if level.cancelled:
             result.cancelled = True
             return False
-        if level.num_requests and not level.completed:
-            first = level.errors[0] if level.errors else "unknown error"
-            raise RunnerError(f"every request at {level.label} failed: {first}", permanent=first.startswith("HTTP 4"))
+        failed(level)
         return True
+
+    def probed(level: LevelResult) -> LevelResult:
+        kept(level)
+        failed(level, refused_only=True)
+        return level
 
     with Sweeper(spec, sweep_workers(spec)[0], memory_bytes) as sweeper:
         for concurrency in levels:
@@ -352,7 +362,7 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
                 break
         if spec.capacity and not result.cancelled:
             result.capacity = capacity_search.search(
-                lambda rate, repeat: kept(sweeper.run_rate(rate, on_tick=on_tick, cancel=check, repeat=repeat)),
+                lambda rate, repeat: probed(sweeper.run_rate(rate, on_tick=on_tick, cancel=check, repeat=repeat)),
                 spec.slos, spec.capacity, check)
             result.cancelled = result.cancelled or any(lv.cancelled for lv in result.levels)
     return result

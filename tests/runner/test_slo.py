@@ -120,3 +120,14 @@ def test_a_capacity_sweep_reports_each_round_as_a_rate_level():
     assert [r["rate"] for r in rounds] == [lv.rate for lv in seen] == [5.0, 7.0]  # a 5 s TTFT limit: every rate passes
     assert all(lv.kind == "rate" and lv.slo["met"] for lv in seen)
     assert result.capacity["rate"] == 7.0 and "at least 7 req/s" in result.capacity["text"]
+
+
+def test_a_capacity_search_the_server_refuses_stops_at_its_first_round():
+    with SchedServer(ttft_ms=5, gap_ms=5) as server:
+        spec = LoadSpec(base_url=server.base_url + "/nowhere", model="sched", prompt_source="builtin", max_tokens=2,
+                        levels=(), min_requests=4, rate_duration_s=0.1, workers=1, tick_s=0.1, scrape_metrics=False,
+                        slos=slo.parse("ttft:p90:5s"), capacity={"low": 1, "high": 9, "width": 1})
+        seen = []
+        with pytest.raises(RunnerError, match="every request at 5 req/s failed: HTTP 404") as raised:
+            sweep(spec, on_level=seen.append)
+    assert raised.value.permanent and len(seen) == 1  # one round, kept; no more sent to a server that refuses them
