@@ -3,11 +3,12 @@
 Schedule: first token 50 ms after the request, then a chunk every 10 ms, 3 tokens per chunk,
 the first 6 tokens reasoning; 30 tokens per request, so 10 chunks: 2 reasoning, 8 content.
 
-No stopwatch claims here (how accurate the client is, is perf/bench_fidelity.py's job). Timings are
-checked as relations: never earlier than the schedule allows, and within half a chunk gap of what
-the server reports it actually did, which tells which chunk was counted — the role chunk
-comes a whole TTFT earlier, the next token chunk a whole gap later. The rest are identities
-between the reported figures and the per-request records, and counts.
+No stopwatch claims here (how accurate the client is, is perf/bench_fidelity.py's job). Which chunk was
+counted is told by structure (the chunks each record holds, which of them a figure starts from) and by
+relations that a busy machine cannot break: never earlier than the schedule allows (load only delays a
+read). Nothing is compared with the server's own clock within a gap: at load average 10 the client's
+reads came 15 ms late. The rest are identities between the reported figures and the per-request
+records, and counts.
 """
 import multiprocessing
 import statistics
@@ -37,12 +38,6 @@ def truth(server) -> dict:
     return told
 
 
-def assert_counted_at(measured_ms: float, truth_ms: float):
-    """Within half a gap of what the server delivered: the same chunk. (The server's truth includes
-    the warm-up requests and stamps a write after it, so it is no strict lower bound; the schedule is.)"""
-    assert abs(measured_ms - truth_ms) < HALF_GAP, (measured_ms, truth_ms)
-
-
 def spec_for(server, **overrides):
     fields = dict(base_url=server.base_url, model="sched", prompt_source="builtin", ignore_eos=False, max_tokens=30,
                   min_requests=6, requests_per_user=3, warmup_per_user=1, tick_s=0.1, workers=1)
@@ -67,8 +62,13 @@ def ms(values):
 
 
 def test_ttft_is_the_first_token_chunk_not_the_role_chunk(measured):
-    level, told = measured
-    assert_counted_at(level.ttft_ms["median"], told["ttft_ms"])
+    """Which chunk is counted, by structure: each record's chunk times are its 10 token chunks (the role chunk is not
+    among them), and TTFT is the first of them. The role chunk would read ~0 ms, below the schedule's 50 ms; a later
+    token chunk would not be chunk_times[0]. No comparison with the server's clock: a busy machine delays the client's
+    reads by more than a gap (CI saw 73 ms measured against the server's 58 ms at load average 10)."""
+    level, _ = measured
+    assert all(len(r.chunk_times) == 10 for r in level.records)
+    assert level.ttft_ms["median"] == pytest.approx(ms([r.chunk_times[0] - r.start for r in level.records]))
     assert level.ttft_ms["median"] >= 50  # the schedule: the server never writes early
 
 
@@ -82,7 +82,9 @@ def test_itl_is_every_gap_between_reads_that_brought_token_chunks(measured):
     assert sum(len(r.chunk_times) - 1 for r in level.records) == 10 * 9
     assert level.itl_ms["median"] == pytest.approx(ms([b - a for r in level.records
                                                        for a, b in zip(reads(r), reads(r)[1:])]))
-    assert abs(level.itl_ms["median"] - told["itl_ms"]) < HALF_GAP  # one gap per chunk, not two or none
+    # One gap per read that brought token chunks: the server writes a chunk every 10 ms and a late read only makes a
+    # gap longer (never compared with the server's clock: a busy machine delays reads by more than a gap).
+    assert level.itl_ms["median"] >= 0.75 * GAP_MS, (level.itl_ms, told)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def bunched():
 def test_chunks_that_arrive_together_share_the_gap_before_them(bunched):
     level, told = bunched
     assert all(len(r.chunk_times) == 32 and len(reads(r)) <= 8 for r in level.records)  # 8 writes of 4 chunks
-    assert_counted_at(level.itl_ms["median"], told["itl_ms"])  # the gap between writes, not the 0 inside one
+    assert level.itl_ms["median"] >= 0.75 * GAP_MS, (level.itl_ms, told)  # the gap between writes, not the 0 inside one
     assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 4, rel=0.25)
     assert level.itl_per_token_ms["p90"] > 0 and level.itl_per_token_ms["median"] > 0
     # TPOT spreads (E2E - TTFT) over 31 tokens, 7 gaps over 28 of them beyond the first read's 4:
@@ -114,14 +116,29 @@ def test_several_tokens_per_chunk_and_several_chunks_per_read_multiply():
         told = truth(running)
     assert level.tokens_per_chunk == "usage"
     assert all(r.chunk_tokens == [3] * 12 for r in level.records)
-    assert_counted_at(level.itl_ms["median"], told["itl_ms"])
-    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 6, rel=0.25)
+    # A gap is between reads, and a read brings a whole write (two chunks): never shorter than the server's 10 ms
+    # between writes, give or take a late read. Counting each chunk as its own gap would make every other gap ~0.
+    assert level.itl_ms["median"] >= 0.75 * GAP_MS, (level.itl_ms, told)
+    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=3)))
+
+
+def spread_gaps(level, tokens_per_chunk: int) -> list[float]:
+    """Each gap between reads divided over the tokens its read brought (chunks that arrived in it x tokens per chunk),
+    once per token: what ITL per token must be, computed here from the records alone."""
+    gaps = []
+    for r in level.records:
+        times = reads(r)
+        for a, b in zip(times, times[1:]):
+            k = r.chunk_times.count(b) * tokens_per_chunk
+            gaps += [(b - a) / k] * k
+    return gaps
 
 
 def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
-    # Within 2 %: a busy machine may deliver two chunks in one read now and then (a gap of six tokens), which moves
-    # the two medians apart a little (CI: 3.3327 against 3.3337 ms); a gap not divided would be 3 times off.
-    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3, rel=0.02)
+    # From the records: a busy machine may deliver two chunks in one read (a gap of six tokens), so the median is
+    # not simply the read gap / 3 (CI saw 3.59 against 4.36 / 3 at load average 10); a gap not divided reads 3x.
+    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=3)))
+    assert level.itl_per_token_ms["median"] < 0.6 * level.itl_ms["median"]
     assert level.tokens_per_chunk == "estimated"
 
 
@@ -162,7 +179,7 @@ def test_reasoning_and_content_tokens_are_split_exactly_by_usage(level):
 def test_time_to_first_content_waits_for_the_reasoning_chunks(level):
     assert bytes(level.records[0].chunk_kinds) == b"rr" + b"c" * 8
     assert level.ttfc_ms["median"] == pytest.approx(ms([r.chunk_times[2] - r.start for r in level.records]))
-    assert abs(level.ttfc_ms["median"] - level.ttft_ms["median"] - 2 * GAP_MS) < HALF_GAP  # two chunks later
+    assert level.ttfc_ms["median"] - level.ttft_ms["median"] >= 2 * GAP_MS - HALF_GAP  # two chunks later, at least
 
 
 def test_throughputs_are_counts_over_the_measured_duration(level):
@@ -212,20 +229,21 @@ def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):
     level = run_level(spec_for(server, continuous_usage_stats=True, min_requests=2, requests_per_user=1), 2)
     assert level.tokens_per_chunk == "usage"
     assert all(r.chunk_tokens == [3] * 10 for r in level.records)
-    # Within 2 %: a busy machine may deliver two chunks in one read now and then (a gap of six tokens), which moves
-    # the two medians apart a little (CI: 3.3327 against 3.3337 ms); a gap not divided would be 3 times off.
-    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 3, rel=0.02)
+    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=3)))
+    assert level.itl_per_token_ms["median"] < 0.6 * level.itl_ms["median"]  # a gap not divided would read 3x
 
 
 def test_completions_endpoint_streams_text_with_random_prompts():
-    # Its own server with wider gaps: a median of two requests is one late read away from the next chunk at
-    # 10 ms (it failed once on a busy machine), and which chunk was counted is what is checked.
+    # Its own server with wider gaps, so that a late read rarely merges two chunks into one read.
     with SchedServer(ttft_ms=50, gap_ms=4 * GAP_MS, tokens_per_chunk=3, reasoning_tokens=0) as wide:
         level = run_level(spec_for(wide, endpoint=COMPLETIONS, prompt_source="random", input_tokens=40,
                                    min_requests=2, requests_per_user=1), 2)
         told = truth(wide)
     assert level.completed == 2 and level.output_tokens == 60 and level.input_tokens == 80
-    assert abs(level.ttft_ms["median"] - told["ttft_ms"]) < 2 * GAP_MS, (level.ttft_ms, told)
+    # The first token chunk (text chunks carry no role chunk before them), by structure as above.
+    assert all(len(r.chunk_times) == 10 for r in level.records), told
+    assert level.ttft_ms["median"] == pytest.approx(ms([r.chunk_times[0] - r.start for r in level.records]))
+    assert level.ttft_ms["median"] >= 50
     assert level.reasoning_tokens == 0
 
 
