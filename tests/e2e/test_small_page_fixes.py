@@ -1,5 +1,5 @@
 """Real Chromium, no engine (rows made with tests/factories.py, samples pushed as the agent pushes them): the
-issue 27 fixes a browser has to draw to show: the node's disk chart gives whole, distinct labels for a disk at
+page details a browser has to draw to show: the node's disk chart gives whole, distinct labels for a disk at
 178.79 GiB; the commit id stays inside its card; a ready deployment's start-up card names the model's size in
 binary units, not "0.00 GB"."""
 import time

@@ -1,4 +1,4 @@
-"""Call it's snippets run as shown (issue 27 item 1): the deployment page's curl command, pasted into a shell,
+"""Call it's snippets run as shown: the deployment page's curl command, pasted into a shell,
 and its Python, run with the official openai client, reach the deployment through the real gateway (in a
 thread, in front of a known-schedule server) with a caller key in OPENAI_API_KEY; with a key it does not know, the
 gateway refuses them."""

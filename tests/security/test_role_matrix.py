@@ -22,6 +22,7 @@ from django.urls import URLPattern, URLResolver, get_resolver
 from rest_framework.test import APIClient
 
 from controlpanel.asgi import application
+from benchmarks.models import Workload
 from controlpanel.routing import websocket_urlpatterns
 from deployments.gateway.models import CallerKey
 from tests.conftest import run_async
@@ -35,19 +36,20 @@ MACHINE_READABLE = {"/metrics"}  # answers 401/403 like the API
 OPERATOR_PAGES = ("/deploy/", "/edit/")  # forms that only make sense to someone who may change things
 # The resource a path parameter names, by the literal path before it.
 RESOURCE = {"nodes": "node", "models": "model", "deployments": "deployment", "copies": "copy", "benchmarks": "run",
-            "studies": "study", "keys": "key"}
+            "studies": "study", "keys": "key", "workloads": "workload"}
 # The action a page's `<action>` names, by the resource before its id: one that works on `world`'s object.
 ACTION = {"copies": "delete", "deployments": "stop", "studies": "pause"}
 # What a working page answers that is not a 200 GET, by URL name. POST-only views refuse a GET:
 POST_ONLY = {"account-token", "logout", "run-cancel", "study-control", "study-apply", "copy-action", "deployment-action",
-             "model-download", "model-remove", "key-create", "key-revoke", "notify-action"}
+             "model-download", "model-remove", "key-create", "key-revoke", "notify-action", "workload-delete"}
 # A form's POST address answers a GET (a reload, a typed URL) with a redirect to the form, for every role.
 GET_REDIRECTS = {"model-add", "model-add-local"}
 # An operator's empty POST: a form without its fields answers 400; everything else a 2xx or a redirect.
-EMPTY_FORM = {"run-list", "study-list", "deployment-edit", "model-deploy", "model-download", "model-add", "model-add-local",
+EMPTY_FORM = {"run-list", "study-list", "workload-list", "deployment-edit", "model-deploy", "model-download", "model-add", "model-add-local",
               "key-create"}
 # Actions that need no field: an operator's empty POST does the work (a row changes).
-ACTS = {"run-cancel", "study-control", "copy-action", "deployment-action", "account-token", "key-revoke"}
+ACTS = {"run-cancel", "study-control", "copy-action", "deployment-action", "account-token", "key-revoke",
+        "workload-delete"}
 # Actions on what a user owns (a caller key): `world`'s belongs to someone else, so an operator gets 403 and
 # changes nothing; an admin does the work.
 OWNED = {"key-revoke"}
@@ -94,7 +96,8 @@ def world(db):
     study = StudyFactory(deployment=d)  # queued: it may be paused
     spare = ModelCopyFactory(node=node, path="/models/org/spare")  # no deployment uses it: it may be deleted
     key = CallerKey.objects.create(owner=UserFactory(role="operator"), name="theirs", prefix="vcp-world", digest="e" * 64)
-    ids = {"key": key.pk, "node": node.pk, "model": copy.model.pk, "copy": spare.pk, "deployment": d.pk, "run": run.pk, "study": study.pk,
+    workload = Workload.objects.create(name="role-matrix chats", kind="multiturn", spec={"kind": "multiturn", "turns": 2})  # no run uses it: it may be deleted
+    ids = {"key": key.pk, "workload": workload.pk, "node": node.pk, "model": copy.model.pk, "copy": spare.pk, "deployment": d.pk, "run": run.pk, "study": study.pk,
            "nodes": "n1", "models": copy.model.pk, "copies": spare.pk, "deployments": d.pk, "runs": run.pk,
            "studies": study.pk}
     with mock.patch.object(Task, "apply_async", autospec=True) as sent:
