@@ -1,7 +1,5 @@
 """panelctl bench's lines say what was measured: a level with no TPOT (every token came in one read)
 prints a dash, never a made-up 0.00, and a finished run says where it saturated, as the run page and the API do."""
-import argparse
-
 from controlpanel import cli
 
 POINT = {"concurrency": 1, "output_throughput": 120.0, "ttft_ms": {"median": 41.5}, "tpot_ms": {},
@@ -23,9 +21,10 @@ class Panel:
 
 
 def test_a_level_without_tpot_prints_a_dash_and_the_run_says_where_it_saturated(capsys):
-    args = argparse.Namespace(concurrency="1,2", max_tokens=16, input_tokens=32, prompts="random", no_ignore_eos=False,
-                              requests_per_user=1, past_saturation=False, prompts_file=None, target="http://e:8000",
-                              model="m", idempotency_key=None, wait=True, timeout=5, json=False)
+    # Parsed as panelctl parses it, so the test keeps up with the command's options.
+    args = cli.parser().parse_args(["bench", "http://e:8000", "--model", "m", "--concurrency", "1,2",
+                                    "--max-tokens", "16", "--input-tokens", "32", "--requests-per-user", "1", "--wait",
+                                    "--timeout", "5"])
     assert cli.cmd_bench(Panel(), args) == 0
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip().startswith("c=")]
