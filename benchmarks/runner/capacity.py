@@ -13,7 +13,7 @@ pass, or none when every round missed ("below ...").
 """
 import math
 
-from . import slo as slos_mod
+import benchmarks.runner.slo as slos_mod  # the module, not the package (its __init__ imports this one)
 from .spec import RunnerError
 
 MAX_ROUNDS = 12

@@ -5,7 +5,7 @@ import json
 import random
 from urllib.parse import urlsplit
 
-from . import workloads
+import benchmarks.runner.workloads as workloads  # the module, not the package
 from .spec import CHAT, COMPLETIONS, LoadSpec, PromptError, RunnerError
 from .tokens import WORDS, PromptLengths
 

@@ -21,8 +21,8 @@ import time
 
 from deployments.host import vllm
 
-from . import capacity as capacity_search
-from . import workloads
+import benchmarks.runner.capacity as capacity_search  # the modules, not the package (its __init__ imports this one)
+import benchmarks.runner.workloads as workloads
 from .arrivals import due_offsets, rate_requests
 from .prompts import Target
 from .saturation import saturated

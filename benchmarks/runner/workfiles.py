@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import benchmarks.runner.workloads as workloads  # the module, not the package
 from .spec import CHAT, PromptError
 from .stats import percentile
 
@@ -133,8 +134,6 @@ def _spread(values: list[float]) -> dict:
 def preview(spec, requests: int = 2000) -> dict:
     """What a workload sends, before anything runs: prompt and output lengths (tokens, one per word where
     made up here; ShareGPT prompts in words), the share a prefix cache could serve, and a trace's timing."""
-    from . import workloads
-
     w = spec.workload
     out: dict = {"kind": w["kind"]}
     if w["kind"] == "sharegpt":
