@@ -162,7 +162,7 @@ class Study(Transitions, models.Model):
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED)
     error = models.TextField(blank=True)
     repeats = models.PositiveSmallIntegerField(default=3)
-    order = models.CharField(max_length=16, default="interleaved", help_text="interleaved (A B C A B C) or random_blocks.")
+    order = models.CharField(max_length=16, default="interleaved", help_text="interleaved (A B C A B C), mirrored (A B C C B A) or random_blocks.")
     workload = models.JSONField(default=dict, help_text="The benchmark params every trial runs (levels, prompts, lengths).")
     base_engine_args = models.JSONField(default=dict, help_text="The deployment's flags when the study was made.")
     base_env = models.JSONField(default=dict, help_text="The deployment's environment when the study was made.")

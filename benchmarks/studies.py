@@ -1,12 +1,11 @@
-"""Tuning studies: create (validated, with a count and an estimate), drive one step at a
-time, pause, resume, cancel, apply the winner.
+"""Tuning studies: create (validated, with a count and an estimate), drive one step at a time, pause, resume,
+cancel, apply the winner.
 
-A study is a state machine kept in the database. The node agent's study driver calls study_step()
-about twice a second for each study on its deployments; every step looks at what the rows say
-(the trial, its deployment, its benchmark run), does at most one thing (send a redeploy, start a
-run, record a result) and returns. So a killed agent loses nothing: the next agent's driver
-continues from the rows. Each trial is one repeat of one variant: a redeploy through the normal
-plan (no timeout of its own: the plan's stall detection decides), then the workload as a normal
+A study is a state machine kept in the database. The node agent's study driver calls study_step() about twice a
+second for each study on its deployments; every step looks at what the rows say (the trial, its deployment, its
+benchmark run), does at most one thing (send a redeploy, start a run, record a result) and returns. So a killed agent
+loses nothing: the next agent's driver continues from the rows. Each trial is one repeat of one variant: a redeploy
+through the normal plan (no timeout of its own: the plan's stall detection decides), then the workload as a normal
 BenchmarkRun on the deployment.
 """
 import itertools
@@ -31,6 +30,7 @@ S, T, D = Study.Status, StudyTrial.Status, Deployment.Status
 MAX_ATTEMPTS = 3  # a trial interrupted by an agent restart is run again, this many times in all
 MAX_TRIALS = 200
 ENV_NAME = engineargs.ENV_NAME
+ORDERS = {"interleaved": "interleaved (A B C A B C)", "mirrored": "mirrored (A B C C B A)", "random_blocks": "randomised blocks"}
 
 
 # --- settings -------------------------------------------------------------------------------------
@@ -110,13 +110,16 @@ def validate_variants(d: Deployment, variants: list[dict], user) -> None:
 
 
 def schedule(n_variants: int, repeats: int, order: str, seed: int = 0) -> list[tuple[int, int]]:
-    """(variant position, repeat) in the order trials run: A B C A B C …, or each block shuffled."""
+    """(variant position, repeat) in the order trials run: A B C A B C …; mirrored, A B C C B A … (steady drift favours
+    no variant, and even repeats end on the baseline: no closing reload); or each block shuffled."""
     rng = random.Random(seed)
     out = []
     for repeat in range(1, repeats + 1):
         block = list(range(n_variants))
         if order == "random_blocks":
             rng.shuffle(block)
+        elif order == "mirrored" and repeat % 2 == 0:
+            block.reverse()
         out += [(v, repeat) for v in block]
     return out
 

@@ -30,7 +30,7 @@ class StudyForm(forms.Form):
                                             empty_label="none: random prompts of the lengths above",
                                             help_text="A named workload's prompts and lengths, for every trial.")
     repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved.")
-    order = forms.ChoiceField(choices=[("interleaved", "interleaved (A B C A B C)"), ("random_blocks", "randomised blocks")])
+    order = forms.ChoiceField(choices=list(studies.ORDERS.items()))
     rule = forms.ChoiceField(choices=list(studyresults.RULES.items()), initial="throughput", label="Winner rule")
     rule_level = forms.IntegerField(min_value=1, max_value=4096, required=False, label="Rule's level N",
                                     help_text="Default: the highest level.")

@@ -181,7 +181,7 @@ def add(sub, common) -> None:
     s.add_argument("--input-tokens", type=int, default=128)
     s.add_argument("--requests-per-user", type=int, default=4)
     s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--order", choices=["interleaved", "random_blocks"], default="interleaved")
+    s.add_argument("--order", choices=["interleaved", "mirrored", "random_blocks"], default="interleaved")
     s.add_argument("--rule", default="", help="throughput:LEVEL (default: the highest level), single_stream, ttft:LEVEL:P95_MS")
     s.add_argument("--finish-with", choices=["baseline", "winner"], default="baseline")
     s.add_argument("--name", default="")

@@ -56,16 +56,26 @@ def pytest_collection_modifyitems(config, items):
 
 def _lanes(items: list, workers: int) -> list:
     """The order for xdist's work stealing, which hands worker i the i-th contiguous 1/workers of the tests and lets
-    an idle worker take half of another's queue from its end: the long tests (slow, end-to-end, faults,
-    integration) dealt out in turn so that every worker starts on its share of them, each share filled up with
-    short ones to an equal count. The short ones are what gets stolen, the long ones never wait at the end.
-    Modules stay together within each part (a stable sort)."""
+    an idle worker take half of another's queue from its end. The long tests (slow, end-to-end, faults,
+    integration) go to the workers in whole modules, the modules of one `exclusive` name together (two workers
+    would otherwise reach them at the same time and one would wait idle for the other), each group to the worker
+    with the least long work so far (heaviest first); then each worker's share is filled up with short tests to
+    an equal count. The short ones are what gets stolen, the long ones never wait at the end."""
     ordered = sorted(items, key=_cost_rank)
-    long = [item for item in ordered if _cost_rank(item) < 4]
-    short = ordered[len(long):]
     if workers < 2:
         return ordered
-    lanes = [long[i::workers] for i in range(workers)]
+    long = [item for item in ordered if _cost_rank(item) < 4]
+    short = ordered[len(long):]
+    groups: dict[str, list] = {}
+    for item in long:
+        exclusive = item.get_closest_marker("exclusive")
+        groups.setdefault(f"exclusive:{exclusive.args[0]}" if exclusive else str(item.path), []).append(item)
+    lanes: list[list] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for group in sorted(groups.values(), key=_weight, reverse=True):
+        lane = loads.index(min(loads))
+        lanes[lane] += group
+        loads[lane] += _weight(group)
     size = -(-len(items) // workers)
     for lane in lanes:
         take = max(0, size - len(lane))
@@ -75,9 +85,18 @@ def _lanes(items: list, workers: int) -> list:
     return [item for lane in lanes for item in lane]
 
 
+# Rough seconds of a test by its marker (CI's --durations: a slow test 80-440 s, another end-to-end 15-60 s, a
+# fault test 10-40 s, an integration one 2-15 s): enough to share out whole modules evenly.
+_MARKER_SECONDS = (("slow", 150.0), ("e2e", 30.0), ("faults", 20.0), ("integration", 5.0))
+
+
+def _weight(tests: list) -> float:
+    return sum(next((s for m, s in _MARKER_SECONDS if item.get_closest_marker(m)), 1.0) for item in tests)
+
+
 def _cost_rank(item) -> int:
     """Slow, then end-to-end, fault and integration tests, then the rest (a stable sort keeps modules together)."""
-    for rank, marker in enumerate(("slow", "e2e", "faults", "integration")):
+    for rank, (marker, _) in enumerate(_MARKER_SECONDS):
         if item.get_closest_marker(marker):
             return rank
     return 4
@@ -85,6 +104,7 @@ def _cost_rank(item) -> int:
 
 _durations: dict[str, float] = {}
 _slow_ids: set[str] = set()
+_lock_waits: dict[str, float] = {}  # test -> seconds its worker waited for another's test (exclusive, alone)
 
 
 def pytest_runtest_logreport(report):
@@ -99,6 +119,7 @@ def pytest_sessionfinish(session):
         from tests.truestate import COUNTS
 
         session.config.workeroutput["fault_counts"] = dict(COUNTS)
+        session.config.workeroutput["lock_waits"] = dict(_lock_waits)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -106,6 +127,7 @@ def pytest_testnodedown(node, error):
     from tests.truestate import COUNTS
 
     COUNTS.update(getattr(node, "workeroutput", {}).get("fault_counts", {}))
+    _lock_waits.update(getattr(node, "workeroutput", {}).get("lock_waits", {}))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -114,6 +136,10 @@ def pytest_terminal_summary(terminalreporter, config):
 
     if COUNTS:
         terminalreporter.write_line("faults: " + ", ".join(f"{k}={v}" for k, v in sorted(COUNTS.items())))
+    if _lock_waits:
+        terminalreporter.section(f"workers idle behind another's test: {sum(_lock_waits.values()):.0f} s in all")
+        for nodeid, seconds in sorted(_lock_waits.items(), key=lambda kv: -kv[1])[:10]:
+            terminalreporter.write_line(f"{seconds:7.1f} s  before {nodeid}")
     unmarked = [(s, nodeid) for nodeid, s in _durations.items() if s > SLOW_S and nodeid not in _slow_ids]
     if unmarked:
         terminalreporter.section(f"tests over {SLOW_S:.0f} s not marked slow")
@@ -208,11 +234,15 @@ def _alone_or_beside(request):
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     alone = request.node.get_closest_marker("alone") is not None
     exclusive = request.node.get_closest_marker("exclusive")
+    started = time.monotonic()
     with contextlib.ExitStack() as held:
         if run and exclusive:  # one test at a time of those naming this (e.g. clusters over one host's two addresses)
             fcntl.flock(held.enter_context(_lock_file(run, exclusive.args[0])), fcntl.LOCK_EX)
         if run and (alone or "tiny_model" in request.fixturenames):
             fcntl.flock(held.enter_context(_lock_file(run, "engines")), fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        waited = time.monotonic() - started
+        if waited >= 1:  # a worker idle behind the other's test: CI prints these (pytest_terminal_summary)
+            _lock_waits[request.node.nodeid] = waited
         yield
 
 

@@ -24,20 +24,44 @@ def test_the_suite_runs_on_two_workers_unless_told_otherwise(monkeypatch):
     assert launcher.pytest_argv([], ci=False)[:2] == ["-n", "3"]
 
 
+class _Mark:
+    def __init__(self, *args):
+        self.args = args
+
+
 class _Item:
-    def __init__(self, name, marker=None):
-        self.name, self.marker = name, marker
+    def __init__(self, name, marker=None, module="m", exclusive=None):
+        self.name, self.marker, self.path, self.exclusive = name, marker, f"tests/{module}.py", exclusive
 
     def get_closest_marker(self, name):
+        if name == "exclusive":
+            return _Mark(self.exclusive) if self.exclusive else None
         return name if name == self.marker else None
 
 
 def test_each_worker_starts_on_its_share_of_the_long_tests_and_short_ones_fill_up_to_equal_parts():
     from tests.conftest import _lanes
 
-    items = [_Item(f"fast{i}") for i in range(6)] + [_Item("e2e-a", "e2e"), _Item("slow-a", "slow"),
-                                                      _Item("e2e-b", "e2e"), _Item("faults-a", "faults")]
+    items = [_Item(f"fast{i}") for i in range(6)] + [
+        _Item("e2e-a", "e2e", "a"), _Item("slow-a", "slow", "a"), _Item("e2e-b", "e2e", "b"),
+        _Item("faults-c", "faults", "c")]
     order = [i.name for i in _lanes(items, 2)]
-    assert order == ["slow-a", "e2e-b", "fast0", "fast1", "fast2", "e2e-a", "faults-a", "fast3", "fast4", "fast5"]
-    assert [i.name for i in _lanes(items, 1)][:4] == ["slow-a", "e2e-a", "e2e-b", "faults-a"]
+    # Module a (a slow test and an end-to-end one) on one worker, b and c on the other, each filled up to 5.
+    assert order == ["slow-a", "e2e-a", "fast0", "fast1", "fast2", "e2e-b", "faults-c", "fast3", "fast4", "fast5"]
+    assert [i.name for i in _lanes(items, 1)][:4] == ["slow-a", "e2e-a", "e2e-b", "faults-c"]
     assert sorted(i.name for i in _lanes(items, 3)) == sorted(i.name for i in items)
+
+
+def test_tests_that_may_not_run_at_once_share_a_worker_and_the_long_work_is_balanced():
+    """Two modules marked exclusive("clusters") on different workers would reach each other's lock together and
+    one worker would wait idle: they go to one worker, and the other gets the rest of the long work."""
+    from tests.conftest import _lanes
+
+    items = [_Item("tp", "slow", "multinode", "clusters"), _Item("dp", "slow", "multinode", "clusters"),
+             _Item("ray", "slow", "ray", "clusters"), _Item("hour", "slow", "hour"), _Item("tune", "slow", "tune"),
+             _Item("cli", "slow", "cli"), _Item("deploy", "e2e", "deploy")]
+    order = [i.name for i in _lanes(items, 2)]
+    first, second = order[:4], order[4:]
+    clusters = {"tp", "dp", "ray"}
+    assert clusters <= set(first) or clusters <= set(second), order
+    assert {len(first), len(second)} == {3, 4} and order.index("tp") + 1 == order.index("dp")  # modules whole

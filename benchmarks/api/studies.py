@@ -68,7 +68,7 @@ class StudyRequestSerializer(serializers.Serializer):
                                        help_text='{"NCCL_PROTO": ["LL", "LL128"], "max-num-seqs": [8, 16]}: every combination.')
     workload = serializers.DictField(required=False, default=dict, help_text="Levels, prompts, lengths (as for a run).")
     repeats = serializers.IntegerField(min_value=1, max_value=20, default=3)
-    order = serializers.ChoiceField(choices=["interleaved", "random_blocks"], default="interleaved")
+    order = serializers.ChoiceField(choices=list(studies.ORDERS), default="interleaved")
     rule = RuleSerializer(required=False)
     finish_with = serializers.ChoiceField(choices=["baseline", "winner"], default="baseline")
 

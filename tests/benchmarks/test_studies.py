@@ -236,6 +236,25 @@ def test_random_blocks_run_each_variant_once_per_block():
         assert {r for _, r in order[block * 4:(block + 1) * 4]} == {block + 1}
 
 
+def test_mirrored_blocks_give_every_variant_the_same_mean_position_over_two_repeats():
+    order = studies.schedule(3, 4, "mirrored")
+    assert [v for v, _ in order] == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0]
+    assert [r for _, r in order] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    positions = {v: [i for i, (w, _) in enumerate(order) if w == v] for v in range(3)}
+    assert len({sum(p) for p in positions.values()}) == 1  # linear drift favours none
+
+
+def test_a_mirrored_study_of_even_repeats_ends_on_the_baseline_without_a_closing_reload(d):
+    study = make(d, order="mirrored")
+    study = run_through(study, d, {"baseline": 100.0, "one seq": 20.0})
+    assert [t.variant.name for t in study.trials.select_related("variant")] == [
+        "baseline", "one seq", "one seq", "baseline"]
+    before = Deployment.objects.get(pk=d.pk)
+    assert step(study).status == "done"  # the last trial left the baseline running: no reload
+    after = Deployment.objects.get(pk=d.pk)
+    assert (after.status, after.ready_at, after.engine_args) == ("ready", before.ready_at, {"max-num-seqs": 16})
+
+
 def test_unknown_flags_and_disallowed_env_are_refused_before_anything_starts(d):
     with pytest.raises(ServiceError, match="unknown engine flag --max-num-seq"):
         make(d, variants=[{"name": "typo", "engine_args": {"max-num-seq": 1}, "env": {}}])

@@ -7,7 +7,8 @@ host, that flips. The verdicts are tested on known schedules in tests/integratio
 and measured in perf/tune_verdicts.py.
 
 One study covers it all, with the fewest loads that can (each takes ~30 s here): 2 repeats of the
-baseline and one variant, and a variant that fails fast."""
+baseline and one variant in mirrored order (baseline, four, bad | four, baseline: the last trial leaves the
+baseline running, so no closing reload), and a variant that fails fast."""
 import os
 import signal
 
@@ -72,13 +73,14 @@ def tune_node(process_env, spawn, unique, tmp_path, tiny_model):
 @pytest.mark.slow
 def test_a_study_measures_real_variants_records_a_failed_one_and_survives_an_agent_kill(
         tune_node, spawn, tmp_path, api):
-    """Slow: six or seven real engine loads of ~30 s here (the deployment, 2 of the baseline, 2 of "four" and
-    the one the agent kill may cost again, the closing baseline) and a failed one: loading is what is tested."""
+    """Slow: five or six real engine loads of ~30 s here (the deployment, 2 of the baseline, 2 of "four" and
+    the one the agent kill may cost again) and a failed one: loading is what is tested."""
     node, model, env = tune_node
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(), preset="auto",
                   engine_args={"served-model-name": "tiny", "max-num-seqs": 1}, env={})
     assert settled(d).status == "ready"
-    body = {"deployment": d.pk, "repeats": 2, "workload": WORKLOAD, "rule": {"kind": "throughput", "level": 4},
+    body = {"deployment": d.pk, "repeats": 2, "order": "mirrored", "workload": WORKLOAD,
+            "rule": {"kind": "throughput", "level": 4},
             "variants": [{"name": "four", "engine_args": {"max-num-seqs": 4}},
                          {"name": "bad", "engine_args": {"dtype": "no-such-dtype"}}]}
     unknown = api.post("/api/studies/", {**body, "variants": [{"engine_args": {"max-num-seqz": 4}}]}, format="json")
@@ -109,8 +111,11 @@ def test_a_study_measures_real_variants_records_a_failed_one_and_survives_an_age
     assert all(len(t.run.points.get(concurrency=4).samples["e2e_ms"]) == WORKLOAD["min_requests"] for t in good)
     assert good.exclude(startup={}).exists()  # phases of a load the agent was not killed in
     assert {r["name"]: r["repeats_done"] for r in study.results["variants"]} == {"baseline": 2, "four": 2, "bad": 0}
-    # The end: the deployment runs the baseline's settings again, and so does its engine's process.
+    # The end: the deployment runs the baseline's settings again, and so does its engine's process, the one the
+    # last trial (the baseline's second) measured: no closing reload.
     row = settled(d, ("ready",))
+    last = study.trials.order_by("-position").exclude(status="skipped").first()
+    assert last.variant.is_baseline and row.ready_at == last.ready_at, trial_table(study)
     assert row.engine_args["max-num-seqs"] == 1 and "dtype" not in row.engine_args
     assert served_seqs(BenchmarkRun(environment={"engine_command": engine_command(row)})) == "1"
     shown = api.get(f"/api/studies/{study.pk}/").json()

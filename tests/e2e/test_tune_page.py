@@ -35,17 +35,20 @@ def fake_deployment(process_env, spawn, unique, tmp_path):
     stop_leftover_engines(tmp_path)
 
 
+def fill_study_form(page, d, **fields):
+    """The new-study form for deployment `d` with `fields` (id_<name>: value), then Preview."""
+    page.goto(f"{page.base_url}/benchmarks/studies/")
+    page.select_option("#id_deployment", str(d.pk))
+    for name, value in fields.items():
+        page.fill(f"#id_{name}", value)
+    page.click("#preview-button")
+
+
 def test_a_study_started_on_the_page_fills_its_matrix_live_and_applies_a_winner_with_confirmation(
         logged_in_page, fake_deployment):
     page, d = logged_in_page, fake_deployment
-    page.goto(f"{page.base_url}/benchmarks/studies/")
-    page.select_option("#id_deployment", str(d.pk))
-    page.fill("#id_dimensions", "NCCL_PROTO=LL,Simple")
-    page.fill("#id_levels", "1,4")
-    page.fill("#id_max_tokens", "16")
-    page.fill("#id_requests_per_user", "2")
-    page.fill("#id_repeats", "2")
-    page.click("#preview-button")
+    fill_study_form(page, d, dimensions="NCCL_PROTO=LL,Simple", levels="1,4", max_tokens="16", requests_per_user="2",
+                    repeats="2")
     expect(page.locator("#preview")).to_contain_text("3 variants")
     expect(page.locator("#preview")).to_contain_text("6 trials")
     page.click("#start")
@@ -83,3 +86,18 @@ def test_a_study_started_on_the_page_fills_its_matrix_live_and_applies_a_winner_
     page.click("#apply")
     expect(page.locator(".messages")).to_contain_text("Redeploying", timeout=30_000)  # on the deployment's page
     assert Deployment.objects.get(pk=d.pk).env.get("NCCL_PROTO") == "LL"
+
+
+def test_a_one_repeat_study_measures_but_gives_no_verdict_and_keeps_the_baseline(logged_in_page, fake_deployment):
+    """What a newcomer meets trying a study with the form's smallest numbers: one repeat measures each variant,
+    but no verdict can be drawn from it (the preview says so first), so the baseline stays."""
+    page, d = logged_in_page, fake_deployment
+    fill_study_form(page, d, variants="max-num-seqs=8", levels="1", max_tokens="16", requests_per_user="1", repeats="1")
+    expect(page.locator("#preview")).to_contain_text("no verdict")
+    page.click("#start")
+    expect(page.locator("#study-status")).to_have_text("Done", timeout=180_000)
+    verdicts = page.locator("#verdicts td.verdict").all_inner_texts()
+    assert verdicts and all(v == "baseline" or v.startswith("no verdict") for v in verdicts), verdicts
+    expect(page.locator("#winner")).to_contain_text("the baseline stays")
+    assert page.evaluate("window.studyView.drawn()") == 2  # the Pareto chart draws its two points
+    assert Deployment.objects.get(pk=d.pk).engine_args["max-num-seqs"] == 4  # the baseline's settings again
