@@ -20,9 +20,25 @@ def _settings_load(env: dict) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("key", ["", "change-me", "insecure-dev-key-set-SECRET_KEY-in-production", "short",
                                  "django-insecure-abcdefghijklmnopqrstuvwxyz0123456789"])
-def test_production_refuses_a_missing_or_published_secret_key(tmp_path, key):
+def test_production_refuses_a_missing_or_published_secret_key(tmp_path, monkeypatch, key):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from controlpanel import settings as panel_settings
+
+    monkeypatch.setattr(panel_settings, "DEBUG", False)
+    monkeypatch.setattr(panel_settings, "VAR_DIR", tmp_path)
+    monkeypatch.delenv("SECRET_KEY_FILE", raising=False)
+    monkeypatch.setenv("SECRET_KEY", key)
+    with pytest.raises(ImproperlyConfigured, match="SECRET_KEY is missing, too short or a published value"):
+        panel_settings._secret_key()
+    monkeypatch.setenv("SECRET_KEY", "k" * 50)
+    assert panel_settings._secret_key() == "k" * 50
+
+
+def test_the_settings_refuse_to_load_with_a_published_key_and_load_with_a_long_one(tmp_path):
+    """The check above is what loading the settings runs (one process each: a refused load cannot be undone)."""
     env = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "SECRET_KEY_FILE", "DEBUG")}
-    result = _settings_load({**env, "SECRET_KEY": key, "PANEL_VAR_DIR": str(tmp_path)})
+    result = _settings_load({**env, "SECRET_KEY": "change-me", "PANEL_VAR_DIR": str(tmp_path)})
     assert result.returncode != 0 and "SECRET_KEY is missing, too short or a published value" in result.stderr
     assert _settings_load({**env, "SECRET_KEY": "k" * 50, "PANEL_VAR_DIR": str(tmp_path)}).returncode == 0
 
