@@ -60,7 +60,9 @@ def _lanes(items: list, workers: int) -> list:
     integration) go to the workers in whole modules, the modules of one `exclusive` name together (two workers
     would otherwise reach them at the same time and one would wait idle for the other), each group to the worker
     with the least long work so far (heaviest first); then each worker's share is filled up with short tests to
-    an equal count. The short ones are what gets stolen, the long ones never wait at the end."""
+    an equal count. The short ones are what gets stolen, the long ones never wait at the end. A test that must run
+    `alone` (no other engine meanwhile) goes first on the first worker, while the others start on tests without an
+    engine, so nobody waits for it."""
     ordered = sorted(items, key=_cost_rank)
     if workers < 2:
         return ordered
@@ -70,19 +72,23 @@ def _lanes(items: list, workers: int) -> list:
     for item in long:
         exclusive = item.get_closest_marker("exclusive")
         groups.setdefault(f"exclusive:{exclusive.args[0]}" if exclusive else str(item.path), []).append(item)
-    lanes: list[list] = [[] for _ in range(workers)]
+    lanes: list[list[list]] = [[] for _ in range(workers)]
     loads = [0.0] * workers
-    for group in sorted(groups.values(), key=_weight, reverse=True):
-        lane = loads.index(min(loads))
-        lanes[lane] += group
+    alone = lambda group: any(item.get_closest_marker("alone") for item in group)  # noqa: E731
+    for group in sorted(groups.values(), key=lambda group: (alone(group), _weight(group)), reverse=True):
+        lane = 0 if alone(group) else loads.index(min(loads))
+        lanes[lane].append(group)
         loads[lane] += _weight(group)
+    for lane in lanes[1:]:  # stable: heaviest first among those without an engine, then those with one
+        lane.sort(key=lambda group: any("tiny_model" in getattr(item, "fixturenames", ()) for item in group))
+    flat = [[item for group in lane for item in group] for lane in lanes]
     size = -(-len(items) // workers)
-    for lane in lanes:
+    for lane in flat:
         take = max(0, size - len(lane))
         lane += short[:take]
         short = short[take:]
-    lanes[-1] += short
-    return [item for lane in lanes for item in lane]
+    flat[-1] += short
+    return [item for lane in flat for item in lane]
 
 
 # Rough seconds of a test by its marker (CI's --durations: a slow test 80-440 s, another end-to-end 15-60 s, a
@@ -91,7 +97,13 @@ _MARKER_SECONDS = (("slow", 150.0), ("e2e", 30.0), ("faults", 20.0), ("integrati
 
 
 def _weight(tests: list) -> float:
-    return sum(next((s for m, s in _MARKER_SECONDS if item.get_closest_marker(m)), 1.0) for item in tests)
+    """Seconds by marker for each test function, a second for each further case of a parametrized one (the API
+    fuzz's 70 cases are one function's, not 70 slow tests)."""
+    functions = {}
+    for item in tests:
+        key = (str(item.path), getattr(item, "originalname", item.name))
+        functions[key] = next((s for m, s in _MARKER_SECONDS if item.get_closest_marker(m)), 1.0)
+    return sum(functions.values()) + len(tests) - len(functions)
 
 
 def _cost_rank(item) -> int:

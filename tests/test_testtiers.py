@@ -30,12 +30,15 @@ class _Mark:
 
 
 class _Item:
-    def __init__(self, name, marker=None, module="m", exclusive=None):
+    def __init__(self, name, marker=None, module="m", exclusive=None, alone=False, engine=False):
         self.name, self.marker, self.path, self.exclusive = name, marker, f"tests/{module}.py", exclusive
+        self.alone, self.fixturenames = alone, ["tiny_model"] if engine else []
 
     def get_closest_marker(self, name):
         if name == "exclusive":
             return _Mark(self.exclusive) if self.exclusive else None
+        if name == "alone":
+            return _Mark() if self.alone else None
         return name if name == self.marker else None
 
 
@@ -65,3 +68,15 @@ def test_tests_that_may_not_run_at_once_share_a_worker_and_the_long_work_is_bala
     clusters = {"tp", "dp", "ray"}
     assert clusters <= set(first) or clusters <= set(second), order
     assert {len(first), len(second)} == {3, 4} and order.index("tp") + 1 == order.index("dp")  # modules whole
+
+
+def test_a_test_that_must_run_alone_goes_first_while_the_other_worker_starts_without_an_engine():
+    """An `alone` test waits for every other engine to end: first on worker 0 while worker 1 begins with tests that
+    start none, nobody waits."""
+    from tests.conftest import _lanes
+
+    items = [_Item("kill", "e2e", "kill", alone=True, engine=True), _Item("a", "slow", "a", engine=True),
+             _Item("b", "slow", "b"), _Item("c", "slow", "c"), _Item("d", "slow", "d", engine=True)]
+    order = [i.name for i in _lanes(items, 2)]
+    # kill, then the heaviest groups balanced; the second worker's engine-free c before its engine test a.
+    assert order == ["kill", "b", "d", "c", "a"], order
