@@ -70,12 +70,13 @@ def check(params: dict, deployment=None, engine_args: dict | None = None, name: 
     rates = sorted(float(r) for r in params.get("rates") or ())
     if search := params.get("capacity"):  # its rounds run below its high rate, each repeat a level
         rates = sorted(rates + [float(search["high"])] * (capacity_rounds(search) * int(search.get("repeats") or 1)))
-    if rates and runner.rate_requests(spec, rates[-1]) > limit:
+    if rates and sum(runner.workloads.rate_level_requests(spec, rates[-1])) > limit:
+        measured, warmup = runner.workloads.rate_level_requests(spec, rates[-1])
         raise ServiceError(f"{rates[-1]:g} requests/s for {spec.rate_duration_s:g} s would send "
-                           f"{runner.rate_requests(spec, rates[-1]):,} requests; the limit is {limit:,} per level "
-                           "(PANEL_BENCH_MAX_REQUESTS_PER_LEVEL).", field="rates")
+                           f"{measured + warmup:,} requests ({measured:,} measured + {warmup:,} warm-up); the limit is "
+                           f"{limit:,} per level (PANEL_BENCH_MAX_REQUESTS_PER_LEVEL).", field="rates")
     limit = settings.BENCH_MAX_PROMPT_BYTES
-    counts = [spec.num_requests(c) + spec.num_warmup(c) for c in levels] + [runner.rate_requests(spec, r) for r in rates]
+    counts = [spec.num_requests(c) + spec.num_warmup(c) for c in levels] + [sum(runner.workloads.rate_level_requests(spec, r)) for r in rates]
     requests = sum(counts)
     total = sum(runner.prompt_bytes(spec, n) for n in counts)
     if total > limit:

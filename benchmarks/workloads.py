@@ -27,7 +27,13 @@ def workload_spec(kind: str, values: dict, file_text: str = "") -> dict:
     """The runner's description of a workload from a form's or the API's values (ServiceError naming the field)."""
     if kind not in Workload.Kind.values:
         raise ServiceError(f"kind must be one of {', '.join(Workload.Kind.values)}.", field="kind")
+    low, high = values.get("think_min_s"), values.get("think_max_s")
+    if values.get("think") == "uniform" and values.get("think_s") is None and all(
+            isinstance(v, (int, float)) for v in (low, high)):
+        values = {**values, "think_s": (low + high) / 2}  # think_s is the think time's mean, whatever its shape
     spec = {"kind": kind, **{name: _setting(values, name, *limits) for name, *limits in SETTINGS[kind]}}
+    if kind == Workload.Kind.MULTITURN:
+        spec.update(_think(values))
     if kind in FILE_KINDS:
         if not file_text.strip():
             raise ServiceError("Upload the file.", field="file")
@@ -41,6 +47,22 @@ def workload_spec(kind: str, values: dict, file_text: str = "") -> dict:
         except runner.PromptError as exc:
             raise ServiceError(str(exc), field="file") from exc
     return spec
+
+
+def _think(values: dict) -> dict:
+    """A multi-turn workload's think-time distribution beyond a fixed think_s: exponential (mean think_s) or
+    uniform (think_min_s to think_max_s), drawn from think_seed ({} when fixed)."""
+    how = values.get("think") or "fixed"
+    if how not in runner.workloads.THINKS:
+        raise ServiceError(f"think must be one of {', '.join(runner.workloads.THINKS)}.", field="think")
+    if how == "fixed":
+        return {}
+    out = {"think": how, "think_seed": _setting({"think_seed": values.get("think_seed", 0)}, "think_seed", 0, 2**31 - 1, True)}
+    if how == "uniform":
+        out.update({k: _setting(values, k, 0, 600, False) for k in ("think_min_s", "think_max_s")})
+        if out["think_min_s"] > out["think_max_s"]:
+            raise ServiceError("think_min_s must not be above think_max_s.", field="think_min_s")
+    return out
 
 
 def workload_create(*, name: str, kind: str, values: dict, file_text: str = "", user=None) -> Workload:
@@ -58,13 +80,10 @@ def workload_create(*, name: str, kind: str, values: dict, file_text: str = "", 
 
 
 def workload_params(workload: Workload, params: dict) -> dict:
-    """A run's params with the workload's prompts: multi-turn runs concurrency levels only; a trace with
-    neither levels nor rates replays once at its own rate (1x)."""
+    """A run's params with the workload's prompts; a trace with neither levels nor rates replays once at its
+    own rate (1x)."""
     params = {**params, "workload": workload.spec, "workload_name": workload.name, "workload_id": workload.pk,
               "input_tokens": workload.input_tokens, "max_tokens": workload.max_tokens}
-    if workload.kind == Workload.Kind.MULTITURN and params.get("rates"):
-        raise ServiceError("A multi-turn workload runs at concurrency levels (each user one conversation at a "
-                           "time), not at request rates.", field="rates")
     if workload.kind == Workload.Kind.TRACE and not params.get("levels") and not params.get("rates"):
         params["rates"] = [round(workload.preview.get("rate") or runner.workloads.trace_rate(workload.spec), 4)]
     return params

@@ -17,7 +17,13 @@ class WorkloadForm(forms.Form):
     prefixes = forms.IntegerField(required=False, help_text="Shared prefixes: how many (request i takes i mod K).")
     prefix_tokens = forms.IntegerField(required=False, help_text="Shared prefixes: tokens of each.")
     turns = forms.IntegerField(required=False, help_text="Multi-turn: turns per conversation.")
-    think_s = forms.FloatField(required=False, label="Think time (s)", help_text="Multi-turn: wait after each answer.")
+    think_s = forms.FloatField(required=False, label="Think time (s)", help_text="Multi-turn: wait after each answer "
+                               "(an exponential think time's mean).")
+    think = forms.ChoiceField(required=False, label="Think time drawn", choices=[
+        ("fixed", "fixed"), ("exponential", "exponential (mean: think time)"), ("uniform", "uniform (min to max)")])
+    think_min_s = forms.FloatField(required=False, label="Think min (s)", help_text="Multi-turn, uniform: the shortest.")
+    think_max_s = forms.FloatField(required=False, label="Think max (s)", help_text="Multi-turn, uniform: the longest.")
+    think_seed = forms.IntegerField(required=False, label="Think seed", help_text="Multi-turn: seeds the draws.")
     input_tokens = forms.IntegerField(initial=runner.spec_default("input_tokens"), help_text="Each suffix or user message.")
     max_tokens = forms.IntegerField(initial=runner.spec_default("max_tokens"), help_text="Each answer.")
     file = forms.FileField(required=False, help_text="ShareGPT (JSON or JSONL) or a Mooncake trace (JSONL), 20 MB at most.")

@@ -1,6 +1,7 @@
 """panelctl: named workloads (shared prefixes, multi-turn, ShareGPT, Mooncake traces) and bench --workload.
 
     panelctl workload add chats --kind multiturn --turns 5 --think-s 2 --input-tokens 200 --max-tokens 100
+    panelctl workload add chats2 --kind multiturn --turns 5 --think uniform --think-min-s 1 --think-max-s 5 --think-seed 7
     panelctl workload add yesterday --kind trace --file mooncake.jsonl
     panelctl bench qwen3-0-6b-cpu-01 --workload yesterday --rate 2,4,8 --wait
 """
@@ -11,7 +12,8 @@ from controlpanel.clibase import _emit
 
 def cmd_workload_add(panel, args):
     body = {"name": args.name, "kind": args.kind}
-    for name in ("prefixes", "prefix_tokens", "turns", "think_s", "input_tokens", "max_tokens"):
+    for name in ("prefixes", "prefix_tokens", "turns", "think_s", "think", "think_min_s", "think_max_s", "think_seed",
+                 "input_tokens", "max_tokens"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
     if args.file:
@@ -39,6 +41,8 @@ def preview_line(p: dict) -> str:
         parts.append(f"outputs {out['min']:g}-{out['max']:g}" if out["min"] != out["max"] else f"outputs {out['min']:g}")
     if "rate" in p:
         parts.append(f"{p['requests']} requests over {p['duration_s']:g} s ({p['rate']:g} req/s at 1x)")
+    if drawn := (p.get("think") or {}).get("drawn_s"):
+        parts.append(f"think {p['think']['think']} (drawn p10 {drawn['p10']:g}, p50 {drawn['p50']:g}, p90 {drawn['p90']:g} s)")
     if reuse := p.get("prefix_reuse"):
         parts.append(f"a prefix cache could serve {100 * reuse['share']:.1f} %")
     return ", ".join(parts)
@@ -70,7 +74,11 @@ def add(sub) -> None:
     s.add_argument("--prefixes", type=int, help="prefix: how many shared prefixes")
     s.add_argument("--prefix-tokens", type=int, help="prefix: tokens of each")
     s.add_argument("--turns", type=int, help="multiturn: turns per conversation")
-    s.add_argument("--think-s", type=float, help="multiturn: seconds between an answer and the next turn")
+    s.add_argument("--think-s", type=float, help="multiturn: seconds between an answer and the next turn (an exponential's mean)")
+    s.add_argument("--think", choices=["fixed", "exponential", "uniform"], help="multiturn: how the think time is drawn")
+    s.add_argument("--think-min-s", type=float, help="multiturn, uniform think time: the shortest")
+    s.add_argument("--think-max-s", type=float, help="multiturn, uniform think time: the longest")
+    s.add_argument("--think-seed", type=int, help="multiturn: seeds the think-time draws")
     s.add_argument("--input-tokens", type=int, help="each suffix or user message")
     s.add_argument("--max-tokens", type=int, help="each answer")
     s.add_argument("--file", default="", help="sharegpt: a ShareGPT JSON/JSONL; trace: a Mooncake JSONL")

@@ -70,6 +70,7 @@ def main() -> int:
         spec = LoadSpec(base_url=url, model="sched", prompt_source="builtin", max_tokens=args.tokens, ignore_eos=False,
                         levels=(), min_requests=20, rate_duration_s=args.seconds, arrival="gamma", burstiness=100.0,
                         workers=1, scrape_metrics=False, seed=1, slos=slos,
+                        warmup_per_user=0,  # the server's count of each level must be the level's requests alone
                         capacity={"low": args.low, "high": args.high, "width": args.width, "repeats": args.repeats})
 
         def on_level(level):

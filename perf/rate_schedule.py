@@ -93,7 +93,8 @@ def served(url: str) -> int:
 def case(url: str, rate: float, burstiness: float, requests: int) -> dict:
     spec = LoadSpec(base_url=url, model="sched", prompt_source="builtin", max_tokens=4, ignore_eos=False, levels=(),
                     rates=(rate,), arrival="poisson" if burstiness == 1 else "gamma", burstiness=burstiness,
-                    min_requests=requests, rate_duration_s=requests / rate, workers=1, scrape_metrics=False, seed=1)
+                    min_requests=requests, rate_duration_s=requests / rate, workers=1, scrape_metrics=False, seed=1,
+                    warmup_per_user=0)  # the server's count must be the level's requests alone
     served(url)
     level = run_rate(spec, rate)
     counted = served(url)

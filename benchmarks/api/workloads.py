@@ -30,7 +30,14 @@ class WorkloadRequestSerializer(serializers.Serializer):
     prefixes = serializers.IntegerField(required=False, help_text="Shared prefixes: how many (request i takes i mod K).")
     prefix_tokens = serializers.IntegerField(required=False, help_text="Shared prefixes: tokens of each.")
     turns = serializers.IntegerField(required=False, help_text="Multi-turn: turns per conversation.")
-    think_s = serializers.FloatField(required=False, help_text="Multi-turn: seconds a user waits after an answer.")
+    think_s = serializers.FloatField(required=False, help_text=(
+        "Multi-turn: seconds a user waits after an answer (the mean of an exponential think time)."))
+    think = serializers.ChoiceField(choices=["fixed", "exponential", "uniform"], required=False, help_text=(
+        "Multi-turn: the think time is think_s (fixed), an exponential draw of mean think_s, or uniform in "
+        "think_min_s..think_max_s; draws are seeded by think_seed."))
+    think_min_s = serializers.FloatField(required=False, help_text="Multi-turn, uniform think time: the shortest.")
+    think_max_s = serializers.FloatField(required=False, help_text="Multi-turn, uniform think time: the longest.")
+    think_seed = serializers.IntegerField(required=False, help_text="Multi-turn: seeds the think-time draws (default 0).")
     input_tokens = serializers.IntegerField(required=False, help_text="Each suffix, or each user message.")
     max_tokens = serializers.IntegerField(required=False, help_text="Each answer (and made-up reply in the history).")
     file = serializers.CharField(required=False, allow_blank=True, max_length=workloads.MAX_FILE_BYTES, trim_whitespace=False,

@@ -6,6 +6,8 @@ distribution of shape B and mean 1/R, so B = 1 is a Poisson process, B < 1 burst
 ramp moves the rate from `ramp_from` to the level's rate over its requests, linearly or geometrically,
 each gap drawn at the rate of the request before it. The draw is seeded by (spec.seed, rate): the same
 spec sends the same schedule, so a run is reproducible and a test can check the schedule itself.
+A level's warm-up (rate_warmup) goes first, at the level's starting rate from its own seed, so the
+measured schedule is the same with or without it.
 """
 import math
 import random
@@ -44,3 +46,24 @@ def due_offsets(spec, rate: float, n: int) -> list[float]:
         out.append(t)
         t += rng.gammavariate(k, 1.0 / (k * rate_at(spec, rate, i, n)))
     return out
+
+
+def rate_warmup(spec, rate: float, measured: int) -> int:
+    """Warm-up arrivals of a rate level of `measured` arrivals: warmup_per_user seconds of its schedule (⌈rate⌉
+    a second), never more than the level measures; sent before the measured ones and left out of the level's
+    figures, as a concurrency level's warm-up is."""
+    return min(measured, max(0, spec.warmup_per_user) * math.ceil(rate))
+
+
+def with_warmup(spec, rate: float, due: list[float], warmup: int) -> list[float]:
+    """`warmup` due times at the level's starting rate (gaps drawn as due_offsets draws them, from their
+    own seed), then the measured `due` shifted to start one more such gap after the last of them."""
+    if not warmup:
+        return due
+    rng = random.Random(f"{spec.seed}/warmup/{rate!r}")
+    k, start_rate = shape(spec), rate_at(spec, rate, 0, len(due) or 1)
+    warm, t = [], 0.0
+    for _ in range(warmup):
+        warm.append(t)
+        t += rng.gammavariate(k, 1.0 / (k * start_rate))
+    return warm + [t + d for d in due]

@@ -50,7 +50,7 @@ async def until(at: float) -> None:
 
 async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: float, cancelled,
                     report=None, tick_s: float = 0.5, busy_poll: bool = False, due: list | None = None,
-                    start_at: float = 0.0, turns: int = 0, think_s: float = 0.0) -> tuple[list[RequestRecord], bool]:
+                    start_at: float = 0.0, turns: int = 0, think=None) -> tuple[list[RequestRecord], bool]:
     """Send `requests` [(index, warmup, bytes)] at most `concurrency` at a time; measured records back.
 
     With `due` (a rate level) request i is sent no earlier than start_at + due[i], then as soon as a
@@ -58,7 +58,9 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
 
     With `turns` (a multi-turn level) each of `concurrency` users sends one conversation (`turns`
     consecutive requests) at a time: a turn goes once the answer to the one before it has ended and
-    `think_s` more seconds have passed, and then the user takes the next conversation.
+    `think(index)` more seconds have passed, and then the user takes the next conversation. With `turns`
+    and `due` (a multi-turn rate level) conversation k starts at start_at + due[k] whatever else is in
+    flight (at most `concurrency` requests at once); its first turn keeps that due time and its slot wait.
 
     `cancelled()` is checked before each request and every 20 ms; on cancel the requests in flight
     are aborted and left out. `report(counters)` is called every `tick_s`. With `busy_poll` the loop
@@ -164,28 +166,52 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
             state["cancelled"] = True
         return state["cancelled"]
 
+    async def converse(conversation, due_at: float = 0.0) -> bool:
+        """One conversation's turns in order, each after the answer before it and its think time; the first
+        keeps its due time (a rate level's). False once cancelled."""
+        record = None
+        for index, warmup, request in conversation:
+            wait = think(index) if record is not None and think is not None else 0.0
+            if wait > 0:  # the think time counts from the answer's end
+                at = record.done + wait
+                if at - time.perf_counter() > SPIN_S:  # a cancel must not wait out a long think
+                    await asyncio.wait([stopped], timeout=at - time.perf_counter() - SPIN_S)
+                if not stopped.done():
+                    await until(at)
+            waiting = time.perf_counter() if record is None and due_at and semaphore.locked() else 0.0
+            await semaphore.acquire()
+            if stop_now():
+                semaphore.release()
+                return False
+            record = RequestRecord(index=index, warmup=warmup, due=due_at if index % turns == 0 else 0.0)
+            if waiting:
+                record.slot_wait = time.perf_counter() - waiting
+            answered[id(record)] = loop.create_future()
+            waiter = answered[id(record)]
+            dispatch(record, request)
+            await waiter
+        return True
+
     async def user(conversations):
         for conversation in conversations:
-            record = None
-            for index, warmup, request in conversation:
-                if record is not None and think_s > 0:  # the think time counts from the answer's end
-                    at = record.done + think_s
-                    if at - time.perf_counter() > SPIN_S:  # a cancel must not wait out a long think
-                        await asyncio.wait([stopped], timeout=at - time.perf_counter() - SPIN_S)
-                    if not stopped.done():
-                        await until(at)
-                await semaphore.acquire()
-                if stop_now():
-                    semaphore.release()
-                    return
-                record = RequestRecord(index=index, warmup=warmup)
-                answered[id(record)] = loop.create_future()
-                waiter = answered[id(record)]
-                dispatch(record, request)
-                await waiter
+            if not await converse(conversation):
+                return
+
+    async def arrivals(conversations):
+        """A multi-turn rate level: each conversation starts at its own due time, in due order."""
+        started = []
+        for conversation in conversations:
+            await until(start_at + due[conversation[0][0] // turns])
+            if stop_now():
+                break
+            started.append(loop.create_task(converse(conversation, start_at + due[conversation[0][0] // turns])))
+        await asyncio.gather(*started)
 
     try:
-        if turns:
+        if turns and due is not None:
+            await arrivals(_conversations(requests, turns))
+            requests = ()
+        elif turns:
             shared = _conversations(requests, turns)
             await asyncio.gather(*(user(shared) for _ in range(max(1, concurrency))))
             requests = ()

@@ -155,8 +155,9 @@ def _spread_ms(values_s: list[float]) -> dict[str, float]:
 
 def schedule_figures(records: list[RequestRecord]) -> dict:
     """A rate level's schedule as it was kept: the rate sent ((n - 1) ÷ first to last send), the lag of
-    each send behind its due time, and the waits for a slot under max_concurrency (part of the lag)."""
-    sent = [r for r in records if r.start]
+    each send behind its due time, and the waits for a slot under max_concurrency (part of the lag). Only
+    scheduled sends count: a multi-turn level's first turns (its later turns follow think times, due 0)."""
+    sent = [r for r in records if r.start and r.due]
     starts = sorted(r.start for r in sent)
     span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
     waits = [r.slot_wait for r in sent if r.slot_wait > 0]

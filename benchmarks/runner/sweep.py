@@ -23,7 +23,7 @@ from deployments.host import vllm
 
 import benchmarks.runner.capacity as capacity_search  # the modules, not the package (its __init__ imports this one)
 import benchmarks.runner.workloads as workloads
-from .arrivals import due_offsets, rate_requests
+from .arrivals import due_offsets, with_warmup
 from .prompts import Target
 from .saturation import saturated
 from .scrape import Sampler
@@ -92,32 +92,39 @@ class Sweeper:
                   for wid in range(workers.count)]
         for wid, slots in enumerate(_slots(shares)):
             workers.commands[wid].put(_Command(shares[wid], concurrency, total, warmup, slots, lengths, spec.tick_s,
-                                               turns=turns, think_s=float(spec.workload.get("think_s", 0))))
+                                               turns=turns))
         records, result = self._measure(concurrency, 0.0, on_tick, cancel, warmup, active)
         result.prefix_reuse = workloads.reuse(spec, records)
         return result
 
     def run_rate(self, rate: float, on_tick=None, cancel=None, repeat: int = 0) -> LevelResult:
         """Measure one open-loop level: requests sent at their seeded due times (arrivals.py), at most
-        spec.max_concurrency in flight (the rest wait for a slot, and the wait is recorded); no warm-up.
-        A repeat of the same rate (a capacity search's) draws its arrivals from another seed."""
+        spec.max_concurrency in flight (the rest wait for a slot, and the wait is recorded), after a
+        warm-up of arrivals.rate_warmup requests that are not counted. A multi-turn workload's arrivals are
+        its conversations' first turns (its later turns follow their think times). A repeat of the same
+        rate (a capacity search's) draws its arrivals from another seed."""
         spec, workers = self.spec, self.workers
         cap = spec.max_concurrency
-        if workloads.kind(spec) == "multiturn":
-            raise RunnerError("a multi-turn workload runs at concurrency levels, not at rates", permanent=True)
-        total = rate_requests(spec, rate)
-        if workloads.kind(spec) == "trace":  # the trace's own arrivals, time-scaled to the rate
-            due = workloads.trace_due(spec.workload, rate, total)
+        turns = spec.workload["turns"] if workloads.kind(spec) == "multiturn" else 0
+        drawn = dataclasses.replace(spec, seed=spec.seed + 7919 * repeat) if repeat else spec
+        if turns:
+            arrivals_n, warmup = workloads.rate_conversations(spec, rate)
         else:
-            due = due_offsets(dataclasses.replace(spec, seed=spec.seed + 7919 * repeat) if repeat else spec, rate, total)
+            arrivals_n, warmup = workloads.rate_level_requests(spec, rate)
+        if workloads.kind(spec) == "trace":  # the trace's own arrivals, time-scaled to the rate, warm-up first
+            due = workloads.trace_due(spec.workload, rate, warmup + arrivals_n)
+        else:
+            due = with_warmup(drawn, rate, due_offsets(drawn, rate, arrivals_n), warmup)
+        total, warmup = (arrivals_n + warmup) * max(1, turns), warmup * max(1, turns)
         lengths = self._lengths()
         active = min(workers.count, spec.workers or auto_workers(cap or 1), cap or workers.count)
         for wid in range(workers.count):
             mine = wid < active
             share = (cap // active + (wid < cap % active) if cap else UNCAPPED) if mine else 0
-            workers.commands[wid].put(_Command(share, active, total, 0, [wid] if mine else [], lengths, spec.tick_s,
-                                               due=due if mine else None, key=f"rate{rate:g}"))
-        records, result = self._measure(cap, rate, on_tick, cancel, 0, active)
+            workers.commands[wid].put(_Command(share, active, total, warmup, [wid] if mine else [], lengths,
+                                               spec.tick_s, due=due if mine else None, key=f"rate{rate:g}",
+                                               turns=turns))
+        records, result = self._measure(cap, rate, on_tick, cancel, warmup, active)
         result.kind, result.rate, result.max_concurrency, result.repeat = "rate", rate, cap, repeat
         for name, value in schedule_figures(records).items():
             setattr(result, name, value)

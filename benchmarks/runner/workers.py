@@ -6,6 +6,7 @@ Started with "spawn" (safe from threaded callers such as Celery); where this pro
 requests are sent at their due times, counted from one start time every worker reads (Workers.start).
 """
 import asyncio
+import functools
 import gc
 import itertools
 import multiprocessing
@@ -17,7 +18,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-import benchmarks.runner.memory as memory  # the module, not the package: its __init__ imports this one
+import benchmarks.runner.memory as memory  # the modules, not the package: its __init__ imports this one
+import benchmarks.runner.workloads as workloads
 from .load import Pool, run_share
 from .prompts import Target, share_requests
 from .spec import LoadSpec, RunnerError
@@ -39,8 +41,7 @@ class _Command:
     tick_s: float
     due: list | None = None  # a rate level: each request's due time, in seconds from the shared start
     key: object = None  # what seeds the level's random prompts (default: its concurrency)
-    turns: int = 0  # a multi-turn level: requests per conversation (load.run_share)
-    think_s: float = 0.0  # a multi-turn level: seconds between an answer and the next turn
+    turns: int = 0  # a multi-turn level: requests per conversation (load.run_share); with `due`, one per conversation
 
 
 def _new_loop():  # tests/schedserver.py has its own copy: see there why
@@ -118,7 +119,7 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_proces
                     pool, itertools.chain(ahead, requests), command.concurrency, spec.request_timeout_s,
                     lambda: bool(failed) or cancel_event.is_set(), report, command.tick_s, busy,
                     due=command.due, start_at=start.value if command.due is not None else 0.0,
-                    turns=command.turns, think_s=command.think_s))
+                    turns=command.turns, think=functools.partial(workloads.think_time, spec.workload)))
                 del ahead
                 if failed:
                     raise failed.pop()

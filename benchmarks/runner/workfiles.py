@@ -149,7 +149,7 @@ def preview(spec, requests: int = 2000) -> dict:
         sample = n
     elif w["kind"] == "multiturn":
         sample = min(requests, 50 * w["turns"])
-        out.update(turns=w["turns"], think_s=w.get("think_s", 0))
+        out.update(turns=w["turns"], think_s=w.get("think_s", 0), think=workloads.think_summary(w))
     else:
         sample = min(requests, max(200, 4 * w["prefixes"]))
     records = [_Counted(i, workloads.expected_prompt_tokens(spec, i)) for i in range(sample)]

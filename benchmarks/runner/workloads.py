@@ -4,10 +4,11 @@ the engine's prefix cache could have served (no Django).
 `spec.workload` is a dict with a "kind":
 - "prefix": {"prefixes": K, "prefix_tokens": P}: request i starts with shared prefix i % K (P tokens),
   then a random suffix of spec.input_tokens tokens;
-- "multiturn": {"turns": N, "think_s": T}: conversations of N turns; turn t resends the whole history
-  (t user messages of spec.input_tokens tokens and t assistant replies of spec.max_tokens tokens, the
-  replies made up here so every request's bytes are known before the level starts), then a new user
-  message; a user waits T seconds after each answer before the next turn (load.run_share);
+- "multiturn": {"turns": N, "think_s": T, "think": "fixed" | "exponential" | "uniform", "think_min_s",
+  "think_max_s", "think_seed"}: conversations of N turns; turn t resends the whole history (t user messages
+  of spec.input_tokens tokens and t assistant replies of spec.max_tokens tokens, the replies made up here so
+  every request's bytes are known before the level starts), then a new user message; a user waits a think
+  time after each answer before the next turn (load.run_share): T seconds, or a seeded draw (think_time);
 - "sharegpt": {"entries": [...]}: prompt entries (workfiles.sharegpt), cycled like an uploaded JSONL;
 - "trace": {"block_tokens": B, "requests": [[t_ms, input, output, [hash ids]], ...]}: a Mooncake trace;
   each hash id is a block of B tokens whose text is the same wherever the id appears, and a rate
@@ -21,10 +22,12 @@ from __future__ import annotations
 import math
 import random
 
+from .arrivals import rate_requests, rate_warmup
 from .spec import CHAT
 from .tokens import PromptLengths
 
 KINDS = ("prefix", "multiturn", "sharegpt", "trace")
+THINKS = ("fixed", "exponential", "uniform")  # how a multi-turn user's think time is drawn
 GENERATED = ("prefix", "multiturn", "trace")  # kinds whose texts are made here, request by request
 
 
@@ -115,6 +118,49 @@ def trace_due(w: dict, rate: float, n: int) -> list[float]:
         cycle, i = divmod(index, len(times))
         out.append((times[i] - times[0] + cycle * period) / scale)
     return out
+
+
+def think_time(w: dict, index: int) -> float:
+    """Seconds a user thinks before sending request `index` (a later turn): think_s when fixed; else a draw
+    seeded by (think_seed, index) alone, so the same workload thinks the same at every level and run:
+    exponential of mean think_s, or uniform from think_min_s to think_max_s."""
+    how = w.get("think", "fixed")
+    if how == "fixed":
+        return float(w.get("think_s", 0))
+    rng = random.Random(f"{w.get('think_seed', 0)}/think/{index}")
+    if how == "exponential":
+        mean = float(w.get("think_s", 0))
+        return rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+    return rng.uniform(float(w["think_min_s"]), float(w["think_max_s"]))
+
+
+def think_summary(w: dict, sample: int = 2000) -> dict:
+    """The think time a preview shows: how it is drawn, and the spread of its first `sample` draws (s)."""
+    how = w.get("think", "fixed")
+    out = {"think": how, **{k: w[k] for k in ("think_s", "think_min_s", "think_max_s", "think_seed") if k in w}}
+    if how != "fixed":
+        draws = sorted(think_time(w, i) for i in range(1, sample + 1))
+        out["drawn_s"] = {"p10": round(draws[len(draws) // 10], 3), "p50": round(draws[len(draws) // 2], 3),
+                          "p90": round(draws[len(draws) * 9 // 10], 3), "mean": round(sum(draws) / len(draws), 3)}
+    return out
+
+
+def rate_conversations(spec, rate: float) -> tuple[int, int]:
+    """(conversations, warm-up conversations) of a multi-turn rate level, whose rate is of conversations
+    (each starts at a scheduled arrival): max(min_requests ÷ turns, rate × rate_duration_s) measured ones,
+    and arrivals.rate_warmup's count of warm-up ones before them."""
+    turns = spec.workload["turns"]
+    measured = max(math.ceil(spec.min_requests / turns), math.ceil(rate * spec.rate_duration_s))
+    return measured, rate_warmup(spec, rate, measured)
+
+
+def rate_level_requests(spec, rate: float) -> tuple[int, int]:
+    """(measured requests, warm-up requests) a rate level sends; a multi-turn level's are whole conversations."""
+    if kind(spec) == "multiturn":
+        conversations, warmup = rate_conversations(spec, rate)
+        return conversations * spec.workload["turns"], warmup * spec.workload["turns"]
+    measured = rate_requests(spec, rate)
+    return measured, rate_warmup(spec, rate, measured)
 
 
 def level_requests(spec, concurrency: int) -> tuple[int, int]:

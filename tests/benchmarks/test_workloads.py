@@ -74,8 +74,9 @@ def test_a_run_takes_a_workload_by_name_and_a_trace_replays_at_its_own_rate(api)
     assert params["workload_name"] == "yesterday" and "workload" not in params  # its data stays out of the answer
     assert BenchmarkRun.objects.get().params["workload"]["requests"] == trace.spec["requests"]
     chats = workloads.workload_create(name="chats", kind="multiturn", values={"turns": 2, "think_s": 0})
-    refused = api.post("/api/runs/", {"base_url": URL, "workload": chats.pk, "rates": [4]}, format="json")
-    assert refused.status_code == 400 and "concurrency levels" in refused.json()["error"]["fields"]["rates"][0]
+    at_rates = api.post("/api/runs/", {"base_url": URL, "workload": chats.pk, "rates": [4]}, format="json")
+    assert at_rates.status_code == 202, at_rates.json()  # conversations start at the rate's arrivals
+    assert at_rates.json()["params"]["rates"] == [4.0] and at_rates.json()["params"]["workload_name"] == "chats"
     missing = api.post("/api/runs/", {"base_url": URL, "workload": "nope"}, format="json")
     assert missing.status_code == 400 and "No workload 'nope'" in missing.json()["error"]["fields"]["workload"][0]
 

@@ -17,7 +17,8 @@ from tests.schedserver import SchedServer, Server
 
 def spec_for(server, **overrides):
     fields = dict(base_url=server.base_url, model="sched", prompt_source="builtin", ignore_eos=False, max_tokens=4,
-                  levels=(), min_requests=40, rate_duration_s=0.5, tick_s=0.1, workers=1, seed=7)
+                  levels=(), min_requests=40, rate_duration_s=0.5, tick_s=0.1, workers=1, seed=7,
+                  warmup_per_user=0)  # the warm-up has its own tests (test_rate_warmup.py)
     fields.update(overrides)
     return LoadSpec(**fields)
 

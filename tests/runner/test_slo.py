@@ -98,7 +98,7 @@ def test_goodput_equals_the_servers_own_count_of_requests_meeting_the_slo():
     with SchedServer(ttft_ms=10, gap_ms=50, slots=1) as server:
         spec = LoadSpec(base_url=server.base_url, model="sched", prompt_source="builtin", ignore_eos=False, max_tokens=4,
                         levels=(), rates=(10_000.0,), min_requests=6, rate_duration_s=0.0001, workers=1, tick_s=0.1,
-                        slos=slo.parse("ttft:p50:250ms"), scrape_metrics=False)
+                        slos=slo.parse("ttft:p50:250ms"), scrape_metrics=False, warmup_per_user=0)
         result = sweep(spec)
         truth = server_truth(server)
     level = result.levels[0]
