@@ -160,7 +160,7 @@ def study_create(*, deployment: Deployment, variants: list[dict], workload: dict
     workload = {**runs.DEFAULTS, **workload}
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     caps.check_study(d, workload, variants)  # every trial's run would be refused later, with the study half done
-    rule = rule or {"kind": "throughput", "level": max(workload["levels"])}
+    rule = rule or {"kind": "throughput", **({"level": max(workload["levels"])} if workload["levels"] else {})}
     preview = study_preview(d, variants, repeats, workload)
     study = Study.objects.create(
         name=name or f"{d.name} tuning {timezone.now():%Y-%m-%d %H:%M}", deployment=d, repeats=repeats, order=order,

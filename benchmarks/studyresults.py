@@ -43,14 +43,14 @@ def debug_vars(variant: StudyVariant) -> list[str]:
     return sorted(n for n in variant.env if n in NCCL_DEBUG_VARS)
 
 
-def _key(metric: str, level: int) -> str:
+def _key(metric: str, level) -> str:
     return f"{metric}@{level}"
 
 
 def _repeats(study: Study) -> dict[int, dict[str, list[tunestats.Repeat]]]:
     """variant id -> "metric@level" (and "start_s") -> its repeats, from the finished trials."""
     trials = list(study.trials.filter(status=StudyTrial.Status.DONE).select_related("run"))
-    points = BenchmarkPoint.objects.filter(run__in=[t.run_id for t in trials if t.run_id])
+    points = BenchmarkPoint.objects.filter(run__in=[t.run_id for t in trials if t.run_id], repeat=0)
     by_run: dict[int, list[BenchmarkPoint]] = {}
     for p in points:
         by_run.setdefault(p.run_id, []).append(p)
@@ -64,7 +64,8 @@ def _repeats(study: Study) -> dict[int, dict[str, list[tunestats.Repeat]]]:
                 v = value(p)
                 if v is not None:
                     reqs = tuple((p.samples or {}).get(samples) or ()) if samples else ()
-                    figures.setdefault(_key(metric, p.concurrency), []).append(tunestats.Repeat(float(v), reqs))
+                    level = studylevels.point_level(p.kind, p.concurrency, p.rate)
+                    figures.setdefault(_key(metric, level), []).append(tunestats.Repeat(float(v), reqs))
     return out
 
 
@@ -85,7 +86,7 @@ def compute(study: Study, n_boot: int = 2000) -> dict:
     repeats = _repeats(study)
     baseline = next(v for v in variants if v.is_baseline)
     base = repeats.get(baseline.pk, {})
-    levels = study.workload.get("levels", [])
+    levels = studylevels.study_levels(study.workload)
     rows = []
     for v in variants:
         figures = repeats.get(v.pk, {})
@@ -114,14 +115,26 @@ def rule_text(rule: dict, levels: list[int]) -> str:
     """The winner rule in words, e.g. "the highest output tok/s at concurrency 16, if significantly better
     than the baseline's (else the baseline stays)"."""
     kind = (rule or {}).get("kind", "throughput")
-    level = int((rule or {}).get("level") or (max(levels) if levels else 1))
+    level = _rule_level(rule, levels)
+    at = f"at {studylevels.label(level)}".replace("at c=", "at concurrency ")
     tail = ", if significantly better than the baseline's (else the baseline stays)"
     if kind == "single_stream":
-        return f"the highest tok/s per user (median) at concurrency {min(levels) if levels else 1}{tail}"
+        first = studylevels.label(levels[0] if levels else 1).replace("c=", "concurrency ")
+        return f"the highest tok/s per user (median) at {first}{tail}"
     if kind == "throughput_under_ttft":
-        return (f"the highest output tok/s at concurrency {level} among the variants whose TTFT p95 there is "
+        return (f"the highest output tok/s {at} among the variants whose TTFT p95 there is "
                 f"within {float(rule.get('ttft_p95_ms') or 0):g} ms{tail}")
-    return f"the highest output tok/s at concurrency {level}{tail}"
+    return f"the highest output tok/s {at}{tail}"
+
+
+def _rule_level(rule: dict, levels: list):
+    """The level a rule judges at: its own (a concurrency or a rate's name), else the study's highest
+    concurrency, else its highest rate."""
+    level = studylevels.parse_level((rule or {}).get("level") or "")
+    if level is not None:
+        return level
+    concurrencies = [lv for lv in levels if not isinstance(lv, str)]
+    return max(concurrencies) if concurrencies else (levels[-1] if levels else 1)
 
 
 def _median(row: dict, key: str) -> float | None:
@@ -133,9 +146,9 @@ def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int 
     """The variant the rule prefers among those that ran; it wins only when its verdict against the
     baseline on the rule's metric is "better" — otherwise the baseline stays (the difference was noise)."""
     kind = rule.get("kind", "throughput")
-    level = int(rule.get("level") or (levels[-1] if levels else 1))
+    level = _rule_level(rule, levels)
     if kind == "single_stream":
-        key = _key("per_user", min(levels) if levels else 1)
+        key = _key("per_user", levels[0] if levels else 1)
     else:
         key = _key("throughput", level)
     candidates = [r for r in rows if not r["failed"] and _median(r, key) is not None]
@@ -250,16 +263,17 @@ def study_live(study: Study) -> dict:
     trials = list(study.trials.select_related("variant"))
     run_ids = [t.run_id for t in trials if t.run_id]
     points: dict = {}
-    for p in BenchmarkPoint.objects.filter(run__in=run_ids).values("run_id", "concurrency", "output_throughput",
-                                                                    "tok_s_per_user", "ttft_ms"):
-        points.setdefault(p["run_id"], {})[str(p["concurrency"])] = {
+    for p in BenchmarkPoint.objects.filter(run__in=run_ids, repeat=0).values(
+            "run_id", "kind", "concurrency", "rate", "output_throughput", "tok_s_per_user", "ttft_ms"):
+        level = studylevels.point_level(p["kind"], p["concurrency"], p["rate"])
+        points.setdefault(p["run_id"], {})[str(level)] = {
             "tok_s": round(p["output_throughput"], 1), "per_user": round(p["tok_s_per_user"], 2),
             "ttft_median_ms": round((p["ttft_ms"] or {}).get("median", 0.0), 1)}
     current = next((t for t in trials if t.status in (StudyTrial.Status.DEPLOYING, StudyTrial.Status.BENCHMARKING)), None)
     done = sum(t.status not in StudyTrial.OPEN for t in trials)
     return {"id": study.pk, "status": study.status, "status_display": study.get_status_display(), "error": study.error,
             "pause_requested": study.pause_requested, "cancel_requested": study.cancel_requested,
-            "levels": study.workload.get("levels", []), "trials_done": done, "trials_total": len(trials),
+            "levels": studylevels.study_levels(study.workload), "trials_done": done, "trials_total": len(trials),
             "estimate_s": study.estimate_s, "estimate_basis": study.estimate_basis, "took_s": took_s(study),
             "left_s": left_s(study, trials),
             "variants": [{"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,

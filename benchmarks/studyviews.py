@@ -129,7 +129,7 @@ def study_detail(request, pk):
     study = get_object_or_404(Study.objects.select_related("deployment"), pk=pk)
     return render(request, "benchmarks/study_detail.html", {
         "study": study, "initial": studyresults.study_live(study),
-        "rule_text": studyresults.rule_text(study.rule, study.workload.get("levels", []))})
+        "rule_text": studyresults.rule_text(study.rule, studylevels.study_levels(study.workload))})
 
 
 @require_POST
@@ -149,14 +149,14 @@ def study_control(request, pk, action):
 @operator_required
 def study_apply(request, pk):
     study = get_object_or_404(Study, pk=pk)
-    level = str(request.POST.get("level", ""))
-    if level.isdigit() and len(level) < 10:  # the winner at a chosen level, in place of the variant picked
-        chosen = studylevels.winner_at(study.results, int(level))
+    level = studylevels.parse_level(request.POST.get("level", ""))
+    if level is not None:  # the winner at a chosen level (a concurrency or a rate), in place of the variant picked
+        chosen = studylevels.winner_at(study.results, level)
     else:
         chosen = request.POST.get("variant", "0") if str(request.POST.get("variant", "")).isdigit() else 0
     variant = StudyVariant.objects.filter(study=study, pk=chosen or 0).first()
     if variant is None:
-        messages.error(request, f"The study has no winner at concurrency {level}." if level.isdigit()
+        messages.error(request, f"The study has no winner at {studylevels.label(level)}." if level is not None
                        else "Choose a variant of this study.")
         return redirect("study-detail", pk)
     names = studyresults.debug_vars(variant)

@@ -81,6 +81,11 @@ def cmd_start(panel, args):
     return _follow(panel, study["id"], args) if args.wait else clibase._done(study, args)
 
 
+def _label(level) -> str:
+    """A level as the study page shows it: "c=16", or a rate "4/s" as "4 req/s"."""
+    return f"{level[:-2]} req/s" if isinstance(level, str) and level.endswith("/s") else f"c={level}"
+
+
 def _lines(study: dict) -> list[str]:
     live = study["live"]
     results = live.get("results") or {}
@@ -92,7 +97,7 @@ def _lines(study: dict) -> list[str]:
         cells = []
         for level in levels:
             got = [t["points"].get(str(level), {}).get("tok_s") for t in live["trials"] if t["variant"] == v["id"]]
-            cells.append(f"c={level}: " + " ".join("·" if x is None else f"{x:,.0f}" for x in got))
+            cells.append(f"{_label(level)}: " + " ".join("·" if x is None else f"{x:,.0f}" for x in got))
         out.append(f"  {v['name'][:40]:<40} " + ("FAILED: " + v["failed"][:80] if v["failed"] else "  ".join(cells)))
     for row in results.get("variants", []):
         if row["is_baseline"]:
@@ -111,7 +116,7 @@ def _lines(study: dict) -> list[str]:
         out.append(f"Winner: {name} ({results.get('winner_why', '')})")
     per_level = results.get("per_level") or {}
     for item in per_level.get("levels") or []:
-        out.append(f"  at c={item['level']}: {item['name'] or '-'}")
+        out.append(f"  at {item.get('label') or _label(item['level'])}: {item['name'] or '-'}")
     if per_level.get("crossover") or per_level.get("note"):
         out.append(per_level.get("crossover") or per_level["note"])
     if study.get("took_s") and study.get("estimate_s"):
@@ -201,7 +206,8 @@ def add(sub, common) -> None:
     s = actions.add_parser("apply", help="redeploy with the winner (or --variant ID)")
     s.add_argument("study", type=int)
     s.add_argument("--variant", type=int, default=None)
-    s.add_argument("--level", type=int, default=None, help="apply the variant that wins at this concurrency level")
+    s.add_argument("--level", default=None, help="apply the variant that wins at this level: a concurrency (16) or a "
+                   "request rate (4/s)")
     s.add_argument("--persist", action="store_true", help="then install it as a systemd service")
     s.add_argument("--yes", action="store_true", help="confirm a winner that sets NCCL debugging variables")
     s.set_defaults(fn=cmd_apply)

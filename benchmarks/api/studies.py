@@ -129,8 +129,13 @@ class StudyListSerializer(StudySerializer):
 class ApplySerializer(serializers.Serializer):
     variant = serializers.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, help_text=(
         "Default: the winner at `level` when given, else the study's winner."))
-    level = serializers.IntegerField(min_value=1, max_value=DB_INT_MAX, required=False, help_text=(
-        "Apply the variant that wins at this concurrency level (results.per_level)."))
+    level = serializers.CharField(max_length=40, required=False, help_text=(
+        'Apply the variant that wins at this level (results.per_level): a concurrency (16) or a rate ("4/s").'))
+
+    def validate_level(self, value):
+        if studylevels.parse_level(value) is None:
+            raise serializers.ValidationError('A concurrency (16) or a request rate ("4/s").')
+        return studylevels.parse_level(value)
     persist = serializers.BooleanField(default=False, help_text="Also install it as a systemd service once it runs.")
     confirm_debug = serializers.BooleanField(default=False, help_text=(
         "The variant sets NCCL variables NCCL's documentation lists for debugging only: apply anyway."))
@@ -201,7 +206,8 @@ class StudyViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         body.is_valid(raise_exception=True)
         v = body.validated_data
         if v.get("level") and not v.get("variant") and studylevels.winner_at(study.results, v["level"]) is None:
-            raise ServiceError(f"The study has no winner at concurrency {v['level']}.", field="level")
+            raise ServiceError(f"The study has no winner at {studylevels.label(v['level'])}.".replace("at c=", "at concurrency "),
+                               field="level")
         variant_id = (v.get("variant") or (studylevels.winner_at(study.results, v["level"]) if v.get("level") else None)
                       or (study.results or {}).get("winner"))
         variant = study.variants.filter(pk=variant_id).first() if variant_id else None

@@ -32,9 +32,12 @@
   window.studyView = { pareto, drawn: () => (pareto ? pareto.data.slice(1).flat().filter((v) => v != null).length : 0),
     cells: () => document.querySelectorAll("#matrix span[data-tok-s]").length };
 
+  // A level's name as the page shows it: a concurrency "c=16", a rate ("4/s") "4 req/s".
+  const levelLabel = (c) => String(c).endsWith("/s") ? `${String(c).slice(0, -2)} req/s` : `c=${c}`;
+
   function matrix() {
     const levels = study.levels;
-    el("matrix").querySelector("thead").innerHTML = "<tr><th>Variant</th>" + levels.map((c) => `<th class="num">c=${c}</th>`).join("") + "<th>Trials</th></tr>";
+    el("matrix").querySelector("thead").innerHTML = "<tr><th>Variant</th>" + levels.map((c) => `<th class="num">${esc(levelLabel(c))}</th>`).join("") + "<th>Trials</th></tr>";
     el("matrix").querySelector("tbody").innerHTML = study.variants.map((v) => {
       const trials = study.trials.filter((t) => t.variant === v.id);
       const cells = levels.map((c) => `<td class="num">` + trials.map((t) => {
@@ -62,7 +65,7 @@
         if (!est) continue;
         const [metric, level] = key.split("@");
         const cmp = v.comparisons[key];
-        const label = (r.metrics[metric] || metric) + (level ? ` at c=${level}` : "");
+        const label = (r.metrics[metric] || metric) + (level ? ` at ${levelLabel(level)}` : "");
         // One repeat has no interval: the figure alone, and the row says why there is no verdict.
         const range = (lo, hi, f) => (lo == null || hi == null ? "" : ` [${f(lo)}, ${f(hi)}]`);
         rows.push(`<tr data-variant="${v.id}" data-key="${key}"><td>${esc(v.name)}</td><td>${esc(label)}</td>` +
@@ -78,14 +81,14 @@
     drawPareto(points);
     const gpus = r.gpus > 0;  // per GPU only where there are GPUs
     el("pareto").querySelector("th[data-gpu]").hidden = !gpus;
-    el("pareto").querySelector("tbody").innerHTML = points.map((p) => `<tr><td>${esc(p.name)}</td><td class="num">${p.level}</td>` +
+    el("pareto").querySelector("tbody").innerHTML = points.map((p) => `<tr><td>${esc(p.name)}</td><td class="num">${esc(levelLabel(p.level))}</td>` +
       `<td class="num">${fmt(p.output_tok_s)}</td>${gpus ? `<td class="num">${fmt(p.per_gpu)}</td>` : ""}<td class="num">${fmt(p.per_user, 2)}</td><td>${p.front ? "★" : ""}${p.level_front ? " ◆" : ""}</td></tr>`).join("");
     const winner = r.variants.find((v) => v.id === r.winner);
     el("winner").textContent = winner ? `${winner.name}: ${r.winner_why}` : r.winner_why || "—";
     const perLevel = r.per_level || { levels: [] };  // studies judged before per-level winners have none
     el("crossover").textContent = perLevel.crossover || perLevel.note || "";
     el("level-winners").querySelector("tbody").innerHTML = perLevel.levels.map((w) => `<tr data-level="${w.level}">` +
-      `<td class="num">c=${w.level}</td><td>${esc(w.name || "—")}</td><td class="muted">${esc(w.why)}</td></tr>`).join("");
+      `<td class="num">${esc(w.label || levelLabel(w.level))}</td><td>${esc(w.name || "—")}</td><td class="muted">${esc(w.why)}</td></tr>`).join("");
     const form = el("apply-form");
     if (form && ["done", "cancelled", "failed"].includes(study.status)) {
       form.hidden = false;
@@ -96,7 +99,7 @@
       const levelSelect = el("apply-level");
       const pickedLevel = levelSelect.value;
       levelSelect.innerHTML = `<option value="">—</option>` + perLevel.levels.filter((w) => w.winner).map((w) =>
-        `<option value="${w.level}">c=${w.level}: ${esc(w.name)}</option>`).join("");
+        `<option value="${esc(w.level)}">${esc(w.label || levelLabel(w.level))}: ${esc(w.name)}</option>`).join("");
       levelSelect.value = pickedLevel;
       levelSelect.onchange = () => {  // the level's winner is what will be applied: show it as the variant
         const w = perLevel.levels.find((x) => String(x.level) === levelSelect.value);

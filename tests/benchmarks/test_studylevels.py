@@ -29,9 +29,10 @@ def measured(run, speeds: dict, seed: int):
     BenchmarkRun.objects.filter(pk=run.pk).update(status="done", started=now, finished=now)
 
 
-def run_study(d, speeds):  # noqa: F811 - the fixture's deployment
-    """A study of the two variants played to its end; speeds: variant name -> level -> output tok/s."""
-    study = studies.study_create(deployment=d, variants=VARIANTS, workload=WORKLOAD, repeats=3)
+def run_study(d, speeds, workload=WORKLOAD, measure=measured):  # noqa: F811 - the fixture's deployment
+    """A study of the two variants played to its end; speeds: variant name -> level -> output tok/s, each trial's
+    levels recorded by measure(run, speeds, seed)."""
+    study = studies.study_create(deployment=d, variants=VARIANTS, workload=workload, repeats=3)
     for _ in range(200):
         study = step(study)
         if study.status != "running":
@@ -40,7 +41,7 @@ def run_study(d, speeds):  # noqa: F811 - the fixture's deployment
         if trial and trial.status == "deploying" and Deployment.objects.get(pk=d.pk).status == "queued":
             comes_up(d)
         elif trial and trial.status == "benchmarking":
-            measured(trial.run, speeds[trial.variant.name], seed=trial.pk)
+            measure(trial.run, speeds[trial.variant.name], seed=trial.pk)
     study.refresh_from_db()
     return study
 
