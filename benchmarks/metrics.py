@@ -1,5 +1,6 @@
-"""Prometheus metric families for benchmark runs: each level's summary figures, labelled by run,
-level (concurrency) and deployment, read from the BenchmarkRun and BenchmarkPoint rows.
+"""Prometheus metric families for benchmark runs: each level's summary figures (and its goodput and SLO
+attainment when the run carried SLOs), labelled by run, level (a concurrency, or a rate "4/s") and
+deployment, read from the BenchmarkRun and BenchmarkPoint rows.
 
 State, not history (Prometheus keeps the history of what it scrapes): each deployment's latest finished run
 (and the latest run against a bare URL), and the runs queued or running now. Older runs stay in the API and
@@ -35,6 +36,13 @@ LATENCIES = [
     ("panel_benchmark_e2e_seconds", "Whole request latency.", "e2e_ms"),
 ]
 STATS = ("median", "p99")
+# Against the run's SLOs (BenchmarkPoint.goodput and slo): only for levels of a run that carried SLOs.
+SLO_FIGURES = [
+    ("panel_benchmark_goodput_requests_per_second", "Requests per second meeting every SLO of the run, over the level."),
+    ("panel_benchmark_slo_attainment_ratio", "Share of the level's measured requests that met every SLO of the run (0-1)."),
+    ("panel_benchmark_slo_met", "1 when the level held every SLO of the run (each met by at least its percentile of "
+                                "requests), else 0."),
+]
 
 
 def current_runs() -> Q:
@@ -74,15 +82,21 @@ class BenchmarkCollector:
         figures = [(gauge(name, doc, LEVEL_LABELS), field, factor) for name, doc, field, factor in LEVEL_FIGURES]
         latencies = [(gauge(name, doc + " Milliseconds in the run's page, seconds here.", LEVEL_LABELS + ["stat"]), field)
                      for name, doc, field in LATENCIES]
-        fields = ["run_id", "concurrency", "kind", "rate"] + [f for _, f, _ in figures] + [f for _, f in latencies]
-        for row in BenchmarkPoint.objects.filter(run__in=list(targets)).values_list(*fields):
+        goodput, attainment, met = (gauge(name, doc, LEVEL_LABELS) for name, doc in SLO_FIGURES)
+        fields = ["run_id", "concurrency", "kind", "rate", "goodput", "slo"] + [f for _, f, _ in figures] + [f for _, f in latencies]
+        # A capacity search's repeats of one rate are one level here (the first): labels must not repeat.
+        for row in BenchmarkPoint.objects.filter(run__in=list(targets), repeat=0).values_list(*fields):
             run = targets.get(row[0])
             if run is None:  # a point written after the runs were read
                 continue
             level = f"{row[3]:g}/s" if row[2] == BenchmarkPoint.Kind.RATE else str(row[1])  # a rate level: "4/s"
             labels = {"run": run[0], "deployment": run[1], "level": level}
             by_stat = {stat: {**labels, "stat": stat} for stat in STATS}
-            values = iter(row[4:])
+            if row[4] is not None:  # the run carried SLOs
+                add_sample(goodput, labels, row[4])
+                add_sample(attainment, labels, (row[5] or {}).get("attainment_pct", 0.0) / 100)
+                add_sample(met, labels, 1 if (row[5] or {}).get("met") else 0)
+            values = iter(row[6:])
             for (family, _, factor), value in zip(figures, values):
                 add_sample(family, labels, value * factor)
             for family, _ in latencies:
@@ -92,3 +106,4 @@ class BenchmarkCollector:
                         add_sample(family, by_stat[stat], dist[stat] / 1000)
         yield from (family for family, _, _ in figures)
         yield from (family for family, _ in latencies)
+        yield from (goodput, attainment, met)

@@ -79,7 +79,21 @@ def compare(request):
     data = [{"id": r.pk, "name": r.name, "label": r.label, "single_stream_tok_s": r.single_stream_tok_s,
              "points": [payloads.run_point_data(p) for p in r.points.all()]} for r in runs]
     return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
-                                                       "ids": ",".join(str(r.pk) for r in runs)})
+                                                       "ids": ",".join(str(r.pk) for r in runs), "slo_rows": _slo_rows(runs)})
+
+
+def _slo_rows(runs) -> list[dict]:
+    """Goodput and SLO attainment of each level of the compared runs that carried SLOs ([] when none did):
+    one row per run and level, a capacity search's repeats apart."""
+    rows = []
+    for r in runs:
+        if not r.params.get("slos"):
+            continue
+        for p in r.points.all():
+            if p.goodput is not None:
+                rows.append({"run": r, "slos": slos_mod.describe(r.params["slos"]), "point": p,
+                             "label": f"{p.rate:g} req/s" if p.kind == "rate" else f"c={p.concurrency}"})
+    return rows
 
 
 def export(request, fmt, pk=None):
