@@ -15,9 +15,17 @@ Figures (a PASS, MISS or NOT RUN line per target, then the last line holds them 
   gateway RSS over a soak at the zero-delay schedserver's top speed         [flat, +-10 %]
 
     python perf/gateway_overhead.py [--seconds 6] [--soak-seconds 60] [--full-soak] [--no-engine]
+                                    [--repeats 1] [--engine-seconds 6] [--no-pin] [--no-priority]
 
 --full-soak: the full 10-minute soak. A fresh SQLite file and an embedded Redis of its own.
-Everything shares this machine's cores (client, gateway, engine): the figures say what one host does.
+--repeats N: N peer pairs per level, the order alternating; a level's ratio is the median of its pairs' ratios,
+and the line shows each pair's ratio and their spread.
+--pin (the default with 2 cores or more): the CPU engine, every process and thread of it, runs on the first core
+alone (taskset and VLLM_CPU_OMP_THREADS_BIND) and the client, gateway and test servers on the others, as on a
+GPU host, where the engine's CPU work never shares a core with the gateway. Unpinned, vLLM's CPU build takes
+every core it finds, and the ratio measures the competition for them, not the gateway.
+--priority (the default, root only): nice and autogroup -20 for this run's processes, so that other work on a
+shared machine does not decide the figures.
 """
 import argparse
 import asyncio
@@ -25,6 +33,7 @@ import json
 import os
 import re
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
+from vllmbench import raise_priority  # noqa: E402
 
 perf_counter = time.perf_counter
 KEYS = 10_000
@@ -84,12 +94,28 @@ async def level(url, headers, body, concurrency, seconds):
     return counts[0] / elapsed, ttfts, errors[0], len(ttfts)
 
 
-def measure(direct, gateway, body, concurrency, seconds):
-    """Both peers at one concurrency (a short warm-up each first): {peer: (tok/s, ttfts, errors, requests)}."""
-    out = {}
-    for name, (url, headers) in (("direct", direct), ("gateway", gateway)):
-        asyncio.run(level(url, headers, body, concurrency, min(1.0, seconds)))
-        out[name] = asyncio.run(level(url, headers, body, concurrency, seconds))
+def cpu_s(process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def measure(direct, gateway, body, concurrency, seconds, repeats=1, gateway_process=None):
+    """Both peers at one concurrency, `repeats` times, the order alternating so that neither always meets an
+    engine the other just warmed (a short warm-up each first): [{peer: (tok/s, ttfts, errors, requests)}], and
+    with `gateway_process` under "cpu" the cores the client and the gateway kept busy during the gateway's run."""
+    peers = [("direct", direct), ("gateway", gateway)]
+    client = psutil.Process()
+    out = []
+    for repeat in range(repeats):
+        pair = {}
+        for name, (url, headers) in peers if repeat % 2 == 0 else peers[::-1]:
+            asyncio.run(level(url, headers, body, concurrency, min(1.0, seconds)))
+            before = perf_counter(), cpu_s(client), cpu_s(gateway_process) if gateway_process else 0.0
+            pair[name] = asyncio.run(level(url, headers, body, concurrency, seconds))
+            if name == "gateway" and gateway_process:
+                wall = perf_counter() - before[0]
+                pair["cpu"] = ((cpu_s(client) - before[1]) / wall, (cpu_s(gateway_process) - before[2]) / wall)
+        out.append(pair)
     return out
 
 
@@ -178,7 +204,9 @@ def start_gateway(children, env, log: Path):
     raise SystemExit("the gateway did not start:\n" + log.read_text()[-2000:])
 
 
-def start_engine(children, var: Path) -> tuple[int, str]:
+def start_engine(children, var: Path, core: int | None) -> tuple[int, str]:
+    """The tiny model on the CPU vLLM; with `core`, every process and thread of it (API server, EngineCore,
+    the worker's OpenMP thread) on that core alone."""
     from controlpanel import launcher
     from deployments.host import enginecli
 
@@ -187,6 +215,9 @@ def start_engine(children, var: Path) -> tuple[int, str]:
         "enforce-eager": True, "max-model-len": 512, "served-model-name": "tiny", "max-num-seqs": 256})
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CACHE_ROOT=str(var / "vllm-cache"), VLLM_API_KEY=key,
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    if core is not None:
+        argv = ["taskset", "-c", str(core), *argv]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     children.start("engine", argv, env, stdout=open(var / "engine.log", "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -200,14 +231,37 @@ def start_engine(children, var: Path) -> tuple[int, str]:
     raise SystemExit("the CPU engine did not start: " + (var / "engine.log").read_text()[-2000:])
 
 
+def pooled(pairs, peer):
+    """One peer's repeats together: (mean tok/s, all TTFTs, errors, requests)."""
+    runs = [pair[peer] for pair in pairs]
+    return (sum(r[0] for r in runs) / len(runs), [t for r in runs for t in r[1]], sum(r[2] for r in runs),
+            sum(r[3] for r in runs))
+
+
+def pin(pids, cpus) -> None:
+    """Every thread of each process onto `cpus` (threads they start later inherit it)."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:  # a thread that just ended
+                pass
+
+
 def ratios(results, label, report, figures, levels):
+    """Each level's figure is the median of its repeats' ratios (each repeat's two peers ran back to back);
+    the line shows every repeat's ratio and their spread."""
     for c in levels:
-        pair = results[c]
-        (d_tps, d_ttft, d_err, d_n), (g_tps, g_ttft, g_err, g_n) = pair["direct"], pair["gateway"]
-        ratio = g_tps / d_tps if d_tps else float("nan")
+        each = [pair["gateway"][0] / pair["direct"][0] if pair["direct"][0] else float("nan") for pair in results[c]]
+        ratio = statistics.median(each)
         figures[f"{label}_c{c}_ratio"] = round(ratio, 3)
+        (d_tps, d_ttft, d_err, d_n), (g_tps, g_ttft, g_err, g_n) = pooled(results[c], "direct"), pooled(results[c], "gateway")
+        spread = f" (repeats {' '.join(f'{r:.3f}' for r in each)}, spread {max(each) - min(each):.3f})" if len(each) > 1 else ""
+        if "cpu" in results[c][0]:
+            spread += (f"   busy cores through the gateway: client {statistics.mean(p['cpu'][0] for p in results[c]):.2f}, "
+                       f"gateway {statistics.mean(p['cpu'][1] for p in results[c]):.2f}")
         report.append(f"{label} c={c:<4} direct {d_tps:9.0f} tok/s ({d_n} req, {d_err} err)   gateway {g_tps:9.0f} "
-                      f"tok/s ({g_n} req, {g_err} err)   ratio {ratio:.3f}   TTFT p50 {pct(d_ttft, 50) * 1e3:.1f} -> "
+                      f"tok/s ({g_n} req, {g_err} err)   ratio {ratio:.3f}{spread}   TTFT p50 {pct(d_ttft, 50) * 1e3:.1f} -> "
                       f"{pct(g_ttft, 50) * 1e3:.1f} ms, p99 {pct(d_ttft, 99) * 1e3:.1f} -> {pct(g_ttft, 99) * 1e3:.1f} ms")
 
 
@@ -301,11 +355,20 @@ def main():
     parser.add_argument("--full-soak", action="store_true", help="the full 10-minute soak")
     parser.add_argument("--no-engine", action="store_true", help="schedserver only (no CPU vLLM)")
     parser.add_argument("--levels", default="1,64,256")
+    parser.add_argument("--repeats", type=int, default=1, help="each level's peer pairs, the order alternating")
+    parser.add_argument("--engine-seconds", type=float, default=6.0, help="--seconds for the CPU engine")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=len(os.sched_getaffinity(0)) >= 2,
+                        help="the CPU engine on the first core, the rest on the others (default with >= 2 cores)")
+    parser.add_argument("--priority", action=argparse.BooleanOptionalAction, default=True,
+                        help="nice and autogroup -20 for this run's processes (root only): others' work on a "
+                             "shared machine would otherwise decide the figures")
     args = parser.parse_args()
     levels = [int(c) for c in args.levels.split(",")]
     from controlpanel import launcher
 
+    load_start = os.getloadavg()[0]
     var = Path(tempfile.mkdtemp(prefix="perf-gateway-"))
+    restore = raise_priority() if args.priority else (lambda: None)
     children = launcher.Children()
     report, figures = [], {}
     try:
@@ -316,34 +379,49 @@ def main():
         add_deployment(blast_port, "blast")
         key = add_key()
         proc, gateway = start_gateway(children, env, var / "gateway.log")
+        if args.priority:  # each child started a session, so an autogroup, of its own
+            for _, child in children.procs:
+                raise_priority(child.pid)
         body = {"model": "sched", "prompt": "hello there", "max_tokens": 64, "stream": True,
                 "stream_options": {"include_usage": True}}
         direct = (f"http://127.0.0.1:{sched_port}/v1/completions", {})
         through = (f"{gateway}/v1/completions", {"Authorization": f"Bearer {key}"})
-        one_key = measure(direct, through, body, 64, args.seconds)
+        one_key = measure(direct, through, body, 64, args.seconds)[0]
         seed_keys(KEYS - 1)
         changed()
         time.sleep(3)  # the reload of 10,000 keys
-        results = {c: measure(direct, through, body, c, args.seconds) for c in levels}
+        results = {c: measure(direct, through, body, c, args.seconds, args.repeats) for c in levels}
         ratios(results, "sched", report, figures, levels)
         r1 = one_key["gateway"][0] / one_key["direct"][0]
         figures["sched_c64_ratio_1key"] = round(r1, 3)
         report.append(f"c=64 with 1 key: ratio {r1:.3f}; with {KEYS} keys: {figures.get('sched_c64_ratio', float('nan')):.3f}")
         if 64 in results:
-            d, g = results[64]["direct"][1], results[64]["gateway"][1]
+            d, g = pooled(results[64], "direct")[1], pooled(results[64], "gateway")[1]
             figures["added_ttft_p50_ms"] = round((pct(g, 50) - pct(d, 50)) * 1e3, 2)
             figures["added_ttft_p99_ms"] = round((pct(g, 99) - pct(d, 99)) * 1e3, 2)
         figures["revocation_ms"] = round(revocation_ms(gateway), 1)
         if not args.no_engine and VLLM.exists() and TINY_MODEL.exists():
-            engine_port, engine_key = start_engine(children, var)
+            # Pinned, the engine has the first core and everything else (this client, the gateway, the test
+            # servers, Redis) the others, as on a GPU host, where the engine's CPU work never shares a core.
+            cpus = sorted(os.sched_getaffinity(0))
+            others = [os.getpid(), *(p.pid for _, p in children.procs)]
+            if args.pin:
+                pin(others, cpus[1:])
+            engine_port, engine_key = start_engine(children, var, cpus[0] if args.pin else None)
+            if args.priority:
+                raise_priority(children.procs[-1][1].pid)  # its own session: an autogroup of its own
             add_deployment(engine_port, "tiny", engine_key, in_flight=256)
             changed()
             time.sleep(1.5)
             tiny = {**body, "model": "tiny", "prompt": "The capital of France is", "ignore_eos": True}
             engine_results = {c: measure((f"http://127.0.0.1:{engine_port}/v1/completions",
                                           {"Authorization": f"Bearer {engine_key}"}),
-                                         through, tiny, c, args.seconds) for c in levels}
+                                         through, tiny, c, args.engine_seconds, args.repeats, psutil.Process(proc.pid))
+                              for c in levels}
             ratios(engine_results, "cpu_engine", report, figures, levels)
+            report.append(f"CPU engine {'on core ' + str(cpus[0]) + ', the rest on ' + ','.join(map(str, cpus[1:])) if args.pin else 'unpinned'}"
+                          f"; {args.repeats} repeats of {args.engine_seconds:.0f} s per peer and level, order alternating")
+            pin(others, cpus)
         soaked = soak(gateway, key, 600.0 if args.full_soak else args.soak_seconds, proc)
         figures["soak_requests"] = soaked["requests"]
         figures["soak_rss_growth"] = round(soaked["growth"], 3)
@@ -352,7 +430,9 @@ def main():
                       f" -> {soaked['rss_end_mb']:.1f} MB (max {soaked['rss_max_mb']:.1f}), {soaked['growth'] * 100:+.1f} %")
     finally:
         children.stop()
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {KEYS} keys configured")
+        restore()
+    print(f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores; "
+          f"{KEYS} keys configured")
     for line in report + verdicts(figures):
         print(line)
     print(" ".join(f"{k}={v}" for k, v in figures.items()))

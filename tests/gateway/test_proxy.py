@@ -271,3 +271,34 @@ def test_a_deployment_on_another_node_is_reached_through_that_nodes_gateway(node
     assert usage_totals(key_id=key_id)["requests"] == 2
     assert usage_totals(deployment=d)["requests"] == 2
     assert not Usage.objects.filter(key__internal=True).exists()
+
+
+def test_streams_that_end_together_leave_every_engine_connection_open_for_the_next_ones(node, gateway):
+    """A batch of streams started together ends in the same engine step, so all their connections come back to
+    the gateway at once; every one is kept for the next requests instead of being closed and opened again."""
+    import asyncio
+
+    import aiohttp
+
+    streams = 160
+
+    async def wave(key):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one():
+                async with session.post(gateway.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                        json={"model": "sched", "prompt": "hi", "max_tokens": 4, "stream": True}) as r:
+                    assert r.status == 200
+                    await r.read()
+            await asyncio.gather(*(one() for _ in range(streams)))
+
+    async def idle():
+        return sum(len(conns) for conns in gateway.gateway.pool.idle.values())
+
+    with SchedServer(ttft_ms=300, gap_ms=5, default_max_tokens=4) as slow:
+        make_deployment(node, slow.port, max_in_flight=streams)
+        key = make_key()
+        gateway.reload()
+        asyncio.run(wave(key))
+        assert gateway.call(idle()) == streams
+        asyncio.run(wave(key))
+        assert gateway.call(idle()) == streams  # the second wave reused them: none opened, none closed
