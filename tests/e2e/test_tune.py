@@ -91,7 +91,7 @@ def test_a_study_measures_real_variants_records_a_failed_one_and_survives_an_age
 
     # The second trial ("four", repeat 1) loading: the agent is killed and started again.
     wait_until(lambda: study.trials.filter(position=1, status="deploying").exists()
-               and Deployment.objects.get(pk=d.pk).status == "loading", timeout=300, interval=0.2,
+               and Deployment.objects.get(pk=d.pk).status == "loading", timeout=480, interval=0.2,
                message="the second trial to be loading")
     restart_agent(spawn, env, node, tmp_path)
 
