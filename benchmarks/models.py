@@ -80,6 +80,8 @@ class BenchmarkPoint(models.Model):
         "Waits for a slot under the rate level's max_concurrency, in ms: {p50, p99, max, mean, count}."))
     num_requests = models.PositiveIntegerField(default=0)
     failed_requests = models.PositiveIntegerField(default=0)
+    warmup_requests = models.PositiveIntegerField(default=0, help_text=(
+        "Warm-up requests the level sent before the measured ones (in none of its figures)."))
     duration_s = models.FloatField(default=0.0)
     request_throughput = models.FloatField(default=0.0)
     output_throughput = models.FloatField(default=0.0)

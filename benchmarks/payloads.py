@@ -50,6 +50,7 @@ class RunPoint:
     output_tokens: int
     num_requests: int
     failed_requests: int
+    warmup_requests: int  # sent before the measured ones, in none of the figures
     server_metrics: dict
     prompt_tokens_requested: int | None  # random prompts: the length asked for, in the model's tokens
     prompt_tokens_mean: float  # what the server counted (usage.prompt_tokens), per request

@@ -17,6 +17,12 @@ def runs_with_points(ids) -> list[BenchmarkRun]:
     return list(BenchmarkRun.objects.filter(pk__in=ids).select_related("deployment").prefetch_related("points").order_by("pk"))
 
 
+def level_cells(p) -> list:
+    """A level's kind and, for a rate level, its requests/s asked (empty for a concurrency level, whose
+    `concurrency` column says it; a rate level's is its cap, 0 for none)."""
+    return [p.kind, p.rate if p.kind == p.Kind.RATE else None]
+
+
 def csv_rows(runs):
     for run in runs:
         for p in run.points.all():
@@ -25,7 +31,7 @@ def csv_rows(runs):
                    p.reasoning_tokens, p.content_tokens, p.tok_s_per_user, p.ttft_ms.get("median"), p.ttft_ms.get("p99"),
                    p.ttft_vllm_bench_ms.get("median"), p.ttfc_ms.get("median"), p.tpot_ms.get("median"), p.itl_ms.get("median"),
                    p.itl_per_token_ms.get("median"), p.e2e_ms.get("median"), p.prompt_tokens_requested, p.prompt_tokens_mean,
-                   p.energy_j, p.watts_per_gpu, p.kind, p.rate if p.kind == p.Kind.RATE else None,
+                   p.energy_j, p.watts_per_gpu, *level_cells(p),
                    p.achieved_rate if p.kind == p.Kind.RATE else None, (p.lag_ms or {}).get("p99"),
                    (p.slot_wait_ms or {}).get("p99"), p.repeat, p.goodput, (p.slo or {}).get("attainment_pct"),
                    (p.slo or {}).get("met"), (p.server_metrics.get("prefix_cache") or {}).get("hit_rate"),

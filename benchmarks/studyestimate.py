@@ -4,8 +4,10 @@ else a model of each level from the nearest level measured, else the smoke test'
 what was never measured is guessed, and the estimate says so ("guess", and the basis begins "a guess")."""
 import math
 import statistics
+from types import SimpleNamespace
 
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, StudyTrial
+from benchmarks.runner import arrivals, spec_default
 from deployments.models import Deployment, DeploymentEvent
 
 DEFAULT_READY_S = 120.0  # a deployment never loaded: a guess
@@ -18,8 +20,8 @@ GUESS_TTFT_S = 0.2
 # How much longer a request takes at concurrency c than at c0, when only c0 was measured: (c / c0) ** this.
 # Batching makes it far less than linear (the CPU engine here: 1.8x from 1 to 16 streams; GPUs batch better).
 CONCURRENCY_EXPONENT = 0.2
-WORKLOAD_KEYS = ("levels", "max_tokens", "input_tokens", "requests_per_user", "min_requests", "warmup_per_user",
-                 "prompt_source", "endpoint")
+WORKLOAD_KEYS = ("levels", "rates", "rate_duration_s", "max_tokens", "input_tokens", "requests_per_user", "min_requests",
+                 "warmup_per_user", "prompt_source", "endpoint")
 
 
 def redeploy_seconds(d: Deployment) -> tuple[float, str]:
@@ -61,22 +63,44 @@ def _request_seconds(point: BenchmarkPoint, max_tokens: int, c: int) -> float:
     return seconds * (c / point.concurrency) ** CONCURRENCY_EXPONENT
 
 
+def _rate_counts(workload: dict, rate: float) -> tuple[int, int]:
+    """(measured, warm-up) requests of a rate level, as the runner counts them (runner/arrivals.py)."""
+    spec = SimpleNamespace(**{k: workload.get(k, spec_default(k)) for k in ("min_requests", "rate_duration_s",
+                                                                           "warmup_per_user")})
+    spec.min_requests, spec.warmup_per_user = int(spec.min_requests), int(spec.warmup_per_user)
+    measured = arrivals.rate_requests(spec, float(rate))
+    return measured, arrivals.rate_warmup(spec, float(rate), measured)
+
+
 def _modelled(points: list[BenchmarkPoint], workload: dict) -> float:
-    """Seconds the workload's levels take, each from the measured level nearest to it (log scale)."""
+    """Seconds the workload's levels take, each concurrency from the measured level nearest to it (log scale).
+    A rate level's schedule sets its time, not the engine: its requests (warm-up included, sent at the level's
+    rate too) ÷ the rate, plus one request's time for the last to finish (the single stream's, the nearest to
+    a lightly loaded engine). A ramp or a multi-turn workload's think times make it longer: not modelled."""
     total = 0.0
-    for c in workload["levels"]:
+    max_tokens = int(workload["max_tokens"])
+    for c in workload.get("levels") or []:
         near = min(points, key=lambda p: abs(math.log(p.concurrency / c)))
-        total += _level_counts(workload, c) / c * _request_seconds(near, int(workload["max_tokens"]), c)
+        total += _level_counts(workload, c) / c * _request_seconds(near, max_tokens, c)
+    for rate in workload.get("rates") or []:
+        measured, warmup = _rate_counts(workload, rate)
+        lowest = min(points, key=lambda p: p.concurrency)
+        total += (measured + warmup) / float(rate) + _request_seconds(lowest, max_tokens, lowest.concurrency)
     return total
+
+
+def _workload_keys(params: dict) -> dict:
+    """What makes two benchmarks take the same time; no rates and "rates": [] alike."""
+    return {k: params.get(k) for k in WORKLOAD_KEYS} | {"rates": params.get("rates") or None}
 
 
 def bench_seconds(d: Deployment, workload: dict) -> tuple[float, str]:
     """(seconds one trial's benchmark run takes, where the figure comes from)."""
     runs = list(BenchmarkRun.objects.filter(deployment=d, status=BenchmarkRun.Status.DONE)
                 .exclude(started=None).exclude(finished=None).order_by("-finished")[:20])
-    wanted = {k: workload.get(k) for k in WORKLOAD_KEYS}
+    wanted = _workload_keys(workload)
     for run in runs:
-        if {k: run.params.get(k) for k in WORKLOAD_KEYS} == wanted:
+        if _workload_keys(run.params) == wanted:
             return round((run.finished - run.started).total_seconds(), 1), "its last run of this workload"
     for run in runs:
         points = [p for p in run.points.all() if p.kind == p.Kind.CONCURRENCY]

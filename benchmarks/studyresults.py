@@ -4,7 +4,7 @@ import statistics
 
 from django.utils import timezone
 
-from benchmarks import csvsafe, studylevels, tunestats
+from benchmarks import csvsafe, selectors, studylevels, tunestats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
 
@@ -286,7 +286,8 @@ def study_live(study: Study) -> dict:
 
 
 EXPORT_COLUMNS = ["study", "variant", "baseline", "repeat", "trial_status", "error", "ready_s", "overhead_s", "run",
-                  "concurrency", "output_throughput", "tok_s_per_user", "ttft_median_ms", "ttft_p95_ms", "tpot_median_ms"]
+                  "concurrency", "level_kind", "rate", "output_throughput", "tok_s_per_user", "ttft_median_ms", "ttft_p95_ms",
+                  "tpot_median_ms"]
 
 
 def export_csv(study: Study) -> str:
@@ -301,8 +302,8 @@ def export_csv(study: Study) -> str:
         head = [study.pk, t.variant.name, t.variant.is_baseline, t.repeat, t.status, t.error, t.ready_s, t.overhead_s, t.run_id]
         levels = points.get(t.run_id) if t.status == StudyTrial.Status.DONE else None
         if not levels:
-            rows.append(head + [""] * 6)
+            rows.append(head + [""] * (len(EXPORT_COLUMNS) - len(head)))
         for p in levels or []:
-            rows.append(head + [p.concurrency, p.output_throughput, p.tok_s_per_user, p.ttft_ms.get("median"),
-                                p.ttft_ms.get("p95"), p.tpot_ms.get("median")])
+            rows.append(head + [p.concurrency, *selectors.level_cells(p), p.output_throughput, p.tok_s_per_user,
+                                p.ttft_ms.get("median"), p.ttft_ms.get("p95"), p.tpot_ms.get("median")])
     return csvsafe.rows_text(EXPORT_COLUMNS, rows)

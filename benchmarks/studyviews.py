@@ -7,7 +7,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from benchmarks import studies, studylevels, studyresults, workloads
-from benchmarks.forms import parse_levels
+from benchmarks.forms import parse_levels, parse_rates
 from benchmarks.models import Study, StudyVariant, Workload
 from controlpanel.errors import ServiceError
 from controlpanel.roles import is_operator, operator_required
@@ -22,7 +22,10 @@ class StudyForm(forms.Form):
                                help_text="One variant a line: NAME=VALUE pairs (upper case: environment, else engine flags).")
     dimensions = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2, "placeholder": "NCCL_PROTO=LL,LL128,Simple"}),
                                  help_text="One dimension a line: NAME=V1,V2,…; every combination is a variant.")
-    levels = forms.CharField(initial="1,16", label="Concurrency levels")
+    levels = forms.CharField(initial="1,16", required=False, label="Concurrency levels",
+                             help_text="Empty with request rates: rate levels only.")
+    rates = forms.CharField(required=False, label="Request rates (req/s)",
+                            help_text="Open-loop levels, e.g. 2,4,8, after the concurrency levels; each judged apart.")
     max_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
     input_tokens = forms.IntegerField(min_value=1, max_value=200_000, initial=128)
     requests_per_user = forms.IntegerField(min_value=1, max_value=1000, initial=4)
@@ -32,14 +35,23 @@ class StudyForm(forms.Form):
     repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved.")
     order = forms.ChoiceField(choices=list(studies.ORDERS.items()))
     rule = forms.ChoiceField(choices=list(studyresults.RULES.items()), initial="throughput", label="Winner rule")
-    rule_level = forms.IntegerField(min_value=1, max_value=4096, required=False, label="Rule's level N",
-                                    help_text="Default: the highest level.")
+    rule_level = forms.CharField(max_length=40, required=False, label="Rule's level N", help_text=(
+        'One of the levels: a concurrency (16) or a rate ("4/s"). Default: the highest concurrency, else rate.'))
     ttft_p95_ms = forms.FloatField(min_value=0, required=False, label="TTFT p95 budget (ms)")
     finish_with = forms.ChoiceField(choices=[("baseline", "redeploy the baseline"), ("winner", "redeploy the winner")],
                                     label="At the end")
 
     def clean_levels(self):
         return parse_levels(self.cleaned_data["levels"])
+
+    def clean_rates(self):
+        return parse_rates(self.cleaned_data["rates"])
+
+    def clean_rule_level(self):
+        text = self.cleaned_data["rule_level"].strip()
+        if text and studylevels.parse_level(text) is None:
+            raise forms.ValidationError('A concurrency (16) or a request rate ("4/s").')
+        return studylevels.parse_level(text) if text else None
 
     @staticmethod
     def _pairs(line: str) -> dict:
@@ -73,12 +85,18 @@ class StudyForm(forms.Form):
             self.add_error("variants", "Add at least one variant or dimension.")
         if data.get("rule") == "throughput_under_ttft" and data.get("ttft_p95_ms") is None:
             self.add_error("ttft_p95_ms", "Give the budget for this rule.")
+        if "levels" in data and "rates" in data and not data["levels"] and not data["rates"]:
+            self.add_error("levels", "Give concurrency levels, request rates, or both.")
+        levels = studylevels.study_levels({"levels": data.get("levels"), "rates": data.get("rates")})
+        if data.get("rule_level") is not None and "levels" in data and data["rule_level"] not in levels:
+            self.add_error("rule_level", f"{studylevels.label(data['rule_level'])} is not one of the levels "
+                                         f"({', '.join(studylevels.label(lv) for lv in levels) or 'none'}).")
         return data
 
     def create_args(self) -> dict:
         data = self.cleaned_data
         rule = {"kind": data["rule"]}
-        if data.get("rule_level"):
+        if data.get("rule_level") is not None:
             rule["level"] = data["rule_level"]
         if data.get("ttft_p95_ms") is not None:
             rule["ttft_p95_ms"] = data["ttft_p95_ms"]
@@ -90,6 +108,8 @@ class StudyForm(forms.Form):
         data = self.cleaned_data
         workload = {"levels": data["levels"], "max_tokens": data["max_tokens"], "input_tokens": data["input_tokens"],
                     "requests_per_user": data["requests_per_user"]}
+        if data["rates"]:  # as the API's workload: no rates key without rates
+            workload["rates"] = data["rates"]
         return workloads.workload_params(data["named_workload"], workload) if data.get("named_workload") else workload
 
 

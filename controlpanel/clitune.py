@@ -2,6 +2,7 @@
 
     panelctl tune start qwen3-cpu-01 --vary NCCL_PROTO=LL,LL128,Simple --vary max-num-seqs=8,16 \\
         --concurrency 1,16 --repeats 3 --dry-run           # count and estimate only
+    panelctl tune start qwen3-cpu-01 --vary max-num-seqs=8,64 --rate 2,8 --rule throughput:8/s   # rate levels
     panelctl tune start qwen3-cpu-01 --variant "max-num-seqs=16" --variant "max-num-seqs=1 NCCL_ALGO=Ring" --wait
     panelctl tune status 3 [--wait]                        # the matrix, verdicts, winner and winner per level
     panelctl tune pause|resume|cancel 3
@@ -12,7 +13,7 @@ to remove one). Exit codes as for the rest of panelctl; `status --wait` exits 1 
 """
 import time
 
-from controlpanel import clibase
+from controlpanel import clibase, clirate
 
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -31,19 +32,27 @@ def _settings(words: list[str]) -> dict:
     return out
 
 
+def _level(text: str):
+    """A rule's level: a concurrency (16) or a rate ("4/s", which the panel checks); None if neither."""
+    if text.isdigit():
+        return int(text)
+    return text if text.endswith("/s") and len(text) > 2 else None
+
+
 def _rule(text: str) -> dict:
     kind, _, rest = text.partition(":")
     if kind == "single_stream":
         return {"kind": "single_stream"}
-    if kind == "throughput" and rest.isdigit():
-        return {"kind": "throughput", "level": int(rest)}
+    if kind == "throughput" and _level(rest) is not None:
+        return {"kind": "throughput", "level": _level(rest)}
     level, _, budget = rest.partition(":")
-    if kind == "ttft" and level.isdigit():
+    if kind == "ttft" and _level(level) is not None:
         try:
-            return {"kind": "throughput_under_ttft", "level": int(level), "ttft_p95_ms": float(budget)}
+            return {"kind": "throughput_under_ttft", "level": _level(level), "ttft_p95_ms": float(budget)}
         except ValueError:
             pass
-    raise clibase.CliError(f"--rule {text!r}: throughput:LEVEL, single_stream or ttft:LEVEL:P95_MS", clibase.BAD_INPUT)
+    raise clibase.CliError(f"--rule {text!r}: throughput:LEVEL, single_stream or ttft:LEVEL:P95_MS (a LEVEL is a "
+                           "concurrency, 16, or a rate, 4/s)", clibase.BAD_INPUT)
 
 
 def _body(panel, args) -> dict:
@@ -58,6 +67,7 @@ def _body(panel, args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if levels:
         workload["levels"] = levels
+    workload.update(clirate.rate_body(args))  # --rate 2,4,8 and its arrivals, as panelctl bench sends them
     body = {"deployment": clibase._deployment(panel, args.deployment)["id"], "variants": variants, "dimensions": dimensions,
             "workload": workload, "repeats": args.repeats, "order": args.order, "finish_with": args.finish_with,
             "name": args.name}
@@ -182,12 +192,14 @@ def add(sub, common) -> None:
     s.add_argument("--variant", action="append", metavar="'NAME=VALUE …'", help="one variant's changes, repeatable")
     s.add_argument("--vary", action="append", metavar="NAME=V1,V2", help="a dimension: every combination is a variant")
     s.add_argument("--concurrency", default="", help="levels, e.g. 1,16 (default: as for panelctl bench)")
+    clirate.rate_arguments(s)
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--input-tokens", type=int, default=128)
     s.add_argument("--requests-per-user", type=int, default=4)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--order", choices=["interleaved", "mirrored", "random_blocks"], default="interleaved")
-    s.add_argument("--rule", default="", help="throughput:LEVEL (default: the highest level), single_stream, ttft:LEVEL:P95_MS")
+    s.add_argument("--rule", default="", help="throughput:LEVEL (default: the highest "
+                   "concurrency, else rate), single_stream, ttft:LEVEL:P95_MS; a LEVEL is a concurrency (16) or a rate (4/s)")
     s.add_argument("--finish-with", choices=["baseline", "winner"], default="baseline")
     s.add_argument("--name", default="")
     s.add_argument("--dry-run", action="store_true", help="print the count and the estimate, start nothing")

@@ -48,8 +48,16 @@ class VariantSerializer(serializers.Serializer):
 
 class RuleSerializer(serializers.Serializer):
     kind = serializers.ChoiceField(choices=list(studyresults.RULES), default="throughput")
-    level = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    level = serializers.CharField(max_length=40, required=False, help_text=(
+        'The level it judges at, one of the workload\'s: a concurrency (16) or a rate ("4/s"); default: the highest '
+        "concurrency, else the highest rate."))
     ttft_p95_ms = serializers.FloatField(min_value=0, required=False)
+
+    def validate_level(self, value):
+        level = studylevels.parse_level(value)
+        if level is None:
+            raise serializers.ValidationError('A concurrency (16) or a request rate ("4/s").')
+        return level
 
     def validate(self, data):
         if data["kind"] == "throughput_under_ttft" and "ttft_p95_ms" not in data:
@@ -90,6 +98,12 @@ class StudyRequestSerializer(serializers.Serializer):
         if not workload.is_valid():
             raise serializers.ValidationError({"workload": workload.errors})
         data["workload"] = dict(workload.validated_data)
+        level = (data.get("rule") or {}).get("level")
+        levels = studylevels.study_levels(data["workload"])
+        if level is not None and level not in levels:  # the verdict would find no figures at it
+            shown = ", ".join(studylevels.label(lv) for lv in levels) or "none"
+            raise serializers.ValidationError({"rule": {"level": [
+                f"{studylevels.label(level)} is not one of the workload's levels ({shown})."]}})
         return data
 
 
@@ -109,7 +123,7 @@ class StudySerializer(serializers.ModelSerializer):
         return studyresults.study_live(study)
 
     def get_rule_text(self, study) -> str:
-        return studyresults.rule_text(study.rule, study.workload.get("levels", []))
+        return studyresults.rule_text(study.rule, studylevels.study_levels(study.workload))
 
     def get_took_s(self, study) -> float | None:
         return studyresults.took_s(study)
