@@ -277,6 +277,7 @@ def test_streams_that_end_together_leave_every_engine_connection_open_for_the_ne
     """A batch of streams started together ends in the same engine step, so all their connections come back to
     the gateway at once; every one is kept for the next requests instead of being closed and opened again."""
     import asyncio
+    from concurrent.futures import ThreadPoolExecutor
 
     import aiohttp
 
@@ -298,7 +299,8 @@ def test_streams_that_end_together_leave_every_engine_connection_open_for_the_ne
         make_deployment(node, slow.port, max_in_flight=streams)
         key = make_key()
         gateway.reload()
-        asyncio.run(wave(key))
+        client = ThreadPoolExecutor(1)  # its own event loop: a browser test before this one leaves one running here
+        client.submit(asyncio.run, wave(key)).result(60)
         assert gateway.call(idle()) == streams
-        asyncio.run(wave(key))
+        client.submit(asyncio.run, wave(key)).result(60)
         assert gateway.call(idle()) == streams  # the second wave reused them: none opened, none closed
