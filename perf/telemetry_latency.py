@@ -44,9 +44,12 @@ def run_agent(name: str, gpus: int, seconds: float, out: str) -> None:
     """One simulated node: the real Agent over a fake 8-GPU driver; writes its CPU figures."""
     from deployments.agent import Agent
     from deployments.host import gpu
-    from tests.host.test_gpu import FakeGpu, FakeNvml, proc
+    from tests.host.test_doctor import DoctorGpu, DoctorNvml
+    from tests.host.test_gpu import proc
 
-    fake = FakeNvml([FakeGpu(f"GPU-{name}-{i}", procs=[proc(10_000 + i, 70 * 2**30)]) for i in range(gpus)])
+    # The doctor's fake: the agent's start runs the host checks too, as on a real driver.
+    fake = DoctorNvml([DoctorGpu(f"GPU-{name}-{i}", f":{0x18 + i:02x}:00.0", compute=[proc(10_000 + i, 70 * 2**30)])
+                       for i in range(gpus)])
     gpu.pynvml, gpu._session = fake, None
     agent = Agent(name=name, model_store=tempfile.gettempdir(), address="127.0.0.1", version="perf",
                   sample_seconds=1.0, heartbeat_seconds=5.0)
