@@ -326,6 +326,7 @@ def cached_read(live: bool = False):
             for _ in range(3):
                 hit = _hit(key, current)
                 if hit is not None:
+                    hit.cache_state = "hit"  # for the Server-Timing header (SERVER_TIMING)
                     return hit
                 with _computing_lock:
                     done = _computing.get(key)
@@ -346,6 +347,7 @@ def cached_read(live: bool = False):
                 if response.status_code == 200 and len(response.content) <= MAX_ENTRY:
                     entry = (_snapshot(current, tables, live), response.content, response["Content-Type"])
                     answers.put(key, entry, len(response.content))
+                response.cache_state = "miss"
                 return response
             finally:
                 if leader:

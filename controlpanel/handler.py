@@ -14,6 +14,7 @@ Unlike the stock handler, a client that disconnects does not cancel its request:
 view in a thread could not be stopped anyway.
 """
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import sync_to_async
@@ -53,7 +54,7 @@ class ThreadedASGIHandler(ASGIHandler):
             return
         set_script_prefix(get_script_prefix(scope))
         try:
-            response = await self._in_thread(self._serve, scope, body_file)
+            response = await self._in_thread(self._serve, scope, body_file, time.perf_counter())
             if response.streaming and not response.is_async:
                 # A file (static files): read it chunk by chunk in the pool; Django would read it
                 # whole into memory first, warning about it on every request.
@@ -118,12 +119,18 @@ class ThreadedASGIHandler(ASGIHandler):
     async def _in_thread(self, fn, *args):
         return await sync_to_async(fn, thread_sensitive=False, executor=self.executor)(*args)
 
-    def _serve(self, scope, body_file):
+    def _serve(self, scope, body_file, queued: float):
         """request_started, middleware and view, and (for a finished body) request_finished."""
+        started = time.perf_counter()
         signals.request_started.send(sender=self.__class__, scope=scope)
         request, response = self.create_request(scope, body_file)
         if request is not None:
             response = self.get_response(request)
+        if settings.SERVER_TIMING:
+            cache = getattr(response, "cache_state", None)  # set by controlpanel.apicache
+            response["Server-Timing"] = ", ".join(
+                [f"wait;dur={(started - queued) * 1000:.2f}", f"app;dur={(time.perf_counter() - started) * 1000:.2f}"]
+                + ([f"cache;desc={cache}"] if cache else []))
         if not response.streaming:
             response.close()  # the body is in memory already; this sends request_finished
         return response

@@ -8,6 +8,8 @@ costs ~15 µs a sample (it validates and escapes every label name of every sampl
 their part is kept between scrapes until a table it read changes (controlpanel.apicache).
 """
 import math
+import time
+from contextlib import contextmanager
 
 import redis
 from django.http import HttpResponse
@@ -58,24 +60,46 @@ def render(families) -> str:
     return "".join(out)
 
 
-def exposition() -> bytes:
+def exposition(timings: dict | None = None) -> bytes:
     """Everything /metrics answers: the fleet's live figures, then the parts kept between scrapes
-    while neither a table they read nor a name they print changed."""
-    try:
-        current = apicache.versions()
-    except redis.RedisError:
-        current = None
-    nodes = dict(Node.objects.values_list("id", "name"))  # every heartbeat writes this table: read it each time
-    gpus = apicache.cached_value(("metrics", "gpus"), FleetCollector.gpu_rows, current)
-    deployments = apicache.cached_value(("metrics", "deployment names"),
-                                        lambda: dict(Deployment.objects.values_list("id", "name")), current)
-    parts = [render(FleetCollector(gpus).collect()).encode(), render(_live()).encode(),
-             render(UsageCollector().collect()).encode()]  # the gateways flush it every ~2 s: read it each time
+    while neither a table they read nor a name they print changed. `timings` (perf/metrics_scrape.py)
+    gets each part's seconds."""
+    timed = _timer(timings)
+    with timed("versions"):
+        try:
+            current = apicache.versions()
+        except redis.RedisError:
+            current = None
+    with timed("node names"):
+        nodes = dict(Node.objects.values_list("id", "name"))  # every heartbeat writes this table: read it each time
+    with timed("gpus"):
+        gpus = apicache.cached_value(("metrics", "gpus"), FleetCollector.gpu_rows, current)
+        fleet = render(FleetCollector(gpus).collect()).encode()
+    with timed("deployment names"):
+        deployments = apicache.cached_value(("metrics", "deployment names"),
+                                            lambda: dict(Deployment.objects.values_list("id", "name")), current)
+    with timed("live drops"):
+        parts = [fleet, render(_live()).encode()]
+    with timed("usage"):
+        parts.append(render(UsageCollector().collect()).encode())  # the gateways flush it every ~2 s: read it each time
     for collector, names in ((DeploymentCollector(nodes), nodes), (DownloadCollector(nodes), nodes),
                              (BenchmarkCollector(deployments), deployments)):
         key = ("metrics", type(collector).__name__, tuple(names.items()))
-        parts.append(apicache.cached_value(key, lambda c=collector: render(c.collect()).encode(), current))
+        with timed(type(collector).__name__):
+            parts.append(apicache.cached_value(key, lambda c=collector: render(c.collect()).encode(), current))
     return b"".join(parts)
+
+
+def _timer(timings: dict | None):
+    @contextmanager
+    def timed(name):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if timings is not None:
+                timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
+    return timed
 
 
 def _live():

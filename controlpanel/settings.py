@@ -195,6 +195,12 @@ CHANNEL_LAYERS = {
 # The fleet page gets at most one message per socket each LIVE_TICK_S, with every node that changed
 # (deployments/livefeed.py): the added latency is at most this, the messages per browser at most 1 / this.
 LIVE_TICK_S = env_float("LIVE_TICK_S", 0.05)
+# perf/fleet_scale.py times each stage of the fleet feed: with LIVE_TRACE on, a node's fleet state carries when
+# it was published ("pub") and when a web process heard it ("heard"), and each message when it was flushed.
+LIVE_TRACE = env_bool("LIVE_TRACE", False)
+# perf/api_latency.py splits a request's time with SERVER_TIMING on: each answer carries a Server-Timing header
+# (W3C) with the wait for a request thread, the time in middleware and view, and whether the API cache answered.
+SERVER_TIMING = env_bool("SERVER_TIMING", False)
 # Each WebSocket's heartbeat goes through the Channels layer, to a group only that socket is in, every
 # LIVE_HEARTBEAT_S; the browser reconnects (and redraws from a snapshot) when three in a row are missing,
 # as after Redis restarted empty and forgot every group (deployments/consumers.py, static/panel/live.js).

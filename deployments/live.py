@@ -13,11 +13,13 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypedDict
 
 import redis
 from channels.layers import get_channel_layer
+from django.conf import settings
 
 from controlpanel import redisconn
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
@@ -339,9 +341,15 @@ def send_engine_figures(node_id: int, figures: EngineFigures) -> None:
     publish(node_topic(node_id), f"engine.{figures.id}", data)
 
 
+def stamp(text: str, key: str) -> str:
+    """A JSON object's text with `key`: now (epoch seconds) added when LIVE_TRACE is on (perf/fleet_scale.py
+    times the fleet feed's stages with it), else the text as it is."""
+    return f'{text[:-1]},"{key}":{time.time()}}}' if settings.LIVE_TRACE else text
+
+
 def send_node_sample(node_id: int, sample: dict) -> None:
     data = asdict(NodeSample(**sample))
-    fleet_node = json.dumps(asdict(FleetNode.of(data)), separators=(",", ":"))
+    fleet_node = stamp(json.dumps(asdict(FleetNode.of(data)), separators=(",", ":")), "pub")
 
     def to_fleet(pipe):  # in the node topic's round trip: the fleet page's state, then its change
         pipe.hset(fleet_state_key(), str(node_id), fleet_node)

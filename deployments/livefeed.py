@@ -53,7 +53,7 @@ class Subscriber:
             if nodes:
                 counts["messages"] += 1
                 try:
-                    await self.send_text(text or live.fleet_message(nodes))
+                    await self.send_text(text or live.stamp(live.fleet_message(nodes), "flushed"))
                 except Exception:  # noqa: BLE001 - the socket is gone; its consumer's disconnect cleans up
                     log.debug("fleet feed: send failed", exc_info=True)
                     return
@@ -115,7 +115,7 @@ class FleetFeed:
                     message = await pubsub.get_message(timeout=30)
                     if message is not None:
                         node_id, _, text = message["data"].decode().partition(" ")
-                        self._add(node_id, text)
+                        self._add(node_id, live.stamp(text, "heard"))
             except (redis.RedisError, OSError) as exc:
                 self.listening.clear()
                 log.warning("fleet feed: Redis connection lost (%s); resyncing", exc)
@@ -133,7 +133,7 @@ class FleetFeed:
             self.dirty.clear()
             nodes, self.pending = self.pending, {}
             if nodes and self.subscribers:
-                text = live.fleet_message(nodes)  # one serialization for every socket in step
+                text = live.stamp(live.fleet_message(nodes), "flushed")  # one serialization for every socket in step
                 for subscriber in self.subscribers:
                     subscriber.offer(nodes, text)
             await asyncio.sleep(settings.LIVE_TICK_S)

@@ -67,8 +67,9 @@ def seed(points: int, nodes: int) -> dict:
 
 
 async def load(base: str, token: str, paths: list[str], clients: int, seconds: float,
-               by_path: dict | None = None) -> list[float]:
-    """Closed-loop clients on aiohttp: the client shares the cores, so it must cost little per request."""
+               by_path: dict | None = None, timings: list | None = None) -> list[float]:
+    """Closed-loop clients on aiohttp: the client shares the cores, so it must cost little per request.
+    `timings` gets each answer's Server-Timing (the server runs with SERVER_TIMING) and its time here, in ms."""
     import aiohttp
 
     by_path = {} if by_path is None else by_path
@@ -91,12 +92,49 @@ async def load(base: str, token: str, paths: list[str], clients: int, seconds: f
                     await response.read()
                 latencies.append(time.perf_counter() - started)
                 by_path.setdefault(path, []).append(latencies[-1])
+                if timings is not None and "Server-Timing" in response.headers:
+                    timings.append(server_timing(response.headers["Server-Timing"], latencies[-1] * 1000))
                 errors += response.status != 200
 
         await asyncio.gather(*(client(k) for k in range(clients)))
     if errors:
         raise SystemExit(f"{errors} requests failed")
     return latencies
+
+
+def server_timing(header: str, total_ms: float) -> dict:
+    """"wait;dur=0.12, app;dur=3.4, cache;desc=hit" -> {"wait": 0.12, "app": 3.4, "cache": "hit", "total": ...}."""
+    found = {"total": total_ms}
+    for metric in header.split(","):
+        name, _, param = metric.strip().partition(";")
+        key, _, value = param.partition("=")
+        found[name] = float(value) if key == "dur" else value
+    return found
+
+
+def print_split(timings: list[dict]) -> None:
+    """Where an API answer's time went, from the Server-Timing of each: waiting for a request thread, in
+    middleware and view (answered from the API cache, or computed), and outside Django (the event loop,
+    uvicorn, the socket and this client, on the same cores)."""
+    if not timings:
+        return
+    stages = {"waiting for a request thread": [t["wait"] for t in timings],
+              "middleware + view, cache hit": [t["app"] for t in timings if t.get("cache") == "hit"],
+              "middleware + view, cache miss": [t["app"] for t in timings if t.get("cache") == "miss"],
+              "outside Django (loop, uvicorn, client)": [t["total"] - t["wait"] - t["app"] for t in timings]}
+    total = sum(t["total"] for t in timings)
+    hits = len(stages["middleware + view, cache hit"])
+    print(f"where an API answer's time goes ({len(timings)} answers, {100 * hits / len(timings):.0f} % from the cache; "
+          f"p50 / p99 ms, share of all their time):")
+    for name, values in stages.items():
+        if values:
+            print(f"  {name:40s} {pct(values, 50) / 1000:7.1f} / {pct(values, 99) / 1000:7.1f}  "
+                  f"{100 * sum(values) / total:5.1f} %")
+    slow = sorted(timings, key=lambda t: t["total"])[-max(1, len(timings) // 100):]  # the slowest 1 %
+    parts = {"waiting for a request thread": sum(t["wait"] for t in slow), "middleware + view": sum(t["app"] for t in slow),
+             "outside Django": sum(t["total"] - t["wait"] - t["app"] for t in slow)}
+    worst = max(parts, key=parts.get)
+    print(f"  the slowest 1 %: {100 * parts[worst] / sum(t['total'] for t in slow):.0f} % of their time {worst}")
 
 
 @contextlib.contextmanager
@@ -165,6 +203,7 @@ def main():
     os.environ["PANEL_VAR_DIR"] = var
     os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))  # a throwaway panel: any long key
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
+    os.environ["SERVER_TIMING"] = "1"  # each answer says where its time went (print_split)
     import django
 
     django.setup()
@@ -197,7 +236,8 @@ def main():
         by_path = {}
         written = []
         with fleet(args.nodes, args.heartbeat_seconds, args.sample_seconds, written):
-            api = asyncio.run(load(base, ids["token"], paths, args.clients, args.seconds, by_path))
+            timings = []
+            api = asyncio.run(load(base, ids["token"], paths, args.clients, args.seconds, by_path, timings))
         floor = asyncio.run(load(base, ids["token"], ["/healthz"], args.clients, args.seconds / 2))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -211,6 +251,7 @@ def main():
         print(f"  {path:<28} p50 {pct(values, 50):6.1f} ms  p99 {pct(values, 99):6.1f} ms  {len(values) / args.seconds:5.0f} req/s")
     print(f"API lists: p50 {pct(api, 50):.1f} ms  p99 {pct(api, 99):.1f} ms  {rps:.0f} req/s  (mean {statistics.mean(api) * 1000:.1f} ms)")
     print(f"/healthz floor: p50 {pct(floor, 50):.1f} ms  p99 {pct(floor, 99):.1f} ms  {floor_rps:.0f} req/s")
+    print_split(timings)
     print(" ".join([f"p50_ms={pct(api, 50):.1f}", f"p99_ms={pct(api, 99):.1f}", f"rps={rps:.0f}",
                     f"floor_p99_ms={pct(floor, 99):.1f}", f"floor_rps={floor_rps:.0f}", f"rps_vs_floor={rps / floor_rps:.3f}",
                     f"points={ids['points']}", f"nodes={args.nodes}", f"writes_per_s={writes_per_s:.1f}"]))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from perf.api_latency import ENDPOINTS, load, pct  # noqa: E402
+from perf.api_latency import ENDPOINTS, load, pct, print_split  # noqa: E402
 from perf.metrics_scrape import server_cpu_s as cpu_s  # noqa: E402
 
 
@@ -50,6 +50,9 @@ def main():
     parser.add_argument("--api-clients", type=int, default=4, help="closed-loop clients on the lists (as many on /healthz)")
     parser.add_argument("--per-node-fleet", action="store_true",
                         help="fleet pages subscribe to each node's topic, as before the fleet feed (for comparison)")
+    parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
+                        help="time each stage of the fleet feed and the API answers (LIVE_TRACE, SERVER_TIMING: a few timestamps "
+                             "added to each message and answer)")
     parser.add_argument("--browsers-of", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -69,6 +72,8 @@ def main():
     children = launcher.Children()
     os.environ.update(PANEL_VAR_DIR=str(var), DJANGO_SETTINGS_MODULE="controlpanel.settings",
                       CHANNELS_PREFIX=f"perffleet{os.getpid()}", SECRET_KEY=secrets.token_urlsafe(50), PYTHONUNBUFFERED="1")
+    if args.trace:
+        os.environ.update(LIVE_TRACE="1", SERVER_TIMING="1")
     os.environ["REDIS_URL"] = launcher.start_embedded_redis(children, dict(os.environ), var)
     sims = []
     try:
@@ -129,8 +134,10 @@ def main():
         paths = [p.format(run=ids["run"]) for p in ENDPOINTS]
         window = args.seconds - 2 * warmup
 
+        timings = []
+
         async def both():
-            return await asyncio.gather(load(base, ids["token"], paths, args.api_clients, window),
+            return await asyncio.gather(load(base, ids["token"], paths, args.api_clients, window, timings=timings),
                                         load(base, ids["token"], ["/healthz"], args.api_clients, window))
 
         api, floor = asyncio.run(both())
@@ -171,15 +178,34 @@ def main():
           f"p95 {pct(latencies, 95):.1f} ms p99 {pct(latencies, 99):.1f} ms; "
           f"lost {result['lost']} of {result['expected']} expected; sockets closed early: {result['closed']}; "
           f"dropped by the channel layer: {dropped}")
+    print_stages(seen)
     print(f"API lists ({args.api_clients} clients): p50 {pct(api, 50):.1f} ms p99 {pct(api, 99):.1f} ms "
           f"{len(api) / window:.0f} req/s; /healthz floor: p50 {pct(floor, 50):.1f} ms p99 {pct(floor, 99):.1f} ms; "
           f"web CPU {100 * web_cpu / window:.0f} % of a core")
+    print_split(timings)
     print(" ".join([f"p95_ms={pct(latencies, 95):.1f}", f"lost_pct={lost_pct:.3f}",
                     f"api_p99_ms={pct(api, 99):.1f}", f"healthz_p99_ms={pct(floor, 99):.1f}",
                     f"p50_ms={pct(latencies, 50):.1f}", f"p99_ms={pct(latencies, 99):.1f}",
                     f"dropped={dropped}", f"closed={result['closed']}", f"arrivals={len(latencies)}", f"api_rps={len(api) / window:.0f}",
                     f"load_avg_before={load_before:.1f}", f"nodes={args.nodes}", f"gpus={args.nodes * args.gpus}",
                     f"browsers={args.browsers}"]))
+
+
+STAGES = ("agent: sample taken -> published to Redis", "Redis -> the web process heard it",
+          "the feed's tick: heard -> flushed to the sockets", "socket: flushed -> the browser read it")
+
+
+def print_stages(seen: list[dict]) -> None:
+    """Where a fleet-page arrival's time went (LIVE_TRACE): each stage's p50 and p95, and its share of the mean."""
+    traced = [s for browser in seen for s in browser["samples"] if len(s) == 6]
+    if not traced:
+        return
+    parts = [[(s[3] - s[1]), (s[4] - s[3]), (s[5] - s[4]), (s[2] - s[5])] for s in traced]
+    total = sum(sum(p) for p in parts)
+    print(f"stages of {len(traced)} fleet-page arrivals (p50 / p95 ms, share of the mean):")
+    for k, name in enumerate(STAGES):
+        stage = [p[k] for p in parts]
+        print(f"  {name:52s} {pct(stage, 50):7.1f} / {pct(stage, 95):7.1f}  {100 * sum(stage) / total:5.1f} %")
 
 
 if __name__ == "__main__":

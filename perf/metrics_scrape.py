@@ -147,6 +147,33 @@ def measure(base: str, path: str, clients: int, seconds: float, interval: float)
         return [t for took in pool.map(client, range(clients)) for t in took], size
 
 
+def profile_parts(seconds: float, interval: float) -> list[dict]:
+    """Where a scrape's time goes: /metrics' parts timed in this process (the same code a web worker runs),
+    one scrape every `interval` s while the agents write, as the server's scrapers found it."""
+    from controlpanel.metrics import exposition
+
+    calls, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        timings, started = {}, time.perf_counter()
+        exposition(timings)
+        timings["total"] = time.perf_counter() - started
+        calls.append(timings)
+        time.sleep(interval)
+    return calls
+
+
+def print_profile(calls: list[dict]) -> None:
+    total = sum(c["total"] for c in calls)
+    print(f"where a scrape's time goes ({len(calls)} scrapes in this process; p50 / p99 ms, share of all their time):")
+    for part in [k for k in calls[0] if k != "total"] + ["total"]:
+        times = [c.get(part, 0.0) for c in calls]
+        print(f"  {part:22s} {pct(times, 50):7.2f} / {pct(times, 99):7.2f}  {100 * sum(times) / total:5.1f} %")
+    slow = sorted(calls, key=lambda c: c["total"])[-max(1, len(calls) // 20):]  # the slowest 5 %
+    worst = max((k for k in slow[0] if k != "total"), key=lambda k: sum(c.get(k, 0.0) for c in slow))
+    share = sum(c.get(worst, 0.0) for c in slow) / sum(c["total"] for c in slow)
+    print(f"  the slowest 5 % of scrapes: {pct([c['total'] for c in slow], 50):.1f} ms each, {100 * share:.0f} % of it in {worst}")
+
+
 def server_cpu_s(pid: int) -> float:
     """CPU seconds used so far by the server's processes (the uvicorn master and its workers)."""
     import psutil
@@ -200,6 +227,7 @@ def main():
         cpu = server_cpu_s(web.pid)
         floor, _ = measure(base, "/healthz", args.scrapers, args.seconds / 2, args.interval)
         cpu_per_healthz = (server_cpu_s(web.pid) - cpu) / len(floor)
+        profile = profile_parts(args.seconds / 2, args.interval / args.scrapers)
         # /metrics carries state, not history: ten times the runs kept, the same answer's size.
         add_runs(9 * RUNS)
         _, size_10x = measure(base, "/metrics", 1, 0.1, 0.1)
@@ -211,6 +239,7 @@ def main():
     print(f"/metrics: p50 {pct(scrapes, 50):.1f} ms  p99 {pct(scrapes, 99):.1f} ms  max {max(scrapes) * 1000:.1f} ms  "
           f"{len(scrapes)} scrapes")
     print(f"/healthz floor: p50 {pct(floor, 50):.1f} ms  p99 {pct(floor, 99):.1f} ms")
+    print_profile(profile)
     print(f"server CPU per request (uvicorn master and workers): "
           f"/metrics {cpu_per_scrape * 1000:.1f} ms, /healthz {cpu_per_healthz * 1000:.1f} ms")
     print(" ".join([f"scrape_p50_ms={pct(scrapes, 50):.1f}", f"scrape_p99_ms={pct(scrapes, 99):.1f}",

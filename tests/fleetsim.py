@@ -190,7 +190,8 @@ def pages(node_ids: list[int], deployment_ids: list[int], browsers: int, fleet_s
 async def browse(url: str, cookie: str, origin: str, plan: list[list[str]], seconds: float) -> list[dict]:
     """One WebSocket per entry of `plan`, subscribed to its topics for `seconds`. For each: when it
     subscribed (`opened`), when it was ready (its first answer came), every node sample that reached
-    it as [node id, sample t, arrival], and when its socket closed before the end (`closed`), if it did."""
+    it as [node id, sample t, arrival] (with LIVE_TRACE on a fleet page, + [published, heard by the web
+    process, flushed by its feed]), and when its socket closed before the end (`closed`), if it did."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, WebSocketException
 
@@ -213,7 +214,9 @@ async def browse(url: str, cookie: str, origin: str, plan: list[list[str]], seco
                         continue
                     seen["messages"] += 1
                     if message.get("kind") == "nodes":
-                        seen["samples"] += [[int(k), v["t"], arrived] for k, v in message["data"]["nodes"].items()]
+                        flushed = message.get("flushed")  # with LIVE_TRACE: the stages' times too
+                        seen["samples"] += [[int(k), v["t"], arrived] + ([v["pub"], v["heard"], flushed] if flushed else [])
+                                            for k, v in message["data"]["nodes"].items()]
                     elif message.get("kind") == "sample":
                         seen["samples"].append([int(message["topic"].split(":")[1]), message["data"]["t"], arrived])
         except (OSError, ConnectionClosed, WebSocketException):
@@ -231,8 +234,8 @@ def account(published: dict[int, list[float]], seen: list[dict], end: float, mar
     answered, lost everything published after it went quiet."""
     latencies, expected, lost = [], 0, 0
     for browser in seen:
-        got = {(node, t) for node, t, _ in browser["samples"]}
-        latencies += [arrived - t for _, t, arrived in browser["samples"]]
+        got = {(node, t) for node, t, *_ in browser["samples"]}
+        latencies += [arrived - t for _, t, arrived, *_ in browser["samples"]]
         if browser["topics"] == ["fleet"]:
             watched = list(published)
         else:

@@ -212,3 +212,20 @@ def test_the_node_list_rebuilt_for_a_sample_still_follows_its_rows(api):
     assert api.get("/api/nodes/").json()["results"][0]["live"]["disk_free"] == 1  # rebuilt around the kept rows
     Gpu.objects.filter(node=node).update(memory_total=20)
     assert api.get("/api/nodes/").json()["results"][0]["gpus"][0]["memory_total"] == 20
+
+
+def test_with_server_timing_each_answer_says_where_its_time_went(live_server_asgi, operator, settings):
+    """perf/api_latency.py splits latency with it: the wait for a request thread, middleware and view, the cache."""
+    import httpx
+
+    from perf.api_latency import server_timing
+
+    headers = {"Authorization": f"Token {tokens.issue(operator)}"}
+    assert "server-timing" not in httpx.get(f"{live_server_asgi}/api/nodes/", headers=headers, timeout=10).headers
+    settings.SERVER_TIMING = True
+    NodeFactory(name="timed")  # a write: the next list is computed, the one after comes from the cache
+    first, second = (httpx.get(f"{live_server_asgi}/api/nodes/", headers=headers, timeout=10) for _ in range(2))
+    timed = [server_timing(r.headers["server-timing"], 1000.0) for r in (first, second)]
+    assert [t["cache"] for t in timed] == ["miss", "hit"]
+    assert all(t["wait"] >= 0 and t["app"] > 0 for t in timed)
+    assert "cache" not in server_timing(httpx.get(f"{live_server_asgi}/healthz", timeout=10).headers["server-timing"], 1.0)

@@ -245,3 +245,18 @@ def test_without_redis_a_scrape_still_answers_from_the_rows(viewer_client, fleet
     assert value(samples, "panel_node_online", node=fleet["node"].name) == 1
     assert value(samples, "panel_deployment_state", deployment=fleet["ready"].name, state="ready") == 1
     assert not [k for k in samples if k[0].startswith("panel_gpu_")]
+
+
+def test_a_scrape_can_say_how_long_each_part_took_and_answers_the_same(fleet):
+    """perf/metrics_scrape.py profiles /metrics with it."""
+    from controlpanel.metrics import exposition
+
+    def series(text: bytes) -> set:  # ages in seconds move between two scrapes; the series do not
+        return {(s.name, tuple(sorted(s.labels.items()))) for f in text_string_to_metric_families(text.decode())
+                for s in f.samples}
+
+    timings = {}
+    assert series(exposition(timings)) == series(exposition())
+    assert set(timings) == {"versions", "node names", "gpus", "deployment names", "live drops", "usage",
+                            "DeploymentCollector", "DownloadCollector", "BenchmarkCollector"}
+    assert all(seconds >= 0 for seconds in timings.values()) and sum(timings.values()) > 0

@@ -81,6 +81,34 @@ async def _coalesced(client):
     await ws.disconnect()
 
 
+@pytest.mark.django_db(transaction=True)
+def test_with_live_trace_a_fleet_message_says_when_each_stage_of_the_feed_handled_it(client, settings):
+    """perf/fleet_scale.py splits sample-to-browser latency into stages with these times."""
+    settings.LIVE_TRACE = True
+    run_async(_traced(client))
+
+
+async def _traced(client):
+    user = await sync_to_async(UserFactory)(role="viewer")
+    node = await sync_to_async(NodeFactory)(name="traced")
+    ws = await _socket(client, user)
+    await ws.send_json_to({"subscribe": ["fleet"]})
+    await ws.receive_json_from(timeout=5)  # the snapshot
+    sample = fleetsim.synthetic_sample(node.pk, 2, time.time())
+    await sync_to_async(nodes.node_sample_record)(node.pk, sample, {})
+    message = await ws.receive_json_from(timeout=5)
+    received = time.time()
+    state = message["data"]["nodes"][str(node.pk)]
+    assert sample["t"] <= state["pub"] <= state["heard"] <= message["flushed"] <= received
+    assert state["gpus"] == [{"index": g["index"], "memory_used": g["memory_used"], "memory_total": g["memory_total"],
+                              "util_gpu": g["util_gpu"]} for g in sample["gpus"]]
+    await ws.disconnect()
+
+
+def test_without_live_trace_a_fleet_state_carries_no_stage_times():
+    assert live.stamp('{"t":1}', "pub") == '{"t":1}'
+
+
 def test_a_slow_browser_skips_to_the_latest_state_of_each_node():
     async def scenario():
         gate, sent = asyncio.Event(), []
