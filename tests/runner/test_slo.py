@@ -113,13 +113,13 @@ def test_a_capacity_sweep_reports_each_round_as_a_rate_level():
     with SchedServer(ttft_ms=5, gap_ms=5, slots=2) as server:
         spec = LoadSpec(base_url=server.base_url, model="sched", prompt_source="builtin", ignore_eos=False, max_tokens=2,
                         levels=(), min_requests=10, rate_duration_s=0.3, workers=1, tick_s=0.1, scrape_metrics=False,
-                        slos=slo.parse("ttft:p90:5s"), capacity={"low": 1, "high": 9, "width": 2, "repeats": 1})
+                        slos=slo.parse("ttft:p90:5s"), capacity={"low": 10, "high": 90, "width": 20, "repeats": 1})
         seen = []
         result = sweep(spec, on_level=seen.append)
     rounds = result.capacity["rounds"]
-    assert [r["rate"] for r in rounds] == [lv.rate for lv in seen] == [5.0, 7.0]  # a 5 s TTFT limit: every rate passes
+    assert [r["rate"] for r in rounds] == [lv.rate for lv in seen] == [50.0, 70.0]  # a 5 s TTFT limit: every rate passes
     assert all(lv.kind == "rate" and lv.slo["met"] for lv in seen)
-    assert result.capacity["rate"] == 7.0 and "at least 7 req/s" in result.capacity["text"]
+    assert result.capacity["rate"] == 70.0 and "at least 70 req/s" in result.capacity["text"]
 
 
 def test_a_capacity_search_the_server_refuses_stops_at_its_first_round():
