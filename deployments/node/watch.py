@@ -43,9 +43,36 @@ def deployment_forget(deployment_id: int) -> None:
     d.delete()
 
 
+WATCHED = frozenset(Deployment.UP | {S.STARTING, S.LOADING, S.QUEUED})
+
+
 def deployments_watch(node_id: int, state: dict) -> None:
-    """One pass of crash detection for engines that are up: process gone, or (serving) /health failing three times."""
+    """One pass of crash detection for engines that are up: process gone, or (serving) /health failing three times;
+    then worker ranks, persisted engines systemd is starting again, and queued plans past their time. One light
+    read says which of these have anything to look at: each node runs this every 2 s, and most of the time the
+    full reads would find nothing (they cost ~5 ms of CPU a pass; perf/fleet_scale.py's agents spent 40 % of
+    their ticks there)."""
     now = time.monotonic()
+    rows = Deployment.objects.filter(node_id=node_id, status__in=WATCHED).values_list(
+        "status", "pid", "systemd_unit", "marker", "expires_at")
+    up = starting = expired = False
+    for status, pid, unit, marker, expires_at in rows:
+        up = up or (status in Deployment.UP and pid is not None)
+        starting = starting or (status in (S.STARTING, S.LOADING) and pid is None and bool(unit) and bool(marker))
+        expired = expired or (status == S.QUEUED and expires_at is not None and expires_at < timezone.now())
+    if up:
+        _crash_watch(node_id, state, now)
+    ranks_watch(node_id)  # worker ranks this node runs for multi-node deployments
+    waiting = state.setdefault("units", {})
+    if starting:
+        units.units_watch(node_id, waiting)  # persisted engines systemd is starting again
+    else:
+        waiting.clear()  # as units_watch does with deployments no longer waiting
+    if expired:
+        expire_queued(node_id)
+
+
+def _crash_watch(node_id: int, state: dict, now: float) -> None:
     for d in Deployment.objects.filter(node_id=node_id, status__in=Deployment.UP).exclude(pid=None):
         if d.status == S.SLEEPING and lifecycle.driven(d.pk):
             continue  # being woken or swapped: the wake step says how it ended
@@ -69,9 +96,6 @@ def deployments_watch(node_id: int, state: dict) -> None:
                   else "/health failed 3 times in a row")
         deployment_crashed(d, reason)
         state.pop(d.pk, None)
-    ranks_watch(node_id)  # worker ranks this node runs for multi-node deployments
-    units.units_watch(node_id, state.setdefault("units", {}))  # persisted engines systemd is starting again
-    expire_queued(node_id)
 
 
 def expire_queued(node_id: int) -> None:
