@@ -6,6 +6,7 @@ COPY pyproject.toml README.md ./
 COPY controlpanel controlpanel
 COPY deployments deployments
 COPY benchmarks benchmarks
+COPY plumbing plumbing
 RUN pip install .
 COPY . .
 # The settings refuse to load without a real key; this throwaway one only signs nothing at build time.

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from controlpanel.errors import ServiceError
+from plumbing.errors import ServiceError
 
 _PORTS = {"http": 80, "https": 443}
 

@@ -8,7 +8,7 @@ from django.conf import settings
 
 from benchmarks import runner
 from benchmarks.runner import capacity as capacity_search
-from controlpanel.errors import ServiceError
+from plumbing.errors import ServiceError
 
 GIB = 2**30
 _HUMAN = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG]?)$")

@@ -4,8 +4,8 @@ from django.db import models
 
 from django.utils import timezone
 
-from controlpanel.states import Transitions
 from deployments.models import Deployment
+from plumbing.states import Transitions
 
 
 class BenchmarkRun(Transitions, models.Model):

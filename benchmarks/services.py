@@ -12,13 +12,13 @@ from benchmarks import allowlist, caps, payloads, runner, runqueue, selectors
 from benchmarks.runner.saturation import queue_note
 from benchmarks.runner import capacity as capacity_search, slo as slos_mod
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
-from controlpanel.errors import ServiceError
-from controlpanel.queue import enqueue
 from deployments import enginekey, secrets
 from deployments.host import engine, gpu, vllm
 from deployments.models import Deployment, ModelCopy
 from deployments.selectors import deployment_startup
 from deployments.node.lifecycle import running as engine_running
+from plumbing.errors import ServiceError
+from plumbing.queue import enqueue
 
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.

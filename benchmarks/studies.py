@@ -19,11 +19,11 @@ from django.utils import timezone
 from benchmarks import caps, payloads, studyestimate, studyresults, tunestats
 from benchmarks import services as runs
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
-from controlpanel.errors import ServiceError
-from controlpanel.roles import is_admin
 from deployments import engineargs, engineoptions, privileged
 from deployments.models import Deployment, DeploymentEvent
 from deployments.services import deploys
+from plumbing.errors import ServiceError
+from plumbing.roles import is_admin
 
 log = logging.getLogger(__name__)
 S, T, D = Study.Status, StudyTrial.Status, Deployment.Status

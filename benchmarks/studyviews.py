@@ -9,9 +9,9 @@ from django.views.decorators.http import require_POST
 from benchmarks import studies, studylevels, studyresults, workloads
 from benchmarks.forms import parse_levels, parse_rates
 from benchmarks.models import Study, StudyVariant, Workload
-from controlpanel.errors import ServiceError
-from controlpanel.roles import is_operator, operator_required
 from deployments.models import Deployment
+from plumbing.errors import ServiceError
+from plumbing.roles import is_operator, operator_required
 
 
 class StudyForm(forms.Form):

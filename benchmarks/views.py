@@ -11,10 +11,10 @@ from benchmarks import payloads, selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun
 from benchmarks.runner import slo as slos_mod
-from controlpanel.errors import ServiceError
-from controlpanel.params import ids_param, int_param
-from controlpanel.roles import is_operator, operator_required
 from deployments.models import Deployment
+from plumbing.errors import ServiceError
+from plumbing.params import ids_param, int_param
+from plumbing.roles import is_operator, operator_required
 
 
 def run_list(request):

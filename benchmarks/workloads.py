@@ -2,7 +2,7 @@
 side (what each request sends, what a prefix cache could reuse) is benchmarks/runner/workloads.py."""
 from benchmarks import runner
 from benchmarks.models import Workload
-from controlpanel.errors import ServiceError
+from plumbing.errors import ServiceError
 
 MAX_FILE_BYTES = 20 * 2**20
 # Each kind's own settings: (name, smallest, largest, whole number?).

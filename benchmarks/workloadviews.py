@@ -7,8 +7,8 @@ from django.views.decorators.http import require_POST
 
 from benchmarks import runner, workloads
 from benchmarks.models import Workload
-from controlpanel.errors import ServiceError
-from controlpanel.roles import is_operator, operator_required
+from plumbing.errors import ServiceError
+from plumbing.roles import is_operator, operator_required
 
 
 class WorkloadForm(forms.Form):

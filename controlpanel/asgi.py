@@ -9,7 +9,7 @@ django.setup(set_prefix=False)
 
 from django.conf import settings  # noqa: E402
 
-from controlpanel.handler import ThreadedASGIHandler  # noqa: E402
+from plumbing.handler import ThreadedASGIHandler  # noqa: E402
 
 django_asgi_app = ThreadedASGIHandler(settings.WEB_THREADS)
 

@@ -1,6 +1,6 @@
 """The Celery app. Control-plane work goes to the `control` queue; every task that touches a
 host is routed to that host's own queue `node.<name>` by the caller (see deployments.services), and
-engine work to that node's `.control` and `.plans` queues (controlpanel/queue.py)."""
+engine work to that node's `.control` and `.plans` queues (plumbing/queue.py)."""
 import os
 
 from celery import Celery

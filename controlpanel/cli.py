@@ -28,7 +28,7 @@ from controlpanel import clirate, clirecipes, clikeys, clisleep, clislo, clistat
 from controlpanel.clibase import (BAD_INPUT, EXIT, FAILED, NOT_FOUND, NOT_FOUND_CODES, TIMED_OUT,  # noqa: F401
                                   UNREACHABLE, CliError, Panel, _deployment, _done, _emit, _exit_code,
                                   _number, say, with_common)
-from controlpanel.privatefile import write_private
+from plumbing.privatefile import write_private
 
 CONFIG = Path(os.environ.get("PANELCTL_CONFIG", Path.home() / ".config" / "panelctl.json"))
 

@@ -10,7 +10,7 @@ One malformed file refuses the whole import (exit 2), each error naming its file
 from pathlib import Path
 
 from controlpanel.clibase import BAD_INPUT, CliError, _emit, say
-from deployments.recipes import checkout
+from plumbing import recipefiles
 
 
 def cmd_import(panel, args):
@@ -18,12 +18,12 @@ def cmd_import(panel, args):
     if not folder.exists():
         raise CliError(f"{folder}: no such file or folder.", BAD_INPUT)
     try:
-        files = checkout.read(folder)
-    except (checkout.CheckoutError, OSError) as exc:
+        files = recipefiles.read(folder)
+    except (recipefiles.CheckoutError, OSError) as exc:
         raise CliError(str(exc), BAD_INPUT) from exc
     if not files:
         raise CliError(f"{folder}: no models/<org>/<model>.yaml or strategies/<name>.yaml in it.", BAD_INPUT)
-    version = args.version or checkout.version(folder if folder.is_dir() else folder.parent)
+    version = args.version or recipefiles.version(folder if folder.is_dir() else folder.parent)
     source = args.source or (folder if folder.is_dir() else folder.parent).resolve().name
     done = panel.post("recipes/import/", {"source": source, "version": version,
                                           "files": [{"path": p, "text": t} for p, t in files]})

@@ -1,4 +1,4 @@
-from controlpanel.roles import is_admin, is_operator, role_name
+from plumbing.roles import is_admin, is_operator, role_name
 
 
 def roles(request):

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlpanel.privatefile import write_private
+from plumbing.privatefile import write_private
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

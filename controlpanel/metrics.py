@@ -5,7 +5,7 @@ a scrape never waits on an agent or an engine. The collectors yield prometheus_c
 families; they are written out here rather than by prometheus_client's generate_latest, which
 costs ~15 µs a sample (it validates and escapes every label name of every sample): a fleet of
 32 nodes x 8 GPUs with 1,000 benchmark runs is ~60,000 samples. Benchmark runs change rarely, so
-their part is kept between scrapes until a table it read changes (controlpanel.apicache).
+their part is kept between scrapes until a table it read changes (plumbing.apicache).
 """
 import math
 import time
@@ -19,11 +19,11 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.views import APIView
 
 from benchmarks.metrics import BenchmarkCollector
-from controlpanel import apicache, livedrops
-from controlpanel.scrape import ScrapeAccess
 from deployments.gateway.metrics import UsageCollector
 from deployments.metrics import DeploymentCollector, DownloadCollector, FleetCollector
 from deployments.models import Deployment, Node
+from plumbing import apicache, livedrops
+from plumbing.scrape import ScrapeAccess
 
 # The classic text format every Prometheus reads.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

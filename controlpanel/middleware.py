@@ -10,7 +10,7 @@ from django.conf import settings
 from django.contrib.auth.views import redirect_to_login
 from django.shortcuts import render
 
-from controlpanel.roles import is_viewer
+from plumbing.roles import is_viewer
 
 PUBLIC_PREFIXES = ("/accounts/login/", "/static/", "/healthz", "/api/", "/metrics")  # /metrics: DRF checks
 # Open to a logged-in user without a role: leaving.

@@ -107,7 +107,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "django_htmx",
     "axes",
-    "controlpanel",
+    "plumbing",  # label "controlpanel" (plumbing/apps.py)
     "deployments",
     "deployments.gateway",
     "deployments.notify",
@@ -135,7 +135,7 @@ AXES_COOLOFF_TIME = env_float("AXES_COOLOFF_MINUTES", 15.0) / 60  # hours
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False
-# Failed API token attempts per client address and minute before 429 (controlpanel/apicache.py).
+# Failed API token attempts per client address and minute before 429 (plumbing/apicache.py).
 TOKEN_FAILURES_PER_MINUTE = env_int("TOKEN_FAILURES_PER_MINUTE", 20)
 
 ROOT_URLCONF = "controlpanel.urls"
@@ -187,7 +187,7 @@ CHANNEL_LAYERS = {
                               "health_check_interval": 30}],
                    "prefix": env_str("CHANNELS_PREFIX", "panel"),
                    # Messages queued per socket before channels-redis drops new ones (its default, 100, dropped
-                   # 3 % of node samples with 32 nodes x 50 browsers); drops are counted (controlpanel/livedrops.py)
+                   # 3 % of node samples with 32 nodes x 50 browsers); drops are counted (plumbing/livedrops.py)
                    # and exported as panel_live_dropped_messages_total. The fleet page's samples bypass the layer.
                    "capacity": env_int("LIVE_CHANNEL_CAPACITY", 1000)},
     }
@@ -209,8 +209,8 @@ LIVE_HEARTBEAT_S = env_float("LIVE_HEARTBEAT_S", 3.0)
 # How long the smoke test may wait for a just-loaded engine's first answer (a busy host, a first-request compile).
 SMOKE_BOUND_S = env_float("PANEL_SMOKE_BOUND_S", 180.0)
 CELERY_BROKER_URL = REDIS_URL
-# kombu's Redis transport with the fix that keeps a worker alive when Redis goes away mid-BRPOP (controlpanel/broker.py).
-CELERY_BROKER_TRANSPORT = "controlpanel.broker:Transport"
+# kombu's Redis transport with the fix that keeps a worker alive when Redis goes away mid-BRPOP (plumbing/broker.py).
+CELERY_BROKER_TRANSPORT = "plumbing.broker:Transport"
 CELERY_RESULT_BACKEND = REDIS_URL
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ACKS_LATE = True
@@ -270,14 +270,14 @@ WHITENOISE_USE_FINDERS = True
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Token first: unauthenticated API calls then get 401 + WWW-Authenticate, not 403.
-        "controlpanel.apicache.CachedTokenAuthentication",
+        "plumbing.apicache.CachedTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["controlpanel.permissions.IsViewerOrOperator"],
+    "DEFAULT_PERMISSION_CLASSES": ["plumbing.permissions.IsViewerOrOperator"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "controlpanel.pagination.Pagination",
+    "DEFAULT_PAGINATION_CLASS": "plumbing.pagination.Pagination",
     "PAGE_SIZE": 100,
-    "EXCEPTION_HANDLER": "controlpanel.api.exception_handler",
+    "EXCEPTION_HANDLER": "plumbing.api.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "vLLM control panel API",
@@ -297,7 +297,7 @@ MODEL_STORE = env_str("MODEL_STORE", str(VAR_DIR / "models"))
 NODE_NAME = env_str("NODE_NAME", "")  # default: this machine's hostname
 WEB_GC_THRESHOLD = tuple(int(x) for x in env_list("WEB_GC_THRESHOLD", "10000,20,100"))  # see controlpanel/asgi.py
 WEB_THREADS = env_int("WEB_THREADS", 16)
-# Request bodies past these are refused (413) before they are stored (controlpanel/handler.py): with
+# Request bodies past these are refused (413) before they are stored (plumbing/handler.py): with
 # credentials (prompt files are up to 20 MB), and without (the login form).
 REQUEST_BODY_MAX = env_int("REQUEST_BODY_MAX", 32 << 20)
 ANONYMOUS_BODY_MAX = env_int("ANONYMOUS_BODY_MAX", 64 << 10)
@@ -305,7 +305,7 @@ ANONYMOUS_BODY_MAX = env_int("ANONYMOUS_BODY_MAX", 64 << 10)
 LONG_POLLS_PER_USER = env_int("LONG_POLLS_PER_USER", 2)
 # Seconds between an open WebSocket's checks that its session and role still hold (logout and role
 # changes also close sockets at once; this catches expiry and changes made straight in the database).
-WS_RECHECK_SECONDS = env_float("WS_RECHECK_SECONDS", 60.0)  # per web process: requests served at once (controlpanel/handler.py)
+WS_RECHECK_SECONDS = env_float("WS_RECHECK_SECONDS", 60.0)  # per web process: requests served at once (plumbing/handler.py)
 HEARTBEAT_SECONDS = env_float("HEARTBEAT_SECONDS", 5.0)
 SAMPLE_SECONDS = env_float("SAMPLE_SECONDS", 1.0)
 # On a node without GPUs the whole host is one engine's claim: vLLM engines the panel did not start

@@ -4,8 +4,8 @@ from django.http import JsonResponse
 from django.urls import include, path, register_converter
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from controlpanel import params
 from controlpanel.metrics import MetricsView
+from plumbing import params
 
 # `<id:pk>` in the apps' page routes (registered before their urls modules are included).
 register_converter(params.IdConverter, "id")

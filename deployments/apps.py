@@ -6,9 +6,9 @@ class DeploymentsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
-        from controlpanel import apicache, livedrops
         from deployments import signals
         from deployments import tasks  # noqa: F401 - registers the tasks services enqueue by name
+        from plumbing import apicache, livedrops
 
         apicache.watch_database_writes()
         livedrops.count_drops()

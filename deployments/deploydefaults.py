@@ -2,6 +2,7 @@
 ("the CLI is the form"): the deploy form's own values for the node, computed by the form itself
 so that no copy of its defaults can drift, and the served model name clients call it by."""
 from deployments import callit, engineargs
+from plumbing.errors import ServiceError
 
 
 def preset_initial(key: str) -> dict:
@@ -55,7 +56,6 @@ def form_defaults(node, key: str = "auto", initial: dict | None = None) -> tuple
     (its preset, or the `initial` values a recipe filled in, and its fields' own defaults, e.g.
     --gpu-memory-utilization 0.9): the form submitted with its initial values. A preset the node's engine
     refuses falls back to the preset alone; a recipe it refuses is refused, naming the field."""
-    from controlpanel.errors import ServiceError
     from deployments.forms import DeployForm
 
     key = preset_key(node, key)

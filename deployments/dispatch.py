@@ -6,8 +6,8 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from controlpanel.queue import enqueue
 from deployments.models import Deployment, DeploymentRank, Node
+from plumbing.queue import enqueue
 
 __all__ = ["node_enqueue", "send_plan", "ranks_stop"]
 

@@ -6,8 +6,8 @@ from datetime import timezone as dt_timezone
 
 from django.utils import timezone
 
-from controlpanel import apicache, redisconn
 from deployments.models import NodeMetric
+from plumbing import apicache, redisconn
 
 RECENT_SECONDS = 3600
 RETENTION = timedelta(days=7)

@@ -1,8 +1,8 @@
 """A deployment's parallel layout, read from its engine flags: the executor, TP × PP × DP, how data-parallel
 replicas split over nodes, what its master port is. Plain functions beneath both sides: the control plane checks
 a placement with them (services/multinode.py), the node launches each rank with them (deployments/node/)."""
-from controlpanel.errors import ServiceError
 from deployments.models import Deployment
+from plumbing.errors import ServiceError
 
 # The executors a deployment may span nodes with: vLLM's own multi-node launch, or a Ray cluster the panel
 # starts on the nodes (services/raycluster.py). Picked with the engine flag --distributed-executor-backend.

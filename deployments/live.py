@@ -21,8 +21,8 @@ import redis
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from controlpanel import redisconn
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
+from plumbing import redisconn
 
 TOPIC_RE = re.compile(r"^(fleet|(node|deployment|model|run|study):[0-9]{1,12})$")
 SNAPSHOT_TTL = 3600

@@ -11,7 +11,7 @@ import posixpath
 
 from deployments import engineoptions
 from deployments.host import enginecli, store
-from controlpanel.errors import ServiceError
+from plumbing.errors import ServiceError
 
 # Set by the panel for every engine, refused from everyone: the engine's own key is the panel's, and
 # callers' keys live on the node's gateway.

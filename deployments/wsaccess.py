@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.sessions.models import Session
 from django.utils import timezone
 
-from controlpanel.roles import is_viewer
+from plumbing.roles import is_viewer
 
 # topic kind -> (app label, model name)
 _MODELS = {"node": ("deployments", "Node"), "deployment": ("deployments", "Deployment"),

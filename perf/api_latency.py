@@ -40,8 +40,8 @@ def seed(points: int, nodes: int) -> dict:
     from django.contrib.auth import get_user_model
 
     from benchmarks.models import BenchmarkPoint, BenchmarkRun
-    from controlpanel import tokens
     from deployments.models import Deployment, Gpu, ModelCopy, ModelRepo, Node
+    from plumbing import tokens
 
     user = get_user_model().objects.create_superuser("perf", "", "perf-password-1")
     nodes = [Node.objects.create(name=f"gpu-{i:02d}", address=f"10.0.{i // 250}.{i % 250}") for i in range(max(8, nodes))]

@@ -85,7 +85,7 @@ def main():
         from django.core.management import call_command
         from django.test import Client
 
-        from controlpanel import livedrops
+        from plumbing import livedrops
         from perf.api_latency import seed
 
         call_command("migrate", verbosity=0)

@@ -103,7 +103,7 @@ def main():
         from django.contrib.auth import get_user_model
         from django.core.management import call_command
 
-        from controlpanel import tokens
+        from plumbing import tokens
 
         call_command("migrate", verbosity=0)
         token = tokens.issue(get_user_model().objects.create_superuser("perf", "", "perf-password-1"))

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture
 def operator_token(live_server_asgi, operator):
-    from controlpanel import tokens
+    from plumbing import tokens
     from tests.factories import BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
     node = NodeFactory(name="n1")

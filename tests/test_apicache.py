@@ -1,6 +1,6 @@
-"""Cached API reads (controlpanel/apicache.py) are never stale: any committed write — ORM, bulk
+"""Cached API reads (plumbing/apicache.py) are never stale: any committed write — ORM, bulk
 update, another process — a new telemetry sample, a revoked token or a lost role shows on the
-very next request. And the web handler (controlpanel/handler.py) serves requests side by side."""
+very next request. And the web handler (plumbing/handler.py) serves requests side by side."""
 import subprocess
 import sys
 import threading
@@ -13,9 +13,9 @@ import redis.retry
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from controlpanel import apicache, tokens
 from deployments import history, selectors
 from deployments.models import Node
+from plumbing import apicache, tokens
 from tests.conftest import ROOT, free_port, wait_until
 from tests.factories import DeploymentFactory, NodeFactory, UserFactory
 

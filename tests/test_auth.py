@@ -72,7 +72,7 @@ def test_a_user_without_a_role_cannot_read_the_api(client, django_user_model):
 def test_an_api_token_authenticates_and_a_bad_one_does_not(client, viewer):
     from rest_framework.authtoken.models import Token
 
-    from controlpanel import tokens
+    from plumbing import tokens
 
     raw = tokens.issue(viewer)
     assert client.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token {raw}").status_code == 200

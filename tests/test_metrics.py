@@ -9,10 +9,10 @@ from django.test import override_settings
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlpanel import tokens
 from benchmarks.models import BenchmarkRun
 from deployments.models import Deployment
 from deployments.services import nodes
+from plumbing import tokens
 from tests.factories import (BenchmarkPointFactory, BenchmarkRunFactory, DeploymentEventFactory, DeploymentFactory,
                              GpuFactory, ModelCopyFactory, NodeFactory)
 
@@ -240,7 +240,7 @@ def test_without_redis_a_scrape_still_answers_from_the_rows(viewer_client, fleet
     import redis
 
     with mock.patch("deployments.live.kept", autospec=True, side_effect=redis.ConnectionError("down")), \
-            mock.patch("controlpanel.apicache.versions", autospec=True, side_effect=redis.ConnectionError("down")):
+            mock.patch("plumbing.apicache.versions", autospec=True, side_effect=redis.ConnectionError("down")):
         samples = scrape(viewer_client)
     assert value(samples, "panel_node_online", node=fleet["node"].name) == 1
     assert value(samples, "panel_deployment_state", deployment=fleet["ready"].name, state="ready") == 1

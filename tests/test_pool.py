@@ -1,11 +1,11 @@
-"""The node agent's worker pool (controlpanel/pool.py): engine control and plans run on lanes of their own,
+"""The node agent's worker pool (plumbing/pool.py): engine control and plans run on lanes of their own,
 so a halt and a plan start while every host thread is taken; the real agent behind busy downloads is
 tests/faults/test_lost_halts.py."""
 import threading
 
 import pytest
 
-from controlpanel import pool, queue
+from plumbing import pool, queue
 
 
 def _request_args(task_name: str) -> tuple:

@@ -14,11 +14,11 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlpanel import redisconn, tokens
 from controlpanel.asgi import application
-from controlpanel.models import IdempotencyKey
 from deployments import live, livesnapshot
 from deployments.models import ModelRepo
+from plumbing import redisconn, tokens
+from plumbing.models import IdempotencyKey
 from tests.conftest import free_port, run_async
 from tests.factories import DeploymentFactory, UserFactory
 
@@ -62,7 +62,7 @@ def test_a_key_still_running_answers_409_and_one_past_a_day_runs_again(api, uniq
 
 @pytest.mark.django_db
 def test_a_key_left_without_an_answer_by_a_dead_call_is_taken_over_after_the_pending_bound(api, unique):
-    from controlpanel import idempotency
+    from plumbing import idempotency
 
     first = _add(api, f"k-{unique}")
     IdempotencyKey.objects.update(status=None, created=timezone.now() - idempotency.PENDING + timedelta(seconds=5))
@@ -77,7 +77,7 @@ def test_a_key_left_without_an_answer_by_a_dead_call_is_taken_over_after_the_pen
 
 @pytest.mark.django_db
 def test_a_call_whose_key_was_taken_over_cannot_overwrite_the_new_answer():
-    from controlpanel import idempotency
+    from plumbing import idempotency
 
     old = idempotency._claim("d" * 64)
     IdempotencyKey.objects.update(created=timezone.now() - idempotency.PENDING - timedelta(seconds=1))

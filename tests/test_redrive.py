@@ -1,5 +1,5 @@
 """Lost node work re-driven from the database (deployments/node/redrive.py) and engine control routed to
-its own queue (controlpanel/queue.py), one pass at a time with the broker replaced at send_now; the real
+its own queue (plumbing/queue.py), one pass at a time with the broker replaced at send_now; the real
 processes (the agent, Redis emptied, a web process killed) are tests/faults/test_lost_halts.py."""
 import contextlib
 from datetime import timedelta
@@ -10,10 +10,10 @@ from django.utils import timezone
 
 from benchmarks import runqueue
 from benchmarks.models import BenchmarkRun
-from controlpanel import queue
 from deployments import tasks
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import redrive
+from plumbing import queue
 from tests.factories import BenchmarkRunFactory, DeploymentFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

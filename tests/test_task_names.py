@@ -1,5 +1,5 @@
 """Every task name the code sends is a registered Celery task: services send tasks by name
-(controlpanel/queue.py), so a typo would only show when the message reaches a worker that drops it.
+(plumbing/queue.py), so a typo would only show when the message reaches a worker that drops it.
 
 The names are read from the source with `ast`: string constants given to the senders (enqueue, node_enqueue,
 send_now, send_task), returned by a function whose name says it picks a task, assigned to a *_TASK(S)
@@ -11,7 +11,7 @@ from pathlib import Path
 from celery import current_app
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("controlpanel", "deployments", "benchmarks")
+PACKAGES = ("controlpanel", "deployments", "benchmarks", "plumbing")
 SENDERS = {"enqueue", "node_enqueue", "send_now", "send_task"}
 TASK_NAME = re.compile(r"[a-z]+\.[a-z][a-z0-9_]*")
 

@@ -4,9 +4,9 @@ from benchmarks import runner, selectors, workloads
 from benchmarks.forms import MAX_BURSTINESS, MAX_LEVEL, MAX_RATE, ramp_problem, rates_problem
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Workload
 from benchmarks.runner import capacity as capacity_search, slo as slo_mod
-from controlpanel.errors import ServiceError
-from controlpanel.params import DB_INT_MAX
 from deployments.models import Deployment
+from plumbing.errors import ServiceError
+from plumbing.params import DB_INT_MAX
 
 default = runner.spec_default
 

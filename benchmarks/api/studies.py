@@ -8,10 +8,10 @@ from rest_framework.response import Response
 from benchmarks import studies, studylevels, studyresults
 from benchmarks.api.serializers import RunRequestSerializer
 from benchmarks.models import Study
-from controlpanel.errors import ServiceError
-from controlpanel.idempotency import idempotent
-from controlpanel.params import DB_INT_MAX
 from deployments.models import Deployment
+from plumbing.errors import ServiceError
+from plumbing.idempotency import idempotent
+from plumbing.params import DB_INT_MAX
 
 MAX_VARIANTS = 50
 

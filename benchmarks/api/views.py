@@ -4,9 +4,9 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from controlpanel.apicache import cached_read
-from controlpanel.idempotency import idempotent
-from controlpanel.params import ids_param
+from plumbing.apicache import cached_read
+from plumbing.idempotency import idempotent
+from plumbing.params import ids_param
 
 from benchmarks import selectors, services
 from benchmarks.api import serializers

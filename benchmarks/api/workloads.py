@@ -5,7 +5,7 @@ from rest_framework.response import Response
 
 from benchmarks import workloads
 from benchmarks.models import Workload
-from controlpanel.idempotency import idempotent
+from plumbing.idempotency import idempotent
 
 
 class WorkloadSerializer(serializers.ModelSerializer):

@@ -2,6 +2,8 @@
 engine flags as the command line."""
 from django import template
 
+from deployments.engineargs import argv_words
+
 register = template.Library()
 
 
@@ -34,6 +36,4 @@ def count(value) -> str:
 def flags(engine_args) -> str:
     """{"enforce-eager": True, "tensor-parallel-size": 1} -> "--enforce-eager --tensor-parallel-size 1", exactly as
     the engine's command line gets them (a switch has no value; 1 is a value, not True), copyable into a shell."""
-    from deployments.engineargs import argv_words
-
     return " ".join(argv_words(engine_args or {}))

@@ -3,9 +3,9 @@ from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlpanel.scrape import ScrapeAccess
 from deployments import scrapekey
 from deployments.metrics import engine_scrape_targets
+from plumbing.scrape import ScrapeAccess
 
 
 class EngineTargetsView(ScrapeAccess, APIView):

@@ -6,11 +6,11 @@ from rest_framework import serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from controlpanel.errors import ServiceError
-from controlpanel.roles import is_admin
 from deployments.models import Recipe
-from deployments.recipes.checkout import MAX_BYTES, MAX_FILES
 from deployments.services import recipes
+from plumbing.errors import ServiceError
+from plumbing.recipefiles import MAX_BYTES, MAX_FILES
+from plumbing.roles import is_admin
 
 
 class RecipeSerializer(serializers.ModelSerializer):

@@ -1,11 +1,11 @@
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
-from controlpanel.params import DB_INT_MAX
 from deployments import callit, engineoptions, secrets, validators
 from deployments.engineargs import PRESETS
 from deployments.gateway.models import Route
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
+from plumbing.params import DB_INT_MAX
 
 
 class NodeField(serializers.SlugRelatedField):

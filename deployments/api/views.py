@@ -1,4 +1,4 @@
-"""API views: validate, call one service, serialize. Errors share one shape (controlpanel.api)."""
+"""API views: validate, call one service, serialize. Errors share one shape (plumbing.api)."""
 from dataclasses import asdict
 
 import redis
@@ -9,13 +9,12 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
-from controlpanel import longpoll
-from controlpanel import apicache
-from controlpanel.apicache import cached_read
-from controlpanel.roles import is_operator
-from controlpanel.errors import ServiceError
-from controlpanel.idempotency import idempotent
-from controlpanel.params import int_param
+from plumbing import apicache, longpoll
+from plumbing.apicache import cached_read
+from plumbing.errors import ServiceError
+from plumbing.idempotency import idempotent
+from plumbing.params import int_param
+from plumbing.roles import is_operator
 
 from deployments import modelfit, secrets, selectors
 from deployments.api import serializers

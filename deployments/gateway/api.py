@@ -10,10 +10,10 @@ from rest_framework.response import Response
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import APIView
 
-from controlpanel.idempotency import idempotent
-from controlpanel.params import int_param
 from deployments.gateway import keys, selectors
 from deployments.gateway.models import CallerKey
+from plumbing.idempotency import idempotent
+from plumbing.params import int_param
 
 
 class KeySerializer(serializers.ModelSerializer):

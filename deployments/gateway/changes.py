@@ -4,7 +4,7 @@ without a database read per request. If Redis is unreachable the gateways fall b
 stamps (deployments/gateway/server.py reloads on either)."""
 import logging
 
-from controlpanel import redisconn
+from plumbing import redisconn
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from datetime import timedelta
 from django import forms
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from deployments.gateway import keys
 from deployments.models import Deployment
+from plumbing.errors import ServiceError
 
 
 def words(text: str) -> list[str]:

@@ -12,12 +12,12 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
-from controlpanel.roles import is_admin, is_operator
 from deployments.gateway import changes
 from deployments.gateway.config import digest
 from deployments.gateway.models import CallerKey, Route
 from deployments.models import Deployment
+from plumbing.errors import ServiceError
+from plumbing.roles import is_admin, is_operator
 
 SECRET_PREFIX = "vcp-"
 PREFIX_LENGTH = 12  # "vcp-" and 8 random characters: enough to tell keys apart in a list, useless to a thief

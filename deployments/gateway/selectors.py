@@ -7,8 +7,8 @@ from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
 from benchmarks import csvsafe
-from controlpanel.errors import ServiceError
 from deployments.gateway.models import CallerKey, Usage
+from plumbing.errors import ServiceError
 
 MEASURES = ("requests", "errors", "prompt_tokens", "reasoning_tokens", "content_tokens")
 GROUPS = {"key": ("key_id", "key__name", "key__prefix"), "model": ("model_name",),

@@ -5,11 +5,11 @@ from django.http import HttpResponseForbidden
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from controlpanel.errors import ServiceError
-from controlpanel.roles import operator_required
 from deployments.gateway import forms, keys, selectors
 from deployments.gateway.models import CallerKey
 from deployments.views.accountpage import account_context, account_keys
+from plumbing.errors import ServiceError
+from plumbing.roles import operator_required
 
 
 def _account(request, status=200, **extra):

@@ -11,10 +11,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from controlpanel.privatefile import write_private
 from deployments.host import engineenv
 from deployments.host.engineuser import EngineUser
 from deployments.host.errors import HostError
+from plumbing.privatefile import write_private
 
 # systemd's own SYSTEMD_UNIT_PATH names where units are read from; its first entry is where the panel writes them.
 UNIT_DIR = Path((os.environ.get("SYSTEMD_UNIT_PATH") or "/etc/systemd/system").split(":")[0])

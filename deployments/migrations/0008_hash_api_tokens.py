@@ -1,4 +1,4 @@
-"""API tokens made before hashing: keep each one working, but store only its digest (controlpanel/tokens.py)."""
+"""API tokens made before hashing: keep each one working, but store only its digest (plumbing/tokens.py)."""
 import hashlib
 
 from django.db import migrations

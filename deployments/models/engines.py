@@ -4,9 +4,9 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from controlpanel.states import Transitions
 from deployments.models.hosts import Gpu, Node
 from deployments.models.store import ModelRepo
+from plumbing.states import Transitions
 
 
 class EngineProcess(models.Model):

@@ -2,8 +2,8 @@
 
 from django.db import models
 
-from controlpanel.states import Transitions
 from deployments.models.hosts import Node
+from plumbing.states import Transitions
 
 
 class ModelRepo(models.Model):

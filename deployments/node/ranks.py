@@ -25,8 +25,6 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel.queue import enqueue
-from controlpanel.states import InvalidTransition
 from deployments import claims, engineargs, layout, secrets
 from deployments.dispatch import node_enqueue
 from deployments.host import engine, enginecli, firewall, preflight, systemd
@@ -37,6 +35,8 @@ from deployments.node.crashes import deployment_crashed
 from deployments.node.lifecycle import RAY_TERM_S, STOP_TERM_S
 from deployments.node.steps import Aborted, PlanFailed, engine_user, make_room, model_ready, unit_install
 from deployments.timeline import deployment_event
+from plumbing.queue import enqueue
+from plumbing.states import InvalidTransition
 
 log = logging.getLogger(__name__)
 S = Deployment.Status

@@ -11,7 +11,7 @@ by Celery's task signals) and, for a row owed work that nothing has picked up fo
 - a deployment Queued (its plan), or Starting/Loading with an engine and nothing following it, and what
   other apps register in agenthooks.REDRIVERS (benchmark runs Queued): sent again by name (queue.route
   picks the node's queue of its kind), only while its lane of the agent's worker has a free thread
-  (controlpanel/pool.py; the worker takes every message at once, so one waiting for a thread is received
+  (plumbing/pool.py; the worker takes every message at once, so one waiting for a thread is received
   and in hand, but a thread free is the surer sign). A duplicate finds its row moved on and returns.
 - a deployment Preparing, Stopping others, or Starting with no engine yet, whose plan nothing runs: the plan
   cannot go on from the middle, so it is failed here (its engine, if any, stopped; a redeploy starts afresh),
@@ -36,11 +36,11 @@ from django.db import close_old_connections
 from django.db.models import Q
 from django.utils import timezone
 
-from controlpanel.queue import CONTROL, HOST, PLANS, lane, send_now
 from deployments import agenthooks
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank
 from deployments.node.steps import fail
 from deployments.timeline import deployment_event
+from plumbing.queue import CONTROL, HOST, PLANS, lane, send_now
 
 log = logging.getLogger(__name__)
 REDRIVE_AFTER_S = float(os.environ.get("PANEL_REDRIVE_AFTER", "10"))  # nothing in hand this long: lost
@@ -99,7 +99,7 @@ def in_hand(name: str, pk) -> bool:
 
 
 def tasks_in_hand(of_lane: str | None = None) -> int:
-    """How many tasks from the queues run in this process now (of one lane, controlpanel/queue.py), each
+    """How many tasks from the queues run in this process now (of one lane, plumbing/queue.py), each
     holding a worker thread (a halt re-driven here runs on a thread of its own)."""
     with _lock:
         return sum(not str(task_id).startswith("here:") and of_lane in (None, lane(name))
@@ -113,7 +113,7 @@ class Redriver:
 
     def __init__(self, node_id: int, *, queue: str, slots: int | dict, after_s: float = REDRIVE_AFTER_S):
         self.node_id, self.queue, self.after_s = node_id, queue, after_s
-        # The worker's threads by lane (controlpanel/pool.py); one number: the same for each.
+        # The worker's threads by lane (plumbing/pool.py); one number: the same for each.
         self.slots = slots if isinstance(slots, dict) else dict.fromkeys((CONTROL, PLANS, HOST), slots)
         self._waiting: dict[tuple[str, object], float] = {}  # owed and not in hand since (monotonic)
         self._seen: set = set()

@@ -13,7 +13,6 @@ from pathlib import Path
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from controlpanel.states import InvalidTransition
 from deployments import live, secrets
 from deployments.dispatch import ranks_stop
 from deployments.gateway import changes
@@ -23,6 +22,7 @@ from deployments.node import lifecycle
 from deployments.node.lifecycle import TAIL_LINES
 from deployments.modelcopies import model_copy_download
 from deployments.timeline import deployment_event
+from plumbing.states import InvalidTransition
 
 log = logging.getLogger(__name__)
 S = Deployment.Status

@@ -10,9 +10,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from controlpanel import queue, roles
 from deployments.notify import catalog
 from deployments.notify.models import Alert, Channel, Delivery, QuietHours, Subscription
+from plumbing import queue, roles
 
 log = logging.getLogger(__name__)
 DELIVER_TASK = "notify.deliver"

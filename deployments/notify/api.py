@@ -6,9 +6,9 @@ from rest_framework.exceptions import NotFound, PermissionDenied, ValidationErro
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlpanel import roles
 from deployments.notify import catalog, services
 from deployments.notify.models import Delivery, QuietHours, Slo
+from plumbing import roles
 
 
 class ChannelSerializer(serializers.Serializer):

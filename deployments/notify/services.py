@@ -10,11 +10,11 @@ from django.core.exceptions import ValidationError
 from django.core.validators import EmailValidator, URLValidator
 from django.db import transaction
 
-from controlpanel import roles
 from deployments import sealed
 from deployments.models import Deployment, Node
 from deployments.notify import alerts, catalog
 from deployments.notify.models import Channel, Delivery, QuietHours, Slo, Subscription
+from plumbing import roles
 
 WEBHOOK_KINDS = frozenset({Channel.Kind.WEBHOOK, Channel.Kind.SLACK, Channel.Kind.MATRIX})
 

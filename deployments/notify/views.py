@@ -7,10 +7,10 @@ from django.http import HttpResponseForbidden
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from controlpanel import roles
 from deployments.models import Deployment, Node
 from deployments.notify import catalog, services
 from deployments.notify.models import Delivery, QuietHours, Slo
+from plumbing import roles
 
 
 def page(request):

@@ -4,10 +4,10 @@ panel's table in deployments/recipes/compat.py) refuse a deploy with the reason 
 overrides it, which the timeline records (as the fit gate does, services/fitgate.py)."""
 from dataclasses import dataclass, field
 
-from controlpanel.errors import ServiceError
 from deployments.models import Deployment, ModelRepo, Node, Recipe
 from deployments.recipes import compat, resolve, schema
 from deployments.services import recipes
+from plumbing.errors import ServiceError
 
 __all__ = ["CompatOverride", "Option", "refusals", "compat_gate", "recipe_options", "OVERRIDE_HINT"]
 OVERRIDE_HINT = ("an admin can deploy it anyway (the form's \"Deploy anyway, against the compatibility check\", "

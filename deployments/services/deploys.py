@@ -9,8 +9,6 @@ from django.conf import settings
 from django.db import transaction
 from django.utils.text import slugify
 
-from controlpanel.errors import ServiceError
-from controlpanel.roles import is_admin
 from deployments import callit, deploydefaults, engineoptions, flagvalues, live, privileged, secrets, warmstart
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
@@ -18,6 +16,8 @@ from deployments.claims import deployment_holders, lock_node
 from deployments.dispatch import node_enqueue, send_plan
 from deployments.dispatch import ranks_stop as deployment_ranks_stop
 from deployments.timeline import deployment_event
+from plumbing.errors import ServiceError
+from plumbing.roles import is_admin
 
 __all__ = ["deployment_ranks_stop", "deployment_create", "deployment_free_port", "deployment_default_name", "deployment_redeploy", "deployment_stop", "deployment_persist", "deployment_holders",
            "deployment_event", "ForeignProcesses",

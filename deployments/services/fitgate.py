@@ -3,9 +3,9 @@ the estimate the deploy page shows for the deploy's own settings, and the refusa
 says will not fit unless an admin overrides it."""
 from dataclasses import dataclass, field
 
-from controlpanel.errors import ServiceError
 from deployments import engineargs, engineoptions, modelconfig, modelfit
 from deployments.models import Deployment, ModelRepo, Node
+from plumbing.errors import ServiceError
 
 __all__ = ["FitOverride", "model_fit", "deploy_fit", "model_fit_gate", "OVERRIDE_HINT"]
 OVERRIDE_HINT = ("an admin can deploy it anyway (the form's \"Deploy anyway\", API: override_fit, "

@@ -8,13 +8,13 @@ whole replicas (TP × PP each) on every node, the head's API server balancing ov
 """
 from dataclasses import dataclass
 
-from controlpanel.errors import ServiceError
 from deployments import engineargs, modelconfig, modelfit
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.layout import (EXECUTORS, data_parallel, dp_ranks, dp_split, executor, layout,  # noqa: F401
                                  port_name, world_size)
 from deployments.services import repos
 from deployments import claims
+from plumbing.errors import ServiceError
 
 # vLLM's multi-node launch (mp executor) needs these on every node; its data-parallel launch the second set.
 NEEDED_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")

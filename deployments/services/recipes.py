@@ -8,10 +8,11 @@ from pathlib import Path
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from controlpanel.errors import ServiceError
 from deployments import deploydefaults, secrets
 from deployments.models import ModelRepo, Node, Recipe
-from deployments.recipes import checkout, resolve, schema
+from deployments.recipes import resolve, schema
+from plumbing import recipefiles
+from plumbing.errors import ServiceError
 
 __all__ = ["SHIPPED", "Choice", "Use", "recipes_sync", "recipe_import", "recipes_loaded", "recipes_for_model",
            "recipe_resolve", "recipe_choice", "recipe_use", "recipe_changes",
@@ -75,7 +76,7 @@ def recipes_sync(force: bool = False) -> list[str]:
     is left out (its error returned, naming file and field) and the others load."""
     folder, source = _folder()
     try:
-        stats = tuple((p.as_posix(), p.stat().st_mtime_ns, p.stat().st_size) for p in checkout.paths(folder))
+        stats = tuple((p.as_posix(), p.stat().st_mtime_ns, p.stat().st_size) for p in recipefiles.paths(folder))
     except OSError as exc:
         return [f"{folder}: {exc}"]
     # Unchanged files and their rows still there (a restore or a test's rollback takes them): nothing to read.
@@ -85,9 +86,9 @@ def recipes_sync(force: bool = False) -> list[str]:
         errors = [f"{folder}: no models/<org>/<model>.yaml or strategies/<name>.yaml in it"]
     else:
         try:
-            parsed, errors = _parse(checkout.read(folder))
-            _store(parsed, source, checkout.version(folder))
-        except checkout.CheckoutError as exc:
+            parsed, errors = _parse(recipefiles.read(folder))
+            _store(parsed, source, recipefiles.version(folder))
+        except recipefiles.CheckoutError as exc:
             errors = [str(exc)]
         except IntegrityError:  # another process stored the same files first: theirs are as good
             pass

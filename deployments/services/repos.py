@@ -7,14 +7,14 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
-from controlpanel.queue import enqueue
 from deployments import claims, live, modelconfig, modelfit
 from deployments.host import compilecache, hub, store
 from deployments.modelcopies import (hf_token, model_copy_download, model_copy_progress,  # noqa: F401 - the node's part,
                                      node_refresh_disk)  # beneath both sides; its names are services' API too
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 from deployments.services.nodes import node_enqueue
+from plumbing.errors import ServiceError
+from plumbing.queue import enqueue
 
 log = logging.getLogger(__name__)
 __all__ = [

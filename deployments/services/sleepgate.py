@@ -1,8 +1,8 @@
 """What a deploy checks of sleep mode (services/deploys.py): where vLLM has it, and which deployments on the chosen
 GPUs a sleep-mode deployment shares them with rather than replaces. Sleep, wake and swap are sleeps.py."""
-from controlpanel.errors import ServiceError
 from deployments import claims
 from deployments.models import Deployment, Node
+from plumbing.errors import ServiceError
 
 
 def check_sleep_mode(node: Node, nnodes: int, sleep_mode: bool, start_asleep: bool) -> None:

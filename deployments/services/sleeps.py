@@ -3,12 +3,12 @@
 checks of sleep mode is sleepgate.py."""
 from django.db import transaction
 
-from controlpanel.errors import ServiceError
 from deployments import claims, live
 from deployments.dispatch import node_enqueue
 from deployments.models import Deployment
 from deployments.services import deploys
 from deployments.timeline import deployment_event
+from plumbing.errors import ServiceError
 
 S = Deployment.Status
 

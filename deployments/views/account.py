@@ -8,11 +8,11 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
-from controlpanel import tokens
-from controlpanel.roles import is_operator
 from deployments import forms
 from deployments.services import repos
 from deployments.views.accountpage import account_context
+from plumbing import tokens
+from plumbing.roles import is_operator
 
 
 def panel_settings(request):

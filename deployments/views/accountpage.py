@@ -2,8 +2,8 @@
 from django.contrib.auth.forms import PasswordChangeForm
 from rest_framework.authtoken.models import Token
 
-from controlpanel.roles import is_admin
 from deployments.gateway import forms, selectors
+from plumbing.roles import is_admin
 
 
 def account_keys(user, form=None) -> dict:

@@ -5,14 +5,14 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from controlpanel.errors import ServiceError
-from controlpanel.params import int_param
-from controlpanel.roles import operator_required
 from deployments import callit, deploydefaults, engineargs, engineoptions, forms, privileged, secrets, selectors
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import deploys, fitgate, multinode, sleeps
 from deployments.views import recipes as recipe_pages
+from plumbing.errors import ServiceError
+from plumbing.params import int_param
+from plumbing.roles import operator_required
 
 
 def deployment_list(request):

@@ -7,12 +7,12 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from controlpanel.errors import ServiceError
-from controlpanel.roles import operator_required
 from deployments import forms, modelfit, selectors, warmstart
 from deployments.models import ModelCopy, ModelRepo, Node
 from deployments.services import fitgate, repos
 from deployments.views import recipes as recipe_pages
+from plumbing.errors import ServiceError
+from plumbing.roles import operator_required
 
 
 def model_list(request):

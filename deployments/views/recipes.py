@@ -3,10 +3,10 @@ its reason and the compatibility gate's verdict; on the deploy page the form fil
 strategy, the recipe's reasons beside it and the gate's refusals for the values shown."""
 from django.contrib import messages
 
-from controlpanel.errors import ServiceError
 from deployments import callit, deploydefaults, forms
 from deployments.models import Node
 from deployments.services import compatgate, recipes
+from plumbing.errors import ServiceError
 
 
 def model_recipes(request, model, nodes: list[Node]) -> dict:

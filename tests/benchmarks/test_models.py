@@ -2,7 +2,7 @@ import pytest
 from django.db import IntegrityError, transaction
 
 from benchmarks.models import BenchmarkRun
-from controlpanel.states import InvalidTransition
+from plumbing.states import InvalidTransition
 from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory
 
 pytestmark = pytest.mark.django_db

@@ -7,7 +7,7 @@ from rest_framework.test import APIClient
 
 from benchmarks import payloads, runner, services
 from benchmarks.models import BenchmarkRun
-from controlpanel.errors import ServiceError
+from plumbing.errors import ServiceError
 from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory, DeploymentFactory, GpuFactory, NodeFactory
 from tests.schedserver import SchedServer
 

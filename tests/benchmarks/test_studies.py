@@ -13,8 +13,8 @@ from rest_framework.test import APIClient
 
 from benchmarks import studies, studyestimate, studyresults
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial
-from controlpanel.errors import ServiceError
 from deployments.models import Deployment, DeploymentEvent
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -376,7 +376,7 @@ def test_the_api_lets_operators_start_studies_and_viewers_only_watch(d, api):
 
 
 def test_a_trial_moves_only_along_its_transitions_and_an_ended_one_stays_ended(d):
-    from controlpanel.states import InvalidTransition
+    from plumbing.states import InvalidTransition
 
     study = make(d)
     step(study)

@@ -7,8 +7,9 @@ from django.utils import timezone
 
 from benchmarks import studies, studylevels
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study
-from controlpanel import cli, tokens
+from controlpanel import cli
 from deployments.models import Deployment
+from plumbing import tokens
 from tests.benchmarks.test_studies import comes_up, current, d, sent, step  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db

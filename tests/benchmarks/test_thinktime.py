@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks import workloads
 from benchmarks.models import Workload
-from controlpanel import cli, tokens
+from controlpanel import cli
+from plumbing import tokens
 
 pytestmark = pytest.mark.django_db
 

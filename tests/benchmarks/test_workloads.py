@@ -12,7 +12,8 @@ from rest_framework.test import APIClient
 from benchmarks import services, workloads
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun, Workload
-from controlpanel import cli, tokens
+from controlpanel import cli
+from plumbing import tokens
 from tests.schedserver import SchedServer
 
 pytestmark = pytest.mark.django_db

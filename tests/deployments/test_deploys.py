@@ -14,13 +14,13 @@ from unittest import mock
 
 import pytest
 
-from controlpanel.errors import ServiceError
 from deployments import live
 from deployments.forms import DeployForm
 from deployments.host import engine, gpu, ownership, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import plan, reconcile, watch
 from deployments.services import deploys
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

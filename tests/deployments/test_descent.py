@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from controlpanel.errors import ServiceError
 from deployments.host import ownership
 from deployments.models import Deployment, Node
 from deployments.node import guards, plan
 from deployments.services import deploys
+from plumbing.errors import ServiceError
 from tests.conftest import wait_until
 from tests.deployments.test_deploys import _queued, host, model, node, sent  # noqa: F401
 from tests.factories import DeploymentFactory, NodeFactory

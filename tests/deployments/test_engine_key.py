@@ -9,13 +9,13 @@ import pytest
 from django.test import override_settings
 
 from benchmarks import services as bench_services
-from controlpanel.errors import ServiceError
 from deployments import enginekey, privileged, sealed, scrapekey
 from deployments.gateway.models import CallerKey
 from deployments.host import enginecli
 from deployments.host.engine import EngineError
 from deployments.models import Deployment
 from deployments.node import plan
+from plumbing.errors import ServiceError
 from tests.deployments.test_deploys import FLAGS, host, model, node  # noqa: F401 - fixtures
 from tests.factories import BenchmarkRunFactory, DeploymentFactory, UserFactory
 

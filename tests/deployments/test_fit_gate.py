@@ -6,10 +6,10 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from deployments.host import downloads
 from deployments.models import Deployment, ModelCopy
 from deployments.services import deploys, fitgate, repos
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelRepoFactory, NodeFactory
 from tests.hfserver import serve
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from controlpanel.states import InvalidTransition
 from deployments.host import engine, ownership
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle, reconcile
+from plumbing.states import InvalidTransition
 from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, NodeFactory
 

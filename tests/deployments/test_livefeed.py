@@ -15,11 +15,11 @@ from channels.testing import WebsocketCommunicator
 from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 
-from controlpanel import livedrops
 from controlpanel.metrics import exposition
 from deployments import live, livefeed
 from deployments.models import ModelCopy, Node
 from deployments.services import nodes
+from plumbing import livedrops
 from tests import fleetsim
 from tests.conftest import run_async
 from tests.factories import NodeFactory, UserFactory

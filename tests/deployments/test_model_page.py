@@ -5,9 +5,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from deployments.models import DeploymentRank, ModelRepo
 from deployments.services import repos
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

@@ -5,10 +5,10 @@ from unittest import mock
 
 import pytest
 
-from controlpanel.errors import ServiceError
 from deployments.host import downloads, hub
 from deployments.models import ModelCopy, ModelRepo, Secret
 from deployments.services import fitgate, repos
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

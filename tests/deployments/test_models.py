@@ -3,9 +3,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlpanel.states import InvalidTransition
 from deployments.models import Deployment
 from deployments.models import ModelCopy
+from plumbing.states import InvalidTransition
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
 
 S = Deployment.Status

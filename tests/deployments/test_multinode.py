@@ -12,12 +12,12 @@ from django.utils import timezone
 
 from benchmarks import studies
 from controlpanel import cli
-from controlpanel.errors import ServiceError
 from deployments.forms import DeployForm
 from deployments.host import enginecli, preflight
 from deployments.models import Deployment, DeploymentRank, Node
 from deployments.node import ranks, watch
 from deployments.services import deploys, multinode
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, StudyFactory
 
 pytestmark = pytest.mark.django_db

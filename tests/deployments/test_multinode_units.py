@@ -15,11 +15,11 @@ from unittest import mock
 import pytest
 from django.db import connection
 
-from controlpanel.errors import ServiceError
 from deployments.host import ownership, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo
 from deployments.node import plan, ranks, watch
 from deployments.services import deploys, multinode, repos
+from plumbing.errors import ServiceError
 from tests.conftest import free_port
 from tests.deployments.test_deploys import FakeHost, _clock
 from tests.deployments.test_multinode import _node

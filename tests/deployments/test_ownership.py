@@ -13,11 +13,11 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from deployments.host import engine, ownership, store
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import plan, reconcile, watch
 from deployments.services import deploys, nodes, repos
+from plumbing.errors import ServiceError
 from tests.deployments.test_deploys import _create, _queued, host, model, node, sent  # noqa: F401
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
@@ -275,7 +275,7 @@ def test_live_updates_never_fail_the_caller_while_redis_is_away():
     from deployments import live
 
     dead = "redis://127.0.0.1:9/0"  # nothing listens on the discard port
-    with mock.patch("controlpanel.redisconn.client", return_value=redis.Redis.from_url(dead)), \
+    with mock.patch("plumbing.redisconn.client", return_value=redis.Redis.from_url(dead)), \
             mock.patch("deployments.live.get_channel_layer", return_value=RedisChannelLayer(hosts=[dead])):
         live.publish("node:1", "status", {"x": 1})  # logged, not raised
 

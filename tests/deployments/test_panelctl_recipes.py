@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from controlpanel import cli, tokens
+from controlpanel import cli
 from deployments.models import Recipe
+from plumbing import tokens
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -8,9 +8,10 @@ from unittest import mock
 import pytest
 from celery.app.task import Task
 
-from controlpanel import cli, tokens
+from controlpanel import cli
 from deployments import callit
 from deployments.models import Deployment, ModelRepo, Node
+from plumbing import tokens
 from tests.factories import DeploymentEventFactory, DeploymentFactory, ModelCopyFactory, NodeFactory
 from tests.hfserver import serve
 

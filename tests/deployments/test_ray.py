@@ -11,11 +11,11 @@ from unittest import mock
 
 import pytest
 
-from controlpanel.errors import ServiceError
 from deployments.host import engine, engineuser, ownership, raynode
 from deployments.models import Deployment
 from deployments.node import lifecycle, plan, ranks, steps, watch
 from deployments.services import deploys, multinode
+from plumbing.errors import ServiceError
 from tests.deployments.test_deploys import FLAGS, host, model, node  # noqa: F401 - fixtures
 from tests.deployments.test_multinode import _node
 from tests.conftest import wait_until

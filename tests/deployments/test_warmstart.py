@@ -8,13 +8,13 @@ import factory
 import pytest
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from deployments import warmstart
 from deployments.contextfit import EngineKv
 from deployments.forms import DeployForm
 from deployments.host import compilecache, engineuser
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.services import deploys, repos
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -163,7 +163,8 @@ def test_the_pages_show_each_start_and_the_models_compile_cache(operator_client,
 
 
 def test_panelctl_deploy_sends_the_option_and_says_why_it_is_refused(live_server_asgi, operator, model, node, capsys):
-    from controlpanel import cli, tokens
+    from controlpanel import cli
+    from plumbing import tokens
 
     login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]
     with mock.patch("deployments.services.deploys.send_plan", autospec=True):

@@ -15,10 +15,10 @@ import pytest
 
 from benchmarks import runner
 from benchmarks.runner import tokens as runner_tokens
-from controlpanel import tokens
 from deployments import enginekey
 from deployments.host import engine, engineenv
 from deployments.models import Deployment
+from plumbing import tokens
 from tests.conftest import ROOT, VLLM, free_port
 from tests.e2e.holders import record_whole_host_holders
 

@@ -13,9 +13,9 @@ from playwright.sync_api import expect
 
 from benchmarks import runner
 from benchmarks.models import BenchmarkRun
-from controlpanel import tokens as api_tokens
 from deployments.host import engine
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+from plumbing import tokens as api_tokens
 from tests.conftest import ENGINE_VENV, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.e2e.test_cli import panelctl

@@ -28,12 +28,12 @@ import psutil
 import pytest
 from rest_framework.test import APIClient
 
-from controlpanel import tokens
 from deployments import enginekey
 from deployments.host import engine, firewall, ownership
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.node import ranks
 from deployments.services import deploys, multinode, repos
+from plumbing import tokens
 from django.conf import settings as django_settings
 
 from tests import netns

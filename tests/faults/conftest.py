@@ -93,8 +93,8 @@ def private_redis(settings):
     """Point this test process (Celery, live updates) at a private redis-server; agents get its URL."""
     from channels.layers import channel_layers
 
-    from controlpanel import redisconn
     from controlpanel.celery import app
+    from plumbing import redisconn
 
     server = PrivateRedis()
     server.start()

@@ -1,4 +1,4 @@
-"""The broker transport (controlpanel/broker.py) on a real redis-server stopped while a consumer holds an unacked
+"""The broker transport (plumbing/broker.py) on a real redis-server stopped while a consumer holds an unacked
 message and has a BRPOP in flight, torn down in the order Celery's consumer does on that connection error
 (celery/worker/consumer/consumer.py on_connection_error_after_connected: Connection.collect() closes the channel,
 ignoring connection errors, and clears the transport's client; Connection.close() closes the channel again,
@@ -19,7 +19,7 @@ def test_a_channel_whose_redis_stopped_mid_brpop_closes_as_celery_closes_it():
     server = PrivateRedis()
     server.start()
     try:
-        conn = Connection(server.url, transport="controlpanel.broker:Transport")
+        conn = Connection(server.url, transport="plumbing.broker:Transport")
         queue = Queue("broker-fault")
         conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue])
         received = []

@@ -7,7 +7,7 @@ halt is re-driven by its own node's agent; a benchmark run whose run_execute was
 The bound: a halt that nothing picked up runs by REDRIVE_AFTER_S + REDRIVE_EVERY_S after the Stop
 (deployments/node/redrive.py), plus the halt itself (the fake engine goes at SIGTERM); one the queue
 still delivers runs at once on the agent's control lane, and a plan on its plans lane, even while every
-host thread downloads (controlpanel/pool.py)."""
+host thread downloads (plumbing/pool.py)."""
 import json
 import os
 import signal
@@ -211,7 +211,7 @@ def slow_hub(tmp_path):
 @pytest.mark.timeout(180)
 def test_a_stop_and_a_plan_run_at_once_while_downloads_hold_every_host_thread(
         process_env, spawn, unique, tmp_path, settings, fake_model, slow_hub):
-    """Engine control and plans have threads of their own in the agent (controlpanel/pool.py): with a download
+    """Engine control and plans have threads of their own in the agent (plumbing/pool.py): with a download
     on each of its 4 host threads (nodeagent's --concurrency) and a minute of each left, a Stop's halt and a
     deploy's plan are taken from their queues and run at once, not by the re-drive after its bound."""
     settings.HF_ENDPOINT = slow_hub

@@ -13,10 +13,10 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from deployments.models import Deployment, ModelCopy, ModelRepo
 from deployments.node import watch
 from deployments.services import deploys, repos
+from plumbing.errors import ServiceError
 from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
 from tests.faults.conftest import RACES, sha256
@@ -113,7 +113,7 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox_a
 @pytest.mark.postgres_only  # SQLite has no concurrent row locks: it serializes every write
 @pytest.mark.timeout(180)
 def test_fifty_concurrent_deploys_and_restarts_on_the_same_gpus_accept_exactly_one(live_server_asgi, operator):
-    from controlpanel import tokens
+    from plumbing import tokens
 
     node = NodeFactory(name="race-01", engine_flags=["--port", "--host"])
     for i in range(2):

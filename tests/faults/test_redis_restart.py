@@ -13,9 +13,9 @@ import redis
 from django.urls import reverse
 from playwright.sync_api import expect
 
-from controlpanel import tokens
 from deployments import live
 from deployments.models import Deployment
+from plumbing import tokens
 from tests.conftest import free_port, wait_until
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 from tests.faults.conftest import COUNTS, OUTAGE_S

@@ -12,12 +12,12 @@ import pytest
 
 from django.test import Client
 
-from controlpanel.errors import ServiceError
 from deployments import enginekey
 from deployments.gateway.models import Route
 from deployments.host import vllm
 from deployments.models import Deployment
 from deployments.services import sleeps
+from plumbing.errors import ServiceError
 from tests.conftest import wait_until
 from tests.factories import UserFactory
 from tests.truestate import (COUNTS, add_fake_model, deploy, engines_under, orphans, random_moment, settle,

@@ -8,10 +8,10 @@ from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
 
-from controlpanel import redisconn
 from controlpanel.asgi import application
 from deployments import live, tasks
 from deployments.models import Node
+from plumbing import redisconn
 from tests.conftest import agent_argv, run_async, wait_until
 
 

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.conf import settings
 
-from controlpanel import tokens
 from deployments.services import nodes
+from plumbing import tokens
 from tests import fleetsim
 from tests.conftest import free_port, wait_until
 from tests.factories import DeploymentFactory, NodeFactory, UserFactory

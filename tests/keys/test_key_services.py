@@ -8,9 +8,9 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from controlpanel.errors import ServiceError
 from deployments.gateway import config, keys, keyset
 from deployments.gateway.models import CallerKey, Route
+from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, UserFactory
 
 pytestmark = pytest.mark.django_db

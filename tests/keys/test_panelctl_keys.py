@@ -5,9 +5,10 @@ from unittest import mock
 
 import pytest
 
-from controlpanel import cli, clikeys, tokens
+from controlpanel import cli, clikeys
 from deployments.gateway.config import digest
 from deployments.gateway.models import CallerKey
+from plumbing import tokens
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

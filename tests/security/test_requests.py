@@ -9,7 +9,7 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from controlpanel import tokens
+from plumbing import tokens
 from tests.factories import PASSWORD, DeploymentEventFactory, DeploymentFactory, UserFactory
 
 GB = 1 << 30

@@ -2,22 +2,22 @@
 queues: `node.<name>` (downloads, benchmarks), `node.<name>.plans` (deploy plans, follows,
 worker ranks' launches) and `node.<name>.control` (halts, never expiring), and the loop that re-drives
 lost work from the database (deployments/node/redrive.py). Engine control and plans run on threads of
-their own (controlpanel/pool.py), so they never wait behind downloads and benchmarks.
+their own (plumbing/pool.py), so they never wait behind downloads and benchmarks.
 
     python manage.py nodeagent --name gpu-01 --model-store /models
 """
 import socket
 import threading
 
+from celery import current_app
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
-from controlpanel import pool
-from controlpanel.celery import app as celery_app
-from controlpanel.queue import CONTROL, HOST, PLANS, control_queue, plan_queue
 from deployments.agent import Agent
 from deployments.node import redrive
+from plumbing import pool
+from plumbing.queue import CONTROL, HOST, PLANS, control_queue, plan_queue
 
 AGENT_VERSION = "0.1.0"
 
@@ -71,12 +71,14 @@ class Command(BaseCommand):
             # This node's queues only; other nodes' work never lands here. Every message is taken as it comes
             # (prefetch unlimited: the queues are this node's alone) and run on its lane's threads (the pool);
             # what waits, waits here, received, where the re-drive sees it in hand. One consumer: a second one in
-            # this process took the agent down when Redis went away (before controlpanel/broker.py's fix).
+            # this process took the agent down when Redis went away (before plumbing/broker.py's fix).
             # Without Celery's banner (--quiet, before the sub-command): `./panel start` prints the first admin's
             # password.
-            celery_app.conf.worker_pool = "controlpanel.pool:TaskPool"  # no --pool: the CLI takes only its aliases
-            celery_app.conf.worker_prefetch_multiplier = 0
-            celery_app.worker_main([
+            # current_app: the project's Celery app (controlpanel/celery.py, made as the settings load; its Django
+            # fix-up makes it the default of every thread), reached without importing the wiring.
+            current_app.conf.worker_pool = "plumbing.pool:TaskPool"  # no --pool: the CLI takes only its aliases
+            current_app.conf.worker_prefetch_multiplier = 0
+            current_app.worker_main([
                 "--quiet", "worker", "-Q", ",".join((control_queue(queue), plan_queue(queue), queue)),
                 "-n", f"{name}@%h", "--concurrency", str(concurrency), "--loglevel", "INFO",
                 "--without-gossip", "--without-mingle",

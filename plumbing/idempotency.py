@@ -23,7 +23,7 @@ from django.utils import timezone
 from rest_framework import status
 from rest_framework.response import Response
 
-from controlpanel.models import IdempotencyKey
+from plumbing.models import IdempotencyKey
 
 TTL = timedelta(hours=24)
 PENDING = timedelta(seconds=60)  # longer than any API call that starts work takes; then its process is gone

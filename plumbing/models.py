@@ -4,7 +4,7 @@ from django.utils import timezone
 
 
 class IdempotencyKey(models.Model):
-    """One API call made under an Idempotency-Key, and its answer, replayed to a retry (controlpanel/idempotency.py)."""
+    """One API call made under an Idempotency-Key, and its answer, replayed to a retry (plumbing/idempotency.py)."""
 
     digest = models.CharField(max_length=64, unique=True)  # SHA-256 of the user, the path and the key
     created = models.DateTimeField(default=timezone.now, db_index=True)

@@ -9,7 +9,7 @@ import logging
 
 import redis
 
-from controlpanel import redisconn
+from plumbing import redisconn
 
 VENDOR_LOGGER = "channels_redis.core"
 OVER_CAPACITY = "%s of %s channels over capacity in group %s"

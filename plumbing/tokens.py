@@ -11,6 +11,8 @@ import time
 from django.conf import settings
 from rest_framework.authtoken.models import Token
 
+from plumbing import redisconn
+
 PREFIX = "pct_"  # lets secret scanners and people recognise a panel token
 
 
@@ -30,22 +32,16 @@ def issue(user) -> str:
 # --- throttling of wrong tokens ------------------------------------------------------------------
 
 def _failures_key(address: str) -> str:
-    from controlpanel import redisconn
-
     return redisconn.key("token-failures", address, int(time.time() // 60))
 
 
 def blocked(address: str) -> bool:
     """True when `address` sent more wrong tokens this minute than TOKEN_FAILURES_PER_MINUTE."""
-    from controlpanel import redisconn
-
     return int(redisconn.client().get(_failures_key(address)) or 0) >= settings.TOKEN_FAILURES_PER_MINUTE
 
 
 def failed(address: str) -> None:
     """Count one wrong token from `address` (kept two minutes)."""
-    from controlpanel import redisconn
-
     pipe = redisconn.client().pipeline()
     pipe.incr(_failures_key(address))
     pipe.expire(_failures_key(address), 120)

@@ -1,8 +1,8 @@
-"""Whether a request's credential is valid, before Django's middleware runs (controlpanel/handler.py asks,
+"""Whether a request's credential is valid, before Django's middleware runs (plumbing/handler.py asks,
 to lift the pre-login body cap only for a real user: a header or a cookie alone can be forged).
 
 Runs in a web thread (it reads the database). A wrong API token counts towards the address's token
-throttle like one sent to the API (controlpanel/tokens.py), so a large body is no way around it.
+throttle like one sent to the API (plumbing/tokens.py), so a large body is no way around it.
 """
 import logging
 from importlib import import_module
@@ -13,7 +13,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.http import parse_cookie
 
-from controlpanel import tokens
+from plumbing import tokens
 
 log = logging.getLogger(__name__)
 

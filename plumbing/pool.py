@@ -4,7 +4,7 @@ a thread behind downloads and benchmarks (a Stop always happens).
 Celery gives a worker one pool and its consumer one prefetch window for all its queues: with every
 thread downloading, a halt waited in Redis until the re-drive's bound (12 s) ran it. Here the agent's
 worker takes every message of its queues as it arrives (prefetch unlimited, set by nodeagent: the
-queues are this node's alone) and runs each on the lane of its task (controlpanel/queue.py `lane`):
+queues are this node's alone) and runs each on the lane of its task (plumbing/queue.py `lane`):
 - `control`: halts and forgets (short; LANE_THREADS),
 - `plans`: plans, follows, worker ranks' launches, persist (a plan holds its thread while the engine
   loads; LANE_THREADS, about one per engine a node loads at once),
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from celery.concurrency import thread
 from celery.concurrency.base import apply_target
 
-from controlpanel import queue
+from plumbing import queue
 
 LANE_THREADS = {queue.CONTROL: 2, queue.PLANS: 8}  # nodeagent's --control-threads and --plan-threads
 

@@ -1,7 +1,7 @@
 """DRF permissions: any role may read, only operators may change."""
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 
-from controlpanel.roles import is_operator, is_viewer
+from plumbing.roles import is_operator, is_viewer
 
 
 class IsViewerOrOperator(BasePermission):

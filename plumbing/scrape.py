@@ -10,7 +10,7 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.permissions import BasePermission
 from rest_framework.settings import api_settings
 
-from controlpanel.roles import is_viewer
+from plumbing.roles import is_viewer
 
 SCRAPER = "metrics-token"  # request.auth for a caller that showed METRICS_TOKEN
 

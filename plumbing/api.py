@@ -5,8 +5,8 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from controlpanel.errors import ServiceError
-from controlpanel.params import ParamError
+from plumbing.errors import ServiceError
+from plumbing.params import ParamError
 
 # Service refusals that are about the state of things (busy, exists, no room) answer 409;
 # the rest are bad input (400).

@@ -9,7 +9,7 @@ agent's worker with `node.<name>` (downloads, benchmarks):
 - `node.<name>.control`: halts and forgets, short, never expiring (a node that was away owes its stops
   when it returns; deployments/node/redrive.py re-drives one that was lost or kept waiting for a thread).
 - `node.<name>.plans`: plans, follows and worker ranks' launches; a plan keeps its expiry.
-The agent's worker takes the three and runs each task on the threads of its `lane` (controlpanel/pool.py),
+The agent's worker takes the three and runs each task on the threads of its `lane` (plumbing/pool.py),
 so a halt or a plan never waits for a thread behind downloads and benchmarks.
 """
 from celery import current_app

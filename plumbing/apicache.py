@@ -40,11 +40,10 @@ from django.http import HttpResponse
 from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication
 
-from controlpanel import tokens as panel_tokens
-from controlpanel.tokens import digest as token_digest
-
-from controlpanel import redisconn
-from controlpanel.roles import group_names, is_operator
+from plumbing import redisconn
+from plumbing import tokens as panel_tokens
+from plumbing.roles import group_names, is_operator
+from plumbing.tokens import digest as token_digest
 
 log = logging.getLogger(__name__)
 LIVE = "live"  # bumped by each telemetry sample
@@ -376,7 +375,7 @@ class CachedTokenAuthentication(TokenAuthentication):
         return super().authenticate(request)
 
     def authenticate_credentials(self, key):
-        key = token_digest(key)  # the table holds digests only (controlpanel/tokens.py)
+        key = token_digest(key)  # the table holds digests only (plumbing/tokens.py)
         try:
             current = request_versions(self.request)
         except redis.RedisError:

@@ -25,7 +25,7 @@ from django.conf import settings
 from django.http import HttpResponse
 from django.urls import set_script_prefix
 
-from controlpanel import credentials
+from plumbing import credentials
 
 
 class BodyTooLarge(Exception):
