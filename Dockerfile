@@ -7,6 +7,7 @@ COPY controlpanel controlpanel
 COPY deployments deployments
 COPY benchmarks benchmarks
 COPY plumbing plumbing
+COPY panelctl panelctl
 RUN pip install .
 COPY . .
 # The settings refuse to load without a real key; this throwaway one only signs nothing at build time.

@@ -30,7 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from controlpanel import launcher  # noqa: E402
+from panelctl import launcher  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 VLLM = ROOT / ".engine-venv" / "bin" / "vllm"

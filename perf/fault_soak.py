@@ -41,7 +41,7 @@ def run_round(args, seed: int, basetemp: Path) -> tuple[collections.Counter, col
                FAULT_OUTAGE_S=str(args.outage_s), FAULT_SEED=str(seed))
     report = basetemp.parent / f"{basetemp.name}.xml"
     # (each test's timeout grows with its repetition count: no --timeout needed here)
-    argv = [sys.executable, "-m", "controlpanel.launcher", "test", "tests/faults", "-p", "no:cacheprovider",
+    argv = [sys.executable, "-m", "panelctl.launcher", "test", "tests/faults", "-p", "no:cacheprovider",
             "--basetemp", str(basetemp), f"--junitxml={report}", *args.pytest_args]
     proc = subprocess.run(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sys.stdout.write(proc.stdout)

@@ -65,7 +65,7 @@ def main():
         Path(args.out).write_text(json.dumps(seen))
         return
 
-    from controlpanel import launcher
+    from panelctl import launcher
 
     load_before = os.getloadavg()[0]
     var = Path(tempfile.mkdtemp(prefix="perf-fleet-"))

@@ -121,7 +121,7 @@ def measure(direct, gateway, body, concurrency, seconds, repeats=1, gateway_proc
 
 def setup_panel(var: Path, children):
     """SQLite + embedded Redis + migrations in this process; returns the env for child processes."""
-    from controlpanel import launcher
+    from panelctl import launcher
 
     os.environ.update(PANEL_VAR_DIR=str(var), DJANGO_SETTINGS_MODULE="controlpanel.settings",
                       CHANNELS_PREFIX=f"perfgw{os.getpid()}", SECRET_KEY=secrets.token_urlsafe(50))
@@ -181,7 +181,7 @@ def changed():
 
 
 def start_sched(children, *flags) -> str:
-    from controlpanel import launcher
+    from panelctl import launcher
 
     port = launcher.free_port()
     children.start("schedserver", [sys.executable, "tests/schedserver.py", "--port", str(port), *flags],
@@ -207,8 +207,8 @@ def start_gateway(children, env, log: Path):
 def start_engine(children, var: Path, core: int | None) -> tuple[int, str]:
     """The tiny model on the CPU vLLM; with `core`, every process and thread of it (API server, EngineCore,
     the worker's OpenMP thread) on that core alone."""
-    from controlpanel import launcher
     from deployments.host import enginecli
+    from panelctl import launcher
 
     port, key = launcher.free_port(), secrets.token_urlsafe(32)
     argv = enginecli.build_argv(str(VLLM), str(TINY_MODEL), port, "127.0.0.1", {
@@ -364,7 +364,7 @@ def main():
                              "shared machine would otherwise decide the figures")
     args = parser.parse_args()
     levels = [int(c) for c in args.levels.split(",")]
-    from controlpanel import launcher
+    from panelctl import launcher
 
     load_start = os.getloadavg()[0]
     var = Path(tempfile.mkdtemp(prefix="perf-gateway-"))

@@ -213,7 +213,7 @@ def main():
 
     import logging
 
-    from controlpanel import launcher
+    from panelctl import launcher
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     var = Path(tempfile.mkdtemp(prefix="perf-metrics-"))

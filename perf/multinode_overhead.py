@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
 
-from controlpanel import launcher  # noqa: E402
+from panelctl import launcher  # noqa: E402
 from deploy_overhead import FirstHealth, percentile, process_started_at, stop_engines, wait  # noqa: E402
 
 VLLM = ROOT / ".engine-venv" / "bin" / "vllm"

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controlpanel import launcher  # noqa: E402
 from deployments.host import engine, loadphases, pagecache  # noqa: E402
+from panelctl import launcher  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 VLLM = Path(os.environ.get("ENGINE_VENV", ROOT / ".engine-venv")) / "bin" / "vllm"

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     reboots = sys.argv[1] if len(sys.argv) > 1 else "10"
     env = dict(os.environ, FAULT_REBOOTS=reboots)
-    argv = ["flock", "/tmp/heavy.lock", str(ROOT / ".venv/bin/python"), "-m", "controlpanel.launcher", "test",
+    argv = ["flock", "/tmp/heavy.lock", str(ROOT / ".venv/bin/python"), "-m", "panelctl.launcher", "test",
             "tests/faults/test_reboot.py", "-q", "-p", "no:randomly"]
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     print(out.stdout[-2000:])

@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from controlpanel import launcher  # noqa: E402
+from panelctl import launcher  # noqa: E402
 
 FAKE_VLLM = ROOT / "tests" / "faults" / "fakevllm" / "vllm"
 CONCURRENCY, TOKENS, REQUESTS, GAP_MS, TTFT_MS, JITTER = 4, 24, 16, 2.0, 5.0, 0.05

@@ -1,4 +1,4 @@
-"""A swap pair on the whole panel (controlpanel.launcher: web, workers, node agent, embedded Redis, SQLite), driven
+"""A swap pair on the whole panel (panelctl.launcher: web, workers, node agent, embedded Redis, SQLite), driven
 through the REST API as a user's script would: deployment A serving and B started asleep on the same GPU (the whole
 host on a node without GPUs), then swaps back and forth, each timed from the request to the target answering
 "ready", beside the engine's own sleep and wake calls as the agent timed them. Used by perf/swap.py and

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("controlpanel", "deployments", "benchmarks", "plumbing")
+PACKAGES = ("controlpanel", "deployments", "benchmarks", "plumbing", "panelctl")
 NODE_SIDE = ("deployments.node", "deployments.host")
 CONTROL_PLANE = ("deployments.services", "deployments.views", "deployments.api", "deployments.forms",
                  "controlpanel.settings", "controlpanel.urls", "controlpanel.asgi", "controlpanel.routing")

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("controlpanel", "deployments", "benchmarks", "plumbing", "tests", "templates", "static", "perf", "scripts")
+FOLDERS = ("controlpanel", "deployments", "benchmarks", "plumbing", "panelctl", "tests", "templates", "static", "perf",
+           "scripts")
 SKIPPED_DIRS = {"migrations", "__pycache__", "node_modules"}
 VENDORED = ROOT / "static" / "vendor"
 TICKET = re.compile(r"\b(?:issues?|tickets?) ?#?\d+\b", re.IGNORECASE)

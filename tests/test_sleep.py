@@ -4,11 +4,11 @@ from unittest import mock
 
 import pytest
 
-from controlpanel import cli
 from deployments.gateway.models import Route
 from deployments.models import Deployment
 from deployments.node import sleep
 from deployments.services import deploys, sleepgate, sleeps
+from panelctl import cli
 from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 

@@ -1,5 +1,5 @@
 """The test tiers docs/testing.md names: `./panel test --fast` selects by marker, CI lists the slowest tests."""
-from controlpanel import launcher
+from panelctl import launcher
 
 
 def test_the_fast_tier_leaves_out_every_test_that_needs_an_engine_browser_or_killed_process():

@@ -7,7 +7,7 @@ import pytest
 from celery.app.task import Task
 
 from benchmarks.models import Study
-from controlpanel import cli
+from panelctl import cli
 from plumbing import tokens
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
 

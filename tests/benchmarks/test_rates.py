@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 from benchmarks import services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
-from controlpanel import cli
+from panelctl import cli
 from plumbing import tokens
 from tests.schedserver import SchedServer
 

@@ -12,7 +12,7 @@ from rest_framework.test import APIClient
 from benchmarks import services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun
-from controlpanel import cli
+from panelctl import cli
 from plumbing import tokens
 from tests.benchmarks.test_rates import URL, api  # noqa: F401 - an operator's API client, URL allowed
 from tests.schedserver import SchedServer

@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 
 from benchmarks import services, studies, studyestimate
 from benchmarks.models import BenchmarkRun
-from controlpanel import clitune
+from panelctl import tune
 from tests.benchmarks.test_studies import WORKLOAD, d, loaded, make, past_run, sent  # noqa: F401 (fixtures)
 from tests.schedserver import SchedServer
 
@@ -28,7 +28,7 @@ def test_a_first_estimate_with_nothing_measured_says_it_is_a_guess_everywhere_it
     api.force_authenticate(operator)
     body = api.get(f"/api/studies/{study.pk}/").json()
     assert body["estimate_basis"].startswith("a guess: ") and body["live"]["estimate_basis"] == body["estimate_basis"]
-    shown = clitune._lines({**body, "took_s": 60.0})
+    shown = tune._lines({**body, "took_s": 60.0})
     assert any(line.startswith("Took 1.0 min (estimated ") and ", a guess: " in line for line in shown), shown
 
 

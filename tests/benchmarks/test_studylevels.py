@@ -7,8 +7,8 @@ from django.utils import timezone
 
 from benchmarks import studies, studylevels
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study
-from controlpanel import cli
 from deployments.models import Deployment
+from panelctl import cli
 from plumbing import tokens
 from tests.benchmarks.test_studies import comes_up, current, d, sent, step  # noqa: F401 - fixtures
 

@@ -10,7 +10,7 @@ from benchmarks import services, studyestimate, studyresults
 from benchmarks.forms import parse_rates
 from benchmarks.models import BenchmarkRun, Study
 from benchmarks.studyviews import StudyForm
-from controlpanel import cli, clibase, clitune
+from panelctl import cli, client, rates, tune
 from tests.benchmarks import test_studyrates as rate_study
 from tests.benchmarks.test_studies import d, loaded, past_run, sent  # noqa: F401 - fixtures
 
@@ -103,14 +103,14 @@ def test_panelctl_tune_start_sends_rates_as_panelctl_bench_does_and_a_rule_at_a_
 
     words = ["tune", "start", d.name, "--variant", "max-num-seqs=1", "--concurrency", "4", "--rate", "2,8",
              "--burstiness", "0.5", "--rule", "throughput:8/s", "--repeats", "1"]
-    body = clitune._body(Panel(), cli.parser().parse_args(words))
+    body = tune._body(Panel(), cli.parser().parse_args(words))
     bench = cli.parser().parse_args(["bench", d.name, "--rate", "2,8", "--burstiness", "0.5"])
     assert {k: body["workload"][k] for k in ("rates", "burstiness")} == {"rates": [2.0, 8.0], "burstiness": 0.5}
-    assert {k: body["workload"][k] for k in cli.clirate.rate_body(bench)} == cli.clirate.rate_body(bench)
+    assert {k: body["workload"][k] for k in rates.rate_body(bench)} == rates.rate_body(bench)
     assert body["rule"] == {"kind": "throughput", "level": "8/s"}
-    assert clitune._rule("ttft:4:500") == {"kind": "throughput_under_ttft", "level": 4, "ttft_p95_ms": 500.0}
-    with pytest.raises(clibase.CliError, match="a rate, 4/s"):
-        clitune._rule("throughput:fast")
+    assert tune._rule("ttft:4:500") == {"kind": "throughput_under_ttft", "level": 4, "ttft_p95_ms": 500.0}
+    with pytest.raises(client.CliError, match="a rate, 4/s"):
+        tune._rule("throughput:fast")
     created = api.post("/api/studies/", body, format="json")
     assert created.status_code == 202, created.json()
     study = Study.objects.get(pk=created.json()["id"])

@@ -7,8 +7,8 @@ from django.utils import timezone
 
 from benchmarks import studies, studylevels
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study
-from controlpanel import cli
 from deployments.models import Deployment
+from panelctl import cli
 from plumbing import tokens
 from tests.benchmarks import test_studylevels as studylevels_tests
 from tests.benchmarks.test_studies import d, sent  # noqa: F401 - fixtures

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import workloads
 from benchmarks.models import Workload
-from controlpanel import cli
+from panelctl import cli
 from plumbing import tokens
 
 pytestmark = pytest.mark.django_db

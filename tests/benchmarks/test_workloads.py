@@ -12,7 +12,7 @@ from rest_framework.test import APIClient
 from benchmarks import services, workloads
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun, Workload
-from controlpanel import cli
+from panelctl import cli
 from plumbing import tokens
 from tests.schedserver import SchedServer
 
@@ -194,7 +194,7 @@ def test_the_workloads_page_saves_a_trace_shows_its_preview_and_refuses_a_bad_fi
 
 
 def test_panelctl_says_the_engines_hit_rate_beside_what_the_workload_could_reuse():
-    from controlpanel.cliworkload import prefix_line
+    from panelctl.workloads import prefix_line
 
     point = {"server_metrics": {"prefix_cache": {"queries": 3006.0, "hits": 1152.0, "hit_rate": 0.3832}},
              "prefix_reuse": {"prompt_tokens": 3006, "reusable_tokens": 1488, "share": 0.495}}

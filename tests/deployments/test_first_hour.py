@@ -5,9 +5,9 @@ from unittest import mock
 import pytest
 from django.urls import reverse
 
-from controlpanel import cli
 from deployments.models import Deployment
 from deployments.services import deploys
+from panelctl import cli, client
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -122,7 +122,7 @@ def test_pages_write_sizes_in_binary_units_with_the_unit(client, operator):
     assert "5.0 GiB" in page and " GB" not in page and " MB" not in page
 
 
-class ApiPanel(cli.Panel):
+class ApiPanel(client.Panel):
     """panelctl's client answered by the API in-process (the real views and serializers)."""
 
     def __init__(self, client):
@@ -132,7 +132,7 @@ class ApiPanel(cli.Panel):
         response = (self.client.get(f"/api/{path}", params or {}) if method == "GET"
                     else self.client.post(f"/api/{path}", json or {}, format="json"))
         if response.status_code >= 400:
-            raise cli.CliError(response.json()["error"]["message"], cli.EXIT.get(response.status_code, 6))
+            raise client.CliError(response.json()["error"]["message"], client.EXIT.get(response.status_code, 6))
         return response.json()
 
 
@@ -155,7 +155,7 @@ def test_panelctl_deploy_to_an_existing_name_says_to_replace_then_redeploys(api,
     args = cli.parser().parse_args(argv)
     assert args.fn(ApiPanel(api), args) == 0
     Deployment.objects.filter(name="mine").update(status=Deployment.Status.READY)
-    with pytest.raises(cli.CliError, match="--replace") as refused:
+    with pytest.raises(client.CliError, match="--replace") as refused:
         args.fn(ApiPanel(api), args)
     assert refused.value.code == 3
     args = cli.parser().parse_args([*argv, "--replace"])
@@ -172,7 +172,7 @@ def test_panelctl_deploy_without_a_node_takes_the_one_holding_the_model_ready(ap
     assert Deployment.objects.get().node == node
     elsewhere = ModelRepoFactory()
     args = cli.parser().parse_args(["deploy", str(elsewhere.pk)])
-    with pytest.raises(cli.CliError, match="Give --node") as refused:
+    with pytest.raises(client.CliError, match="Give --node") as refused:
         args.fn(ApiPanel(api), args)
     assert refused.value.code == 2
 

@@ -11,12 +11,13 @@ from django.urls import reverse
 from django.utils import timezone
 
 from benchmarks import studies
-from controlpanel import cli
 from deployments.forms import DeployForm
 from deployments.host import enginecli, preflight
 from deployments.models import Deployment, DeploymentRank, Node
 from deployments.node import ranks, watch
 from deployments.services import deploys, multinode
+from panelctl import cli, client
+from panelctl.deployments import _placement
 from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, StudyFactory
 
@@ -338,11 +339,11 @@ def test_auto_restart_is_not_tried_when_a_worker_nodes_gpus_were_taken_meanwhile
 
 
 def test_panelctl_takes_each_node_once_the_first_as_head_each_with_its_own_gpus():
-    assert cli._placement(["gpu-a", "gpu-b:2,3"]) == {"gpu-a": None, "gpu-b": [2, 3]}
-    with pytest.raises(cli.CliError, match="--node gpu-a is given twice"):
-        cli._placement(["gpu-a", "gpu-a:1"])
-    with pytest.raises(cli.CliError, match="GPU indices are numbers separated by commas"):
-        cli._placement(["gpu-a", "gpu-b:x"])
+    assert _placement(["gpu-a", "gpu-b:2,3"]) == {"gpu-a": None, "gpu-b": [2, 3]}
+    with pytest.raises(client.CliError, match="--node gpu-a is given twice"):
+        _placement(["gpu-a", "gpu-a:1"])
+    with pytest.raises(client.CliError, match="GPU indices are numbers separated by commas"):
+        _placement(["gpu-a", "gpu-b:x"])
 
 
 # --- data-parallel layouts (DP > 1): vLLM's data-parallel launch, whole replicas per node ------------

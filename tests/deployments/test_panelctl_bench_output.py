@@ -1,6 +1,6 @@
 """panelctl bench's lines say what was measured: a level with no TPOT (every token came in one read)
 prints a dash, never a made-up 0.00, and a finished run says where it saturated, as the run page and the API do."""
-from controlpanel import cli
+from panelctl import runs
 
 POINT = {"concurrency": 1, "output_throughput": 120.0, "ttft_ms": {"median": 41.5}, "tpot_ms": {},
          "tok_s_per_user": 0.0, "prompt_tokens_requested": 32, "prompt_tokens_mean": 32.0}
@@ -25,7 +25,7 @@ def test_a_level_without_tpot_prints_a_dash_and_the_run_says_where_it_saturated(
     args = cli.parser().parse_args(["bench", "http://e:8000", "--model", "m", "--concurrency", "1,2",
                                     "--max-tokens", "16", "--input-tokens", "32", "--requests-per-user", "1", "--wait",
                                     "--timeout", "5"])
-    assert cli.cmd_bench(Panel(), args) == 0
+    assert runs.cmd_bench(Panel(), args) == 0
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip().startswith("c=")]
     assert "TPOT — ms" in lines[0] and "0.00" not in lines[0], lines

@@ -3,8 +3,8 @@ exits 3 naming the fit, an operator's --override-fit exits 4, an admin's deploys
 model-remove forgets a model added by mistake and refuses one that has a copy, saying so."""
 import pytest
 
-from controlpanel import cli
 from deployments.models import Deployment, ModelRepo
+from panelctl import cli
 from plumbing import tokens
 from tests.deployments.test_panelctl_refusals import login  # noqa: F401 (a fixture)
 from tests.factories import ModelCopyFactory, ModelRepoFactory, NodeFactory, UserFactory

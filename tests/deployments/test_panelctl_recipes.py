@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from controlpanel import cli
 from deployments.models import Recipe
+from panelctl import cli
 from plumbing import tokens
 from tests.factories import UserFactory
 

@@ -8,9 +8,9 @@ from unittest import mock
 import pytest
 from celery.app.task import Task
 
-from controlpanel import cli
 from deployments import callit
 from deployments.models import Deployment, ModelRepo, Node
+from panelctl import cli, status
 from plumbing import tokens
 from tests.factories import DeploymentEventFactory, DeploymentFactory, ModelCopyFactory, NodeFactory
 from tests.hfserver import serve
@@ -125,7 +125,7 @@ def test_wait_prints_only_what_happens_after_the_request(capsys):
            _event(4, "queued", "Queued again."), _event(5, "smoke_test", "Old smoke test.")]
     new = [_event(6, "stop", "Stop requested."), _event(7, "halt", "Engine stopped.")]
     args = cli.parser().parse_args(["stop", "tiny", "--wait"])
-    assert cli._wait_deployment(Timeline(old, new), {"id": 1, "name": "tiny"}, args, want="stopped", since="stop") == 0
+    assert status.wait_deployment(Timeline(old, new), {"id": 1, "name": "tiny"}, args, want="stopped", since="stop") == 0
     err = capsys.readouterr().err
     assert "Stop requested." in err and "Engine stopped." in err
     assert not any(e["message"] in err for e in old)

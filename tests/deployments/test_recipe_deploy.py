@@ -13,10 +13,10 @@ from celery.app.task import Task
 from django.urls import reverse
 from rest_framework.test import APIClient
 
-from controlpanel import cli
 from deployments.host import enginecli
 from deployments.models import Deployment, Recipe
 from deployments.services import deploys, recipes
+from panelctl import cli
 from plumbing import tokens
 from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, UserFactory

@@ -163,7 +163,7 @@ def test_the_pages_show_each_start_and_the_models_compile_cache(operator_client,
 
 
 def test_panelctl_deploy_sends_the_option_and_says_why_it_is_refused(live_server_asgi, operator, model, node, capsys):
-    from controlpanel import cli
+    from panelctl import cli
     from plumbing import tokens
 
     login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]

@@ -30,7 +30,7 @@ LEVEL, OUT_TOKENS, PROMPTS = 4, 16, 32
 
 
 def panelctl(env, *args, timeout=400):
-    result = subprocess.run([sys.executable, "-m", "controlpanel.cli", *args], env=env, cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "panelctl.cli", *args], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
     return result.returncode, result.stdout, result.stderr
 

@@ -8,7 +8,7 @@ Two production paths, each run for real:
   (PANEL_ENGINE_RUNTIME=docker, through the real `docker` SDK); `docker restart` of the agent container.
   Its control: with engines as the agent's own processes (PANEL_ENGINE_RUNTIME=process, the old compose
   path), the same restart takes the engine down, which is why compose uses the container runtime.
-- `./panel start` (controlpanel.launcher): Ctrl-C, then start again, as an upgrade does; engines run in
+- `./panel start` (panelctl.launcher): Ctrl-C, then start again, as an upgrade does; engines run in
   sessions of their own on the host and the launcher stops only its own children.
 The engine is tests/faults/fakevllm (a real vLLM adds nothing here: what survives is a process, not a model)."""
 import os
@@ -187,10 +187,10 @@ def test_engines_that_are_the_agent_containers_own_processes_die_with_it(docker_
 
 @pytest.fixture
 def panel(process_env, private_redis, spawn, unique, tmp_path):
-    """`./panel start` (python -m controlpanel.launcher start) on this test's database and private Redis;
+    """`./panel start` (python -m panelctl.launcher start) on this test's database and private Redis;
     yields a function that (re)starts it and returns its node; stopped with Ctrl-C's SIGINT at the end."""
     env = agent_env(process_env, tmp_path, REDIS_URL=private_redis.url, PANEL_ADMIN_PASSWORD="correct-horse-battery-9")
-    argv = [sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(free_port()),
+    argv = [sys.executable, "-m", "panelctl.launcher", "start", "--port", str(free_port()),
             "--gateway-port", str(free_port()), "--node-name", f"up-{unique}"]
     running, agents = [], set()
 

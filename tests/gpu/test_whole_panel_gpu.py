@@ -38,7 +38,7 @@ NOT_THE_PANELS = ("SECRET_KEY", "SECRET_KEY_FILE", "DATABASE_URL", "REDIS_URL", 
 
 
 class Panel:
-    """`python -m controlpanel.launcher start` in a folder of its own, logged in as its first admin."""
+    """`python -m panelctl.launcher start` in a folder of its own, logged in as its first admin."""
 
     def __init__(self, base: Path, vllm: Path):
         self.base, self.var = base, base / "var"
@@ -50,7 +50,7 @@ class Panel:
                    PANEL_ADMIN_PASSWORD=self.password, PYTHONUNBUFFERED="1")
         self.log = base / "panel.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(self.port),
+            self.proc = subprocess.Popen([sys.executable, "-m", "panelctl.launcher", "start", "--port", str(self.port),
                                           "--gateway-port", str(free_port()), "--node-name", NODE], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=30)
@@ -218,7 +218,7 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
         panel_pids = {str(p.pid): " ".join(p.cmdline()[:4]) for p in panel.processes()}
         agent = next(pid for pid, cmd in panel_pids.items() if "nodeagent" in cmd)
         probed = {pid: (report["environ"][pid], report["kill"][pid]) for pid in panel_pids if pid in report["environ"]}
-        for role in ("nodeagent", "uvicorn", "celery", "redis-server", "controlpanel.launcher"):
+        for role in ("nodeagent", "uvicorn", "celery", "redis-server", "panelctl.launcher"):
             assert any(role in panel_pids[pid] for pid in probed), f"{role} was not probed: {panel_pids} {sorted(probed)}"
         assert probed[agent] == (errno.EACCES, errno.EPERM)
         assert set(probed.values()) == {(errno.EACCES, errno.EPERM)}, {panel_pids[p]: v for p, v in probed.items()}

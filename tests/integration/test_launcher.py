@@ -31,7 +31,7 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
     env.update(PANEL_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1", NODE_NAME="launcher-node", HF_ENDPOINT=slow_hub)
     port, gateway_port = free_port(), free_port()
     log = open(tmp_path / "launcher.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "controlpanel.launcher", "start", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "panelctl.launcher", "start", "--port", str(port),
                              "--gateway-port", str(gateway_port)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -98,7 +98,7 @@ def test_the_launcher_starts_everything_logs_in_and_stops_everything(tmp_path, s
 
 
 def test_a_second_start_does_not_print_a_new_password(tmp_path):
-    from controlpanel import launcher
+    from panelctl import launcher
 
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     env["PANEL_VAR_DIR"] = str(tmp_path)
@@ -111,7 +111,7 @@ def test_panel_test_hands_every_argument_to_pytest_leading_options_included(tmp_
     # `./panel test -x -k EXPR --lf ...`: options come first, as a developer types them. Collection only,
     # so the run needs no Redis (REDIS_URL set keeps the launcher from starting one).
     env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:9/0"}
-    argv = [sys.executable, "-m", "controlpanel.launcher", "test", "-x", "-k", "second_start", "--lf",
+    argv = [sys.executable, "-m", "panelctl.launcher", "test", "-x", "-k", "second_start", "--lf",
             "-o", f"cache_dir={tmp_path}", "--collect-only", "-q", "tests/integration/test_launcher.py"]
     run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -121,7 +121,7 @@ def test_panel_test_hands_every_argument_to_pytest_leading_options_included(tmp_
 
 
 def test_a_weak_first_admin_password_is_refused_with_the_validators_reasons(tmp_path):
-    from controlpanel import launcher
+    from panelctl import launcher
 
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     env.update(PANEL_VAR_DIR=str(tmp_path), PANEL_ADMIN_USER="admin", PANEL_ADMIN_PASSWORD="admin")

@@ -5,9 +5,10 @@ from unittest import mock
 
 import pytest
 
-from controlpanel import cli, clikeys
 from deployments.gateway.config import digest
 from deployments.gateway.models import CallerKey
+from panelctl import cli, keys
+from panelctl.deployments import cmd_deploy
 from plumbing import tokens
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -48,8 +49,8 @@ def test_bad_input_exits_2_with_the_reason(login, capsys):
 
 
 def test_expiry_is_read_as_hours_days_or_a_utc_date():
-    assert clikeys.expiry("2027-01-31") == "2027-01-31T00:00:00+00:00"
-    assert clikeys.expiry("") is None and clikeys.expiry("12h") > clikeys.expiry("2026-01-01")
+    assert keys.expiry("2027-01-31") == "2027-01-31T00:00:00+00:00"
+    assert keys.expiry("") is None and keys.expiry("12h") > keys.expiry("2026-01-01")
 
 
 def test_deploy_sends_the_aliases_and_the_bounds():
@@ -59,7 +60,7 @@ def test_deploy_sends_the_aliases_and_the_bounds():
     panel.post.return_value = {"name": "d", "id": 1, "gpus": [0], "port": 8000, "engine_args": {}}
     args = cli.parser().parse_args(["deploy", "1", "--node", "n1", "--alias", "kimi", "--alias", "k2",
                                     "--max-in-flight", "8", "--queue-bound", "2", "--media-domain", "img.example.com"])
-    assert cli.cmd_deploy(panel, args) == 0
+    assert cmd_deploy(panel, args) == 0
     body = panel.post.call_args.args[1]
     assert (body["aliases"], body["max_in_flight"], body["queue_bound"], body["media_domains"]) == (
         ["kimi", "k2"], 8, 2, ["img.example.com"])

@@ -9,7 +9,7 @@ import pytest
 import redis
 import yaml
 
-from controlpanel import cli, launcher
+from panelctl import cli, launcher
 from tests.conftest import ROOT
 
 

@@ -110,7 +110,7 @@ def test_the_form_reads_marked_names_and_refuses_one_not_in_env():
 
 
 def test_panelctl_deploy_sends_secret_env():
-    from controlpanel import cli
+    from panelctl import cli
 
     args = cli.parser().parse_args(["deploy", "org/m", "--node", "n", "--env", "VLLM_MY_VAR=x", "--secret-env", "VLLM_MY_VAR"])
     assert args.secret_env == ["VLLM_MY_VAR"]

@@ -13,7 +13,7 @@ to remove one). Exit codes as for the rest of panelctl; `status --wait` exits 1 
 """
 import time
 
-from controlpanel import clibase, clirate
+from panelctl import client, rates
 
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -24,11 +24,11 @@ def _settings(words: list[str]) -> dict:
     for word in words:
         name, sep, value = word.partition("=")
         if not sep or not name:
-            raise clibase.CliError(f"{word!r}: write NAME=VALUE", clibase.BAD_INPUT)
+            raise client.CliError(f"{word!r}: write NAME=VALUE", client.BAD_INPUT)
         if name.isupper():
             out["env"][name] = value
         else:
-            out["engine_args"][name.lstrip("-")] = True if value == "" else clibase._number(value)
+            out["engine_args"][name.lstrip("-")] = True if value == "" else client.number(value)
     return out
 
 
@@ -51,8 +51,8 @@ def _rule(text: str) -> dict:
             return {"kind": "throughput_under_ttft", "level": _level(level), "ttft_p95_ms": float(budget)}
         except ValueError:
             pass
-    raise clibase.CliError(f"--rule {text!r}: throughput:LEVEL, single_stream or ttft:LEVEL:P95_MS (a LEVEL is a "
-                           "concurrency, 16, or a rate, 4/s)", clibase.BAD_INPUT)
+    raise client.CliError(f"--rule {text!r}: throughput:LEVEL, single_stream or ttft:LEVEL:P95_MS (a LEVEL is a "
+                          "concurrency, 16, or a rate, 4/s)", client.BAD_INPUT)
 
 
 def _body(panel, args) -> dict:
@@ -60,17 +60,17 @@ def _body(panel, args) -> dict:
     for item in args.vary or []:
         name, sep, values = item.partition("=")
         if not sep or not values:
-            raise clibase.CliError(f"--vary {item!r}: write NAME=V1,V2,…", clibase.BAD_INPUT)
-        dimensions[name] = [clibase._number(v) if not name.isupper() else v for v in values.split(",")]
+            raise client.CliError(f"--vary {item!r}: write NAME=V1,V2,…", client.BAD_INPUT)
+        dimensions[name] = [client.number(v) if not name.isupper() else v for v in values.split(",")]
     variants = [{"name": "", **_settings(text.split())} for text in args.variant or []]
     workload = {"max_tokens": args.max_tokens, "input_tokens": args.input_tokens, "requests_per_user": args.requests_per_user}
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if levels:
         workload["levels"] = levels
-    workload.update(clirate.rate_body(args))  # --rate 2,4,8 and its arrivals, as panelctl bench sends them
-    body = {"deployment": clibase._deployment(panel, args.deployment)["id"], "variants": variants, "dimensions": dimensions,
-            "workload": workload, "repeats": args.repeats, "order": args.order, "finish_with": args.finish_with,
-            "name": args.name}
+    workload.update(rates.rate_body(args))  # --rate 2,4,8 and its arrivals, as panelctl bench sends them
+    body = {"deployment": client.find_deployment(panel, args.deployment)["id"], "variants": variants,
+            "dimensions": dimensions, "workload": workload, "repeats": args.repeats, "order": args.order,
+            "finish_with": args.finish_with, "name": args.name}
     if args.rule:
         body["rule"] = _rule(args.rule)
     return body
@@ -79,16 +79,16 @@ def _body(panel, args) -> dict:
 def cmd_start(panel, args):
     body = _body(panel, args)
     preview = panel.post("studies/preview/", body)
-    clibase.say(f"{preview['variants']} variants ({', '.join(preview['names'])}), {preview['trials']} trials, "
-                f"about {preview['estimate_s'] / 60:.1f} min ({preview['basis']}).")
+    client.say(f"{preview['variants']} variants ({', '.join(preview['names'])}), {preview['trials']} trials, "
+               f"about {preview['estimate_s'] / 60:.1f} min ({preview['basis']}).")
     if preview.get("warning"):
-        clibase.say(f"Note: {preview['warning']}")
+        client.say(f"Note: {preview['warning']}")
     if args.dry_run:
-        clibase._emit(preview, args.json, [])
+        client.emit(preview, args.json, [])
         return 0
     study = panel.post("studies/", body, key=args.idempotency_key)
-    clibase.say(f"Study {study['id']} started.")
-    return _follow(panel, study["id"], args) if args.wait else clibase._done(study, args)
+    client.say(f"Study {study['id']} started.")
+    return _follow(panel, study["id"], args) if args.wait else client.done(study, args)
 
 
 def _label(level) -> str:
@@ -142,27 +142,27 @@ def _follow(panel, study_id: int, args) -> int:
         if study["live"]["trials_done"] != done:
             done = study["live"]["trials_done"]
             left = study["live"].get("left_s")
-            clibase.say(f"  {done}/{study['live']['trials_total']} trials, {study['status']}"
-                        + (f", about {left / 60:.1f} min left" if left is not None else ""))
+            client.say(f"  {done}/{study['live']['trials_total']} trials, {study['status']}"
+                       + (f", about {left / 60:.1f} min left" if left is not None else ""))
         if study["status"] in TERMINAL:
-            clibase._emit(study, args.json, _lines(study))
-            return 0 if study["status"] != "failed" else clibase.FAILED
+            client.emit(study, args.json, _lines(study))
+            return 0 if study["status"] != "failed" else client.FAILED
         time.sleep(2)
-    clibase.say(f"Timed out after {args.timeout:.0f} s; the study goes on (panelctl tune status {study_id}).")
-    return clibase.TIMED_OUT
+    client.say(f"Timed out after {args.timeout:.0f} s; the study goes on (panelctl tune status {study_id}).")
+    return client.TIMED_OUT
 
 
 def cmd_status(panel, args):
     if args.wait:
         return _follow(panel, args.study, args)
     study = panel.get(f"studies/{args.study}/")
-    clibase._emit(study, args.json, _lines(study))
+    client.emit(study, args.json, _lines(study))
     return 0
 
 
 def cmd_control(panel, args):
     study = panel.post(f"studies/{args.study}/{args.action}/", key=args.idempotency_key)
-    clibase._emit(study, args.json, [f"Study {study['id']}: {study['status']}"])
+    client.emit(study, args.json, [f"Study {study['id']}: {study['status']}"])
     return 0
 
 
@@ -173,26 +173,26 @@ def cmd_apply(panel, args):
     if args.level:
         body["level"] = args.level
     answer = panel.post(f"studies/{args.study}/apply/", body, key=args.idempotency_key)
-    clibase._emit(answer, args.json, [f"Redeploying with {answer['name']} (deployment {answer['deployment']})."])
+    client.emit(answer, args.json, [f"Redeploying with {answer['name']} (deployment {answer['deployment']})."])
     return 0
 
 
 def cmd_list(panel, args):
     items = panel.get("studies/")["results"]
-    clibase._emit(items, args.json, [f"{s['id']:>4}  {s['status']:<10} {s['name']}" for s in items])
+    client.emit(items, args.json, [f"{s['id']:>4}  {s['status']:<10} {s['name']}" for s in items])
     return 0
 
 
 def add(sub, common) -> None:
     """Register `panelctl tune ...` on panelctl's subcommands (`common`: the --json and --idempotency-key parent)."""
     tune = sub.add_parser("tune", help="tuning studies: variants redeployed, benchmarked in repeats, judged")
-    actions = clibase.with_common(tune.add_subparsers(dest="action", required=True), common)
+    actions = client.with_common(tune.add_subparsers(dest="action", required=True), common)
     s = actions.add_parser("start", help="start a study of a deployment (name or id)")
     s.add_argument("deployment")
     s.add_argument("--variant", action="append", metavar="'NAME=VALUE …'", help="one variant's changes, repeatable")
     s.add_argument("--vary", action="append", metavar="NAME=V1,V2", help="a dimension: every combination is a variant")
     s.add_argument("--concurrency", default="", help="levels, e.g. 1,16 (default: as for panelctl bench)")
-    clirate.rate_arguments(s)
+    rates.rate_arguments(s)
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--input-tokens", type=int, default=128)
     s.add_argument("--requests-per-user", type=int, default=4)

@@ -9,7 +9,7 @@ One malformed file refuses the whole import (exit 2), each error naming its file
 """
 from pathlib import Path
 
-from controlpanel.clibase import BAD_INPUT, CliError, _emit, say
+from panelctl.client import BAD_INPUT, CliError, emit, say
 from plumbing import recipefiles
 
 
@@ -27,8 +27,8 @@ def cmd_import(panel, args):
     source = args.source or (folder if folder.is_dir() else folder.parent).resolve().name
     done = panel.post("recipes/import/", {"source": source, "version": version,
                                           "files": [{"path": p, "text": t} for p, t in files]})
-    _emit(done, args.json, [f"Imported {done['models']} recipe(s) and {done['strategies']} strategy file(s) as "
-                            f"{done['source']}" + (f" at {version[:12]}" if version else "") + "."])
+    emit(done, args.json, [f"Imported {done['models']} recipe(s) and {done['strategies']} strategy file(s) as "
+                           f"{done['source']}" + (f" at {version[:12]}" if version else "") + "."])
     return 0
 
 
@@ -37,7 +37,7 @@ def cmd_list(panel, args):
     lines = [f"{r['id']:>4} {r['kind']:<8} {r['name']:<40} {r['source']:<28} {r['version'][:12]:<12} "
              + (f"variants {', '.join(r['variants'])}; {', '.join(r['strategies'])}" if r["kind"] == "model" else "")
              for r in rows]
-    _emit(rows, args.json, lines or ["No recipes."])
+    emit(rows, args.json, lines or ["No recipes."])
     return 0
 
 

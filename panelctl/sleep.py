@@ -1,33 +1,33 @@
 """panelctl: sleep mode — put a deployment to sleep, wake it, swap between two on the same GPUs."""
-from controlpanel import clistatus
-from controlpanel.clibase import CliError, _deployment, _done, say
+from panelctl import status
+from panelctl.client import CliError, done, find_deployment, say
 
 
 def cmd_sleep(panel, args):
-    d = _deployment(panel, args.deployment)
+    d = find_deployment(panel, args.deployment)
     d = panel.post(f"deployments/{d['id']}/sleep/", {"level": args.level}, key=args.idempotency_key)
     say(f"Putting {d['name']} to sleep" + (f" at level {args.level}." if args.level else " (level chosen by free RAM)."))
-    return clistatus.wait_deployment(panel, d, args, want="sleeping", since="sleep") if args.wait else _done(d, args)
+    return status.wait_deployment(panel, d, args, want="sleeping", since="sleep") if args.wait else done(d, args)
 
 
 def cmd_wake(panel, args):
-    d = _deployment(panel, args.deployment)
+    d = find_deployment(panel, args.deployment)
     d = panel.post(f"deployments/{d['id']}/wake/", key=args.idempotency_key)
     say(f"Waking {d['name']}.")
-    return clistatus.wait_deployment(panel, d, args, want="ready", since="wake") if args.wait else _done(d, args)
+    return status.wait_deployment(panel, d, args, want="ready", since="wake") if args.wait else done(d, args)
 
 
 def cmd_swap(panel, args):
-    source, target = _deployment(panel, args.source), _deployment(panel, args.target)
+    source, target = find_deployment(panel, args.source), find_deployment(panel, args.target)
     if source["id"] == target["id"]:
         raise CliError("Swap from one deployment to another.", 2)
     d = panel.post(f"deployments/{source['id']}/swap/", {"to": target["id"]}, key=args.idempotency_key)
     say(f"Swapping {source['name']} for {d['name']}: {source['name']} sleeps, {d['name']} "
         + ("wakes." if target["status"] == "sleeping" else "is deployed again."))
     if not args.wait:
-        return _done(d, args)
-    return clistatus.wait_deployment(panel, d, args, want="ready", since="swap" if target["status"] == "sleeping"
-                                     else "queued")
+        return done(d, args)
+    return status.wait_deployment(panel, d, args, want="ready", since="swap" if target["status"] == "sleeping"
+                                  else "queued")
 
 
 def add(sub) -> None:

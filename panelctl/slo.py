@@ -1,5 +1,5 @@
 """panelctl bench: SLOs (--slo ttft:p99:2s), each level's goodput, and a capacity search (--capacity 1-64)."""
-from controlpanel.clibase import BAD_INPUT, CliError
+from panelctl.client import BAD_INPUT, CliError
 
 
 def slo_arguments(s) -> None:

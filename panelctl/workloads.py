@@ -7,7 +7,7 @@
 """
 from pathlib import Path
 
-from controlpanel.clibase import _emit
+from panelctl.client import emit
 
 
 def cmd_workload_add(panel, args):
@@ -19,15 +19,15 @@ def cmd_workload_add(panel, args):
     if args.file:
         body["file"] = Path(args.file).read_text()
     w = panel.post("workloads/", body, key=args.idempotency_key)
-    _emit(w, args.json, [f"Workload {w['id']} {w['name']} ({w['kind']}): {preview_line(w['preview'])}"])
+    emit(w, args.json, [f"Workload {w['id']} {w['name']} ({w['kind']}): {preview_line(w['preview'])}"])
     return 0
 
 
 def cmd_workloads(panel, args):
     found = panel.get("workloads/")
     rows = found["results"] if isinstance(found, dict) else found
-    _emit(rows, args.json, [f"{w['id']:>4}  {w['name']:<24} {w['kind']:<10} {preview_line(w['preview'])}"
-                            for w in rows] or ["No workloads."])
+    emit(rows, args.json, [f"{w['id']:>4}  {w['name']:<24} {w['kind']:<10} {preview_line(w['preview'])}"
+                           for w in rows] or ["No workloads."])
     return 0
 
 

@@ -1,5 +1,5 @@
 """panelctl bench: open-loop request rates (--rate 2,4,8, --burstiness, --max-concurrency, a ramp)."""
-from controlpanel.clibase import BAD_INPUT, CliError
+from panelctl.client import BAD_INPUT, CliError
 
 
 def rate_arguments(s) -> None:

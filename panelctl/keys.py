@@ -8,8 +8,8 @@
 import re
 from datetime import datetime, timedelta, timezone
 
-from controlpanel import clibase
-from controlpanel.clibase import BAD_INPUT, NOT_FOUND, CliError, _deployment, _emit, say
+from panelctl import client
+from panelctl.client import BAD_INPUT, NOT_FOUND, CliError, emit, find_deployment, say
 
 DURATION = re.compile(r"^(\d{1,5})([hd])$")
 
@@ -45,19 +45,19 @@ def line(k: dict) -> str:
 
 def cmd_create(panel, args):
     body = {"name": args.name, "model_names": args.model or [],
-            "deployments": [_deployment(panel, d)["id"] for d in args.deployment or []],
+            "deployments": [find_deployment(panel, d)["id"] for d in args.deployment or []],
             "expires_at": expiry(args.expires), "rps_limit": args.rps, "tpm_limit": args.tpm,
             "max_concurrency": args.concurrency}
     key = panel.post("keys/", body, key=args.idempotency_key)
     say(f"Created key {key['name']} ({key['prefix']}…): {_limits(key)}. It is shown this once:")
-    _emit(key, args.json, [key["secret"]])
+    emit(key, args.json, [key["secret"]])
     return 0
 
 
 def cmd_list(panel, args):
     params = {} if args.all else {"mine": "1"}
     found = panel.get("keys/", **params)["results"]
-    _emit(found, args.json, [line(k) for k in found] or ["No keys."])
+    emit(found, args.json, [line(k) for k in found] or ["No keys."])
     return 0
 
 
@@ -77,14 +77,14 @@ def _find(panel, ref: str) -> dict:
 def cmd_revoke(panel, args):
     key = panel.post(f"keys/{_find(panel, args.key)['id']}/revoke/", key=args.idempotency_key)
     say(f"Revoked {key['name']} ({key['prefix']}…): every gateway refuses it within a second.")
-    _emit(key, args.json, [])
+    emit(key, args.json, [])
     return 0
 
 
 def add(sub, common) -> None:
     """Register `panelctl keys ...` on panelctl's subcommands."""
     keys = sub.add_parser("keys", help="callers' keys for the node gateways: create, list, revoke")
-    actions = clibase.with_common(keys.add_subparsers(dest="action", required=True), common)
+    actions = client.with_common(keys.add_subparsers(dest="action", required=True), common)
     s = actions.add_parser("create", help="create a key; its secret is printed once, alone on stdout")
     s.add_argument("name", help="what it is for: a team, a script")
     s.add_argument("--model", action="append", metavar="NAME", help="a model name (served name or alias) it may "

@@ -1,5 +1,5 @@
-"""panelctl's plumbing, beneath every command module (cli, clistatus, clitune): the HTTP client, the
-error with its exit code, printing. Command modules import this one, never each other's helpers."""
+"""panelctl's client, beneath every command module: the HTTP client, the error with its exit code, finding a
+deployment by name, printing. Command modules import this one; cli.py imports them all."""
 import json
 import sys
 
@@ -16,7 +16,7 @@ class CliError(Exception):
         self.code = code
 
 
-def _exit_code(response) -> int:
+def exit_code(response) -> int:
     """The exit code of a refusal: by HTTP status, except that a refusal naming something that does not
     exist (a repo or revision the hub does not know, answered 400) is "not found" (5)."""
     try:
@@ -47,7 +47,7 @@ class Panel:
                 message = error["message"] + (f" ({fields})" if fields and fields not in error["message"] else "")
             except (ValueError, KeyError, TypeError):
                 message = response.text[:300]
-            raise CliError(f"{method} {path}: {response.status_code} {message}", _exit_code(response))
+            raise CliError(f"{method} {path}: {response.status_code} {message}", exit_code(response))
         return response.json() if "json" in response.headers.get("content-type", "") else response.text
 
     def get(self, path, **params):
@@ -62,7 +62,7 @@ def say(*parts) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def _number(value: str):
+def number(value: str):
     for kind in (int, float):
         try:
             return kind(value)
@@ -71,7 +71,7 @@ def _number(value: str):
     return {"true": True, "false": False}.get(value.lower(), value)
 
 
-def _deployment(panel: Panel, ref: str) -> dict:
+def find_deployment(panel: Panel, ref: str) -> dict:
     if ref.isdigit():
         return panel.get(f"deployments/{ref}/")
     found = panel.get("deployments/", name=ref)["results"]
@@ -80,7 +80,7 @@ def _deployment(panel: Panel, ref: str) -> dict:
     return panel.get(f"deployments/{found[0]['id']}/")
 
 
-def _emit(data, as_json: bool, lines) -> None:
+def emit(data, as_json: bool, lines) -> None:
     if as_json:
         print(json.dumps(data, indent=2, default=str))
     else:
@@ -88,8 +88,8 @@ def _emit(data, as_json: bool, lines) -> None:
             print(line)
 
 
-def _done(data, args):
-    _emit(data, args.json, [])
+def done(data, args):
+    emit(data, args.json, [])
     return 0
 
 

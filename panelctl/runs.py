@@ -1,0 +1,123 @@
+"""panelctl bench, runs, compare and export: benchmark runs of a deployment or a URL, and their results.
+
+    panelctl bench qwen3-0-6b-cpu-01 --wait             # twice, then:
+    panelctl compare 1 2
+"""
+import json
+import time
+from pathlib import Path
+
+from panelctl import rates, slo, workloads
+from panelctl.client import FAILED, TIMED_OUT, done, emit, find_deployment, say
+
+
+def cmd_bench(panel, args):
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    rate_fields = rates.rate_body(args)
+    body = {"max_tokens": args.max_tokens, "input_tokens": args.input_tokens,
+            "prompt_source": args.prompts, "ignore_eos": not args.no_ignore_eos, "requests_per_user": args.requests_per_user,
+            "stop_when_saturated": not args.past_saturation}
+    if args.prompts_file:
+        body.update(prompt_source="jsonl", prompts_jsonl=Path(args.prompts_file).read_text())
+    if args.target.startswith(("http://", "https://")):
+        body.update(base_url=args.target, served_model=args.model or "")
+    else:
+        body["deployment"] = find_deployment(panel, args.target)["id"]
+    if levels:
+        body["levels"] = levels
+    body.update({"workload": args.workload} if args.workload else {})
+    body.update(rate_fields)
+    body.update(slo.slo_body(args))
+    run = panel.post("runs/", body, key=args.idempotency_key)
+    say(f"Run {run['id']}: {slo.asked(run['params'], rates.asked(run['params']))}.")
+    if not args.wait:
+        return done(run, args)
+    deadline, shown = time.monotonic() + args.timeout, set()
+    while time.monotonic() < deadline:
+        run = panel.get(f"runs/{run['id']}/")
+        points = panel.get(f"runs/{run['id']}/points/")
+        for p in points:
+            if rates.point_key(p) not in shown:
+                shown.add(rates.point_key(p))
+                asked = p.get("prompt_tokens_requested")
+                for line in filter(None, (rates.rate_line(p), workloads.prefix_line(p))):
+                    say(line)
+                if line := slo.slo_line(p):
+                    say(line)
+                say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
+                    f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
+                    f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
+        if run["status"] in ("done", "failed", "cancelled"):
+            if run.get("saturation"):
+                say(f"  {run['saturation']['text']}")
+            if (run.get("capacity") or {}).get("text"):
+                say(run["capacity"]["text"])
+            for warning in run.get("warnings") or []:
+                say(f"  note: {warning}")
+            result = {**run, "points": points}
+            emit(result, args.json, [f"Run {run['id']} {run['status']}"
+                                     + (f": single stream {run['single_stream_tok_s']:.1f} tok/s" if run["single_stream_tok_s"] else "")
+                                     + (f" — {run['error']}" if run["error"] else "")])
+            return 0 if run["status"] == "done" else FAILED
+        time.sleep(2)
+    say(f"Timed out after {args.timeout:.0f} s; the run goes on (panelctl runs).")
+    return TIMED_OUT
+
+
+def _ms(quantiles: dict, digits: int) -> str:
+    """A median in ms, or a dash where none was measured (a level whose tokens all came in one read has no TPOT:
+    never a made-up 0)."""
+    return f"{quantiles['median']:.{digits}f} ms" if quantiles.get("median") is not None else "— ms"
+
+
+def cmd_runs(panel, args):
+    runs = panel.get("runs/")["results"]
+    emit(runs, args.json, [f"{r['id']:>4} {r['status']:<10} {r['name']}" for r in runs])
+    return 0
+
+
+def cmd_compare(panel, args):
+    data = panel.get("runs/compare/", ids=",".join(args.runs))
+    lines = []
+    for r in data["runs"]:
+        best = max((p["output_throughput"] for p in r["points"]), default=0)
+        lines.append(f"{r['id']:>4} {r['name']:<40} single {r['single_stream_tok_s'] or 0:8.1f} tok/s  best {best:10,.1f} tok/s")
+    lines += [f"     {d['setting']}: {d['a']} -> {d['b']}" for d in data["diff"]]
+    emit(data, args.json, lines)
+    return 0
+
+
+def cmd_export(panel, args):
+    out = panel.get("runs/export/", ids=",".join(args.runs), **({"as": "csv"} if args.csv else {}))
+    print(out if isinstance(out, str) else json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def add(sub) -> None:
+    """The `bench`, `runs`, `compare` and `export` subcommands (sub: with the common options)."""
+    s = sub.add_parser("bench", help="concurrency sweep of a deployment (name or id) or a URL")
+    s.add_argument("target")
+    s.add_argument("--model", default="", help="model name for a URL target")
+    s.add_argument("--concurrency", default="", help="e.g. 1,8,64 (default: 1, 2, 4, … up to what the deployment "
+                   "runs at once, its --max-num-seqs; 64 on a CPU node)")
+    rates.rate_arguments(s)
+    slo.slo_arguments(s)
+    workloads.bench_arguments(s)
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--input-tokens", type=int, default=128)
+    s.add_argument("--prompts", choices=["random", "builtin"], default="random")
+    s.add_argument("--prompts-file", default="", help='JSONL of {"prompt": ...} or {"messages": [...]} per line')
+    s.add_argument("--requests-per-user", type=int, default=4)
+    s.add_argument("--no-ignore-eos", action="store_true")
+    s.add_argument("--past-saturation", action="store_true",
+                   help="measure every level (by default the sweep stops once the engine saturates)")
+    s.add_argument("--wait", action="store_true")
+    s.add_argument("--timeout", type=float, default=7200)
+    s.set_defaults(fn=cmd_bench)
+    sub.add_parser("runs", help="benchmark runs").set_defaults(fn=cmd_runs)
+    for name, fn in (("compare", cmd_compare), ("export", cmd_export)):
+        s = sub.add_parser(name, help=f"{name} runs by id")
+        s.add_argument("runs", nargs="+")
+        if name == "export":
+            s.add_argument("--csv", action="store_true")
+        s.set_defaults(fn=fn)
