@@ -127,7 +127,7 @@ class ThreadedASGIHandler(ASGIHandler):
         if request is not None:
             response = self.get_response(request)
         if settings.SERVER_TIMING:
-            cache = getattr(response, "cache_state", None)  # set by controlpanel.apicache
+            cache = getattr(response, "cache_state", None)  # set by plumbing.apicache
             response["Server-Timing"] = ", ".join(
                 [f"wait;dur={(started - queued) * 1000:.2f}", f"app;dur={(time.perf_counter() - started) * 1000:.2f}"]
                 + ([f"cache;desc={cache}"] if cache else []))
