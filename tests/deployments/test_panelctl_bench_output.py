@@ -1,6 +1,6 @@
 """panelctl bench's lines say what was measured: a level with no TPOT (every token came in one read)
 prints a dash, never a made-up 0.00, and a finished run says where it saturated, as the run page and the API do."""
-from panelctl import runs
+from panelctl import cli, runs
 
 POINT = {"concurrency": 1, "output_throughput": 120.0, "ttft_ms": {"median": 41.5}, "tpot_ms": {},
          "tok_s_per_user": 0.0, "prompt_tokens_requested": 32, "prompt_tokens_mean": 32.0}
