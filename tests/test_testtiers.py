@@ -15,13 +15,18 @@ def test_ci_prints_the_thirty_slowest_tests_and_a_developer_run_does_not():
     assert "-m" not in launcher.pytest_argv(["tests/e2e"], ci=True)  # the whole suite filters nothing
 
 
-def test_the_suite_runs_on_two_workers_unless_told_otherwise(monkeypatch):
+def test_the_suite_runs_on_two_workers_and_the_fast_tier_on_three_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("PANEL_TEST_WORKERS", raising=False)
     argv = launcher.pytest_argv([], ci=True)
     assert argv[argv.index("-n") + 1] == "2" and argv[argv.index("--dist") + 1] == "worksteal"
     assert launcher.pytest_argv(["-n", "0", "tests/host"], ci=False) == ["-n", "0", "tests/host"]
+    fast = launcher.pytest_argv(["--fast"], ci=False)
+    assert fast[fast.index("-n") + 1] == "3"  # the fast tier's tests wait more than they compute
     monkeypatch.setenv("PANEL_TEST_WORKERS", "3")
     assert launcher.pytest_argv([], ci=False)[:2] == ["-n", "3"]
+    monkeypatch.setenv("PANEL_TEST_WORKERS", "2")
+    fast = launcher.pytest_argv(["--fast"], ci=False)
+    assert fast[fast.index("-n") + 1] == "2"
 
 
 class _Mark:
