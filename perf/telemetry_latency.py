@@ -164,6 +164,12 @@ def main():
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        for p in procs:  # uvicorn can hang in its graceful shutdown: it was left running after the script ended
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
 
     latencies = [x * 1000 for x in json.loads(Path(f"{var}/clients.json").read_text())]
     agents = [json.loads(Path(f"{var}/{n}.json").read_text()) for n in names]
