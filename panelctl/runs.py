@@ -47,6 +47,8 @@ def cmd_bench(panel, args):
                 say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
                     f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
                     f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
+                if line := energy_line(p):
+                    say(line)
         if run["status"] in ("done", "failed", "cancelled"):
             if run.get("saturation"):
                 say(f"  {run['saturation']['text']}")
@@ -62,6 +64,14 @@ def cmd_bench(panel, args):
         time.sleep(2)
     say(f"Timed out after {args.timeout:.0f} s; the run goes on (panelctl runs).")
     return TIMED_OUT
+
+
+def energy_line(p: dict) -> str | None:
+    """What the level's output cost on the deployment's GPUs (NVML's energy counters; none on a CPU node)."""
+    if p.get("energy_j") is None or not p.get("output_tokens"):
+        return None
+    watts = f", {p['watts_per_gpu']:.0f} W per GPU" if p.get("watts_per_gpu") is not None else ""
+    return f"  energy {p['energy_j'] / p['output_tokens']:.3f} J per output token ({p['energy_j']:,.0f} J{watts})"
 
 
 def _ms(quantiles: dict, digits: int) -> str:

@@ -1,5 +1,6 @@
 """panelctl bench's lines say what was measured: a level with no TPOT (every token came in one read)
-prints a dash, never a made-up 0.00, and a finished run says where it saturated, as the run page and the API do."""
+prints a dash, never a made-up 0.00, a level measured on GPUs says its joules per output token, and a finished run
+says where it saturated, as the run page and the API do."""
 from panelctl import cli, runs
 
 POINT = {"concurrency": 1, "output_throughput": 120.0, "ttft_ms": {"median": 41.5}, "tpot_ms": {},
@@ -16,7 +17,8 @@ class Panel:
 
     def get(self, path):
         if path.endswith("points/"):
-            return [POINT, {**POINT, "concurrency": 2, "tpot_ms": {"median": 5.17}}]
+            return [POINT, {**POINT, "concurrency": 2, "tpot_ms": {"median": 5.17}, "energy_j": 1234.5, "output_tokens": 1000,
+                             "watts_per_gpu": 612.0}]
         return RUN
 
 
@@ -31,3 +33,5 @@ def test_a_level_without_tpot_prints_a_dash_and_the_run_says_where_it_saturated(
     assert "TPOT — ms" in lines[0] and "0.00" not in lines[0], lines
     assert "TPOT 5.17 ms" in lines[1] and "TTFT 41.5 ms" in lines[0]
     assert "Saturated at c=2" in err
+    energy = [line.strip() for line in err.splitlines() if line.strip().startswith("energy")]
+    assert energy == ["energy 1.234 J per output token (1,234 J, 612 W per GPU)"]  # c=2 only: c=1 measured none
