@@ -96,16 +96,12 @@ def cmd_deploy(panel, args):
 
 
 def cmd_stop(panel, args):
-    d = find_deployment(panel, args.deployment)
-    d = panel.post(f"deployments/{d['id']}/stop/", key=args.idempotency_key)
-    say(f"Stopping {d['name']}.")
-    return status.wait_deployment(panel, d, args, want="stopped", since="stop") if args.wait else done(d, args)
+    return status.deployment_action(panel, args, "stop", want="stopped", since="stop",
+                                    saying=lambda d: f"Stopping {d['name']}.")
 
 
 def cmd_restart(panel, args):
-    d = find_deployment(panel, args.deployment)
-    d = panel.post(f"deployments/{d['id']}/restart/", key=args.idempotency_key)
-    return status.wait_deployment(panel, d, args, want="ready") if args.wait else done(d, args)
+    return status.deployment_action(panel, args, "restart", want="ready")
 
 
 def cmd_logs(panel, args):

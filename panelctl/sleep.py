@@ -4,17 +4,14 @@ from panelctl.client import CliError, done, find_deployment, say
 
 
 def cmd_sleep(panel, args):
-    d = find_deployment(panel, args.deployment)
-    d = panel.post(f"deployments/{d['id']}/sleep/", {"level": args.level}, key=args.idempotency_key)
-    say(f"Putting {d['name']} to sleep" + (f" at level {args.level}." if args.level else " (level chosen by free RAM)."))
-    return status.wait_deployment(panel, d, args, want="sleeping", since="sleep") if args.wait else done(d, args)
+    return status.deployment_action(
+        panel, args, "sleep", want="sleeping", since="sleep", body={"level": args.level},
+        saying=lambda d: f"Putting {d['name']} to sleep"
+        + (f" at level {args.level}." if args.level else " (level chosen by free RAM)."))
 
 
 def cmd_wake(panel, args):
-    d = find_deployment(panel, args.deployment)
-    d = panel.post(f"deployments/{d['id']}/wake/", key=args.idempotency_key)
-    say(f"Waking {d['name']}.")
-    return status.wait_deployment(panel, d, args, want="ready", since="wake") if args.wait else done(d, args)
+    return status.deployment_action(panel, args, "wake", want="ready", since="wake", saying=lambda d: f"Waking {d['name']}.")
 
 
 def cmd_swap(panel, args):

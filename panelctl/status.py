@@ -2,7 +2,18 @@
 import json
 import time
 
-from panelctl.client import FAILED, TIMED_OUT, Panel, emit, say
+from panelctl.client import FAILED, TIMED_OUT, Panel, done, emit, find_deployment, say
+
+
+def deployment_action(panel: Panel, args, action: str, want: str, since: str = "queued", body: dict | None = None,
+                      saying=None) -> int:
+    """POST deployments/<id>/<action>/ for the named deployment; say `saying(d)` (if given) and, with --wait,
+    follow it until it is `want`."""
+    d = find_deployment(panel, args.deployment)
+    d = panel.post(f"deployments/{d['id']}/{action}/", body, key=args.idempotency_key)
+    if saying:
+        say(saying(d))
+    return wait_deployment(panel, d, args, want=want, since=since) if args.wait else done(d, args)
 
 
 def wait_deployment(panel: Panel, d: dict, args, want: str, since: str = "queued") -> int:

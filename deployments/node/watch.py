@@ -56,10 +56,11 @@ def deployments_watch(node_id: int, state: dict) -> None:
     rows = Deployment.objects.filter(node_id=node_id, status__in=WATCHED).values_list(
         "status", "pid", "systemd_unit", "marker", "expires_at")
     up = starting = expired = False
+    wall = timezone.now()
     for status, pid, unit, marker, expires_at in rows:
         up = up or (status in Deployment.UP and pid is not None)
         starting = starting or (status in (S.STARTING, S.LOADING) and pid is None and bool(unit) and bool(marker))
-        expired = expired or (status == S.QUEUED and expires_at is not None and expires_at < timezone.now())
+        expired = expired or (status == S.QUEUED and expires_at is not None and expires_at < wall)
     if up:
         _crash_watch(node_id, state, now)
     ranks_watch(node_id)  # worker ranks this node runs for multi-node deployments
