@@ -460,6 +460,36 @@ def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, nod
     assert not d.events.filter(step="adopted").exists()
 
 
+def test_one_watch_pass_reaches_each_kind_of_work_only_when_a_row_has_it(node):
+    """The pass reads the node's rows once and skips the crash watch, the unit watch and the queue expiry when
+    no row needs them; a row that does needs no second look to be reached."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from deployments.node import units
+
+    def one_pass(state):
+        with mock.patch.object(watch, "_crash_watch") as crash, mock.patch.object(units, "units_watch") as unit, \
+             mock.patch.object(watch, "expire_queued") as expire:
+            watch.deployments_watch(node.pk, state)
+        return crash.called, unit.called, expire.called
+
+    later = timezone.now() + timedelta(hours=1)
+    DeploymentFactory(node=node, status=S.READY, pid=None)  # nothing of these needs a watch
+    DeploymentFactory(node=node, status=S.STARTING, pid=None, systemd_unit="", marker="m")
+    DeploymentFactory(node=node, status=S.QUEUED, expires_at=later)
+    state = {"units": {99: 0.0}}
+    assert one_pass(state) == (False, False, False)
+    assert state["units"] == {}  # as the unit watch itself forgets deployments no longer waiting
+    DeploymentFactory(node=node, status=S.READY, pid=4242)
+    assert one_pass({}) == (True, False, False)
+    DeploymentFactory(node=node, status=S.STARTING, pid=None, systemd_unit="vllm-w.service", marker="w")
+    assert one_pass({}) == (True, True, False)
+    DeploymentFactory(node=node, status=S.QUEUED, expires_at=timezone.now() - timedelta(seconds=1))
+    assert one_pass({}) == (True, True, True)
+
+
 def test_a_deployment_stays_driven_while_any_of_its_plans_runs():
     from deployments.node import lifecycle
 
