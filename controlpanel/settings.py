@@ -274,6 +274,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["plumbing.permissions.IsViewerOrOperator"],
+    "DEFAULT_RENDERER_CLASSES": ["plumbing.api.FastJSONRenderer", "rest_framework.renderers.BrowsableAPIRenderer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "plumbing.pagination.Pagination",
     "PAGE_SIZE": 100,

@@ -3,6 +3,7 @@ import shlex
 
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
+from django.utils import timezone
 
 from deployments import enginekey, history, secrets
 from deployments.host import enginecli, engineenv, engineuser, systemd
@@ -143,8 +144,8 @@ def node_live_fields(node_ids: list[int]) -> dict[int, dict]:
 
     stamp = DateTimeField().to_representation
     latest = history.latest_many(node_ids)
-    found = {}
-    for node in Node.objects.filter(pk__in=node_ids).only("id", "last_heartbeat", "heartbeat_seconds", "disk_total", "disk_free"):
-        found[node.pk] = {"online": node.online, "last_heartbeat": stamp(node.last_heartbeat) if node.last_heartbeat else None,
-                          "disk_total": node.disk_total, "disk_free": node.disk_free, "live": latest[node.pk]}
-    return found
+    now = timezone.now()
+    rows = Node.objects.filter(pk__in=node_ids).values_list("id", "last_heartbeat", "heartbeat_seconds", "disk_total", "disk_free")
+    return {pk: {"online": Node.is_online(beat, every, now), "last_heartbeat": stamp(beat) if beat else None,
+                 "disk_total": total, "disk_free": free, "live": latest[pk]}
+            for pk, beat, every, total, free in rows}

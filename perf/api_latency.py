@@ -113,26 +113,33 @@ def server_timing(header: str, total_ms: float) -> dict:
 
 
 def print_split(timings: list[dict]) -> None:
-    """Where an API answer's time went, from the Server-Timing of each: waiting for a request thread, in
-    middleware and view (answered from the API cache, or computed), and outside Django (the event loop,
-    uvicorn, the socket and this client, on the same cores)."""
+    """Where an API answer's time went, from the Server-Timing of each: answered on the event loop from the
+    API cache (plumbing/fastlane.py), or in Django: waiting for a request thread, then middleware and view
+    (answered from the API cache, or computed); and outside the panel's code (the event loop, uvicorn, the
+    socket and this client, on the same cores)."""
     if not timings:
         return
-    stages = {"waiting for a request thread": [t["wait"] for t in timings],
+    for t in timings:  # a lane answer has no wait or app part: its whole server part is "lane"
+        t.setdefault("wait", 0.0)
+        t.setdefault("app", t.get("lane", 0.0))
+    stages = {"event loop, from the cache (lane)": [t["app"] for t in timings if t.get("cache") == "lane"],
+              "waiting for a request thread": [t["wait"] for t in timings if t.get("cache") != "lane"],
               "middleware + view, cache hit": [t["app"] for t in timings if t.get("cache") == "hit"],
               "middleware + view, cache miss": [t["app"] for t in timings if t.get("cache") == "miss"],
-              "outside Django (loop, uvicorn, client)": [t["total"] - t["wait"] - t["app"] for t in timings]}
+              "outside (loop, uvicorn, client)": [t["total"] - t["wait"] - t["app"] for t in timings]}
     total = sum(t["total"] for t in timings)
-    hits = len(stages["middleware + view, cache hit"])
-    print(f"where an API answer's time goes ({len(timings)} answers, {100 * hits / len(timings):.0f} % from the cache; "
-          f"p50 / p99 ms, share of all their time):")
+    cached = sum(t.get("cache") in ("hit", "lane") for t in timings)
+    lane = len(stages["event loop, from the cache (lane)"])
+    print(f"where an API answer's time goes ({len(timings)} answers, {100 * cached / len(timings):.0f} % from the cache, "
+          f"{100 * lane / len(timings):.0f} % on the event loop; p50 / p99 ms, share of all their time):")
     for name, values in stages.items():
         if values:
             print(f"  {name:40s} {pct(values, 50) / 1000:7.1f} / {pct(values, 99) / 1000:7.1f}  "
                   f"{100 * sum(values) / total:5.1f} %")
     slow = sorted(timings, key=lambda t: t["total"])[-max(1, len(timings) // 100):]  # the slowest 1 %
-    parts = {"waiting for a request thread": sum(t["wait"] for t in slow), "middleware + view": sum(t["app"] for t in slow),
-             "outside Django": sum(t["total"] - t["wait"] - t["app"] for t in slow)}
+    parts = {"waiting for a request thread": sum(t["wait"] for t in slow),
+             "middleware + view or lane": sum(t["app"] for t in slow),
+             "outside": sum(t["total"] - t["wait"] - t["app"] for t in slow)}
     worst = max(parts, key=parts.get)
     print(f"  the slowest 1 %: {100 * parts[worst] / sum(t['total'] for t in slow):.0f} % of their time {worst}")
 

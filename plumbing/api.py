@@ -1,7 +1,9 @@
 """One error shape for the whole API: {"error": {"code", "message", "fields", ...details}}."""
 from dataclasses import asdict, is_dataclass
 
+import orjson
 from rest_framework import status
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
@@ -56,3 +58,23 @@ def _messages(value, path: str = "") -> list[str]:
     if isinstance(value, list):
         return [m for inner in value for m in _messages(inner, path)]
     return [f"{path[:-1]}: {value}" if path else str(value)]
+
+
+class FastJSONRenderer(JSONRenderer):
+    """DRF's JSON renderer with orjson doing the encoding (about ten times faster than the standard library's json
+    on the node list's 200 KB of telemetry): the same compact UTF-8 text; what orjson does not know natively
+    (and every datetime, so it keeps DRF's format) goes through DRF's own encoder. Indented output (a media type
+    with `indent=`, the browsable API) stays with DRF."""
+
+    _options = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATETIME
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        if data is None or self.get_indent(accepted_media_type, renderer_context or {}) is not None:
+            return super().render(data, accepted_media_type, renderer_context)
+        try:
+            text = orjson.dumps(data, default=self.encoder_class().default, option=self._options)
+        except orjson.JSONEncodeError:  # an integer past 64 bits, say: the standard library's way
+            return super().render(data, accepted_media_type, renderer_context)
+        if b"\xe2\x80\xa8" in text or b"\xe2\x80\xa9" in text:  # kept a strict JavaScript subset, as DRF does
+            text = text.replace(b"\xe2\x80\xa8", b"\\u2028").replace(b"\xe2\x80\xa9", b"\\u2029")
+        return text

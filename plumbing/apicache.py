@@ -65,8 +65,9 @@ _SET_RE = re.compile(r'^\s*UPDATE\s+"?\w+"?\s+SET\s+(.*?)\s+WHERE\s', re.I | re.
 _SET_COLUMN_RE = re.compile(r'"?(\w+)"?\s*=\s*(?:%s|\?)\s*(?:,|$)')
 
 
-def _vkey(name: str) -> str:
-    return redisconn.key("apiversion", name)
+def _vkey() -> str:
+    """The one Redis hash of every version (a field per name): read whole with one HGETALL."""
+    return redisconn.key("apiversions")
 
 
 def _redis():
@@ -74,12 +75,11 @@ def _redis():
 
 
 @functools.cache
-def _all_names() -> tuple[list, list]:
-    """Every version there is (one per table of the project's models, plus LIVE and EVERYTHING), and
-    their Redis keys."""
+def _all_names() -> tuple:
+    """Every version there is (one per table of the project's models, plus LIVE and EVERYTHING), with
+    its field name in Redis' answer."""
     tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)} - UNWATCHED_TABLES
-    names = sorted(tables) + [LIVE, EVERYTHING]
-    return names, [_vkey(n) for n in names]
+    return tuple((name, name.encode()) for name in sorted(tables) + [LIVE, EVERYTHING])
 
 
 class _Debt:
@@ -135,8 +135,8 @@ def bump(*names: str, pipe=None, _paying=False) -> None:
     target = pipe if pipe is not None else _redis().pipeline()
     start = time.time_ns() // 1000  # a missing version restarts above any value it had before
     for name in names:
-        target.set(_vkey(name), start, nx=True)
-        target.incr(_vkey(name))
+        target.hsetnx(_vkey(), name, start)
+        target.hincrby(_vkey(), name, 1)
     if pipe is None:
         target.execute()
 
@@ -144,13 +144,17 @@ def bump(*names: str, pipe=None, _paying=False) -> None:
 def versions() -> dict:
     """All current versions (as Redis gives them: digits in bytes), in one round trip; missing
     ones are started."""
-    names, keys = _all_names()
     debt.pay()  # before reading: versions that missed a write would vouch for stale answers
-    values = _redis().mget(keys)
-    if None in values:
-        bump(*[n for n, v in zip(names, values) if v is None])
-        values = _redis().mget(keys)
-    return dict(zip(names, values))
+    return _complete(_redis().hgetall(_vkey()), lambda: _redis().hgetall(_vkey()))
+
+
+def _complete(found: dict, read_again) -> dict:
+    """`found` (Redis' answer) by name; missing versions are started and read again."""
+    missing = [name for name, field in _all_names() if field not in found]
+    if missing:
+        bump(*missing)
+        found = read_again()
+    return {name: found[field] for name, field in _all_names()}
 
 
 def request_versions(request) -> dict:
@@ -326,7 +330,7 @@ def cached_read(live: bool = False):
                 hit = _hit(key, current)
                 if hit is not None:
                     hit.cache_state = "hit"  # for the Server-Timing header (SERVER_TIMING)
-                    return hit
+                    return _for_the_lane(hit, request, key)
                 with _computing_lock:
                     done = _computing.get(key)
                     leader = done is None
@@ -346,6 +350,7 @@ def cached_read(live: bool = False):
                 if response.status_code == 200 and len(response.content) <= MAX_ENTRY:
                     entry = (_snapshot(current, tables, live), response.content, response["Content-Type"])
                     answers.put(key, entry, len(response.content))
+                    _for_the_lane(response, request, key)
                 response.cache_state = "miss"
                 return response
             finally:
@@ -359,11 +364,31 @@ def cached_read(live: bool = False):
     return decorate
 
 
-def _hit(key, current: dict):
+def _for_the_lane(response, request, key):
+    """Mark an answer served from (or kept in) the store to a caller with an API token: the web handler
+    then teaches plumbing.fastlane to serve requests exactly like this one on the event loop."""
+    if isinstance(request.successful_authenticator, CachedTokenAuthentication):
+        response.cache_key = key
+    return response
+
+
+def cached_answer(key, current: dict):
+    """(body, content type) kept under `key` and still valid at `current`, or None."""
     found = answers.get(key)
     if found is None or not _valid(found[0], current):
         return None
-    return HttpResponse(found[1], content_type=found[2])
+    return found[1], found[2]
+
+
+def _hit(key, current: dict):
+    found = cached_answer(key, current)
+    return None if found is None else HttpResponse(found[0], content_type=found[1])
+
+
+def cached_user(raw_key: str, current: dict):
+    """The user the token cache vouches for at `current` (no query, no Redis), or None."""
+    found = tokens.get(token_digest(raw_key))
+    return found[1][0] if found is not None and _valid(found[0], current) else None
 
 
 class CachedTokenAuthentication(TokenAuthentication):

@@ -225,10 +225,11 @@ def _fresh_live_state(request):
     A test without the database (pure host and runner code) has no rows and needs no Redis."""
     if not (_DB_FIXTURES & set(request.fixturenames) or request.node.get_closest_marker("django_db")):
         return
-    from plumbing import apicache
+    from plumbing import apicache, fastlane
     from plumbing import redisconn
 
     apicache.clear()
+    fastlane.learned.clear()
 
     client = redisconn.client()
     prefix = os.environ["CHANNELS_PREFIX"]

@@ -95,7 +95,7 @@ def test_a_viewer_and_an_operator_never_share_an_answer(api, db):
 def test_a_lost_version_restarts_above_any_value_it_had():
     apicache.bump("deployments_node")
     before = apicache.versions()
-    apicache._redis().delete(apicache._vkey("deployments_node"))
+    apicache._redis().hdel(apicache._vkey(), "deployments_node")
     after = apicache.versions()
     assert int(after["deployments_node"]) > int(before["deployments_node"])
     assert {k: v for k, v in after.items() if k != "deployments_node"} == \
@@ -226,6 +226,6 @@ def test_with_server_timing_each_answer_says_where_its_time_went(live_server_asg
     NodeFactory(name="timed")  # a write: the next list is computed, the one after comes from the cache
     first, second = (httpx.get(f"{live_server_asgi}/api/nodes/", headers=headers, timeout=10) for _ in range(2))
     timed = [server_timing(r.headers["server-timing"], 1000.0) for r in (first, second)]
-    assert [t["cache"] for t in timed] == ["miss", "hit"]
-    assert all(t["wait"] >= 0 and t["app"] > 0 for t in timed)
+    assert [t["cache"] for t in timed] == ["miss", "lane"]  # the second on the event loop (plumbing/fastlane.py)
+    assert timed[0]["wait"] >= 0 and timed[0]["app"] > 0 and timed[1]["lane"] > 0
     assert "cache" not in server_timing(httpx.get(f"{live_server_asgi}/healthz", timeout=10).headers["server-timing"], 1.0)

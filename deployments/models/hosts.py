@@ -51,10 +51,14 @@ class Node(models.Model):
 
     @property
     def online(self) -> bool:
+        return self.is_online(self.last_heartbeat, self.heartbeat_seconds)
+
+    @staticmethod
+    def is_online(last_heartbeat, heartbeat_seconds: float, now=None) -> bool:
         """Online while the last heartbeat is younger than three heartbeat intervals."""
-        if self.last_heartbeat is None:
+        if last_heartbeat is None:
             return False
-        return timezone.now() - self.last_heartbeat < timedelta(seconds=3 * self.heartbeat_seconds)
+        return (now or timezone.now()) - last_heartbeat < timedelta(seconds=3 * heartbeat_seconds)
 
     @property
     def has_gpu(self) -> bool:
