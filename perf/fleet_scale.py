@@ -134,10 +134,10 @@ def main():
         paths = [p.format(run=ids["run"]) for p in ENDPOINTS]
         window = args.seconds - 2 * warmup
 
-        timings = []
+        timings, by_path = [], {}
 
         async def both():
-            return await asyncio.gather(load(base, ids["token"], paths, args.api_clients, window, timings=timings),
+            return await asyncio.gather(load(base, ids["token"], paths, args.api_clients, window, by_path, timings),
                                         load(base, ids["token"], ["/healthz"], args.api_clients, window))
 
         api, floor = asyncio.run(both())
@@ -182,6 +182,7 @@ def main():
     print(f"API lists ({args.api_clients} clients): p50 {pct(api, 50):.1f} ms p99 {pct(api, 99):.1f} ms "
           f"{len(api) / window:.0f} req/s; /healthz floor: p50 {pct(floor, 50):.1f} ms p99 {pct(floor, 99):.1f} ms; "
           f"web CPU {100 * web_cpu / window:.0f} % of a core")
+    print("  by list: " + ", ".join(f"{path} p99 {pct(values, 99):.0f} ms" for path, values in sorted(by_path.items())))
     print_split(timings)
     print(" ".join([f"p95_ms={pct(latencies, 95):.1f}", f"lost_pct={lost_pct:.3f}",
                     f"api_p99_ms={pct(api, 99):.1f}", f"healthz_p99_ms={pct(floor, 99):.1f}",
