@@ -44,6 +44,22 @@ def model_list() -> QuerySet[ModelRepo]:
     return ModelRepo.objects.prefetch_related(Prefetch("copies", queryset=ModelCopy.objects.select_related("node")))
 
 
+# What a list of copies shows (the API's ModelCopySerializer): each copy's node by name, its model by id.
+# Not the node's JSON columns (engine flags, doctor report) nor the model's (config, file list): reading and
+# decoding them for every copy made a list of 80 copies cost 12 ms of CPU instead of 5.
+COPY_LIST_FIELDS = ("id", "model", "node__name", "state", "path", "bytes_done", "bytes_total", "rate", "progress",
+                    "error", "error_code", "last_used", "updated")
+
+
+def copy_rows() -> QuerySet[ModelCopy]:
+    return ModelCopy.objects.select_related("node").only(*COPY_LIST_FIELDS)
+
+
+def model_rows() -> QuerySet[ModelRepo]:
+    """Models as the API lists them: without config and files (the serializer leaves them out), with their copies."""
+    return ModelRepo.objects.defer("config", "files").prefetch_related(Prefetch("copies", queryset=copy_rows()))
+
+
 def deployment_list() -> QuerySet[Deployment]:
     return Deployment.objects.select_related("model", "node").prefetch_related("gpus")
 

@@ -66,7 +66,7 @@ class ModelRepoViewSet(mixins.CreateModelMixin, mixins.DestroyModelMixin, viewse
     @extend_schema(parameters=[OpenApiParameter("repo_id", str)])
     @cached_read()
     def list(self, request):
-        models = self.get_queryset()
+        models = selectors.model_rows()
         if _param(request, "repo_id"):
             models = models.filter(repo_id=_param(request, "repo_id"))
         page = self.paginate_queryset(models)
@@ -115,12 +115,12 @@ class ModelRepoViewSet(mixins.CreateModelMixin, mixins.DestroyModelMixin, viewse
 class ModelCopyViewSet(mixins.DestroyModelMixin, viewsets.ReadOnlyModelViewSet):
     lookup_value_regex = r"[0-9]+"
     serializer_class = serializers.ModelCopySerializer
-    queryset = ModelCopy.objects.select_related("node", "model")
+    queryset = ModelCopy.objects.select_related("node")
 
     @extend_schema(parameters=[OpenApiParameter("node", str), OpenApiParameter("model", int)])
     @cached_read()
     def list(self, request):
-        copies = self.get_queryset()
+        copies = selectors.copy_rows()
         if _param(request, "node"):
             copies = copies.filter(node__name=_param(request, "node"))
         model = int_param(request.query_params, "model")

@@ -101,3 +101,30 @@ def test_copies_can_be_cancelled_retried_and_deleted_but_not_while_in_use(api):
     assert response.status_code == 409 and "in-use" in response.json()["error"]["message"]
     idle = ModelCopyFactory()
     assert api.delete(f"/api/copies/{idle.pk}/").json()["state"] == "deleting"
+
+
+def test_the_model_and_copy_lists_cost_the_same_queries_for_one_copy_or_twelve(api):
+    """They read only what they show (no node or model JSON columns): a field they show but did not read would
+    cost one query per row."""
+    from plumbing import apicache
+
+    def queries(path):
+        apicache.clear()
+        from django.db import connection
+        from django.test.utils import CaptureQueriesContext
+
+        with CaptureQueriesContext(connection) as captured:
+            answer = api.get(path)
+        assert answer.status_code == 200
+        return len(captured), answer.json()["results"]
+
+    ModelCopyFactory(progress={"files": {}, "seconds_left": 3.0})
+    queries("/api/copies/")  # the first request of a process reads what later ones find cached (the versions)
+    one = {path: queries(path) for path in ("/api/copies/", "/api/models/")}
+    for _ in range(11):
+        ModelCopyFactory(progress={"files": {}, "seconds_left": 3.0})
+    twelve = {path: queries(path) for path in ("/api/copies/", "/api/models/")}
+    assert {p: n for p, (n, _) in twelve.items()} == {p: n for p, (n, _) in one.items()}
+    copies = twelve["/api/copies/"][1]
+    assert len(copies) == 12 and all(c["node"] and c["model"] and "percent" in c for c in copies)
+    assert sum(len(m["copies"]) for m in twelve["/api/models/"][1]) == 12
