@@ -234,11 +234,11 @@ def overhead(repeats: int) -> dict:
         return figures
     finally:
         try:
-            from deployments.host import engine
+            from deployments.host import processes
             from deployments.models import Deployment
 
             for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-                engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
         except Exception as exc:  # noqa: BLE001 - Django may not be set up
             print(f"note: engines not checked: {exc}", file=sys.stderr)
         children.stop()

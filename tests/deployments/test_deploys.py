@@ -16,7 +16,7 @@ import pytest
 
 from deployments import live
 from deployments.forms import DeployForm
-from deployments.host import engine, gpu, ownership, systemd, vllm
+from deployments.host import gpu, ownership, processes, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import plan, reconcile, watch
 from deployments.services import deploys
@@ -145,14 +145,14 @@ class FakeHost:
         self.owned = True  # the engines the plan started carry its marker
         self.calls = []
         patches = {
-            "engine.port_free": mock.Mock(return_value=True),
-            "enginecli.engine_flags": mock.Mock(return_value=FLAGS),
-            "engine.launch": mock.Mock(side_effect=self.launch),
-            "engine.stop": mock.Mock(return_value=engine.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
-            "engine.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
+            "processes.port_free": mock.Mock(return_value=True),
+            "serveargv.engine_flags": mock.Mock(return_value=FLAGS),
+            "processes.launch": mock.Mock(side_effect=self.launch),
+            "processes.stop": mock.Mock(return_value=processes.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
+            "processes.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
             "vllm.health": mock.Mock(side_effect=self.health),
-            "engine.members": mock.Mock(return_value=[]),
-            "engine.shm_files": mock.Mock(return_value=set()),
+            "processes.members": mock.Mock(return_value=[]),
+            "processes.shm_files": mock.Mock(return_value=set()),
             "ownership.owned": mock.Mock(side_effect=lambda pgid, marker, unit=None: self.owned),
             "ownership.pid_owned": mock.Mock(side_effect=lambda pid, marker, unit=None: self.alive and self.owned),
             "ownership.engine_processes": mock.Mock(return_value=[]),
@@ -172,7 +172,7 @@ class FakeHost:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.log_path.write_text("Loading safetensors checkpoint shards: 50% Completed | 1/2\n"
                                  "Loading weights took 1.5 seconds\nStarting vLLM server on http://0.0.0.0:8000\n")
-        return engine.EngineHandle(pid=4242, pgid=4242, create_time=1.0)
+        return processes.EngineHandle(pid=4242, pgid=4242, create_time=1.0)
 
     def health(self, url, timeout=2.0):
         self.health_after -= 1
@@ -228,7 +228,7 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
     assert [e.step for e in d.events.all()] == ["model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
     assert all(e.ended for e in d.events.all())
     assert Deployment.objects.get(pk=holder.pk).status == S.STOPPED
-    host.mocks["engine.stop"].assert_called_once_with(777, 30.0, 10.0)
+    host.mocks["processes.stop"].assert_called_once_with(777, 30.0, 10.0)
     assert "old (SIGTERM in 0.4 s, 1 /dev/shm files removed)" in d.events.get(step="stop_others").message
     host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=plan.MEMORY_TIMEOUT_S,
                                                                   ignore=set())  # no engine asleep on them
@@ -245,17 +245,17 @@ def test_gpu_memory_that_never_comes_back_fails_naming_the_pids(model, node, hos
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and "PID 31337 holds 40.0 GiB" in d.status_message
-    host.mocks["engine.launch"].assert_not_called()
+    host.mocks["processes.launch"].assert_not_called()
     assert d.events.get(step="gpu_memory").level == DeploymentEvent.Level.ERROR
 
 
 def test_a_port_in_use_fails_before_launch(model, node, host):
-    host.mocks["engine.port_free"].return_value = False
+    host.mocks["processes.port_free"].return_value = False
     d = _queued(model, node)
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and "Port 8000 is in use" in d.status_message
-    host.mocks["engine.launch"].assert_not_called()
+    host.mocks["processes.launch"].assert_not_called()
 
 
 def test_a_stranger_answering_on_the_port_is_not_taken_for_the_engine(model, node, host):
@@ -291,7 +291,7 @@ def test_an_engine_process_of_the_deployment_listening_on_the_port_is_its_own(mo
         host.mocks["listeners.listening"].return_value = ({procs[0].pid}, False)
         return FakeHost.launch(host, spec)
 
-    host.mocks["engine.launch"].side_effect = launch
+    host.mocks["processes.launch"].side_effect = launch
     d = _queued(model, node)
     try:
         plan.deployment_run(d.pk)
@@ -330,7 +330,7 @@ def test_an_engine_that_dies_while_loading_fails_with_its_error(model, node, hos
         host.alive = False
         return handle
 
-    host.mocks["engine.launch"].side_effect = launch
+    host.mocks["processes.launch"].side_effect = launch
     d = _queued(model, node)
     plan.deployment_run(d.pk)
     d.refresh_from_db()
@@ -344,7 +344,7 @@ def test_a_load_is_stalled_only_when_neither_log_nor_memory_moves(model, node, h
         plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and d.status_message.startswith("Stalled: neither the log nor GPU memory moved")
-    host.mocks["engine.stop"].assert_called_with(4242, 30.0, 10.0)
+    host.mocks["processes.stop"].assert_called_with(4242, 30.0, 10.0)
 
 
 def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
@@ -355,7 +355,7 @@ def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
 
     host.mocks["gpu.wait_memory_released"].side_effect = stop_meanwhile
     plan.deployment_run(d.pk)
-    host.mocks["engine.launch"].assert_not_called()
+    host.mocks["processes.launch"].assert_not_called()
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPING  # the halt task finishes the stop
     watch.deployment_halt(d.pk)
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPED
@@ -392,7 +392,7 @@ def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, h
     ready = DeploymentFactory(model=model, node=node, status=S.READY, pid=1, pgid=1, port=8001)
     loading = DeploymentFactory(model=model, node=node, status=S.LOADING, pid=2, pgid=2, port=8002)
     gone = DeploymentFactory(model=model, node=node, status=S.READY, pid=3, pgid=3, port=8003)
-    host.mocks["engine.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
+    host.mocks["processes.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
     with mock.patch("deployments.node.reconcile.node_enqueue", autospec=True) as enqueue:
         report = reconcile.deployments_reconcile(node)
     assert report == {"adopted": [ready.name], "following": [loading.name], "failed": [gone.name]}

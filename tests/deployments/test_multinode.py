@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from benchmarks import studies
 from deployments.forms import DeployForm
-from deployments.host import enginecli, preflight
+from deployments.host import preflight, serveargv
 from deployments.models import Deployment, DeploymentRank, Node
 from deployments.node import ranks, watch
 from deployments.services import deploys, multinode
@@ -375,7 +375,7 @@ def test_a_data_parallel_layout_launches_vllms_dp_form_with_each_nodes_replicas_
     assert ranks.multinode_args(d, 1, 2) == {"data-parallel-size-local": 4, "data-parallel-address": head.address,
                                              "data-parallel-rpc-port": d.master_port, "headless": True,
                                              "data-parallel-start-rank": 2}
-    argv = " ".join(enginecli.build_argv("vllm", "/m", d.port, "0.0.0.0", {**d.engine_args, **ranks.multinode_args(d, 1, 2)}))
+    argv = " ".join(serveargv.build_argv("vllm", "/m", d.port, "0.0.0.0", {**d.engine_args, **ranks.multinode_args(d, 1, 2)}))
     assert "--data-parallel-size 6 --data-parallel-size-local 4" in argv and "--nnodes" not in argv
     assert f"DP RPC port {d.master_port}" in d.events.get(step="queued").message
     d.ranks.update(state="stopped")

@@ -92,7 +92,7 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
         rank_text, head_text = (c.args[1] for c in install.call_args_list)
         assert '"--headless"' in rank_text and '"--node-rank" "1"' in rank_text and f"{ownership.MARKER_VAR}=" in rank_text
         assert '"--nnodes" "2"' in head_text and '"--headless"' not in head_text
-        assert {c.args[0] for c in host.mocks["engine.stop"].call_args_list} == {4242, 4343}  # the engines they replace
+        assert {c.args[0] for c in host.mocks["processes.stop"].call_args_list} == {4242, 4343}  # the engines they replace
         steps = list(d.events.values_list("step", flat=True))
         assert steps.index("launch@gpu-b") < steps.index("launch") and "persist" in steps
 

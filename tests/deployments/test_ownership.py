@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from deployments.host import engine, ownership, store
+from deployments.host import ownership, processes, store
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import plan, reconcile, watch
 from deployments.services import deploys, nodes, repos
@@ -97,7 +97,7 @@ def test_a_crashed_engines_shm_files_are_removed_when_the_panel_learns_it_died(t
 def test_shm_paths_from_the_database_outside_dev_shm_are_never_deleted(tmp_path):
     victim = tmp_path / "keep"
     victim.write_text("x")
-    assert engine.remove_unused_shm({str(victim), f"/dev/shm/../{victim}"}) == [] and victim.exists()
+    assert processes.remove_unused_shm({str(victim), f"/dev/shm/../{victim}"}) == [] and victim.exists()
 
 
 # --- 2. foreign GPU holders are the operator's call -------------------------------------------
@@ -112,7 +112,7 @@ def test_a_foreign_process_on_the_gpus_fails_the_plan_naming_it_and_is_not_signa
     d = _queued(model, node)
     host.mocks["gpu.processes_on"].return_value = _holder(stranger.pid)
     plan.deployment_run(d.pk)
-    stops = host.mocks["engine.stop"].call_args_list
+    stops = host.mocks["processes.stop"].call_args_list
     d.refresh_from_db()
     assert d.status == S.FAILED and f"PID {stranger.pid}" in d.status_message and "2048 MiB" in d.status_message
     assert not stops and _alive(stranger)
@@ -192,7 +192,7 @@ def test_the_launch_step_refuses_when_another_deployment_holds_the_gpus(model, n
     other.gpus.set(node.gpus.filter(index__in=[0]))
     with mock.patch("deployments.node.plan._stop_holders", return_value="skipped"):
         plan.deployment_run(d.pk)
-    assert not host.mocks["engine.launch"].called
+    assert not host.mocks["processes.launch"].called
     d.refresh_from_db()
     assert d.status == S.FAILED and "sneaky (starting) holds GPUs 0, 1" in d.status_message
 
@@ -244,9 +244,9 @@ def test_any_exception_mid_plan_ends_failed_with_the_engine_stopped(model, node,
     from django.db import OperationalError
 
     d = _queued(model, node)
-    with mock.patch("deployments.host.enginelog.read_lines", side_effect=OperationalError("server closed the connection")):
+    with mock.patch("deployments.host.processlog.read_lines", side_effect=OperationalError("server closed the connection")):
         plan.deployment_run(d.pk)
-        stopped = [c.args[0] for c in host.mocks["engine.stop"].call_args_list]
+        stopped = [c.args[0] for c in host.mocks["processes.stop"].call_args_list]
     d.refresh_from_db()
     assert d.status == S.FAILED and "OperationalError" in d.status_message and stopped == [4242]
 

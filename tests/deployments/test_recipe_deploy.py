@@ -13,7 +13,7 @@ from celery.app.task import Task
 from django.urls import reverse
 from rest_framework.test import APIClient
 
-from deployments.host import enginecli
+from deployments.host import serveargv
 from deployments.models import Deployment, Recipe
 from deployments.services import deploys, recipes
 from panelctl import cli
@@ -262,7 +262,7 @@ def _form_values(html: str) -> dict:
 
 
 def _argv(d: Deployment) -> list[str]:
-    return enginecli.build_argv("vllm", "/models/m", 8000, "127.0.0.1", d.engine_args)
+    return serveargv.build_argv("vllm", "/models/m", 8000, "127.0.0.1", d.engine_args)
 
 
 @pytest.mark.django_db(transaction=True)

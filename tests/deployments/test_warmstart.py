@@ -11,7 +11,7 @@ from django.utils import timezone
 from deployments import warmstart
 from deployments.contextfit import EngineKv
 from deployments.forms import DeployForm
-from deployments.host import compilecache, engineuser
+from deployments.host import compilecache, osuser
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.services import deploys, repos
 from plumbing.errors import ServiceError
@@ -20,7 +20,7 @@ from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, Nod
 pytestmark = pytest.mark.django_db
 ARGS = {"tensor-parallel-size": 1, "max-model-len": 4096}
 KV = 37 * 2**30
-OWN = engineuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
+OWN = osuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from playwright.sync_api import expect
 
 from benchmarks import runner
 from benchmarks.models import BenchmarkRun
-from deployments.host import engine
+from deployments.host import processes
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from plumbing import tokens as api_tokens
 from tests.conftest import ENGINE_VENV, wait_until
@@ -32,7 +32,7 @@ def stop_engines():
     """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
     yield
     for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 HUGE = 40 * 2**30  # weights no CPU node here holds in RAM (24 GiB)
@@ -194,4 +194,4 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
     page.click('button[data-action="stop"]')
     expect(page.locator("#status")).to_have_text("Stopped", timeout=60_000)
     expect(page.locator("#live-state")).to_have_text("live")  # right after the action, not "reconnecting"
-    assert engine.members(Deployment.objects.get(pk=deployment.pk).pgid) == []
+    assert processes.members(Deployment.objects.get(pk=deployment.pk).pgid) == []

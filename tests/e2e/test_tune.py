@@ -60,14 +60,14 @@ def restart_agent(spawn, env, node, tmp_path):
 @pytest.fixture
 def tune_node(process_env, spawn, unique, tmp_path, tiny_model):
     """cpu_node's agent, with the environment it runs in (to start it again)."""
-    from deployments.host import engine
+    from deployments.host import processes
     from tests.e2e.conftest import start_cpu_node
 
     node, model, env = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
     yield node, model, env
     # Engines run in their own sessions and outlive a killed agent: never leave one behind.
     for pgid in Deployment.objects.filter(node=node).exclude(pgid=None).values_list("pgid", flat=True):
-        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ def test_the_plan_sends_the_engines_new_log_lines_live_without_a_marked_value(ma
                 log.write(f"INFO 12-01 10:00:00 [envs.py:1] environment: VLLM_MY_VAR={VALUE}\n")
             return handle
 
-        host.mocks["engine.launch"].side_effect = launch_printing_the_value
+        host.mocks["processes.launch"].side_effect = launch_printing_the_value
         plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == Deployment.Status.READY, d.status_message

@@ -1,4 +1,4 @@
-"""One canonical spelling of engine flags and variables, and the operator list (deployments/engineoptions.py).
+"""One canonical spelling of engine flags and variables, and the operator list (deployments/flagpolicy.py).
 
 Each known way around the operator list is tried here as an operator, through the API, the deploy form and a study
 variant: the flag dashed, underscored, upper-cased, as `--enforce-eager=--trust-remote-code`, with a newline
@@ -12,7 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from benchmarks.models import Study
-from deployments import engineargs, engineoptions, privileged
+from deployments import flagpolicy, privileged, userflags
 from deployments.models import Deployment
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
 
@@ -57,35 +57,35 @@ def _deploy(user, model, engine_args=None, env=None, **kw):
 @pytest.mark.parametrize("raw", ["tensor-parallel-size", "tensor_parallel_size", "--tensor-parallel-size",
                                  "TENSOR_PARALLEL_SIZE", "--Tensor_Parallel-Size", " tensor-parallel-size ", "-tp", "tp"])
 def test_every_spelling_of_a_flag_is_one_canonical_name(raw):
-    assert engineoptions.flag_name(raw) == "tensor-parallel-size"
+    assert flagpolicy.flag_name(raw) == "tensor-parallel-size"
 
 
 @pytest.mark.parametrize("raw", ["max-num-seqs=8", "bad flag", "", "--", "x.y", "8bit", "a;b"])
 def test_what_is_no_flag_name_is_refused(raw):
-    with pytest.raises(engineoptions.OptionError):
-        engineoptions.flag_name(raw)
+    with pytest.raises(flagpolicy.OptionError):
+        flagpolicy.flag_name(raw)
 
 
 def test_variable_names_are_upper_case_and_a_name_given_twice_is_refused():
-    assert engineoptions.canonical_env({"vllm_cache_root": "/x", "Nccl_Proto": "LL"}) == {
+    assert flagpolicy.canonical_env({"vllm_cache_root": "/x", "Nccl_Proto": "LL"}) == {
         "VLLM_CACHE_ROOT": "/x", "NCCL_PROTO": "LL"}
-    with pytest.raises(engineoptions.OptionError, match="given twice"):
-        engineoptions.canonical_flags({"max-num-seqs": 8, "max_num_seqs": 16})
-    with pytest.raises(engineoptions.OptionError, match="given twice"):
-        engineoptions.canonical_env({"NCCL_PROTO": "LL", "nccl_proto": "Simple"})
+    with pytest.raises(flagpolicy.OptionError, match="given twice"):
+        flagpolicy.canonical_flags({"max-num-seqs": 8, "max_num_seqs": 16})
+    with pytest.raises(flagpolicy.OptionError, match="given twice"):
+        flagpolicy.canonical_env({"NCCL_PROTO": "LL", "nccl_proto": "Simple"})
 
 
 @pytest.mark.parametrize("value", ["--trust-remote-code", "-x", -1, "a\nb", "a\rb", "x\x00", "$(id)", "a;b", 3.5j])
 def test_a_value_that_begins_with_a_dash_holds_a_newline_or_is_not_plain_is_refused(value):
-    with pytest.raises(engineoptions.OptionError):
-        engineoptions.canonical_flags({"enforce-eager": value})
+    with pytest.raises(flagpolicy.OptionError):
+        flagpolicy.canonical_flags({"enforce-eager": value})
 
 
 def test_parallel_sizes_are_whole_numbers_read_from_the_canonical_name():
-    assert engineoptions.canonical_flags({"tensor_parallel_size": "4"}) == {"tensor-parallel-size": 4}
+    assert flagpolicy.canonical_flags({"tensor_parallel_size": "4"}) == {"tensor-parallel-size": 4}
     for bad in ("four", 0, True, 1.5):
-        with pytest.raises(engineoptions.OptionError, match="whole number"):
-            engineoptions.canonical_flags({"TENSOR_PARALLEL_SIZE": bad})
+        with pytest.raises(flagpolicy.OptionError, match="whole number"):
+            flagpolicy.canonical_flags({"TENSOR_PARALLEL_SIZE": bad})
 
 
 @pytest.mark.parametrize("text, flags", [
@@ -94,25 +94,25 @@ def test_parallel_sizes_are_whole_numbers_read_from_the_canonical_name():
     ("--enforce-eager= --trust-remote-code", {"enforce-eager": True, "trust-remote-code": True}),
 ])
 def test_the_text_box_reads_flags_in_canonical_form(text, flags):
-    assert engineargs.parse_flags(text) == flags
+    assert userflags.parse_flags(text) == flags
 
 
 @pytest.mark.parametrize("text", ["--enforce-eager=--trust-remote-code", "--a=--b", "--max-num-seqs=-1",
                                   "--served-model-name 'a\nb'", "--max-num-seqs 8 --max_num_seqs 9", "trust-remote-code"])
 def test_the_text_box_refuses_a_dash_value_a_newline_a_repeat_or_a_bare_word(text):
-    with pytest.raises(engineargs.ArgsError):
-        engineargs.parse_flags(text)
+    with pytest.raises(userflags.ArgsError):
+        userflags.parse_flags(text)
 
 
 # --- the operator list ------------------------------------------------------------------------------
 
 def test_every_listed_option_says_why_it_is_harmless_and_none_runs_or_loads_code():
-    for name, why in {**engineoptions.OPERATOR_FLAGS, **engineoptions.OPERATOR_ENV}.items():
+    for name, why in {**flagpolicy.OPERATOR_FLAGS, **flagpolicy.OPERATOR_ENV}.items():
         assert why.strip(), name
     for name in privileged.FLAGS:
-        assert name not in engineoptions.OPERATOR_FLAGS or name in engineoptions.OPERATOR_VALUES, name
+        assert name not in flagpolicy.OPERATOR_FLAGS or name in flagpolicy.OPERATOR_VALUES, name
     for name in privileged.ENV:
-        assert not engineoptions.operator_env(name), name
+        assert not flagpolicy.operator_env(name), name
 
 
 @pytest.mark.parametrize("args, env, named", [
