@@ -16,7 +16,7 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import caps, payloads, studyestimate, studyresults, tunestats
+from benchmarks import caps, payloads, studyestimate, studyresults, studystats
 from benchmarks import services as runs
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments import flagpolicy, privileged, userflags
@@ -131,9 +131,9 @@ def study_preview(d: Deployment, variants: list[dict], repeats: int, workload: d
     workload = {**runs.DEFAULTS, **workload}  # as each trial's run will have it
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     preview = {"variants": len(variants) + 1, "trials": trials, **studyestimate.study_estimate(d, trials, workload)}
-    if repeats < tunestats.MIN_REPEATS:
+    if repeats < studystats.MIN_REPEATS:
         preview["warning"] = (f"{repeats} repeat per variant: the study will measure, but give no verdict (a verdict "
-                              f"needs at least {tunestats.MIN_REPEATS} repeats of each variant).")
+                              f"needs at least {studystats.MIN_REPEATS} repeats of each variant).")
     return preview
 
 

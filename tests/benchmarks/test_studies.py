@@ -1,6 +1,6 @@
 """Tuning studies: validation before anything starts, the step-by-step state machine (the node side
 is played by setting rows as the plan and the run would), failures, agent restarts, pause, cancel,
-apply, and the API's roles. The real engine runs them in tests/e2e/test_tune.py."""
+apply, and the API's roles. The real engine runs them in tests/e2e/test_study.py."""
 import random
 from datetime import timedelta
 from unittest import mock
@@ -101,7 +101,7 @@ def test_a_study_counts_its_trials_and_estimates_from_the_deployments_last_load(
 
 
 def test_a_study_made_before_the_smoke_test_answered_estimates_from_the_load(d):
-    """perf/tune_verdicts.py: a study made right after ready read 1,295 s (the 120 s guess per redeploy) and took 51 s."""
+    """perf/study_verdicts.py: a study made right after ready read 1,295 s (the 120 s guess per redeploy) and took 51 s."""
     loaded(d, seconds=31.0)
     DeploymentEvent.objects.filter(deployment=d, step="smoke_test").update(ended=None)  # still asking
     ready_s, basis = studyestimate.redeploy_seconds(d)

@@ -96,7 +96,7 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
         logged_in_page, hub_with_tiny_model, process_env, spawn, unique, tmp_path, settings, stop_engines, operator,
         live_server_asgi):
     """A download, a real engine load and two runs of the default sweep (~45 s each on 2 cores): the defaults and
-    the whole way through are what is tested. (A study's page the newcomer meets next is in test_tune_page.py, on
+    the whole way through are what is tested. (A study's page the newcomer meets next is in test_study_page.py, on
     the fake engine: its three loads would add ~2 minutes here and test nothing of the real engine.)"""
     url = hub_with_tiny_model
     settings.HF_ENDPOINT = url
