@@ -223,7 +223,7 @@ def test_an_operator_deploying_a_preset_with_remote_code_is_told_which_option_ne
     assert _api(admin).post("/api/deployments/", body, format="json").status_code == 202
 
 
-# --- the Ray executor (item 3): an admin's choice ----------------------------------------------------
+# --- the Ray executor: an admin's choice ----------------------------------------------------------
 
 def test_the_ray_executor_is_403_for_an_operator_and_accepted_for_an_admin(world, operator, admin):
     node, model = world
