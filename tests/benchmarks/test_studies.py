@@ -3,10 +3,8 @@ is played by setting rows as the plan and the run would), failures, agent restar
 apply, and the API's roles. The real engine runs them in tests/e2e/test_study.py."""
 import random
 from datetime import timedelta
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.db.models import F
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -23,13 +21,7 @@ WORKLOAD = {"levels": [1, 4], "max_tokens": 16, "requests_per_user": 1, "min_req
 
 
 @pytest.fixture
-def sent():
-    with mock.patch.object(Task, "apply_async", autospec=True) as apply_async:
-        yield apply_async
-
-
-@pytest.fixture
-def d(sent):
+def d(sent_tasks):
     node = NodeFactory(name="cpu-01", engine_flags=FLAGS, agent_pid=100)
     copy = ModelCopyFactory(node=node)
     return DeploymentFactory(node=node, model=copy.model, status="ready", engine_args={"max-num-seqs": 16},

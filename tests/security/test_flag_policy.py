@@ -4,10 +4,8 @@ Each known way around the operator list is tried here as an operator, through th
 variant: the flag dashed, underscored, upper-cased, as `--enforce-eager=--trust-remote-code`, with a newline
 or a leading dash. The real engine's whole flag list is tried in tests/e2e/test_operator_fuzz.py.
 """
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -26,13 +24,12 @@ MODEL_DIR = "/models/org/m"
 
 
 @pytest.fixture
-def world():
+def world(sent_tasks):
     node = NodeFactory(name="gpu-01", engine_flags=FLAGS)
     for i in range(8):
         GpuFactory(node=node, index=i)
     copy = ModelCopyFactory(node=node, path=MODEL_DIR)
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield node, copy.model
+    return node, copy.model
 
 
 @pytest.fixture

@@ -1,8 +1,6 @@
 """Options that run code, load files or redirect the engine need the admin role; paths stay in the model's folder."""
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from rest_framework.test import APIClient
 
 from deployments.models import Deployment
@@ -14,12 +12,11 @@ FLAGS = ["--tensor-parallel-size", "--trust-remote-code", "--tool-parser-plugin"
 
 
 @pytest.fixture
-def world():
+def world(sent_tasks):
     node = NodeFactory(name="gpu-01", engine_flags=FLAGS)
     GpuFactory(node=node, index=0)
     copy = ModelCopyFactory(node=node, path="/models/org/m")
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield node, copy.model
+    return node, copy.model
 
 
 def _api(user):
