@@ -293,11 +293,11 @@ def api_objects(db, sent_tasks):
 
 
 @pytest.fixture
-def sent_tasks(django_capture_on_commit_callbacks):
+def sent_tasks():
     """The tasks the code sends, recorded instead of reaching the broker (tests/taskqueue.py)."""
     from tests.taskqueue import recording
 
-    with recording(django_capture_on_commit_callbacks) as sent:
+    with recording() as sent:
         yield sent
 
 

@@ -3,13 +3,14 @@ so nothing reaches the broker. Tests take the `sent_tasks` fixture (tests/confte
 `apply_async`, `enqueue` or `node_enqueue` each their own way.
 
 `enqueue` sends once the transaction commits; inside a test's transaction nothing commits, so a test that
-looks at what a service enqueued runs it under `sent_tasks.committed()`, which runs the on-commit
-callbacks at its end as a commit would. `send_now` is recorded at once."""
+looks at what a service enqueued calls `sent_tasks.commit()` first: it runs the on-commit callbacks
+registered so far, as the transaction committing there would. `send_now` is recorded at once."""
 from contextlib import contextmanager
 from dataclasses import dataclass
 from unittest import mock
 
 from celery import current_app
+from django.db import connection
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,9 @@ class Sent:
 class SentTasks(list):
     """The tasks sent since the recording began, in order."""
 
-    def __init__(self, commit=None):
+    def __init__(self):
         super().__init__()
-        self._commit = commit
+        self._ran = len(connection.run_on_commit)  # callbacks from before the recording are not ours to run
 
     def record(self, name: str, args: list, options: dict) -> None:
         assert name in current_app.tasks, f"{name!r} is not a registered task"
@@ -47,17 +48,21 @@ class SentTasks(list):
         assert len(found) == 1, f"{name} sent {len(found)} times; sent: {self.names()}"
         return found[0]
 
-    @contextmanager
-    def committed(self):
-        """Run the block, then its on-commit callbacks (what `enqueue` waits for), as a commit would."""
-        assert self._commit is not None, "committed() needs the sent_tasks fixture"
-        with self._commit(execute=True):
-            yield self
+    def commit(self) -> "SentTasks":
+        """Run the on-commit callbacks registered so far (what `enqueue` waits for), as a commit here would;
+        those they register run too. Returns the tasks sent."""
+        callbacks = connection.run_on_commit
+        self._ran = min(self._ran, len(callbacks))  # a test may have dropped what piled up
+        while self._ran < len(callbacks):
+            callback = callbacks[self._ran][1]
+            self._ran += 1
+            callback()
+        return self
 
 
 @contextmanager
-def recording(commit=None):
+def recording():
     """Record every task delivered inside the block; nothing goes to the broker."""
-    sent = SentTasks(commit)
+    sent = SentTasks()
     with mock.patch("plumbing.queue.deliver", side_effect=sent.record):
         yield sent

@@ -26,11 +26,9 @@ def trace_text(n=6):
 
 
 @pytest.fixture(autouse=True)
-def _queued_not_run(settings):
+def _queued_not_run(settings, sent_tasks):
     """Runs are created and queued, not executed (a test that executes one calls the service itself)."""
     settings.BENCHMARK_URL_ALLOWLIST = [URL]
-    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True):
-        yield
 
 
 def test_an_operator_creates_a_workload_with_its_preview_and_a_viewer_only_reads_it(api, viewer):

@@ -43,28 +43,21 @@ def model(node, tmp_path):
     return copy.model
 
 
-@pytest.fixture
-def sent():
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True) as run, \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield run
-
-
 def _create(model, node, **kw):
     args = {"model": model, "node": node, "gpu_indices": [0, 1], "port": 8000,
             "engine_args": {"tensor-parallel-size": 2}, "env": {}}
     return deploys.deployment_create(**{**args, **kw})
 
 
-def test_a_deploy_is_queued_on_the_nodes_own_plans_queue(model, node, sent, django_capture_on_commit_callbacks):
-    with django_capture_on_commit_callbacks(execute=True):
-        d = _create(model, node)
+def test_a_deploy_is_queued_on_the_nodes_own_plans_queue(model, node, sent_tasks):
+    d = _create(model, node)
     assert d.status == S.QUEUED and d.gpu_indices == [0, 1]
-    assert sent.call_args.kwargs["queue"] == "node.gpu-01.plans" and sent.call_args.kwargs["args"] == [d.pk]
+    plan = sent_tasks.commit().one("deployments.deployment_run")
+    assert (plan.queue, plan.args) == ("node.gpu-01.plans", [d.pk])
     assert d.events.get().step == "queued"
 
 
-def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, sent):
+def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, sent_tasks):
     d = _create(model, node)
     for change in ({}, {"engine_args": {"tensor-parallel-size": 2}}, {"engine_args": {"tensor-parallel-size": 2, "max-num-seqs": 8}}):
         Deployment.objects.filter(pk=d.pk).update(status=S.READY)
@@ -73,13 +66,13 @@ def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, 
     assert messages == ["Redeploy requested.", "Redeploy requested.", "Redeploy requested with new settings."]
 
 
-def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent):
+def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent_tasks):
     with pytest.raises(ServiceError, match="TP × PP × DP = 8 needs 8 GPUs; 2 chosen") as exc:
         _create(model, node, engine_args={"tensor-parallel-size": 4, "pipeline-parallel-size": 2})
     assert exc.value.field == "tp" and not Deployment.objects.exists()
 
 
-def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model, node, sent):
+def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model, node, sent_tasks):
     holder = DeploymentFactory(node=node, status=S.LOADING, name="kimi-prod", port=9000)
     holder.gpus.set(node.gpus.filter(index__in=[1, 2]))
     with pytest.raises(ServiceError, match="kimi-prod is loading") as exc:
@@ -87,13 +80,13 @@ def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model
     assert exc.value.code == "gpus_busy"
 
 
-def test_a_ready_deployment_on_the_gpus_is_replaced_not_refused(model, node, sent):
+def test_a_ready_deployment_on_the_gpus_is_replaced_not_refused(model, node, sent_tasks):
     holder = DeploymentFactory(node=node, status=S.READY, port=8000)
     holder.gpus.set(node.gpus.filter(index__in=[0]))
     assert _create(model, node).status == S.QUEUED  # same port too: the holder is stopped first
 
 
-def test_a_port_used_by_another_deployment_is_refused(model, node, sent):
+def test_a_port_used_by_another_deployment_is_refused(model, node, sent_tasks):
     other = DeploymentFactory(node=node, status=S.READY, port=8000, name="other")
     other.gpus.set(node.gpus.filter(index__in=[7]))
     with pytest.raises(ServiceError, match="Port 8000 is used by other") as exc:
@@ -362,17 +355,15 @@ def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
 
 
 def test_a_crashed_engine_is_failed_with_its_last_lines_and_restarted_with_backoff(
-        model, node, host, tmp_path, django_capture_on_commit_callbacks):
+        model, node, host, tmp_path, sent_tasks):
     log = tmp_path / "crash.log"
     log.write_text("line 1\nRuntimeError: NCCL error: unhandled system error\n")
     d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), auto_restart=True)
     host.alive = False
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True) as run, \
-         django_capture_on_commit_callbacks(execute=True):
-        watch.deployments_watch(node.pk, {})
+    watch.deployments_watch(node.pk, {})
     d.refresh_from_db()
     assert d.status == S.QUEUED and d.restarts == 1
-    assert run.call_args.kwargs["countdown"] == 10
+    assert sent_tasks.commit().one("deployments.deployment_run").options["countdown"] == 10
     failed = d.events.get(step="failed").message
     assert "Crashed: the engine process exited" in failed and "NCCL error" in failed
 
@@ -388,15 +379,14 @@ def test_health_must_fail_three_times_before_a_live_engine_counts_as_crashed(mod
             assert Deployment.objects.get(pk=d.pk).status == expected
 
 
-def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, host):
+def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, host, sent_tasks):
     ready = DeploymentFactory(model=model, node=node, status=S.READY, pid=1, pgid=1, port=8001)
     loading = DeploymentFactory(model=model, node=node, status=S.LOADING, pid=2, pgid=2, port=8002)
     gone = DeploymentFactory(model=model, node=node, status=S.READY, pid=3, pgid=3, port=8003)
     host.mocks["processes.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
-    with mock.patch("deployments.node.reconcile.node_enqueue", autospec=True) as enqueue:
-        report = reconcile.deployments_reconcile(node)
+    report = reconcile.deployments_reconcile(node)
     assert report == {"adopted": [ready.name], "following": [loading.name], "failed": [gone.name]}
-    assert enqueue.call_args.args[2] == loading.pk
+    assert [(s.name, s.args) for s in sent_tasks.commit()] == [("deployments.deployment_follow", [loading.pk])]
     assert Deployment.objects.get(pk=gone.pk).status == S.FAILED
 
 
@@ -434,9 +424,9 @@ def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model
     assert Path(d.log_path) == log
 
 
-def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, node, host, tmp_path):
+def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, node, host, tmp_path, sent_tasks):
     """CI: the switch's row (loading, no PID yet, its unit and marker set) was taken by the agent's unit watch for
-    a restart of the unit's engine: adopted, a second follow sent, and the plan's own move to ready then failed
+    a restart of the unit's engine: adopted, a second follow sent_tasks, and the plan's own move to ready then failed
     the deployment ("cannot go from ready to ready")."""
     from deployments.node import units
 
@@ -450,13 +440,12 @@ def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, nod
 
     with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit), \
          mock.patch("os.getpgid", return_value=5555), \
-         mock.patch("deployments.node.lifecycle.adopt", autospec=True, return_value=True) as adopt, \
-         mock.patch("deployments.node.units.node_enqueue", autospec=True) as sent:
+         mock.patch("deployments.node.lifecycle.adopt", autospec=True, return_value=True) as adopt:
         plan.deployment_persist_here(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY and d.pid == 5555, d.status_message
     adopt.assert_not_called()
-    sent.assert_not_called()
+    assert "deployments.deployment_follow" not in sent_tasks.commit().names()
     assert not d.events.filter(step="adopted").exists()
 
 

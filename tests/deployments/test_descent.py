@@ -18,7 +18,7 @@ from deployments.node import guards, plan
 from deployments.services import deploys
 from plumbing.errors import ServiceError
 from tests.conftest import wait_until
-from tests.deployments.test_deploys import _queued, host, model, node, sent  # noqa: F401
+from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401
 from tests.factories import DeploymentFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -103,7 +103,7 @@ def test_a_recorded_pid_whose_create_time_differs_is_not_proof(procs, settings):
 
 
 def test_a_redeploy_with_changes_is_not_refused_for_its_own_or_an_also_stopped_deployments_processes(
-        model, node, sent):
+        model, node, sent_tasks):
     """The web side reads what the agent recorded: an entry naming the redeployed deployment (or one
     ticked under "Also stop") is not foreign; a stranger's still is."""
     d = DeploymentFactory(model=model, node=node, port=8000, status=S.READY, engine_args={"max-model-len": 512})

@@ -26,13 +26,6 @@ S = Deployment.Status
 RAY = {"tensor-parallel-size": 2, "distributed-executor-backend": "ray"}
 
 
-@pytest.fixture
-def sent():
-    with mock.patch("deployments.dispatch.enqueue", autospec=True), \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield
-
-
 FLAGS_MN = sorted({"--tensor-parallel-size", "--port", "--host", "--nnodes", "--node-rank", "--master-addr",
                    "--master-port", "--headless", "--distributed-executor-backend"})
 
@@ -52,14 +45,14 @@ def _spread(model, head, worker, args):
                                      workers=[multinode.Worker(worker, [0, 1])], user=UserFactory(role="admin"))
 
 
-def test_only_mp_or_ray_may_span_nodes(pair, sent):
+def test_only_mp_or_ray_may_span_nodes(pair, sent_tasks):
     head, worker, model = pair
     with pytest.raises(ServiceError, match="--distributed-executor-backend uni cannot span nodes") as err:
         _spread(model, head, worker, {"tensor-parallel-size": 4, "distributed-executor-backend": "uni"})
     assert err.value.code == "executor"
 
 
-def test_ray_over_nodes_needs_no_nnodes_flag_where_mp_does(pair, sent):
+def test_ray_over_nodes_needs_no_nnodes_flag_where_mp_does(pair, sent_tasks):
     head, worker, model = pair
     with pytest.raises(ServiceError, match="engine on gpu-b has no --nnodes"):
         _spread(model, head, worker, {"tensor-parallel-size": 4})
@@ -67,7 +60,7 @@ def test_ray_over_nodes_needs_no_nnodes_flag_where_mp_does(pair, sent):
     assert d.master_port == multinode.MASTER_PORT_FIRST and d.ranks.get().node == worker
 
 
-def test_a_one_node_ray_deployment_gets_a_ray_head_port_and_loses_it_on_mp(pair, sent):
+def test_a_one_node_ray_deployment_gets_a_ray_head_port_and_loses_it_on_mp(pair, sent_tasks):
     head, _, model = pair
     d = deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={}, engine_args=RAY,
                                   user=UserFactory(role="admin"))  # the Ray executor is an admin's choice
@@ -153,7 +146,7 @@ def test_a_ready_ray_deployment_whose_ray_head_died_is_failed_by_the_watch(model
     assert d.status == S.FAILED and "its Ray head exited" in d.status_message
 
 
-def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent, tmp_path, settings):
+def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent_tasks, tmp_path, settings):
     head, worker, model = pair
     settings.VAR_DIR = tmp_path
     worker.address = "10.0.0.2"

@@ -12,10 +12,8 @@ import socket
 import tempfile
 import textwrap
 from pathlib import Path
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.db import connection
 from django.test import Client
 from rest_framework.test import APIClient
@@ -100,13 +98,12 @@ def stand_in(shared, settings):
 
 
 @pytest.fixture
-def world(db, shared, stand_in):
+def world(db, shared, stand_in, sent_tasks):
     folder = shared / "store" / "org" / "m"
     folder.mkdir(parents=True)
     node = NodeFactory(name="fuzz-cpu", engine_flags=stand_in, model_store=str(shared / "store"))
     copy = ModelCopyFactory(node=node, path=str(folder))
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield node, copy.model, stand_in
+    return node, copy.model, stand_in
 
 
 class Fuzz:

@@ -148,10 +148,9 @@ def test_a_pending_delivery_whose_task_was_lost_is_sent_again_by_the_sweep(subsc
     from deployments.notify import deliveries
 
     steps.move(_loading(), S.READY)  # its task went to a broker that lost it (a restart)
-    sent_tasks.clear()
-    with sent_tasks.committed():
-        assert deliveries.deliveries_due() == 1
-    assert [(s.name, s.args) for s in sent_tasks] == [("notify.deliver", [Delivery.objects.get().pk])]
+    sent_tasks.commit().clear()
+    assert deliveries.deliveries_due() == 1
+    assert [(s.name, s.args) for s in sent_tasks.commit()] == [("notify.deliver", [Delivery.objects.get().pk])]
 
 
 def test_a_user_without_a_role_hears_nothing(subscriber, receiver, send_due):
