@@ -15,6 +15,14 @@ from tests.conftest import VLLM, agent_argv, in_thread, wait_until
 SMOKE_BOUND_S = 420
 
 
+@pytest.fixture
+def stop_engines():
+    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
+    yield
+    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
+        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+
+
 def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_env):
     """A real node agent with the CPU engine and `model_folder` as a ready local model: (node, model, agent env);
     without a folder, no model (None)."""

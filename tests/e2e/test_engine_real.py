@@ -1,6 +1,5 @@
 """End to end: a real vLLM (CPU build, scripts/install-engine) serving the tiny test model."""
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ import psutil
 import pytest
 
 from deployments.host import processes, processlog, serveargv, vllm
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_VENV = Path(os.environ.get("ENGINE_VENV", ROOT / ".engine-venv"))
@@ -34,16 +34,10 @@ class Server:
     start_s: float
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    port = _free_port()
+    port = free_port()
     argv = serveargv.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
         "enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny",
         "reasoning-parser": "qwen3",

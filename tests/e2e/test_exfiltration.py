@@ -19,7 +19,7 @@ from deployments import engineapikey
 from deployments.host import osuser, ownership, processes
 from deployments.models import Deployment, Node
 from deployments.services import deploys
-from tests.conftest import in_thread, wait_until
+from tests.conftest import free_port, in_thread, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.factories import UserFactory
 
@@ -111,7 +111,7 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
     assert user.separate and user.uid != 0
     assert Node.objects.get(pk=node.pk).engine_user["describe"] == f"{user.name} (uid {user.uid})"
     admin = UserFactory(is_superuser=True)
-    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=_free_port(),
+    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
                   engine_args={"trust-remote-code": True, "enforce-eager": True, "max-model-len": 512, "max-num-seqs": 4},
                   env={"VLLM_CPU_KVCACHE_SPACE": "1"}, user=admin)
     try:
@@ -163,9 +163,3 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
         assert found["kill"].get(str(node.agent_pid)) == errno.EPERM, found["kill"]
         assert not any(path.startswith((str(tmp_path), agent_home)) for path in found["files"]), sorted(found["files"])[:5]
     assert stat.S_IMODE(tmp_path.stat().st_mode) & 0o007 == 0  # the agent closed its var/ to other users
-
-
-def _free_port():
-    from tests.conftest import free_port
-
-    return free_port()

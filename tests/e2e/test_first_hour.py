@@ -27,14 +27,6 @@ LOAD_TIMEOUT_MS = 300_000  # a CPU engine starts in ~25-70 s on 2 shared cores
 RUN_TIMEOUT_MS = 300_000
 
 
-@pytest.fixture
-def stop_engines():
-    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
-    yield
-    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
-
-
 HUGE = 40 * 2**30  # weights no CPU node here holds in RAM (24 GiB)
 
 

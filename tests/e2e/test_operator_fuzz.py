@@ -8,7 +8,6 @@ the same of the real engine.
 """
 import json
 import shutil
-import socket
 import tempfile
 import textwrap
 from pathlib import Path
@@ -26,7 +25,7 @@ from deployments.models import Deployment
 from deployments.node import plan
 from deployments.services import deploys
 from deployments.node.steps import PlanFailed
-from tests.conftest import VLLM, in_thread, wait_until
+from tests.conftest import VLLM, free_port, in_thread, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory, UserFactory
 
@@ -38,12 +37,6 @@ ALLOWED = set(flagpolicy.OPERATOR_FLAGS) | {f"no-{n}" for n in flagpolicy.OPERAT
 VALUES = {"distributed-executor-backend": "mp", "tool-call-parser": "hermes", "reasoning-parser": "qwen3",
           "kv-cache-dtype": "fp8", "dtype": "bfloat16", "served-model-name": "tiny"}
 WORKLOAD = {"levels": [1], "max_tokens": 16, "requests_per_user": 1, "min_requests": 1}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -110,7 +103,7 @@ class Fuzz:
     """Sends each case, launches what is accepted and checks its argv; counts what it tried."""
 
     def __init__(self, node, model, operator):
-        self.node, self.model, self.operator, self.port = node, model, operator, _free_port()
+        self.node, self.model, self.operator, self.port = node, model, operator, free_port()
         self.api, self.form = APIClient(), Client()
         self.api.force_authenticate(operator)
         self.form.force_login(operator)
@@ -243,7 +236,7 @@ def test_the_real_engine_an_operator_deploys_runs_only_listed_flags(process_env,
     node, model, _ = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
     client = APIClient()
     client.force_authenticate(UserFactory(role="operator"))
-    body = {"model": model.pk, "node": node.name, "port": _free_port(), "env": {"vllm_cpu_kvcache_space": "1"}}
+    body = {"model": model.pk, "node": node.name, "port": free_port(), "env": {"vllm_cpu_kvcache_space": "1"}}
     for smuggled, status in (({"enforce-eager": "--trust-remote-code"}, 400), ({"Trust_Remote_Code": True}, 403),
                              ({"enforce-eager": True, "LOG_CONFIG_FILE": "logging.json"}, 403)):
         response = in_thread(client.post, "/api/deployments/", {**body, "engine_args": smuggled}, format="json")

@@ -13,7 +13,7 @@ import pytest
 from benchmarks import services
 from benchmarks.models import BenchmarkRun
 from deployments import engineapikey
-from deployments.host import processes, vllm
+from deployments.host import vllm
 from deployments.models import Deployment
 from deployments.services import deploys
 from tests.conftest import free_port, in_thread, wait_until
@@ -21,14 +21,6 @@ from tests.e2e.conftest import start_cpu_node
 from tests.e2e.loopback import assert_behind_loopback_and_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-
-@pytest.fixture
-def stop_engines():
-    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
-    yield
-    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 def _ended(pk):

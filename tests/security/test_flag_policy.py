@@ -7,12 +7,12 @@ or a leading dash. The real engine's whole flag list is tried in tests/e2e/test_
 
 import pytest
 from django.utils import timezone
-from rest_framework.test import APIClient
 
 from benchmarks.models import Study
 from deployments import flagpolicy, privileged, userflags
 from deployments.models import Deployment
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
+from tests.helpers import api_client
 
 pytestmark = pytest.mark.django_db
 FLAGS = ["--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--trust-remote-code",
@@ -37,16 +37,10 @@ def admin():
     return UserFactory(role="admin")
 
 
-def _api(user):
-    client = APIClient()
-    client.force_authenticate(user)
-    return client
-
-
 def _deploy(user, model, engine_args=None, env=None, **kw):
     body = {"model": model.pk, "node": "gpu-01", "gpus": [0], "preset": "none",
             "engine_args": {"tensor-parallel-size": 1, **(engine_args or {})}, "env": env or {}, **kw}
-    return _api(user).post("/api/deployments/", body, format="json")
+    return api_client(user).post("/api/deployments/", body, format="json")
 
 
 # --- the canonical form -----------------------------------------------------------------------------
@@ -178,7 +172,7 @@ def test_a_dash_value_a_newline_or_a_repeat_is_a_400_for_everyone(world, operato
 def test_an_underscored_parallel_size_cannot_dodge_the_gpu_count(world, operator, name):
     node, model = world
     body = {"model": model.pk, "node": "gpu-01", "gpus": [0], "preset": "none", "engine_args": {name: 4}, "env": {}}
-    response = _api(operator).post("/api/deployments/", body, format="json")
+    response = api_client(operator).post("/api/deployments/", body, format="json")
     assert response.status_code == 400 and "needs 4 GPUs; 1 chosen" in response.json()["error"]["message"]
 
 
@@ -186,7 +180,7 @@ def test_what_an_operator_deploys_is_stored_and_launched_in_canonical_form(world
     node, model = world
     body = {"model": model.pk, "node": "gpu-01", "gpus": [0, 1], "preset": "none", "env": {"nccl_proto": "LL"},
             "engine_args": {"TP": "2", "Max_Num_Seqs": 8, "--enable_prefix_caching": True}}
-    response = _api(operator).post("/api/deployments/", body, format="json")
+    response = api_client(operator).post("/api/deployments/", body, format="json")
     assert response.status_code == 202, response.content
     d = Deployment.objects.get(pk=response.json()["id"])
     assert {k: v for k, v in d.engine_args.items() if k != "served-model-name"} == {
@@ -199,25 +193,25 @@ def test_an_operator_may_restart_what_an_admin_set_but_not_a_row_stored_in_anoth
     d = DeploymentFactory(node=node, model=model, port=8001, status="stopped", created_by=admin,
                           engine_args={"tensor-parallel-size": 1, "trust-remote-code": True}, env={"HF_HOME": "/h"})
     d.gpus.set(node.gpus.filter(index=0))
-    assert _api(operator).post(f"/api/deployments/{d.pk}/restart/", {}, format="json").status_code == 202
+    assert api_client(operator).post(f"/api/deployments/{d.pk}/restart/", {}, format="json").status_code == 202
     # Stored before names were canonical: nothing proves an admin set it, so the operator may not keep it.
     old = DeploymentFactory(node=node, model=model, port=8002, status="stopped", engine_args={"trust_remote_code": True})
     old.gpus.set(node.gpus.filter(index=1))
-    refused = _api(operator).post(f"/api/deployments/{old.pk}/restart/", {}, format="json")
+    refused = api_client(operator).post(f"/api/deployments/{old.pk}/restart/", {}, format="json")
     assert refused.status_code == 403 and "--trust-remote-code" in refused.json()["error"]["message"]
-    assert _api(admin).post(f"/api/deployments/{old.pk}/restart/", {}, format="json").status_code == 202
+    assert api_client(admin).post(f"/api/deployments/{old.pk}/restart/", {}, format="json").status_code == 202
     assert Deployment.objects.get(pk=old.pk).engine_args == {"trust-remote-code": True}
 
 
 def test_an_operator_deploying_a_preset_with_remote_code_is_told_which_option_needs_an_admin(world, operator, admin):
     node, model = world
     body = {"model": model.pk, "node": "gpu-01", "gpus": list(range(8)), "preset": "tp8-moe-int4", "engine_args": {}}
-    refused = _api(operator).post("/api/deployments/", body, format="json")
+    refused = api_client(operator).post("/api/deployments/", body, format="json")
     assert refused.status_code == 403
     message = refused.json()["error"]["message"]
     assert "--trust-remote-code (runs Python code from the model repository)" in message
     assert "--reasoning-parser" not in message and "--tool-call-parser" not in message  # built-in names
-    assert _api(admin).post("/api/deployments/", body, format="json").status_code == 202
+    assert api_client(admin).post("/api/deployments/", body, format="json").status_code == 202
 
 
 # --- the Ray executor: an admin's choice ----------------------------------------------------------
@@ -296,13 +290,13 @@ WORKLOAD = {"levels": [1], "max_tokens": 16, "requests_per_user": 1, "min_reques
     ({"dimensions": {"max-num-seqs": ["8\n--trust-remote-code"]}}, 400, "one line"),
 ])
 def test_a_study_variant_goes_through_the_same_check(ready, operator, body, status, says):
-    response = _api(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, **body}, format="json")
+    response = api_client(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, **body}, format="json")
     assert response.status_code == status and says in response.json()["error"]["message"], response.content
     assert not Study.objects.exists()
 
 
 def test_a_study_variant_is_stored_in_canonical_form(ready, operator):
-    response = _api(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, "repeats": 1,
+    response = api_client(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, "repeats": 1,
                                                      "dimensions": {"Max_Num_Seqs": [8, 16]}}, format="json")
     assert response.status_code == 202, response.content
     study = Study.objects.get()
