@@ -65,7 +65,7 @@ NOT_SETTINGS = frozenset({"startup", "engine_command"})
 def _settings(env: dict) -> dict[str, str]:
     """A run's settings flattened; each engine flag written as on the command line (`--enforce-eager`,
     `--max-num-seqs 8`), so what changed reads like, and pastes as, what the engine got."""
-    from deployments.engineargs import argv_words
+    from deployments.userflags import argv_words
 
     flat = _flatten({k: v for k, v in env.items() if k != "engine_args" and k not in NOT_SETTINGS})
     for flag, value in (env.get("engine_args") or {}).items():
@@ -109,7 +109,7 @@ def startup_text(env: dict) -> str:
 def environment_rows(env: dict) -> list[tuple[str, str]]:
     """A run's environment as its page lists it, one short line per item: flags as on the command line,
     variables as NAME=value, GPUs by name, start-up in words (the full command line is shown apart)."""
-    from deployments.engineargs import argv_words
+    from deployments.userflags import argv_words
 
     labels = {"deployment": "Deployment", "model": "Model", "model_commit": "Commit", "node": "Node",
               "engine_version": "Engine", "engine_args": "Flags", "env": "Environment", "gpus": "GPUs",

@@ -12,8 +12,8 @@ from benchmarks import allowlist, caps, payloads, runner, runqueue, selectors
 from benchmarks.runner.saturation import queue_note
 from benchmarks.runner import capacity as capacity_search, slo as slos_mod
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
-from deployments import enginekey, secrets
-from deployments.host import engine, gpu, vllm
+from deployments import engineapikey, secrets
+from deployments.host import gpu, processes, vllm
 from deployments.models import Deployment, ModelCopy
 from deployments.selectors import deployment_startup
 from deployments.node.lifecycle import running as engine_running
@@ -68,7 +68,7 @@ def engine_command(d: Deployment | None) -> str:
     (what ran, not what the row says), secrets redacted; "" when there is none provably ours here."""
     if d is None or not engine_running(d):
         return ""
-    return secrets.redact_deployment(d, shlex.join(engine.command_line(d.pid)))
+    return secrets.redact_deployment(d, shlex.join(processes.command_line(d.pid)))
 
 
 def _warnings(params: dict, d: Deployment | None) -> list[str]:
@@ -278,8 +278,8 @@ def _engine_key(d: Deployment | None) -> str:
     if d is None:
         return ""
     try:
-        return enginekey.current(d)
-    except enginekey.KeyUnreadable as exc:
+        return engineapikey.current(d)
+    except engineapikey.KeyUnreadable as exc:
         raise ServiceError(str(exc)) from exc
 
 

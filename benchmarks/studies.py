@@ -16,10 +16,10 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import caps, payloads, studyestimate, studyresults, tunestats
+from benchmarks import caps, payloads, studyestimate, studyresults, studystats
 from benchmarks import services as runs
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
-from deployments import engineargs, engineoptions, privileged
+from deployments import flagpolicy, privileged, userflags
 from deployments.models import Deployment, DeploymentEvent
 from deployments.services import deploys
 from plumbing.errors import ServiceError
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 S, T, D = Study.Status, StudyTrial.Status, Deployment.Status
 MAX_ATTEMPTS = 3  # a trial interrupted by an agent restart is run again, this many times in all
 MAX_TRIALS = 200
-ENV_NAME = engineargs.ENV_NAME
+ENV_NAME = userflags.ENV_NAME
 ORDERS = {"interleaved": "interleaved (A B C A B C)", "mirrored": "mirrored (A B C C B A)", "random_blocks": "randomised blocks"}
 
 
@@ -64,8 +64,8 @@ def expand_variants(variants: list[dict] | None, dimensions: dict | None) -> lis
                     v["engine_args"][key] = value
             out.append(v)
     for v in out:
-        v["engine_args"] = {_spelled(engineoptions.flag_name, k): val for k, val in v["engine_args"].items()}
-        v["env"] = {_spelled(engineoptions.env_name, k): val for k, val in v["env"].items()}
+        v["engine_args"] = {_spelled(flagpolicy.flag_name, k): val for k, val in v["engine_args"].items()}
+        v["env"] = {_spelled(flagpolicy.env_name, k): val for k, val in v["env"].items()}
         v["name"] = v["name"] or describe(v["engine_args"], v["env"])
     return out
 
@@ -74,12 +74,12 @@ def _spelled(canonical, name) -> str:
     """The name in canonical form for the variant's name; one that has none stays as given (refused later)."""
     try:
         return canonical(name)
-    except engineoptions.OptionError:
+    except flagpolicy.OptionError:
         return str(name)
 
 
 def describe(engine_args: dict, env: dict) -> str:
-    parts = [f"{k}={v}" for k, v in env.items()] + [" ".join(engineargs.argv_words({k: v})) or f"no --{k}"
+    parts = [f"{k}={v}" for k, v in env.items()] + [" ".join(userflags.argv_words({k: v})) or f"no --{k}"
                                                     for k, v in engine_args.items()]
     return ", ".join(parts)[:120] or "baseline"
 
@@ -93,16 +93,16 @@ def validate_variants(d: Deployment, variants: list[dict], user) -> None:
             if not isinstance(value, (str, int, float, bool)) and value is not None:
                 raise ServiceError(f"{v['name']}: --{str(name)[:40]}: a value is a string, number or true/false.",
                                    field="variants")
-        try:  # stored so: the trials' redeploys, the admin check and the argv see one spelling (engineoptions)
-            v["engine_args"] = engineoptions.canonical_flags(v["engine_args"])
-            v["env"] = engineoptions.canonical_env({k: val for k, val in v["env"].items() if val is not None})
-        except engineoptions.OptionError as exc:
+        try:  # stored so: the trials' redeploys, the admin check and the argv see one spelling (flagpolicy)
+            v["engine_args"] = flagpolicy.canonical_flags(v["engine_args"])
+            v["env"] = flagpolicy.canonical_env({k: val for k, val in v["env"].items() if val is not None})
+        except flagpolicy.OptionError as exc:
             raise ServiceError(f"{v['name']}: {exc}", field="variants") from exc
         flags = {k: val for k, val in v["engine_args"].items() if val is not False and val is not None}
-        if errors := engineargs.check_flags(flags, known):
+        if errors := userflags.check_flags(flags, known):
             raise ServiceError(f"{v['name']}: {errors['extra_flags']}", field="variants")
         env = {k: val for k, val in v["env"].items() if val not in ("", None)}
-        if errors := engineargs.check_env(env):
+        if errors := userflags.check_env(env):
             raise ServiceError(f"{v['name']}: {errors['env']}", field="variants")
         args = {k: val for k, val in {**base_args, **v["engine_args"]}.items() if val is not False and val is not None}
         privileged.check(engine_args=args, env={**base_env, **env}, model_dir=privileged.model_dir(d.model, d.node),
@@ -131,9 +131,9 @@ def study_preview(d: Deployment, variants: list[dict], repeats: int, workload: d
     workload = {**runs.DEFAULTS, **workload}  # as each trial's run will have it
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     preview = {"variants": len(variants) + 1, "trials": trials, **studyestimate.study_estimate(d, trials, workload)}
-    if repeats < tunestats.MIN_REPEATS:
+    if repeats < studystats.MIN_REPEATS:
         preview["warning"] = (f"{repeats} repeat per variant: the study will measure, but give no verdict (a verdict "
-                              f"needs at least {tunestats.MIN_REPEATS} repeats of each variant).")
+                              f"needs at least {studystats.MIN_REPEATS} repeats of each variant).")
     return preview
 
 

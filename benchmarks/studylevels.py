@@ -10,10 +10,10 @@ variant wins only when significantly better than the baseline there, else the ba
 two neighbouring levels have different winners the study names a crossover ("A below c=32, B from
 c=32") only when the intervals support it: at the lower level the first winner is significantly
 better than the second, and at the higher level the second significantly better than the first, by
-the same bootstrap comparison (benchmarks.tunestats) the verdicts use. Otherwise it says the measured
+the same bootstrap comparison (benchmarks.studystats) the verdicts use. Otherwise it says the measured
 best differs but the intervals cannot tell the two apart there.
 """
-from benchmarks import tunestats
+from benchmarks import studystats
 
 
 def _key(level) -> str:
@@ -127,8 +127,8 @@ def _better(repeats: dict, winner: int, other: int, level: int, n_boot: int) -> 
     mine, theirs = repeats.get(winner, {}).get(_key(level)), repeats.get(other, {}).get(_key(level))
     if not mine or not theirs:
         return False
-    comparison = tunestats.compare(theirs, mine, tunestats.INVERSE, True, n_boot=n_boot)
-    return comparison is not None and comparison.verdict == tunestats.BETTER
+    comparison = studystats.compare(theirs, mine, studystats.INVERSE, True, n_boot=n_boot)
+    return comparison is not None and comparison.verdict == studystats.BETTER
 
 
 def winner_at(results: dict, level) -> int | None:

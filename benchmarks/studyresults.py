@@ -1,10 +1,10 @@
 """Reads of tuning studies: per-variant estimates, comparisons with the baseline and verdicts (with
-benchmarks.tunestats), the winner by the study's rule, the Pareto front, the live matrix, estimates."""
+benchmarks.studystats), the winner by the study's rule, the Pareto front, the live matrix, estimates."""
 import statistics
 
 from django.utils import timezone
 
-from benchmarks import csvsafe, selectors, studylevels, tunestats
+from benchmarks import csvsafe, selectors, studylevels, studystats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
 
@@ -15,14 +15,14 @@ def _median_rate(point) -> float | None:
 
 # metric -> (label, kind of bootstrap replicate, higher is better, the point's value, its per-request samples)
 METRICS = {
-    "throughput": ("output tok/s", tunestats.INVERSE, True, lambda p: p.output_throughput, "e2e_ms"),
+    "throughput": ("output tok/s", studystats.INVERSE, True, lambda p: p.output_throughput, "e2e_ms"),
     # The median request's rate: a mean of rates is dominated by a request whose chunks arrived at once.
-    "per_user": ("tok/s per user (median)", tunestats.MEDIAN, True, _median_rate, "tok_s"),
-    "ttft_median_ms": ("TTFT median (ms)", tunestats.MEDIAN, False, lambda p: p.ttft_ms.get("median"), "ttft_ms"),
-    "tpot_median_ms": ("TPOT median (ms)", tunestats.MEDIAN, False, lambda p: p.tpot_ms.get("median"), "tpot_ms"),
-    "ttft_p95_ms": ("TTFT p95 (ms)", tunestats.SCALED, False, lambda p: p.ttft_ms.get("p95"), None),
+    "per_user": ("tok/s per user (median)", studystats.MEDIAN, True, _median_rate, "tok_s"),
+    "ttft_median_ms": ("TTFT median (ms)", studystats.MEDIAN, False, lambda p: p.ttft_ms.get("median"), "ttft_ms"),
+    "tpot_median_ms": ("TPOT median (ms)", studystats.MEDIAN, False, lambda p: p.tpot_ms.get("median"), "tpot_ms"),
+    "ttft_p95_ms": ("TTFT p95 (ms)", studystats.SCALED, False, lambda p: p.ttft_ms.get("p95"), None),
 }
-START = ("start time (s)", tunestats.SCALED, False)
+START = ("start time (s)", studystats.SCALED, False)
 RULES = {"throughput": "max output tok/s at level N", "single_stream": "max single-stream tok/s",
          "throughput_under_ttft": "max output tok/s at level N with TTFT p95 within a budget"}
 # NCCL's documentation lists these under "Debugging": not for production, nor to be kept in scripts;
@@ -47,25 +47,25 @@ def _key(metric: str, level) -> str:
     return f"{metric}@{level}"
 
 
-def _repeats(study: Study) -> dict[int, dict[str, list[tunestats.Repeat]]]:
+def _repeats(study: Study) -> dict[int, dict[str, list[studystats.Repeat]]]:
     """variant id -> "metric@level" (and "start_s") -> its repeats, from the finished trials."""
     trials = list(study.trials.filter(status=StudyTrial.Status.DONE).select_related("run"))
     points = BenchmarkPoint.objects.filter(run__in=[t.run_id for t in trials if t.run_id], repeat=0)
     by_run: dict[int, list[BenchmarkPoint]] = {}
     for p in points:
         by_run.setdefault(p.run_id, []).append(p)
-    out: dict[int, dict[str, list[tunestats.Repeat]]] = {}
+    out: dict[int, dict[str, list[studystats.Repeat]]] = {}
     for t in trials:
         figures = out.setdefault(t.variant_id, {})
         if t.ready_s is not None:
-            figures.setdefault("start_s", []).append(tunestats.Repeat(t.ready_s))
+            figures.setdefault("start_s", []).append(studystats.Repeat(t.ready_s))
         for p in by_run.get(t.run_id, []):
             for metric, (_, _, _, value, samples) in METRICS.items():
                 v = value(p)
                 if v is not None:
                     reqs = tuple((p.samples or {}).get(samples) or ()) if samples else ()
                     level = studylevels.point_level(p.kind, p.concurrency, p.rate)
-                    figures.setdefault(_key(metric, level), []).append(tunestats.Repeat(float(v), reqs))
+                    figures.setdefault(_key(metric, level), []).append(studystats.Repeat(float(v), reqs))
     return out
 
 
@@ -90,13 +90,13 @@ def compute(study: Study, n_boot: int = 2000) -> dict:
     rows = []
     for v in variants:
         figures = repeats.get(v.pk, {})
-        estimates = {k: _as_dict(tunestats.estimate(r, _kind(k)[0], n_boot=n_boot)) for k, r in figures.items()}
+        estimates = {k: _as_dict(studystats.estimate(r, _kind(k)[0], n_boot=n_boot)) for k, r in figures.items()}
         comparisons = {}
         if not v.is_baseline:
             for k, r in figures.items():
                 if k in base:
                     kind, higher = _kind(k)
-                    comparisons[k] = _as_dict(tunestats.compare(base[k], r, kind, higher, n_boot=n_boot))
+                    comparisons[k] = _as_dict(studystats.compare(base[k], r, kind, higher, n_boot=n_boot))
         rows.append({"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,
                      "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v),
                      "repeats_done": len(figures.get(_key("throughput", levels[0]), [])) if levels else 0,
@@ -161,16 +161,16 @@ def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int 
     baseline = next((r for r in rows if r["is_baseline"]), None)
     if best["is_baseline"]:
         thin = [(r["comparisons"].get(key) or {}).get("why") for r in candidates
-                if (r["comparisons"].get(key) or {}).get("verdict") == tunestats.NO_VERDICT]
+                if (r["comparisons"].get(key) or {}).get("verdict") == studystats.NO_VERDICT]
         if thin:
             return best["id"], f"The baseline measured highest; with {thin[0]}, there is no verdict: the baseline stays."
         return best["id"], "The baseline is the best by the rule."
     comparison = best["comparisons"].get(key) or {}
     verdict = comparison.get("verdict")
-    if verdict == tunestats.NO_VERDICT:
+    if verdict == studystats.NO_VERDICT:
         return (baseline["id"] if baseline else None), (
             f"{best['name']} measured highest, but with {comparison.get('why')}; the baseline stays.")
-    if verdict != tunestats.BETTER:
+    if verdict != studystats.BETTER:
         return (baseline["id"] if baseline else None), (
             f"{best['name']} measured highest, but not significantly better than the baseline: the baseline stays.")
     return best["id"], f"{best['name']} is significantly better than the baseline by the rule."
@@ -186,11 +186,11 @@ def _pareto(rows: list[dict], levels: list[int], gpus: int) -> list[dict]:
             if output is not None and per_user is not None:
                 points.append({"variant": r["id"], "name": r["name"], "level": level, "output_tok_s": round(output, 1),
                                "per_gpu": round(output / gpus, 1) if gpus else None, "per_user": round(per_user, 2)})
-    front = set(tunestats.pareto([(f"{p['variant']}@{p['level']}", p["output_tok_s"], p["per_user"]) for p in points]))
+    front = set(studystats.pareto([(f"{p['variant']}@{p['level']}", p["output_tok_s"], p["per_user"]) for p in points]))
     # The front among the variants at the same level too: which settings are worth having at that load.
     at_level = set()
     for level in levels:
-        at_level |= set(tunestats.pareto([(f"{p['variant']}@{p['level']}", p["output_tok_s"], p["per_user"])
+        at_level |= set(studystats.pareto([(f"{p['variant']}@{p['level']}", p["output_tok_s"], p["per_user"])
                                           for p in points if p["level"] == level]))
     for p in points:
         p["front"] = f"{p['variant']}@{p['level']}" in front

@@ -4,7 +4,7 @@ from django.http import JsonResponse
 from django.urls import include, path, register_converter
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from controlpanel.metrics import MetricsView
+from controlpanel.metricsview import MetricsView
 from plumbing import params
 
 # `<id:pk>` in the apps' page routes (registered before their urls modules are included).

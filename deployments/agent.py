@@ -13,7 +13,7 @@ import redis
 from django.db import close_old_connections
 
 from deployments import agenthooks, history, loads
-from deployments.host import disk, engineuser, firewall, gpu
+from deployments.host import disk, firewall, gpu, osuser
 from deployments.node import guards, reconcile, watch
 from deployments.services import doctor, nodes, repos
 
@@ -69,11 +69,11 @@ class Agent:
         from django.conf import settings
 
         try:
-            user = engineuser.current()
-        except engineuser.EngineUserError as exc:
+            user = osuser.current()
+        except osuser.EngineUserError as exc:
             log.error("node %s: %s", self.name, exc)
             return {"error": str(exc), "describe": f"unknown: {exc}"}
-        engineuser.protect(settings.VAR_DIR, user)
+        osuser.protect(settings.VAR_DIR, user)
         return user.facts()
 
     def _reconcile(self) -> None:

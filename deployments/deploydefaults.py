@@ -1,22 +1,22 @@
 """What a deploy gets for what its caller leaves out, the same from the form, the API and panelctl
 ("the CLI is the form"): the deploy form's own values for the node, computed by the form itself
 so that no copy of its defaults can drift, and the served model name clients call it by."""
-from deployments import callit, engineargs
+from deployments import callit, userflags
 from plumbing.errors import ServiceError
 
 
 def preset_initial(key: str) -> dict:
     """The deploy form's initial values for a preset (field name -> value)."""
-    preset = dict(engineargs.PRESETS[key])
+    preset = dict(userflags.PRESETS[key])
     initial = {k: v for k, v in preset.items() if k not in ("label", "flags", "env")}
-    initial["extra_flags"] = " ".join(engineargs.argv_words(preset.get("flags", {})))
+    initial["extra_flags"] = " ".join(userflags.argv_words(preset.get("flags", {})))
     initial["env"] = "\n".join(f"{k}={v}" for k, v in preset.get("env", {}).items())
     return initial
 
 
 def preset_key(node, key: str = "auto") -> str:
     """`auto`: the preset that works on the node as it is (one GPU, or the CPU engine's)."""
-    return engineargs.node_preset(node.gpus.exists()) if key == "auto" else key
+    return userflags.node_preset(node.gpus.exists()) if key == "auto" else key
 
 
 # Engine flags the deploy form has a field of its own for (the rest go to its extra flags).
@@ -46,7 +46,7 @@ def flags_initial(flags: dict, env: dict) -> dict:
             initial[FIELDS[name]] = value
         elif name != "enable-auto-tool-choice" or not flags.get("tool-call-parser"):  # the parser's field sets it
             extra[name] = value
-    initial["extra_flags"] = " ".join(engineargs.argv_words(extra))
+    initial["extra_flags"] = " ".join(userflags.argv_words(extra))
     initial["env"] = "\n".join(f"{k}={v}" for k, v in env.items())
     return initial
 
@@ -71,7 +71,7 @@ def form_defaults(node, key: str = "auto", initial: dict | None = None) -> tuple
         field, errors = next(iter(form.errors.items()))
         raise ServiceError(f"The recipe does not fit the deploy form on {node}: {field}: {' '.join(errors)}",
                            field="recipe")
-    return engineargs.with_preset(key, {}, {})
+    return userflags.with_preset(key, {}, {})
 
 
 def submitted(unbound, keep=("gpus", "port")) -> dict:

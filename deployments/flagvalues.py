@@ -7,7 +7,7 @@ Only flags whose kind is certain are listed; any other flag's value is left to t
 import re
 
 # Whole numbers from 0 up (vLLM parses them with int()); --seed may be any whole number. The parallel
-# sizes are engineoptions.COUNT_FLAGS' (checked there, with the GPU count).
+# sizes are flagpolicy.COUNT_FLAGS' (checked there, with the GPU count).
 COUNTS = {"max-num-seqs", "max-num-batched-tokens", "block-size", "max-logprobs", "max-loras", "max-lora-rank",
           "max-cpu-loras", "num-gpu-blocks-override", "max-parallel-loading-workers", "max-num-partial-prefills",
           "max-long-partial-prefills", "long-prefill-token-threshold", "api-server-count", "max-cudagraph-capture-size"}

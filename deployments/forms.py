@@ -4,7 +4,7 @@ from typing import NamedTuple
 
 from django import forms
 
-from deployments import engineargs, secrets, validators
+from deployments import secrets, userflags, validators
 from deployments.models import Deployment, ModelCopy, Node
 
 
@@ -167,9 +167,9 @@ class DeployForm(forms.Form):
         flags.update({k: v for k, v in optional.items() if v not in (None, "", False)})
         env = {}
         try:
-            extra = engineargs.parse_flags(data["extra_flags"])
-            env = engineargs.parse_env(data["env"])
-        except engineargs.ArgsError as exc:
+            extra = userflags.parse_flags(data["extra_flags"])
+            env = userflags.parse_env(data["env"])
+        except userflags.ArgsError as exc:
             for field, message in exc.errors.items():
                 self.add_error(field, message)
             return data
@@ -182,8 +182,8 @@ class DeployForm(forms.Form):
                 flags["attention-backend"] = data["attention_backend"]
             else:
                 env["VLLM_ATTENTION_BACKEND"] = data["attention_backend"]
-        for field, message in {**engineargs.check_flags(flags, set(self.node.engine_flags) or None),
-                               **engineargs.check_env(env)}.items():
+        for field, message in {**userflags.check_flags(flags, set(self.node.engine_flags) or None),
+                               **userflags.check_env(env)}.items():
             self.add_error(field, message)
         data["engine_args"], data["env_vars"] = flags, env
         data["secret_names"] = [n for n in re.split(r"[\s,]+", data.get("secret_env") or "") if n]

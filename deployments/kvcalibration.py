@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from deployments import contextfit, engineoptions, modelconfig
+from deployments import contextfit, flagpolicy, modelconfig
 from deployments.contextfit import EngineKv, Layout
 from deployments.models import Deployment, FitCalibration, ModelRepo, Node
 
@@ -24,10 +24,10 @@ def correction_for(node: Node, model: ModelRepo) -> int:
 
 def layout_of(engine_args: dict) -> Layout:
     """The layout the flags ask for (canonical flag names, as the form and the API store them)."""
-    dcp = engineoptions.count(engine_args, "decode-context-parallel-size")
-    return Layout(tp=engineoptions.count(engine_args, "tensor-parallel-size"),
-                  pp=engineoptions.count(engine_args, "pipeline-parallel-size"),
-                  dp=engineoptions.count(engine_args, "data-parallel-size"),
+    dcp = flagpolicy.count(engine_args, "decode-context-parallel-size")
+    return Layout(tp=flagpolicy.count(engine_args, "tensor-parallel-size"),
+                  pp=flagpolicy.count(engine_args, "pipeline-parallel-size"),
+                  dp=flagpolicy.count(engine_args, "data-parallel-size"),
                   ep=bool(engine_args.get("enable-expert-parallel")), dcp=dcp)
 
 
@@ -41,7 +41,7 @@ def deployment_estimate(d: Deployment) -> contextfit.ContextFit | None:
         return contextfit.context_fit(spec, weights, layout=layout_of(d.engine_args),
                                       kv_dtype=str(d.engine_args.get("kv-cache-dtype") or "auto"),
                                       correction_bytes=correction_for(d.node, d.model), config=d.model.config, **kwargs)
-    except (ValueError, TypeError, KeyError, engineoptions.OptionError):
+    except (ValueError, TypeError, KeyError, flagpolicy.OptionError):
         return None
 
 

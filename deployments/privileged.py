@@ -1,6 +1,6 @@
-"""Which engine options need the admin role: everything not on the operator list (engineoptions).
+"""Which engine options need the admin role: everything not on the operator list (flagpolicy).
 
-Operators may set only the reviewed options of engineoptions.OPERATOR_FLAGS / OPERATOR_ENV (what changes
+Operators may set only the reviewed options of flagpolicy.OPERATOR_FLAGS / OPERATOR_ENV (what changes
 performance). Anything else, an unknown name too, needs an admin: --trust-remote-code runs the model
 repo's Python on the host; other flags load plugins, classes, templates or configs, or connect out; some
 variables switch on dev endpoints, load logging configs or point caches and downloads elsewhere. An
@@ -9,14 +9,14 @@ File paths must lie inside the model's folder, for everyone.
 """
 import posixpath
 
-from deployments import engineoptions
-from deployments.host import enginecli, store
+from deployments import flagpolicy
+from deployments.host import serveargv, store
 from plumbing.errors import ServiceError
 
 # Set by the panel for every engine, refused from everyone: the engine's own key is the panel's, and
 # callers' keys live on the node's gateway.
-PANEL_FLAGS = {"api-key": enginecli.KEY_REFUSED}
-PANEL_ENV = {"VLLM_API_KEY": enginecli.KEY_REFUSED}
+PANEL_FLAGS = {"api-key": serveargv.KEY_REFUSED}
+PANEL_ENV = {"VLLM_API_KEY": serveargv.KEY_REFUSED}
 
 # Why some of the options operators may not set need an admin (shown to the user; an option not named
 # here is refused as "not on the operator list").
@@ -55,28 +55,28 @@ ENV = {
 ENV_PREFIXES = {"RAY_": "configures Ray", "TRITON_": "configures Triton's compiler and its cache",
                 "TORCHINDUCTOR_": "configures torch.compile and its cache", "HF_": "configures Hugging Face downloads",
                 "NCCL_": "loads a plugin, reads or writes a file or names an address"}
-NOT_LISTED = "not on the operator list (deployments/engineoptions.py)"
+NOT_LISTED = "not on the operator list (deployments/flagpolicy.py)"
 
 
 def uses(engine_args: dict, env: dict) -> dict[str, str]:
     """The options in canonical `engine_args` and `env` an operator may not set: {"--flag" or "NAME": why}."""
     found = {}
     for name, value in engine_args.items():
-        why = engineoptions.operator_flag(name, value)
+        why = flagpolicy.operator_flag(name, value)
         if why is not None:
             found[f"--{name}"] = why or FLAGS.get(name) or NOT_LISTED
     for name in env:
-        if not engineoptions.operator_env(name):
+        if not flagpolicy.operator_env(name):
             found[name] = ENV.get(name) or next((why for prefix, why in ENV_PREFIXES.items() if name.startswith(prefix)),
                                                 NOT_LISTED)
     return found
 
 
 def canonical(engine_args: dict, env: dict) -> tuple[dict, dict]:
-    """Both in canonical form (engineoptions), or a 400 naming the option: every service takes its input so."""
+    """Both in canonical form (flagpolicy), or a 400 naming the option: every service takes its input so."""
     try:
-        return engineoptions.canonical_flags(engine_args), engineoptions.canonical_env(env)
-    except engineoptions.OptionError as exc:
+        return flagpolicy.canonical_flags(engine_args), flagpolicy.canonical_env(env)
+    except flagpolicy.OptionError as exc:
         raise ServiceError(str(exc), field="extra_flags") from exc
 
 

@@ -5,9 +5,9 @@ from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
-from deployments import enginekey, history, secrets
-from deployments.host import enginecli, engineenv, engineuser, systemd
-from deployments.host.engine import EngineError
+from deployments import engineapikey, history, secrets
+from deployments.host import osuser, processenv, serveargv, systemd
+from deployments.host.processes import EngineError
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 
 
@@ -92,12 +92,12 @@ def _engine_argv(d: Deployment) -> tuple[list[str], dict, dict]:
     VLLM_API_KEY in the secret part: named, its value never here); EngineError for a row stored before flag
     names were canonical."""
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
-    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
-                                d.port, enginecli.API_HOST, d.engine_args)
-    own = engineenv.deployment_env(d.env, d.gpu_indices)
-    env, secret_env = secrets.split(own if d.master_port else {**own, **engineenv.LOOPBACK_ONLY}, secrets.marked(d))
+    argv = serveargv.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
+                                d.port, serveargv.API_HOST, d.engine_args)
+    own = processenv.deployment_env(d.env, d.gpu_indices)
+    env, secret_env = secrets.split(own if d.master_port else {**own, **processenv.LOOPBACK_ONLY}, secrets.marked(d))
     argv, flag_env = systemd.secret_argv(argv)
-    return argv, env, {**secret_env, **flag_env, enginekey.ENV_VAR: ""}
+    return argv, env, {**secret_env, **flag_env, engineapikey.ENV_VAR: ""}
 
 
 def deployment_command(d: Deployment) -> str:
@@ -117,11 +117,11 @@ def deployment_unit(d: Deployment) -> tuple[str, str]:
     name = systemd.unit_name(d.name)
     try:
         argv, env, secret_env = _engine_argv(d)
-    except EngineError as exc:  # a row stored before flag names were canonical (engineoptions): redeploy it
+    except EngineError as exc:  # a row stored before flag names were canonical (flagpolicy): redeploy it
         return name, f"# No unit: {exc}."
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
                                log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
-                               run_as=engineuser.from_facts(d.node.engine_user),  # as the node's agent would
+                               run_as=osuser.from_facts(d.node.engine_user),  # as the node's agent would
                                secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)
     return name, secrets.redact_deployment(d, text)  # a secret flag value (--api-key) is shown masked
 

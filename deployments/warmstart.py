@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deployments import selectors
 from deployments.contextfit import EngineKv
-from deployments.host import compilecache, engineuser
+from deployments.host import compilecache, osuser
 from deployments.models import Deployment, ModelRepo, Node
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def reusable_profile(model: ModelRepo, node: Node, gpu_indices, engine_args: dic
                          + ". Deploy without \"reuse the last memory profile\" once to record a new one.")
 
 
-def launch_prepare(d: Deployment, model_path: str, user: engineuser.EngineUser) -> tuple[dict, dict, dict]:
+def launch_prepare(d: Deployment, model_path: str, user: osuser.EngineUser) -> tuple[dict, dict, dict]:
     """On the node, just before the launch: (extra engine flags, extra variables, what the start is). The compile
     cache folder is made for the engine user (VLLM_CACHE_ROOT); a deployment that sets VLLM_CACHE_ROOT itself keeps
     it, unmanaged. With reuse_memory_profile the KV size of the last matching load is passed, or ProfileRefused."""

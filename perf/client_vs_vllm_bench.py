@@ -59,7 +59,7 @@ import psutil  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks.runner import LoadSpec, load_jsonl, run_level  # noqa: E402
-from deployments.host import engine, enginecli, engineenv, vllm  # noqa: E402
+from deployments.host import processenv, processes, serveargv, vllm  # noqa: E402
 from vllmbench import VLLM, cores, free_port, raise_priority, run_vllm  # noqa: E402
 
 TINY_MODEL = ROOT / "var" / "tiny-model"
@@ -85,23 +85,23 @@ def write_prompts(directory: Path, name: str, count: int, words: int) -> Path:
     return path
 
 
-def start_engine(core: int, workdir: Path, priority: bool) -> tuple[engine.EngineHandle, str]:
+def start_engine(core: int, workdir: Path, priority: bool) -> tuple[processes.EngineHandle, str]:
     """`vllm serve` of the tiny model under taskset on `core`; (handle, base URL) once /health answers."""
     port = free_port()
-    argv = enginecli.build_argv(str(VLLM), str(TINY_MODEL), port, "127.0.0.1",
+    argv = serveargv.build_argv(str(VLLM), str(TINY_MODEL), port, "127.0.0.1",
                                 {"max-model-len": 2048, "no-enable-prefix-caching": True, "enforce-eager": True,
                                  "served-model-name": "tiny"})
-    env = engineenv.deployment_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+    env = processenv.deployment_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                                     "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")})
     log = workdir / "engine.log"
-    handle = engine.launch(engine.EngineSpec(argv=["taskset", "-c", str(core), *argv], env=env, log_path=log))
+    handle = processes.launch(processes.EngineSpec(argv=["taskset", "-c", str(core), *argv], env=env, log_path=log))
     if priority:
         raise_priority(handle.pid)  # its own session: an autogroup of its own
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while not vllm.health(base_url):
-        if not engine.alive(handle.pid) or time.monotonic() > deadline:
-            engine.stop(handle.pgid, term_timeout_s=5, kill_timeout_s=5)
+        if not processes.alive(handle.pid) or time.monotonic() > deadline:
+            processes.stop(handle.pgid, term_timeout_s=5, kill_timeout_s=5)
             raise SystemExit(f"the engine did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
     return handle, base_url
@@ -220,7 +220,7 @@ def main():
                     measure(client, name, level, requests)
     finally:
         if handle is not None:
-            engine.stop(handle.pgid, term_timeout_s=10, kill_timeout_s=5)
+            processes.stop(handle.pgid, term_timeout_s=10, kill_timeout_s=5)
         restore()
         shutil.rmtree(workdir, ignore_errors=True)
 

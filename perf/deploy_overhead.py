@@ -133,11 +133,11 @@ def one_round(api: httpx.Client, model_id: int, index: int) -> dict:
 def stop_engines():
     """Engines run in their own sessions and outlive the agent: never leave one behind."""
     try:
-        from deployments.host import engine
+        from deployments.host import processes
         from deployments.models import Deployment
 
         for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-            engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+            processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
     except Exception as exc:  # noqa: BLE001 - Django may not be set up yet
         print(f"note: engines not checked: {exc}", file=sys.stderr)
 

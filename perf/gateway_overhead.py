@@ -207,11 +207,11 @@ def start_gateway(children, env, log: Path):
 def start_engine(children, var: Path, core: int | None) -> tuple[int, str]:
     """The tiny model on the CPU vLLM; with `core`, every process and thread of it (API server, EngineCore,
     the worker's OpenMP thread) on that core alone."""
-    from deployments.host import enginecli
+    from deployments.host import serveargv
     from panelctl import launcher
 
     port, key = launcher.free_port(), secrets.token_urlsafe(32)
-    argv = enginecli.build_argv(str(VLLM), str(TINY_MODEL), port, "127.0.0.1", {
+    argv = serveargv.build_argv(str(VLLM), str(TINY_MODEL), port, "127.0.0.1", {
         "enforce-eager": True, "max-model-len": 512, "served-model-name": "tiny", "max-num-seqs": 256})
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CACHE_ROOT=str(var / "vllm-cache"), VLLM_API_KEY=key,
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")

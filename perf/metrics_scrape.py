@@ -152,7 +152,7 @@ def profile_parts(seconds: float, interval: float) -> list[dict]:
     one scrape every `interval` s while the agents write, as the server's scrapers found it."""
     import gc
 
-    from controlpanel.metrics import exposition
+    from controlpanel.metricsview import exposition
 
     paused = {"at": 0.0, "s": 0.0}
 

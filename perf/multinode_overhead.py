@@ -134,11 +134,11 @@ def main():
     finally:
         stop_engines()
         try:
-            from deployments.host import engine
+            from deployments.host import processes
             from deployments.models import DeploymentRank
 
             for pgid in DeploymentRank.objects.exclude(pgid=None).values_list("pgid", flat=True):
-                engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
         except Exception as exc:  # noqa: BLE001 - Django may not be set up
             print(f"note: ranks not checked: {exc}", file=sys.stderr)
         children.stop()

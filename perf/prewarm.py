@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deployments.host import engine, loadphases, pagecache  # noqa: E402
+from deployments.host import loadphases, pagecache, processes  # noqa: E402
 from panelctl import launcher  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
@@ -150,7 +150,7 @@ def prediction(loads: int) -> dict:
             from deployments.models import Deployment
 
             for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-                engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)  # never leave an engine behind
+                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)  # never leave an engine behind
         except Exception as exc:  # noqa: BLE001 - Django may not be set up
             print(f"note: engines not checked: {exc}", file=sys.stderr)
         children.stop()

@@ -8,7 +8,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from deployments.host import engineenv
+from deployments.host import processenv
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".engine-venv" / "bin" / "vllm"
@@ -109,7 +109,7 @@ def run_vllm(base_url: str, core: int, tokenizer: Path, out: Path, concurrency: 
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out), "--result-filename", result.name,
            "--disable-tqdm", "--seed", "0"]
-    env = {**os.environ, **engineenv.OFFLINE}
+    env = {**os.environ, **processenv.OFFLINE}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode or not result.exists():
         raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

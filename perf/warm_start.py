@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deployments.host import compilecache, engine, enginecli, engineenv, engineuser, loadphases, vllm  # noqa: E402
+from deployments.host import compilecache, loadphases, osuser, processenv, processes, serveargv, vllm  # noqa: E402
 from vllmbench import VLLM, free_port  # noqa: E402
 
 TINY_MODEL = ROOT / "var" / "tiny-model"
@@ -39,12 +39,12 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 def start(cache_root: str, workdir: Path, name: str, args: dict) -> dict:
     """One start to /health: seconds, phases and the compile cache's verdict; the engine stopped after."""
     port = free_port()
-    argv = enginecli.build_argv(str(VLLM), str(TINY_MODEL), port, "127.0.0.1", args)
-    env = engineenv.deployment_env({**ENV, "VLLM_CACHE_ROOT": cache_root})
+    argv = serveargv.build_argv(str(VLLM), str(TINY_MODEL), port, "127.0.0.1", args)
+    env = processenv.deployment_env({**ENV, "VLLM_CACHE_ROOT": cache_root})
     log_path = workdir / f"{name}.log"
     warm_before = compilecache.has_artifacts(cache_root)
     t0 = time.monotonic()
-    handle = engine.launch(engine.EngineSpec(argv=argv, env=env, log_path=log_path))
+    handle = processes.launch(processes.EngineSpec(argv=argv, env=env, log_path=log_path))
     clock, hits, offset = loadphases.PhaseClock(), compilecache.HitWatch(), 0
     try:
         while True:
@@ -58,13 +58,13 @@ def start(cache_root: str, workdir: Path, name: str, args: dict) -> dict:
                 hits.feed(line)
             if vllm.health(f"http://127.0.0.1:{port}", timeout=1.0):
                 break
-            if not engine.alive(handle.pid) or now > 900:
+            if not processes.alive(handle.pid) or now > 900:
                 raise SystemExit(f"the engine did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.1)
         seconds = time.monotonic() - t0
         clock.finish(seconds)
     finally:
-        engine.stop(handle.pgid, term_timeout_s=10, kill_timeout_s=5)
+        processes.stop(handle.pgid, term_timeout_s=10, kill_timeout_s=5)
     row = {"seconds": round(seconds, 2), "phases": clock.totals(), "warm_before": warm_before,
            "cache": hits.verdict(), "cache_lines": hits.lines, "cache_bytes": compilecache.size_bytes(cache_root)}
     print(f"{name}: {row['seconds']:.1f} s to /health; phases {row['phases']}; folder held artifacts before: "
@@ -83,13 +83,13 @@ def main() -> None:
         raise SystemExit("needs the CPU engine and the tiny model: run scripts/install-engine")
     load_start = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="perf-warm-"))
-    user = engineuser.current()
+    user = osuser.current()
     colds, warms, changes = [], [], []
     try:
         for r in range(args.rounds):
             store = workdir / f"store{r}"
             store.mkdir()
-            version = enginecli.engine_version(str(VLLM))
+            version = serveargv.engine_version(str(VLLM))
             key = compilecache.cache_key("local", version, ARGS, ENV)
             cache = compilecache.prepare(store, TINY_MODEL, key, user).path
             colds.append(start(cache, workdir, f"round{r}-cold", ARGS))

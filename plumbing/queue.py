@@ -57,13 +57,19 @@ def route(name: str, options: dict) -> dict:
     return options
 
 
+def deliver(name: str, args: list, options: dict) -> None:
+    """Hand the registered task `name` to the broker now: the one place a task leaves the process (the
+    tests record what reaches it, tests/taskqueue.py)."""
+    current_app.tasks[name].apply_async(args=args, **options)
+
+
 def enqueue(name: str, *, args: list, **options) -> None:
-    """apply_async of the registered task `name` with `options` (queue, countdown, expires) after commit;
-    without a queue, the default one (control); engine work routed by `route`."""
+    """Deliver task `name` with `options` (queue, countdown, expires) after commit; without a queue, the
+    default one (control); engine work routed by `route`."""
     options = route(name, options)
-    transaction.on_commit(lambda: current_app.tasks[name].apply_async(args=args, **options))
+    transaction.on_commit(lambda: deliver(name, args, options))
 
 
 def send_now(name: str, *, args: list, **options) -> None:
     """The same, at once (no transaction to wait for): what a re-drive sends."""
-    current_app.tasks[name].apply_async(args=args, **route(name, options))
+    deliver(name, args, route(name, options))

@@ -278,13 +278,9 @@ def viewer(db):
 
 
 @pytest.fixture
-def api_objects(db):
+def api_objects(db, sent_tasks):
     """One of each thing the API serves (a node with a GPU, a model copy, a deployment, a run), with
     task sends caught before the broker."""
-    from unittest import mock
-
-    from celery.app.task import Task
-
     from tests.factories import (BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory,
                                  StudyFactory)
 
@@ -294,8 +290,16 @@ def api_objects(db):
     d = DeploymentFactory(node=node, model=copy.model, status="ready")
     run = BenchmarkRunFactory(deployment=d)
     study = StudyFactory(deployment=d)
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield {"nodes": node, "models": copy.model, "copies": copy, "deployments": d, "runs": run, "studies": study}
+    return {"nodes": node, "models": copy.model, "copies": copy, "deployments": d, "runs": run, "studies": study}
+
+
+@pytest.fixture
+def sent_tasks():
+    """The tasks the code sends, recorded instead of reaching the broker (tests/taskqueue.py)."""
+    from tests.taskqueue import recording
+
+    with recording() as sent:
+        yield sent
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ class Schedule:
     # Token chunks (SSE events) per write, one gap apart: vLLM's events on a busy host reach the client
     # several to a read, with no gap between them that a client could time.
     chunks_per_write: int = 1
-    # Each request's gap drawn from gap_ms * (1 ± jitter), uniformly (perf/tune_verdicts.py's noise).
+    # Each request's gap drawn from gap_ms * (1 ± jitter), uniformly (perf/study_verdicts.py's noise).
     jitter: float = 0.0
     seed: int = 0
     prefix_cache: bool = False  # count prefix-cache queries and hits (schedcache.py) and serve them on /metrics

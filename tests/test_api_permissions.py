@@ -6,11 +6,11 @@ from unittest import mock
 
 import pytest
 from drf_spectacular.generators import SchemaGenerator
-from rest_framework.test import APIClient
 
 from benchmarks.models import BenchmarkRun, Workload
 from deployments.models import Recipe
 from deployments.services import recipes
+from tests.helpers import api_client
 
 pytestmark = pytest.mark.django_db
 PATHS = SchemaGenerator().get_schema(request=None, public=True)["paths"]
@@ -39,13 +39,6 @@ def _concrete(path: str, ids: dict) -> str:
     return re.sub(r"\{[^}]+\}", str(ids.get(resource, 1)), path)
 
 
-def _client(user=None):
-    client = APIClient()
-    if user:
-        client.force_authenticate(user)
-    return client
-
-
 def test_the_schema_lists_every_resource_and_action():
     assert {"/api/nodes/", "/api/models/", "/api/copies/", "/api/deployments/", "/api/runs/"} <= set(PATHS)
     assert ("POST", "/api/deployments/{id}/stop/") in OPERATIONS and ("POST", "/api/models/{id}/download/") in OPERATIONS
@@ -54,14 +47,14 @@ def test_the_schema_lists_every_resource_and_action():
 
 @pytest.mark.parametrize("method, path", OPERATIONS)
 def test_anonymous_callers_get_401_everywhere(method, path, objects):
-    response = _client().generic(method, _concrete(path, objects))
+    response = api_client().generic(method, _concrete(path, objects))
     assert response.status_code == 401, f"{method} {path}: {response.status_code}"
     assert response.json()["error"]["code"] == "not_authenticated"
 
 
 @pytest.mark.parametrize("method, path", OPERATIONS)
 def test_viewers_read_everything_and_change_nothing(method, path, objects, viewer):
-    response = _client(viewer).generic(method, _concrete(path, objects), "{}", content_type="application/json")
+    response = api_client(viewer).generic(method, _concrete(path, objects), "{}", content_type="application/json")
     if method == "GET":  # every read answers; only `fit` without its required `node` is a 400
         want = 400 if path == "/api/models/{id}/fit/" else 200
         assert response.status_code == want, f"{method} {path}: {response.status_code} {response.content[:200]}"
@@ -120,7 +113,7 @@ def test_every_change_has_its_operator_answer_named():
 
 @pytest.mark.parametrize("method, path", sorted(OPERATOR_ANSWERS))
 def test_operators_may_change_things(method, path, objects, operator):
-    response = _client(operator).generic(method, _concrete(path, objects), "{}", content_type="application/json")
+    response = api_client(operator).generic(method, _concrete(path, objects), "{}", content_type="application/json")
     status, code = OPERATOR_ANSWERS[method, path]
     assert response.status_code == status, f"{method} {path}: {response.status_code} {response.content[:300]}"
     if code:
@@ -128,7 +121,7 @@ def test_operators_may_change_things(method, path, objects, operator):
 
 
 def test_a_repeated_post_with_the_same_idempotency_key_does_the_work_once(objects, operator, unique):
-    client = _client(operator)
+    client = api_client(operator)
     body = {"repo_id": "org/new-model"}
     with mock.patch("deployments.host.hub.repo_check", autospec=True, return_value="0" * 40):  # the hub knows it
         first = client.post("/api/models/", body, format="json", HTTP_IDEMPOTENCY_KEY=f"k-{unique}")

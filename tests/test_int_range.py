@@ -5,7 +5,7 @@ import re
 import pytest
 from django.urls import URLPattern, URLResolver, get_resolver
 from drf_spectacular.generators import SchemaGenerator
-from rest_framework.test import APIClient
+from tests.helpers import api_client
 
 pytestmark = pytest.mark.django_db
 HUGE = str(2**64)
@@ -15,12 +15,6 @@ SCHEMA = SchemaGenerator().get_schema(request=None, public=True)["paths"]
 @pytest.fixture
 def objects(api_objects):
     return api_objects
-
-
-def _api(user):
-    client = APIClient()
-    client.force_authenticate(user)
-    return client
 
 
 def _page_patterns(resolver=None, prefix=""):
@@ -59,21 +53,21 @@ def test_a_page_with_an_id_beyond_the_database_range_is_not_found(route, objects
 @pytest.mark.parametrize("method, path", ID_OPERATIONS)
 def test_an_api_id_beyond_the_database_range_is_not_found(method, path, objects, operator):
     # A body and query that would be valid for an existing id, so only the id can be wrong.
-    response = _api(operator).generic(method, path.replace("{id}", HUGE) + "?node=n1", '{"node": "n1"}',
+    response = api_client(operator).generic(method, path.replace("{id}", HUGE) + "?node=n1", '{"node": "n1"}',
                                       content_type="application/json")
     assert response.status_code == 404, f"{method} {path}: {response.status_code} {response.content[:200]}"
 
 
 @pytest.mark.parametrize("path, name", [case for case in INT_QUERY if case[1] not in PAGINATION])
 def test_an_integer_filter_beyond_the_database_range_is_a_400_naming_it(path, name, objects, operator):
-    response = _api(operator).get(path, {name: HUGE})
+    response = api_client(operator).get(path, {name: HUGE})
     assert response.status_code == 400, f"{path}?{name}: {response.status_code} {response.content[:200]}"
     assert name in response.json()["error"]["fields"]
 
 
 @pytest.mark.parametrize("path, name", [case for case in INT_QUERY if case[1] in PAGINATION])
 def test_a_page_beyond_the_database_range_is_clamped_to_an_empty_page(path, name, objects, operator):
-    response = _api(operator).get(path, {name: HUGE})
+    response = api_client(operator).get(path, {name: HUGE})
     assert response.status_code == 200, f"{path}?{name}: {response.status_code} {response.content[:200]}"
     body = response.json()
     if name == "offset":  # past the end: an empty page
@@ -84,12 +78,12 @@ def test_a_page_beyond_the_database_range_is_clamped_to_an_empty_page(path, name
 
 @pytest.mark.parametrize("path, name", [("/api/runs/compare/", "ids"), ("/api/runs/export/", "ids")])
 def test_a_list_of_ids_beyond_the_database_range_is_a_400_naming_it(path, name, objects, operator):
-    response = _api(operator).get(path, {name: f"1,{HUGE}"})
+    response = api_client(operator).get(path, {name: f"1,{HUGE}"})
     assert response.status_code == 400 and name in response.json()["error"]["fields"]
 
 
 def test_an_events_wait_beyond_the_range_is_a_400(objects, operator):
-    response = _api(operator).get(f"/api/deployments/{objects['deployments'].pk}/events/", {"wait": HUGE})
+    response = api_client(operator).get(f"/api/deployments/{objects['deployments'].pk}/events/", {"wait": HUGE})
     assert response.status_code == 400 and "wait" in response.json()["error"]["fields"]
 
 
@@ -101,7 +95,7 @@ def test_an_events_wait_beyond_the_range_is_a_400(objects, operator):
 def test_a_body_id_beyond_the_database_range_is_a_400_naming_it(path, body, field, objects, operator):
     body = {k: (int(v) if v == HUGE else v) for k, v in body.items()}
     body = {k: ([int(x) for x in v] if isinstance(v, list) else v) for k, v in body.items()}
-    response = _api(operator).post(path, body, format="json")
+    response = api_client(operator).post(path, body, format="json")
     assert response.status_code == 400, f"{path}: {response.status_code} {response.content[:300]}"
     assert field in response.json()["error"]["fields"]
 

@@ -2,6 +2,7 @@
 wiring) may import the apps, deployments and benchmarks, which may import plumbing, which imports none of them.
 panelctl, a client of the REST API, imports no Django package: of plumbing it takes only modules that need no Django."""
 import ast
+from pathlib import Path
 
 from tests.test_import_graph import _graph, _modules
 
@@ -58,3 +59,17 @@ def test_what_panelctl_takes_from_plumbing_runs_without_django():
     assert {m for m in reached if _package(m) != PLUMBING} == set()
     heavy = {m: sorted(_outside(modules[m]) & FRAMEWORKS) for m in reached}
     assert {m: names for m, names in heavy.items() if names} == {}
+
+
+def test_every_package_says_what_lives_there_and_what_it_may_import():
+    """Each package's __init__.py opens with a docstring that names what it may import (migrations aside)."""
+    root = Path(__file__).resolve().parent.parent
+    silent = []
+    for top in (WIRING, *sorted(APPS), PLUMBING, PANELCTL):
+        for init in sorted((root / top).rglob("__init__.py")):
+            if "migrations" in init.parts:
+                continue
+            doc = ast.get_docstring(ast.parse(init.read_text(), str(init))) or ""
+            if "import" not in doc:
+                silent.append(str(init.relative_to(root)))
+    assert not silent, "say in the package's docstring what lives there and what it may import: " + ", ".join(silent)

@@ -195,9 +195,9 @@ def test_service_discovery_lists_each_ready_engine_with_its_labels(viewer_client
 def test_the_panels_writer_says_what_prometheus_clients_own_would(fleet):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from benchmarks.metrics import BenchmarkCollector
-    from controlpanel.metrics import render
-    from deployments.metrics import DeploymentCollector, DownloadCollector, FleetCollector
+    from benchmarks.prometheus import BenchmarkCollector
+    from controlpanel.metricsview import render
+    from deployments.prometheus import DeploymentCollector, DownloadCollector, FleetCollector
     from deployments.models import Node
 
     fleet["run"].name = 'sweep "b"\\ with\na newline'
@@ -249,7 +249,7 @@ def test_without_redis_a_scrape_still_answers_from_the_rows(viewer_client, fleet
 
 def test_a_scrape_can_say_how_long_each_part_took_and_answers_the_same(fleet):
     """perf/metrics_scrape.py profiles /metrics with it."""
-    from controlpanel.metrics import exposition
+    from controlpanel.metricsview import exposition
 
     def series(text: bytes) -> set:  # ages in seconds move between two scrapes; the series do not
         return {(s.name, tuple(sorted(s.labels.items()))) for f in text_string_to_metric_families(text.decode())

@@ -1,13 +1,15 @@
 """No code, comment, docstring, template, script or test name points at one of the project's own tickets by number:
 a reader outside the project's history learns nothing from it, so each says what the code does instead.
 A citation of an upstream project's bug tracker (the project named just before the number) stays allowed.
-Reads the files as text; migrations (generated, frozen) and third-party vendored files are left out."""
+Reads the files as text (the code's folders, docs/, monitoring/ and the files at the root); migrations
+(generated, frozen) and third-party vendored files are left out."""
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("controlpanel", "deployments", "benchmarks", "plumbing", "panelctl", "tests", "templates", "static", "perf",
-           "scripts")
+           "scripts", "monitoring", "docs")
+ROOT_FILES = ("docker-compose.yml", "pyproject.toml", "Dockerfile", "Dockerfile.node", "README.md", "panel", "manage.py")
 SKIPPED_DIRS = {"migrations", "__pycache__", "node_modules"}
 VENDORED = ROOT / "static" / "vendor"
 TICKET = re.compile(r"\b(?:issues?|tickets?) ?#?\d+\b", re.IGNORECASE)
@@ -26,6 +28,9 @@ def _files():
             if b"\0" in data:
                 continue  # binary
             yield path, data.decode("utf-8", errors="replace")
+    for name in ROOT_FILES:
+        if (ROOT / name).is_file():
+            yield ROOT / name, (ROOT / name).read_text(errors="replace")
 
 
 def _ticket_references(text: str) -> list[tuple[int, str]]:

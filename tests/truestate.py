@@ -122,11 +122,11 @@ class ShmWatch:
         self.before = set(os.listdir(SHM)) if real_names else None
 
     def see(self, procs) -> None:
-        from deployments.host import engine
+        from deployments.host import processes
 
         for proc in procs:
             self.pids.add(proc.pid)
-            self.seen |= engine._shm_paths_of(proc.pid)
+            self.seen |= processes._shm_paths_of(proc.pid)
 
     def ours(self, rows: bool = True) -> set[str]:
         """`rows`: also what this database's deployment rows name (engines that lived between two looks)."""
@@ -212,11 +212,11 @@ def _session_of(pid: int) -> int | None:
 
 
 def _held() -> set[str]:
-    from deployments.host import engine
+    from deployments.host import processes
 
     held = set()
     for pid in psutil.pids():
-        held |= engine._shm_paths_of(pid)
+        held |= processes._shm_paths_of(pid)
     return held
 
 
@@ -276,12 +276,12 @@ def stop_and_check(d, folder, timeout=30):
 def stop_leftover_engines(tmp_path):
     """Never leave an engine or its /dev/shm files behind after a test (engines outlive the agents
     killed here)."""
-    from deployments.host import engine
+    from deployments.host import processes
 
     left = engines_under_any(tmp_path)
     files = set()
     for proc in left:
-        files |= engine._shm_paths_of(proc.pid)
+        files |= processes._shm_paths_of(proc.pid)
         files |= {str(p) for p in SHM.glob(f"psm_fakevllm_{proc.pid}_*")}
         try:
             os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
@@ -290,4 +290,4 @@ def stop_leftover_engines(tmp_path):
     wait_until(lambda: not engines_under_any(tmp_path), timeout=10, message="leftover engines to die")
     if WATCH is not None:
         files |= WATCH.ours(rows=False)
-    engine.remove_unused_shm(files)
+    processes.remove_unused_shm(files)

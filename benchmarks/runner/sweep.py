@@ -26,7 +26,7 @@ import benchmarks.runner.workloads as workloads
 from .arrivals import due_offsets, with_warmup
 from .prompts import Target
 from .saturation import saturated
-from .scrape import Sampler
+from .metricsampler import Sampler
 from .slo import evaluate as slo_evaluate
 from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
 from .stats import request_samples, schedule_figures, summarize

@@ -2,7 +2,7 @@
 engine flags as the command line."""
 from django import template
 
-from deployments.engineargs import argv_words
+from deployments.userflags import argv_words
 
 register = template.Library()
 

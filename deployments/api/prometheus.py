@@ -4,8 +4,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from deployments import scrapekey
-from deployments.metrics import engine_scrape_targets
-from plumbing.scrape import ScrapeAccess
+from deployments.prometheus import engine_scrape_targets
+from plumbing.scrapeaccess import ScrapeAccess
 
 
 class EngineTargetsView(ScrapeAccess, APIView):

@@ -1,8 +1,8 @@
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
-from deployments import callit, engineoptions, secrets, validators
-from deployments.engineargs import PRESETS
+from deployments import callit, flagpolicy, secrets, validators
+from deployments.userflags import PRESETS
 from deployments.gateway.models import Route
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
 from plumbing.params import DB_INT_MAX
@@ -239,32 +239,32 @@ class DeployRequestSerializer(serializers.Serializer):
                                           max_length=100, help_text="Domains multimodal URLs may come from (empty: data: URLs only).")
 
     def validate_engine_args(self, value):
-        from deployments import engineargs
+        from deployments import userflags
 
         if len(value) > 100:
             raise serializers.ValidationError("At most 100 engine flags.")
         for name, v in value.items():
             if not isinstance(v, (str, int, float, bool)) or v is None:
                 raise serializers.ValidationError(f"--{str(name)[:40]}: a value is a string, number or true/false.")
-        try:  # one canonical spelling (engineoptions): tensor_parallel_size and --TENSOR-PARALLEL-SIZE are one flag
-            value = engineoptions.canonical_flags(value)
-        except engineoptions.OptionError as exc:
+        try:  # one canonical spelling (flagpolicy): tensor_parallel_size and --TENSOR-PARALLEL-SIZE are one flag
+            value = flagpolicy.canonical_flags(value)
+        except flagpolicy.OptionError as exc:
             raise serializers.ValidationError(str(exc)) from exc
         name = self.initial_data.get("node") if isinstance(self.initial_data, dict) else None
         node = Node.objects.filter(name=name).first() if isinstance(name, str) and validators.NODE_NAME.match(name) else None
-        errors = engineargs.check_flags(value, set(node.engine_flags) if node and node.engine_flags else None)
+        errors = userflags.check_flags(value, set(node.engine_flags) if node and node.engine_flags else None)
         if errors:
             raise serializers.ValidationError(errors["extra_flags"])
         return value
 
     def validate_env(self, value):
-        from deployments import engineargs
+        from deployments import userflags
 
         try:
-            value = engineoptions.canonical_env(value)
-        except engineoptions.OptionError as exc:
+            value = flagpolicy.canonical_env(value)
+        except flagpolicy.OptionError as exc:
             raise serializers.ValidationError(str(exc)) from exc
-        errors = engineargs.check_env(value)
+        errors = userflags.check_env(value)
         if errors:
             raise serializers.ValidationError(errors["env"])
         return value

@@ -19,7 +19,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments.host import engineuser
+from deployments.host import osuser
 from deployments.host.errors import HostError
 
 ROOT_NAME = ".compile-cache"
@@ -125,7 +125,7 @@ class Prepared:
     bytes: int
 
 
-def prepare(store: str | Path, model_path: str | Path, key: str, user: engineuser.EngineUser) -> Prepared:
+def prepare(store: str | Path, model_path: str | Path, key: str, user: osuser.EngineUser) -> Prepared:
     """Make `<store>/.compile-cache/<model>/<key>` for `user`'s engine: the key folder owned by it, 0700, so no
     other local user reads it; the folders above enter-only for its group (0710, no listing), so the key folders
     of other models cannot be found by listing. Engines of every deployment run as the same engine user, so one of

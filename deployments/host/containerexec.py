@@ -6,7 +6,7 @@ engine on the process path, then exec the engine in place, so the container's ma
 In order, as Popen's child does it: stdin from /dev/null, stdout and stderr appended to LOG (opened here as
 the container's root, 0600, like the agent opens it on the process path), the working folder, a session of
 its own (the agent stops the engine by its session), the engine user's groups, group and user, no_new_privs
-when ARGV does not start with setpriv --no-new-privs, then exec. Standard library only (engineuser is).
+when ARGV does not start with setpriv --no-new-privs, then exec. Standard library only (osuser is).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from deployments.host import engineuser
+from deployments.host import osuser
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         os.setgid(args.gid if args.gid is not None else args.uid)
         os.setuid(args.uid)
     if "--no-new-privs" not in args.argv[:2]:
-        engineuser.no_new_privs()
+        osuser.no_new_privs()
     try:
         os.execvp(args.argv[0], args.argv)
     except OSError as exc:  # to the log, where the agent's follow reads why the engine never started

@@ -11,9 +11,9 @@ engine user's home), the deployment's GPUs as a device request, and labels carry
 Its command is containerexec, which does what Popen does on the process path (log, session, engine user,
 no_new_privs, working folder) and execs the engine: the container's main process is the engine. The agent
 (pid: host) therefore follows, signals, stops and adopts it by PID and marker like any engine
-(deployments/host/engine.py, ownership.py); Docker removes the container once the engine has exited.
+(deployments/host/processes.py, ownership.py); Docker removes the container once the engine has exited.
 
-Imports no host module but errors: engine.launch() calls start() (no cycle).
+Imports no host module but errors: processes.launch() calls start() (no cycle).
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def _gpus(env: dict[str, str]) -> tuple[list[DeviceRequest], dict[str, str]]:
 
 def container_config(args: dict, log_path: str | Path, image: str | None = None) -> dict:
     """containers.run()'s arguments for an engine whose subprocess.Popen arguments are `args`
-    (engine.popen_args: args, env, cwd, user, group, extra_groups)."""
+    (processes.popen_args: args, env, cwd, user, group, extra_groups)."""
     image = image or os.environ.get(IMAGE_VAR, "")
     if not image:
         raise ContainerError(f"{RUNTIME_VAR}=docker needs {IMAGE_VAR}: the node image engines run in", permanent=True)

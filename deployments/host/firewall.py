@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.host.engine import EngineError
+from deployments.host.processes import EngineError
 
 TABLE = "panel_engines"
 PARENT = "panel-engines"  # our cgroups: <cgroup2 root>/panel-engines/<key>

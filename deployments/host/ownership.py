@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from deployments import secrets as masking  # plain Python, no Django
-from deployments.host import engine
+from deployments.host import processes
 from deployments.host.errors import HostError
 
 MARKER_VAR = "PANEL_ENGINE"
@@ -99,7 +99,7 @@ def owned(pgid: int | None, marker: str | None, unit: str | None = None) -> bool
     proves the group. No marker and no unit (a row from before markers) proves nothing."""
     if not pgid or pgid <= 1 or not (marker or unit):
         return False
-    return any(pid_owned(pid, marker, unit) for pid in engine.members(pgid))
+    return any(pid_owned(pid, marker, unit) for pid in processes.members(pgid))
 
 
 def lineage(pid: int) -> list[psutil.Process]:

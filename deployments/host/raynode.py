@@ -1,6 +1,6 @@
 """Ray for vLLM's Ray executor (multi-node): the `ray start` command line of a head or worker node, where the
 engine's `ray` lives, and how many nodes the cluster shows alive. Launching and stopping a Ray node go through
-host/engine.py like an engine (own session, whole group stopped). Plain Python, no Django.
+host/processes.py like an engine (own session, whole group stopped). Plain Python, no Django.
 
 Every cluster uses Ray's token authentication: without it whoever reaches the GCS can run code
 as the engine's user on every node. The pinned Ray (2.60) reads the mode and the token from the
@@ -17,7 +17,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from deployments.host import engineenv
+from deployments.host import processenv
 from deployments.host.errors import HostError
 
 
@@ -92,7 +92,7 @@ def alive_nodes(ray: str, address: str, env: dict[str, str], timeout_s: float = 
     python = str(Path(ray).with_name("python")) if "/" in ray else "python3"  # the venv Ray is in
     try:
         out = subprocess.run([python, "-c", _COUNT_ALIVE, address], capture_output=True, text=True, timeout=timeout_s,
-                             env=engineenv.engine_environ(env), stdin=subprocess.DEVNULL)
+                             env=processenv.engine_environ(env), stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return 0
     except OSError as exc:

@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.host import engineenv
-from deployments.host.engineuser import EngineUser
+from deployments.host import processenv
+from deployments.host.osuser import EngineUser
 from deployments.host.errors import HostError
 from plumbing.privatefile import write_private
 
@@ -73,10 +73,10 @@ def env_file_path(name: str, unit_dir: Path = UNIT_DIR) -> Path:
 
 
 def secret_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The unit's argv without secret flags, and the variables for its EnvironmentFile (engineenv.secret_argv)."""
+    """The unit's argv without secret flags, and the variables for its EnvironmentFile (processenv.secret_argv)."""
     try:
-        return engineenv.secret_argv(argv)
-    except engineenv.SecretFlagError as exc:
+        return processenv.secret_argv(argv)
+    except processenv.SecretFlagError as exc:
         raise SystemdError(str(exc)) from exc
 
 

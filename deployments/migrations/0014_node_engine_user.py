@@ -13,6 +13,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='node',
             name='engine_user',
-            field=models.JSONField(blank=True, default=dict, help_text='Who the agent runs engines as (host/engineuser.EngineUser.facts()).'),
+            field=models.JSONField(blank=True, default=dict, help_text='Who the agent runs engines as (host/osuser.EngineUser.facts()).'),
         ),
     ]

@@ -25,7 +25,7 @@ class Node(models.Model):
     engine_error = models.CharField(max_length=500, blank=True, help_text="Why the engine could not be inspected.")
     systemd = models.BooleanField(default=False, help_text="The agent can install systemd units here.")
     engine_user = models.JSONField(default=dict, blank=True,
-                                   help_text="Who the agent runs engines as (host/engineuser.EngineUser.facts()).")
+                                   help_text="Who the agent runs engines as (host/osuser.EngineUser.facts()).")
     agent_host = models.CharField(max_length=255, blank=True, help_text="Host name of the agent that heartbeats.")
     agent_pid = models.IntegerField(null=True, blank=True, help_text="PID of the agent that heartbeats.")
     foreign_processes = models.JSONField(default=list, blank=True,

@@ -2,7 +2,7 @@
 environment and launch flags, and whether a worker rank failed. The head's plan (plan.py, ranks.py), the
 worker ranks (ranks.py) and the Ray cluster (raycluster.py) all read these; none of them imports another."""
 from deployments import layout
-from deployments.host import engineenv
+from deployments.host import processenv
 from deployments.models import Deployment, DeploymentRank
 from deployments.node.steps import PlanFailed
 
@@ -30,7 +30,7 @@ def multinode_args(d: Deployment, rank: int, nnodes: int) -> dict:
 
 def rank_env(d: Deployment, address: str, gpu_indices) -> dict:
     """The rank's engine environment: the deployment's, plus the address vLLM advertises for this node."""
-    return {**engineenv.deployment_env(d.env, gpu_indices), "VLLM_HOST_IP": address}
+    return {**processenv.deployment_env(d.env, gpu_indices), "VLLM_HOST_IP": address}
 
 
 def ranks_failed(d: Deployment) -> None:

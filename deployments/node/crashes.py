@@ -7,7 +7,7 @@ from django.db import transaction
 
 from deployments import claims
 from deployments.dispatch import send_plan
-from deployments.host import enginelog
+from deployments.host import processlog
 from deployments.models import Deployment
 from deployments.node.lifecycle import TAIL_LINES
 from deployments.node.steps import fail
@@ -23,7 +23,7 @@ def deployment_crashed(d: Deployment, reason: str) -> None:
     lost = d.ranks.select_related("node").filter(state="failed").first()
     if lost:  # the head often dies because a worker rank did; say which
         reason = f"rank {lost.rank} on node {lost.node.name} died ({lost.message}), then {reason}"
-    d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
+    d.log_tail = "\n".join(processlog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
     last = d.log_tail.splitlines()[-5:]
     fail(d, f"Crashed: {reason}. Last log lines: " + " | ".join(last))
     if d.auto_restart and not d.systemd_unit:  # a unit-backed engine's restarts are systemd's (Restart=on-failure)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.host import engine, enginelog, engineuser, firewall, ownership, systemd
+from deployments.host import firewall, osuser, ownership, processes, processlog, systemd
 from deployments.models import Deployment, DeploymentRank, EngineProcess
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Launch:
     argv: list[str]
     env: dict
     log_path: Path
-    run_as: engineuser.EngineUser | None = None
+    run_as: osuser.EngineUser | None = None
     cwd: Path | None = None
     role: str = ENGINE
     marker: str = ""  # a Ray deployment's engine carries the marker its Ray head got
@@ -118,7 +118,7 @@ def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
         pid = unit_install(spec.argv, env, str(spec.log_path))
         save(p, pid=pid, pgid=pgid_of(pid), pid_create_time=create_time(pid))
     else:
-        handle = engine.launch(engine.EngineSpec(argv=spec.argv, env=env, log_path=spec.log_path, cwd=spec.cwd,
+        handle = processes.launch(processes.EngineSpec(argv=spec.argv, env=env, log_path=spec.log_path, cwd=spec.cwd,
                                                  run_as=spec.run_as))
         save(p, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
     d = deployment_of(p)
@@ -135,7 +135,7 @@ def node_addresses(d: Deployment) -> list[str]:
 def running(p: EngineProcess) -> bool:
     """The engine leader runs and is provably ours: the marker it was launched with (or its unit's cgroup),
     and the create time recorded for its PID (a reused PID is someone else's)."""
-    return bool(p.pid) and engine.alive(p.pid, p.pid_create_time or 0.0) and ownership.pid_owned(
+    return bool(p.pid) and processes.alive(p.pid, p.pid_create_time or 0.0) and ownership.pid_owned(
         p.pid, p.marker, unit_of(p))
 
 
@@ -155,11 +155,11 @@ class LogFollow:
     last read, fed to the load progress, and the last TAIL_LINES kept."""
 
     def __init__(self, p: EngineProcess):
-        self.p, self.progress, self.offset, self.lines = p, enginelog.LoadProgress(), 0, []
+        self.p, self.progress, self.offset, self.lines = p, processlog.LoadProgress(), 0, []
 
     def read(self) -> list[str]:
         """The new complete lines (already fed to the progress)."""
-        lines, self.offset = enginelog.read_lines(Path(self.p.log_path), self.offset)
+        lines, self.offset = processlog.read_lines(Path(self.p.log_path), self.offset)
         for line in lines:
             self.progress.feed(line)
         if lines:
@@ -211,7 +211,7 @@ def stop_marked(marker: str) -> list[int]:
         if not groups:
             firewall.release(marker)  # nothing of it is left: its firewall rules and cgroup go too
             return []
-        survivors = [pid for g in groups for pid in engine.stop(g, RAY_TERM_S, STOP_KILL_S).survivors]
+        survivors = [pid for g in groups for pid in processes.stop(g, RAY_TERM_S, STOP_KILL_S).survivors]
     return survivors
 
 
@@ -219,7 +219,7 @@ def stop_marked(marker: str) -> list[int]:
 class Halted:
     """What a halt did: the stop (None when nothing of ours ran), and a group left alone as not ours."""
 
-    result: engine.StopResult | None
+    result: processes.StopResult | None
     unproven: int | None = None
 
     def describe(self) -> str:
@@ -243,17 +243,17 @@ def halt(p: EngineProcess, term_s: float = STOP_TERM_S) -> Halted:
         marked = ownership.find(p.marker)
         pgid = pgid_of(marked[0]) if marked else None
     if pgid and ownership.owned(pgid, p.marker, unit):
-        shm = engine.shm_files(pgid)
-        result = engine.stop(pgid, term_s, STOP_KILL_S)
-        engine.remove_unused_shm(shm)
-    elif pgid and engine.members(pgid):
+        shm = processes.shm_files(pgid)
+        result = processes.stop(pgid, term_s, STOP_KILL_S)
+        processes.remove_unused_shm(shm)
+    elif pgid and processes.members(pgid):
         unproven = pgid
     if p.marker and (left := stop_marked(p.marker)) and result:  # e.g. a Ray node's processes
         result.survivors += left
     survived = bool(result and result.survivors)
     if not survived:
-        engine.remove_unused_shm(set(p.shm_files or []))
-    tail = "\n".join(enginelog.tail(Path(p.log_path), TAIL_LINES)) if p.log_path else p.log_tail
+        processes.remove_unused_shm(set(p.shm_files or []))
+    tail = "\n".join(processlog.tail(Path(p.log_path), TAIL_LINES)) if p.log_path else p.log_tail
     save(p, pid=None, pgid=None, pid_create_time=None, log_tail=tail,
          **({} if survived else {"shm_files": []}), **({"marker": ""} if not survived else {}))
     return Halted(result, unproven)
@@ -262,6 +262,6 @@ def halt(p: EngineProcess, term_s: float = STOP_TERM_S) -> Halted:
 def record_shm(p: EngineProcess) -> None:
     """Remember the engine's /dev/shm files while it runs: after a crash nothing names them."""
     if p.pgid and p.marker:
-        seen = sorted(set(p.shm_files or []) | engine.shm_files(p.pgid))
+        seen = sorted(set(p.shm_files or []) | processes.shm_files(p.pgid))
         if seen != (p.shm_files or []):
             save(p, shm_files=seen)

@@ -11,8 +11,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, enginekey, live, loads, secrets, warmstart
-from deployments.host import engine, enginecli, engineenv, gpu, listeners, ownership, systemd, vllm
+from deployments import claims, engineapikey, live, loads, secrets, warmstart
+from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
 from deployments.node.guards import foreign_holders
@@ -79,7 +79,7 @@ def _run(deployment_id: int) -> Deployment:
         sleep.after_load(d, slept, swap_from)
     except Aborted:
         log.info("deployment %s: plan aborted by a stop request", d.name)
-    except (PlanFailed, engine.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
+    except (PlanFailed, processes.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
         fail(d, str(exc))
     except Exception as exc:  # noqa: BLE001 - a Redis or database blip must not leave the row mid-plan
         log.exception("deployment %s: the plan broke", d.name)
@@ -106,7 +106,7 @@ def _follow_again(d: Deployment) -> None:
         _follow(d, fresh=False)
     except Aborted:
         pass
-    except (PlanFailed, engine.EngineError) as exc:
+    except (PlanFailed, processes.EngineError) as exc:
         fail(d, str(exc))
     except Exception as exc:  # noqa: BLE001 - see deployment_run
         log.exception("deployment %s: following the load broke", d.name)
@@ -174,12 +174,12 @@ def _wait_memory(d: Deployment) -> str:
 
 
 def _launch(d: Deployment, model_path: str) -> str:
-    if not engine.port_free("0.0.0.0", d.port):
+    if not processes.port_free("0.0.0.0", d.port):
         raise PlanFailed(f"Port {d.port} is in use on {d.node}: choose another port or stop what listens there.")
     vllm_bin = settings.VLLM_BIN
     try:
-        errors = enginecli.validate_args(d.engine_args, enginecli.engine_flags(vllm_bin))
-    except engine.EngineError as exc:
+        errors = serveargv.validate_args(d.engine_args, serveargv.engine_flags(vllm_bin))
+    except processes.EngineError as exc:
         raise PlanFailed(f"Cannot run the engine: {exc}") from exc
     if errors:
         raise PlanFailed("; ".join(errors.values()))
@@ -196,8 +196,8 @@ def _launch(d: Deployment, model_path: str) -> str:
         raise PlanFailed(str(exc)) from exc
     d.load_detail = {**(d.load_detail or {}), "start": start}  # LoadWatch keeps it and records it with the load
     Deployment.objects.filter(pk=d.pk).update(load_detail=d.load_detail)
-    argv = enginecli.build_argv(vllm_bin, model_path, d.port, enginecli.API_HOST, {**args, **warm_args})
-    enginekey.new(d)  # a new key for every engine started (_engine_env hands it over)
+    argv = serveargv.build_argv(vllm_bin, model_path, d.port, serveargv.API_HOST, {**args, **warm_args})
+    engineapikey.new(d)  # a new key for every engine started (_engine_env hands it over)
     # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there. With Ray the
     # engine carries the marker its Ray head got (raycluster.head_start); a persisted one starts under its unit
     # again, enabled for the next boot.
@@ -208,21 +208,21 @@ def _launch(d: Deployment, model_path: str) -> str:
 
 
 def _engine_env(d: Deployment) -> dict[str, str]:
-    """The engine's environment, without the marker (lifecycle.launch sets it); its key set last (enginekey),
-    so no deployment variable replaces it. A single-node engine talks over loopback only (engineenv.LOOPBACK_ONLY)."""
+    """The engine's environment, without the marker (lifecycle.launch sets it); its key set last (engineapikey),
+    so no deployment variable replaces it. A single-node engine talks over loopback only (processenv.LOOPBACK_ONLY)."""
     own = cluster.rank_env(d, cluster.head_address(d), d.gpu_indices) if d.master_port else {
-        **engineenv.deployment_env(d.env, d.gpu_indices), **engineenv.LOOPBACK_ONLY,
+        **processenv.deployment_env(d.env, d.gpu_indices), **processenv.LOOPBACK_ONLY,
         **(sleep.SLEEP_ENV if d.sleep_mode else {})}
     if raycluster.uses_ray(d):
         own.update(raycluster.engine_env(d))
-    return {**own, **enginekey.env(_key(d))}
+    return {**own, **engineapikey.env(_key(d))}
 
 
 def _key(d: Deployment) -> str:
     """The engine's key as this plan stored it, or PlanFailed when this node cannot open it."""
     try:
-        return enginekey.of(d)
-    except enginekey.KeyUnreadable as exc:
+        return engineapikey.of(d)
+    except engineapikey.KeyUnreadable as exc:
         raise PlanFailed(str(exc)) from exc
 
 
@@ -341,7 +341,7 @@ SMOKE_RETRY_S = 2.0
 
 def _ask_smoke(d: Deployment, base_url: str, key: str = "") -> vllm.SmokeResult:
     """The smoke test's answer, asked again after a timeout or a 5xx until settings.SMOKE_BOUND_S has passed;
-    a 4xx (our request is wrong) is the answer at once. `key`: the engine's (enginekey)."""
+    a 4xx (our request is wrong) is the answer at once. `key`: the engine's (engineapikey)."""
     deadline = time.monotonic() + settings.SMOKE_BOUND_S
     while True:
         try:
@@ -382,7 +382,7 @@ def _persist(deployment_id: int) -> Deployment:
     copy = ModelCopy.objects.get(model=d.model, node=d.node)
     name = systemd.unit_name(d.name)
     warm_args, warm_env = warmstart.relaunch_extras(d)  # the same cache folder and KV size as the engine it replaces
-    argv = enginecli.build_argv(settings.VLLM_BIN, copy.path, d.port, enginecli.API_HOST, {**d.engine_args, **warm_args})
+    argv = serveargv.build_argv(settings.VLLM_BIN, copy.path, d.port, serveargv.API_HOST, {**d.engine_args, **warm_args})
     try:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)
@@ -396,7 +396,7 @@ def _persist(deployment_id: int) -> Deployment:
         lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
         deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
         _follow(d)
-    except (systemd.SystemdError, PlanFailed, engine.EngineError, OSError, Aborted) as exc:
+    except (systemd.SystemdError, PlanFailed, processes.EngineError, OSError, Aborted) as exc:
         fail(d, f"Could not make it a service: {exc}")
     return d
 

@@ -25,9 +25,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, engineargs, layout, secrets
+from deployments import claims, layout, secrets, userflags
 from deployments.dispatch import node_enqueue
-from deployments.host import engine, enginecli, firewall, preflight, systemd
+from deployments.host import firewall, preflight, processes, serveargv, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy
 from deployments.node import lifecycle, raycluster, units
 from deployments.node.cluster import head_address, multinode_args, rank_env, ranks_failed
@@ -203,7 +203,7 @@ def rank_run(rank_id: int) -> DeploymentRank:
     except Aborted:
         _halt(r)
         _end(r, R.STOPPED, "stopped: the deployment ended")
-    except (PlanFailed, engine.EngineError) as exc:
+    except (PlanFailed, processes.EngineError) as exc:
         _give_up(r, str(exc) if where in str(exc) else f"{where}: {exc}")
     except Exception as exc:  # noqa: BLE001 - a database blip must not leave the rank mid-plan
         log.exception("rank %s: the plan broke", r)
@@ -243,7 +243,7 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
         argv, env = raycluster.rank_argv(r), raycluster.node_env(d, address, r.gpu_indices)
     else:
         own = multinode_args(d, r.rank, d.ranks.count() + 1)
-        argv = enginecli.build_argv(settings.VLLM_BIN, model_path, d.port, enginecli.API_HOST, {**d.engine_args, **own})
+        argv = serveargv.build_argv(settings.VLLM_BIN, model_path, d.port, serveargv.API_HOST, {**d.engine_args, **own})
         env = rank_env(d, address, r.gpu_indices)
     log_path = Path(settings.VAR_DIR) / "logs" / f"{d.name}-{d.pk}-rank{r.rank}-{int(time.time())}.log"
     spec = lifecycle.Launch(argv=argv, env=env, log_path=log_path, cwd=Path(model_path),
@@ -252,7 +252,7 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
     # Persisted: this node's own unit runs the rank, enabled for the next boot.
     pid = lifecycle.launch(r, spec, unit_install=lambda argv, env, log: unit_install(d, argv, env, log, rank=r.rank))
     how = f"under {systemd.unit_name(d.name, r.rank)}" if d.systemd_unit else f"PID {pid}"
-    what = f"Ray node joining {head_address(d)}:{d.master_port}" if ray else " ".join(engineargs.argv_words(own))
+    what = f"Ray node joining {head_address(d)}:{d.master_port}" if ray else " ".join(userflags.argv_words(own))
     deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, {what} (log {log_path})", node=r.node.name)
 
 

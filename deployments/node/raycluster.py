@@ -8,7 +8,7 @@
      with RAY_ADDRESS set; vLLM places its workers over the cluster itself.
 
 Every Ray process runs in the engine's environment with the deployment's marker, in a process group of
-its own (host/engine.py), so Stop, a crash and reconcile end it like an engine: the head's Ray is found by
+its own (host/processes.py), so Stop, a crash and reconcile end it like an engine: the head's Ray is found by
 the marker (lifecycle.stop_marked), a worker's is its rank's group. Every Ray process carries the role "ray"
 (ownership.ROLE_VAR): an agent that restarts while the cluster forms never adopts the Ray head as the engine.
 Ray's own files go under the panel's var dir.
@@ -24,7 +24,7 @@ from pathlib import Path
 from django.conf import settings
 
 from deployments import layout, sealed
-from deployments.host import engine, enginelog, firewall, ownership, raynode
+from deployments.host import firewall, ownership, processes, processlog, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle
 from deployments.node.cluster import head_address, rank_env, ranks_failed
@@ -98,7 +98,7 @@ def head_start(d: Deployment) -> str:
         firewall.check()  # a one-node Ray deployment has no pre-flight: refused here where its ports cannot be guarded
     except firewall.FirewallError as exc:
         raise PlanFailed(f"Head node {d.node.name}: {exc.message}") from exc
-    if not engine.port_free("0.0.0.0", d.master_port):
+    if not processes.port_free("0.0.0.0", d.master_port):
         raise PlanFailed(f"Port {d.master_port} (the Ray head's) is in use on {d.node}.")
     d.marker = ownership.new_marker(d.pk)  # the engine launched later carries the same one
     d.ray_token = raynode.new_token()  # a new cluster, a new token: the workers' Ray nodes read it from the row
@@ -109,7 +109,7 @@ def head_start(d: Deployment) -> str:
                               temp_dir=_temp_dir(d))
     # Not the engine: its PID is not the row's (the engine's is); it is found and stopped by the marker.
     env = lifecycle.marked_env(node_env(d, address, d.gpu_indices), d.marker, lifecycle.RAY)
-    handle = engine.launch(engine.EngineSpec(argv=argv, env=env,
+    handle = processes.launch(processes.EngineSpec(argv=argv, env=env,
                                              log_path=Path(d.log_path), run_as=engine_user("", "")))
     fw = firewall.guard(d.marker, [handle.pid], lifecycle.node_addresses(d))
     return f"Ray head: PID {handle.pid} at {address}:{d.master_port} (log {d.log_path}). {fw}"
@@ -138,7 +138,7 @@ def cluster_wait(d: Deployment) -> str:
         if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
             raise Aborted("stop requested")
         if not head_alive(d):
-            last = enginelog.tail(Path(d.log_path), 3) if d.log_path else []
+            last = processlog.tail(Path(d.log_path), 3) if d.log_path else []
             raise PlanFailed(f"The Ray head on {d.node} exited: {' | '.join(last) or 'no output'}")
         seen = raynode.alive_nodes(_ray_bin(), address, env)
         if seen >= want:

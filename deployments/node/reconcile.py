@@ -3,7 +3,7 @@ interrupted stops, and record which vLLM this node runs."""
 from django.conf import settings
 
 from deployments.dispatch import node_enqueue
-from deployments.host import engine, enginecli, systemd
+from deployments.host import processes, serveargv, systemd
 from deployments.models import Deployment, Node
 from deployments.node import lifecycle, sleep, units
 from deployments.node.ranks import ranks_reconcile
@@ -50,8 +50,8 @@ def deployments_reconcile(node) -> dict:
 def node_engine_report(node_id: int) -> None:
     """Record which vLLM this node runs and the flags it accepts (used to validate deploy forms)."""
     try:
-        flags = sorted(enginecli.engine_flags(settings.VLLM_BIN))
+        flags = sorted(serveargv.engine_flags(settings.VLLM_BIN))
         Node.objects.filter(pk=node_id).update(engine_flags=flags, engine_error="", systemd=systemd.available(),
-                                               engine_version=enginecli.engine_version(settings.VLLM_BIN))
-    except engine.EngineError as exc:
+                                               engine_version=serveargv.engine_version(settings.VLLM_BIN))
+    except processes.EngineError as exc:
         Node.objects.filter(pk=node_id).update(engine_flags=[], engine_error=str(exc)[:500], systemd=systemd.available())

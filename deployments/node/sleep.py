@@ -13,10 +13,10 @@ import time
 
 import psutil
 
-from deployments import claims, enginekey
+from deployments import claims, engineapikey
 from deployments.gateway import changes
 from deployments.gateway.models import Route
-from deployments.host import engine, gpu, vllm
+from deployments.host import gpu, processes, vllm
 from deployments.models import Deployment
 from deployments.node import lifecycle
 from deployments.node.guards import foreign_holders
@@ -50,15 +50,15 @@ def _base(d: Deployment) -> str:
 
 def _key(d: Deployment) -> str:
     try:
-        return enginekey.of(d)
-    except enginekey.KeyUnreadable as exc:
+        return engineapikey.of(d)
+    except engineapikey.KeyUnreadable as exc:
         raise PlanFailed(str(exc)) from exc
 
 
 def group_rss(d: Deployment) -> int:
     """Host RAM the engine's process group holds (resident set, summed)."""
     total = 0
-    for pid in engine.members(d.pgid) if d.pgid else []:
+    for pid in processes.members(d.pgid) if d.pgid else []:
         try:
             total += psutil.Process(pid).memory_info().rss
         except psutil.Error:
@@ -70,7 +70,7 @@ def gpu_held(d: Deployment) -> dict[int, int]:
     """Bytes the engine's processes hold on each of its GPUs ({} without NVML or GPUs)."""
     if not d.gpu_indices or not d.pgid:
         return {}
-    pids = set(engine.members(d.pgid))
+    pids = set(processes.members(d.pgid))
     try:
         by_gpu = gpu.processes_on(d.gpu_indices)
     except gpu.NvmlUnavailable:
@@ -261,7 +261,7 @@ def sharing(d: Deployment) -> list[Deployment]:
 
 def sharing_pids(d: Deployment) -> set[int]:
     """Processes of the deployments sharing its GPUs asleep: what they keep there is not waited for."""
-    return {pid for o in sharing(d) if o.pgid for pid in engine.members(o.pgid)}
+    return {pid for o in sharing(d) if o.pgid for pid in processes.members(o.pgid)}
 
 
 def make_way(d: Deployment) -> tuple[str, list[int]]:

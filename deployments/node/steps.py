@@ -16,7 +16,7 @@ from django.utils import timezone
 from deployments import live, secrets
 from deployments.dispatch import ranks_stop
 from deployments.gateway import changes
-from deployments.host import engine, enginelog, engineuser, systemd
+from deployments.host import osuser, processes, processlog, systemd
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import lifecycle
 from deployments.node.lifecycle import TAIL_LINES
@@ -101,10 +101,10 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
         connection.close_if_unusable_or_obsolete()  # the error that brought us here may have broken it: halting reads rows
     try:
         halt_engine(d)  # a persisted one's unit disabled too: systemd must not start it again
-    except (engine.EngineError, systemd.SystemdError, PlanFailed) as exc:
+    except (processes.EngineError, systemd.SystemdError, PlanFailed) as exc:
         log.warning("deployment %s: stopping the engine on failure: %s", d.name, exc)
     if d.log_path:
-        d.log_tail = "\n".join(enginelog.tail(Path(d.log_path), TAIL_LINES))
+        d.log_tail = "\n".join(processlog.tail(Path(d.log_path), TAIL_LINES))
     d.forget_process()
     for attempt in range(attempts):
         try:
@@ -200,14 +200,14 @@ def model_ready(d: Deployment, node: Node) -> str:
     return copy.path
 
 
-def engine_user(model_path: str, store: str) -> engineuser.EngineUser:
-    """Who the engine runs as (engineuser.current()), once it may read the model: a folder in the node's
-    model store is opened to it (engineuser.share); a folder of the user's own must be readable already."""
+def engine_user(model_path: str, store: str) -> osuser.EngineUser:
+    """Who the engine runs as (osuser.current()), once it may read the model: a folder in the node's
+    model store is opened to it (osuser.share); a folder of the user's own must be readable already."""
     try:
-        user = engineuser.current()
+        user = osuser.current()
         if model_path and store:
-            engineuser.share(user, model_path, store)
-    except (engineuser.EngineUserError, OSError) as exc:
+            osuser.share(user, model_path, store)
+    except (osuser.EngineUserError, OSError) as exc:
         raise PlanFailed(f"Cannot prepare the engine's user: {exc}") from exc
     return user
 
@@ -224,6 +224,6 @@ def unit_text(d: Deployment, argv: list[str], env: dict[str, str], log_path: str
     argv, flag_env = systemd.secret_argv(argv)  # --api-key: the EnvironmentFile's VLLM_API_KEY, never ExecStart=
     secret_env = {**secret_env, **flag_env}
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})" + (f", rank {rank}" if rank else ""), env=env,
-                               log_path=log_path, argv=argv, run_as=engineuser.current(), secret_env_file=str(
+                               log_path=log_path, argv=argv, run_as=osuser.current(), secret_env_file=str(
                                    systemd.env_file_path(systemd.unit_name(d.name, rank))) if secret_env else None)
     return text, secret_env

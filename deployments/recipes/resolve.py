@@ -9,8 +9,8 @@ passed on silently.
 """
 from dataclasses import dataclass, field
 
-from deployments import engineargs, engineoptions, privileged
-from deployments.host import enginecli
+from deployments import flagpolicy, privileged, userflags
+from deployments.host import serveargv
 from deployments.recipes.schema import Layer, Recipe, Strategy
 
 # vLLM's datacenter Blackwell kernels (CUTLASS_MLA, FLASHINFER_MLA) check capability major == 10, so a
@@ -148,8 +148,8 @@ def _apply(out: Resolved, layer: Layer, source: str) -> None:
         if problem:
             out.left_out.append(f"{source}: {name}: {problem}")
             continue
-        if f"--{name}" in enginecli.RESERVED_FLAGS:
-            out.left_out.append(f"{source}: --{name} is {enginecli.RESERVED_FLAGS[f'--{name}']}")
+        if f"--{name}" in serveargv.RESERVED_FLAGS:
+            out.left_out.append(f"{source}: --{name} is {serveargv.RESERVED_FLAGS[f'--{name}']}")
             continue
         out.flags[name] = value
         out.reasons[name] = Reason(name, value, layer.why(name), source, what_flag(name))
@@ -157,7 +157,7 @@ def _apply(out: Resolved, layer: Layer, source: str) -> None:
         if value.startswith("$"):
             out.left_out.append(f"{source}: {name}={value} names a value of this host (set it under Environment)")
             continue
-        if refused := engineargs.check_env({name: value}):
+        if refused := userflags.check_env({name: value}):
             out.left_out.append(f"{source}: {refused['env']}")
             continue
         out.env[name] = value
@@ -170,7 +170,7 @@ def _parallel(out: Resolved, plan: Strategy, target: Target, pin: tuple[int, str
     if not target.gpus:  # the CPU engine: one process, no parallel flags
         return
     total = target.gpus * target.nnodes
-    flag = engineoptions.flag_name(plan.parallel_flag) if plan.parallel_flag else "tensor-parallel-size"
+    flag = flagpolicy.flag_name(plan.parallel_flag) if plan.parallel_flag else "tensor-parallel-size"
     source = f"strategy {plan.name}"
     sized = f"{plan.display_name}: sized to the {total} GPUs offered"
     tp = pin[0] if pin else (total if flag == "tensor-parallel-size" else
@@ -202,11 +202,11 @@ def _pairs(words: tuple):
             value, i = words[i + 1], i + 1
         i += 1
         try:
-            canonical = engineoptions.flag_name(name)
-        except engineoptions.OptionError as exc:
+            canonical = flagpolicy.flag_name(name)
+        except flagpolicy.OptionError as exc:
             yield word, None, f"not taken ({exc})"
             continue
-        problem = engineoptions.value_problem(value)
+        problem = flagpolicy.value_problem(value)
         yield canonical, value, (f"not taken ({problem})" if problem else "")
 
 
@@ -214,4 +214,4 @@ def what_flag(name: str) -> str:
     """What an option does, from the operator list or the admin list (empty when neither names it)."""
     if name in privileged.FLAGS:
         return f"needs an admin: {privileged.FLAGS[name]}"
-    return engineoptions.OPERATOR_FLAGS.get(name, "")
+    return flagpolicy.OPERATOR_FLAGS.get(name, "")

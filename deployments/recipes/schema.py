@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from deployments import engineoptions
+from deployments import flagpolicy
 
 VERSION = re.compile(r"^\d+(\.\d+){0,3}([a-z0-9.+-]*)$")
 FAILURE_KEYS = ("strategy", "variant", "hardware", "tensor_parallel_size", "kv_cache_dtype", "attention_backend",
@@ -162,7 +162,7 @@ class _Reader:
         env = self.get(data, key, dict, where, default={})
         out = {}
         for name, value in env.items():
-            if not engineoptions.ENV_NAME.match(str(name)):
+            if not flagpolicy.ENV_NAME.match(str(name)):
                 self.fail(f"{where}.{name}", "is not a variable name (A-Z, 0-9, _)")
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 self.fail(f"{where}.{name}", f"expected text, got {_show(value)}")
@@ -293,8 +293,8 @@ def parse_strategy(data: dict, file: str) -> Strategy:
     flag = r.get(data, "parallel_flag", str, "parallel_flag", default="")
     if flag:
         try:
-            engineoptions.flag_name(flag)
-        except engineoptions.OptionError as exc:
+            flagpolicy.flag_name(flag)
+        except flagpolicy.OptionError as exc:
             r.fail("parallel_flag", str(exc))
     return Strategy(name, r.get(data, "display_name", str, "display_name", default=name),
                     r.get(data, "deploy_type", str, "deploy_type", default="single_node"), min_gpus, max_gpus,

@@ -6,4 +6,5 @@ deploys (create, redeploy, stop, persist), multinode (placement checks). What ru
 ranks, Ray, the crash watch, reconcile, an engine's lifecycle) is in deployments/node/; what both sides
 need sits beneath both: timeline.py (events), claims.py (GPU holders, the node lock), dispatch.py (host
 work by task name), layout.py (an engine's parallel layout).
+May import deployments' models, selectors and the modules beneath both sides, and plumbing; never controlpanel.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from deployments import contextfit, engineoptions
+from deployments import contextfit, flagpolicy
 from deployments.contextfit import Layout
 from deployments.kvcalibration import correction_for, int_or_none, layout_of, memory_of, model_spec
 from deployments.models import FitCalibration, ModelRepo, Node
@@ -34,7 +34,7 @@ def deploy_context(model: ModelRepo, node: Node, engine_args: dict, env: dict | 
         correction = correction_for(node, model)
         rows = contextfit.context_table(spec, weights, kv_dtypes=kv_dtypes, dcps=dcps, layout=layout, context=context,
                                         correction_bytes=correction, config=model.config, **kwargs)
-    except (ValueError, TypeError, KeyError, engineoptions.OptionError) as exc:
+    except (ValueError, TypeError, KeyError, flagpolicy.OptionError) as exc:
         log.debug("no context estimate for %s on %s: %s", model, node, exc)
         return None
     chosen = (str(engine_args.get("kv-cache-dtype") or "auto"), layout.dcp)

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils.text import slugify
 
-from deployments import callit, deploydefaults, engineoptions, flagvalues, live, privileged, secrets, warmstart
+from deployments import callit, deploydefaults, flagpolicy, flagvalues, live, privileged, secrets, warmstart
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
 from deployments.claims import deployment_holders, lock_node
@@ -43,8 +43,8 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     if set(gpu_indices) - gpus:
         raise ServiceError(f"{node} has no GPU {sorted(set(gpu_indices) - gpus)[0]}.", field="gpus")
     parallel = 1
-    for name in engineoptions.COUNT_FLAGS:  # canonical names: tensor_parallel_size cannot dodge this
-        parallel *= engineoptions.count(engine_args, name)
+    for name in flagpolicy.COUNT_FLAGS:  # canonical names: tensor_parallel_size cannot dodge this
+        parallel *= flagpolicy.count(engine_args, name)
     if gpus and not gpu_indices:
         raise ServiceError("Choose the GPUs to serve on.", field="gpus")
     if gpus and nnodes == 1 and parallel > len(gpu_indices):  # over several nodes: multinode.check splits it

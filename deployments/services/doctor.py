@@ -8,7 +8,7 @@ import logging
 from django.conf import settings
 from django.utils import timezone
 
-from deployments import engineoptions
+from deployments import flagpolicy
 from deployments.host import doctor, gpu
 from deployments.models import Node, Recipe
 
@@ -65,10 +65,10 @@ def layout_warnings(node: Node, engine_args: dict, env: dict | None = None, gpu_
         return []
     env = env or {}
     try:
-        per_node = (engineoptions.count(engine_args, "tensor-parallel-size")
-                    * engineoptions.count(engine_args, "pipeline-parallel-size")
-                    * engineoptions.count(engine_args, "data-parallel-size"))
-    except engineoptions.OptionError:
+        per_node = (flagpolicy.count(engine_args, "tensor-parallel-size")
+                    * flagpolicy.count(engine_args, "pipeline-parallel-size")
+                    * flagpolicy.count(engine_args, "data-parallel-size"))
+    except flagpolicy.OptionError:
         return []
     gpus = gpu_count if gpu_count is not None else per_node
     warnings = []

@@ -3,7 +3,7 @@ the estimate the deploy page shows for the deploy's own settings, and the refusa
 says will not fit unless an admin overrides it."""
 from dataclasses import dataclass, field
 
-from deployments import engineargs, engineoptions, modelconfig, modelfit
+from deployments import flagpolicy, modelconfig, modelfit, userflags
 from deployments.models import Deployment, ModelRepo, Node
 from plumbing.errors import ServiceError
 
@@ -32,7 +32,7 @@ def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_uti
         if not weights:
             return None
         if kv_cache_gib is None:
-            kv_cache_gib = float(engineargs.PRESETS[engineargs.node_preset(False)]["env"]["VLLM_CPU_KVCACHE_SPACE"])
+            kv_cache_gib = float(userflags.PRESETS[userflags.node_preset(False)]["env"]["VLLM_CPU_KVCACHE_SPACE"])
         return modelfit.cpu_fit_check(weights, node.ram_total, node.cpu_count, int(kv_cache_gib * 2**30))
     if not model.config:
         return None
@@ -51,12 +51,12 @@ def deploy_fit(model: ModelRepo, node: Node, gpu_indices: list[int], engine_args
     kv_gib = env.get("VLLM_CPU_KVCACHE_SPACE")
     try:
         return model_fit(
-            model, node, engineoptions.count(engine_args, "tensor-parallel-size"),
-            engineoptions.count(engine_args, "pipeline-parallel-size"),
+            model, node, flagpolicy.count(engine_args, "tensor-parallel-size"),
+            flagpolicy.count(engine_args, "pipeline-parallel-size"),
             float(engine_args.get("gpu-memory-utilization") or 0.9), str(engine_args.get("kv-cache-dtype") or "auto"),
             gpu_indices=gpu_indices or None, context_length=_int(engine_args.get("max-model-len")),
             kv_cache_gib=float(kv_gib) if kv_gib not in (None, "") else None)
-    except (ValueError, TypeError, KeyError, engineoptions.OptionError):
+    except (ValueError, TypeError, KeyError, flagpolicy.OptionError):
         return None  # a value the estimate cannot read (the flag checks name it): no verdict
 
 

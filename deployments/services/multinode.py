@@ -8,7 +8,7 @@ whole replicas (TP × PP each) on every node, the head's API server balancing ov
 """
 from dataclasses import dataclass
 
-from deployments import engineargs, modelconfig, modelfit
+from deployments import modelconfig, modelfit, userflags
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.layout import (EXECUTORS, data_parallel, dp_ranks, dp_split, executor, layout,  # noqa: F401
                                  port_name, world_size)
@@ -79,7 +79,7 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
         if missing:
             raise ServiceError(f"The engine on {n.name} has no {missing[0]}: it cannot join a multi-node launch.",
                                field="workers")
-        if n.engine_flags and (errors := engineargs.check_flags(engine_args, set(n.engine_flags))):
+        if n.engine_flags and (errors := userflags.check_flags(engine_args, set(n.engine_flags))):
             raise ServiceError(f"On {n.name}: {errors['extra_flags']}", field="engine_args")
     chosen = [(head, head_gpus), *((w.node, w.gpu_indices) for w in workers)]
     world, count = world_size(engine_args), len(nodes)

@@ -3,7 +3,7 @@ inclusion tags: each computes what it shows from the page's own context, so the 
 they are."""
 from django import template
 
-from deployments import deploydefaults, engineoptions, forms
+from deployments import deploydefaults, flagpolicy, forms
 from deployments.services import contextfit, doctor
 
 register = template.Library()
@@ -38,7 +38,7 @@ def deploy_context_fit(context):
     warnings = doctor.layout_warnings(node, data["engine_args"], data["env_vars"])
     try:
         multi = contextfit.layout_of(data["engine_args"]).gpus > 1  # NCCL presets matter between GPUs only
-    except (ValueError, engineoptions.OptionError):
+    except (ValueError, flagpolicy.OptionError):
         multi = False
     return {"context_fit": fit, "host_warnings": warnings, "node": node,
             "presets": ((node.host_checks or {}).get("nccl_presets") or []) if multi else []}

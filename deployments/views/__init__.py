@@ -1,2 +1,3 @@
 """Server-rendered pages, one module per thing they serve. Views read through selectors and change
-things through services."""
+things through services.
+May import the deployments app and plumbing; never controlpanel."""

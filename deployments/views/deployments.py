@@ -5,7 +5,7 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from deployments import callit, deploydefaults, engineargs, engineoptions, forms, privileged, secrets, selectors
+from deployments import callit, deploydefaults, flagpolicy, forms, privileged, secrets, selectors, userflags
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import deploys, fitgate, multinode, sleeps
@@ -35,7 +35,7 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
                    "reuse_memory_profile": deployment.reuse_memory_profile,
                    "sleep_mode": deployment.sleep_mode, "start_asleep": deployment.start_asleep, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
         args.pop("enable-auto-tool-choice", None)
-        initial["extra_flags"] = " ".join(engineargs.argv_words(args))
+        initial["extra_flags"] = " ".join(userflags.argv_words(args))
         initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env, secrets.marked(deployment)).items())
         initial["secret_env"] = " ".join(secrets.marked(deployment))
         placed = deployment.ranks.select_related("node")  # multi-node: the worker nodes as placed, to keep or change
@@ -66,10 +66,10 @@ def _deploy_page(request, model, node, form, status=200, preset="", deployment=N
     holders = list(node.deployments.filter(status__in=Deployment.ACTIVE)) if node else []
     fit, blocked = _fit(model, node, form, deployment)
     return render(request, "deployments/deploy.html", {
-        "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": engineargs.PRESETS,
-        "preset": preset or request.GET.get("preset") or (node and engineargs.node_preset(node.gpus.exists())),
+        "model": model, "node": node, "nodes": Node.objects.all(), "form": form, "presets": userflags.PRESETS,
+        "preset": preset or request.GET.get("preset") or (node and userflags.node_preset(node.gpus.exists())),
         "privileged": privileged.FLAGS, "privileged_env": privileged.ENV,
-        "operator_flags": engineoptions.OPERATOR_FLAGS, "operator_env": engineoptions.OPERATOR_ENV,
+        "operator_flags": flagpolicy.OPERATOR_FLAGS, "operator_env": flagpolicy.OPERATOR_ENV,
         "copy": copies.get(node.pk) if node else None, "holders": holders, "fit": fit, "fit_blocks": blocked,
         "fit_hint": fitgate.OVERRIDE_HINT, "override": form["override_fit"],
         **recipe_pages.deploy_context(model, node, form, use), "route_form": route_form}, status=status)
@@ -96,7 +96,7 @@ def deploy(request, pk):
         return redirect("model-detail", pk)
     if request.method != "POST":
         key = request.GET.get("preset", "")
-        key = key if key in engineargs.PRESETS else engineargs.node_preset(node.gpus.exists())
+        key = key if key in userflags.PRESETS else userflags.node_preset(node.gpus.exists())
         initial = {**_initial(key, None), "served_model_name": callit.served_name(model)}
         filled, use = recipe_pages.deploy_initial(request, model, node)  # ?recipe=&variant=&strategy=
         initial = filled or initial

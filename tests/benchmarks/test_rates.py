@@ -20,12 +20,11 @@ URL = "http://10.2.2.2:8000"
 
 
 @pytest.fixture
-def api(operator, settings):
+def api(operator, settings, sent_tasks):
     settings.BENCHMARK_URL_ALLOWLIST = [URL]
     client = APIClient()
     client.force_authenticate(operator)
-    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True):
-        yield client
+    return client
 
 
 def test_the_api_takes_rates_alone_and_keeps_their_arrival_settings(api):
@@ -109,18 +108,17 @@ def test_a_rate_point_and_a_concurrency_point_of_one_run_are_two_levels():
     assert [str(p) for p in run.points.all()] == [f"{run} c=4", f"{run} 4 req/s"]
 
 
-def test_panelctl_bench_sends_rates_and_refuses_what_is_not_one(live_server_asgi, operator, settings, capsys):
+def test_panelctl_bench_sends_rates_and_refuses_what_is_not_one(live_server_asgi, operator, settings, capsys, sent_tasks):
     settings.BENCHMARK_URL_ALLOWLIST = [URL]
     login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]
-    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True):
-        assert cli.main([*login, "bench", URL, "--model", "m", "--rate", "2,4,8", "--burstiness", "0.5",
-                         "--max-concurrency", "32"]) == 0
-        assert f"Run {BenchmarkRun.objects.get().pk}: rates 2, 4, 8 req/s." in capsys.readouterr().err
-        run = BenchmarkRun.objects.get()
-        assert run.params["rates"] == [2.0, 4.0, 8.0] and run.params["levels"] == []
-        assert (run.params["arrival"], run.params["burstiness"], run.params["max_concurrency"]) == ("gamma", 0.5, 32)
-        assert cli.main([*login, "bench", URL, "--rate", "fast"]) == 2
-        assert "--rate takes requests per second" in capsys.readouterr().err
-        assert cli.main([*login, "bench", URL, "--rate", "0"]) == 2
-        assert "above 0" in capsys.readouterr().err
+    assert cli.main([*login, "bench", URL, "--model", "m", "--rate", "2,4,8", "--burstiness", "0.5",
+                     "--max-concurrency", "32"]) == 0
+    assert f"Run {BenchmarkRun.objects.get().pk}: rates 2, 4, 8 req/s." in capsys.readouterr().err
+    run = BenchmarkRun.objects.get()
+    assert run.params["rates"] == [2.0, 4.0, 8.0] and run.params["levels"] == []
+    assert (run.params["arrival"], run.params["burstiness"], run.params["max_concurrency"]) == ("gamma", 0.5, 32)
+    assert cli.main([*login, "bench", URL, "--rate", "fast"]) == 2
+    assert "--rate takes requests per second" in capsys.readouterr().err
+    assert cli.main([*login, "bench", URL, "--rate", "0"]) == 2
+    assert "above 0" in capsys.readouterr().err
     assert BenchmarkRun.objects.count() == 1

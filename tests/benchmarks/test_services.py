@@ -15,12 +15,6 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def queued():
-    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True) as apply_async:
-        yield apply_async
-
-
-@pytest.fixture
 def ready():
     node = NodeFactory(name="gpu-01", engine_version="0.32.0")
     GpuFactory(node=node, index=0, name="NVIDIA H200")
@@ -30,10 +24,10 @@ def ready():
     return d
 
 
-def test_a_run_on_a_deployment_goes_to_its_node_with_an_environment_snapshot(ready, queued, django_capture_on_commit_callbacks):
-    with django_capture_on_commit_callbacks(execute=True):
-        run = services.run_create(deployment=ready, params={"levels": [1, 8, 128]})
-    assert queued.call_args.kwargs == {"args": [run.pk], "queue": "node.gpu-01"}
+def test_a_run_on_a_deployment_goes_to_its_node_with_an_environment_snapshot(ready, sent_tasks):
+    run = services.run_create(deployment=ready, params={"levels": [1, 8, 128]})
+    sent = sent_tasks.commit().one("benchmarks.run_execute")
+    assert (sent.args, sent.options) == ([run.pk], {"queue": "node.gpu-01"})
     env = run.environment
     assert env["engine_version"] == "0.32.0" and env["env"] == {"NCCL_PROTO": "LL"}
     assert env["engine_args"]["max-num-seqs"] == 64 and env["gpus"][0]["name"] == "NVIDIA H200"
@@ -41,15 +35,14 @@ def test_a_run_on_a_deployment_goes_to_its_node_with_an_environment_snapshot(rea
                             "so those levels measure queueing too."]
 
 
-def test_a_run_on_a_url_goes_to_the_control_worker(queued, django_capture_on_commit_callbacks, settings):
+def test_a_run_on_a_url_goes_to_the_control_worker(sent_tasks, settings):
     settings.BENCHMARK_URL_ALLOWLIST = ["http://10.0.0.5:8000"]
-    with django_capture_on_commit_callbacks(execute=True):
-        run = services.run_create(base_url="http://10.0.0.5:8000", served_model="m", params={})
-    assert queued.call_args.kwargs["queue"] == "control"
+    run = services.run_create(base_url="http://10.0.0.5:8000", served_model="m", params={})
+    assert sent_tasks.commit().one("benchmarks.run_execute").queue == "control"
     assert run.params["levels"] == list(runner.DEFAULT_LEVELS)
 
 
-def test_a_deployment_that_is_not_ready_or_already_measured_is_refused(ready, queued):
+def test_a_deployment_that_is_not_ready_or_already_measured_is_refused(ready, sent_tasks):
     ready.status = "loading"
     ready.save()
     with pytest.raises(ServiceError, match="is loading, not ready"):
@@ -138,7 +131,7 @@ def test_compare_and_export_show_what_changed(viewer_client, viewer):
     assert api.get(f"/api/runs/export/?ids={a.pk},{b.pk}&as=csv").content.decode() == csv_text  # one export
 
 
-def test_the_api_starts_compares_and_exports(operator, queued, settings):
+def test_the_api_starts_compares_and_exports(operator, sent_tasks, settings):
     settings.BENCHMARK_URL_ALLOWLIST = ["http://10.1.1.1:8000", "http://10.1.1.2:8000"]
     api = APIClient()
     api.force_authenticate(operator)
@@ -153,7 +146,7 @@ def test_the_api_starts_compares_and_exports(operator, queued, settings):
     assert api.get(f"/api/runs/export/?ids={run.pk}&as=csv").content.decode().startswith("run,name")
 
 
-def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(operator, queued, settings):
+def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(operator, sent_tasks, settings):
     settings.BENCHMARK_URL_ALLOWLIST = ["http://10.0.0.8:8000"]
     from benchmarks.api.serializers import RunRequestSerializer
     from benchmarks.forms import RunForm

@@ -95,18 +95,17 @@ def test_a_real_capacity_search_stores_its_rounds_and_says_the_answer(viewer_cli
     assert {r["slo_met"] for r in rows} <= {"True", "False"}
 
 
-def test_panelctl_bench_sends_slos_and_a_capacity_search(live_server_asgi, operator, settings, capsys):
+def test_panelctl_bench_sends_slos_and_a_capacity_search(live_server_asgi, operator, settings, capsys, sent_tasks):
     settings.BENCHMARK_URL_ALLOWLIST = [URL]
     login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]
-    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True):
-        assert cli.main([*login, "bench", URL, "--model", "m", "--slo", "ttft:p99:2s", "--slo", "e2e:p90:10s",
-                         "--capacity", "1-65", "--capacity-width", "1"]) == 0
-        run = BenchmarkRun.objects.get()
-        assert f"Run {run.pk}: capacity search 1-65 req/s." in capsys.readouterr().err
-        assert [s["metric"] for s in run.params["slos"]] == ["ttft", "e2e"]
-        assert run.params["capacity"]["high"] == 65.0 and run.params["levels"] == []
-        assert cli.main([*login, "bench", URL, "--slo", "ttft:p99:2s", "--capacity", "lots"]) == 2
-        assert "--capacity takes LOW-HIGH" in capsys.readouterr().err
-        assert cli.main([*login, "bench", URL, "--slo", "fast"]) == 2
-        assert "Cannot read the SLO" in capsys.readouterr().err
+    assert cli.main([*login, "bench", URL, "--model", "m", "--slo", "ttft:p99:2s", "--slo", "e2e:p90:10s",
+                     "--capacity", "1-65", "--capacity-width", "1"]) == 0
+    run = BenchmarkRun.objects.get()
+    assert f"Run {run.pk}: capacity search 1-65 req/s." in capsys.readouterr().err
+    assert [s["metric"] for s in run.params["slos"]] == ["ttft", "e2e"]
+    assert run.params["capacity"]["high"] == 65.0 and run.params["levels"] == []
+    assert cli.main([*login, "bench", URL, "--slo", "ttft:p99:2s", "--capacity", "lots"]) == 2
+    assert "--capacity takes LOW-HIGH" in capsys.readouterr().err
+    assert cli.main([*login, "bench", URL, "--slo", "fast"]) == 2
+    assert "Cannot read the SLO" in capsys.readouterr().err
     assert BenchmarkRun.objects.count() == 1

@@ -1,12 +1,10 @@
 """Tuning studies: validation before anything starts, the step-by-step state machine (the node side
 is played by setting rows as the plan and the run would), failures, agent restarts, pause, cancel,
-apply, and the API's roles. The real engine runs them in tests/e2e/test_tune.py."""
+apply, and the API's roles. The real engine runs them in tests/e2e/test_study.py."""
 import random
 from datetime import timedelta
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.db.models import F
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -23,13 +21,7 @@ WORKLOAD = {"levels": [1, 4], "max_tokens": 16, "requests_per_user": 1, "min_req
 
 
 @pytest.fixture
-def sent():
-    with mock.patch.object(Task, "apply_async", autospec=True) as apply_async:
-        yield apply_async
-
-
-@pytest.fixture
-def d(sent):
+def d(sent_tasks):
     node = NodeFactory(name="cpu-01", engine_flags=FLAGS, agent_pid=100)
     copy = ModelCopyFactory(node=node)
     return DeploymentFactory(node=node, model=copy.model, status="ready", engine_args={"max-num-seqs": 16},
@@ -101,7 +93,7 @@ def test_a_study_counts_its_trials_and_estimates_from_the_deployments_last_load(
 
 
 def test_a_study_made_before_the_smoke_test_answered_estimates_from_the_load(d):
-    """perf/tune_verdicts.py: a study made right after ready read 1,295 s (the 120 s guess per redeploy) and took 51 s."""
+    """perf/study_verdicts.py: a study made right after ready read 1,295 s (the 120 s guess per redeploy) and took 51 s."""
     loaded(d, seconds=31.0)
     DeploymentEvent.objects.filter(deployment=d, step="smoke_test").update(ended=None)  # still asking
     ready_s, basis = studyestimate.redeploy_seconds(d)

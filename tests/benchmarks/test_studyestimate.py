@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 from benchmarks import services, studies, studyestimate
 from benchmarks.models import BenchmarkRun
 from panelctl import tune
-from tests.benchmarks.test_studies import WORKLOAD, d, loaded, make, past_run, sent  # noqa: F401 (fixtures)
+from tests.benchmarks.test_studies import WORKLOAD, d, loaded, make, past_run  # noqa: F401 (fixtures)
 from tests.schedserver import SchedServer
 
 pytestmark = pytest.mark.django_db

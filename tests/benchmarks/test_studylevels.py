@@ -10,7 +10,7 @@ from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study
 from deployments.models import Deployment
 from panelctl import cli
 from plumbing import tokens
-from tests.benchmarks.test_studies import comes_up, current, d, sent, step  # noqa: F401 - fixtures
+from tests.benchmarks.test_studies import comes_up, current, d, step  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db
 WORKLOAD = {"levels": [1, 4, 16], "max_tokens": 16, "requests_per_user": 1, "min_requests": 4}

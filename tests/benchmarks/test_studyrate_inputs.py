@@ -12,7 +12,7 @@ from benchmarks.models import BenchmarkRun, Study
 from benchmarks.studyviews import StudyForm
 from panelctl import cli, client, rates, tune
 from tests.benchmarks import test_studyrates as rate_study
-from tests.benchmarks.test_studies import d, loaded, past_run, sent  # noqa: F401 - fixtures
+from tests.benchmarks.test_studies import d, loaded, past_run  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db
 RATES = {**services.DEFAULTS, "levels": [1], "rates": [2, 8], "max_tokens": 16, "min_requests": 4,

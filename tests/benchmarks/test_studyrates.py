@@ -11,7 +11,7 @@ from deployments.models import Deployment
 from panelctl import cli
 from plumbing import tokens
 from tests.benchmarks import test_studylevels as studylevels_tests
-from tests.benchmarks.test_studies import d, sent  # noqa: F401 - fixtures
+from tests.benchmarks.test_studies import d  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db
 WORKLOAD = {"levels": [4], "rates": [2, 8], "max_tokens": 16, "requests_per_user": 1, "min_requests": 4,

@@ -26,11 +26,9 @@ def trace_text(n=6):
 
 
 @pytest.fixture(autouse=True)
-def _queued_not_run(settings):
+def _queued_not_run(settings, sent_tasks):
     """Runs are created and queued, not executed (a test that executes one calls the service itself)."""
     settings.BENCHMARK_URL_ALLOWLIST = [URL]
-    with mock.patch("benchmarks.tasks.run_execute.apply_async", autospec=True):
-        yield
 
 
 def test_an_operator_creates_a_workload_with_its_preview_and_a_viewer_only_reads_it(api, viewer):
@@ -155,15 +153,14 @@ def study_target():
                              ready_at=timezone.now() - timedelta(hours=1))
 
 
-def test_a_study_takes_a_named_workload_for_every_trial(api):
+def test_a_study_takes_a_named_workload_for_every_trial(api, sent_tasks):
     from benchmarks.models import Study
 
     d = study_target()
     workloads.workload_create(name="shared", kind="prefix", values={"prefixes": 4, "prefix_tokens": 64, "input_tokens": 32})
     body = {"deployment": d.pk, "variants": [{"engine_args": {"max-num-seqs": 8}}], "repeats": 2,
             "workload": {"workload": "shared", "levels": [4], "min_requests": 8}}
-    with mock.patch("celery.app.task.Task.apply_async", autospec=True):
-        created = api.post("/api/studies/", body, format="json")
+    created = api.post("/api/studies/", body, format="json")
     assert created.status_code == 202, created.json()
     study = Study.objects.get()
     assert study.workload["workload"] == {"kind": "prefix", "prefixes": 4, "prefix_tokens": 64}
@@ -204,7 +201,7 @@ def test_panelctl_says_the_engines_hit_rate_beside_what_the_workload_could_reuse
     assert prefix_line({"server_metrics": {}, "prefix_reuse": {}}) == ""
 
 
-def test_the_study_form_takes_a_named_workload(operator_client):
+def test_the_study_form_takes_a_named_workload(operator_client, sent_tasks):
     from benchmarks.models import Study
 
     d = study_target()
@@ -212,8 +209,7 @@ def test_the_study_form_takes_a_named_workload(operator_client):
     form = {"deployment": d.pk, "variants": "max-num-seqs=8", "levels": "2", "max_tokens": 16, "input_tokens": 128,
             "requests_per_user": 1, "named_workload": chats.pk, "repeats": 2, "order": "interleaved",
             "rule": "throughput", "finish_with": "baseline"}
-    with mock.patch("celery.app.task.Task.apply_async", autospec=True):
-        answer = operator_client.post("/benchmarks/studies/", form)
+    answer = operator_client.post("/benchmarks/studies/", form)
     assert answer.status_code == 302, answer.content.decode()[-2000:]
     study = Study.objects.get()
     assert study.workload["workload"] == {"kind": "multiturn", "turns": 3, "think_s": 1.0}

@@ -168,18 +168,14 @@ def test_the_history_endpoint_serves_recent_samples_and_minutes(agent, published
     assert viewer_client.get(f"/nodes/{agent.node_id}/history.json?since=abc").status_code == 400
 
 
-def test_host_work_is_sent_to_the_nodes_own_queue_after_commit(django_capture_on_commit_callbacks):
-    from deployments import tasks
+def test_host_work_is_sent_to_the_nodes_own_queue_after_commit(sent_tasks):
     from deployments.services import nodes
     from tests.factories import NodeFactory
 
     node = NodeFactory(name="gpu-09")
-    with mock.patch.object(tasks.node_ping, "apply_async", autospec=True) as apply_async:
-        with django_capture_on_commit_callbacks(execute=False) as callbacks:
-            nodes.node_enqueue(node, "deployments.node_ping")
-        apply_async.assert_not_called()  # nothing leaves before the transaction commits
-        callbacks[0]()
-    assert apply_async.call_args.kwargs["queue"] == "node.gpu-09"
+    nodes.node_enqueue(node, "deployments.node_ping")
+    assert not sent_tasks  # nothing leaves before the transaction commits
+    assert sent_tasks.commit().one("deployments.node_ping").queue == "node.gpu-09"
 
 
 def test_a_sample_carries_the_hosts_cpu_and_network_rates_and_the_heartbeat_its_ram_and_cores(agent, published):

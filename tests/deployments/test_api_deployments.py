@@ -1,5 +1,4 @@
 """The deployments API: deploy, stop, restart, events (long poll), logs, unit — and bad input."""
-from unittest import mock
 
 import pytest
 
@@ -11,18 +10,16 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def setup():
+def setup(sent_tasks):
     node = NodeFactory(name="gpu-01", engine_flags=sorted(FLAGS))
     for i in range(4):
         GpuFactory(node=node, index=i)
     copy = ModelCopyFactory(node=node, path="/models/m")
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True), \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as enqueue:
-        yield node, copy.model, enqueue
+    return node, copy.model
 
 
 def test_deploy_answers_202_with_the_deployment(api, setup):
-    node, model, _ = setup
+    node, model = setup
     response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0, 1], "port": 8100,
                                               "engine_args": {"tensor-parallel-size": 2, "--max-model-len": 4096},
                                               "env": {"NCCL_PROTO": "LL"}, "preset": "none"}, format="json")
@@ -42,7 +39,7 @@ def test_deploy_answers_202_with_the_deployment(api, setup):
     ({"gpus": [0, 1], "engine_args": {"tensor-parallel-size": 4}}, "tp", "needs 4 GPUs; 2 chosen"),
 ])
 def test_bad_deploys_get_a_400_naming_the_field_and_nothing_runs(api, setup, body, field, text):
-    node, model, _ = setup
+    node, model = setup
     response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0], **body}, format="json")
     assert response.status_code == 400
     assert text in " ".join(response.json()["error"]["fields"][field])
@@ -50,7 +47,7 @@ def test_bad_deploys_get_a_400_naming_the_field_and_nothing_runs(api, setup, bod
 
 
 def test_busy_gpus_answer_409_naming_the_holder(api, setup):
-    node, model, _ = setup
+    node, model = setup
     holder = DeploymentFactory(node=node, status="loading", name="kimi-prod", port=9000)
     holder.gpus.set(node.gpus.filter(index=0))
     response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0]}, format="json")
@@ -58,8 +55,8 @@ def test_busy_gpus_answer_409_naming_the_holder(api, setup):
     assert response.json()["error"]["code"] == "gpus_busy"
 
 
-def test_stop_restart_events_logs_and_unit(api, setup):
-    node, model, enqueue = setup
+def test_stop_restart_events_logs_and_unit(api, setup, sent_tasks):
+    node, model = setup
     d = DeploymentFactory(node=node, model=model, status="ready", log_tail="a\nb", port=8100)
     d.gpus.set(node.gpus.filter(index=3))
     DeploymentEventFactory(deployment=d, step="launch")
@@ -76,12 +73,12 @@ def test_stop_restart_events_logs_and_unit(api, setup):
     assert Deployment.objects.get(pk=d.pk).port == 8200
     assert api.post(f"/api/deployments/{d.pk}/restart/", {}, format="json").status_code == 409  # already queued
     assert api.post(f"/api/deployments/{d.pk}/stop/").json()["status"] == "stopping"
-    assert enqueue.call_args.args[2] == d.pk
+    assert (sent_tasks.commit()[-1].name, sent_tasks[-1].args) == ("deployments.deployment_halt", [d.pk])
 
 
 def test_the_unit_to_install_by_hand_runs_the_copy_with_the_deployments_env_on_page_and_api(
         api, setup, viewer_client, monkeypatch):
-    node, model, _ = setup
+    node, model = setup
     monkeypatch.setenv("AGENT_ONLY", "never in a unit")
     d = DeploymentFactory(node=node, model=model, status="ready", port=8100, name="tiny-prod", env={"NCCL_PROTO": "LL"})
     d.gpus.set(node.gpus.filter(index__in=[2, 3]))

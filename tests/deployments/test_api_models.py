@@ -19,20 +19,18 @@ def viewer_api(viewer):
 
 
 @pytest.fixture(autouse=True)
-def no_queue():
-    with mock.patch("deployments.tasks.model_inspect.apply_async", autospec=True) as inspect, \
-         mock.patch("deployments.host.hub.repo_check", autospec=True, return_value="0" * 40), \
-         mock.patch("deployments.services.repos.node_enqueue", autospec=True):
-        yield inspect
+def no_hub(sent_tasks):
+    """The Hub's answer for every repo, and the queue recorded."""
+    with mock.patch("deployments.host.hub.repo_check", autospec=True, return_value="0" * 40):
+        yield
 
 
-def test_adding_a_repo_answers_202_and_queues_the_inspection(api, no_queue, django_capture_on_commit_callbacks):
-    with django_capture_on_commit_callbacks(execute=True):
-        response = api.post("/api/models/", {"repo_id": "moonshotai/Kimi-K2.5"}, format="json")
+def test_adding_a_repo_answers_202_and_queues_the_inspection(api, sent_tasks):
+    response = api.post("/api/models/", {"repo_id": "moonshotai/Kimi-K2.5"}, format="json")
     assert response.status_code == 202
     model = ModelRepo.objects.get(repo_id="moonshotai/Kimi-K2.5")
     assert response.json()["id"] == model.pk and model.revision == "main"
-    no_queue.assert_called_once_with(args=[model.pk])
+    assert sent_tasks.commit().one("deployments.model_inspect").args == [model.pk]
 
 
 @pytest.mark.parametrize("body, field", [

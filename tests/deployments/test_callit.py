@@ -3,7 +3,6 @@ and a deploy from the API or panelctl gets the deploy form's own defaults for th
 always through the node's gateway, with a caller key, under the served name and the route's aliases."""
 import json
 import shlex
-from unittest import mock
 
 import pytest
 from django.urls import reverse
@@ -15,14 +14,7 @@ from deployments.gateway.models import Route
 from deployments.models import Deployment
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def no_queue():
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True), \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("sent_tasks")]
 
 
 @pytest.fixture

@@ -2,10 +2,8 @@
 "Check fit" for changed values, only the fields that apply to the node, how much context the chosen layout
 holds, and the host checks that layout depends on."""
 import re
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.urls import reverse
 
 from deployments.models import Deployment
@@ -15,12 +13,6 @@ from tests.factories import GpuFactory, ModelCopyFactory, ModelRepoFactory, Node
 
 pytestmark = pytest.mark.django_db
 GiB = 2**30
-
-
-@pytest.fixture
-def sent():
-    with mock.patch("deployments.dispatch.enqueue", autospec=True) as fn:
-        yield fn
 
 
 def _cpu(weights_gib: float):
@@ -55,15 +47,14 @@ def test_an_admin_gets_deploy_anyway_and_a_model_that_fits_gets_deploy_on(client
     assert 'id="deploy-submit">' in html and "Deploy is off" not in html
 
 
-def test_check_fit_weighs_the_values_sent_and_deploys_nothing(operator_client, sent, django_capture_on_commit_callbacks):
+def test_check_fit_weighs_the_values_sent_and_deploys_nothing(operator_client, sent_tasks):
     model, node = _cpu(2)
     first = _page(operator_client, model, node).content.decode()
     assert "fits in RAM" in first and "Deploy is off" not in first
     data = {"port": 8001, "tp": 1, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
             "stall_seconds": 600, "env": "VLLM_CPU_KVCACHE_SPACE=40", "check": "1"}
-    with django_capture_on_commit_callbacks(execute=True):
-        response = _page(operator_client, model, node, **data)
-    assert response.status_code == 200 and not Deployment.objects.exists() and not sent.called
+    response = _page(operator_client, model, node, **data)
+    assert response.status_code == 200 and not Deployment.objects.exists() and not sent_tasks.commit()
     html = response.content.decode()
     assert "KV cache 40.0 GiB" in html and 'id="deploy-submit" disabled' in html
 
@@ -92,7 +83,7 @@ FORM = {"port": 8001, "tp": 1, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, 
         "stall_seconds": 600, "env": "VLLM_CPU_KVCACHE_SPACE=1"}
 
 
-def test_a_deploy_sent_anyway_is_refused_naming_the_fit_and_an_admins_override_is_on_the_timeline(client, sent):
+def test_a_deploy_sent_anyway_is_refused_naming_the_fit_and_an_admins_override_is_on_the_timeline(client, sent_tasks):
     model, node = _cpu(30)
     client.force_login(UserFactory(role="operator"))
     response = _page(client, model, node, **FORM, override_fit="on")  # Deploy pressed with the button forced on

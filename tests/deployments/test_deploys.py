@@ -16,7 +16,7 @@ import pytest
 
 from deployments import live
 from deployments.forms import DeployForm
-from deployments.host import engine, gpu, ownership, systemd, vllm
+from deployments.host import gpu, ownership, processes, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import plan, reconcile, watch
 from deployments.services import deploys
@@ -43,28 +43,21 @@ def model(node, tmp_path):
     return copy.model
 
 
-@pytest.fixture
-def sent():
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True) as run, \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield run
-
-
 def _create(model, node, **kw):
     args = {"model": model, "node": node, "gpu_indices": [0, 1], "port": 8000,
             "engine_args": {"tensor-parallel-size": 2}, "env": {}}
     return deploys.deployment_create(**{**args, **kw})
 
 
-def test_a_deploy_is_queued_on_the_nodes_own_plans_queue(model, node, sent, django_capture_on_commit_callbacks):
-    with django_capture_on_commit_callbacks(execute=True):
-        d = _create(model, node)
+def test_a_deploy_is_queued_on_the_nodes_own_plans_queue(model, node, sent_tasks):
+    d = _create(model, node)
     assert d.status == S.QUEUED and d.gpu_indices == [0, 1]
-    assert sent.call_args.kwargs["queue"] == "node.gpu-01.plans" and sent.call_args.kwargs["args"] == [d.pk]
+    plan = sent_tasks.commit().one("deployments.deployment_run")
+    assert (plan.queue, plan.args) == ("node.gpu-01.plans", [d.pk])
     assert d.events.get().step == "queued"
 
 
-def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, sent):
+def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, sent_tasks):
     d = _create(model, node)
     for change in ({}, {"engine_args": {"tensor-parallel-size": 2}}, {"engine_args": {"tensor-parallel-size": 2, "max-num-seqs": 8}}):
         Deployment.objects.filter(pk=d.pk).update(status=S.READY)
@@ -73,13 +66,13 @@ def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, 
     assert messages == ["Redeploy requested.", "Redeploy requested.", "Redeploy requested with new settings."]
 
 
-def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent):
+def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent_tasks):
     with pytest.raises(ServiceError, match="TP × PP × DP = 8 needs 8 GPUs; 2 chosen") as exc:
         _create(model, node, engine_args={"tensor-parallel-size": 4, "pipeline-parallel-size": 2})
     assert exc.value.field == "tp" and not Deployment.objects.exists()
 
 
-def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model, node, sent):
+def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model, node, sent_tasks):
     holder = DeploymentFactory(node=node, status=S.LOADING, name="kimi-prod", port=9000)
     holder.gpus.set(node.gpus.filter(index__in=[1, 2]))
     with pytest.raises(ServiceError, match="kimi-prod is loading") as exc:
@@ -87,13 +80,13 @@ def test_gpus_busy_with_a_deploy_in_progress_are_refused_naming_the_holder(model
     assert exc.value.code == "gpus_busy"
 
 
-def test_a_ready_deployment_on_the_gpus_is_replaced_not_refused(model, node, sent):
+def test_a_ready_deployment_on_the_gpus_is_replaced_not_refused(model, node, sent_tasks):
     holder = DeploymentFactory(node=node, status=S.READY, port=8000)
     holder.gpus.set(node.gpus.filter(index__in=[0]))
     assert _create(model, node).status == S.QUEUED  # same port too: the holder is stopped first
 
 
-def test_a_port_used_by_another_deployment_is_refused(model, node, sent):
+def test_a_port_used_by_another_deployment_is_refused(model, node, sent_tasks):
     other = DeploymentFactory(node=node, status=S.READY, port=8000, name="other")
     other.gpus.set(node.gpus.filter(index__in=[7]))
     with pytest.raises(ServiceError, match="Port 8000 is used by other") as exc:
@@ -145,14 +138,14 @@ class FakeHost:
         self.owned = True  # the engines the plan started carry its marker
         self.calls = []
         patches = {
-            "engine.port_free": mock.Mock(return_value=True),
-            "enginecli.engine_flags": mock.Mock(return_value=FLAGS),
-            "engine.launch": mock.Mock(side_effect=self.launch),
-            "engine.stop": mock.Mock(return_value=engine.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
-            "engine.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
+            "processes.port_free": mock.Mock(return_value=True),
+            "serveargv.engine_flags": mock.Mock(return_value=FLAGS),
+            "processes.launch": mock.Mock(side_effect=self.launch),
+            "processes.stop": mock.Mock(return_value=processes.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
+            "processes.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
             "vllm.health": mock.Mock(side_effect=self.health),
-            "engine.members": mock.Mock(return_value=[]),
-            "engine.shm_files": mock.Mock(return_value=set()),
+            "processes.members": mock.Mock(return_value=[]),
+            "processes.shm_files": mock.Mock(return_value=set()),
             "ownership.owned": mock.Mock(side_effect=lambda pgid, marker, unit=None: self.owned),
             "ownership.pid_owned": mock.Mock(side_effect=lambda pid, marker, unit=None: self.alive and self.owned),
             "ownership.engine_processes": mock.Mock(return_value=[]),
@@ -172,7 +165,7 @@ class FakeHost:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.log_path.write_text("Loading safetensors checkpoint shards: 50% Completed | 1/2\n"
                                  "Loading weights took 1.5 seconds\nStarting vLLM server on http://0.0.0.0:8000\n")
-        return engine.EngineHandle(pid=4242, pgid=4242, create_time=1.0)
+        return processes.EngineHandle(pid=4242, pgid=4242, create_time=1.0)
 
     def health(self, url, timeout=2.0):
         self.health_after -= 1
@@ -228,7 +221,7 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
     assert [e.step for e in d.events.all()] == ["model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
     assert all(e.ended for e in d.events.all())
     assert Deployment.objects.get(pk=holder.pk).status == S.STOPPED
-    host.mocks["engine.stop"].assert_called_once_with(777, 30.0, 10.0)
+    host.mocks["processes.stop"].assert_called_once_with(777, 30.0, 10.0)
     assert "old (SIGTERM in 0.4 s, 1 /dev/shm files removed)" in d.events.get(step="stop_others").message
     host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=plan.MEMORY_TIMEOUT_S,
                                                                   ignore=set())  # no engine asleep on them
@@ -245,17 +238,17 @@ def test_gpu_memory_that_never_comes_back_fails_naming_the_pids(model, node, hos
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and "PID 31337 holds 40.0 GiB" in d.status_message
-    host.mocks["engine.launch"].assert_not_called()
+    host.mocks["processes.launch"].assert_not_called()
     assert d.events.get(step="gpu_memory").level == DeploymentEvent.Level.ERROR
 
 
 def test_a_port_in_use_fails_before_launch(model, node, host):
-    host.mocks["engine.port_free"].return_value = False
+    host.mocks["processes.port_free"].return_value = False
     d = _queued(model, node)
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and "Port 8000 is in use" in d.status_message
-    host.mocks["engine.launch"].assert_not_called()
+    host.mocks["processes.launch"].assert_not_called()
 
 
 def test_a_stranger_answering_on_the_port_is_not_taken_for_the_engine(model, node, host):
@@ -291,7 +284,7 @@ def test_an_engine_process_of_the_deployment_listening_on_the_port_is_its_own(mo
         host.mocks["listeners.listening"].return_value = ({procs[0].pid}, False)
         return FakeHost.launch(host, spec)
 
-    host.mocks["engine.launch"].side_effect = launch
+    host.mocks["processes.launch"].side_effect = launch
     d = _queued(model, node)
     try:
         plan.deployment_run(d.pk)
@@ -330,7 +323,7 @@ def test_an_engine_that_dies_while_loading_fails_with_its_error(model, node, hos
         host.alive = False
         return handle
 
-    host.mocks["engine.launch"].side_effect = launch
+    host.mocks["processes.launch"].side_effect = launch
     d = _queued(model, node)
     plan.deployment_run(d.pk)
     d.refresh_from_db()
@@ -344,7 +337,7 @@ def test_a_load_is_stalled_only_when_neither_log_nor_memory_moves(model, node, h
         plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and d.status_message.startswith("Stalled: neither the log nor GPU memory moved")
-    host.mocks["engine.stop"].assert_called_with(4242, 30.0, 10.0)
+    host.mocks["processes.stop"].assert_called_with(4242, 30.0, 10.0)
 
 
 def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
@@ -355,24 +348,22 @@ def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
 
     host.mocks["gpu.wait_memory_released"].side_effect = stop_meanwhile
     plan.deployment_run(d.pk)
-    host.mocks["engine.launch"].assert_not_called()
+    host.mocks["processes.launch"].assert_not_called()
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPING  # the halt task finishes the stop
     watch.deployment_halt(d.pk)
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPED
 
 
 def test_a_crashed_engine_is_failed_with_its_last_lines_and_restarted_with_backoff(
-        model, node, host, tmp_path, django_capture_on_commit_callbacks):
+        model, node, host, tmp_path, sent_tasks):
     log = tmp_path / "crash.log"
     log.write_text("line 1\nRuntimeError: NCCL error: unhandled system error\n")
     d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), auto_restart=True)
     host.alive = False
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True) as run, \
-         django_capture_on_commit_callbacks(execute=True):
-        watch.deployments_watch(node.pk, {})
+    watch.deployments_watch(node.pk, {})
     d.refresh_from_db()
     assert d.status == S.QUEUED and d.restarts == 1
-    assert run.call_args.kwargs["countdown"] == 10
+    assert sent_tasks.commit().one("deployments.deployment_run").options["countdown"] == 10
     failed = d.events.get(step="failed").message
     assert "Crashed: the engine process exited" in failed and "NCCL error" in failed
 
@@ -388,15 +379,14 @@ def test_health_must_fail_three_times_before_a_live_engine_counts_as_crashed(mod
             assert Deployment.objects.get(pk=d.pk).status == expected
 
 
-def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, host):
+def test_an_agent_restart_adopts_live_engines_and_fails_dead_ones(model, node, host, sent_tasks):
     ready = DeploymentFactory(model=model, node=node, status=S.READY, pid=1, pgid=1, port=8001)
     loading = DeploymentFactory(model=model, node=node, status=S.LOADING, pid=2, pgid=2, port=8002)
     gone = DeploymentFactory(model=model, node=node, status=S.READY, pid=3, pgid=3, port=8003)
-    host.mocks["engine.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
-    with mock.patch("deployments.node.reconcile.node_enqueue", autospec=True) as enqueue:
-        report = reconcile.deployments_reconcile(node)
+    host.mocks["processes.alive"].side_effect = lambda pid, ct=0.0: pid in (1, 2)
+    report = reconcile.deployments_reconcile(node)
     assert report == {"adopted": [ready.name], "following": [loading.name], "failed": [gone.name]}
-    assert enqueue.call_args.args[2] == loading.pk
+    assert [(s.name, s.args) for s in sent_tasks.commit()] == [("deployments.deployment_follow", [loading.pk])]
     assert Deployment.objects.get(pk=gone.pk).status == S.FAILED
 
 
@@ -434,9 +424,9 @@ def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model
     assert Path(d.log_path) == log
 
 
-def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, node, host, tmp_path):
+def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, node, host, tmp_path, sent_tasks):
     """CI: the switch's row (loading, no PID yet, its unit and marker set) was taken by the agent's unit watch for
-    a restart of the unit's engine: adopted, a second follow sent, and the plan's own move to ready then failed
+    a restart of the unit's engine: adopted, a second follow sent_tasks, and the plan's own move to ready then failed
     the deployment ("cannot go from ready to ready")."""
     from deployments.node import units
 
@@ -450,13 +440,12 @@ def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, nod
 
     with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit), \
          mock.patch("os.getpgid", return_value=5555), \
-         mock.patch("deployments.node.lifecycle.adopt", autospec=True, return_value=True) as adopt, \
-         mock.patch("deployments.node.units.node_enqueue", autospec=True) as sent:
+         mock.patch("deployments.node.lifecycle.adopt", autospec=True, return_value=True) as adopt:
         plan.deployment_persist_here(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY and d.pid == 5555, d.status_message
     adopt.assert_not_called()
-    sent.assert_not_called()
+    assert "deployments.deployment_follow" not in sent_tasks.commit().names()
     assert not d.events.filter(step="adopted").exists()
 
 

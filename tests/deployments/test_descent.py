@@ -18,8 +18,9 @@ from deployments.node import guards, plan
 from deployments.services import deploys
 from plumbing.errors import ServiceError
 from tests.conftest import wait_until
-from tests.deployments.test_deploys import _queued, host, model, node, sent  # noqa: F401
+from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401
 from tests.factories import DeploymentFactory, NodeFactory
+from tests.helpers import pid_alive
 
 pytestmark = pytest.mark.django_db
 S = Deployment.Status
@@ -54,13 +55,6 @@ def procs():
             except OSError:
                 continue
         proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _titled_engine(procs, marker: str | None) -> tuple[int, int]:
@@ -103,7 +97,7 @@ def test_a_recorded_pid_whose_create_time_differs_is_not_proof(procs, settings):
 
 
 def test_a_redeploy_with_changes_is_not_refused_for_its_own_or_an_also_stopped_deployments_processes(
-        model, node, sent):
+        model, node, sent_tasks):
     """The web side reads what the agent recorded: an entry naming the redeployed deployment (or one
     ticked under "Also stop") is not foreign; a stranger's still is."""
     d = DeploymentFactory(model=model, node=node, port=8000, status=S.READY, engine_args={"max-model-len": 512})
@@ -149,8 +143,8 @@ def test_stop_other_processes_ends_the_holder_and_its_child_only_and_the_timelin
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY, d.status_message
-    assert not _alive(pids["holder"]) and not _alive(pids["child"])
-    assert _alive(pids["sibling"]) and _alive(shell.pid)
+    assert not pid_alive(pids["holder"]) and not pid_alive(pids["child"])
+    assert pid_alive(pids["sibling"]) and pid_alive(shell.pid)
     message = d.events.get(step="stop_others").message
     assert f"PID {pids['holder']} of " in message and "sleep 301" in message
     assert f"PID {pids['child']} of " in message and f"a child of PID {pids['holder']}" in message
@@ -161,7 +155,7 @@ def test_a_holder_that_ignores_sigterm_is_killed_on_the_deadline_and_the_agent_i
     stubborn = procs(["bash", "-c", "trap '' TERM; echo up; while :; do sleep 0.1; done"])
     assert stubborn.stdout.readline().strip() == "up"
     result = ownership.stop_holders([stubborn.pid], term_timeout_s=0.5, kill_timeout_s=5)
-    assert result.signals == ["SIGTERM", "SIGKILL"] and result.survivors == [] and not _alive(stubborn.pid)
+    assert result.signals == ["SIGTERM", "SIGKILL"] and result.survivors == [] and not pid_alive(stubborn.pid)
     assert stubborn.pid in [p["pid"] for p in result.signalled]
     with pytest.raises(ownership.RefusedToSignal):
         ownership.stop_holders([os.getppid()])

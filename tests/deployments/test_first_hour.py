@@ -1,6 +1,5 @@
 """Defaults that work on the node they run on: a free engine port, the node's preset applied by
 the server for the API, the CLI and the form alike, and a deploy that is tried again reusing its row."""
-from unittest import mock
 
 import pytest
 from django.urls import reverse
@@ -14,12 +13,10 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def cpu_node():
+def cpu_node(sent_tasks):
     node = NodeFactory(name="cpu-01")
     copy = ModelCopyFactory(node=node, path="/models/m")
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True), \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield node, copy.model
+    return node, copy.model
 
 
 def test_free_port_is_never_the_panels_and_skips_active_deployments(settings, cpu_node):
@@ -47,12 +44,11 @@ def test_api_deploy_keeps_the_callers_flags_over_the_preset(api, cpu_node):
     assert Deployment.objects.get().engine_args["max-model-len"] == 512
 
 
-def test_api_deploy_on_a_gpu_node_gets_the_one_gpu_preset_not_the_cpu_one(api):
+def test_api_deploy_on_a_gpu_node_gets_the_one_gpu_preset_not_the_cpu_one(api, sent_tasks):
     node = NodeFactory(name="gpu-02")
     GpuFactory(node=node, index=0)
     model = ModelCopyFactory(node=node, path="/models/m").model
-    with mock.patch("deployments.tasks.deployment_run.apply_async", autospec=True):
-        response = api.post("/api/deployments/", {"model": model.pk, "node": node.name, "gpus": [0]}, format="json")
+    response = api.post("/api/deployments/", {"model": model.pk, "node": node.name, "gpus": [0]}, format="json")
     assert response.status_code == 202, response.json()
     d = Deployment.objects.get()
     assert "enforce-eager" not in d.engine_args and "VLLM_CPU_KVCACHE_SPACE" not in d.env

@@ -185,22 +185,21 @@ def test_a_plans_download_stops_itself_once_its_deployment_no_longer_wants_it(tm
     assert ModelCopy.objects.get(pk=copy.pk).state == ("cancelled" if cancelled else "ready")
 
 
-def test_a_users_download_again_is_no_longer_the_plans(tmp_path):
+def test_a_users_download_again_is_no_longer_the_plans(tmp_path, sent_tasks):
     d, copy = _queued_for(tmp_path, Deployment.Status.STOPPED)
     ModelCopy.objects.filter(pk=copy.pk).update(state="cancelled", progress={"deployment": d.pk})
-    with mock.patch("deployments.services.repos.node_enqueue", autospec=True):
-        copy = repos.model_download(copy.model, copy.node)
+    copy = repos.model_download(copy.model, copy.node)
     assert "deployment" not in copy.progress
 
 
-def test_a_model_the_hub_lists_too_big_is_refused_after_a_real_inspection(tmp_path, settings):
+def test_a_model_the_hub_lists_too_big_is_refused_after_a_real_inspection(tmp_path, settings, sent_tasks):
     """Through the hub client against the test hub: a Git LFS pointer stands for 40 GiB of weights."""
     repo = tmp_path / "hub" / "acme" / "huge-chat"
     repo.mkdir(parents=True)
     (repo / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     (repo / "model.safetensors").write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\n"
                                             f"size {40 * GiB}\n")
-    with serve(tmp_path / "hub") as url, mock.patch("deployments.services.repos.enqueue", autospec=True):
+    with serve(tmp_path / "hub") as url:
         settings.HF_ENDPOINT = url
         model = repos.model_inspect(repos.model_add("acme/huge-chat").pk)
     assert [(f["path"], f["size"], f["sha256"]) for f in model.files if f["path"].endswith(".safetensors")] == [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.host import engine, ownership
+from deployments.host import ownership, processes
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle, reconcile
 from plumbing.states import InvalidTransition
@@ -20,7 +20,7 @@ S = Deployment.Status
 
 def _start(marker: str, role: str, log: Path) -> int:
     """A process carrying the deployment's marker in the role given, in a group of its own (as engines run)."""
-    handle = engine.launch(engine.EngineSpec(argv=[sys.executable, "-c", "import time; time.sleep(60)"],
+    handle = processes.launch(processes.EngineSpec(argv=[sys.executable, "-c", "import time; time.sleep(60)"],
                                              env=lifecycle.marked_env({}, marker, role), log_path=log))
     return handle.pid
 
@@ -37,7 +37,7 @@ def test_an_agent_restart_while_a_ray_cluster_forms_never_adopts_the_ray_head_as
         report = reconcile.deployments_reconcile(d.node)
         d.refresh_from_db()
         assert report["failed"] == [d.name] and d.status == S.FAILED and d.pid is None
-        assert not engine.alive(head)
+        assert not processes.alive(head)
     finally:
         _kill(head)
 

@@ -15,7 +15,7 @@ from channels.testing import WebsocketCommunicator
 from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 
-from controlpanel.metrics import exposition
+from controlpanel.metricsview import exposition
 from deployments import live, livefeed
 from deployments.models import ModelCopy, Node
 from deployments.services import nodes

@@ -2,7 +2,6 @@
 the store's read rate, and start-up in run environments."""
 import os
 from datetime import timedelta
-from unittest import mock
 
 import pytest
 from django.utils import timezone
@@ -206,7 +205,7 @@ def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_load
     assert d.load_detail["phases"]["segments"][0][0] == "process"
 
 
-def test_the_agent_measures_a_store_once_and_an_operator_can_ask_again(tmp_path, operator_client, django_capture_on_commit_callbacks):
+def test_the_agent_measures_a_store_once_and_an_operator_can_ask_again(tmp_path, operator_client, sent_tasks):
     node = NodeFactory()
     assert loads.node_measure_disk_once(node.pk) == {}  # no model here yet: nothing to read
     folder = tmp_path / "m"
@@ -216,8 +215,6 @@ def test_the_agent_measures_a_store_once_and_an_operator_can_ask_again(tmp_path,
     first = loads.node_measure_disk_once(node.pk)
     assert first["bytes"] == 1 << 20
     assert loads.node_measure_disk_once(node.pk) == {}  # once
-    with mock.patch("deployments.tasks.node_measure_disk.apply_async", autospec=True) as sent, \
-            django_capture_on_commit_callbacks(execute=True):
-        response = operator_client.post(f"/api/nodes/{node.name}/measure-disk/")
+    response = operator_client.post(f"/api/nodes/{node.name}/measure-disk/")
     assert response.status_code == 202 and response.json()["disk_read"]["bps"] == first["bps"]
-    assert sent.call_args.kwargs["queue"] == node.queue
+    assert sent_tasks.commit().one("deployments.node_measure_disk").queue == node.queue

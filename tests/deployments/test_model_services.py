@@ -36,12 +36,6 @@ def download():
         yield fn
 
 
-@pytest.fixture
-def enqueued():
-    with mock.patch("deployments.services.repos.node_enqueue", autospec=True) as fn:
-        yield fn
-
-
 def _inspected(**kwargs):
     model = ModelRepoFactory(repo_id="org/model", **kwargs)
     with mock.patch("deployments.host.hub.repo_info", autospec=True, return_value=_info()):
@@ -82,7 +76,7 @@ def test_the_token_comes_from_the_panel_setting_and_is_passed_only_to_the_hub(re
     assert repos.hf_token() == ""
 
 
-def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists_what_to_delete(enqueued):
+def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists_what_to_delete(sent_tasks):
     model = _inspected()
     node = NodeFactory(disk_total=20 * GiB, disk_free=3 * GiB)
     idle = ModelCopyFactory(node=node, bytes_done=7 * GiB)
@@ -92,21 +86,22 @@ def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists
         repos.model_download(model, node)
     assert "needs 10.0 GiB, has 3.0 GiB free" in short.value.message
     assert [(c["id"], c["in_use"]) for c in short.value.candidates] == [(idle.pk, False), (busy.pk, True)]
-    enqueued.assert_not_called()
+    assert not sent_tasks.commit()
     assert not ModelCopy.objects.filter(model=model, state="queued").exists()
 
 
-def test_download_is_queued_on_the_nodes_own_queue(enqueued):
+def test_download_is_queued_on_the_nodes_own_queue(sent_tasks):
     model = _inspected()
     node = NodeFactory(disk_total=100 * GiB, disk_free=50 * GiB)
     copy = repos.model_download(model, node)
     assert copy.state == "queued" and copy.bytes_total == model.total_size
-    assert enqueued.call_args.args[0] == node and enqueued.call_args.args[2] == copy.pk
+    download = sent_tasks.commit().one("deployments.model_copy_download")
+    assert (download.args, download.queue) == ([copy.pk], node.queue)
     with pytest.raises(ServiceError, match="already queued"):
         repos.model_download(model, node)
 
 
-def test_download_of_a_model_not_yet_read_is_refused(enqueued):
+def test_download_of_a_model_not_yet_read_is_refused(sent_tasks):
     with pytest.raises(ServiceError, match="not been inspected"):
         repos.model_download(ModelRepoFactory(), NodeFactory())
 
@@ -169,7 +164,7 @@ def test_a_redelivered_task_leaves_a_running_download_alone(tmp_path, download):
     assert ModelCopy.objects.get(pk=copy.pk).state == "downloading"
 
 
-def test_cancel_then_retry_resumes(tmp_path, enqueued):
+def test_cancel_then_retry_resumes(tmp_path, sent_tasks):
     copy = _queued_copy(tmp_path)
     ModelCopy.objects.filter(pk=copy.pk).update(state="downloading", bytes_done=GiB)
     copy = repos.model_copy_cancel(copy)
@@ -180,7 +175,7 @@ def test_cancel_then_retry_resumes(tmp_path, enqueued):
     assert copy.state == "queued" and copy.bytes_done == GiB and not copy.cancel_requested
 
 
-def test_a_copy_in_use_by_a_running_deployment_cannot_be_deleted(enqueued):
+def test_a_copy_in_use_by_a_running_deployment_cannot_be_deleted(sent_tasks):
     copy = ModelCopyFactory()
     DeploymentFactory(node=copy.node, model=copy.model, status="loading", name="kimi-prod")
     with pytest.raises(ServiceError, match="in use .* by kimi-prod"):
@@ -188,7 +183,7 @@ def test_a_copy_in_use_by_a_running_deployment_cannot_be_deleted(enqueued):
     assert ModelCopy.objects.get(pk=copy.pk).state == "ready"
 
 
-def test_delete_removes_the_files_inside_the_store_only(tmp_path, enqueued):
+def test_delete_removes_the_files_inside_the_store_only(tmp_path, sent_tasks):
     store = tmp_path / "store"
     folder = store / "org--model"
     folder.mkdir(parents=True)
@@ -204,7 +199,7 @@ def test_delete_removes_the_files_inside_the_store_only(tmp_path, enqueued):
     assert tmp_path.exists()
 
 
-def test_an_agent_restart_queues_its_unfinished_downloads_again(enqueued):
+def test_an_agent_restart_queues_its_unfinished_downloads_again(sent_tasks):
     node = NodeFactory()
     running = ModelCopyFactory(node=node, state="downloading")
     ModelCopyFactory(node=node, state="ready")
@@ -223,7 +218,7 @@ def test_a_local_folder_becomes_a_ready_copy_on_its_node(tmp_path):
     assert ModelCopy.objects.get(model=model, node=node).state == "ready"
 
 
-def test_fit_check_uses_the_nodes_gpus(enqueued):
+def test_fit_check_uses_the_nodes_gpus(sent_tasks):
     model = _inspected()
     node = NodeFactory()
     for i in range(8):

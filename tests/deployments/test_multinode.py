@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from benchmarks import studies
 from deployments.forms import DeployForm
-from deployments.host import enginecli, preflight
+from deployments.host import preflight, serveargv
 from deployments.models import Deployment, DeploymentRank, Node
 from deployments.node import ranks, watch
 from deployments.services import deploys, multinode
@@ -46,29 +46,22 @@ def model(nodes):
     return model
 
 
-@pytest.fixture
-def sent():
-    with mock.patch("deployments.dispatch.enqueue", autospec=True) as enqueue, \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield enqueue
-
-
 def _deploy(model, head, worker, tp=4, worker_gpus=(0, 1), **kw):
     return deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000,
                                      engine_args={"tensor-parallel-size": tp, **kw.pop("args", {})}, env={},
                                      workers=[multinode.Worker(worker, list(worker_gpus))], **kw)
 
 
-def test_a_placement_writes_one_rank_per_worker_node_and_a_master_port(model, nodes, sent):
+def test_a_placement_writes_one_rank_per_worker_node_and_a_master_port(model, nodes, sent_tasks):
     head, worker = nodes
     d = _deploy(model, head, worker)
     assert [(r.rank, r.node.name, r.gpu_indices) for r in d.ranks.all()] == [(1, "gpu-b", [0, 1])]
     assert d.master_port == multinode.MASTER_PORT_FIRST
     assert "rank 1 on gpu-b" in d.events.get(step="queued").message
-    assert sent.call_args.kwargs["queue"] == "node.gpu-a"  # the head's plan coordinates the ranks
+    assert sent_tasks.commit().one("deployments.deployment_run").queue == "node.gpu-a.plans"  # the head's plan coordinates the ranks
 
 
-def test_nodes_running_different_engine_versions_are_refused_naming_them(model, nodes, sent):
+def test_nodes_running_different_engine_versions_are_refused_naming_them(model, nodes, sent_tasks):
     head, worker = nodes
     worker.engine_version = "0.31.0"
     worker.save()
@@ -78,7 +71,7 @@ def test_nodes_running_different_engine_versions_are_refused_naming_them(model, 
     assert err.value.code == "engine_versions"
 
 
-def test_a_layout_that_does_not_split_evenly_over_the_nodes_is_refused(model, nodes, sent):
+def test_a_layout_that_does_not_split_evenly_over_the_nodes_is_refused(model, nodes, sent_tasks):
     head, worker = nodes
     with pytest.raises(ServiceError, match="TP × PP × DP = 3 cannot be split evenly over 2 nodes"):
         _deploy(model, head, worker, tp=3)
@@ -86,7 +79,7 @@ def test_a_layout_that_does_not_split_evenly_over_the_nodes_is_refused(model, no
         _deploy(model, head, worker, worker_gpus=[0])
 
 
-def test_an_offline_worker_node_or_an_engine_without_nnodes_is_refused(model, nodes, sent):
+def test_an_offline_worker_node_or_an_engine_without_nnodes_is_refused(model, nodes, sent_tasks):
     head, worker = nodes
     worker.last_heartbeat = None
     worker.save()
@@ -99,7 +92,7 @@ def test_an_offline_worker_node_or_an_engine_without_nnodes_is_refused(model, no
 
 
 def test_a_worker_without_the_model_is_accepted_when_it_can_download_it_there_and_refused_naming_it_otherwise(
-        model, nodes, sent):
+        model, nodes, sent_tasks):
     head, _ = nodes
     roomy = _node("gpu-c")
     d = _deploy(model, head, roomy)  # its rank's prepare step downloads the model on gpu-c
@@ -118,13 +111,13 @@ def test_a_worker_without_the_model_is_accepted_when_it_can_download_it_there_an
     assert err.value.code == "not_on_node"
 
 
-def test_the_flags_the_panel_sets_per_rank_are_refused_from_the_user(model, nodes, sent):
+def test_the_flags_the_panel_sets_per_rank_are_refused_from_the_user(model, nodes, sent_tasks):
     head, worker = nodes
     with pytest.raises(ServiceError, match="--node-rank is set by the panel"):
         _deploy(model, head, worker, args={"node-rank": 1})
 
 
-def test_gpus_a_worker_rank_holds_are_busy_for_a_deploy_on_that_node(model, nodes, sent):
+def test_gpus_a_worker_rank_holds_are_busy_for_a_deploy_on_that_node(model, nodes, sent_tasks):
     head, worker = nodes
     d = _deploy(model, head, worker)
     assert list(deploys.deployment_holders(worker, [1])) == [d]
@@ -134,16 +127,17 @@ def test_gpus_a_worker_rank_holds_are_busy_for_a_deploy_on_that_node(model, node
                                   engine_args={"tensor-parallel-size": 1}, env={})
 
 
-def test_stop_asks_every_worker_rank_to_stop_on_its_own_node(model, nodes, sent):
+def test_stop_asks_every_worker_rank_to_stop_on_its_own_node(model, nodes, sent_tasks):
     head, worker = nodes
     d = _deploy(model, head, worker)
-    sent.reset_mock()
+    sent_tasks.commit().clear()
     deploys.deployment_stop(d)
-    assert mock.call("deployments.rank_halt", args=[d.ranks.get().pk], queue="node.gpu-b") in sent.call_args_list
+    halt = sent_tasks.commit().one("deployments.rank_halt")
+    assert (halt.args, halt.queue) == ([d.ranks.get().pk], "node.gpu-b.control")
     assert d.ranks.get().state == DeploymentRank.State.STOPPING
 
 
-def test_the_head_and_workers_get_vllms_multi_node_flags(model, nodes, sent):
+def test_the_head_and_workers_get_vllms_multi_node_flags(model, nodes, sent_tasks):
     head, worker = nodes
     d = _deploy(model, head, worker)
     assert ranks.multinode_args(d, 0, 2) == {"nnodes": 2, "node-rank": 0, "master-addr": head.address,
@@ -151,7 +145,7 @@ def test_the_head_and_workers_get_vllms_multi_node_flags(model, nodes, sent):
     assert ranks.multinode_args(d, 1, 2)["headless"] is True
 
 
-def test_the_api_takes_workers_and_answers_400_for_an_unknown_node(model, nodes, sent, api):
+def test_the_api_takes_workers_and_answers_400_for_an_unknown_node(model, nodes, sent_tasks, api):
     head, worker = nodes
     body = {"model": model.pk, "node": head.name, "gpus": [0, 1], "preset": "none",
             "engine_args": {"tensor-parallel-size": 4}, "workers": [{"node": worker.name, "gpus": [0, 1]}]}
@@ -201,16 +195,17 @@ def test_the_preflight_listener_is_reached_and_a_closed_port_is_not():
         preflight.reach("127.0.0.1", port, timeout_s=2)
 
 
-def test_a_dead_worker_rank_fails_its_group_from_the_head(model, nodes, sent):
+def test_a_dead_worker_rank_fails_its_group_from_the_head(model, nodes, sent_tasks):
     head, worker = nodes
     d = _deploy(model, head, worker)
     rank = d.ranks.get()
     DeploymentRank.objects.filter(pk=rank.pk).update(state="running", pid=999999, marker="x")
-    with mock.patch("deployments.node.ranks.enqueue", autospec=True) as told:
-        ranks.ranks_watch(worker.pk)
+    sent_tasks.commit().clear()
+    ranks.ranks_watch(worker.pk)
     rank.refresh_from_db()
     assert rank.state == "failed" and "engine process exited" in rank.message
-    told.assert_called_once_with("deployments.deployment_rank_lost", args=[d.pk, rank.pk], queue="node.gpu-a")
+    lost = sent_tasks.commit().one("deployments.deployment_rank_lost")
+    assert (lost.args, lost.queue) == ([d.pk, rank.pk], "node.gpu-a.control")
     d.status = "ready"
     d.save()
     with mock.patch("deployments.node.lifecycle.halt", autospec=True):
@@ -232,7 +227,7 @@ def _ready(d):
     return Deployment.objects.get(pk=d.pk)
 
 
-def test_a_redeploy_and_a_studys_redeploy_check_the_placement_again_naming_the_node(model, nodes, sent):
+def test_a_redeploy_and_a_studys_redeploy_check_the_placement_again_naming_the_node(model, nodes, sent_tasks):
     head, worker = nodes
     d = _ready(_deploy(model, head, worker))
     Node.objects.filter(pk=worker.pk).update(last_heartbeat=None)
@@ -254,7 +249,7 @@ def test_a_redeploy_and_a_studys_redeploy_check_the_placement_again_naming_the_n
     assert deploys.deployment_redeploy(d).status == "queued"
 
 
-def test_a_redeploy_takes_new_worker_nodes_from_the_api_and_refuses_what_it_cannot_change(model, nodes, sent, api):
+def test_a_redeploy_takes_new_worker_nodes_from_the_api_and_refuses_what_it_cannot_change(model, nodes, sent_tasks, api):
     head, worker = nodes
     _node("gpu-c")  # no copy there: its rank downloads the model
     d = _ready(_deploy(model, head, worker))
@@ -276,7 +271,7 @@ def test_a_redeploy_takes_new_worker_nodes_from_the_api_and_refuses_what_it_cann
         deploys.deployment_redeploy(single, workers=[multinode.Worker(head, [0])])
 
 
-def test_the_edit_page_shows_the_placement_and_a_redeploy_from_it_moves_a_rank(model, nodes, sent, operator_client):
+def test_the_edit_page_shows_the_placement_and_a_redeploy_from_it_moves_a_rank(model, nodes, sent_tasks, operator_client):
     head, worker = nodes
     _node("gpu-c")
     d = _ready(_deploy(model, head, worker))
@@ -299,33 +294,32 @@ def _three_nodes(model, nodes, **kw):
     return _ready(d), third
 
 
-def test_auto_restart_after_a_rank_dies_runs_every_rank_again(model, nodes, sent):
+def test_auto_restart_after_a_rank_dies_runs_every_rank_again(model, nodes, sent_tasks):
     d, third = _three_nodes(model, nodes, auto_restart=True)
     dead, other = d.ranks.order_by("rank")
     DeploymentRank.objects.filter(pk__in=[dead.pk, other.pk]).update(state="running")
     DeploymentRank.objects.filter(pk=dead.pk).update(state="failed", message="its engine process exited")
-    sent.reset_mock()
+    sent_tasks.commit().clear()
     ranks.deployment_rank_lost(d.pk, dead.pk)
     d.refresh_from_db()
     assert d.status == "queued" and d.restarts == 1 and "rank 1 on node gpu-b died" in d.events.get(step="failed").message
-    calls = {c.args[0]: c.kwargs for c in sent.call_args_list}
-    assert calls["deployments.deployment_run"]["queue"] == "node.gpu-a" and calls["deployments.deployment_run"]["countdown"] == 10
-    assert calls["deployments.rank_halt"] == {"args": [other.pk], "queue": "node.gpu-c"}  # the live rank stopped first
+    plan, halt = sent_tasks.commit().one("deployments.deployment_run"), sent_tasks.one("deployments.rank_halt")
+    assert plan.queue == "node.gpu-a.plans" and plan.options["countdown"] == 10
+    assert (halt.args, halt.queue) == ([other.pk], "node.gpu-c.control")  # the live rank stopped first
     assert DeploymentRank.objects.get(pk=other.pk).state == "stopping"
     watch.deployment_crashed(d, "the engine process exited")  # the head's watch saw its engine die too: one restart
     d.refresh_from_db()
     assert d.status == "queued" and d.restarts == 1
 
     # The restarted plan (on the head) sends every rank its part again, the dead one included.
-    with mock.patch("deployments.node.ranks.enqueue", autospec=True) as told:
-        ranks.ranks_send(d)
-    assert sorted((c.kwargs["args"][0], c.kwargs["queue"]) for c in told.call_args_list) == [
-        (dead.pk, "node.gpu-b"), (other.pk, "node.gpu-c")]
+    ranks.ranks_send(d)
+    assert sorted((s.args[0], s.queue) for s in sent_tasks.commit().of("deployments.rank_run")) == [
+        (dead.pk, "node.gpu-b.plans"), (other.pk, "node.gpu-c.plans")]
     ranks.rank_halt(other.pk)  # the crash's stop, arriving late on a busy node, leaves the new run alone
     assert set(d.ranks.values_list("state", flat=True)) == {"pending"}
 
 
-def test_auto_restart_is_not_tried_when_a_worker_nodes_gpus_were_taken_meanwhile(model, nodes, sent):
+def test_auto_restart_is_not_tried_when_a_worker_nodes_gpus_were_taken_meanwhile(model, nodes, sent_tasks):
     d, third = _three_nodes(model, nodes, auto_restart=True)
     dead = d.ranks.get(rank=1)
     DeploymentRank.objects.filter(deployment=d).update(state="running")
@@ -367,7 +361,7 @@ def _dp(model, head, worker, dp, worker_gpus, tp=1, head_gpus=(0, 1), args=None,
                                      env={}, workers=[multinode.Worker(worker, list(worker_gpus))], **kw)
 
 
-def test_a_data_parallel_layout_launches_vllms_dp_form_with_each_nodes_replicas_and_start_rank(model, dp_nodes, sent):
+def test_a_data_parallel_layout_launches_vllms_dp_form_with_each_nodes_replicas_and_start_rank(model, dp_nodes, sent_tasks):
     head, worker = dp_nodes
     d = _dp(model, head, worker, dp=6, worker_gpus=[0, 1, 2, 3])  # 2 replicas on the head, 4 on the worker
     assert ranks.multinode_args(d, 0, 2) == {"data-parallel-size-local": 2, "data-parallel-address": head.address,
@@ -375,7 +369,7 @@ def test_a_data_parallel_layout_launches_vllms_dp_form_with_each_nodes_replicas_
     assert ranks.multinode_args(d, 1, 2) == {"data-parallel-size-local": 4, "data-parallel-address": head.address,
                                              "data-parallel-rpc-port": d.master_port, "headless": True,
                                              "data-parallel-start-rank": 2}
-    argv = " ".join(enginecli.build_argv("vllm", "/m", d.port, "0.0.0.0", {**d.engine_args, **ranks.multinode_args(d, 1, 2)}))
+    argv = " ".join(serveargv.build_argv("vllm", "/m", d.port, "0.0.0.0", {**d.engine_args, **ranks.multinode_args(d, 1, 2)}))
     assert "--data-parallel-size 6 --data-parallel-size-local 4" in argv and "--nnodes" not in argv
     assert f"DP RPC port {d.master_port}" in d.events.get(step="queued").message
     d.ranks.update(state="stopped")
@@ -385,7 +379,7 @@ def test_a_data_parallel_layout_launches_vllms_dp_form_with_each_nodes_replicas_
     assert ranks.multinode_args(d2, 1, 2)["data-parallel-start-rank"] == 1
 
 
-def test_a_data_parallel_split_that_does_not_add_up_is_refused_naming_the_nodes(model, dp_nodes, sent):
+def test_a_data_parallel_split_that_does_not_add_up_is_refused_naming_the_nodes(model, dp_nodes, sent_tasks):
     head, worker = dp_nodes
     with pytest.raises(ServiceError, match="the 1 GPU.s. chosen on dp-b are not whole replicas"):
         _dp(model, head, worker, dp=2, tp=2, worker_gpus=[0])
@@ -402,7 +396,7 @@ def test_a_data_parallel_split_that_does_not_add_up_is_refused_naming_the_nodes(
     assert ranks.multinode_args(d, 1, 2)["data-parallel-size-local"] == 1
 
 
-def test_an_engine_without_the_data_parallel_flags_or_a_user_set_rpc_port_is_refused(model, dp_nodes, sent):
+def test_an_engine_without_the_data_parallel_flags_or_a_user_set_rpc_port_is_refused(model, dp_nodes, sent_tasks):
     head, worker = dp_nodes
     old = _node("dp-old", gpus=2)  # --nnodes, but none of the data-parallel launch's flags
     ModelCopyFactory(model=model, node=old)
@@ -412,7 +406,7 @@ def test_an_engine_without_the_data_parallel_flags_or_a_user_set_rpc_port_is_ref
         _dp(model, head, worker, dp=4, worker_gpus=[0, 1], args={"data-parallel-rpc-port": 1234})
 
 
-def test_the_preflight_of_a_data_parallel_layout_tests_the_dp_rpc_port(model, dp_nodes, sent):
+def test_the_preflight_of_a_data_parallel_layout_tests_the_dp_rpc_port(model, dp_nodes, sent_tasks):
     head, worker = dp_nodes
     d = _dp(model, head, worker, dp=4, worker_gpus=[0, 1])
     port = ranks.multinode_args(d, 1, 2)["data-parallel-rpc-port"]
@@ -430,7 +424,7 @@ def test_the_preflight_of_a_data_parallel_layout_tests_the_dp_rpc_port(model, dp
     assert reached and f"reached head node dp-a at {head.address}:{port} (DP RPC port)" in message
 
 
-def test_the_api_and_the_deploy_form_take_a_data_parallel_layout(model, dp_nodes, sent, api):
+def test_the_api_and_the_deploy_form_take_a_data_parallel_layout(model, dp_nodes, sent_tasks, api):
     head, worker = dp_nodes
     body = {"model": model.pk, "node": head.name, "gpus": [0, 1], "preset": "none",
             "engine_args": {"tensor-parallel-size": 1, "data-parallel-size": 4}, "workers": [{"node": worker.name, "gpus": [0, 1]}]}
@@ -454,7 +448,7 @@ def _sample(gpus, ram_total=64 * 2**30, ram_available=48 * 2**30):
             "disk": {"free": 1, "total": 2}, "host": {"ram_total": ram_total, "ram_available": ram_available, "load1": 0.0}}
 
 
-def test_the_deployment_page_shows_every_nodes_gpu_memory_and_the_worker_page_its_rank(model, nodes, sent, operator_client):
+def test_the_deployment_page_shows_every_nodes_gpu_memory_and_the_worker_page_its_rank(model, nodes, sent_tasks, operator_client):
     from deployments import history
 
     head, worker = nodes
@@ -476,7 +470,7 @@ def test_the_deployment_page_shows_every_nodes_gpu_memory_and_the_worker_page_it
     assert 'id="ranks"' not in head_page  # the head's own deployment is listed as served there, not as a rank
 
 
-def test_a_cpu_node_of_a_deployment_shows_its_ram_and_a_ranks_processes_are_labelled_with_its_deployment(model, sent, operator_client):
+def test_a_cpu_node_of_a_deployment_shows_its_ram_and_a_ranks_processes_are_labelled_with_its_deployment(model, sent_tasks, operator_client):
     from deployments import history
     from deployments.services import nodes as node_services
 
@@ -494,7 +488,7 @@ def test_a_cpu_node_of_a_deployment_shows_its_ram_and_a_ranks_processes_are_labe
     assert owners[4240] == owners[4242] == {"id": d.pk, "name": f"{d.name} (rank 1)"}
 
 
-def test_panelctl_deploy_takes_a_data_parallel_layout_over_nodes(model, dp_nodes, sent, api):
+def test_panelctl_deploy_takes_a_data_parallel_layout_over_nodes(model, dp_nodes, sent_tasks, api):
     from tests.deployments.test_first_hour import ApiPanel
 
     head, worker = dp_nodes
@@ -507,7 +501,7 @@ def test_panelctl_deploy_takes_a_data_parallel_layout_over_nodes(model, dp_nodes
     assert ranks.multinode_args(d, 1, 2)["data-parallel-start-rank"] == 2
 
 
-def test_a_redeploy_whose_data_parallel_split_no_longer_adds_up_is_refused(model, dp_nodes, sent):
+def test_a_redeploy_whose_data_parallel_split_no_longer_adds_up_is_refused(model, dp_nodes, sent_tasks):
     head, worker = dp_nodes
     d = _dp(model, head, worker, dp=4, worker_gpus=[0, 1])
     Deployment.objects.filter(pk=d.pk).update(status="failed")

@@ -25,17 +25,16 @@ from tests.deployments.test_deploys import FakeHost, _clock
 from tests.deployments.test_multinode import _node
 from tests.factories import ModelCopyFactory, ModelRepoFactory
 from tests.hfserver import serve
+from tests.taskqueue import Sent
 
 S = Deployment.Status
 
 
 def _placed(model, head, worker, **kw):
     """A deployment over head (GPUs 0, 1) and worker (rank 1, GPUs 0, 1), as the control plane writes it."""
-    with mock.patch("deployments.dispatch.enqueue", autospec=True), \
-            mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        return deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={},
-                                         engine_args={"tensor-parallel-size": 4}, workers=[multinode.Worker(worker, [0, 1])],
-                                         **kw)
+    return deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={},
+                                     engine_args={"tensor-parallel-size": 4}, workers=[multinode.Worker(worker, [0, 1])],
+                                     **kw)
 
 
 def _closing(fn, *args):
@@ -48,7 +47,7 @@ def _closing(fn, *args):
 
 @pytest.mark.django_db(transaction=True)
 def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_own_node_workers_first(
-        tmp_path, settings):
+        tmp_path, settings, sent_tasks):
     settings.VAR_DIR = tmp_path
     head, worker = _node("gpu-a"), _node("gpu-b")
     model = ModelRepoFactory(files=[{"path": "a", "size": 1}])
@@ -62,9 +61,9 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
     head.systemd = worker.systemd = True
     head.save()
     worker.save()
-    with mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as told:
-        deploys.deployment_persist(d)
-    assert told.call_args.args == (head, "deployments.deployment_persist", d.pk)  # the head's node runs it
+    deploys.deployment_persist(d)
+    persist = sent_tasks.of("deployments.deployment_persist")[-1]
+    assert (persist.args, persist.queue) == ([d.pk], "node.gpu-a.plans")  # the head's node runs it
 
     threads = []
 
@@ -92,7 +91,7 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
         rank_text, head_text = (c.args[1] for c in install.call_args_list)
         assert '"--headless"' in rank_text and '"--node-rank" "1"' in rank_text and f"{ownership.MARKER_VAR}=" in rank_text
         assert '"--nnodes" "2"' in head_text and '"--headless"' not in head_text
-        assert {c.args[0] for c in host.mocks["engine.stop"].call_args_list} == {4242, 4343}  # the engines they replace
+        assert {c.args[0] for c in host.mocks["processes.stop"].call_args_list} == {4242, 4343}  # the engines they replace
         steps = list(d.events.values_list("step", flat=True))
         assert steps.index("launch@gpu-b") < steps.index("launch") and "persist" in steps
 
@@ -100,23 +99,20 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
         assert ranks.ranks_reconcile(worker)["adopted"] == [str(rank)]
 
         # Stop: every node disables its own unit (so nothing comes back at the next boot).
-        with mock.patch("deployments.dispatch.enqueue", autospec=True) as stop_sent, \
-                mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-            deploys.deployment_stop(d)
-            assert stop_sent.call_args == mock.call("deployments.rank_halt", args=[rank.pk], queue=worker.queue)
-            watch.deployment_halt(d.pk)
-            ranks.rank_halt(rank.pk)
+        deploys.deployment_stop(d)
+        halt = sent_tasks.of("deployments.rank_halt")[-1]
+        assert (halt.args, halt.queue) == ([rank.pk], "node.gpu-b.control")
+        watch.deployment_halt(d.pk)
+        ranks.rank_halt(rank.pk)
         assert mock.call("disable", "--now", "vllm-kimi.service") in systemctl.call_args_list
         assert mock.call("disable", "--now", "vllm-kimi.rank1.service") in systemctl.call_args_list
         assert Deployment.objects.get(pk=d.pk).status == S.STOPPED and DeploymentRank.objects.get(pk=rank.pk).state == "stopped"
 
         # Delete: the worker node removes its rank's unit, then the head its own, then the row goes.
-        with mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as told:
-            assert deploys.deployment_delete(d) is False
-        assert told.call_args.args == (worker, "deployments.rank_forget", rank.pk)
-        with mock.patch("deployments.node.ranks.node_enqueue", autospec=True) as told:
-            ranks.rank_forget(rank.pk)
-        assert told.call_args.args == (head, "deployments.deployment_forget", d.pk)
+        assert deploys.deployment_delete(d) is False
+        assert sent_tasks[-1] == Sent("deployments.rank_forget", [rank.pk], {"queue": "node.gpu-b.control"})
+        ranks.rank_forget(rank.pk)
+        assert sent_tasks[-1] == Sent("deployments.deployment_forget", [d.pk], {"queue": "node.gpu-a.control"})
         watch.deployment_forget(d.pk)
     assert systemctl.call_args_list[-4:] == [mock.call("disable", "--now", "vllm-kimi.rank1.service"), mock.call("daemon-reload"),
                                              mock.call("disable", "--now", "vllm-kimi.service"), mock.call("daemon-reload")]
@@ -134,7 +130,7 @@ def test_a_unit_never_installed_on_a_node_has_nothing_to_disable():
 
 
 @pytest.mark.django_db
-def test_a_worker_rank_downloads_the_model_on_its_own_node_in_its_prepare_step(tmp_path, tiny_model, settings):
+def test_a_worker_rank_downloads_the_model_on_its_own_node_in_its_prepare_step(tmp_path, tiny_model, settings, sent_tasks):
     shutil.copytree(tiny_model, tmp_path / "hub" / "acme" / "tiny")
     head, worker = _node("gpu-a"), _node("gpu-b")
     worker.model_store = str(tmp_path / "store-b")

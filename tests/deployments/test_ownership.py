@@ -13,12 +13,12 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from deployments.host import engine, ownership, store
+from deployments.host import ownership, processes, store
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import plan, reconcile, watch
 from deployments.services import deploys, nodes, repos
 from plumbing.errors import ServiceError
-from tests.deployments.test_deploys import _create, _queued, host, model, node, sent  # noqa: F401
+from tests.deployments.test_deploys import _create, _queued, host, model, node  # noqa: F401
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -97,7 +97,7 @@ def test_a_crashed_engines_shm_files_are_removed_when_the_panel_learns_it_died(t
 def test_shm_paths_from_the_database_outside_dev_shm_are_never_deleted(tmp_path):
     victim = tmp_path / "keep"
     victim.write_text("x")
-    assert engine.remove_unused_shm({str(victim), f"/dev/shm/../{victim}"}) == [] and victim.exists()
+    assert processes.remove_unused_shm({str(victim), f"/dev/shm/../{victim}"}) == [] and victim.exists()
 
 
 # --- 2. foreign GPU holders are the operator's call -------------------------------------------
@@ -112,7 +112,7 @@ def test_a_foreign_process_on_the_gpus_fails_the_plan_naming_it_and_is_not_signa
     d = _queued(model, node)
     host.mocks["gpu.processes_on"].return_value = _holder(stranger.pid)
     plan.deployment_run(d.pk)
-    stops = host.mocks["engine.stop"].call_args_list
+    stops = host.mocks["processes.stop"].call_args_list
     d.refresh_from_db()
     assert d.status == S.FAILED and f"PID {stranger.pid}" in d.status_message and "2048 MiB" in d.status_message
     assert not stops and _alive(stranger)
@@ -136,7 +136,7 @@ def test_with_the_checkbox_foreign_processes_are_stopped_but_never_a_display_ser
     assert Deployment.objects.get(pk=d.pk).status == S.READY
 
 
-def test_the_api_answers_409_naming_foreign_processes_unless_asked_to_stop_them(model, node, operator, sent):
+def test_the_api_answers_409_naming_foreign_processes_unless_asked_to_stop_them(model, node, operator, sent_tasks):
     from rest_framework.test import APIClient
 
     api = APIClient()
@@ -156,7 +156,7 @@ def test_the_api_answers_409_naming_foreign_processes_unless_asked_to_stop_them(
 
 # --- 3. GPU claims ----------------------------------------------------------------------------
 
-def test_on_a_host_without_gpus_the_whole_host_is_the_claim(sent):
+def test_on_a_host_without_gpus_the_whole_host_is_the_claim(sent_tasks):
     cpu = NodeFactory(name="cpu-01")
     copy = ModelCopyFactory(node=cpu, model=ModelRepoFactory(files=[{"path": "a", "size": 1}]))
     DeploymentFactory(node=cpu, status=S.LOADING, name="first", port=9000)
@@ -165,7 +165,7 @@ def test_on_a_host_without_gpus_the_whole_host_is_the_claim(sent):
     assert exc.value.code == "gpus_busy"
 
 
-def test_restarting_another_deployment_onto_claimed_gpus_is_refused(model, node, sent):
+def test_restarting_another_deployment_onto_claimed_gpus_is_refused(model, node, sent_tasks):
     first = _create(model, node)
     second = DeploymentFactory(node=node, model=model, status=S.STOPPED, port=9001, name="second")
     second.gpus.set(node.gpus.filter(index__in=[1]))
@@ -192,7 +192,7 @@ def test_the_launch_step_refuses_when_another_deployment_holds_the_gpus(model, n
     other.gpus.set(node.gpus.filter(index__in=[0]))
     with mock.patch("deployments.node.plan._stop_holders", return_value="skipped"):
         plan.deployment_run(d.pk)
-    assert not host.mocks["engine.launch"].called
+    assert not host.mocks["processes.launch"].called
     d.refresh_from_db()
     assert d.status == S.FAILED and "sneaky (starting) holds GPUs 0, 1" in d.status_message
 
@@ -207,7 +207,7 @@ def test_revisions_that_look_alike_never_share_a_folder():
     assert store.model_dir("/s", "org/m", "main") == Path("/s/org--m")  # existing names do not move
 
 
-def test_a_deploy_of_a_copy_being_deleted_is_refused(model, node, sent):
+def test_a_deploy_of_a_copy_being_deleted_is_refused(model, node, sent_tasks):
     ModelCopy.objects.filter(model=model, node=node).update(state=ModelCopy.State.DELETING)
     with pytest.raises(ServiceError, match="being deleted") as exc:
         _create(model, node)
@@ -244,9 +244,9 @@ def test_any_exception_mid_plan_ends_failed_with_the_engine_stopped(model, node,
     from django.db import OperationalError
 
     d = _queued(model, node)
-    with mock.patch("deployments.host.enginelog.read_lines", side_effect=OperationalError("server closed the connection")):
+    with mock.patch("deployments.host.processlog.read_lines", side_effect=OperationalError("server closed the connection")):
         plan.deployment_run(d.pk)
-        stopped = [c.args[0] for c in host.mocks["engine.stop"].call_args_list]
+        stopped = [c.args[0] for c in host.mocks["processes.stop"].call_args_list]
     d.refresh_from_db()
     assert d.status == S.FAILED and "OperationalError" in d.status_message and stopped == [4242]
 
@@ -260,11 +260,10 @@ def test_a_plan_the_node_never_started_in_time_ends_saying_nothing_was_done():
     assert Deployment.objects.get(pk=fresh.pk).status == S.QUEUED
 
 
-def test_a_plan_is_queued_with_an_expiry(model, node, sent, django_capture_on_commit_callbacks, settings):
+def test_a_plan_is_queued_with_an_expiry(model, node, sent_tasks, settings):
     settings.HOST_TASK_EXPIRES_S = 120
-    with django_capture_on_commit_callbacks(execute=True):
-        d = _create(model, node)
-    assert sent.call_args.kwargs["expires"] == 120
+    d = _create(model, node)
+    assert sent_tasks.commit().one("deployments.deployment_run").options["expires"] == 120
     assert 100 < (d.expires_at - timezone.now()).total_seconds() <= 120
 
 
@@ -290,20 +289,18 @@ def test_a_second_agent_under_a_name_that_heartbeats_refuses_to_start(sleeper):
     assert nodes.node_register(**kw, agent_host="host-a", agent_pid=4321).agent_pid == 4321
 
 
-def test_a_download_whose_row_stopped_moving_is_queued_again():
+def test_a_download_whose_row_stopped_moving_is_queued_again(sent_tasks):
     copy = ModelCopyFactory(state=ModelCopy.State.DOWNLOADING)
     ModelCopy.objects.filter(pk=copy.pk).update(updated=timezone.now() - timedelta(minutes=5))
     moving = ModelCopyFactory(node=copy.node, state=ModelCopy.State.DOWNLOADING)
-    with mock.patch("deployments.services.repos.node_enqueue", autospec=True) as enqueue:
-        assert repos.model_copies_stalled_resume(copy.node_id) == [copy.pk]
-    assert enqueue.call_args.args[2] == copy.pk and moving.pk not in repos.model_copies_stalled_resume(copy.node_id)
+    assert repos.model_copies_stalled_resume(copy.node_id) == [copy.pk]
+    assert sent_tasks.commit()[-1].args == [copy.pk] and moving.pk not in repos.model_copies_stalled_resume(copy.node_id)
 
 
-def test_deleting_a_persisted_deployment_removes_its_unit_on_the_node_first(model, node):
+def test_deleting_a_persisted_deployment_removes_its_unit_on_the_node_first(model, node, sent_tasks):
     d = DeploymentFactory(node=node, model=model, status=S.STOPPED, systemd_unit="vllm-gone.service", port=9008)
-    with mock.patch("deployments.services.deploys.node_enqueue", autospec=True) as enqueue:
-        assert deploys.deployment_delete(d) is False  # the node removes the unit, then the row
-    assert enqueue.call_args.args[2] == d.pk and Deployment.objects.filter(pk=d.pk).exists()
+    assert deploys.deployment_delete(d) is False  # the node removes the unit, then the row
+    assert sent_tasks.commit()[-1].args == [d.pk] and Deployment.objects.filter(pk=d.pk).exists()
     with mock.patch("deployments.host.systemd.systemctl", autospec=True) as systemctl:
         watch.deployment_forget(d.pk)
     assert mock.call("disable", "--now", "vllm-gone.service") in systemctl.call_args_list
@@ -319,9 +316,8 @@ def test_a_running_deployment_cannot_be_deleted_and_a_plain_one_goes_at_once(mod
     assert deploys.deployment_delete(stopped) is True and not Deployment.objects.filter(pk=stopped.pk).exists()
 
 
-def test_an_agent_restart_sends_again_the_plans_it_had_taken_but_not_started(model, node):
+def test_an_agent_restart_sends_again_the_plans_it_had_taken_but_not_started(model, node, sent_tasks):
     d = DeploymentFactory(node=node, model=model, status=S.QUEUED, port=9011,
                           expires_at=timezone.now() + timedelta(minutes=5))
-    with mock.patch("deployments.node.reconcile.node_enqueue", autospec=True) as enqueue:
-        reconcile.deployments_reconcile(node)
-    assert [c.args[1:] for c in enqueue.call_args_list] == [("deployments.deployment_run", d.pk)]
+    reconcile.deployments_reconcile(node)
+    assert [(s.name, s.args) for s in sent_tasks.commit()] == [("deployments.deployment_run", [d.pk])]

@@ -3,10 +3,8 @@ code and reason, the commands it suggests exist, `status` says how to call a dep
 and `--wait` prints only what happens after the request. A repo the hub does not know is refused before
 any row exists, with the hub's answer (the Hub-compatible test server)."""
 import json
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 
 from deployments import callit
 from deployments.models import Deployment, ModelRepo, Node
@@ -20,10 +18,8 @@ STRANGER = {"pid": 4321, "user": "bob", "name": "vllm", "command": "vllm serve /
 
 
 @pytest.fixture
-def login(live_server_asgi, operator):
-    with mock.patch.object(Task, "apply_async", autospec=True), \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield ["--url", live_server_asgi, "--token", tokens.issue(operator)]
+def login(live_server_asgi, operator, sent_tasks):
+    return ["--url", live_server_asgi, "--token", tokens.issue(operator)]
 
 
 @pytest.fixture

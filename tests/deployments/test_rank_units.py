@@ -12,7 +12,6 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from unittest import mock
 
 import psutil
 import pytest
@@ -21,6 +20,7 @@ from django.utils import timezone
 from deployments.host import ownership, systemd
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import ranks, units
+from plumbing import queue
 from tests.deployments.test_multinode import _node
 from tests.factories import DeploymentFactory
 
@@ -71,15 +71,12 @@ def _watched(rank, worker, passes=1):
     return rank
 
 
-@pytest.fixture
-def told(monkeypatch):
-    """Messages to the head's node (deployment_rank_lost fails the whole deployment there)."""
-    enqueue = mock.create_autospec(ranks.enqueue)
-    monkeypatch.setattr(ranks, "enqueue", enqueue)
-    return enqueue
+def _lost(sent_tasks) -> list:
+    """(args, queue) of each deployment_rank_lost sent to the head's node (it fails the whole deployment there)."""
+    return [(s.args, s.queue) for s in sent_tasks.commit().of("deployments.deployment_rank_lost")]
 
 
-def test_a_rank_whose_unit_starts_after_the_agent_waits_and_is_adopted_while_the_deployment_stays_ready(systemctl, told):
+def test_a_rank_whose_unit_starts_after_the_agent_waits_and_is_adopted_while_the_deployment_stays_ready(systemctl, sent_tasks):
     systemd.systemctl("enable", UNIT)  # enabled for the boot, not started yet: the agent came up first
     d, worker, rank = _ready()
     assert ranks.ranks_reconcile(worker) == {"adopted": [], "failed": [], "waiting": [str(rank)]}
@@ -91,7 +88,7 @@ def test_a_rank_whose_unit_starts_after_the_agent_waits_and_is_adopted_while_the
     main = int(_show()["MainPID"])
     assert _watched(rank, worker).pid == main  # adopted: the unit's engine, proven by its marker
     assert (_watched(rank, worker).state, rank.message) == ("running", "")  # the head is ready: so is the rank
-    told.assert_not_called()
+    assert _lost(sent_tasks) == []
     assert Deployment.objects.get(pk=d.pk).status == "ready"
     assert {"unit_restart@gpu-b", "adopted@gpu-b"} <= set(d.events.values_list("step", flat=True))
 
@@ -104,7 +101,7 @@ def _dead(pid: int) -> bool:
         return True
 
 
-def test_a_crashed_rank_is_restarted_once_by_its_unit_and_adopted_while_the_deployment_stays_ready(systemctl, told):
+def test_a_crashed_rank_is_restarted_once_by_its_unit_and_adopted_while_the_deployment_stays_ready(systemctl, sent_tasks):
     systemd.systemctl("enable", "--now", UNIT)
     first = int(_show()["MainPID"])
     d, worker, rank = _ready(pid=first)
@@ -116,7 +113,7 @@ def test_a_crashed_rank_is_restarted_once_by_its_unit_and_adopted_while_the_depl
         time.sleep(0.02)
     rank = _watched(rank, worker)
     assert (rank.state, rank.pid) == ("loading", None) and "systemd starts it again" in rank.message
-    told.assert_not_called()  # the deployment is not failed: systemd owns the restart
+    assert _lost(sent_tasks) == []  # the deployment is not failed: systemd owns the restart
 
     deadline = time.monotonic() + 10
     while not (int(_show()["MainPID"]) not in (0, first) and _show()["ActiveState"] == "active"):
@@ -124,28 +121,28 @@ def test_a_crashed_rank_is_restarted_once_by_its_unit_and_adopted_while_the_depl
         time.sleep(0.05)
     rank = _watched(rank, worker, passes=2)
     assert (rank.state, rank.pid) == ("running", int(_show()["MainPID"])) and _show()["NRestarts"] == "1"
-    told.assert_not_called()
+    assert _lost(sent_tasks) == []
     assert Deployment.objects.get(pk=d.pk).status == "ready"
 
 
-def test_a_rank_whose_unit_systemd_gave_up_on_fails_the_deployment_and_stays_disabled(systemctl, told):
+def test_a_rank_whose_unit_systemd_gave_up_on_fails_the_deployment_and_stays_disabled(systemctl, sent_tasks):
     d, worker, rank = _ready()  # the unit is installed but neither running nor enabled: nothing will start it
     assert ranks.ranks_reconcile(worker)["failed"] == [str(rank)]
-    told.assert_called_once_with("deployments.deployment_rank_lost", args=[d.pk, rank.pk], queue=d.node.queue)
+    assert _lost(sent_tasks) == [([d.pk, rank.pk], queue.control_queue(d.node.queue))]
 
-    told.reset_mock()
+    sent_tasks.clear()
     DeploymentRank.objects.filter(pk=rank.pk).update(state="loading", pid=None, marker=MARKER)  # it was waiting
     rank = _watched(rank, worker)
     assert rank.state == "failed" and f"{UNIT} is inactive (disabled)" in rank.message
-    told.assert_called_once_with("deployments.deployment_rank_lost", args=[d.pk, rank.pk], queue=d.node.queue)
+    assert _lost(sent_tasks) == [([d.pk, rank.pk], queue.control_queue(d.node.queue))]
 
 
-def test_a_rank_whose_unit_never_starts_the_engine_in_time_fails_the_deployment(systemctl, told):
+def test_a_rank_whose_unit_never_starts_the_engine_in_time_fails_the_deployment(systemctl, sent_tasks):
     systemd.systemctl("enable", UNIT)
     d, worker, rank = _ready()
     ranks.ranks_reconcile(worker)
     DeploymentRank.objects.filter(pk=rank.pk).update(updated=timezone.now() - timedelta(seconds=units.UNIT_WAIT_S + 1))
     rank = _watched(rank, worker)
     assert rank.state == "failed" and f"did not start the engine within {units.UNIT_WAIT_S:.0f} s" in rank.message
-    told.assert_called_once_with("deployments.deployment_rank_lost", args=[d.pk, rank.pk], queue=d.node.queue)
+    assert _lost(sent_tasks) == [([d.pk, rank.pk], queue.control_queue(d.node.queue))]
     assert _show()["ActiveState"] == "inactive" and systemd.unit_status(UNIT).enabled == "disabled"  # never at a boot

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from deployments.host import engine, engineuser, ownership, raynode
+from deployments.host import osuser, ownership, processes, raynode
 from deployments.models import Deployment
 from deployments.node import lifecycle, plan, ranks, steps, watch
 from deployments.services import deploys, multinode
@@ -24,13 +24,6 @@ from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactor
 pytestmark = pytest.mark.django_db
 S = Deployment.Status
 RAY = {"tensor-parallel-size": 2, "distributed-executor-backend": "ray"}
-
-
-@pytest.fixture
-def sent():
-    with mock.patch("deployments.dispatch.enqueue", autospec=True), \
-         mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        yield
 
 
 FLAGS_MN = sorted({"--tensor-parallel-size", "--port", "--host", "--nnodes", "--node-rank", "--master-addr",
@@ -52,14 +45,14 @@ def _spread(model, head, worker, args):
                                      workers=[multinode.Worker(worker, [0, 1])], user=UserFactory(role="admin"))
 
 
-def test_only_mp_or_ray_may_span_nodes(pair, sent):
+def test_only_mp_or_ray_may_span_nodes(pair, sent_tasks):
     head, worker, model = pair
     with pytest.raises(ServiceError, match="--distributed-executor-backend uni cannot span nodes") as err:
         _spread(model, head, worker, {"tensor-parallel-size": 4, "distributed-executor-backend": "uni"})
     assert err.value.code == "executor"
 
 
-def test_ray_over_nodes_needs_no_nnodes_flag_where_mp_does(pair, sent):
+def test_ray_over_nodes_needs_no_nnodes_flag_where_mp_does(pair, sent_tasks):
     head, worker, model = pair
     with pytest.raises(ServiceError, match="engine on gpu-b has no --nnodes"):
         _spread(model, head, worker, {"tensor-parallel-size": 4})
@@ -67,7 +60,7 @@ def test_ray_over_nodes_needs_no_nnodes_flag_where_mp_does(pair, sent):
     assert d.master_port == multinode.MASTER_PORT_FIRST and d.ranks.get().node == worker
 
 
-def test_a_one_node_ray_deployment_gets_a_ray_head_port_and_loses_it_on_mp(pair, sent):
+def test_a_one_node_ray_deployment_gets_a_ray_head_port_and_loses_it_on_mp(pair, sent_tasks):
     head, _, model = pair
     d = deploys.deployment_create(model=model, node=head, gpu_indices=[0, 1], port=8000, env={}, engine_args=RAY,
                                   user=UserFactory(role="admin"))  # the Ray executor is an admin's choice
@@ -107,7 +100,7 @@ def _ray_queued(model, node, **args):
 
 @pytest.fixture
 def ray_host(host):
-    host.mocks["enginecli.engine_flags"].return_value = FLAGS | {"--distributed-executor-backend"}
+    host.mocks["serveargv.engine_flags"].return_value = FLAGS | {"--distributed-executor-backend"}
     with mock.patch("deployments.host.raynode.check_installed", autospec=True), \
          mock.patch("deployments.host.raynode.alive_nodes", autospec=True, return_value=1) as alive, \
          mock.patch("deployments.host.ownership.find", autospec=True, return_value=[31337]) as find:
@@ -122,7 +115,7 @@ def test_a_ray_deployment_starts_the_ray_head_waits_for_the_cluster_then_vllm_wi
     assert d.status == S.READY, d.status_message
     timeline = [e.step for e in d.events.all()]
     assert timeline.index("ray_head") < timeline.index("ray_cluster") < timeline.index("launch")
-    (ray_spec,), (vllm_spec,) = (c.args for c in ray_host.mocks["engine.launch"].call_args_list)
+    (ray_spec,), (vllm_spec,) = (c.args for c in ray_host.mocks["processes.launch"].call_args_list)
     assert ray_spec.argv[1:4] == ["start", "--block", "--node-ip-address"] and "--head" in ray_spec.argv
     assert ray_spec.argv[ray_spec.argv.index("--port") + 1] == "29600"
     assert ray_spec.argv[ray_spec.argv.index("--num-gpus") + 1] == "2"
@@ -140,7 +133,7 @@ def test_a_ray_head_that_exits_before_the_cluster_is_up_fails_the_plan_before_vl
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.FAILED and f"The Ray head on {node} exited" in d.status_message
-    assert ray_host.mocks["engine.launch"].call_count == 1  # the Ray head only
+    assert ray_host.mocks["processes.launch"].call_count == 1  # the Ray head only
 
 
 def test_a_ready_ray_deployment_whose_ray_head_died_is_failed_by_the_watch(model, node, ray_host):
@@ -153,7 +146,7 @@ def test_a_ready_ray_deployment_whose_ray_head_died_is_failed_by_the_watch(model
     assert d.status == S.FAILED and "its Ray head exited" in d.status_message
 
 
-def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent, tmp_path, settings):
+def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent_tasks, tmp_path, settings):
     head, worker, model = pair
     settings.VAR_DIR = tmp_path
     worker.address = "10.0.0.2"
@@ -162,8 +155,8 @@ def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent, tmp_path, s
     Deployment.objects.filter(pk=d.pk).update(ray_token="t" * 64)  # made by the head's Ray start
     r = d.ranks.select_related("deployment__node", "node").get()
     with mock.patch("deployments.host.raynode.check_installed", autospec=True), \
-         mock.patch("deployments.host.engine.launch", autospec=True,
-                    return_value=engine.EngineHandle(pid=5151, pgid=5151)) as launch:
+         mock.patch("deployments.host.processes.launch", autospec=True,
+                    return_value=processes.EngineHandle(pid=5151, pgid=5151)) as launch:
         ranks._launch(r, "/models/gpu-b")
     spec = launch.call_args.args[0]
     assert spec.argv[spec.argv.index("--address") + 1] == f"{head.address}:{d.master_port}"
@@ -171,7 +164,7 @@ def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent, tmp_path, s
     assert spec.argv[spec.argv.index("--num-gpus") + 1] == "2" and "serve" not in spec.argv
     assert spec.env["VLLM_HOST_IP"] == "10.0.0.2" and spec.env[ownership.MARKER_VAR] == d.ranks.get().marker
     # the worker's own, in the engine user's home (or the var dir when engines run as the agent's user)
-    user = engineuser.current()
+    user = osuser.current()
     home = Path(user.home) if user.separate else tmp_path
     assert spec.argv[spec.argv.index("--temp-dir") + 1] == str(home / "ray" / str(d.pk))
     assert "Ray node joining" in d.events.get(step="launch@gpu-b").message
@@ -180,13 +173,13 @@ def test_a_worker_nodes_rank_is_its_ray_joining_the_head(pair, sent, tmp_path, s
 def test_stop_marked_ends_every_process_group_carrying_the_marker(tmp_path):
     marker = ownership.new_marker(0)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    groups = [engine.launch(engine.EngineSpec(argv=sleeper, env={ownership.MARKER_VAR: marker},
+    groups = [processes.launch(processes.EngineSpec(argv=sleeper, env={ownership.MARKER_VAR: marker},
                                               log_path=tmp_path / f"{i}.log")).pgid for i in range(2)]
     assert len(set(groups)) == 2
     # launch() returns once the child is forked: its marker shows in /proc once it has exec'd
     wait_until(lambda: len(ownership.find(marker)) == 2, timeout=10, message="both marked processes")
     assert lifecycle.stop_marked(marker) == []
-    assert ownership.find(marker) == [] and not any(engine.members(g) for g in groups)
+    assert ownership.find(marker) == [] and not any(processes.members(g) for g in groups)
     assert os.getpid() not in groups
 
 

@@ -9,7 +9,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from deployments import sealed
-from deployments.host import engine, raynode
+from deployments.host import processes, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import plan, ranks
 from tests.deployments.test_deploys import FLAGS, host, model, node  # noqa: F401 - fixtures
@@ -23,7 +23,7 @@ RAY = {"tensor-parallel-size": 2, "distributed-executor-backend": "ray", "served
 
 @pytest.fixture
 def ray_host(host):
-    host.mocks["enginecli.engine_flags"].return_value = FLAGS | {"--distributed-executor-backend"}
+    host.mocks["serveargv.engine_flags"].return_value = FLAGS | {"--distributed-executor-backend"}
     with mock.patch("deployments.host.raynode.check_installed", autospec=True), \
          mock.patch("deployments.host.raynode.alive_nodes", autospec=True, return_value=1) as alive, \
          mock.patch("deployments.host.ownership.find", autospec=True, return_value=[31337]):
@@ -35,11 +35,11 @@ def _ray_run(model, node, host, env=None):
     d = DeploymentFactory(model=model, node=node, port=8000, status=S.QUEUED, master_port=29600, engine_args=RAY,
                           env=env or {})
     d.gpus.set(node.gpus.filter(index__in=[0, 1]))
-    host.mocks["engine.launch"].reset_mock()
+    host.mocks["processes.launch"].reset_mock()
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY, d.status_message
-    (ray_spec,), (vllm_spec,) = (c.args for c in host.mocks["engine.launch"].call_args_list)
+    (ray_spec,), (vllm_spec,) = (c.args for c in host.mocks["processes.launch"].call_args_list)
     return d, ray_spec, vllm_spec
 
 
@@ -73,8 +73,8 @@ def test_a_worker_nodes_ray_reads_the_token_the_head_made_after_its_row_was_load
     r = DeploymentRank.objects.create(deployment=d, node=worker, rank=1, gpu_indices=[0, 1])
     r = DeploymentRank.objects.select_related("deployment__node", "node").get(pk=r.pk)  # loaded before the head's start
     with mock.patch("deployments.host.raynode.check_installed", autospec=True), \
-         mock.patch("deployments.host.engine.launch", autospec=True,
-                    return_value=engine.EngineHandle(pid=5151, pgid=5151)) as launch:
+         mock.patch("deployments.host.processes.launch", autospec=True,
+                    return_value=processes.EngineHandle(pid=5151, pgid=5151)) as launch:
         with pytest.raises(plan.PlanFailed, match="no token"):
             ranks._launch(r, str(folder))  # never a Ray node without authentication
         launch.assert_not_called()

@@ -6,14 +6,12 @@ import json
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.urls import reverse
 from rest_framework.test import APIClient
 
-from deployments.host import enginecli
+from deployments.host import serveargv
 from deployments.models import Deployment, Recipe
 from deployments.services import deploys, recipes
 from panelctl import cli
@@ -26,14 +24,6 @@ KIMI_FLAGS = ["--tensor-parallel-size", "--gpu-memory-utilization", "--trust-rem
               "--enable-auto-tool-choice", "--reasoning-parser", "--attention-backend", "--kv-cache-dtype",
               "--decode-context-parallel-size", "--enable-chunked-prefill", "--enable-prefix-caching", "--async-scheduling",
               "--max-num-batched-tokens", "--load-format", "--served-model-name", "--max-model-len"]
-
-
-@pytest.fixture
-def quiet():
-    """Deploys queue nothing: no broker, no agent."""
-    with mock.patch.object(Task, "apply_async", autospec=True), \
-         mock.patch("deployments.services.deploys.send_plan", autospec=True):
-        yield
 
 
 def _node(name="gpu-01", gpu="RTX PRO 6000", capability="12.0", memory=96 * 2**30, count=8, version="0.32.0"):
@@ -115,7 +105,7 @@ def _create(model, node, user, **kwargs):
 
 
 @pytest.mark.django_db
-def test_kimi_on_eight_h100s_is_refused_for_its_memory_before_anything_starts(quiet):
+def test_kimi_on_eight_h100s_is_refused_for_its_memory_before_anything_starts(sent_tasks):
     node = _node(gpu="H100", capability="9.0", memory=80 * 10**9)
     model, admin = _model(node), UserFactory(role="admin")
     choice = recipes.Choice(_kimi_id(), "default", "single_node_tp")
@@ -127,7 +117,7 @@ def test_kimi_on_eight_h100s_is_refused_for_its_memory_before_anything_starts(qu
 
 
 @pytest.mark.django_db
-def test_a_recipe_deploy_over_a_stopped_row_of_the_default_name_still_runs_the_recipes_checks(quiet):
+def test_a_recipe_deploy_over_a_stopped_row_of_the_default_name_still_runs_the_recipes_checks(sent_tasks):
     node = _node(gpu="H100", capability="9.0", memory=80 * 10**9)
     model, admin = _model(node), UserFactory(role="admin")
     kept = DeploymentFactory(name=deploys.deployment_default_name(model, node), model=model, node=node,
@@ -142,7 +132,7 @@ def test_a_recipe_deploy_over_a_stopped_row_of_the_default_name_still_runs_the_r
 
 
 @pytest.mark.django_db
-def test_a_recipe_redeploy_of_the_default_name_names_the_recipe_and_what_changed(quiet):
+def test_a_recipe_redeploy_of_the_default_name_names_the_recipe_and_what_changed(sent_tasks):
     node = _node()
     model = _model(node)
     kept = DeploymentFactory(name=deploys.deployment_default_name(model, node), model=model, node=node,
@@ -159,7 +149,7 @@ def test_a_recipe_redeploy_of_the_default_name_names_the_recipe_and_what_changed
 
 
 @pytest.mark.django_db
-def test_only_an_admin_overrides_the_gate_and_the_timeline_records_it(quiet):
+def test_only_an_admin_overrides_the_gate_and_the_timeline_records_it(sent_tasks):
     node = _node(version="0.18.0")
     model = _model(node)
     with pytest.raises(ServiceError) as refused:  # no recipe chosen: the model's own still names its minimum
@@ -175,7 +165,7 @@ def test_only_an_admin_overrides_the_gate_and_the_timeline_records_it(quiet):
 
 
 @pytest.mark.django_db
-def test_minimax_pure_tp8_is_refused_with_the_reason_and_tep_passes(quiet):
+def test_minimax_pure_tp8_is_refused_with_the_reason_and_tep_passes(sent_tasks):
     node = _node(gpu="H200", capability="9.0", memory=141 * 10**9)
     model = _model(node, "MiniMaxAI/MiniMax-M2.5", _config("minimax-m2.5"))
     admin = UserFactory(role="admin")
@@ -262,33 +252,31 @@ def _form_values(html: str) -> dict:
 
 
 def _argv(d: Deployment) -> list[str]:
-    return enginecli.build_argv("vllm", "/models/m", 8000, "127.0.0.1", d.engine_args)
+    return serveargv.build_argv("vllm", "/models/m", 8000, "127.0.0.1", d.engine_args)
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_form_the_api_and_panelctl_give_one_argv_for_one_recipe_choice(client, live_server_asgi):
+def test_the_form_the_api_and_panelctl_give_one_argv_for_one_recipe_choice(client, live_server_asgi, sent_tasks):
     node = _node()
     model = _model(node)
     admin = UserFactory(role="admin")
     kimi = _kimi_id()
-    with mock.patch.object(Task, "apply_async", autospec=True), \
-         mock.patch("deployments.services.deploys.send_plan", autospec=True):
-        client.force_login(admin)
-        url = reverse("model-deploy", args=[model.pk]) + f"?node={node.pk}"
-        page = client.get(url + f"&recipe={kimi}&strategy=single_node_tp").content.decode()
-        assert "Filled from the recipe moonshotai/Kimi-K2.5 · default · single_node_tp · sm120" in page
-        form = {**_form_values(page), "name": "kimi-form", "node_id": node.pk}
-        assert client.post(url, form).status_code == 302
-        Deployment.objects.update(status=Deployment.Status.STOPPED)  # the GPUs free for the next door
-        api = APIClient()
-        api.force_authenticate(admin)
-        made = api.post("/api/deployments/", {"model": model.pk, "node": node.name, "name": "kimi-api",
-                                              "recipe": "moonshotai/Kimi-K2.5", "strategy": "single_node_tp"}, format="json")
-        assert made.status_code == 202, made.json()
-        Deployment.objects.update(status=Deployment.Status.STOPPED)
-        login = ["--url", live_server_asgi, "--token", tokens.issue(admin)]
-        assert cli.main([*login, "deploy", model.repo_id, "--node", node.name, "--name", "kimi-cli",
-                         "--recipe", "moonshotai/Kimi-K2.5", "--strategy", "single_node_tp"]) == 0
+    client.force_login(admin)
+    url = reverse("model-deploy", args=[model.pk]) + f"?node={node.pk}"
+    page = client.get(url + f"&recipe={kimi}&strategy=single_node_tp").content.decode()
+    assert "Filled from the recipe moonshotai/Kimi-K2.5 · default · single_node_tp · sm120" in page
+    form = {**_form_values(page), "name": "kimi-form", "node_id": node.pk}
+    assert client.post(url, form).status_code == 302
+    Deployment.objects.update(status=Deployment.Status.STOPPED)  # the GPUs free for the next door
+    api = APIClient()
+    api.force_authenticate(admin)
+    made = api.post("/api/deployments/", {"model": model.pk, "node": node.name, "name": "kimi-api",
+                                          "recipe": "moonshotai/Kimi-K2.5", "strategy": "single_node_tp"}, format="json")
+    assert made.status_code == 202, made.json()
+    Deployment.objects.update(status=Deployment.Status.STOPPED)
+    login = ["--url", live_server_asgi, "--token", tokens.issue(admin)]
+    assert cli.main([*login, "deploy", model.repo_id, "--node", node.name, "--name", "kimi-cli",
+                     "--recipe", "moonshotai/Kimi-K2.5", "--strategy", "single_node_tp"]) == 0
     by = {d.name: d for d in Deployment.objects.all()}
     assert _argv(by["kimi-form"]) == _argv(by["kimi-api"]) == _argv(by["kimi-cli"])
     assert by["kimi-form"].env == by["kimi-api"].env == by["kimi-cli"].env
@@ -300,7 +288,7 @@ def test_the_form_the_api_and_panelctl_give_one_argv_for_one_recipe_choice(clien
 
 
 @pytest.mark.django_db
-def test_the_first_step_says_which_recipe_and_what_the_user_changed(client, quiet):
+def test_the_first_step_says_which_recipe_and_what_the_user_changed(client, sent_tasks):
     node = _node()
     model = _model(node)
     client.force_login(UserFactory(role="admin"))

@@ -11,7 +11,7 @@ from django.utils import timezone
 from deployments import warmstart
 from deployments.contextfit import EngineKv
 from deployments.forms import DeployForm
-from deployments.host import compilecache, engineuser
+from deployments.host import compilecache, osuser
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.services import deploys, repos
 from plumbing.errors import ServiceError
@@ -20,7 +20,7 @@ from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, Nod
 pytestmark = pytest.mark.django_db
 ARGS = {"tensor-parallel-size": 1, "max-model-len": 4096}
 KV = 37 * 2**30
-OWN = engineuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
+OWN = osuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
 
 
 @pytest.fixture
@@ -34,14 +34,6 @@ def node(tmp_path):
 @pytest.fixture
 def model(node, tmp_path):
     return ModelCopyFactory(node=node, path=str(tmp_path / "org--m"), model__files=[{"path": "a", "size": 1}]).model
-
-
-@pytest.fixture
-def sent():
-    """Plans and host tasks caught before the broker."""
-    with mock.patch("deployments.dispatch.send_plan", autospec=True), \
-         mock.patch("deployments.services.deploys.send_plan", autospec=True) as plan:
-        yield plan
 
 
 def _loaded(model, node, gpus=(0,), args=ARGS, kv=KV) -> DeploymentEvent:
@@ -78,7 +70,7 @@ def test_without_an_earlier_load_there_is_no_profile_to_reuse(model, node):
         warmstart.reusable_profile(model, node, [0], ARGS, {})
 
 
-def test_the_deploy_service_refuses_a_reused_profile_after_a_gpu_change(model, node, sent):
+def test_the_deploy_service_refuses_a_reused_profile_after_a_gpu_change(model, node, sent_tasks):
     _loaded(model, node, gpus=(0,))
     with pytest.raises(ServiceError) as refused:
         deploys.deployment_create(model=model, node=node, gpu_indices=[1], port=8000, engine_args=ARGS, env={},
@@ -90,7 +82,7 @@ def test_the_deploy_service_refuses_a_reused_profile_after_a_gpu_change(model, n
     assert d.reuse_memory_profile
 
 
-def test_the_api_takes_the_option_and_refuses_it_when_no_profile_matches(api, model, node, sent):
+def test_the_api_takes_the_option_and_refuses_it_when_no_profile_matches(api, model, node, sent_tasks):
     body = {"model": model.pk, "node": "gpu-01", "gpus": [0], "preset": "none", "engine_args": ARGS,
             "reuse_memory_profile": True}
     refused = api.post("/api/deployments/", body, format="json")
@@ -162,13 +154,12 @@ def test_the_pages_show_each_start_and_the_models_compile_cache(operator_client,
     assert "Compile cache: 5.0 MiB; the last start used it (hit), warm start." in page
 
 
-def test_panelctl_deploy_sends_the_option_and_says_why_it_is_refused(live_server_asgi, operator, model, node, capsys):
+def test_panelctl_deploy_sends_the_option_and_says_why_it_is_refused(live_server_asgi, operator, model, node, capsys, sent_tasks):
     from panelctl import cli
     from plumbing import tokens
 
     login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]
-    with mock.patch("deployments.services.deploys.send_plan", autospec=True):
-        code = cli.main([*login, "deploy", str(model.pk), "--node", "gpu-01", "--gpus", "0", "--reuse-memory-profile"])
+    code = cli.main([*login, "deploy", str(model.pk), "--node", "gpu-01", "--gpus", "0", "--reuse-memory-profile"])
     assert code != 0 and "recorded a memory profile" in capsys.readouterr().err
     assert not Deployment.objects.exists()
 

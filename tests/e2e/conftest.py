@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.host import engine
+from deployments.host import processes
 from deployments.models import Deployment, ModelCopy, Node
 from deployments.services import repos
 from tests.conftest import VLLM, agent_argv, in_thread, wait_until
@@ -13,6 +13,14 @@ from tests.conftest import VLLM, agent_argv, in_thread, wait_until
 # worker's engine shares the 2 cores (a CLI deploy gave up at 180 s), and a TP-2 engine's first answer over two nodes
 # took over 180 s beside it.
 SMOKE_BOUND_S = 420
+
+
+@pytest.fixture
+def stop_engines():
+    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
+    yield
+    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
+        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 def start_cpu_node(process_env, spawn, unique, tmp_path, model_folder, **extra_env):
@@ -52,6 +60,6 @@ def cpu_node(process_env, spawn, unique, tmp_path, tiny_model):
     yield node, model
     # Engines run in their own sessions and outlive a killed agent: never leave one behind.
     for pgid in Deployment.objects.filter(node=node).exclude(pgid=None).values_list("pgid", flat=True):
-        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 

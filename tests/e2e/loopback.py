@@ -8,7 +8,7 @@ import socket
 import httpx
 import psutil
 
-from deployments import enginekey
+from deployments import engineapikey
 from deployments.models import Deployment
 from tests.e2e.test_multinode import listening
 
@@ -41,7 +41,7 @@ def assert_behind_loopback_and_key(d: Deployment) -> list[tuple[str, int, str, i
     url = f"http://127.0.0.1:{d.port}"
     assert httpx.post(f"{url}/v1/chat/completions", json=ASK, timeout=30).status_code == 401
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer not-the-key"}, timeout=30).status_code == 401
-    key = enginekey.of(d)
+    key = engineapikey.of(d)
     answer = httpx.post(f"{url}/v1/chat/completions", json=ASK, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0, answer.text
     return sockets

@@ -15,8 +15,8 @@ import pytest
 
 from benchmarks import runner
 from benchmarks.runner import tokens as runner_tokens
-from deployments import enginekey
-from deployments.host import engine, engineenv
+from deployments import engineapikey
+from deployments.host import processenv, processes
 from deployments.models import Deployment
 from plumbing import tokens
 from tests.conftest import ROOT, VLLM, free_port
@@ -59,7 +59,7 @@ def vllm_bench(base_url, tokenizer, out_dir, prompts, key=""):
                     "--request-rate", "inf", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
                     "--result-filename", result.name],
                    check=True, capture_output=True, timeout=300,
-                   env={**os.environ, **engineenv.OFFLINE, **({"OPENAI_API_KEY": key} if key else {})})
+                   env={**os.environ, **processenv.OFFLINE, **({"OPENAI_API_KEY": key} if key else {})})
     return json.loads(result.read_text())
 
 
@@ -89,7 +89,7 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
         for asked in (32, 100):
             # Straight to the engine, as the panel's own benchmark runs: on loopback, with its key.
             spec = runner.LoadSpec(base_url=f"http://127.0.0.1:{d.port}", model=d.served_model_name, endpoint=endpoint,
-                                   api_key=enginekey.of(d),
+                                   api_key=engineapikey.of(d),
                                    prompt_source="random", input_tokens=asked, max_tokens=4, levels=(1,),
                                    min_requests=6, requests_per_user=1, warmup_per_user=0, scrape_metrics=False)
             level = runner.sweep(spec).levels[0]
@@ -131,7 +131,7 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
     # counts both): our request body (content, chat template, special tokens) is what vLLM's own
     # client sends.
     theirs = vllm_bench(f"http://127.0.0.1:{port}", tiny_model, tmp_path, prompts,
-                        key=enginekey.of(Deployment.objects.get(pk=d.pk)))
+                        key=engineapikey.of(Deployment.objects.get(pk=d.pk)))
     assert theirs["completed"] == PROMPTS and theirs["total_output_tokens"] == OUT_TOKENS * PROMPTS
     assert point["input_tokens"] == theirs["total_input_tokens"], (point["input_tokens"], theirs["total_input_tokens"])
 
@@ -139,7 +139,7 @@ def test_panelctl_deploys_with_defaults_redeploys_changed_benchmarks_and_stops_a
     assert panelctl(env, "stop", "no-such-deployment")[0] == 5
     code, out, err = panelctl(env, "stop", name, "--wait")
     assert code == 0, err
-    assert engine.port_free("0.0.0.0", port)
+    assert processes.port_free("0.0.0.0", port)
     code, out, _ = panelctl(env, "nodes", "--json")
     assert code == 0 and json.loads(out)[0]["name"] == node.name
     assert re.match(r"^\d+\.\d+", json.loads(out)[0]["engine_version"])  # the agent asked `vllm --version`

@@ -11,7 +11,7 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from deployments.host import engine
+from deployments.host import processes
 from deployments.models import Deployment
 from tests.conftest import free_port, wait_until
 from tests.e2e.holders import record_whole_host_holders
@@ -54,7 +54,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator("#timeline")).to_contain_text(re.compile(r"(99|100) % of the model is in the page cache"))
     assert "Loading safetensors checkpoint shards" in page.locator("#log").text_content()
     first = Deployment.objects.get(name="tiny-a")
-    assert first.smoke["completion_tokens"] > 0 and engine.members(first.pgid)
+    assert first.smoke["completion_tokens"] > 0 and processes.members(first.pgid)
     # What the load found cached is the timeline's figure above, taken when the pre-warm ended. The page cache read
     # again now is not asserted: other work on a shared machine evicts it meanwhile (CI saw 93.1 % here).
 
@@ -80,7 +80,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     wait_until(lambda: first.events.filter(step="load", data__has_key="totals").count() == 2, timeout=120,
                interval=0.5, message="the second load's phases kept")
     first = Deployment.objects.get(pk=first.pk)
-    assert first.load_detail["phases"]["segments"] and engine.members(first.pgid) and first.stall_seconds == 900
+    assert first.load_detail["phases"]["segments"] and processes.members(first.pgid) and first.stall_seconds == 900
     assert not first.events.filter(step="stop_others", message__contains="other processes").exists()
 
     page.goto(f"{page.base_url}/models/{model.pk}/deploy/?node={node.pk}")
@@ -89,7 +89,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator("#status")).to_have_text("Ready", timeout=LOAD_TIMEOUT_MS)
     stopped = Deployment.objects.get(name="tiny-a")
     assert stopped.status == "stopped" and "make room for tiny-b" in stopped.status_message
-    assert engine.members(first.pgid) == [] and engine.port_free("0.0.0.0", first_port)
+    assert processes.members(first.pgid) == [] and processes.port_free("0.0.0.0", first_port)
 
     second = Deployment.objects.get(name="tiny-b")
     page.once("dialog", lambda dialog: dialog.accept())  # Stop asks first
@@ -98,5 +98,5 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator('button[data-action="stop"]')).to_be_hidden()  # nothing left to stop
     expect(page.locator("#engine-now")).to_have_text("—")  # no "Engine now 0.0 tok/s" after the end
     expect(page.locator("#timeline")).to_contain_text("Engine stopped")
-    assert engine.members(second.pgid) == [] and engine.port_free("0.0.0.0", second.port)
+    assert processes.members(second.pgid) == [] and processes.port_free("0.0.0.0", second.port)
     assert "Starting vLLM server" in Deployment.objects.get(pk=second.pk).log_tail  # kept after the end

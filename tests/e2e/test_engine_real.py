@@ -1,6 +1,5 @@
 """End to end: a real vLLM (CPU build, scripts/install-engine) serving the tiny test model."""
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -9,7 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deployments.host import engine, enginecli, enginelog, vllm
+from deployments.host import processes, processlog, serveargv, vllm
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_VENV = Path(os.environ.get("ENGINE_VENV", ROOT / ".engine-venv"))
@@ -25,53 +25,47 @@ pytestmark = [
 
 @dataclass
 class Server:
-    handle: engine.EngineHandle
+    handle: processes.EngineHandle
     base_url: str
     port: int
     log_path: Path
     phases: list[str]
-    progress: enginelog.LoadProgress
+    progress: processlog.LoadProgress
     start_s: float
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    port = _free_port()
-    argv = enginecli.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
+    port = free_port()
+    argv = serveargv.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
         "enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny",
         "reasoning-parser": "qwen3",
     })
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
     log_path = tmp / "engine.log"
     started = time.monotonic()
-    handle = engine.launch(engine.EngineSpec(argv, env, log_path, cwd=tmp))
+    handle = processes.launch(processes.EngineSpec(argv, env, log_path, cwd=tmp))
     base_url = f"http://127.0.0.1:{port}"
-    progress, phases, offset = enginelog.LoadProgress(), ["starting"], 0
+    progress, phases, offset = processlog.LoadProgress(), ["starting"], 0
     try:
         while True:
-            lines, offset = enginelog.read_lines(log_path, offset)
+            lines, offset = processlog.read_lines(log_path, offset)
             for line in lines:
                 progress.feed(line)
                 if progress.phase != phases[-1]:
                     phases.append(progress.phase)
             if progress.phase == "server_up" and vllm.health(base_url):
                 break
-            if not engine.alive(handle.pid, handle.create_time):
-                pytest.fail("engine exited while starting:\n" + "\n".join(enginelog.tail(log_path, 40)))
+            if not processes.alive(handle.pid, handle.create_time):
+                pytest.fail("engine exited while starting:\n" + "\n".join(processlog.tail(log_path, 40)))
             if time.monotonic() - started > START_TIMEOUT_S:
                 pytest.fail(f"engine not up after {START_TIMEOUT_S} s in phase {progress.phase}:\n"
-                            + "\n".join(enginelog.tail(log_path, 40)))
+                            + "\n".join(processlog.tail(log_path, 40)))
             time.sleep(0.2)
         yield Server(handle, base_url, port, log_path, phases, progress, time.monotonic() - started)
     finally:
-        engine.stop(handle.pgid, term_timeout_s=5.0)
+        processes.stop(handle.pgid, term_timeout_s=5.0)
 
 
 def test_load_progress_sees_every_phase_of_a_real_start(server):
@@ -82,7 +76,7 @@ def test_load_progress_sees_every_phase_of_a_real_start(server):
     assert server.progress.weights_seconds is not None and server.progress.init_seconds is not None
     assert server.progress.percent == 100 and server.progress.error is None
     assert vllm.health(server.base_url)
-    assert not engine.port_free("127.0.0.1", server.port)
+    assert not processes.port_free("127.0.0.1", server.port)
 
 
 def test_smoke_test_gets_a_reply_with_reasoning_and_token_counts(server):
@@ -111,25 +105,25 @@ def test_a_metrics_reading_counts_the_generated_tokens(server):
 
 
 def test_engine_flags_come_from_the_engine_and_catch_typos(server):
-    flags = enginecli.engine_flags(str(VLLM))
+    flags = serveargv.engine_flags(str(VLLM))
     assert {"--tensor-parallel-size", "--max-model-len", "--enforce-eager", "--reasoning-parser"} <= flags
-    errors = enginecli.validate_args({"tensor-paralel-size": 2, "max-model-len": 2048}, flags)
+    errors = serveargv.validate_args({"tensor-paralel-size": 2, "max-model-len": 2048}, flags)
     assert list(errors) == ["tensor-paralel-size"]
     assert "did you mean --tensor-parallel-size?" in errors["tensor-paralel-size"]
 
 
 def test_stop_leaves_no_process_no_shm_file_and_a_free_port(server):
     pgid = server.handle.pgid
-    group = engine.members(pgid)
+    group = processes.members(pgid)
     assert len(group) >= 3  # API server, EngineCore, Worker (and Python's resource tracker)
-    held = engine.shm_files(pgid)
+    held = processes.shm_files(pgid)
     assert held and all(path.startswith("/dev/shm/psm_") for path in held)
     # SIGTERM then SIGKILL at once: the hard path, as when a stream keeps the API server waiting.
-    result = engine.stop(pgid, term_timeout_s=0.0, kill_timeout_s=15.0)
+    result = processes.stop(pgid, term_timeout_s=0.0, kill_timeout_s=15.0)
     print(f"stop: {result}")
     assert result.signals_sent == ["SIGTERM", "SIGKILL"]
-    assert result.survivors == [] and engine.members(pgid) == []
+    assert result.survivors == [] and processes.members(pgid) == []
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in group)
     assert not any(Path(path).exists() for path in held)
-    assert engine.port_free("127.0.0.1", server.port)
+    assert processes.port_free("127.0.0.1", server.port)
     assert not vllm.health(server.base_url, timeout=1.0)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from deployments import enginekey
-from deployments.host import engine, engineuser, ownership
+from deployments import engineapikey
+from deployments.host import osuser, ownership, processes
 from deployments.models import Deployment, Node
 from deployments.services import deploys
-from tests.conftest import in_thread, wait_until
+from tests.conftest import free_port, in_thread, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.factories import UserFactory
 
@@ -107,16 +107,16 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
     spy_model = _spy_model(tiny_model, exfil_dir, [str(tmp_path), agent_home])  # tmp_path is the agent's var/
     node, model, agent_env = start_cpu_node(process_env, spawn, unique, tmp_path, spy_model,
                                             HF_HOME=str(tmp_path / "hf"), **AGENT_SECRETS)
-    user = engineuser.resolve(make=False)
+    user = osuser.resolve(make=False)
     assert user.separate and user.uid != 0
     assert Node.objects.get(pk=node.pk).engine_user["describe"] == f"{user.name} (uid {user.uid})"
     admin = UserFactory(is_superuser=True)
-    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=_free_port(),
+    d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(),
                   engine_args={"trust-remote-code": True, "enforce-eager": True, "max-model-len": 512, "max-num-seqs": 4},
                   env={"VLLM_CPU_KVCACHE_SPACE": "1"}, user=admin)
     try:
         log_path = wait_until(lambda: Deployment.objects.get(pk=d.pk).log_path, timeout=120, message="the engine's log")
-        api_key = enginekey.of(Deployment.objects.get(pk=d.pk))  # made by the plan before the launch
+        api_key = engineapikey.of(Deployment.objects.get(pk=d.pk))  # made by the plan before the launch
 
         def seen():
             try:
@@ -134,7 +134,7 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
     finally:
         pgid = Deployment.objects.get(pk=d.pk).pgid
         if pgid:
-            engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+            processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
     # The engine's own process: the engine user, no_new_privs, and no key on its command line (`ps`).
     assert status["Uid"].split()[:2] == [str(user.uid)] * 2 and status["NoNewPrivs"].strip() == "1"
     assert api_key and api_key not in cmdline and "--api-key" not in cmdline and "spy-model" in cmdline
@@ -163,9 +163,3 @@ def test_remote_code_in_a_deployed_model_finds_none_of_the_panels_secrets(proces
         assert found["kill"].get(str(node.agent_pid)) == errno.EPERM, found["kill"]
         assert not any(path.startswith((str(tmp_path), agent_home)) for path in found["files"]), sorted(found["files"])[:5]
     assert stat.S_IMODE(tmp_path.stat().st_mode) & 0o007 == 0  # the agent closed its var/ to other users
-
-
-def _free_port():
-    from tests.conftest import free_port
-
-    return free_port()

@@ -13,7 +13,7 @@ from playwright.sync_api import expect
 
 from benchmarks import runner
 from benchmarks.models import BenchmarkRun
-from deployments.host import engine
+from deployments.host import processes
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from plumbing import tokens as api_tokens
 from tests.conftest import ENGINE_VENV, wait_until
@@ -25,14 +25,6 @@ from tests.hfserver import get_stats, serve
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 LOAD_TIMEOUT_MS = 300_000  # a CPU engine starts in ~25-70 s on 2 shared cores
 RUN_TIMEOUT_MS = 300_000
-
-
-@pytest.fixture
-def stop_engines():
-    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
-    yield
-    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 HUGE = 40 * 2**30  # weights no CPU node here holds in RAM (24 GiB)
@@ -96,7 +88,7 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
         logged_in_page, hub_with_tiny_model, process_env, spawn, unique, tmp_path, settings, stop_engines, operator,
         live_server_asgi):
     """A download, a real engine load and two runs of the default sweep (~45 s each on 2 cores): the defaults and
-    the whole way through are what is tested. (A study's page the newcomer meets next is in test_tune_page.py, on
+    the whole way through are what is tested. (A study's page the newcomer meets next is in test_study_page.py, on
     the fake engine: its three loads would add ~2 minutes here and test nothing of the real engine.)"""
     url = hub_with_tiny_model
     settings.HF_ENDPOINT = url
@@ -194,4 +186,4 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
     page.click('button[data-action="stop"]')
     expect(page.locator("#status")).to_have_text("Stopped", timeout=60_000)
     expect(page.locator("#live-state")).to_have_text("live")  # right after the action, not "reconnecting"
-    assert engine.members(Deployment.objects.get(pk=deployment.pk).pgid) == []
+    assert processes.members(Deployment.objects.get(pk=deployment.pk).pgid) == []

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from deployments.gateway import changes
 from deployments.gateway.models import CallerKey, Usage
-from deployments.host import engine, enginecli, enginelog, vllm
+from deployments.host import processes, processlog, serveargv, vllm
 from deployments.models import Deployment
 from tests.conftest import VLLM, free_port, run_async, wait_until
 from tests.factories import NodeFactory
@@ -38,23 +38,23 @@ def cpu_engine(tiny_model, tmp_path_factory):
     """The CPU engine on loopback with an engine key (VLLM_API_KEY) and the qwen3 reasoning parser: (port, key)."""
     tmp = tmp_path_factory.mktemp("gw-engine")
     port, key = free_port(), secrets.token_urlsafe(32)
-    argv = enginecli.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
+    argv = serveargv.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
         "enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny", "reasoning-parser": "qwen3",
         "max-num-seqs": 32})
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_API_KEY": key}
     log_path = tmp / "engine.log"
-    handle = engine.launch(engine.EngineSpec(argv, env, log_path, cwd=tmp))
+    handle = processes.launch(processes.EngineSpec(argv, env, log_path, cwd=tmp))
     base, started = f"http://127.0.0.1:{port}", time.monotonic()
     try:
         while not vllm.health(base):
-            if not engine.alive(handle.pid, handle.create_time):
-                pytest.fail("engine exited while starting:\n" + "\n".join(enginelog.tail(log_path, 40)))
+            if not processes.alive(handle.pid, handle.create_time):
+                pytest.fail("engine exited while starting:\n" + "\n".join(processlog.tail(log_path, 40)))
             if time.monotonic() - started > START_TIMEOUT_S:
-                pytest.fail("engine not up:\n" + "\n".join(enginelog.tail(log_path, 40)))
+                pytest.fail("engine not up:\n" + "\n".join(processlog.tail(log_path, 40)))
             time.sleep(0.3)
         yield port, key
     finally:
-        engine.stop(handle.pgid, term_timeout_s=5.0)
+        processes.stop(handle.pgid, term_timeout_s=5.0)
 
 
 def start_gateway(spawn, env, node_name: str, ready_wait: float = 5.0, host: str = "127.0.0.1") -> str:

@@ -28,8 +28,8 @@ import psutil
 import pytest
 from rest_framework.test import APIClient
 
-from deployments import enginekey
-from deployments.host import engine, firewall, ownership
+from deployments import engineapikey
+from deployments.host import firewall, ownership, processes
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.node import ranks
 from deployments.services import deploys, multinode, repos
@@ -92,7 +92,7 @@ def no_engine_left():
     for d in Deployment.objects.all():
         for pgid in [d.pgid, *d.ranks.values_list("pgid", flat=True)]:
             if pgid:
-                engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 @pytest.fixture
@@ -182,7 +182,7 @@ def _rank_running(d):
 
 
 def _gone(pgid, marker) -> bool:
-    return not engine.members(pgid) and not ownership.find(marker)
+    return not processes.members(pgid) and not ownership.find(marker)
 
 
 @pytest.fixture
@@ -248,7 +248,7 @@ def test_tensor_parallel_over_two_nodes_downloads_answers_stops_and_fails_as_one
            "Name three rivers of Europe and say which one of them is the longest, please."}]}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(ask).encode(),
                                      headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {enginekey.of(Deployment.objects.get(pk=d.pk))}"})
+                                              "Authorization": f"Bearer {engineapikey.of(Deployment.objects.get(pk=d.pk))}"})
     with urllib.request.urlopen(request, timeout=120) as answer:
         reply = json.load(answer)
     assert reply["usage"]["completion_tokens"] > 0 and reply["choices"][0]["message"]["content"]
@@ -258,7 +258,7 @@ def test_tensor_parallel_over_two_nodes_downloads_answers_stops_and_fails_as_one
     assert code == 0, err
     wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120, message="the rank stopped")
     assert all(_gone(pgid, marker) for pgid, marker in groups), "an engine process of a stopped rank is left"
-    assert engine.port_free("0.0.0.0", port)
+    assert processes.port_free("0.0.0.0", port)
 
     # Deployed again through the API (both copies are there now): one rank killed fails the whole deployment.
     answer = api.post("/api/deployments/", {
@@ -276,7 +276,7 @@ def test_tensor_parallel_over_two_nodes_downloads_answers_stops_and_fails_as_one
     assert f"on node {worker.name} died" in d.status_message
     wait_until(lambda: _gone(head_group, head_marker), timeout=60, message="the head's engine stopped")
     assert DeploymentRank.objects.get(pk=rank.pk).state == "failed"
-    assert engine.port_free("0.0.0.0", d.port)
+    assert processes.port_free("0.0.0.0", d.port)
 
     # A head whose agent gives an address that is not its own: the pre-flight fails before anything launches. The
     # head's pre-flight listener binds the cluster address (never every interface), so on one machine the head
@@ -314,7 +314,7 @@ def _greedy(d, dp_rank: int) -> str:
     launch, so read from the row once it is ready)."""
     answer = httpx.post(f"http://127.0.0.1:{d.port}/v1/chat/completions", timeout=120,
                         headers={"X-data-parallel-rank": str(dp_rank),
-                                 "Authorization": f"Bearer {enginekey.of(Deployment.objects.get(pk=d.pk))}"},
+                                 "Authorization": f"Bearer {engineapikey.of(Deployment.objects.get(pk=d.pk))}"},
                         json={"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [
                             {"role": "user", "content": "Which of the rivers of Europe is the longest one, please?"}]})
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0, answer.text
@@ -360,7 +360,7 @@ def test_a_data_parallel_deployment_over_two_nodes_answers_from_the_worker_nodes
     d = _settle(d, {"stopped"}, timeout=120)
     wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120, message="the rank stopped")
     assert _gone(head_group, head_marker) and _gone(rank_group, rank_marker), "an engine process of a stopped rank is left"
-    assert engine.port_free("0.0.0.0", d.port) and engine.port_free("0.0.0.0", d.master_port)
+    assert processes.port_free("0.0.0.0", d.port) and processes.port_free("0.0.0.0", d.master_port)
 
 
 def _cmdline(pid) -> list[str]:

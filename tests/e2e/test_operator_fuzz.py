@@ -1,51 +1,42 @@
 """An operator fuzz: every flag the real CPU engine lists in `vllm serve --help=all`, each spelled
 dashed, underscored and upper-cased and smuggled as `--enforce-eager=--<flag>`, sent as an operator through
 the API, the deploy form's text box and a study variant. What is accepted is launched through the agent's
-own launch step (plan._launch, engine.launch) and the launched process's /proc/<pid>/cmdline is read back:
+own launch step (plan._launch, processes.launch) and the launched process's /proc/<pid>/cmdline is read back:
 it holds no flag off the operator list. A stand-in `vllm` (a shell script that answers --help=all with the
 real engine's flags and otherwise sleeps) keeps the many launches cheap; one real CPU-engine launch shows
 the same of the real engine.
 """
 import json
 import shutil
-import socket
 import tempfile
 import textwrap
 from pathlib import Path
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.db import connection
 from django.test import Client
 from rest_framework.test import APIClient
 
 from benchmarks import studies
 from benchmarks.models import Study
-from deployments import engineoptions
-from deployments.host import engine, enginecli
+from deployments import flagpolicy
+from deployments.host import processes, serveargv
 from deployments.models import Deployment
 from deployments.node import plan
 from deployments.services import deploys
 from deployments.node.steps import PlanFailed
-from tests.conftest import VLLM, in_thread, wait_until
+from tests.conftest import VLLM, free_port, in_thread, wait_until
 from tests.e2e.conftest import start_cpu_node
 from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory, UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 # What the argv of an operator's engine may hold: the operator list, a listed option turned off, and what
 # the panel itself sets.
-ALLOWED = set(engineoptions.OPERATOR_FLAGS) | {f"no-{n}" for n in engineoptions.OPERATOR_FLAGS} | {"host", "port"}
+ALLOWED = set(flagpolicy.OPERATOR_FLAGS) | {f"no-{n}" for n in flagpolicy.OPERATOR_FLAGS} | {"host", "port"}
 # A value an operator would plausibly give; 1 for the rest (a bool flag given 1 is the engine's problem).
 VALUES = {"distributed-executor-backend": "mp", "tool-call-parser": "hermes", "reasoning-parser": "qwen3",
           "kv-cache-dtype": "fp8", "dtype": "bfloat16", "served-model-name": "tiny"}
 WORKLOAD = {"levels": [1], "max_tokens": 16, "requests_per_user": 1, "min_requests": 1}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -62,7 +53,7 @@ def _offending(argv: list[str]) -> list[str]:
     a value only an admin may give."""
     words = argv[argv.index("serve") + 2:]
     bad = [w for w in words if w.startswith("-") and (not w.startswith("--") or w[2:] not in ALLOWED)]
-    for name, (allowed, _) in engineoptions.OPERATOR_VALUES.items():
+    for name, (allowed, _) in flagpolicy.OPERATOR_VALUES.items():
         if f"--{name}" in words:
             i = words.index(f"--{name}")
             if i + 1 >= len(words) or words[i + 1] not in allowed:
@@ -82,7 +73,7 @@ def shared():
 @pytest.fixture
 def stand_in(shared, settings):
     """A `vllm` that answers --help=all with the real engine's flags and otherwise sleeps until signalled."""
-    flags = sorted(enginecli.engine_flags(str(VLLM)))  # the real engine's (once a test session)
+    flags = sorted(serveargv.engine_flags(str(VLLM)))  # the real engine's (once a test session)
     help_file = shared / "help.txt"
     help_file.write_text("options:\n" + "".join(f"  {f}\n" for f in flags))
     script = shared / "vllm"
@@ -100,20 +91,19 @@ def stand_in(shared, settings):
 
 
 @pytest.fixture
-def world(db, shared, stand_in):
+def world(db, shared, stand_in, sent_tasks):
     folder = shared / "store" / "org" / "m"
     folder.mkdir(parents=True)
     node = NodeFactory(name="fuzz-cpu", engine_flags=stand_in, model_store=str(shared / "store"))
     copy = ModelCopyFactory(node=node, path=str(folder))
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield node, copy.model, stand_in
+    return node, copy.model, stand_in
 
 
 class Fuzz:
     """Sends each case, launches what is accepted and checks its argv; counts what it tried."""
 
     def __init__(self, node, model, operator):
-        self.node, self.model, self.operator, self.port = node, model, operator, _free_port()
+        self.node, self.model, self.operator, self.port = node, model, operator, free_port()
         self.api, self.form = APIClient(), Client()
         self.api.force_authenticate(operator)
         self.form.force_login(operator)
@@ -134,7 +124,7 @@ class Fuzz:
         self.seen.add(key)
         try:
             plan._launch(d, str(self.model.copies.get().path))
-        except (engine.EngineError, PlanFailed):  # the node refused it (`--api-key` with no key): nothing ran
+        except (processes.EngineError, PlanFailed):  # the node refused it (`--api-key` with no key): nothing ran
             self.refused_at_launch += 1
             return
         try:
@@ -142,7 +132,7 @@ class Fuzz:
             assert "serve" in argv, (case, argv)
             assert not _offending(argv), f"{case}: an operator got {_offending(argv)} into {argv}"
         finally:
-            engine.stop(d.pgid, term_timeout_s=2, kill_timeout_s=2)
+            processes.stop(d.pgid, term_timeout_s=2, kill_timeout_s=2)
         self.launched += 1
 
     def begin(self, base_status: str) -> None:
@@ -236,7 +226,7 @@ def test_an_operator_never_gets_a_flag_off_the_list_into_an_engines_argv(world):
     assert fuzz.launched + fuzz.same + fuzz.refused_at_launch == fuzz.accepted and fuzz.tried == 12 * len(names)
     assert fuzz.refused_at_launch < 10 < fuzz.launched
     # Every option on the list that the engine has went through the three ways in, in each spelling.
-    listed = set(engineoptions.OPERATOR_FLAGS) & set(names)
+    listed = set(flagpolicy.OPERATOR_FLAGS) & set(names)
     assert fuzz.accepted >= len(listed) * 3
 
 
@@ -246,7 +236,7 @@ def test_the_real_engine_an_operator_deploys_runs_only_listed_flags(process_env,
     node, model, _ = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
     client = APIClient()
     client.force_authenticate(UserFactory(role="operator"))
-    body = {"model": model.pk, "node": node.name, "port": _free_port(), "env": {"vllm_cpu_kvcache_space": "1"}}
+    body = {"model": model.pk, "node": node.name, "port": free_port(), "env": {"vllm_cpu_kvcache_space": "1"}}
     for smuggled, status in (({"enforce-eager": "--trust-remote-code"}, 400), ({"Trust_Remote_Code": True}, 403),
                              ({"enforce-eager": True, "LOG_CONFIG_FILE": "logging.json"}, 403)):
         response = in_thread(client.post, "/api/deployments/", {**body, "engine_args": smuggled}, format="json")
@@ -268,4 +258,4 @@ def test_the_real_engine_an_operator_deploys_runs_only_listed_flags(process_env,
     finally:
         pgid = Deployment.objects.get(pk=d.pk).pgid
         if pgid:
-            engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+            processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)

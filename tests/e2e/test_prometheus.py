@@ -16,7 +16,7 @@ import yaml
 from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments import enginekey, live
+from deployments import engineapikey, live
 from deployments.host import vllm
 from deployments.models import Deployment, Node
 from deployments.notify import checks, deliveries, services as notify
@@ -198,7 +198,7 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
         # of the engine's own TTFT histogram, and the periodic check tells the subscriber.
         notify.slo_set(ops, deployment.pk, ttft_p95_ms=1, error_pct=None, minutes=0)
         served = Deployment.objects.get(pk=deployment.pk)
-        vllm.smoke_test(f"http://127.0.0.1:{served.port}", "tiny", key=enginekey.of(served))
+        vllm.smoke_test(f"http://127.0.0.1:{served.port}", "tiny", key=engineapikey.of(served))
         topic = live.deployment_topic(deployment.pk)
         figures = wait_until(lambda: (kept := live.kept([topic], "engine")[0] or {}).get("window_requests") and kept,
                              timeout=30, interval=0.5, message="the agent's SLO figures of the engine")

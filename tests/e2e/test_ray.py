@@ -23,7 +23,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from deployments import sealed
-from deployments.host import engine, engineenv, ownership, raynode
+from deployments.host import ownership, processenv, processes, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle, steps
 from deployments.services import deploys, multinode
@@ -76,7 +76,7 @@ def ray_nodes(process_env, spawn, unique, short_dir, tiny_model):
 def _ask(argv, token=None, timeout=90):
     """A Ray command from the engine's environment, as a stranger on the cluster network would run it (no token:
     nothing of the cluster's in its environment, a HOME without ~/.ray/auth_token) or with the token."""
-    env = engineenv.engine_environ({"HOME": tempfile.mkdtemp(prefix="rayhome"), "RAY_USAGE_STATS_ENABLED": "0",
+    env = processenv.engine_environ({"HOME": tempfile.mkdtemp(prefix="rayhome"), "RAY_USAGE_STATS_ENABLED": "0",
                                     **(raynode.auth_env(token) if token else {})})
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return result.returncode, result.stdout + result.stderr
@@ -101,7 +101,7 @@ def _authenticated(d, rank, stranger):
     driver = [str(VLLM.with_name("python")), "-c", f"import ray; ray.init(address='{address}'); print('CONNECTED')"]
     code, out = _ask(driver)
     assert code != 0 and "CONNECTED" not in out and "authentication" in out.lower(), out[-2000:]
-    env = engineenv.deployment_env({}, [])
+    env = processenv.deployment_env({}, [])
     assert raynode.alive_nodes(ray, address, env) == 0  # the panel's own call, without the token: refused
     assert raynode.alive_nodes(ray, address, {**env, **raynode.auth_env(token)}) == 2
     found = listening(d.marker, rank.marker)
@@ -163,7 +163,7 @@ def test_a_ray_deployment_over_two_nodes_is_ready_answers_stops_with_nothing_lef
     wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=120,
                message="the worker node's Ray stopped")
     assert _ours(d.marker, rank.marker) == [], "a Ray or vLLM process of the stopped deployment is left"
-    assert engine.port_free("0.0.0.0", d.port) and engine.port_free("0.0.0.0", d.master_port)
+    assert processes.port_free("0.0.0.0", d.port) and processes.port_free("0.0.0.0", d.master_port)
 
     # A second Ray deployment on the same two agents: the worker node's Ray killed fails it as a whole.
     d, rank = _ray_ready(ray_nodes, "tiny-ray-2")
@@ -175,4 +175,4 @@ def test_a_ray_deployment_over_two_nodes_is_ready_answers_stops_with_nothing_lef
     assert DeploymentRank.objects.get(pk=rank.pk).state == "failed"
     wait_until(lambda: _ours(*markers) == [], timeout=60,
                message="every Ray and vLLM process of the failed deployment gone")
-    assert engine.port_free("0.0.0.0", d.port)
+    assert processes.port_free("0.0.0.0", d.port)

@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks import services
 from benchmarks.models import BenchmarkRun
-from deployments import enginekey
-from deployments.host import engine, vllm
+from deployments import engineapikey
+from deployments.host import vllm
 from deployments.models import Deployment
 from deployments.services import deploys
 from tests.conftest import free_port, in_thread, wait_until
@@ -21,14 +21,6 @@ from tests.e2e.conftest import start_cpu_node
 from tests.e2e.loopback import assert_behind_loopback_and_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-
-@pytest.fixture
-def stop_engines():
-    """Engines run in their own sessions and outlive a killed agent: never leave one behind."""
-    yield
-    for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 def _ended(pk):
@@ -54,7 +46,7 @@ def test_a_run_that_outgrows_the_load_generators_memory_fails_while_the_engine_k
     d.refresh_from_db()
     assert d.status == "ready", d.status_message
     assert_behind_loopback_and_key(d)
-    key = enginekey.of(d)
+    key = engineapikey.of(d)
     base_url = f"http://127.0.0.1:{d.port}"
     filler = " ".join(["tell me about the history of the city and its people"] * 2)
     prompts = [{"prompt": f"Question {i}: {filler}?"} for i in range(100_000)]

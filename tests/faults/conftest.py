@@ -17,7 +17,7 @@ from tests import truestate
 from tests.conftest import free_port, wait_until
 from tests.host.test_hub import sha256_of as sha256  # noqa: F401 - for the fault tests
 from tests.truestate import COUNTS, Agent, agent_env, set_load, stop_leftover_engines  # noqa: F401 - COUNTS for the fault tests
-from tests.truestate import add_fake_model  # noqa: F401 - tests/e2e/test_tune_page.py imports its agent helpers from here
+from tests.truestate import add_fake_model  # noqa: F401 - tests/e2e/test_study_page.py imports its agent helpers from here
 
 # Repetitions: CI's defaults exercise each path a few times; perf/fault_soak.py sets the full sizes.
 KILLS = int(os.environ.get("FAULT_KILLS", "2"))  # agent SIGKILLs per phase (mid-load, mid-stop, mid-download)

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from deployments.host import containers, engine
+from deployments.host import containers, processes
 from deployments.models import Deployment, DeploymentEvent, Node
 from tests import dockerd
 from tests.conftest import ROOT, agent_argv, free_port, wait_until
@@ -180,7 +180,7 @@ def test_engines_that_are_the_agent_containers_own_processes_die_with_it(docker_
     agent = AgentContainer(docker_host, env, f"gone-{unique}", tmp_path / "store")
     row = _serving(agent.start(), fake_model)
     agent.restart()
-    assert not engine.alive(row.pid), "the engine survived its agent container's restart"
+    assert not processes.alive(row.pid), "the engine survived its agent container's restart"
     assert settle(row, timeout=30, states={"failed"}).status == "failed"
     assert_true_state(row, fake_model)
 
@@ -219,7 +219,7 @@ def test_restarting_panel_start_keeps_its_engine_serving(panel, fake_model):
 
     def restart():
         stop()
-        assert engine.alive(row.pid), "the engine stopped with ./panel start"
+        assert processes.alive(row.pid), "the engine stopped with ./panel start"
         start()
         COUNTS["panel_start_restarts"] += 1
 

@@ -14,7 +14,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from django.utils import timezone
 
@@ -22,6 +21,7 @@ from deployments.host import ownership
 from deployments.models import Deployment, DeploymentEvent, Node
 from deployments.services import deploys
 from tests.conftest import wait_until
+from tests.helpers import pid_alive
 from tests.truestate import COUNTS, Agent, add_fake_model, agent_env, deploy, random_moment, set_load, settle
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
@@ -97,7 +97,7 @@ def _reboot(agent, d, tmp_path, units_first: bool):
     the agent comes back."""
     state = tmp_path / "systemd-state"
     supervisors = [_read_json(f).get("supervisor") for f in state.glob("*.json")]
-    groups = {os.getpgid(p) for p in ownership.find(d.marker) if _alive(p)}
+    groups = {os.getpgid(p) for p in ownership.find(d.marker) if pid_alive(p)}
     os.killpg(agent.proc.pid, signal.SIGKILL)
     _kill_pids(supervisors)
     for g in groups:
@@ -115,13 +115,6 @@ def _reboot(agent, d, tmp_path, units_first: bool):
         time.sleep(random_moment(0.0, 2.0))
         assert _systemctl("__boot").returncode == 0
     COUNTS["reboots"] += 1
-
-
-def _alive(pid):
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _one_adopted_engine(d, since):

@@ -12,7 +12,7 @@ import pytest
 
 from django.test import Client
 
-from deployments import enginekey
+from deployments import engineapikey
 from deployments.gateway.models import Route
 from deployments.host import vllm
 from deployments.models import Deployment
@@ -38,13 +38,13 @@ def _model(tmp_path, name):
 
 def _engine_asleep(d) -> bool:
     d = Deployment.objects.get(pk=d.pk)
-    return vllm.is_sleeping(f"http://127.0.0.1:{d.port}", key=enginekey.of(d))
+    return vllm.is_sleeping(f"http://127.0.0.1:{d.port}", key=engineapikey.of(d))
 
 
 def _answer(d) -> str:
     d = Deployment.objects.get(pk=d.pk)
     reply = httpx.post(f"http://127.0.0.1:{d.port}/v1/chat/completions", timeout=30,
-                       headers={"Authorization": f"Bearer {enginekey.of(d)}"},
+                       headers={"Authorization": f"Bearer {engineapikey.of(d)}"},
                        json={"model": "x", "messages": [{"role": "user", "content": "capital of France?"}]})
     return reply.json()["choices"][0]["message"]["content"]
 

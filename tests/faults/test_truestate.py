@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployments.host import engine
+from deployments.host import processes
 from deployments.models import Deployment
 from tests import truestate
 from tests.conftest import free_port, wait_until
@@ -49,7 +49,7 @@ def _answers(port: int) -> bool:
 def _gone(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
     os.killpg(proc.pid, sig)
     proc.wait(10)
-    wait_until(lambda: not engine.members(proc.pid), timeout=10, message=f"engine group {proc.pid} to be gone")
+    wait_until(lambda: not processes.members(proc.pid), timeout=10, message=f"engine group {proc.pid} to be gone")
 
 
 def test_engines_under_finds_an_engine_and_its_child_and_assert_true_state_catches_each_wrong_state(tmp_path):
@@ -87,7 +87,7 @@ def test_engines_under_finds_an_engine_and_its_child_and_assert_true_state_catch
         assert stale_shm() == [] and not any(Path(p).exists() for p in left)
     finally:
         for proc in started:
-            engine.stop(proc.pid, term_timeout_s=2, kill_timeout_s=2)  # its /dev/shm file too
+            processes.stop(proc.pid, term_timeout_s=2, kill_timeout_s=2)  # its /dev/shm file too
             proc.wait(10)
 
 

@@ -233,7 +233,7 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
         stopped = wait_until(lambda: (row := panel.get(f"/api/deployments/{d['id']}/"))["status"] in ("stopped", "failed") and row,
                        60, message="the deployment to show stopped")
         assert stopped["status"] == "stopped", stopped["status_message"]
-        # Exited is gone, as the panel counts it (host/engine.py): a zombie waits only for its parent's wait().
+        # Exited is gone, as the panel counts it (host/processes.py): a zombie waits only for its parent's wait().
         wait_until(lambda: not _running(holder) and not _running(d["pid"]), 10, message="the engine's processes to end")
         zombies = [f"{pid} (zombie, parent {psutil.Process(pid).ppid()})" for pid in (holder, d["pid"]) if psutil.pid_exists(pid)]
         print(f"\nwhole panel on {report['device']} (GPU {gpus[0].uuid}): node registered {figures['registered_s']:.1f} s after "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.host import compilecache, engineuser
+from deployments.host import compilecache, osuser
 
 ARGS = {"max-model-len": 1024, "tensor-parallel-size": 2, "served-model-name": "tiny", "port": 8000}
 # vLLM 0.32's own lines (vllm/compilation/backends.py, decorators.py), as the CPU and GPU engines print them.
@@ -58,11 +58,11 @@ def test_a_store_model_and_a_local_model_get_folders_of_their_own(tmp_path):
 def test_the_folder_is_the_engine_users_own_and_closed_to_everyone_else(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("giving a folder to another user needs root")
-    user = engineuser.resolve(engineuser.DEFAULT_NAME)
+    user = osuser.resolve(osuser.DEFAULT_NAME)
     store = tmp_path / "store"
     store.mkdir(mode=0o700)
     prepared = compilecache.prepare(store, store / "org--m", _key(), user)
-    assert engineuser.can_reach(user, prepared.path, "r")  # the store is entered, as for a local model's start
+    assert osuser.can_reach(user, prepared.path, "r")  # the store is entered, as for a local model's start
     path = Path(prepared.path)
     assert path == store / ".compile-cache" / "org--m" / _key()
     st = path.stat()
@@ -79,7 +79,7 @@ def test_the_folder_is_the_engine_users_own_and_closed_to_everyone_else(tmp_path
 
 
 def test_without_a_separate_engine_user_the_folder_is_0700(tmp_path):
-    own = engineuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
+    own = osuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
     prepared = compilecache.prepare(tmp_path, tmp_path / "m", "k", own)
     assert stat.S_IMODE(Path(prepared.path).stat().st_mode) == 0o700
     assert stat.S_IMODE((tmp_path / ".compile-cache").stat().st_mode) == 0o700
@@ -105,7 +105,7 @@ def test_the_log_tells_a_hit_from_a_miss():
 
 
 def test_a_models_caches_are_removed_and_others_kept(tmp_path):
-    own = engineuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
+    own = osuser.EngineUser(name="me", uid=os.getuid(), gid=os.getgid(), separate=False)
     for model, key in (("org--a", "k1"), ("org--a", "k2"), ("org--b", "k1")):
         path = Path(compilecache.prepare(tmp_path, tmp_path / model, key, own).path)
         (path / "artifact").write_bytes(b"x" * 10)

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deployments.host import containers, engine, engineuser, ownership
+from deployments.host import containers, osuser, ownership, processes
 from tests import dockerd
 from tests.conftest import wait_until
 
@@ -26,18 +26,18 @@ def docker_host(tmp_path, monkeypatch):
         yield host
 
 
-def _spec(tmp_path, **env) -> engine.EngineSpec:
+def _spec(tmp_path, **env) -> processes.EngineSpec:
     code = "import os, time; print('serving', os.getcwd(), flush=True); time.sleep(120)"
     model = tmp_path / "model"  # the engine's working folder, as a model's: readable by the engine user
     model.mkdir(mode=0o755, exist_ok=True)
     # /usr/bin/env first: a shebang's hop, one exec more, as the fake engine's script has
-    return engine.EngineSpec(argv=["/usr/bin/env", "python3", "-c", code], env={ownership.MARKER_VAR: MARKER, **env},
-                             log_path=tmp_path / "logs" / "engine.log", cwd=model, run_as=engineuser.current())
+    return processes.EngineSpec(argv=["/usr/bin/env", "python3", "-c", code], env={ownership.MARKER_VAR: MARKER, **env},
+                             log_path=tmp_path / "logs" / "engine.log", cwd=model, run_as=osuser.current())
 
 
 def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(docker_host, tmp_path):
     spec = _spec(tmp_path)
-    handle = engine.launch(spec)
+    handle = processes.launch(spec)
     pid = handle.pid
     proc = psutil.Process(pid)
     # Every exec is behind it when launch returns: mid-exec, the marker that proves it ours cannot be read.
@@ -60,55 +60,55 @@ def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(d
     assert recorded["Binds"] == ["/models:/models", f"panelvar:{tmp_path}"]
     assert recorded["SecurityOpt"] == ["no-new-privileges"]
 
-    result = engine.stop(pid, term_timeout_s=5)
+    result = processes.stop(pid, term_timeout_s=5)
     assert result.signals_sent == ["SIGTERM"] and not result.survivors
     wait_until(lambda: containers.find(MARKER) == [], timeout=10, message="Docker to remove the exited container")
 
 
 def test_two_launches_with_one_marker_both_start(docker_host, tmp_path):
     """A Ray deployment's head and the engine started on it carry the same marker (deployments/node/raycluster.py)."""
-    pids = [engine.launch(_spec(tmp_path)).pid for _ in range(2)]
+    pids = [processes.launch(_spec(tmp_path)).pid for _ in range(2)]
     assert sorted(c["pid"] for c in containers.find(MARKER)) == sorted(pids)
     for pid in pids:
-        engine.stop(pid, term_timeout_s=5)
+        processes.stop(pid, term_timeout_s=5)
 
 
 def test_the_deployments_gpus_are_a_device_request_numbered_from_zero_inside(docker_host, tmp_path):
     spec = _spec(tmp_path, CUDA_VISIBLE_DEVICES="2,5")
-    config = containers.container_config(engine.popen_args(spec), spec.log_path)
+    config = containers.container_config(processes.popen_args(spec), spec.log_path)
     [request] = config["device_requests"]
     assert request["Driver"] == "nvidia" and request["DeviceIDs"] == ["2", "5"] and request["Capabilities"] == [["gpu"]]
     assert config["environment"]["CUDA_VISIBLE_DEVICES"] == "0,1", "inside, only those two exist, as 0 and 1"
-    assert containers.container_config(engine.popen_args(_spec(tmp_path)), spec.log_path)["device_requests"] == []
-    pid = containers.start(engine.popen_args(spec), spec.log_path)
+    assert containers.container_config(processes.popen_args(_spec(tmp_path)), spec.log_path)["device_requests"] == []
+    pid = containers.start(processes.popen_args(spec), spec.log_path)
     [found] = containers.find(MARKER)
     recorded = containers.client().containers.get(found["id"]).attrs["HostConfig"]["DeviceRequests"]
     assert recorded[0]["DeviceIDs"] == ["2", "5"]
-    engine.stop(pid, term_timeout_s=5)
+    processes.stop(pid, term_timeout_s=5)
 
 
 def test_an_engine_that_cannot_start_says_so_in_its_log(docker_host, tmp_path):
-    spec = engine.EngineSpec(argv=[str(tmp_path / "no-such-vllm")], env={ownership.MARKER_VAR: MARKER},
+    spec = processes.EngineSpec(argv=[str(tmp_path / "no-such-vllm")], env={ownership.MARKER_VAR: MARKER},
                              log_path=tmp_path / "logs" / "engine.log", cwd=tmp_path)
     try:
-        pid = containers.start(engine.popen_args(spec), spec.log_path)
+        pid = containers.start(processes.popen_args(spec), spec.log_path)
     except containers.ContainerError as exc:  # it exited before the inspect: that is said too
         assert exc.permanent
     else:
-        wait_until(lambda: not engine.alive(pid), timeout=10, message="the failed engine to exit")
+        wait_until(lambda: not processes.alive(pid), timeout=10, message="the failed engine to exit")
     wait_until(lambda: spec.log_path.exists() and "no-such-vllm: No such file" in spec.log_path.read_text(), timeout=10,
                message="the reason in the engine's log")
 
 
 def test_settings_that_cannot_work_are_refused_for_good(monkeypatch, tmp_path):
     monkeypatch.setenv(containers.RUNTIME_VAR, "podman")
-    with pytest.raises(engine.EngineError) as refused:
-        engine.launch(_spec(tmp_path))
+    with pytest.raises(processes.EngineError) as refused:
+        processes.launch(_spec(tmp_path))
     assert refused.value.permanent and "process, docker" in str(refused.value)
     monkeypatch.setenv(containers.RUNTIME_VAR, "docker")
     monkeypatch.delenv(containers.IMAGE_VAR, raising=False)
     with pytest.raises(containers.ContainerError, match=containers.IMAGE_VAR):
-        containers.container_config(engine.popen_args(_spec(tmp_path)), tmp_path / "log")
+        containers.container_config(processes.popen_args(_spec(tmp_path)), tmp_path / "log")
     for bad in ("/models", "models:relative", "a:/b:rx"):
         with pytest.raises(containers.ContainerError, match="source:/target"):
             containers.mounts(bad)
@@ -119,6 +119,6 @@ def test_a_daemon_that_is_away_is_worth_retrying(monkeypatch, tmp_path):
     monkeypatch.setenv(containers.IMAGE_VAR, "vllm-panel-node:test")
     monkeypatch.setenv(containers.RUNTIME_VAR, "docker")
     started = time.monotonic()
-    with pytest.raises(engine.EngineError) as away:  # what the lifecycle catches, whichever runtime launched
-        engine.launch(_spec(tmp_path))
+    with pytest.raises(processes.EngineError) as away:  # what the lifecycle catches, whichever runtime launched
+        processes.launch(_spec(tmp_path))
     assert not away.value.permanent and "Docker daemon" in str(away.value) and time.monotonic() - started < containers.API_TIMEOUT_S

@@ -4,7 +4,7 @@ import pickle
 import pytest
 
 from benchmarks.runner.spec import PromptError, RunnerError
-from deployments.host.engine import EngineError
+from deployments.host.processes import EngineError
 from deployments.host.errors import HostError
 from deployments.host.hub import HubError
 from deployments.host.pagecache import PageCacheError

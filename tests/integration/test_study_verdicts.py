@@ -1,7 +1,7 @@
 """A tuning study's verdicts on engines whose speed is known: a real node agent drives the study through
 the plan and the benchmark runner as in production, with tests/faults' fake vLLM serving each variant on
 a tests/schedserver.py schedule keyed by its --max-num-seqs. The real CPU engine runs a study in
-tests/e2e/test_tune.py, where nothing is asserted about which variant was faster; perf/tune_verdicts.py
+tests/e2e/test_study.py, where nothing is asserted about which variant was faster; perf/study_verdicts.py
 measures how often the verdicts are right with smaller differences and host drift.
 
 The differences are chosen far from what a busy host can blur:

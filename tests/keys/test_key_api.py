@@ -7,24 +7,18 @@ from datetime import datetime, timedelta, timezone
 from unittest import mock
 
 import pytest
-from rest_framework.test import APIClient
 
 from deployments.gateway import keys
 from deployments.gateway.models import CallerKey, Route, Usage
 from tests.factories import DeploymentFactory, UserFactory
+from tests.helpers import api_client
 
 pytestmark = pytest.mark.django_db
 HOUR = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
 
 
-def _client(user):
-    client = APIClient()
-    client.force_authenticate(user)
-    return client
-
-
 def test_a_created_key_shows_its_secret_in_the_answer_only(operator):
-    client = _client(operator)
+    client = api_client(operator)
     made = client.post("/api/keys/", {"name": "ci", "model_names": ["kimi"], "rps_limit": 2, "tpm_limit": 9000,
                                       "max_concurrency": 3, "expires_at": (HOUR + timedelta(days=2)).isoformat()},
                        format="json")
@@ -37,16 +31,16 @@ def test_a_created_key_shows_its_secret_in_the_answer_only(operator):
 
 
 def test_bad_input_answers_400_naming_the_field(operator):
-    answer = _client(operator).post("/api/keys/", {"name": "x", "model_names": ["no spaces"]}, format="json")
+    answer = api_client(operator).post("/api/keys/", {"name": "x", "model_names": ["no spaces"]}, format="json")
     assert answer.status_code == 400 and "not a model name" in answer.json()["error"]["fields"]["model_names"][0]
-    answer = _client(operator).post("/api/keys/", {"name": "x", "rps_limit": -1}, format="json")
+    answer = api_client(operator).post("/api/keys/", {"name": "x", "rps_limit": -1}, format="json")
     assert answer.status_code == 400 and "above 0" in answer.json()["error"]["message"]
     assert not CallerKey.objects.exists()
 
 
 def test_viewers_read_keys_and_usage_but_create_nothing(viewer, operator):
     keys.key_create(operator, "theirs")
-    client = _client(viewer)
+    client = api_client(viewer)
     assert client.get("/api/keys/").json()["count"] == 1
     assert client.get("/api/keys/?mine=1").json()["count"] == 0
     assert client.get("/api/usage/").status_code == 200
@@ -57,7 +51,7 @@ def test_viewers_read_keys_and_usage_but_create_nothing(viewer, operator):
 def test_an_operator_revokes_their_own_key_not_anothers_and_an_admin_anyones(operator):
     mine, _ = keys.key_create(operator, "mine")
     theirs, _ = keys.key_create(UserFactory(role="operator"), "theirs")
-    client = _client(operator)
+    client = api_client(operator)
     with mock.patch("deployments.gateway.changes.changed", autospec=True):
         assert client.post(f"/api/keys/{mine.pk}/revoke/").json()["revoked"] is True
         again = client.post(f"/api/keys/{mine.pk}/revoke/")
@@ -66,7 +60,7 @@ def test_an_operator_revokes_their_own_key_not_anothers_and_an_admin_anyones(ope
         assert refused.status_code == 403 and "owner or an admin" in refused.json()["error"]["message"]
         patched = client.patch(f"/api/keys/{theirs.pk}/", {"rps_limit": 1}, format="json")
         assert patched.status_code == 403
-        admin = _client(UserFactory(is_superuser=True))
+        admin = api_client(UserFactory(is_superuser=True))
         assert admin.patch(f"/api/keys/{theirs.pk}/", {"rps_limit": 1}, format="json").json()["rps_limit"] == 1
         assert admin.post(f"/api/keys/{theirs.pk}/revoke/").status_code == 200
     assert CallerKey.objects.filter(revoked_at__isnull=False).count() == 2
@@ -74,7 +68,7 @@ def test_an_operator_revokes_their_own_key_not_anothers_and_an_admin_anyones(ope
 
 def test_internal_keys_are_not_listed(operator):
     CallerKey.objects.create(owner=operator, name="gateway", prefix="vcp-i", digest="1" * 64, internal=True)
-    assert _client(operator).get("/api/keys/").json()["count"] == 0
+    assert api_client(operator).get("/api/keys/").json()["count"] == 0
 
 
 @pytest.fixture
@@ -93,7 +87,7 @@ def usage(operator):
 
 def test_usage_is_summed_by_hour_per_key(usage, viewer):
     a, _ = usage
-    rows = _client(viewer).get("/api/usage/?group=key&by=hour&days=2").json()["rows"]
+    rows = api_client(viewer).get("/api/usage/?group=key&by=hour&days=2").json()["rows"]
     mine = [r for r in rows if r["label"].startswith("team-a")]
     assert [(r["period"], r["requests"], r["errors"], r["prompt_tokens"], r["reasoning_tokens"], r["content_tokens"])
             for r in mine] == [((HOUR - timedelta(hours=1)).isoformat(), 1, 0, 10, 0, 4), (HOUR.isoformat(), 5, 1, 50, 6, 8)]
@@ -101,7 +95,7 @@ def test_usage_is_summed_by_hour_per_key(usage, viewer):
 
 
 def test_usage_by_day_per_model_and_per_deployment(usage, viewer):
-    client = _client(viewer)
+    client = api_client(viewer)
     by_model = {r["label"]: r["requests"] for r in client.get("/api/usage/?group=model&by=day&days=3").json()["rows"]
                 if r["period"].startswith(HOUR.date().isoformat())}
     assert by_model.get("kimi") == 6 or HOUR.hour == 0  # the hour before midnight falls on the day before
@@ -114,7 +108,7 @@ def test_usage_by_day_per_model_and_per_deployment(usage, viewer):
 
 
 def test_usage_csv_quotes_names_a_spreadsheet_would_run(usage, viewer):
-    answer = _client(viewer).get("/api/usage/?group=key&by=day&days=3&format=csv")
+    answer = api_client(viewer).get("/api/usage/?group=key&by=day&days=3&format=csv")
     assert answer.status_code == 200 and answer["Content-Type"].startswith("text/csv")
     table = list(csv.reader(io.StringIO(answer.content.decode())))
     assert table[0] == ["period", "group", "name", "requests", "errors", "prompt_tokens", "reasoning_tokens",
@@ -127,20 +121,19 @@ def test_usage_csv_quotes_names_a_spreadsheet_would_run(usage, viewer):
 @pytest.mark.parametrize("query, words", [("group=user", "group: key, model or deployment"), ("by=week", "by: hour or day"),
                                           ("days=0", "days: a whole number"), ("days=abc", "days: a whole number")])
 def test_bad_usage_parameters_answer_400_saying_what_is_allowed(viewer, query, words):
-    answer = _client(viewer).get(f"/api/usage/?{query}")
+    answer = api_client(viewer).get(f"/api/usage/?{query}")
     assert answer.status_code == 400 and words in answer.json()["error"]["message"]
 
 
-def test_the_deploy_api_takes_aliases_and_bounds_and_refuses_a_bad_alias(api_objects, operator):
+def test_the_deploy_api_takes_aliases_and_bounds_and_refuses_a_bad_alias(api_objects, operator, sent_tasks):
     deployment = api_objects["deployments"]
     body = {"model": deployment.model_id, "node": deployment.node.name, "name": "routed", "preset": "none", "gpus": [0],
             "replace": [deployment.pk], "aliases": ["kimi", "moonshot/kimi-k2"], "max_in_flight": 32, "queue_bound": 8,
             "media_domains": ["images.example.com"]}
-    client = _client(operator)
+    client = api_client(operator)
     bad = client.post("/api/deployments/", {**body, "aliases": ["kimi k2"]}, format="json")
     assert bad.status_code == 400 and "not a model name" in bad.json()["error"]["fields"]["aliases"][0]
-    with mock.patch("deployments.services.deploys.node_enqueue", autospec=True):
-        made = client.post("/api/deployments/", body, format="json")
+    made = client.post("/api/deployments/", body, format="json")
     assert made.status_code == 202, made.content
     route = Route.objects.get(deployment_id=made.json()["id"])
     assert (route.names, route.max_in_flight, route.queue_bound, route.media_domains) == (

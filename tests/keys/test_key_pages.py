@@ -99,14 +99,13 @@ FORM = {"port": 8001, "tp": 1, "pp": 1, "dp": 1, "gpu_memory_utilization": 0.9, 
         "stall_seconds": 600}
 
 
-def test_the_deploy_form_sets_aliases_bounds_and_media_domains(operator_client):
+def test_the_deploy_form_sets_aliases_bounds_and_media_domains(operator_client, sent_tasks):
     model, node = _cpu_model()
     url = reverse("model-deploy", args=[model.pk]) + f"?node={node.pk}"
     assert 'name="route-aliases"' in operator_client.get(url).content.decode()
-    with mock.patch("deployments.dispatch.enqueue", autospec=True):
-        answer = operator_client.post(url, {**FORM, "node_id": node.pk, "route-aliases": "kimi, moonshot/k2",
-                                            "route-max_in_flight": "16", "route-queue_bound": "4",
-                                            "route-media_domains": "images.example.com"})
+    answer = operator_client.post(url, {**FORM, "node_id": node.pk, "route-aliases": "kimi, moonshot/k2",
+                                        "route-max_in_flight": "16", "route-queue_bound": "4",
+                                        "route-media_domains": "images.example.com"})
     assert answer.status_code == 302, answer.content.decode()[:2000]
     route = Route.objects.get()
     assert (route.names, route.max_in_flight, route.queue_bound, route.media_domains) == (
@@ -118,10 +117,9 @@ def test_the_deploy_form_sets_aliases_bounds_and_media_domains(operator_client):
 @pytest.mark.parametrize("field, value, words", [("route-aliases", "kimi;ls", "is not a model name"),
                                                  ("route-media_domains", "http://evil/x", "is not a domain name"),
                                                  ("route-max_in_flight", "0", "greater than or equal to 1")])
-def test_a_bad_gateway_field_on_the_deploy_form_answers_400_and_deploys_nothing(operator_client, field, value, words):
+def test_a_bad_gateway_field_on_the_deploy_form_answers_400_and_deploys_nothing(operator_client, field, value, words, sent_tasks):
     model, node = _cpu_model()
     url = reverse("model-deploy", args=[model.pk]) + f"?node={node.pk}"
-    with mock.patch("deployments.dispatch.enqueue", autospec=True) as sent:
-        answer = operator_client.post(url, {**FORM, "node_id": node.pk, field: value})
-    assert answer.status_code == 400 and words in answer.content.decode() and not sent.called
+    answer = operator_client.post(url, {**FORM, "node_id": node.pk, field: value})
+    assert answer.status_code == 400 and words in answer.content.decode() and not sent_tasks.commit()
     assert not Route.objects.exists()

@@ -1,8 +1,7 @@
 """A real SMTP sink (aiosmtpd) and a real HTTP webhook receiver, a subscriber with one channel of each, and
 `send_due()`: what the control worker's notify.deliver does for every due delivery, called as a function.
-Task sends are caught before the broker (`sent` lists them)."""
+Task sends are caught before the broker (`sent_tasks`, tests/taskqueue.py)."""
 from email import message_from_bytes
-from unittest import mock
 
 import pytest
 
@@ -41,18 +40,7 @@ def smtp(settings):
 
 
 @pytest.fixture
-def sent():
-    """Task sends caught before the broker, as (task name, args, options)."""
-    from celery.app.task import Task
-
-    calls = []
-    with mock.patch.object(Task, "apply_async", autospec=True,
-                           side_effect=lambda task, args=None, kwargs=None, **options: calls.append((task.name, args, options))):
-        yield calls
-
-
-@pytest.fixture
-def send_due(sent, django_capture_on_commit_callbacks):
+def send_due(sent_tasks):
     """Send every due delivery as the control worker would (notify.deliver as a function); the outcomes."""
     from deployments.notify import deliveries
     from deployments.notify.models import Delivery

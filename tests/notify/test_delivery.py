@@ -144,14 +144,13 @@ def test_a_gone_hook_fails_at_once(subscriber, receiver, send_due):
     assert send_due() == ["failed"]
 
 
-def test_a_pending_delivery_whose_task_was_lost_is_sent_again_by_the_sweep(subscriber, sent, django_capture_on_commit_callbacks):
+def test_a_pending_delivery_whose_task_was_lost_is_sent_again_by_the_sweep(subscriber, sent_tasks):
     from deployments.notify import deliveries
 
     steps.move(_loading(), S.READY)  # its task went to a broker that lost it (a restart)
-    sent.clear()
-    with django_capture_on_commit_callbacks(execute=True):
-        assert deliveries.deliveries_due() == 1
-    assert [(name, args) for name, args, _ in sent] == [("notify.deliver", [Delivery.objects.get().pk])]
+    sent_tasks.commit().clear()
+    assert deliveries.deliveries_due() == 1
+    assert [(s.name, s.args) for s in sent_tasks.commit()] == [("notify.deliver", [Delivery.objects.get().pk])]
 
 
 def test_a_user_without_a_role_hears_nothing(subscriber, receiver, send_due):

@@ -2,10 +2,8 @@
 length, the requests per level or the prompt bytes allowed is refused with a 400 that names the limit
 and what was asked (API, form, studies), before anything is queued; prompts are made one at a time."""
 import tracemalloc
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 
 from benchmarks.models import BenchmarkRun, Study
 from benchmarks.runner import LoadSpec, prompt_bytes
@@ -19,18 +17,12 @@ URL = "http://10.0.0.5:8000"
 
 
 @pytest.fixture
-def sent():
-    with mock.patch.object(Task, "apply_async", autospec=True) as apply_async:
-        yield apply_async
-
-
-@pytest.fixture
 def url_allowed(settings):
     settings.BENCHMARK_URL_ALLOWLIST = [URL]
 
 
 @pytest.fixture
-def tiny(sent):
+def tiny(sent_tasks):
     """A ready deployment whose engine takes 2,048 tokens (--max-model-len), of a model made for 32,768."""
     node = NodeFactory(name="cpu-01", engine_flags=["--max-num-seqs", "--max-model-len"], agent_pid=100)
     copy = ModelCopyFactory(node=node, model=ModelRepoFactory(context_length=32_768))
@@ -44,7 +36,7 @@ def refusal(answer) -> tuple[str, str]:
     return field, message
 
 
-def test_200000_token_prompts_times_100000_requests_are_refused_naming_the_limit(api, url_allowed, sent):
+def test_200000_token_prompts_times_100000_requests_are_refused_naming_the_limit(api, url_allowed, sent_tasks):
     field, message = refusal(api.post("/api/runs/", {"base_url": URL, **HUGE}, format="json"))
     # The default levels end at 1024: 100,000 measured + 1,024 warm-up requests there.
     assert field == "min_requests"
@@ -55,7 +47,7 @@ def test_200000_token_prompts_times_100000_requests_are_refused_naming_the_limit
                                       format="json"))
     assert field == "input_tokens" and "PANEL_BENCH_MAX_PROMPT_BYTES" in message
     assert "about 90.3 GiB of prompts (100,000 requests" in message and "limit is 8.0 GiB per run" in message
-    assert not BenchmarkRun.objects.exists() and not sent.called
+    assert not BenchmarkRun.objects.exists() and not sent_tasks
 
 
 def test_the_limits_are_settings(api, url_allowed, settings):

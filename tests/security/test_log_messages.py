@@ -59,7 +59,7 @@ def test_an_engine_that_exits_while_loading_leaves_no_secret_of_its_log_in_any_m
         host.alive = False
         return handle
 
-    host.mocks["engine.launch"].side_effect = launch_then_exit
+    host.mocks["processes.launch"].side_effect = launch_then_exit
     with mock.patch.object(live, "send_log_lines", autospec=True) as send:
         plan.deployment_run(d.pk)
     d.refresh_from_db()

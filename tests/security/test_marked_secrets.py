@@ -2,7 +2,6 @@
 from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from rest_framework.test import APIClient
 
 from benchmarks import services as bench
@@ -24,7 +23,7 @@ def _deployment(marked):
 
 
 @pytest.mark.parametrize("marked", [["VLLM_MY_VAR"], []])
-def test_a_marked_variable_is_masked_everywhere_and_an_unmarked_one_shown(marked, viewer, viewer_client):
+def test_a_marked_variable_is_masked_everywhere_and_an_unmarked_one_shown(marked, viewer, viewer_client, sent_tasks):
     d = _deployment(marked)
     client = APIClient()
     client.force_authenticate(viewer)
@@ -34,8 +33,7 @@ def test_a_marked_variable_is_masked_everywhere_and_an_unmarked_one_shown(marked
         f"/deployments/{d.pk}/", f"/deployments/{d.pk}/unit/")})
     unit_text, unit_secret = plan._unit(d, ["vllm", "serve"])
     texts["unit text"] = unit_text
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        run = bench.run_create(params={}, deployment=d)
+    run = bench.run_create(params={}, deployment=d)
     texts["run environment"] = str(run.environment)
     for url in (f"/benchmarks/{run.pk}/export.json", f"/benchmarks/{run.pk}/export.csv"):
         texts[url] = viewer_client.get(url).content.decode()
@@ -63,7 +61,7 @@ def test_the_plan_sends_the_engines_new_log_lines_live_without_a_marked_value(ma
                 log.write(f"INFO 12-01 10:00:00 [envs.py:1] environment: VLLM_MY_VAR={VALUE}\n")
             return handle
 
-        host.mocks["engine.launch"].side_effect = launch_printing_the_value
+        host.mocks["processes.launch"].side_effect = launch_printing_the_value
         plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == Deployment.Status.READY, d.status_message
@@ -75,12 +73,11 @@ def test_the_plan_sends_the_engines_new_log_lines_live_without_a_marked_value(ma
         assert sent[-1].endswith(f"VLLM_MY_VAR={VALUE}")
 
 
-def test_the_edit_form_masks_a_marked_variable_and_a_mask_sent_back_keeps_it(operator_client):
+def test_the_edit_form_masks_a_marked_variable_and_a_mask_sent_back_keeps_it(operator_client, sent_tasks):
     d = _deployment(["VLLM_MY_VAR"])
     page = operator_client.get(f"/deployments/{d.pk}/edit/").content.decode()
     assert VALUE not in page and secrets.MASK in page and 'value="VLLM_MY_VAR"' in page
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        deploys.deployment_redeploy(d, env={"VLLM_MY_VAR": secrets.MASK, "NCCL_PROTO": "Simple"})
+    deploys.deployment_redeploy(d, env={"VLLM_MY_VAR": secrets.MASK, "NCCL_PROTO": "Simple"})
     d.refresh_from_db()
     assert d.env == {"VLLM_MY_VAR": VALUE, "NCCL_PROTO": "Simple"} and d.secret_env == ["VLLM_MY_VAR"]
 

@@ -1,12 +1,10 @@
 """Options that run code, load files or redirect the engine need the admin role; paths stay in the model's folder."""
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
-from rest_framework.test import APIClient
 
 from deployments.models import Deployment
 from tests.factories import GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
+from tests.helpers import api_client
 
 pytestmark = pytest.mark.django_db
 FLAGS = ["--tensor-parallel-size", "--trust-remote-code", "--tool-parser-plugin", "--middleware", "--chat-template",
@@ -14,18 +12,11 @@ FLAGS = ["--tensor-parallel-size", "--trust-remote-code", "--tool-parser-plugin"
 
 
 @pytest.fixture
-def world():
+def world(sent_tasks):
     node = NodeFactory(name="gpu-01", engine_flags=FLAGS)
     GpuFactory(node=node, index=0)
     copy = ModelCopyFactory(node=node, path="/models/org/m")
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield node, copy.model
-
-
-def _api(user):
-    client = APIClient()
-    client.force_authenticate(user)
-    return client
+    return node, copy.model
 
 
 def _deploy(client, model, **kw):
@@ -41,31 +32,31 @@ def _deploy(client, model, **kw):
 ])
 def test_an_operator_cannot_set_a_privileged_option_and_an_admin_can(world, operator, args, env):
     node, model = world
-    refused = _deploy(_api(operator), model, engine_args={"tensor-parallel-size": 1, **args}, env=env)
+    refused = _deploy(api_client(operator), model, engine_args={"tensor-parallel-size": 1, **args}, env=env)
     assert refused.status_code == 403 and "admin role" in refused.json()["error"]["message"]
     assert not Deployment.objects.exists()
     admin = UserFactory(role="admin")
-    assert _deploy(_api(admin), model, engine_args={"tensor-parallel-size": 1, **args}, env=env).status_code == 202
+    assert _deploy(api_client(admin), model, engine_args={"tensor-parallel-size": 1, **args}, env=env).status_code == 202
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "/models/org/m/../../etc/passwd", "~/.ssh/id_rsa", "../x.jinja",
                                   "/models/org/mx/t.jinja"])
 def test_a_file_path_outside_the_models_folder_is_refused_even_for_an_admin(world, path):
     node, model = world
-    response = _deploy(_api(UserFactory(is_superuser=True)), model, engine_args={"tensor-parallel-size": 1, "chat-template": path})
+    response = _deploy(api_client(UserFactory(is_superuser=True)), model, engine_args={"tensor-parallel-size": 1, "chat-template": path})
     assert response.status_code == 400 and "inside the model's folder" in response.json()["error"]["message"]
 
 
 def test_an_operator_may_restart_and_retune_what_an_admin_set_but_not_change_it(world, operator):
     node, model = world
     admin = UserFactory(role="admin")
-    d = _deploy(_api(admin), model, engine_args={"tensor-parallel-size": 1, "trust-remote-code": True}).json()
+    d = _deploy(api_client(admin), model, engine_args={"tensor-parallel-size": 1, "trust-remote-code": True}).json()
     Deployment.objects.filter(pk=d["id"]).update(status="ready")
-    ok = _api(operator).post(f"/api/deployments/{d['id']}/restart/",
+    ok = api_client(operator).post(f"/api/deployments/{d['id']}/restart/",
                              {"engine_args": {"tensor-parallel-size": 1, "trust-remote-code": True, "max-num-seqs": 8}}, format="json")
     assert ok.status_code == 202
     Deployment.objects.filter(pk=d["id"]).update(status="ready")
-    changed = _api(operator).post(f"/api/deployments/{d['id']}/restart/",
+    changed = api_client(operator).post(f"/api/deployments/{d['id']}/restart/",
                                   {"engine_args": {"tensor-parallel-size": 1, "chat-template": "t.jinja"}}, format="json")
     assert changed.status_code == 403
 

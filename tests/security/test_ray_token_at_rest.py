@@ -10,7 +10,7 @@ from django.apps import apps
 from django.db import connection
 
 from deployments import sealed
-from deployments.host import engine
+from deployments.host import processes
 from deployments.models import Deployment
 from deployments.node import raycluster
 from tests.factories import DeploymentFactory
@@ -35,10 +35,10 @@ def test_the_ray_head_stores_its_token_sealed_and_hands_the_cluster_the_token(ke
     settings.VAR_DIR = tmp_path
     d = DeploymentFactory(status=Deployment.Status.STARTING, master_port=29611, engine_args=RAY)
     with mock.patch("deployments.host.raynode.check_installed", autospec=True), \
-         mock.patch("deployments.host.engine.port_free", autospec=True, return_value=True), \
+         mock.patch("deployments.host.processes.port_free", autospec=True, return_value=True), \
          mock.patch("deployments.host.firewall.check", autospec=True, return_value=""), \
          mock.patch("deployments.host.firewall.guard", autospec=True, return_value="") as guard, \
-         mock.patch("deployments.host.engine.launch", autospec=True, return_value=engine.EngineHandle(4242, 4242)) as launch:
+         mock.patch("deployments.host.processes.launch", autospec=True, return_value=processes.EngineHandle(4242, 4242)) as launch:
         raycluster.head_start(d)
     token = launch.call_args.args[0].env["RAY_AUTH_TOKEN"]
     stored = _stored(d.pk)

@@ -2,7 +2,6 @@
 from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from rest_framework.test import APIClient
 
 from benchmarks import services as bench
@@ -52,20 +51,18 @@ def test_pages_and_the_unit_download_never_show_a_secret(deployment, viewer_clie
     assert "EnvironmentFile=" in unit and "NCCL_PROTO=LL" in unit and "HF_TOKEN" not in unit
 
 
-def test_the_edit_form_shows_masks_and_a_mask_sent_back_keeps_the_stored_secret(deployment, operator_client):
+def test_the_edit_form_shows_masks_and_a_mask_sent_back_keeps_the_stored_secret(deployment, operator_client, sent_tasks):
     page = operator_client.get(f"/deployments/{deployment.pk}/edit/").content.decode()
     assert TOKEN not in page and KEY not in page and secrets.MASK in page
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        deploys.deployment_redeploy(deployment, env={"HF_TOKEN": secrets.MASK, "NCCL_PROTO": "Simple"},
-                                     engine_args={"hf-token": secrets.MASK, "max-num-seqs": 8},
-                                     user=UserFactory(role="admin"))  # --hf-token is an admin's to set
+    deploys.deployment_redeploy(deployment, env={"HF_TOKEN": secrets.MASK, "NCCL_PROTO": "Simple"},
+                                 engine_args={"hf-token": secrets.MASK, "max-num-seqs": 8},
+                                 user=UserFactory(role="admin"))  # --hf-token is an admin's to set
     deployment.refresh_from_db()
     assert deployment.env == {"HF_TOKEN": TOKEN, "NCCL_PROTO": "Simple"} and deployment.engine_args["hf-token"] == KEY
 
 
-def test_a_benchmark_environment_snapshot_and_its_exports_hold_no_secret(deployment, viewer_client):
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        run = bench.run_create(params={}, deployment=deployment)
+def test_a_benchmark_environment_snapshot_and_its_exports_hold_no_secret(deployment, viewer_client, sent_tasks):
+    run = bench.run_create(params={}, deployment=deployment)
     assert run.environment["env"]["HF_TOKEN"] == secrets.MASK and run.environment["engine_args"]["hf-token"] == secrets.MASK
     for url in (f"/benchmarks/{run.pk}/", f"/benchmarks/{run.pk}/export.json", f"/benchmarks/{run.pk}/export.csv"):
         text = viewer_client.get(url).content.decode()

@@ -2,13 +2,12 @@
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 
 from benchmarks import services
 from benchmarks.models import BenchmarkRun
+from tests.taskqueue import recording
 
 pytestmark = pytest.mark.django_db
 SECRET = "internal-secret-3f9a"
@@ -55,31 +54,28 @@ def secret_server():
 
 @pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://metadata.google.internal/",
                                  "http://127.0.0.1:6379", "http://localhost:5432", "http://[::1]:8000", "http://10.0.0.5:8000"])
-def test_without_an_allowlist_no_url_can_be_benchmarked(api, url):
-    with mock.patch.object(Task, "apply_async", autospec=True) as sent:
-        response = api.post("/api/runs/", {"base_url": url, "levels": [1]}, format="json")
+def test_without_an_allowlist_no_url_can_be_benchmarked(api, url, sent_tasks):
+    response = api.post("/api/runs/", {"base_url": url, "levels": [1]}, format="json")
     assert response.status_code == 403 and "allowlist" in response.json()["error"]["message"]
-    assert not sent.called and not BenchmarkRun.objects.exists()
+    assert not sent_tasks and not BenchmarkRun.objects.exists()
 
 
 @pytest.mark.parametrize("trick", ["{u}/?x=", "{u}/v1?x=", "{u}#", "http://user@{h}", "http://{h}.evil.example",
                                    "http://evil.example/{h}", "{u}/team-a/../admin", "{u}/team-ab", "ftp://{h}",
                                    "https://{h}", "{u}:99999"])
-def test_tricks_around_an_allowed_prefix_are_refused(api, settings, trick):
+def test_tricks_around_an_allowed_prefix_are_refused(api, settings, trick, sent_tasks):
     settings.BENCHMARK_URL_ALLOWLIST = ["http://127.0.0.1:8123/team-a"]
     url = trick.format(u="http://127.0.0.1:8123", h="127.0.0.1:8123")
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        response = api.post("/api/runs/", {"base_url": url, "levels": [1]}, format="json")
+    response = api.post("/api/runs/", {"base_url": url, "levels": [1]}, format="json")
     assert response.status_code in (400, 403), url
     assert not BenchmarkRun.objects.exists()
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        ok = api.post("/api/runs/", {"base_url": "http://127.0.0.1:8123/team-a/", "levels": [1]}, format="json")
+    ok = api.post("/api/runs/", {"base_url": "http://127.0.0.1:8123/team-a/", "levels": [1]}, format="json")
     assert ok.status_code == 202
 
 
 def _execute(url, settings, served_model=""):
     settings.BENCHMARK_URL_ALLOWLIST = [url]
-    with mock.patch.object(Task, "apply_async", autospec=True):
+    with recording():
         run = services.run_create(base_url=url, served_model=served_model, params={"levels": [1], "min_requests": 1,
                                                                                     "requests_per_user": 1, "warmup_per_user": 0})
     return services.run_execute(run.pk)

@@ -1,15 +1,15 @@
-"""Unit tests of deployments.host.enginecli: the `vllm serve` argv, and the flags and version an engine reports."""
+"""Unit tests of deployments.host.serveargv: the `vllm serve` argv, and the flags and version an engine reports."""
 import os
 import textwrap
 
 import pytest
 
-from deployments.host import enginecli
-from deployments.host.engine import EngineError
+from deployments.host import serveargv
+from deployments.host.processes import EngineError
 
 
 def test_build_argv_turns_engine_args_into_flags_without_a_shell():
-    argv = enginecli.build_argv("/venv/bin/vllm", "/models/llama", 8001, "0.0.0.0", {
+    argv = serveargv.build_argv("/venv/bin/vllm", "/models/llama", 8001, "0.0.0.0", {
         "tensor-parallel-size": 8, "enforce-eager": True, "max-model-len": 4096,
         "enable-prefix-caching": False, "kv-cache-dtype": None,
         "allowed-origins": ["a", "b"], "speculative-config": {"method": "ngram"},
@@ -26,16 +26,16 @@ def test_build_argv_turns_engine_args_into_flags_without_a_shell():
 @pytest.mark.parametrize("name", ["port", "--host", "model", "bad flag", "x=1", "trust_remote_code", "Trust-Remote-Code",
                                   "--enforce-eager", "tp"])
 def test_build_argv_refuses_reserved_malformed_or_non_canonical_flags(name):
-    """The last line of defence: every way in canonicalises (engineoptions); anything else is refused, not guessed."""
+    """The last line of defence: every way in canonicalises (flagpolicy); anything else is refused, not guessed."""
     with pytest.raises(EngineError) as err:
-        enginecli.build_argv("vllm", "m", 8000, "127.0.0.1", {name: "1"})
+        serveargv.build_argv("vllm", "m", 8000, "127.0.0.1", {name: "1"})
     assert err.value.permanent
 
 
 @pytest.mark.parametrize("value", ["--trust-remote-code", "-x", -1, "a\nb", ["ok", "--b"]])
 def test_build_argv_refuses_a_value_that_would_read_as_another_flag_or_line(value):
     with pytest.raises(EngineError) as err:
-        enginecli.build_argv("vllm", "m", 8000, "127.0.0.1", {"enforce-eager": value})
+        serveargv.build_argv("vllm", "m", 8000, "127.0.0.1", {"enforce-eager": value})
     assert err.value.permanent and "--enforce-eager" in str(err.value)
 
 
@@ -44,7 +44,7 @@ FLAGS = {"--tensor-parallel-size", "--enforce-eager", "--max-model-len", "--port
 
 
 def test_validate_args_suggests_the_flag_a_typo_meant():
-    errors = enginecli.validate_args(
+    errors = serveargv.validate_args(
         {"tensor-paralel-size": 2, "max_model_len": 4096, "enforce-eager": True,
          "frobnicate-everything": 1, "port": 9000}, FLAGS)
     assert set(errors) == {"tensor-paralel-size", "max_model_len", "frobnicate-everything", "port"}
@@ -74,10 +74,10 @@ def test_engine_flags_parses_the_engines_own_help_once(tmp_path):
         EOF
         """))
     fake.chmod(0o755)
-    flags = enginecli.engine_flags(str(fake))
+    flags = serveargv.engine_flags(str(fake))
     assert flags == {"--port", "--grpc", "--tensor-parallel-size", "--enable-prefix-caching",
                      "--no-enable-prefix-caching", "--help"}
-    enginecli.engine_flags(str(fake))
+    serveargv.engine_flags(str(fake))
     assert calls.read_text().count("x") == 1
 
 
@@ -86,11 +86,11 @@ def test_engine_version_is_what_vllm_says_after_its_log_lines(tmp_path):
     fake.write_text('#!/bin/sh\n[ "$1" = --version ] || exit 2\n'
                     'echo "INFO 11-29 10:00:00 [__init__.py:1] Automatically detected platform cpu."\necho 0.32.0+cpu\n')
     fake.chmod(0o755)
-    assert enginecli.engine_version(str(fake)) == "0.32.0+cpu"
+    assert serveargv.engine_version(str(fake)) == "0.32.0+cpu"
     broken = tmp_path / "broken"
     broken.write_text("#!/bin/sh\necho 'Traceback (most recent call last):'\nexit 1\n")
     broken.chmod(0o755)
-    assert enginecli.engine_version(str(broken)) == "" and enginecli.engine_version(str(tmp_path / "nope")) == ""
+    assert serveargv.engine_version(str(broken)) == "" and serveargv.engine_version(str(tmp_path / "nope")) == ""
 
 
 def test_engine_version_is_read_from_the_scripts_own_interpreter_without_running_vllm(tmp_path):
@@ -103,7 +103,7 @@ def test_engine_version_is_read_from_the_scripts_own_interpreter_without_running
     fake = tmp_path / "vllm"
     fake.write_text(f"#!{python}\nthis script must not run\n")
     fake.chmod(0o755)
-    assert enginecli.engine_version(str(fake)) == "0.33.1+cpu"
+    assert serveargv.engine_version(str(fake)) == "0.33.1+cpu"
     # That interpreter cannot tell (no metadata named vllm): what the CLI itself says.
     other = tmp_path / "other" / "python3"
     other.parent.mkdir()
@@ -112,12 +112,12 @@ def test_engine_version_is_read_from_the_scripts_own_interpreter_without_running
     cli = tmp_path / "other" / "vllm"
     cli.write_text(f"#!{other}\n")
     cli.chmod(0o755)
-    assert enginecli.engine_version(str(cli)) == "0.32.0+cpu"
+    assert serveargv.engine_version(str(cli)) == "0.32.0+cpu"
 
 
 def test_engine_flags_of_a_missing_engine_is_a_permanent_error(tmp_path):
     with pytest.raises(EngineError) as err:
-        enginecli.engine_flags(str(tmp_path / "nope"))
+        serveargv.engine_flags(str(tmp_path / "nope"))
     assert err.value.permanent
 
 
@@ -131,16 +131,16 @@ def test_engine_flags_are_kept_on_disk_per_binary_and_version_for_the_next_agent
               '\nprintf "options:\\n  --port PORT\\n  --max-num-seqs N\\n"\n')
     fake.write_text(script.replace("{version}", "0.32.0+cpu"))
     fake.chmod(0o755)
-    assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
-    enginecli._flags_cached.cache_clear()  # as in a new process
-    enginecli._flags_kept.cache_clear()
-    assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
+    assert serveargv.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
+    serveargv._flags_cached.cache_clear()  # as in a new process
+    serveargv._flags_kept.cache_clear()
+    assert serveargv.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
     assert calls.read_text().count("x") == 1
     # An upgrade (new script, new version): asked again.
     os.utime(fake, (1, 1))
     fake.write_text(script.replace("{version}", "0.33.0+cpu"))
-    enginecli._flags_cached.cache_clear()
-    enginecli._flags_kept.cache_clear()
-    enginecli._version_cached.cache_clear()
-    assert enginecli.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
+    serveargv._flags_cached.cache_clear()
+    serveargv._flags_kept.cache_clear()
+    serveargv._version_cached.cache_clear()
+    assert serveargv.engine_flags(str(fake)) == {"--port", "--max-num-seqs"}
     assert calls.read_text().count("x") == 2

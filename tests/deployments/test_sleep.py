@@ -41,10 +41,9 @@ def _on(node, *indices, **fields):
 
 
 @pytest.fixture
-def sent():
+def sent(sent_tasks):
     """The host tasks the services send (by name, with their arguments), caught before the broker."""
-    with mock.patch("deployments.dispatch.enqueue", autospec=True) as enqueue:
-        yield lambda: [(c.args[0], c.kwargs["args"]) for c in enqueue.call_args_list]
+    return lambda: [(s.name, s.args) for s in sent_tasks.commit()]
 
 
 def test_sleep_mode_is_refused_where_vllm_has_none():

@@ -1,13 +1,13 @@
-"""Engine flags and environment for a deployment: parse what the user typed, check it, presets.
+"""Control plane: a deployment's engine flags and environment as the user typed them: parsed, checked, presets.
 
 Nothing here runs anything: flags become an argv list for `vllm serve` (no shell). Names are put in
-their one canonical form and every value is checked (engineoptions) before anything else looks at them.
+their one canonical form and every value is checked (flagpolicy) before anything else looks at them.
 """
 import shlex
 
-from deployments import engineoptions
-from deployments.engineoptions import ENV_NAME, FLAG_NAME, MAX_VALUE, OptionError  # noqa: F401 (used by callers)
-from deployments.host import enginecli
+from deployments import flagpolicy
+from deployments.flagpolicy import ENV_NAME, FLAG_NAME, MAX_VALUE, OptionError  # noqa: F401 (used by callers)
+from deployments.host import serveargv
 
 # Environment variables a deployment may set: the engine's, the communication libraries' and CUDA's.
 ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", "NVIDIA_", "TRITON_",
@@ -15,7 +15,7 @@ ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", 
 # Set by the panel itself; a user value would break what the panel relies on.
 ENV_RESERVED = {"CUDA_VISIBLE_DEVICES": "set by the panel from the chosen GPUs",
                 "RAY_ADDRESS": "set by the panel (the Ray head it starts for --distributed-executor-backend ray)",
-                "VLLM_API_KEY": enginecli.KEY_BY_PANEL}
+                "VLLM_API_KEY": serveargv.KEY_BY_PANEL}
 
 # Form presets: typical layouts, prefilled into the deploy form (the user can change anything).
 PRESETS = {
@@ -98,7 +98,7 @@ def _words(text: str) -> list[tuple[str, str | bool]]:
 
 def parse_flags(text: str) -> dict:
     """'--max-num-batched-tokens 8192 --enable-prefix-caching' -> {"max-num-batched-tokens": "8192", ...}, in
-    canonical form (engineoptions: `--Max_Num_Seqs=8` and `-tp 2` read as max-num-seqs and tensor-parallel-size).
+    canonical form (flagpolicy: `--Max_Num_Seqs=8` and `-tp 2` read as max-num-seqs and tensor-parallel-size).
     A value that begins with '-' is refused (`--enforce-eager=--trust-remote-code` too).
 
     shlex only splits words here (quotes group a value); nothing is ever run through a shell.
@@ -106,14 +106,14 @@ def parse_flags(text: str) -> dict:
     flags = {}
     for name, value in _words(text):
         try:
-            key = engineoptions.flag_name(name)
+            key = flagpolicy.flag_name(name)
         except OptionError as exc:
             raise ArgsError({"extra_flags": str(exc)}) from exc
         if key in flags:
             raise ArgsError({"extra_flags": f"--{key} is given twice"})
         flags[key] = value
     try:
-        return engineoptions.canonical_flags(flags)
+        return flagpolicy.canonical_flags(flags)
     except OptionError as exc:
         raise ArgsError({"extra_flags": str(exc)}) from exc
 
@@ -129,7 +129,7 @@ def parse_env(text: str) -> dict[str, str]:
         if not sep:
             raise ArgsError({"env": f"line {number}: write NAME=VALUE"})
         try:
-            key = engineoptions.env_name(name)
+            key = flagpolicy.env_name(name)
         except OptionError as exc:
             raise ArgsError({"env": f"line {number}: {exc}"}) from exc
         if key in env:
@@ -151,29 +151,29 @@ def check_env(env: dict) -> dict[str, str]:
             errors.append(f"{name} is not allowed: names must start with {', '.join(p for p in ENV_PREFIXES[:6])}, …")
         elif not isinstance(value, str):
             errors.append(f"{name}: a value is text")
-        elif problem := engineoptions.value_problem(value):
+        elif problem := flagpolicy.value_problem(value):
             errors.append(f"{name}: {problem}")
     return {"env": "; ".join(errors)} if errors else {}
 
 
 def check_flags(flags: dict, known: set[str] | None) -> dict[str, str]:
-    """Errors for malformed, non-canonical or reserved flags (enginecli.RESERVED_FLAGS), bad values, and (when
+    """Errors for malformed, non-canonical or reserved flags (serveargv.RESERVED_FLAGS), bad values, and (when
     the engine's list is known) unknown ones."""
     errors = [f"--{name}: {problem}" for name, value in flags.items()
-              if (problem := engineoptions.value_problem(value))]
-    errors += [message for name, message in enginecli.validate_args(flags, known or set()).items()
+              if (problem := flagpolicy.value_problem(value))]
+    errors += [message for name, message in serveargv.validate_args(flags, known or set()).items()
                if known or "unknown engine flag" not in message]
     return {"extra_flags": "; ".join(dict.fromkeys(errors))} if errors else {}
 
 
 def canonical(flags: dict, env: dict) -> tuple[dict, dict]:
-    """Both in canonical form (engineoptions), or ArgsError naming the field."""
+    """Both in canonical form (flagpolicy), or ArgsError naming the field."""
     try:
-        flags = engineoptions.canonical_flags(flags)
+        flags = flagpolicy.canonical_flags(flags)
     except OptionError as exc:
         raise ArgsError({"extra_flags": str(exc)}) from exc
     try:
-        return flags, engineoptions.canonical_env(env)
+        return flags, flagpolicy.canonical_env(env)
     except OptionError as exc:
         raise ArgsError({"env": str(exc)}) from exc
 

@@ -1,6 +1,6 @@
 """vLLM engine processes on a host: launch, find the group's members, stop them, check a port.
 
-The argv and flags: host/enginecli.py; the log: host/enginelog.py; health: host/vllm.py.
+The argv and flags: host/serveargv.py; the log: host/processlog.py; health: host/vllm.py.
 
 The only module that spawns or signals engine processes. Plain Python, no Django.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.host import containers, engineenv, engineuser
+from deployments.host import containers, osuser, processenv
 from deployments.host.errors import HostError
 
 SHM_DIR = Path("/dev/shm")
@@ -29,14 +29,14 @@ class EngineError(HostError):
 
 @dataclass
 class EngineSpec:
-    """Everything needed to start one engine process; env is what the panel sets (engineenv.deployment_env)."""
+    """Everything needed to start one engine process; env is what the panel sets (processenv.deployment_env)."""
 
     argv: list[str]
     env: dict[str, str]
     log_path: Path
     cwd: Path | None = None
-    # Who the engine runs as (engineuser.current() for deployments); None: the agent's own user.
-    run_as: engineuser.EngineUser | None = None
+    # Who the engine runs as (osuser.current() for deployments); None: the agent's own user.
+    run_as: osuser.EngineUser | None = None
 
 
 @dataclass
@@ -63,15 +63,15 @@ class StopResult:
 
 def popen_args(spec: EngineSpec) -> dict:
     """subprocess.Popen's arguments for `spec`: its user, groups and no_new_privs, its secret flags moved
-    from the command line into the environment (engineenv.secret_argv), the allowlisted environment."""
+    from the command line into the environment (processenv.secret_argv), the allowlisted environment."""
     user = spec.run_as
     try:
-        argv, secret_env = engineenv.secret_argv(list(spec.argv))
-    except engineenv.SecretFlagError as exc:
+        argv, secret_env = processenv.secret_argv(list(spec.argv))
+    except processenv.SecretFlagError as exc:
         raise EngineError(str(exc), permanent=True) from exc
-    env = engineenv.engine_environ({**spec.env, **secret_env}, user_env=user.environ() if user else None)
-    prefix = engineuser.argv_prefix()  # setpriv execs the engine in place: same PID, the engine's cmdline
-    return {"args": prefix + argv, "env": env, "cwd": spec.cwd, "preexec_fn": None if prefix else engineuser.no_new_privs,
+    env = processenv.engine_environ({**spec.env, **secret_env}, user_env=user.environ() if user else None)
+    prefix = osuser.argv_prefix()  # setpriv execs the engine in place: same PID, the engine's cmdline
+    return {"args": prefix + argv, "env": env, "cwd": spec.cwd, "preexec_fn": None if prefix else osuser.no_new_privs,
             **(user.popen_kwargs() if user else {})}
 
 
@@ -84,7 +84,7 @@ def _check_reachable(spec: EngineSpec, env: dict) -> None:
     if user is None or not user.separate:
         return
     for path, want in ((exe, "x"), *(((spec.cwd, "r"),) if spec.cwd else ())):
-        if not engineuser.can_reach(user, path, want):
+        if not osuser.can_reach(user, path, want):
             raise EngineError(f"the engine user {user.name} cannot {'run' if want == 'x' else 'read'} {path}: make it and "
                               f"its parent folders readable by {user.name} (group or others), or see PANEL_ENGINE_USER "
                               "in docs/security.md", permanent=True)

@@ -1,7 +1,7 @@
 """A level's summary of vLLM /metrics readings (the readings themselves: tests/host/test_vllm.py)."""
 import pytest
 
-from benchmarks.runner.scrape import summarize
+from benchmarks.runner.metricsampler import summarize
 
 
 def test_level_summary_has_max_mean_and_generation_rate_from_the_counter():

@@ -1,6 +1,6 @@
 """GET /metrics: the panel's figures in Prometheus' text format (docs/monitoring.md).
 
-Built from rows and the telemetry the agents already sent (deployments.metrics, benchmarks.metrics);
+Built from rows and the telemetry the agents already sent (deployments.prometheus, benchmarks.prometheus);
 a scrape never waits on an agent or an engine. The collectors yield prometheus_client metric
 families; they are written out here rather than by prometheus_client's generate_latest, which
 costs ~15 µs a sample (it validates and escapes every label name of every sample): a fleet of
@@ -18,12 +18,12 @@ from prometheus_client.core import CounterMetricFamily
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.views import APIView
 
-from benchmarks.metrics import BenchmarkCollector
-from deployments.gateway.metrics import UsageCollector
-from deployments.metrics import DeploymentCollector, DownloadCollector, FleetCollector
+from benchmarks.prometheus import BenchmarkCollector
+from deployments.gateway.prometheus import UsageCollector
+from deployments.prometheus import DeploymentCollector, DownloadCollector, FleetCollector
 from deployments.models import Deployment, Node
 from plumbing import apicache, livedrops
-from plumbing.scrape import ScrapeAccess
+from plumbing.scrapeaccess import ScrapeAccess
 
 # The classic text format every Prometheus reads.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

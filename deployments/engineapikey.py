@@ -1,5 +1,5 @@
-"""Each deployment's engine key: the engine's own API key, random and new at every launch, known to
-the panel and its node gateways only.
+"""Control plane: each deployment's engine key, the engine's own API key, random and new at every
+launch, stored sealed and known to the panel and its node gateways only.
 
 Why: engines listen on loopback, and the node's gateway is the one public door; the key makes sure that
 what reaches an engine's OpenAI routes is the panel (its gateway, smoke test, benchmarks, studies), not another

@@ -9,7 +9,7 @@ from deployments import contextfit
 from deployments.contextfit import EngineKv, Layout, calibrate, context_fit, context_table
 from deployments.modelconfig import parse_config
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 GB = 10**9
 GiB = 1024**3
 KIMI_WEIGHTS = 547 * GB  # Kimi-K2.5 INT4 (FACTS.md): ~68 GB per card at TP 8

@@ -9,10 +9,10 @@ import pytest
 from django.test import override_settings
 
 from benchmarks import services as bench_services
-from deployments import enginekey, privileged, sealed, scrapekey
+from deployments import engineapikey, privileged, scrapekey, sealed
 from deployments.gateway.models import CallerKey
-from deployments.host import enginecli
-from deployments.host.engine import EngineError
+from deployments.host import serveargv
+from deployments.host.processes import EngineError
 from deployments.models import Deployment
 from deployments.node import plan
 from plumbing.errors import ServiceError
@@ -37,7 +37,7 @@ def test_each_launch_gets_a_new_sealed_key_in_its_environment_never_argv_and_lis
     d = _run(model, node, host)
     argv, env = host.spec.argv, host.spec.env
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    key = enginekey.of(d)
+    key = engineapikey.of(d)
     assert len(key) >= 40 and sealed.is_sealed(d.engine_key) and key not in d.engine_key
     assert env["VLLM_API_KEY"] == key and key not in " ".join(argv) and "--api-key" not in argv
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"  # its processes talk over loopback too
@@ -46,7 +46,7 @@ def test_each_launch_gets_a_new_sealed_key_in_its_environment_never_argv_and_lis
     Deployment.objects.filter(pk=d.pk).update(status=S.QUEUED)  # a redeploy: a new plan, a new key
     plan.deployment_run(d.pk)
     d.refresh_from_db()
-    assert d.status == S.READY and enginekey.of(d) != key and host.spec.env["VLLM_API_KEY"] == enginekey.of(d)
+    assert d.status == S.READY and engineapikey.of(d) != key and host.spec.env["VLLM_API_KEY"] == engineapikey.of(d)
 
 
 def test_a_deployment_variable_cannot_replace_the_key(model, node, host):
@@ -54,7 +54,7 @@ def test_a_deployment_variable_cannot_replace_the_key(model, node, host):
                           engine_args={"served-model-name": "tiny"})  # stored before the refusal existed
     plan.deployment_run(d.pk)
     d.refresh_from_db()
-    assert host.spec.env["VLLM_API_KEY"] == enginekey.of(d) != "mine"
+    assert host.spec.env["VLLM_API_KEY"] == engineapikey.of(d) != "mine"
 
 
 def test_a_stored_api_key_flag_fails_the_launch_saying_why(model, node, host):
@@ -65,7 +65,7 @@ def test_a_stored_api_key_flag_fails_the_launch_saying_why(model, node, host):
     assert d.status == S.FAILED and "The engine's key (--api-key, VLLM_API_KEY) is set by the panel" in d.status_message
     assert "panelctl keys create" in d.status_message and "sk-old-1234" not in d.status_message
     with pytest.raises(EngineError, match=r"\(--api-key, VLLM_API_KEY\) is set by the panel"):
-        enginecli.build_argv("vllm", "/m", 8000, enginecli.API_HOST, {"api-key": "k"})
+        serveargv.build_argv("vllm", "/m", 8000, serveargv.API_HOST, {"api-key": "k"})
 
 
 @pytest.mark.parametrize("args, env, field", [({"api-key": "k1234"}, {}, "extra_flags"),
@@ -89,8 +89,8 @@ def test_a_benchmark_of_a_deployment_sends_its_engines_key(model, node, host):
     with mock.patch("benchmarks.runqueue.run_claim", autospec=True, return_value=True), \
          mock.patch("benchmarks.services.runner.sweep_in_child", side_effect=sweep):
         bench_services.run_execute(run.pk)
-    assert host.mocks["vllm.served_models"].call_args.kwargs["key"] == enginekey.of(d)  # model-name discovery
-    assert seen["spec"].api_key == enginekey.of(d) and seen["spec"].base_url == f"http://127.0.0.1:{d.port}"
+    assert host.mocks["vllm.served_models"].call_args.kwargs["key"] == engineapikey.of(d)  # model-name discovery
+    assert seen["spec"].api_key == engineapikey.of(d) and seen["spec"].base_url == f"http://127.0.0.1:{d.port}"
 
 
 def test_the_scrape_key_follows_the_scrape_token():

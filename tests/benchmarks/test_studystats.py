@@ -5,10 +5,10 @@ import statistics
 
 import pytest
 
-from benchmarks import tunestats
+from benchmarks import studystats
 from benchmarks.runner.spec import RequestRecord
 from benchmarks.runner.stats import request_samples
-from benchmarks.tunestats import BETTER, SAME, WORSE, Repeat
+from benchmarks.studystats import BETTER, SAME, WORSE, Repeat
 
 
 def noisy(center: float, n: int, spread: float, rng: random.Random) -> list[float]:
@@ -22,9 +22,9 @@ def repeats_of(values_per_repeat: list[list[float]]) -> list[Repeat]:
 
 def test_identical_constant_repeats_give_a_zero_width_interval_and_no_significant_difference():
     same = [Repeat(100.0), Repeat(100.0), Repeat(100.0)]
-    est = tunestats.estimate(same)
+    est = studystats.estimate(same)
     assert (est.median, est.low, est.high, est.n) == (100.0, 100.0, 100.0, 3)
-    cmp = tunestats.compare(same, list(same))
+    cmp = studystats.compare(same, list(same))
     assert cmp.diff == 0 and cmp.low == 0 == cmp.high and cmp.verdict == SAME and cmp.rel == 0
 
 
@@ -32,10 +32,10 @@ def test_a_variant_twice_as_fast_is_better_by_about_100_percent():
     rng = random.Random(1)
     base = repeats_of([noisy(100, 30, 0.05, rng) for _ in range(3)])
     fast = repeats_of([noisy(200, 30, 0.05, rng) for _ in range(3)])
-    cmp = tunestats.compare(base, fast)
+    cmp = studystats.compare(base, fast)
     assert cmp.verdict == BETTER
     assert cmp.low > 0 and cmp.rel_low > 0.8 and cmp.rel_high < 1.2 and cmp.rel == pytest.approx(1.0, abs=0.05)
-    assert tunestats.compare(fast, base).verdict == WORSE
+    assert studystats.compare(fast, base).verdict == WORSE
 
 
 def test_throughput_follows_request_times_and_a_bunched_request_does_not_blow_it_up():
@@ -44,13 +44,13 @@ def test_throughput_follows_request_times_and_a_bunched_request_does_not_blow_it
     rng = random.Random(4)
     slow = [Repeat(100.0, tuple(noisy(1000, 30, 0.05, rng))) for _ in range(3)]
     fast = [Repeat(200.0, tuple(noisy(500, 30, 0.05, rng))) for _ in range(3)]
-    cmp = tunestats.compare(slow, fast, kind=tunestats.INVERSE)
+    cmp = studystats.compare(slow, fast, kind=studystats.INVERSE)
     assert cmp.verdict == BETTER and 0.9 < cmp.rel_low < cmp.rel < cmp.rel_high < 1.1
     rates = [Repeat(100.0, tuple(noisy(100, 29, 0.05, rng)) + (50_000.0,)) for _ in range(3)]
-    est = tunestats.estimate(rates, kind=tunestats.SCALED)
+    est = studystats.estimate(rates, kind=studystats.SCALED)
     assert est.high - est.low > 100  # a mean of rates is at the mercy of the outlier
     times = [Repeat(100.0, tuple(noisy(1000, 29, 0.05, rng)) + (900.0,)) for _ in range(3)]
-    est = tunestats.estimate(times, kind=tunestats.INVERSE)
+    est = studystats.estimate(times, kind=studystats.INVERSE)
     assert est.high - est.low < 5
 
 
@@ -58,12 +58,12 @@ def test_for_a_latency_lower_is_better():
     rng = random.Random(2)
     slow = [Repeat(v) for v in noisy(80, 3, 0.01, rng)]
     quick = [Repeat(v) for v in noisy(40, 3, 0.01, rng)]
-    assert tunestats.compare(slow, quick, higher_is_better=False).verdict == BETTER
-    assert tunestats.compare(quick, slow, higher_is_better=False).verdict == WORSE
+    assert studystats.compare(slow, quick, higher_is_better=False).verdict == BETTER
+    assert studystats.compare(quick, slow, higher_is_better=False).verdict == WORSE
 
 
 def test_the_median_of_repeats_is_reported_and_the_interval_holds_the_mean():
-    est = tunestats.estimate([Repeat(1.0), Repeat(2.0), Repeat(10.0)])
+    est = studystats.estimate([Repeat(1.0), Repeat(2.0), Repeat(10.0)])
     assert est.median == 2.0
     assert est.low < 13 / 3 < est.high
 
@@ -71,16 +71,16 @@ def test_the_median_of_repeats_is_reported_and_the_interval_holds_the_mean():
 def test_a_median_metric_resamples_the_requests_median():
     # One repeat, requests 1..99: the median is 50 and its bootstrap interval is about ±1.96·sqrt(n)/2 ranks.
     # (Replicates, not estimate(): one repeat alone gets no interval.)
-    reps = sorted(tunestats.replicates([Repeat(50.0, tuple(float(i) for i in range(1, 100)))], tunestats.MEDIAN, 2000,
+    reps = sorted(studystats.replicates([Repeat(50.0, tuple(float(i) for i in range(1, 100)))], studystats.MEDIAN, 2000,
                                        random.Random(0)))
     assert statistics.median(reps) == 50.0
     assert 35 < reps[50] < 50 < reps[-50] < 65
 
 
 def test_the_interval_is_widened_for_few_repeats_as_students_t_says():
-    assert tunestats.widening(3, 3) == pytest.approx(math.sqrt(1.5) * 2.776 / 1.959964, rel=1e-4)
-    assert tunestats.widening(1, 5) == 1.0
-    assert tunestats.widening(100, 100) == pytest.approx(math.sqrt(100 / 99), rel=1e-3)
+    assert studystats.widening(3, 3) == pytest.approx(math.sqrt(1.5) * 2.776 / 1.959964, rel=1e-4)
+    assert studystats.widening(1, 5) == 1.0
+    assert studystats.widening(100, 100) == pytest.approx(math.sqrt(100 / 99), rel=1e-3)
 
 
 def test_identical_variants_are_rarely_called_different_and_a_clear_difference_is_found():
@@ -93,8 +93,8 @@ def test_identical_variants_are_rarely_called_different_and_a_clear_difference_i
         a = repeats_of([noisy(100, 16, 0.05, rng) for _ in range(3)])
         b = repeats_of([noisy(100, 16, 0.05, rng) for _ in range(3)])
         c = repeats_of([noisy(110, 16, 0.05, rng) for _ in range(3)])
-        false += tunestats.compare(a, b, n_boot=300, seed=i).verdict != SAME
-        found += tunestats.compare(a, c, n_boot=300, seed=i).verdict == BETTER
+        false += studystats.compare(a, b, n_boot=300, seed=i).verdict != SAME
+        found += studystats.compare(a, c, n_boot=300, seed=i).verdict == BETTER
     assert false <= studies * 0.1
     assert found == studies
 
@@ -121,38 +121,38 @@ def test_with_host_drift_between_repeats_the_interval_covers_the_true_difference
     studies, covered, covered_rel, false = 300, 0, 0, 0
     for i in range(studies):
         base, faster, same = drifting(100, rng), drifting(110, rng), drifting(100, rng)
-        cmp = tunestats.compare(base, faster, tunestats.INVERSE, n_boot=200, seed=i)
+        cmp = studystats.compare(base, faster, studystats.INVERSE, n_boot=200, seed=i)
         # The true difference: +10 (and +10 %) up to 1/mean(1 + noise)'s bias, 2e-4 of the throughput.
         covered += cmp.low <= 10 <= cmp.high
         covered_rel += cmp.rel_low <= 0.10 <= cmp.rel_high
-        false += tunestats.compare(base, same, tunestats.INVERSE, n_boot=200, seed=i).verdict != SAME
+        false += studystats.compare(base, same, studystats.INVERSE, n_boot=200, seed=i).verdict != SAME
     assert 0.90 * studies <= covered <= 0.99 * studies, covered / studies
     assert 0.90 * studies <= covered_rel <= 0.99 * studies, covered_rel / studies
     assert 0.01 * studies <= false <= 0.10 * studies, false / studies
 
 
 def test_missing_repeats_give_no_answer_rather_than_a_wrong_one():
-    assert tunestats.estimate([]) is None
-    assert tunestats.compare([], [Repeat(1.0)]) is None
+    assert studystats.estimate([]) is None
+    assert studystats.compare([], [Repeat(1.0)]) is None
 
 
 def test_one_repeat_gives_a_figure_but_no_interval_and_no_verdict():
     # The case this guards against: repeats=1 and "TTFT p95 +96.2 % [+96.2 %, +96.2 %] worse".
     base, slow = [Repeat(100.0, (90.0, 110.0))], [Repeat(196.2, (180.0, 212.0))]
-    est = tunestats.estimate(slow)
+    est = studystats.estimate(slow)
     assert (est.median, est.low, est.high, est.n) == (196.2, None, None, 1)
-    cmp = tunestats.compare(base, slow, higher_is_better=False)
-    assert cmp.verdict == tunestats.NO_VERDICT and cmp.rel == pytest.approx(0.962)
+    cmp = studystats.compare(base, slow, higher_is_better=False)
+    assert cmp.verdict == studystats.NO_VERDICT and cmp.rel == pytest.approx(0.962)
     assert (cmp.low, cmp.high, cmp.rel_low, cmp.rel_high) == (None, None, None, None)
     assert "1 repeat of the baseline: a verdict needs at least 2 of each" in cmp.why
     two = [Repeat(100.0, (90.0, 110.0)), Repeat(101.0, (91.0, 111.0))]
-    assert "1 repeat of this variant" in tunestats.compare(two, slow).why
-    assert tunestats.compare(two, two).why == ""
+    assert "1 repeat of this variant" in studystats.compare(two, slow).why
+    assert studystats.compare(two, two).why == ""
 
 
 def test_the_pareto_front_keeps_points_nothing_beats_on_both_axes():
     points = [("a", 100, 10), ("b", 200, 5), ("c", 150, 4), ("d", 50, 12), ("e", 100, 9)]
-    assert tunestats.pareto(points) == ["a", "b", "d"]
+    assert studystats.pareto(points) == ["a", "b", "d"]
 
 
 def test_per_request_samples_come_from_the_records():

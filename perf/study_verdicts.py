@@ -4,7 +4,7 @@ Verdicts, no engine: many small studies against three OpenAI-compatible test ser
 schedule (tests/schedserver.py), each request's token gap drawn from the schedule's gap ± 5 %
 (uniform): "base" and "same" share a schedule, "slower" takes 5 % longer per request. Each study runs the
 default 3 repeats interleaved (base same slower base same slower …) with the real load generator
-(benchmarks.runner) and judges output tok/s with benchmarks.tunestats, as the panel does. Twice: on the
+(benchmarks.runner) and judges output tok/s with benchmarks.studystats, as the panel does. Twice: on the
 schedules as they are, and with host drift between repeats (each repeat of each server on its schedule
 times a factor drawn from N(1, --drift), as a shared host runs one trial faster than the next):
 
@@ -29,7 +29,7 @@ subtracted: what is left is the panel's (agent polling, the plan's steps, the ru
   estimate_after_first_trial_err_pct   the first study's elapsed time plus the time left its page shows once its
                                    first trial ended, against what it took (target within ±30)
 
-    python perf/tune_verdicts.py [--studies 60] [--drift 0.03] [--skip-overhead]
+    python perf/study_verdicts.py [--studies 60] [--drift 0.03] [--skip-overhead]
 
 Last line: name=value pairs.
 """
@@ -62,7 +62,7 @@ STUDY_VARIANTS = [{"name": "8", "engine_args": {"max-num-seqs": 8}, "env": {}},
 def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> dict:
     """Studies against the three servers; with `drift`, each repeat of each server runs on its schedule
     times a factor drawn from N(1, drift)."""
-    from benchmarks import runner, tunestats
+    from benchmarks import runner, studystats
     from tests.schedserver import SchedServer
 
     nominal = {"base": (TTFT_MS, GAP_MS), "same": (TTFT_MS, GAP_MS),
@@ -91,11 +91,11 @@ def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> d
                     schedule.ttft_ms, schedule.gap_ms = (v * factor for v in nominal[name])
                     level = sweeper.run_level(CONCURRENCY)
                     samples = runner.request_samples(level.records)
-                    reps[name].append(tunestats.Repeat(level.output_throughput, tuple(samples["e2e_ms"])))
-            same = tunestats.compare(reps["base"], reps["same"], tunestats.INVERSE, seed=i)
-            slower = tunestats.compare(reps["base"], reps["slower"], tunestats.INVERSE, seed=i)
-            false += same.verdict != tunestats.SAME
-            detected += slower.verdict == tunestats.WORSE
+                    reps[name].append(studystats.Repeat(level.output_throughput, tuple(samples["e2e_ms"])))
+            same = studystats.compare(reps["base"], reps["same"], studystats.INVERSE, seed=i)
+            slower = studystats.compare(reps["base"], reps["slower"], studystats.INVERSE, seed=i)
+            false += same.verdict != studystats.SAME
+            detected += slower.verdict == studystats.WORSE
             if i % 10 == 9 or i == studies - 1:
                 print(f"{label}, studies {i + 1}: identical called different {false}, 5 % found {detected} "
                       f"(last: same {same.rel * 100:+.2f} % [{same.rel_low * 100:+.2f}, {same.rel_high * 100:+.2f}], "
@@ -234,11 +234,11 @@ def overhead(repeats: int) -> dict:
         return figures
     finally:
         try:
-            from deployments.host import engine
+            from deployments.host import processes
             from deployments.models import Deployment
 
             for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-                engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
         except Exception as exc:  # noqa: BLE001 - Django may not be set up
             print(f"note: engines not checked: {exc}", file=sys.stderr)
         children.stop()

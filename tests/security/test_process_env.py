@@ -1,13 +1,13 @@
 """An engine sees an allowlisted environment: never the panel's settings or secrets.
 
-The launch test starts a real process through engine.launch (the same call that starts vLLM) with
+The launch test starts a real process through processes.launch (the same call that starts vLLM) with
 the agent's environment full of panel secrets, and reads what the child process saw."""
 import json
 import os
 import sys
 from unittest import mock
 
-from deployments.host import engine, engineenv
+from deployments.host import processenv, processes
 from tests.conftest import wait_until
 
 PANEL_SECRETS = {"DATABASE_URL": "postgres://panel:db-secret@db/panel", "REDIS_URL": "redis://:redis-secret@r:6379/0",
@@ -20,7 +20,7 @@ PANEL_SECRETS = {"DATABASE_URL": "postgres://panel:db-secret@db/panel", "REDIS_U
 def test_the_engine_environment_keeps_what_a_process_needs_and_drops_the_panels_settings():
     agent = {"PATH": "/usr/bin", "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
              "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64", **PANEL_SECRETS}
-    env = engineenv.engine_environ({"VLLM_CPU_KVCACHE_SPACE": "1", "CUDA_VISIBLE_DEVICES": "0,1",
+    env = processenv.engine_environ({"VLLM_CPU_KVCACHE_SPACE": "1", "CUDA_VISIBLE_DEVICES": "0,1",
                                     "PANEL_DEPLOYMENT_OWNER": "12:nonce"}, agent)
     assert not set(PANEL_SECRETS) & set(env)
     assert {"PATH", "HOME", "LANG", "LC_ALL", "LD_LIBRARY_PATH"} <= set(env)
@@ -31,16 +31,16 @@ def test_the_engine_environment_keeps_what_a_process_needs_and_drops_the_panels_
 
 def test_a_host_admin_may_let_more_names_through():
     with mock.patch.dict(os.environ, {"ENGINE_ENV_PASSTHROUGH": "MY_PROXY_CA", "MY_PROXY_CA": "/etc/ca.pem"}):
-        assert engineenv.engine_environ({})["MY_PROXY_CA"] == "/etc/ca.pem"
-    assert "MY_PROXY_CA" not in engineenv.engine_environ({}, {"MY_PROXY_CA": "/etc/ca.pem"})
+        assert processenv.engine_environ({})["MY_PROXY_CA"] == "/etc/ca.pem"
+    assert "MY_PROXY_CA" not in processenv.engine_environ({}, {"MY_PROXY_CA": "/etc/ca.pem"})
 
 
 def test_a_launched_engine_process_sees_none_of_the_agents_secrets(tmp_path):
     log = tmp_path / "engine.log"
     script = "import json, os; print(json.dumps(dict(os.environ)), flush=True)"
     with mock.patch.dict(os.environ, PANEL_SECRETS):
-        handle = engine.launch(engine.EngineSpec(argv=[sys.executable, "-c", script], env={"VLLM_X": "1"}, log_path=log))
-    wait_until(lambda: not engine.alive(handle.pid), message="the process to exit")
+        handle = processes.launch(processes.EngineSpec(argv=[sys.executable, "-c", script], env={"VLLM_X": "1"}, log_path=log))
+    wait_until(lambda: not processes.alive(handle.pid), message="the process to exit")
     seen = json.loads(log.read_text().strip().splitlines()[-1])
     assert seen["VLLM_X"] == "1" and "PATH" in seen
     leaked = {k for k, v in PANEL_SECRETS.items() if k in seen or any(v in value for value in seen.values())}

@@ -47,7 +47,7 @@ def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
 
 def add_sample(family: GaugeMetricFamily, labels: dict, value) -> None:
     """family.add_metric without its per-sample zip: one labels dict may serve several families
-    (a GPU's figures), which controlpanel.metrics.render then writes once."""
+    (a GPU's figures), which controlpanel.metricsview.render then writes once."""
     family.samples.append(Sample(family.name, labels, value, None))
 
 

@@ -40,7 +40,7 @@ def passthrough() -> frozenset[str]:
 def engine_environ(own: Mapping[str, str], environ: Mapping[str, str] | None = None,
                    user_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The full environment for an engine: allowed host variables, the engine user's home and caches
-    (`user_env`, engineuser.EngineUser.environ(): the agent's are not its to write), the offline
+    (`user_env`, osuser.EngineUser.environ(): the agent's are not its to write), the offline
     defaults, then `own`."""
     return {**inherited(environ, passthrough()), **(user_env or {}), **OFFLINE, **{str(k): str(v) for k, v in own.items()}}
 

@@ -79,13 +79,13 @@ def test_engine_control_goes_to_the_nodes_control_queue_and_never_expires_plans_
     assert queue.route("deployments.model_inspect", {}) == {}
 
 
-def test_a_halt_sent_from_a_service_reaches_the_control_queue_after_commit(node, django_capture_on_commit_callbacks):
+def test_a_halt_sent_from_a_service_reaches_the_control_queue_after_commit(node, sent_tasks):
     from deployments.services import nodes
 
-    with mock.patch.object(tasks.deployment_halt, "apply_async", autospec=True) as apply_async:
-        with django_capture_on_commit_callbacks(execute=True):
-            nodes.node_enqueue(node, "deployments.deployment_halt", 7)
-    assert apply_async.call_args.kwargs == {"args": [7], "queue": "node.gpu-01.control"}
+    nodes.node_enqueue(node, "deployments.deployment_halt", 7)
+    assert not sent_tasks  # not before the commit
+    halt = sent_tasks.commit().one("deployments.deployment_halt")
+    assert (halt.args, halt.options) == ([7], {"queue": "node.gpu-01.control"})
 
 
 def test_a_stopping_deployment_with_no_halt_running_is_halted_here_after_the_bound(node, redriver, halted, sent):

@@ -11,7 +11,7 @@ from django.db.models import Max, Q
 from prometheus_client.core import GaugeMetricFamily
 
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
-from deployments.metrics import add_sample, gauge
+from deployments.prometheus import add_sample, gauge
 
 RUN_LABELS = ["run", "deployment"]
 LEVEL_LABELS = ["run", "deployment", "level"]

@@ -8,7 +8,7 @@ import pytest
 from deployments.modelconfig import parse_config, weight_bytes
 from deployments.modelfit import fit_check, human_bytes, kv_bytes_per_token
 
-CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+CONFIGS = Path(__file__).parent.parent / "fixtures" / "configs"
 GB = 10**9
 H200 = 141 * GB
 

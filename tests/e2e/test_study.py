@@ -4,7 +4,7 @@ process), a variant with an invalid flag value is recorded as failed (its later 
 study finishes, the agent killed (SIGKILL) while a variant loads resumes the study, and the deployment
 ends on the baseline's settings. Which variant is faster is not asserted here: measured on this shared
 host, that flips. The verdicts are tested on known schedules in tests/integration/test_study_verdicts.py
-and measured in perf/tune_verdicts.py.
+and measured in perf/study_verdicts.py.
 
 One study covers it all, with the fewest loads that can (each takes ~30 s here): 2 repeats of the
 baseline and one variant in mirrored order (baseline, four, bad | four, baseline: the last trial leaves the
@@ -58,24 +58,24 @@ def restart_agent(spawn, env, node, tmp_path):
 
 
 @pytest.fixture
-def tune_node(process_env, spawn, unique, tmp_path, tiny_model):
+def study_node(process_env, spawn, unique, tmp_path, tiny_model):
     """cpu_node's agent, with the environment it runs in (to start it again)."""
-    from deployments.host import engine
+    from deployments.host import processes
     from tests.e2e.conftest import start_cpu_node
 
     node, model, env = start_cpu_node(process_env, spawn, unique, tmp_path, tiny_model)
     yield node, model, env
     # Engines run in their own sessions and outlive a killed agent: never leave one behind.
     for pgid in Deployment.objects.filter(node=node).exclude(pgid=None).values_list("pgid", flat=True):
-        engine.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
+        processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
 
 
 @pytest.mark.slow
 def test_a_study_measures_real_variants_records_a_failed_one_and_survives_an_agent_kill(
-        tune_node, spawn, tmp_path, api):
+        study_node, spawn, tmp_path, api):
     """Slow: five or six real engine loads of ~30 s here (the deployment, 2 of the baseline, 2 of "four" and
     the one the agent kill may cost again) and a failed one: loading is what is tested."""
-    node, model, env = tune_node
+    node, model, env = study_node
     d = in_thread(deploys.deployment_create, model=model, node=node, gpu_indices=[], port=free_port(), preset="auto",
                   engine_args={"served-model-name": "tiny", "max-num-seqs": 1}, env={})
     assert settled(d).status == "ready"

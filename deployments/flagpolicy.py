@@ -1,8 +1,9 @@
-"""Engine flags and variables in one canonical form, and the reviewed list of those an operator may set.
+"""Control plane (and the host's argv builder): engine flags and variables in one canonical form, and the
+reviewed list of those an operator may set.
 
 Every way in (the deploy form and its text box, the API, study variants, the CLI through the API) puts
 names through `canonical_flags` / `canonical_env` before anything checks them, so the admin gate, the
-GPU count, the placement and `enginecli.build_argv` all see one spelling: flag names lower case,
+GPU count, the placement and `serveargv.build_argv` all see one spelling: flag names lower case,
 dashed, without leading dashes (`--Tensor_Parallel_Size` and `-tp` are `tensor-parallel-size`), variable
 names upper case. A value is a bool, a number or plain text; text that begins with `-` (the next flag
 in vLLM's argv) or holds a newline or other control character is refused, wherever it comes from.

@@ -1,10 +1,8 @@
 """panelctl tune against the real ASGI server (no engine: nothing is driven, the study stays queued):
 count and estimate, start, status, cancel, and the exit codes scripts rely on."""
 import json
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 
 from benchmarks.models import Study
 from panelctl import cli
@@ -13,12 +11,11 @@ from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory
 
 
 @pytest.fixture
-def panel(live_server_asgi, operator):
+def panel(live_server_asgi, operator, sent_tasks):
     node = NodeFactory(name="cpu-01", engine_flags=["--max-num-seqs", "--max-model-len"])
     copy = ModelCopyFactory(node=node)
     d = DeploymentFactory(node=node, model=copy.model, status="ready", name="tiny-cpu-01", engine_args={"max-num-seqs": 16})
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield d, ["--url", live_server_asgi, "--token", tokens.issue(operator)]
+    return d, ["--url", live_server_asgi, "--token", tokens.issue(operator)]
 
 
 def test_panelctl_tune_counts_starts_shows_and_cancels_a_study(panel, capsys):

@@ -12,9 +12,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from deployments import engineoptions
-from deployments.host import engineenv
-from deployments.host.engine import EngineError
+from deployments import flagpolicy
+from deployments.host import processenv
+from deployments.host.processes import EngineError
 
 # Where every engine's API server listens: loopback only. The node's gateway is the one door
 # callers use (it checks their keys and forwards only the OpenAI API); a multi-node deployment's cluster
@@ -25,7 +25,7 @@ KEY_BY_PANEL = ("set by the panel (every engine gets a random key of its own); c
 # Worded so that no word follows the flag: log and status redaction (deployments/secrets.py) masks the word after
 # a secret-looking flag.
 KEY_REFUSED = f"The engine's key (--api-key, VLLM_API_KEY) is {KEY_BY_PANEL}"
-# The panel sets these itself; the deploy form and API refuse them too (engineargs.check_flags).
+# The panel sets these itself; the deploy form and API refuse them too (userflags.check_flags).
 RESERVED_FLAGS = {"--host": "set by the panel (engines listen on 127.0.0.1; the node's gateway is the public door)",
                   "--port": "set by the panel (the deployment's port)",
                   "--model": "set by the panel from the model",
@@ -38,8 +38,8 @@ def reserved(flag: str) -> str:
 
 
 def _word(name: str, value) -> str:
-    """One value as an argv word; the last check that no value is read as another flag (engineoptions)."""
-    if problem := engineoptions.value_problem(value, argv_only=True):
+    """One value as an argv word; the last check that no value is read as another flag (flagpolicy)."""
+    if problem := flagpolicy.value_problem(value, argv_only=True):
         raise EngineError(f"--{name}: {problem}", permanent=True)
     return str(value)
 
@@ -47,12 +47,12 @@ def _word(name: str, value) -> str:
 def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args: dict) -> list[str]:
     """Turn {"tensor-parallel-size": 8, "enforce-eager": True} into a `vllm serve` argv (no shell).
 
-    Names must be canonical (engineoptions.canonical_flags: `tensor-parallel-size`, never `tensor_parallel_size`
+    Names must be canonical (flagpolicy.canonical_flags: `tensor-parallel-size`, never `tensor_parallel_size`
     or `--tensor-parallel-size`) and no value may begin with '-': every way in canonicalises and checks first,
     so anything else here is refused rather than guessed at."""
     argv = [str(vllm_bin), "serve", str(model_path), "--host", host, "--port", str(int(port))]
     for name, value in engine_args.items():
-        if not engineoptions.is_canonical(name):
+        if not flagpolicy.is_canonical(name):
             raise EngineError(f"engine flag {str(name)[:40]!r} is not in canonical form (lower case, dashed, no "
                               "leading dashes): redeploy to store it so", permanent=True)
         flag = f"--{name}"
@@ -74,7 +74,7 @@ def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args
 
 @functools.lru_cache(maxsize=8)
 def _flags_cached(vllm_bin: str, mtime: float, timeout_s: float) -> frozenset[str]:
-    env = engineenv.engine_environ({})
+    env = processenv.engine_environ({})
     try:
         out = subprocess.run(
             [vllm_bin, "serve", "--help=all"],
@@ -112,7 +112,7 @@ def _interpreter(vllm_bin: str) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _version_cached(vllm_bin: str, mtime: float, timeout_s: float) -> str:
-    env = engineenv.engine_environ({})
+    env = processenv.engine_environ({})
     python = _interpreter(vllm_bin)
     for argv in ([[python, "-c", _METADATA_VERSION]] if python else []) + [[vllm_bin, "--version"]]:
         try:
@@ -181,7 +181,7 @@ def validate_args(engine_args: dict, flags: set[str]) -> dict[str, str]:
     """Map each bad key of canonical `engine_args` to a message; unknown flags get a close-match suggestion."""
     errors = {}
     for name in engine_args:
-        if not engineoptions.is_canonical(name):
+        if not flagpolicy.is_canonical(name):
             errors[name] = f"{str(name)[:40]!r} is not a flag name in canonical form"
             continue
         flag = f"--{name}"

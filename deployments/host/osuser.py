@@ -12,7 +12,7 @@ Where the agent is not root it cannot switch users: engines run as the agent's u
 says so. PANEL_ENGINE_USER=root keeps engines as root (an explicit, documented opt-out).
 
 Standard library only: scripts/install-engine runs this file to create the user
-(`python3 deployments/host/engineuser.py create`). No Django.
+(`python3 deployments/host/osuser.py create`). No Django.
 """
 from __future__ import annotations
 
@@ -295,9 +295,9 @@ def protect(var_dir: str | Path, user: EngineUser | None = None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`engineuser.py create`: make the engine user (install step); `engineuser.py show`: print it."""
+    """`osuser.py create`: make the engine user (install step); `osuser.py show`: print it."""
     if len(argv) != 2 or argv[1] not in ("create", "show"):
-        print("usage: engineuser.py create|show", file=sys.stderr)
+        print("usage: osuser.py create|show", file=sys.stderr)
         return 2
     try:
         user = resolve(make=argv[1] == "create")

@@ -7,14 +7,14 @@ import pytest
 
 from deployments import selectors
 from deployments.agent import Agent
-from deployments.host import engineuser, gpu
+from deployments.host import gpu, osuser
 from deployments.models import Node
 from deployments.node import steps
 from tests.factories import DeploymentFactory, ModelCopyFactory
 
 pytestmark = pytest.mark.django_db
 KEY = "sk-unit-key-6"
-ENGINE = engineuser.EngineUser(name="vllm-engine", uid=990, gid=990, groups=(44,), home="/var/lib/vllm-engine",
+ENGINE = osuser.EngineUser(name="vllm-engine", uid=990, gid=990, groups=(44,), home="/var/lib/vllm-engine",
                                group_names=("video",))
 
 
@@ -24,7 +24,7 @@ def test_the_node_page_says_who_engines_run_as(tmp_path, client, viewer, unique)
         agent = Agent(name=f"cpu-{unique}", model_store=str(tmp_path), address="", version="t")
         agent.register()
     facts = Node.objects.get(pk=agent.node_id).engine_user
-    user = engineuser.current()
+    user = osuser.current()
     assert facts["uid"] == user.uid and facts["separate"] == user.separate
     client.force_login(viewer)
     page = client.get(f"/nodes/{agent.node_id}/").content.decode()
@@ -33,7 +33,7 @@ def test_the_node_page_says_who_engines_run_as(tmp_path, client, viewer, unique)
 
 
 def test_a_node_whose_agent_is_not_root_says_engines_run_as_the_agents_user(client, viewer):
-    own = engineuser.EngineUser(name="panel", uid=1000, gid=1000, separate=False,
+    own = osuser.EngineUser(name="panel", uid=1000, gid=1000, separate=False,
                                 note="the agent is not root, so it cannot start engines as another user")
     node = Node.objects.create(name="gpu-nonroot", engine_user=own.facts())
     client.force_login(viewer)
@@ -45,7 +45,7 @@ def test_an_installed_unit_runs_as_the_engine_user_with_the_api_key_in_its_envir
     copy = ModelCopyFactory(path="/models/org/m")
     d = DeploymentFactory(node=copy.node, model=copy.model, engine_args={"api-key": KEY, "max-num-seqs": 8})
     argv = ["/opt/vllm", "serve", "/models/org/m", "--port", "8000", "--api-key", KEY, "--max-num-seqs", "8"]
-    with mock.patch.object(engineuser, "current", return_value=ENGINE):
+    with mock.patch.object(osuser, "current", return_value=ENGINE):
         text, secret_env = steps.unit_text(d, argv, {"A": "1"}, "/var/log/x.log")
     assert secret_env == {"VLLM_API_KEY": KEY} and KEY not in text and "--api-key" not in text
     assert "User=vllm-engine\n" in text and "NoNewPrivileges=yes\n" in text and "SupplementaryGroups=video\n" in text

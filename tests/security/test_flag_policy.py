@@ -1,20 +1,18 @@
-"""One canonical spelling of engine flags and variables, and the operator list (deployments/engineoptions.py).
+"""One canonical spelling of engine flags and variables, and the operator list (deployments/flagpolicy.py).
 
 Each known way around the operator list is tried here as an operator, through the API, the deploy form and a study
 variant: the flag dashed, underscored, upper-cased, as `--enforce-eager=--trust-remote-code`, with a newline
 or a leading dash. The real engine's whole flag list is tried in tests/e2e/test_operator_fuzz.py.
 """
-from unittest import mock
 
 import pytest
-from celery.app.task import Task
 from django.utils import timezone
-from rest_framework.test import APIClient
 
 from benchmarks.models import Study
-from deployments import engineargs, engineoptions, privileged
+from deployments import flagpolicy, privileged, userflags
 from deployments.models import Deployment
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
+from tests.helpers import api_client
 
 pytestmark = pytest.mark.django_db
 FLAGS = ["--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--trust-remote-code",
@@ -26,13 +24,12 @@ MODEL_DIR = "/models/org/m"
 
 
 @pytest.fixture
-def world():
+def world(sent_tasks):
     node = NodeFactory(name="gpu-01", engine_flags=FLAGS)
     for i in range(8):
         GpuFactory(node=node, index=i)
     copy = ModelCopyFactory(node=node, path=MODEL_DIR)
-    with mock.patch.object(Task, "apply_async", autospec=True):
-        yield node, copy.model
+    return node, copy.model
 
 
 @pytest.fixture
@@ -40,16 +37,10 @@ def admin():
     return UserFactory(role="admin")
 
 
-def _api(user):
-    client = APIClient()
-    client.force_authenticate(user)
-    return client
-
-
 def _deploy(user, model, engine_args=None, env=None, **kw):
     body = {"model": model.pk, "node": "gpu-01", "gpus": [0], "preset": "none",
             "engine_args": {"tensor-parallel-size": 1, **(engine_args or {})}, "env": env or {}, **kw}
-    return _api(user).post("/api/deployments/", body, format="json")
+    return api_client(user).post("/api/deployments/", body, format="json")
 
 
 # --- the canonical form -----------------------------------------------------------------------------
@@ -57,35 +48,35 @@ def _deploy(user, model, engine_args=None, env=None, **kw):
 @pytest.mark.parametrize("raw", ["tensor-parallel-size", "tensor_parallel_size", "--tensor-parallel-size",
                                  "TENSOR_PARALLEL_SIZE", "--Tensor_Parallel-Size", " tensor-parallel-size ", "-tp", "tp"])
 def test_every_spelling_of_a_flag_is_one_canonical_name(raw):
-    assert engineoptions.flag_name(raw) == "tensor-parallel-size"
+    assert flagpolicy.flag_name(raw) == "tensor-parallel-size"
 
 
 @pytest.mark.parametrize("raw", ["max-num-seqs=8", "bad flag", "", "--", "x.y", "8bit", "a;b"])
 def test_what_is_no_flag_name_is_refused(raw):
-    with pytest.raises(engineoptions.OptionError):
-        engineoptions.flag_name(raw)
+    with pytest.raises(flagpolicy.OptionError):
+        flagpolicy.flag_name(raw)
 
 
 def test_variable_names_are_upper_case_and_a_name_given_twice_is_refused():
-    assert engineoptions.canonical_env({"vllm_cache_root": "/x", "Nccl_Proto": "LL"}) == {
+    assert flagpolicy.canonical_env({"vllm_cache_root": "/x", "Nccl_Proto": "LL"}) == {
         "VLLM_CACHE_ROOT": "/x", "NCCL_PROTO": "LL"}
-    with pytest.raises(engineoptions.OptionError, match="given twice"):
-        engineoptions.canonical_flags({"max-num-seqs": 8, "max_num_seqs": 16})
-    with pytest.raises(engineoptions.OptionError, match="given twice"):
-        engineoptions.canonical_env({"NCCL_PROTO": "LL", "nccl_proto": "Simple"})
+    with pytest.raises(flagpolicy.OptionError, match="given twice"):
+        flagpolicy.canonical_flags({"max-num-seqs": 8, "max_num_seqs": 16})
+    with pytest.raises(flagpolicy.OptionError, match="given twice"):
+        flagpolicy.canonical_env({"NCCL_PROTO": "LL", "nccl_proto": "Simple"})
 
 
 @pytest.mark.parametrize("value", ["--trust-remote-code", "-x", -1, "a\nb", "a\rb", "x\x00", "$(id)", "a;b", 3.5j])
 def test_a_value_that_begins_with_a_dash_holds_a_newline_or_is_not_plain_is_refused(value):
-    with pytest.raises(engineoptions.OptionError):
-        engineoptions.canonical_flags({"enforce-eager": value})
+    with pytest.raises(flagpolicy.OptionError):
+        flagpolicy.canonical_flags({"enforce-eager": value})
 
 
 def test_parallel_sizes_are_whole_numbers_read_from_the_canonical_name():
-    assert engineoptions.canonical_flags({"tensor_parallel_size": "4"}) == {"tensor-parallel-size": 4}
+    assert flagpolicy.canonical_flags({"tensor_parallel_size": "4"}) == {"tensor-parallel-size": 4}
     for bad in ("four", 0, True, 1.5):
-        with pytest.raises(engineoptions.OptionError, match="whole number"):
-            engineoptions.canonical_flags({"TENSOR_PARALLEL_SIZE": bad})
+        with pytest.raises(flagpolicy.OptionError, match="whole number"):
+            flagpolicy.canonical_flags({"TENSOR_PARALLEL_SIZE": bad})
 
 
 @pytest.mark.parametrize("text, flags", [
@@ -94,25 +85,25 @@ def test_parallel_sizes_are_whole_numbers_read_from_the_canonical_name():
     ("--enforce-eager= --trust-remote-code", {"enforce-eager": True, "trust-remote-code": True}),
 ])
 def test_the_text_box_reads_flags_in_canonical_form(text, flags):
-    assert engineargs.parse_flags(text) == flags
+    assert userflags.parse_flags(text) == flags
 
 
 @pytest.mark.parametrize("text", ["--enforce-eager=--trust-remote-code", "--a=--b", "--max-num-seqs=-1",
                                   "--served-model-name 'a\nb'", "--max-num-seqs 8 --max_num_seqs 9", "trust-remote-code"])
 def test_the_text_box_refuses_a_dash_value_a_newline_a_repeat_or_a_bare_word(text):
-    with pytest.raises(engineargs.ArgsError):
-        engineargs.parse_flags(text)
+    with pytest.raises(userflags.ArgsError):
+        userflags.parse_flags(text)
 
 
 # --- the operator list ------------------------------------------------------------------------------
 
 def test_every_listed_option_says_why_it_is_harmless_and_none_runs_or_loads_code():
-    for name, why in {**engineoptions.OPERATOR_FLAGS, **engineoptions.OPERATOR_ENV}.items():
+    for name, why in {**flagpolicy.OPERATOR_FLAGS, **flagpolicy.OPERATOR_ENV}.items():
         assert why.strip(), name
     for name in privileged.FLAGS:
-        assert name not in engineoptions.OPERATOR_FLAGS or name in engineoptions.OPERATOR_VALUES, name
+        assert name not in flagpolicy.OPERATOR_FLAGS or name in flagpolicy.OPERATOR_VALUES, name
     for name in privileged.ENV:
-        assert not engineoptions.operator_env(name), name
+        assert not flagpolicy.operator_env(name), name
 
 
 @pytest.mark.parametrize("args, env, named", [
@@ -181,7 +172,7 @@ def test_a_dash_value_a_newline_or_a_repeat_is_a_400_for_everyone(world, operato
 def test_an_underscored_parallel_size_cannot_dodge_the_gpu_count(world, operator, name):
     node, model = world
     body = {"model": model.pk, "node": "gpu-01", "gpus": [0], "preset": "none", "engine_args": {name: 4}, "env": {}}
-    response = _api(operator).post("/api/deployments/", body, format="json")
+    response = api_client(operator).post("/api/deployments/", body, format="json")
     assert response.status_code == 400 and "needs 4 GPUs; 1 chosen" in response.json()["error"]["message"]
 
 
@@ -189,7 +180,7 @@ def test_what_an_operator_deploys_is_stored_and_launched_in_canonical_form(world
     node, model = world
     body = {"model": model.pk, "node": "gpu-01", "gpus": [0, 1], "preset": "none", "env": {"nccl_proto": "LL"},
             "engine_args": {"TP": "2", "Max_Num_Seqs": 8, "--enable_prefix_caching": True}}
-    response = _api(operator).post("/api/deployments/", body, format="json")
+    response = api_client(operator).post("/api/deployments/", body, format="json")
     assert response.status_code == 202, response.content
     d = Deployment.objects.get(pk=response.json()["id"])
     assert {k: v for k, v in d.engine_args.items() if k != "served-model-name"} == {
@@ -202,28 +193,28 @@ def test_an_operator_may_restart_what_an_admin_set_but_not_a_row_stored_in_anoth
     d = DeploymentFactory(node=node, model=model, port=8001, status="stopped", created_by=admin,
                           engine_args={"tensor-parallel-size": 1, "trust-remote-code": True}, env={"HF_HOME": "/h"})
     d.gpus.set(node.gpus.filter(index=0))
-    assert _api(operator).post(f"/api/deployments/{d.pk}/restart/", {}, format="json").status_code == 202
+    assert api_client(operator).post(f"/api/deployments/{d.pk}/restart/", {}, format="json").status_code == 202
     # Stored before names were canonical: nothing proves an admin set it, so the operator may not keep it.
     old = DeploymentFactory(node=node, model=model, port=8002, status="stopped", engine_args={"trust_remote_code": True})
     old.gpus.set(node.gpus.filter(index=1))
-    refused = _api(operator).post(f"/api/deployments/{old.pk}/restart/", {}, format="json")
+    refused = api_client(operator).post(f"/api/deployments/{old.pk}/restart/", {}, format="json")
     assert refused.status_code == 403 and "--trust-remote-code" in refused.json()["error"]["message"]
-    assert _api(admin).post(f"/api/deployments/{old.pk}/restart/", {}, format="json").status_code == 202
+    assert api_client(admin).post(f"/api/deployments/{old.pk}/restart/", {}, format="json").status_code == 202
     assert Deployment.objects.get(pk=old.pk).engine_args == {"trust-remote-code": True}
 
 
 def test_an_operator_deploying_a_preset_with_remote_code_is_told_which_option_needs_an_admin(world, operator, admin):
     node, model = world
     body = {"model": model.pk, "node": "gpu-01", "gpus": list(range(8)), "preset": "tp8-moe-int4", "engine_args": {}}
-    refused = _api(operator).post("/api/deployments/", body, format="json")
+    refused = api_client(operator).post("/api/deployments/", body, format="json")
     assert refused.status_code == 403
     message = refused.json()["error"]["message"]
     assert "--trust-remote-code (runs Python code from the model repository)" in message
     assert "--reasoning-parser" not in message and "--tool-call-parser" not in message  # built-in names
-    assert _api(admin).post("/api/deployments/", body, format="json").status_code == 202
+    assert api_client(admin).post("/api/deployments/", body, format="json").status_code == 202
 
 
-# --- the Ray executor (item 3): an admin's choice ----------------------------------------------------
+# --- the Ray executor: an admin's choice ----------------------------------------------------------
 
 def test_the_ray_executor_is_403_for_an_operator_and_accepted_for_an_admin(world, operator, admin):
     node, model = world
@@ -299,13 +290,13 @@ WORKLOAD = {"levels": [1], "max_tokens": 16, "requests_per_user": 1, "min_reques
     ({"dimensions": {"max-num-seqs": ["8\n--trust-remote-code"]}}, 400, "one line"),
 ])
 def test_a_study_variant_goes_through_the_same_check(ready, operator, body, status, says):
-    response = _api(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, **body}, format="json")
+    response = api_client(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, **body}, format="json")
     assert response.status_code == status and says in response.json()["error"]["message"], response.content
     assert not Study.objects.exists()
 
 
 def test_a_study_variant_is_stored_in_canonical_form(ready, operator):
-    response = _api(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, "repeats": 1,
+    response = api_client(operator).post("/api/studies/", {"deployment": ready.pk, "workload": WORKLOAD, "repeats": 1,
                                                      "dimensions": {"Max_Num_Seqs": [8, 16]}}, format="json")
     assert response.status_code == 202, response.content
     study = Study.objects.get()

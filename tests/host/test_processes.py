@@ -1,4 +1,4 @@
-"""Unit tests of deployments.host.engine: processes launched, stopped and cleaned up (no vLLM, no database)."""
+"""Unit tests of deployments.host.processes: processes launched, stopped and cleaned up (no vLLM, no database)."""
 import os
 import socket
 import sys
@@ -9,8 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deployments.host import engine, engineenv, enginelog
-from deployments.host.engine import EngineError, EngineSpec
+from deployments.host import processenv, processes, processlog
+from deployments.host.processes import EngineError, EngineSpec
 
 # --- processes --------------------------------------------------------------------------------
 
@@ -45,7 +45,7 @@ def launch_tree(tmp_path):
     raw, handles = f"/dev/shm/enginetest_{uuid.uuid4().hex}", []
     yield lambda ignore_term=True: _launch_tree(tmp_path, raw, handles, ignore_term)
     for handle in handles:
-        engine.stop(handle.pgid, term_timeout_s=0.1)
+        processes.stop(handle.pgid, term_timeout_s=0.1)
     Path(raw).unlink(missing_ok=True)
 
 
@@ -55,7 +55,7 @@ def _launch_tree(tmp_path, raw, handles, ignore_term):
     script = tmp_path / "tree.py"
     script.write_text(code)
     argv = [sys.executable, str(script), "leader", str(pids), raw]
-    handle = engine.launch(EngineSpec(argv, {"ENGINE_TEST": "1"}, tmp_path / "tree.log"))
+    handle = processes.launch(EngineSpec(argv, {"ENGINE_TEST": "1"}, tmp_path / "tree.log"))
     handles.append(handle)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -63,28 +63,28 @@ def _launch_tree(tmp_path, raw, handles, ignore_term):
             break
         time.sleep(0.05)
     else:
-        pytest.fail(f"tree did not start: {enginelog.tail(tmp_path / 'tree.log')}")
+        pytest.fail(f"tree did not start: {processlog.tail(tmp_path / 'tree.log')}")
     psm = "/dev/shm/" + (tmp_path / "pids.psm").read_text().lstrip("/")
     return handle, [int(p) for p in pids.read_text().split()], psm, raw
 
 
 def test_stop_escalates_to_sigkill_and_leaves_no_process_or_shm_file(launch_tree):
     handle, pids, psm, raw = launch_tree()
-    assert engine.alive(handle.pid, handle.create_time)
+    assert processes.alive(handle.pid, handle.create_time)
     assert os.getpgid(handle.pid) == handle.pgid == handle.pid
     assert psutil.Process(handle.pid).environ()["ENGINE_TEST"] == "1"
-    assert set(pids) <= set(engine.members(handle.pgid))
-    assert {psm, raw} <= engine.shm_files(handle.pgid)
+    assert set(pids) <= set(processes.members(handle.pgid))
+    assert {psm, raw} <= processes.shm_files(handle.pgid)
 
     term_s, kill_s = 1.0, 10.0
-    result = engine.stop(handle.pgid, term_timeout_s=term_s, kill_timeout_s=kill_s)
+    result = processes.stop(handle.pgid, term_timeout_s=term_s, kill_timeout_s=kill_s)
 
     assert result.signals_sent == ["SIGTERM", "SIGKILL"]
-    assert result.survivors == [] and engine.members(handle.pgid) == []
+    assert result.survivors == [] and processes.members(handle.pgid) == []
     # Relations to its own deadlines: KILL only after TERM's deadline, and done before KILL's ran out.
     assert term_s <= result.seconds < term_s + kill_s
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
-    assert not engine.alive(handle.pid, handle.create_time)
+    assert not processes.alive(handle.pid, handle.create_time)
     # The resource tracker unlinks the SharedMemory; stop() removes the untracked file.
     assert not Path(psm).exists() and not Path(raw).exists()
     assert raw in result.shm_removed
@@ -93,21 +93,21 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process_or_shm_file(launch_tree
 def test_stop_of_a_group_that_obeys_sigterm_sends_nothing_more(launch_tree):
     handle, pids, psm, raw = launch_tree(ignore_term=False)
     term_s = 10.0
-    result = engine.stop(handle.pgid, term_timeout_s=term_s)
+    result = processes.stop(handle.pgid, term_timeout_s=term_s)
     assert result.signals_sent == ["SIGTERM"] and result.survivors == []
     assert result.seconds < term_s  # it returned when the group ended, not at the deadline
     assert not Path(raw).exists()
-    assert engine.stop(handle.pgid).signals_sent == []
+    assert processes.stop(handle.pgid).signals_sent == []
 
 
 def test_stop_refuses_to_signal_its_own_process_group():
     with pytest.raises(EngineError):
-        engine.stop(os.getpgrp())
+        processes.stop(os.getpgrp())
 
 
 def test_launch_of_a_missing_binary_is_a_permanent_error(tmp_path):
     with pytest.raises(EngineError) as err:
-        engine.launch(EngineSpec([str(tmp_path / "no-vllm")], {}, tmp_path / "x.log"))
+        processes.launch(EngineSpec([str(tmp_path / "no-vllm")], {}, tmp_path / "x.log"))
     assert err.value.permanent
 
 
@@ -116,9 +116,9 @@ def test_port_free_sees_a_listening_socket():
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        assert not engine.port_free("127.0.0.1", port)
-        assert not engine.port_free("0.0.0.0", port)
-    assert engine.port_free("127.0.0.1", port)
+        assert not processes.port_free("127.0.0.1", port)
+        assert not processes.port_free("0.0.0.0", port)
+    assert processes.port_free("127.0.0.1", port)
 
 
 
@@ -126,8 +126,8 @@ def test_port_free_sees_a_listening_socket():
 
 
 def test_a_deployments_env_is_the_offline_defaults_then_its_own_variables_then_its_gpus():
-    env = engineenv.deployment_env({"NCCL_PROTO": "LL", "VLLM_NO_USAGE_STATS": "0", "CUDA_VISIBLE_DEVICES": "7"}, [2, 3])
+    env = processenv.deployment_env({"NCCL_PROTO": "LL", "VLLM_NO_USAGE_STATS": "0", "CUDA_VISIBLE_DEVICES": "7"}, [2, 3])
     assert env["HF_HUB_OFFLINE"] == "1" and env["NCCL_PROTO"] == "LL"
     assert env["VLLM_NO_USAGE_STATS"] == "0"  # the deployment's own wins over the panel's default
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # the GPUs it was given win over a typed value
-    assert "CUDA_VISIBLE_DEVICES" not in engineenv.deployment_env({}, [])
+    assert "CUDA_VISIBLE_DEVICES" not in processenv.deployment_env({}, [])

@@ -1,8 +1,8 @@
-"""Unit tests of deployments.host.enginelog: load phases and errors from real engine logs, reading lines."""
+"""Unit tests of deployments.host.processlog: load phases and errors from real engine logs, reading lines."""
 import pytest
 
-from deployments.host import enginelog
-from deployments.host.enginelog import LoadProgress
+from deployments.host import processlog
+from deployments.host.processlog import LoadProgress
 
 # Recorded from vLLM 0.32.0 on the CPU serving tests/tinymodel.py (2026-11-29).
 CPU_LOG = """\
@@ -109,17 +109,17 @@ def test_load_progress_reads_a_bare_traceback_line():
 
 def test_read_lines_returns_only_complete_lines_and_resumes(tmp_path):
     log = tmp_path / "engine.log"
-    assert enginelog.read_lines(log, 0) == ([], 0)
+    assert processlog.read_lines(log, 0) == ([], 0)
     log.write_bytes(b"one\ntwo\nthr")
-    lines, offset = enginelog.read_lines(log, 0)
+    lines, offset = processlog.read_lines(log, 0)
     assert (lines, offset) == (["one", "two"], 8)
     with open(log, "ab") as f:
         f.write(b"ee\n")
-    assert enginelog.read_lines(log, offset) == (["three"], 14)
+    assert processlog.read_lines(log, offset) == (["three"], 14)
 
 
 def test_tail_returns_the_last_lines(tmp_path):
     log = tmp_path / "engine.log"
     log.write_text("".join(f"line {i}\n" for i in range(100_000)))
-    assert enginelog.tail(log, 3) == ["line 99997", "line 99998", "line 99999"]
-    assert enginelog.tail(tmp_path / "missing.log") == []
+    assert processlog.tail(log, 3) == ["line 99997", "line 99998", "line 99999"]
+    assert processlog.tail(tmp_path / "missing.log") == []

@@ -10,7 +10,7 @@ With few repeats a percentile interval is too narrow: resampling n values sees o
 their spread, and its tails are normal where a small sample's are Student's t. The interval around
 the difference is widened by sqrt(n/(n-1)) * t(df)/z for that reason (n = the fewer repeats of the
 two; df = n_a + n_b - 2), which keeps the false "significant" rate near 5 % at 3 repeats
-(perf/tune_verdicts.py measures it).
+(perf/study_verdicts.py measures it).
 """
 import math
 import random

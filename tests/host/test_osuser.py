@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.host import engine, engineenv, engineuser, systemd
+from deployments.host import osuser, processenv, processes, systemd
 from tests.conftest import wait_until
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -22,26 +22,26 @@ PY = "/usr/bin/python3"  # readable by every user, unlike a venv under a 0700 ho
 def user():
     if os.geteuid() != 0:
         pytest.skip("switching users needs root")
-    return engineuser.resolve(engineuser.DEFAULT_NAME)  # the install step's helper: created when missing
+    return osuser.resolve(osuser.DEFAULT_NAME)  # the install step's helper: created when missing
 
 
 def test_the_argv_carries_no_api_key_and_the_environment_does():
     for argv in (["vllm", "serve", "/m", "--api-key", "sk-1", "--port", "8000"],
                  ["vllm", "serve", "/m", "--api-key=sk-1", "--port", "8000"],
                  ["vllm", "serve", "/m", "--port", "8000", "--api-key", "sk-1"]):
-        out, env = engineenv.secret_argv(argv)
+        out, env = processenv.secret_argv(argv)
         assert out == ["vllm", "serve", "/m", "--port", "8000"] and env == {"VLLM_API_KEY": "sk-1"}
-    with pytest.raises(engineenv.SecretFlagError, match="one value"):
-        engineenv.secret_argv(["vllm", "serve", "/m", "--api-key", "a", "b"])
-    assert engineenv.secret_argv(["vllm", "serve", "/m", "--enforce-eager"]) == (["vllm", "serve", "/m", "--enforce-eager"], {})
+    with pytest.raises(processenv.SecretFlagError, match="one value"):
+        processenv.secret_argv(["vllm", "serve", "/m", "--api-key", "a", "b"])
+    assert processenv.secret_argv(["vllm", "serve", "/m", "--enforce-eager"]) == (["vllm", "serve", "/m", "--enforce-eager"], {})
 
 
 def test_the_launch_options_name_the_engine_user_its_groups_no_new_privs_and_its_own_home(user, tmp_path):
-    spec = engine.EngineSpec(argv=["vllm", "serve", "/m", "--api-key", "sk-secret-2"], env={"A": "1"},
+    spec = processes.EngineSpec(argv=["vllm", "serve", "/m", "--api-key", "sk-secret-2"], env={"A": "1"},
                              log_path=tmp_path / "l.log", cwd=Path("/"), run_as=user)
-    args = engine.popen_args(spec)
+    args = processes.popen_args(spec)
     assert args["user"] == user.uid and args["group"] == user.gid and args["extra_groups"] == list(user.groups)
-    assert args["args"][:2] == [engineuser.argv_prefix()[0], "--no-new-privs"] or args["preexec_fn"] is engineuser.no_new_privs
+    assert args["args"][:2] == [osuser.argv_prefix()[0], "--no-new-privs"] or args["preexec_fn"] is osuser.no_new_privs
     assert "sk-secret-2" not in " ".join(args["args"]) and args["env"]["VLLM_API_KEY"] == "sk-secret-2"
     assert args["env"]["HOME"] == user.home and args["env"]["USER"] == user.name
     assert args["env"]["VLLM_CACHE_ROOT"].startswith(user.home + "/") and args["env"]["HF_HOME"].startswith(user.home + "/")
@@ -50,10 +50,10 @@ def test_the_launch_options_name_the_engine_user_its_groups_no_new_privs_and_its
 
 
 def test_the_agents_own_user_gets_no_switch():
-    own = engineuser.EngineUser(name="panel", uid=1000, gid=1000, separate=False, note="the agent is not root")
+    own = osuser.EngineUser(name="panel", uid=1000, gid=1000, separate=False, note="the agent is not root")
     assert own.popen_kwargs() == {} and own.environ() == {}
     assert own.describe() == "the agent's user, panel (uid 1000): the agent is not root"
-    assert engineuser.from_facts(own.facts()) == own
+    assert osuser.from_facts(own.facts()) == own
 
 
 @needs_root
@@ -61,7 +61,7 @@ def test_a_launched_engine_runs_as_the_engine_user_and_cannot_reach_the_agent(us
     secret = tmp_path / "secret_key"
     secret.write_text("agent-secret-3")
     secret.chmod(0o600)
-    outside = Path("/tmp") / f"engineuser-out-{os.getpid()}"  # somewhere the engine user may write
+    outside = Path("/tmp") / f"osuser-out-{os.getpid()}"  # somewhere the engine user may write
     outside.mkdir(mode=0o777, exist_ok=True)
     outside.chmod(0o777)
     probe = f"""
@@ -84,7 +84,7 @@ open({str(outside / "probe.tmp")!r}, "w").write(json.dumps(out))
 os.replace({str(outside / "probe.tmp")!r}, {str(outside / "probe.json")!r})  # whole, never half-written when read
 """
     try:
-        handle = engine.launch(engine.EngineSpec(argv=[PY, "-c", probe, "--api-key", "sk-launch-4"], env={},
+        handle = processes.launch(processes.EngineSpec(argv=[PY, "-c", probe, "--api-key", "sk-launch-4"], env={},
                                                  log_path=tmp_path / "engine.log", run_as=user))
         wait_until(lambda: (outside / "probe.json").exists(), timeout=30, message="the probe's report")
         seen = json.loads((outside / "probe.json").read_text())
@@ -101,14 +101,14 @@ os.replace({str(outside / "probe.tmp")!r}, {str(outside / "probe.json")!r})  # w
 def test_a_launch_says_which_folder_the_engine_user_cannot_read(user, tmp_path):
     private = tmp_path / "model"
     private.mkdir(mode=0o700)
-    spec = engine.EngineSpec(argv=[PY, "-c", "pass"], env={}, log_path=tmp_path / "l.log", cwd=private, run_as=user)
-    with pytest.raises(engine.EngineError, match=f"{user.name} cannot read {private}"):
-        engine.launch(spec)
+    spec = processes.EngineSpec(argv=[PY, "-c", "pass"], env={}, log_path=tmp_path / "l.log", cwd=private, run_as=user)
+    with pytest.raises(processes.EngineError, match=f"{user.name} cannot read {private}"):
+        processes.launch(spec)
 
 
 @needs_root
 def test_a_model_in_the_store_is_opened_to_the_engine_user_and_nothing_else_is(user, tmp_path):
-    base = Path("/tmp") / f"engineuser-store-{os.getpid()}"
+    base = Path("/tmp") / f"osuser-store-{os.getpid()}"
     try:
         var = base / "var"
         model = var / "models" / "org" / "m"
@@ -121,22 +121,22 @@ def test_a_model_in_the_store_is_opened_to_the_engine_user_and_nothing_else_is(u
             p.chmod(0o755 if p == base else 0o700)
         (model / "config.json").chmod(0o600)
         (var / "panel.sqlite3").chmod(0o644)  # made world-readable by an older version
-        engineuser.protect(var, user)
-        assert not engineuser.can_reach(user, model / "config.json")
-        changed = engineuser.share(user, model, var / "models")
-        assert str(model / "config.json") in changed and engineuser.can_reach(user, model / "config.json")
-        assert engineuser.share(user, model, var / "models") == []  # the second launch changes nothing
+        osuser.protect(var, user)
+        assert not osuser.can_reach(user, model / "config.json")
+        changed = osuser.share(user, model, var / "models")
+        assert str(model / "config.json") in changed and osuser.can_reach(user, model / "config.json")
+        assert osuser.share(user, model, var / "models") == []  # the second launch changes nothing
         for private in (var / "secret_key", var / "panel.sqlite3", var / "logs"):
-            assert not engineuser.can_reach(user, private), private
+            assert not osuser.can_reach(user, private), private
         assert stat.S_IMODE(var.stat().st_mode) == 0o710 and var.stat().st_gid == user.gid
         assert stat.S_IMODE((var / "panel.sqlite3").stat().st_mode) == 0o600
-        assert engineuser.share(user, base / "elsewhere", var / "models") == []  # not in the store: untouched
+        assert osuser.share(user, base / "elsewhere", var / "models") == []  # not in the store: untouched
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)
 
 
 def test_the_unit_runs_as_the_engine_user_with_no_new_privs_and_the_key_in_its_environment_file(tmp_path):
-    user = engineuser.EngineUser(name="vllm-engine", uid=990, gid=990, groups=(44,), home="/var/lib/vllm-engine",
+    user = osuser.EngineUser(name="vllm-engine", uid=990, gid=990, groups=(44,), home="/var/lib/vllm-engine",
                                  group_names=("video",))
     argv, secret_env = systemd.secret_argv(["/opt/vllm", "serve", "/models/m", "--api-key", "sk-unit-5"])
     text = systemd.render_unit(description="vLLM m", argv=argv, env={"A": "1"}, log_path="/var/log/m.log", run_as=user,
@@ -161,11 +161,11 @@ def test_device_groups_are_those_owning_gpu_nodes_with_group_access(tmp_path):
     node.chmod(0o660)  # mknod's mode passes through the umask
     open_node = tmp_path / "nvidiactl"
     os.mknod(open_node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # root:root 0666, NVIDIA's default: no group needed
-    assert engineuser.device_groups((str(tmp_path / "nvidia*"),)) == {44}
+    assert osuser.device_groups((str(tmp_path / "nvidia*"),)) == {44}
 
 
 def test_install_step_helper_prints_who_engines_run_as():
-    out = subprocess.run([sys.executable, engineuser.__file__, "show"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([sys.executable, osuser.__file__, "show"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.startswith("engines run as ")
 
 
@@ -176,6 +176,6 @@ def test_the_node_image_makes_the_engine_user_compose_names():
     agent = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]["nodeagent"]
     name = agent["environment"]["PANEL_ENGINE_USER"]
     dockerfile = (root / "Dockerfile.node").read_text()
-    assert name == engineuser.DEFAULT_NAME and f"useradd --system --uid ${{ENGINE_UID}} --gid {name}" in dockerfile
+    assert name == osuser.DEFAULT_NAME and f"useradd --system --uid ${{ENGINE_UID}} --gid {name}" in dockerfile
     assert f"PANEL_ENGINE_USER={name}" in dockerfile and "ARG ENGINE_UID=64050" in dockerfile
     assert "user" not in agent  # the agent stays root in its container: it switches each engine to that user
