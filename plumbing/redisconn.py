@@ -17,7 +17,8 @@ def client() -> redis.Redis:
 
 def listener() -> aioredis.Redis:
     """A new asyncio client for a pub/sub listener in an event loop (plumbing/live/fleetfeed.py): a subscribed
-    connection can run nothing else, and an asyncio connection belongs to its loop, so client()'s pool can't serve it."""
+    connection can run nothing else, and an asyncio connection belongs to its loop, so client()'s pool can't
+    serve it."""
     return aioredis.Redis.from_url(settings.REDIS_URL)
 
 

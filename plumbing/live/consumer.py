@@ -25,7 +25,8 @@ async def beat(layer, channel_name: str, every: float) -> None:
     """A socket's heartbeat, through the layer as updates go: it arrives only while the layer still holds
     the socket's groups, which Redis restarted empty (or flushed) forgets without a word."""
     try:
-        await asyncio.wait_for(layer.group_send(topics.socket_group(channel_name), {"type": "live.beat", "every": every}), 5)
+        event = {"type": "live.beat", "every": every}
+        await asyncio.wait_for(layer.group_send(topics.socket_group(channel_name), event), 5)
     except (redis.RedisError, OSError, TimeoutError):
         pass  # the browser notices the missing beat
 
