@@ -1,10 +1,17 @@
-"""The live messages of benchmark runs and studies: their payload shapes and senders, on the topics
-"run:<id>" and "study:<id>" of deployments.live (which publishes them and knows nothing of benchmarks).
-The browser code in static/panel/ reads these field names."""
+"""The live messages of benchmark runs and studies: their topics ("run:<id>", "study:<id>", registered in
+BenchmarksConfig.ready()), payload shapes and senders; plumbing.live publishes them and knows nothing of
+benchmarks. The browser code in static/panel/ reads these field names."""
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deployments import live
+from benchmarks.models import BenchmarkRun, Study
+from plumbing.live import publishing
+from plumbing.live.publishing import pick
+from plumbing.live.topics import Topic, exists_in
+
+RUN = Topic("run", existing=exists_in(BenchmarkRun))
+STUDY = Topic("study", existing=exists_in(Study))
+TOPICS = (RUN, STUDY)
 
 
 @dataclass(frozen=True)
@@ -20,7 +27,7 @@ class RunStatus:
 
     @classmethod
     def of(cls, run) -> "RunStatus":
-        return live.pick(cls, run, status_display=run.get_status_display())
+        return pick(cls, run, status_display=run.get_status_display())
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class RunPoint:
     @classmethod
     def of(cls, point) -> "RunPoint":
         per_token = round(point.energy_j / point.output_tokens, 4) if point.energy_j is not None and point.output_tokens else None
-        return live.pick(cls, point, joules_per_token=per_token)
+        return pick(cls, point, joules_per_token=per_token)
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ class RunTick:
 
 
 def send_run_status(run) -> None:
-    live.publish(live.run_topic(run.pk), "status", asdict(RunStatus.of(run)))
+    publishing.publish(RUN.name(run.pk), "status", asdict(RunStatus.of(run)))
 
 
 def run_point_data(point) -> dict[str, Any]:
@@ -93,14 +100,14 @@ def run_point_data(point) -> dict[str, Any]:
 
 def send_run_point(run_id: int, point) -> None:
     key = f"r{point.rate:g}" + (f"/{point.repeat}" if point.repeat else "") if point.kind == point.Kind.RATE else point.concurrency
-    live.publish(live.run_topic(run_id), f"point.{key}", run_point_data(point))
+    publishing.publish(RUN.name(run_id), f"point.{key}", run_point_data(point))
 
 
 def send_run_tick(run_id: int, tick: RunTick) -> None:
-    live.publish(live.run_topic(run_id), "tick", asdict(tick), keep=False)
+    publishing.publish(RUN.name(run_id), "tick", asdict(tick), keep=False)
 
 
 def send_study(study_id: int, data: dict[str, Any]) -> None:
     """kind "study" on study:<id>: the whole study as benchmarks.studyresults.study_live builds it (status,
     variants, the variant x level matrix of trials, the trial in progress, results once done)."""
-    live.publish(live.study_topic(study_id), "study", data)
+    publishing.publish(STUDY.name(study_id), "study", data)

@@ -1,8 +1,9 @@
 """Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
-from benchmarks import csvsafe, payloads
+from benchmarks import payloads
 from benchmarks.models import BenchmarkRun
 from benchmarks.runner.saturation import saturation_point
 from benchmarks.runner.spec import LevelResult
+from plumbing import csvsafe
 
 CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_requests", "duration_s",
                "request_throughput", "output_throughput", "total_token_throughput", "input_tokens", "output_tokens",
@@ -40,7 +41,7 @@ def csv_rows(runs):
 
 def export_csv(runs) -> str:
     """One CSV row per level of each run, with a header (the pages' and the API's export); no cell a
-    spreadsheet would run as a formula (benchmarks/csvsafe.py)."""
+    spreadsheet would run as a formula (plumbing/csvsafe.py)."""
     return csvsafe.rows_text(CSV_COLUMNS, csv_rows(runs))
 
 

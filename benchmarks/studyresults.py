@@ -4,9 +4,10 @@ import statistics
 
 from django.utils import timezone
 
-from benchmarks import csvsafe, selectors, studylevels, studystats
+from benchmarks import selectors, studylevels, studystats
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments.models import DeploymentEvent
+from plumbing import csvsafe
 
 def _median_rate(point) -> float | None:
     rates = (point.samples or {}).get("tok_s")
@@ -292,7 +293,7 @@ EXPORT_COLUMNS = ["study", "variant", "baseline", "repeat", "trial_status", "err
 
 def export_csv(study: Study) -> str:
     """One row per trial and level (a trial without results: one row with its status and error); no cell a
-    spreadsheet would run as a formula (benchmarks/csvsafe.py)."""
+    spreadsheet would run as a formula (plumbing/csvsafe.py)."""
     trials = list(study.trials.select_related("variant"))
     points: dict = {}
     for p in BenchmarkPoint.objects.filter(run__in=[t.run_id for t in trials if t.run_id]):

@@ -22,7 +22,8 @@ from benchmarks.prometheus import BenchmarkCollector
 from deployments.gateway.prometheus import UsageCollector
 from deployments.prometheus import DeploymentCollector, DownloadCollector, FleetCollector
 from deployments.models import Deployment, Node
-from plumbing import apicache, livedrops
+from plumbing import apicache
+from plumbing.live import drops
 from plumbing.scrapeaccess import ScrapeAccess
 
 # The classic text format every Prometheus reads.
@@ -104,7 +105,7 @@ def _timer(timings: dict | None):
 
 def _live():
     try:
-        dropped = livedrops.dropped()
+        dropped = drops.dropped()
     except redis.RedisError:
         return
     yield CounterMetricFamily("panel_live_dropped_messages", "Live messages the Channels layer dropped because a "

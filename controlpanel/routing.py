@@ -1,8 +1,8 @@
-"""WebSocket routes. Every consumer refuses anonymous users (see deployments.consumers)."""
+"""WebSocket routes. Every consumer refuses anonymous users (see plumbing.live.consumer)."""
 from django.urls import path
 
-from deployments import consumers
+from plumbing.live import consumer
 
 websocket_urlpatterns = [
-    path("ws/live/", consumers.LiveConsumer.as_asgi()),
+    path("ws/live/", consumer.LiveConsumer.as_asgi()),
 ]

@@ -187,13 +187,13 @@ CHANNEL_LAYERS = {
                               "health_check_interval": 30}],
                    "prefix": env_str("CHANNELS_PREFIX", "panel"),
                    # Messages queued per socket before channels-redis drops new ones (its default, 100, dropped
-                   # 3 % of node samples with 32 nodes x 50 browsers); drops are counted (plumbing/livedrops.py)
+                   # 3 % of node samples with 32 nodes x 50 browsers); drops are counted (plumbing/live/drops.py)
                    # and exported as panel_live_dropped_messages_total. The fleet page's samples bypass the layer.
                    "capacity": env_int("LIVE_CHANNEL_CAPACITY", 1000)},
     }
 }
 # The fleet page gets at most one message per socket each LIVE_TICK_S, with every node that changed
-# (deployments/livefeed.py): the added latency is at most this, the messages per browser at most 1 / this.
+# (plumbing/live/fleetfeed.py): the added latency is at most this, the messages per browser at most 1 / this.
 LIVE_TICK_S = env_float("LIVE_TICK_S", 0.05)
 # perf/fleet_scale.py times each stage of the fleet feed: with LIVE_TRACE on, a node's fleet state carries when
 # it was published ("pub") and when a web process heard it ("heard"), and each message when it was flushed.
@@ -203,7 +203,7 @@ LIVE_TRACE = env_bool("LIVE_TRACE", False)
 SERVER_TIMING = env_bool("SERVER_TIMING", False)
 # Each WebSocket's heartbeat goes through the Channels layer, to a group only that socket is in, every
 # LIVE_HEARTBEAT_S; the browser reconnects (and redraws from a snapshot) when three in a row are missing,
-# as after Redis restarted empty and forgot every group (deployments/consumers.py, static/panel/live.js).
+# as after Redis restarted empty and forgot every group (plumbing/live/consumer.py, static/panel/live.js).
 LIVE_HEARTBEAT_S = env_float("LIVE_HEARTBEAT_S", 3.0)
 
 # How long the smoke test may wait for a just-loaded engine's first answer (a busy host, a first-request compile).

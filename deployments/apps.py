@@ -6,10 +6,10 @@ class DeploymentsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
-        from deployments import signals
+        from deployments import payloads
         from deployments import tasks  # noqa: F401 - registers the tasks services enqueue by name
-        from plumbing import apicache, livedrops
+        from plumbing import apicache
+        from plumbing.live import topics
 
         apicache.watch_database_writes()
-        livedrops.count_drops()
-        signals.connect()
+        topics.register(*payloads.TOPICS)

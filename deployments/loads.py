@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 from django.utils import timezone
 
-from deployments import contextfit, kvcalibration, live, selectors, warmstart
+from deployments import contextfit, kvcalibration, payloads, selectors, warmstart
 from deployments.host import compilecache, loadphases, pagecache
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 
@@ -200,7 +200,7 @@ class Prewarm:
         def on_progress(message: str) -> None:
             event.message = message
             DeploymentEvent.objects.filter(pk=event.pk).update(message=message)
-            live.send_timeline_step(event)
+            payloads.send_timeline_step(event)
 
         if self._thread is None:
             return f"Skipped: {self.skipped}."

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 
-from deployments import live, modelfit, sealed
+from deployments import modelfit, payloads, sealed
 from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 
@@ -42,7 +42,7 @@ def model_copy_download(copy_id: int, deployment_id: int | None = None) -> Model
         if copy.cancel_requested:
             copy.transition(ModelCopy.State.CANCELLED)
             copy.save()
-            live.send_copy(copy)
+            payloads.send_copy(copy)
             return copy
         dest = store.model_dir(copy.node.model_store or settings.MODEL_STORE, copy.model.repo_id, copy.model.revision)
         progress = {**copy.progress, "deployment": deployment_id} if deployment_id else copy.progress
@@ -75,7 +75,7 @@ def model_copy_download(copy_id: int, deployment_id: int | None = None) -> Model
     except downloads.DownloadCancelled:
         copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
-        live.send_copy(copy)
+        payloads.send_copy(copy)
         return copy
     except hub.HubError as exc:
         if exc.code == "busy":  # a redelivered task while this copy's download runs elsewhere on the node
@@ -85,7 +85,7 @@ def model_copy_download(copy_id: int, deployment_id: int | None = None) -> Model
                     error="", error_code="")
     copy.save()
     node_refresh_disk(copy.node, dest)
-    live.send_copy(copy)
+    payloads.send_copy(copy)
     return copy
 
 
@@ -99,14 +99,14 @@ def model_copy_progress(copy: ModelCopy, p: downloads.Progress) -> bool:
     ModelCopy.objects.filter(pk=copy.pk).update(bytes_done=p.bytes_done, bytes_total=p.bytes_total,
                                                 rate=p.rate_bps, progress=copy.progress, updated=timezone.now())
     cancel = ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists()
-    live.send_copy(copy)
+    payloads.send_copy(copy)
     return cancel
 
 
 def _copy_fail(copy: ModelCopy, message: str, code: str) -> ModelCopy:
     copy.transition(ModelCopy.State.FAILED, error=message, error_code=code, rate=0.0)
     copy.save()
-    live.send_copy(copy)
+    payloads.send_copy(copy)
     return copy
 
 

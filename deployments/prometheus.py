@@ -1,5 +1,5 @@
 """Prometheus metric families for nodes, GPUs, deployments and downloads, built from what the panel
-already holds: the rows, and each node's last telemetry sample kept in Redis (deployments.live).
+already holds: the rows, and each node's last telemetry sample kept in Redis (plumbing/live/snapshots.py).
 Nothing here asks an agent or an engine; a scrape costs a few queries and one Redis round trip.
 
 GPU families are named the Prometheus way (base units: bytes, ratio, hertz) and labelled like
@@ -15,8 +15,9 @@ from prometheus_client.samples import Sample
 from django.conf import settings
 from django.db.models import F
 
-from deployments import live
+from deployments import payloads
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, Node
+from plumbing.live import snapshots
 
 GPU_LABELS = ["node", "gpu", "UUID", "modelName"]
 DEPLOYMENT_LABELS = ["deployment", "node", "model"]
@@ -76,7 +77,7 @@ class FleetCollector:
                                               "heartbeat_seconds", "disk_total", "disk_free", "nvml_error"))
         gpus = self.gpus if self.gpus is not None else self.gpu_rows()
         try:
-            samples = live.kept([live.node_topic(n[0]) for n in nodes], "sample")
+            samples = snapshots.kept([payloads.node_topic(n[0]) for n in nodes], "sample")
         except redis.RedisError:  # the rows still say something; readings are left out, not made up
             samples = [None] * len(nodes)
 

@@ -2,7 +2,7 @@
 control plane (deploys.py) and the node (deployments/node/) write it through this module alone."""
 from django.utils import timezone
 
-from deployments import live, secrets
+from deployments import payloads, secrets
 from deployments.models import Deployment, DeploymentEvent
 
 __all__ = ["deployment_event"]
@@ -16,5 +16,5 @@ def deployment_event(d: Deployment, step: str, message: str = "", level: str = "
     message = secrets.redact_deployment(d, message)  # messages quote engine log lines, which may carry secrets
     event = DeploymentEvent.objects.create(deployment=d, step=step, message=message, level=level, data=data,
                                            started=now, ended=None if ongoing else now)
-    live.send_timeline_step(event)
+    payloads.send_timeline_step(event)
     return event

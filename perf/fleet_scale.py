@@ -85,7 +85,7 @@ def main():
         from django.core.management import call_command
         from django.test import Client
 
-        from plumbing import livedrops
+        from plumbing.live import drops
         from perf.api_latency import seed
 
         call_command("migrate", verbosity=0)
@@ -128,7 +128,7 @@ def main():
         browsers = subprocess.Popen([sys.executable, __file__, "--browsers-of", spec, "--seconds", str(args.seconds),
                                      "--out", str(var / "browsers.json")], cwd=ROOT, env=dict(os.environ))
         time.sleep(warmup)
-        dropped_before = livedrops.dropped()
+        dropped_before = drops.dropped()
         web_cpu = cpu_s(web.pid)
         base = f"http://127.0.0.1:{port}"
         paths = [p.format(run=ids["run"]) for p in ENDPOINTS]
@@ -145,7 +145,7 @@ def main():
         browsers.wait(args.seconds + 120)
         for p in sims:
             p.wait(args.seconds + 120)
-        dropped = livedrops.dropped() - dropped_before
+        dropped = drops.dropped() - dropped_before
     finally:
         for p in sims:
             if p.poll() is None:

@@ -8,3 +8,9 @@ class PlumbingConfig(AppConfig):
     name = "plumbing"
     label = "controlpanel"
     verbose_name = "Plumbing"
+
+    def ready(self):
+        from plumbing.live import access, drops
+
+        drops.count_drops()
+        access.connect_signals()

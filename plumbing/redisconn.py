@@ -1,6 +1,7 @@
 """The panel's plain Redis connection (live snapshots, telemetry history, API cache versions,
-token throttling) and the one place that prefixes its keys."""
+token throttling), the fleet feed's pub/sub connections, and the one place that prefixes keys and channels."""
 import redis
+import redis.asyncio as aioredis
 from django.conf import settings
 
 _client = None
@@ -12,6 +13,13 @@ def client() -> redis.Redis:
     if _client is None:
         _client = redis.Redis.from_url(settings.REDIS_URL)
     return _client
+
+
+def listener() -> aioredis.Redis:
+    """A new asyncio client for a pub/sub listener in an event loop (plumbing/live/fleetfeed.py): a subscribed
+    connection can run nothing else, and an asyncio connection belongs to its loop, so client()'s pool can't
+    serve it."""
+    return aioredis.Redis.from_url(settings.REDIS_URL)
 
 
 def key(*parts) -> str:

@@ -1,5 +1,6 @@
 """The layers import one way, read from the source with `ast` (every import, inside functions too): controlpanel (the
-wiring) may import the apps, deployments and benchmarks, which may import plumbing, which imports none of them.
+wiring) may import the apps, deployments and benchmarks, which may import plumbing, which imports none of them;
+benchmarks may import deployments, never the other way round.
 panelctl, a client of the REST API, imports no Django package: of plumbing it takes only modules that need no Django."""
 import ast
 from pathlib import Path
@@ -38,6 +39,12 @@ def test_plumbing_imports_nothing_of_the_wiring_the_apps_or_panelctl():
 
 def test_the_apps_import_nothing_of_the_wiring_or_panelctl():
     assert _crossings(APPS, {WIRING, PANELCTL}) == []
+
+
+def test_deployments_imports_nothing_of_benchmarks():
+    """A benchmark's live messages, CSV and models are its own: deployments learns of them only through what the
+    benchmarks app registers (live topics, study steppers) in its AppConfig.ready()."""
+    assert _crossings({"deployments"}, {"benchmarks"}) == []
 
 
 def test_panelctl_imports_none_of_the_django_packages():

@@ -239,7 +239,7 @@ def test_a_changed_figure_shows_at_the_next_scrape_and_a_heartbeat_rereads_no_be
 def test_without_redis_a_scrape_still_answers_from_the_rows(viewer_client, fleet):
     import redis
 
-    with mock.patch("deployments.live.kept", autospec=True, side_effect=redis.ConnectionError("down")), \
+    with mock.patch("plumbing.live.snapshots.kept", autospec=True, side_effect=redis.ConnectionError("down")), \
             mock.patch("plumbing.apicache.versions", autospec=True, side_effect=redis.ConnectionError("down")):
         samples = scrape(viewer_client)
     assert value(samples, "panel_node_online", node=fleet["node"].name) == 1

@@ -15,10 +15,11 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from controlpanel.asgi import application
-from deployments import live, livesnapshot
+from deployments import payloads
 from deployments.models import ModelRepo
 from plumbing import redisconn, tokens
 from plumbing.models import IdempotencyKey
+from plumbing.live import snapshots, topics
 from tests.conftest import free_port, run_async
 from tests.factories import DeploymentFactory, UserFactory
 
@@ -108,7 +109,7 @@ def test_a_socket_gets_heartbeats_only_while_the_layer_holds_its_group(settings)
         ws = WebsocketCommunicator(application, "/ws/live/", headers=[
             (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()), (b"origin", b"http://localhost"),
             (b"host", b"localhost")])
-        pattern = redisconn.key("group", live.socket_group("*"))
+        pattern = redisconn.key("group", topics.socket_group("*"))
         before = set(redisconn.client().keys(pattern))
         connected, _ = await ws.connect()
         assert connected
@@ -131,7 +132,7 @@ def test_a_socket_gets_heartbeats_only_while_the_layer_holds_its_group(settings)
 def test_a_deployment_snapshot_redis_lost_comes_from_the_database():
     d = DeploymentFactory(status="ready", status_message="serving")
     d.events.create(step="launch", message="vllm serve started")
-    redisconn.client().delete(live._snapshot_key(live.deployment_topic(d.pk)))
-    messages = {m["kind"]: m["data"] for m in livesnapshot.on_subscribe(live.deployment_topic(d.pk))}
+    redisconn.client().delete(snapshots.snapshot_key(payloads.deployment_topic(d.pk)))
+    messages = {m["kind"]: m["data"] for m in snapshots.on_subscribe(payloads.deployment_topic(d.pk))}
     assert messages["status"]["status"] == "ready" and messages["status"]["message"] == "serving"
     assert [v["message"] for k, v in messages.items() if k.startswith("event.")] == ["vllm serve started"]

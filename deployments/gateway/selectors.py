@@ -6,8 +6,8 @@ from django.db.models import Sum
 from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
-from benchmarks import csvsafe
 from deployments.gateway.models import CallerKey, Usage
+from plumbing import csvsafe
 from plumbing.errors import ServiceError
 
 MEASURES = ("requests", "errors", "prompt_tokens", "reasoning_tokens", "content_tokens")

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, engineapikey, live, loads, secrets, warmstart
+from deployments import claims, engineapikey, loads, payloads, secrets, warmstart
 from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
@@ -270,7 +270,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
             lines = follow.read()
             watch.feed(lines)
             if lines:
-                live.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
+                payloads.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
             now = time.monotonic()
             current = _gpu_memory(d.gpu_indices)
             if any(abs((current.get(i) or 0) - (memory.get(i) or 0)) > 64 << 20 for i in current):
@@ -290,7 +290,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                 Deployment.objects.filter(pk=d.pk).update(load_phase=d.load_phase, load_percent=d.load_percent,
                                                           load_detail=d.load_detail, log_tail=d.log_tail)
                 record_shm(d)
-                live.send_deployment_status(d)
+                payloads.send_deployment_status(d)
                 if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
                     raise Aborted("stop requested")
             if why := follow.exited():
@@ -366,7 +366,7 @@ def _smoke(d: Deployment, base_url: str, key: str) -> None:
         Deployment.objects.filter(pk=d.pk).update(smoke=d.smoke)
         event.message = (f"{result.reply.strip()[:200]!r} in {result.latency_s:.2f} s, "
                          f"{result.completion_tokens} tokens" + (f" ({result.reasoning_tokens} reasoning)" if result.reasoning_tokens else ""))
-    live.send_deployment_status(d)
+    payloads.send_deployment_status(d)
 
 
 def deployment_persist_here(deployment_id: int) -> Deployment:

@@ -13,7 +13,7 @@ from pathlib import Path
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from deployments import live, secrets
+from deployments import payloads, secrets
 from deployments.dispatch import ranks_stop
 from deployments.gateway import changes
 from deployments.host import osuser, processes, processlog, systemd
@@ -54,7 +54,7 @@ def move(d: Deployment, status: str, message: str = "") -> None:
         row.save()
     d.status, d.status_message, d.started, d.ready_at, d.stopped_at = (
         row.status, row.status_message, row.started, row.ready_at, row.stopped_at)
-    live.send_deployment_status(d)
+    payloads.send_deployment_status(d)
     if S.READY in (before, row.status):  # the node gateways route to ready engines only: now, not at their next poll
         changes.changed("deployments")
 
@@ -89,7 +89,7 @@ def _end_event(event: DeploymentEvent) -> None:
     event.message = secrets.redact_deployment(event.deployment, event.message)  # an error may quote the engine's log
     event.ended = timezone.now()
     event.save()
-    live.send_timeline_step(event)
+    payloads.send_timeline_step(event)
 
 
 def fail(d: Deployment, message: str, attempts: int = 30) -> None:
@@ -148,7 +148,7 @@ def mark_stopped(d: Deployment, message: str) -> None:
         row.save()
     d.status, d.pid, d.pgid = S.STOPPED, None, None
     ranks_stop(row)
-    live.send_deployment_status(row)
+    payloads.send_deployment_status(row)
 
 
 def make_room(d: Deployment, others, node: Node, elsewhere: str) -> list[str]:

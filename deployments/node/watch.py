@@ -4,7 +4,7 @@ import time
 
 from django.utils import timezone
 
-from deployments import live
+from deployments import payloads
 from deployments.host import slo, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import lifecycle, raycluster, units
@@ -125,7 +125,7 @@ def deployments_metrics(node_id: int, state: dict) -> None:
         if rate is None:
             continue
         figures = window.figures()
-        live.send_engine_figures(node_id, live.EngineFigures(
+        payloads.send_engine_figures(node_id, payloads.EngineFigures(
             id=d.pk, name=d.name, tok_s=rate, running=gauges.get("num_requests_running"),
             waiting=gauges.get("num_requests_waiting"), kv_cache=gauges.get("kv_cache_usage_perc"),
             ttft_p95_s=figures.ttft_p95_s, error_share=figures.error_share, window_requests=figures.requests,

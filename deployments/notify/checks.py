@@ -12,10 +12,11 @@ import redis
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import live
+from deployments import payloads
 from deployments.models import Deployment, Node
 from deployments.notify.alerts import alert_raise, alert_resolve, in_savepoint, open_alert, setting
 from deployments.notify.models import Alert, Slo
+from plumbing.live import snapshots
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def conditions_check() -> None:
     """One pass over every node and every open crash episode."""
     nodes = list(Node.objects.all())
     try:
-        samples = live.kept([live.node_topic(n.pk) for n in nodes], "sample") if nodes else []
+        samples = snapshots.kept([payloads.node_topic(n.pk) for n in nodes], "sample") if nodes else []
     except redis.RedisError as exc:  # the rows still tell offline and disk; the GPU readings wait for Redis
         log.warning("notifications: no telemetry samples (%s); GPU checks skipped this time", exc)
         samples = [None] * len(nodes)
@@ -34,7 +35,7 @@ def conditions_check() -> None:
         in_savepoint(down_check, alert)
     slos = list(Slo.objects.select_related("deployment__node"))
     try:
-        figures = live.kept([live.deployment_topic(o.deployment_id) for o in slos], "engine") if slos else []
+        figures = snapshots.kept([payloads.deployment_topic(o.deployment_id) for o in slos], "engine") if slos else []
     except redis.RedisError as exc:  # a breach's clock waits for Redis; nothing is resolved on no news
         log.warning("notifications: no engine figures (%s); SLO checks skipped this time", exc)
         return

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils.text import slugify
 
-from deployments import callit, deploydefaults, flagpolicy, flagvalues, live, privileged, secrets, warmstart
+from deployments import callit, deploydefaults, flagpolicy, flagvalues, payloads, privileged, secrets, warmstart
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
 from deployments.claims import deployment_holders, lock_node
@@ -288,7 +288,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     for step, override in overrides:
         deployment_event(d, step, override.message, level="warning", **override.data)
     send_plan(d)
-    live.send_deployment_status(d)
+    payloads.send_deployment_status(d)
     return d
 
 
@@ -325,7 +325,7 @@ def deployment_stop(d: Deployment) -> Deployment:
     deployment_event(d, "stop", "Stop requested." + "".join(f" {c}" for c in cancelled))
     node_enqueue(d.node, "deployments.deployment_halt", d.pk)
     deployment_ranks_stop(d)  # every worker rank on its own node, at once
-    live.send_deployment_status(d)
+    payloads.send_deployment_status(d)
     return d
 
 

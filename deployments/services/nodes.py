@@ -5,7 +5,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import history, live
+from deployments import history, payloads
 from deployments.dispatch import node_enqueue  # noqa: F401 - re-exported: callers route host work through nodes
 from deployments.models import Deployment, DeploymentRank, Gpu, Node
 
@@ -87,7 +87,7 @@ def node_sample_record(node_id: int, sample: dict, engines: dict[int, dict], sam
         for proc in g.get("processes") or []:
             proc["deployment"] = engines.get(proc.get("pgid")) or engines.get(proc["pid"])
     history.push(node_id, sample, sample_seconds)
-    live.send_node_sample(node_id, sample)
+    payloads.send_node_sample(node_id, sample)
 
 
 def node_minute_record(node_id: int, aggregate: dict) -> None:

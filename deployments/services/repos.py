@@ -7,7 +7,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, live, modelconfig, modelfit
+from deployments import claims, modelconfig, modelfit, payloads
 from deployments.host import compilecache, hub, store
 from deployments.modelcopies import (hf_token, model_copy_download, model_copy_progress,  # noqa: F401 - the node's part,
                                      node_refresh_disk)  # beneath both sides; its names are services' API too
@@ -123,7 +123,7 @@ def model_inspect(model_id: int) -> ModelRepo:
     except hub.HubError as exc:
         model.inspect_error = exc.message
         model.save(update_fields=["inspect_error"])
-        live.send_model_inspect_failed(model.pk, exc.message, exc.code)
+        payloads.send_model_inspect_failed(model.pk, exc.message, exc.code)
         if not exc.permanent:
             raise
         return model
@@ -134,7 +134,7 @@ def model_inspect(model_id: int) -> ModelRepo:
     model.inspected = timezone.now()
     _apply_spec(model, info.config, [(f.path, f.size) for f in info.files])
     model.save()
-    live.send_model_inspected(model.pk)
+    payloads.send_model_inspected(model.pk)
     return model
 
 
@@ -156,7 +156,7 @@ def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
     model.save()
     ModelCopy.objects.update_or_create(model=model, node=node, defaults={
         "state": ModelCopy.State.READY, "path": local.path, "bytes_done": local.total_size, "bytes_total": local.total_size})
-    live.send_model_inspected(model.pk)
+    payloads.send_model_inspected(model.pk)
     return model
 
 
@@ -205,7 +205,7 @@ def model_download(model: ModelRepo, node: Node) -> ModelCopy:
                     cancel_requested=False, progress={k: v for k, v in copy.progress.items() if k != "deployment"})
     copy.save()
     node_enqueue(node, "deployments.model_copy_download", copy.pk)
-    live.send_copy(copy)
+    payloads.send_copy(copy)
     return copy
 
 
@@ -219,7 +219,7 @@ def model_copy_cancel(copy: ModelCopy) -> ModelCopy:
         if copy.state == ModelCopy.State.QUEUED and copy.bytes_done == 0:
             copy.transition(ModelCopy.State.CANCELLED)
         copy.save()
-    live.send_copy(copy)
+    payloads.send_copy(copy)
     return copy
 
 
@@ -261,7 +261,7 @@ def model_copy_delete(copy: ModelCopy) -> ModelCopy:
         copy.transition(ModelCopy.State.DELETING)
         copy.save()
         node_enqueue(copy.node, "deployments.model_copy_remove", copy.pk)
-    live.send_copy(copy)
+    payloads.send_copy(copy)
     return copy
 
 
@@ -282,7 +282,7 @@ def model_copy_remove(copy_id: int) -> int:
         if _copy_users(copy).exists():  # never under a running engine, whatever let it start
             copy.transition(ModelCopy.State.READY)
             copy.save()
-            live.send_copy(copy)
+            payloads.send_copy(copy)
             return 0
     model_store = copy.node.model_store or settings.MODEL_STORE
     freed = 0
@@ -293,10 +293,10 @@ def model_copy_remove(copy_id: int) -> int:
             freed += compilecache.remove_model(model_store, copy.path)
         except compilecache.CompileCacheError as exc:
             log.warning("copy %s: %s", copy.pk, exc)
-    gone = live.CopyProgress.of(copy, state="deleted")
+    gone = payloads.CopyProgress.of(copy, state="deleted")
     copy.delete()
     node_refresh_disk(copy.node, model_store)
-    live.send_copy_progress(gone)
+    payloads.send_copy_progress(gone)
     return freed
 
 

@@ -3,7 +3,7 @@
 checks of sleep mode is sleepgate.py."""
 from django.db import transaction
 
-from deployments import claims, live
+from deployments import claims, payloads
 from deployments.dispatch import node_enqueue
 from deployments.models import Deployment
 from deployments.services import deploys
@@ -93,5 +93,5 @@ def deployment_swap(source: Deployment, target: Deployment) -> Deployment:
                            code="gpus_busy")
     deployment_event(target, "swap", f"Swap from {source.name} requested.")
     node_enqueue(target.node, "deployments.deployment_swap", source.pk, target.pk)
-    live.send_deployment_status(target)
+    payloads.send_deployment_status(target)
     return target

@@ -9,7 +9,7 @@
   let retry = 0;
   let timer = null;
   let closedForGood = false;
-  // The server sends {"beat": seconds} through the Channels layer every `seconds` (deployments/consumers.py).
+  // The server sends {"beat": seconds} through the Channels layer every `seconds` (plumbing/live/consumer.py).
   // No beat for three periods means the layer lost this socket's groups (Redis restarted empty) or the
   // connection is dead without a close: reconnect, which joins the groups again and redraws from snapshots.
   let beatEvery = 5;  // seconds, until the server says

@@ -78,7 +78,7 @@ def test_a_real_rate_run_stores_each_level_with_its_rate_and_lag(viewer_client):
         run = BenchmarkRun.objects.create(base_url=server.base_url, params={
             **services.DEFAULTS, "levels": [], "rates": [20.0, 40.0], "max_tokens": 4, "min_requests": 10,
             "rate_duration_s": 0.5, "prompt_source": "builtin", "max_concurrency": 4, "seed": 5})
-        with mock.patch("deployments.live.publish", autospec=True) as publish:
+        with mock.patch("plumbing.live.publishing.publish", autospec=True) as publish:
             services.run_execute(run.pk)
         served = server.server.requests_total
     run.refresh_from_db()

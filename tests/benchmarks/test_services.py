@@ -59,7 +59,7 @@ def test_a_real_sweep_stores_each_level_with_the_schedules_figures():
     with SchedServer(ttft_ms=40, gap_ms=5, tokens_per_chunk=2, reasoning_tokens=4) as server:
         run = BenchmarkRun.objects.create(base_url=server.base_url, params={
             **services.DEFAULTS, "levels": [1, 4], "max_tokens": 16, "min_requests": 8, "requests_per_user": 2})
-        with mock.patch("deployments.live.publish", autospec=True) as publish:
+        with mock.patch("plumbing.live.publishing.publish", autospec=True) as publish:
             services.run_execute(run.pk)
     run.refresh_from_db()
     assert run.status == "done", run.error
@@ -86,7 +86,7 @@ def test_a_cancelled_run_keeps_its_finished_levels():
         def cancel_after_first(level):
             BenchmarkRun.objects.filter(pk=run.pk).update(cancel_requested=True)
 
-        with mock.patch("deployments.live.publish", autospec=True), \
+        with mock.patch("plumbing.live.publishing.publish", autospec=True), \
              mock.patch("benchmarks.payloads.send_run_status", autospec=True) as status:
             status.side_effect = lambda r: cancel_after_first(None) if r.points.exists() else None
             services.run_execute(run.pk)
@@ -96,7 +96,7 @@ def test_a_cancelled_run_keeps_its_finished_levels():
 
 def test_an_unreachable_server_fails_the_run_with_a_clear_message():
     run = BenchmarkRun.objects.create(base_url="http://127.0.0.1:9", served_model="m", params={**services.DEFAULTS, "levels": [1]})
-    with mock.patch("deployments.live.publish", autospec=True):
+    with mock.patch("plumbing.live.publishing.publish", autospec=True):
         services.run_execute(run.pk)
     run.refresh_from_db()
     assert run.status == "failed" and "connect" in run.error
@@ -108,7 +108,7 @@ def test_a_sweep_stopped_at_saturation_says_where_why_and_which_levels_it_skippe
     stopped = runner.SweepResult(levels=[runner.LevelResult(concurrency=c) for c in (1, 2, 4)],
                                  saturated="output throughput 1350 tok/s at concurrency 4 against 1300 at 2")
     with mock.patch("benchmarks.runner.sweep_in_child", autospec=True, return_value=stopped) as sweep, \
-         mock.patch("deployments.live.publish", autospec=True):
+         mock.patch("plumbing.live.publishing.publish", autospec=True):
         services.run_execute(run.pk)
     run.refresh_from_db()
     assert run.status == "done" and sweep.call_args.args[0].stop_when_saturated is True
@@ -172,7 +172,7 @@ def gauges(running, waiting, kv):
 
 def test_a_queue_is_blamed_on_max_num_seqs_or_the_kv_cache_only_when_their_gauges_show_it(ready):
     run = BenchmarkRunFactory(deployment=ready, environment={"engine_args": {"max-num-seqs": 64}})
-    with mock.patch("deployments.live.publish", autospec=True):
+    with mock.patch("plumbing.live.publishing.publish", autospec=True):
         # The case this guards against: max-num-seqs 64, 12 waiting, the KV cache at 0 %: neither was the limit.
         services._save_point(run, runner.LevelResult(concurrency=32, server_metrics=gauges(20, 12, 0.0)))
         services._save_point(run, runner.LevelResult(concurrency=128, server_metrics=gauges(64, 64, 0.3)))
@@ -241,7 +241,8 @@ def test_each_level_records_the_joules_its_gpus_used_and_a_cpu_node_none():
         run = BenchmarkRun.objects.create(deployment=deployment, served_model="m", params={**services.DEFAULTS, "levels": [1, 4]})
         with mock.patch("benchmarks.runner.sweep_in_child", autospec=True, side_effect=sweep), \
              mock.patch("benchmarks.services._engine_key", return_value=""), \
-             mock.patch("deployments.host.gpu.energy_mj", read), mock.patch("deployments.live.publish", autospec=True):
+             mock.patch("deployments.host.gpu.energy_mj", read), \
+             mock.patch("plumbing.live.publishing.publish", autospec=True):
             services.run_execute(run.pk)
         run.refresh_from_db()
         assert run.status == "done", run.error

@@ -71,7 +71,7 @@ def test_a_real_capacity_search_stores_its_rounds_and_says_the_answer(viewer_cli
             "prompt_source": "builtin", "max_concurrency": 0, "seed": 3, "arrival": "poisson", "burstiness": 1.0,
             "slos": [{"metric": "ttft", "percentile": 90, "max_ms": 1000}],
             "capacity": {"low": 2, "high": 34, "width": 8, "repeats": 1}})
-        with mock.patch("deployments.live.publish", autospec=True):
+        with mock.patch("plumbing.live.publishing.publish", autospec=True):
             services.run_execute(run.pk)
     run.refresh_from_db()
     assert run.status == "done", run.error

@@ -48,7 +48,7 @@ def test_a_run_measured_on_a_known_schedule_predicts_another_workload_within_30_
     measured = {"levels": [1], "max_tokens": 16, "min_requests": 4, "requests_per_user": 4, "warmup_per_user": 0}
     with SchedServer(ttft_ms=30, gap_ms=8) as server:
         run = BenchmarkRun.objects.create(base_url=server.base_url, params={**services.DEFAULTS, **measured})
-        with mock.patch("deployments.live.publish", autospec=True):
+        with mock.patch("plumbing.live.publishing.publish", autospec=True):
             services.run_execute(run.pk)
         # The server's record is the truth (on a loaded host it writes late, and the client sees that too).
         ttft_s, gap_s = statistics.median(server.server.truth_ttft), statistics.median(server.server.truth_itl)

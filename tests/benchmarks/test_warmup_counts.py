@@ -19,7 +19,7 @@ def test_each_level_stores_its_warm_up_count_and_the_api_and_the_run_page_show_i
               "requests_per_user": 2, "warmup_per_user": 2, "rate_duration_s": 0.5}
     with SchedServer(ttft_ms=5, gap_ms=1) as server:
         run = BenchmarkRun.objects.create(base_url=server.base_url, params=params)
-        with mock.patch("deployments.live.publish", autospec=True):
+        with mock.patch("plumbing.live.publishing.publish", autospec=True):
             services.run_execute(run.pk)
     run.refresh_from_db()
     assert run.status == "done", run.error

@@ -110,7 +110,7 @@ def test_a_multi_turn_run_stores_the_engines_hit_rate_beside_what_it_could_reuse
         params = workloads.workload_params(chats, {**services.DEFAULTS, "levels": [2], "min_requests": 6,
                                                    "warmup_per_user": 0, "prompt_source": "random"})
         run = BenchmarkRun.objects.create(base_url=server.base_url, params=params)
-        with mock.patch("deployments.live.publish", autospec=True):
+        with mock.patch("plumbing.live.publishing.publish", autospec=True):
             services.run_execute(run.pk)
         counted = sum(server.server.prompt_log)
     run.refresh_from_db()

@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from deployments import history, live
+from deployments import history, payloads
 from deployments.agent import Agent
 from deployments.host import gpu
 from deployments.models import Node, NodeMetric
@@ -57,7 +57,7 @@ def agent(nvml, tmp_path, unique):
 
 @pytest.fixture
 def published():
-    with mock.patch("deployments.live.publish", autospec=True) as publish:
+    with mock.patch("plumbing.live.publishing.publish", autospec=True) as publish:
         yield publish
 
 
@@ -71,7 +71,7 @@ def test_register_creates_the_node_and_its_gpus(agent):
 def test_a_tick_publishes_every_gpu_with_unknown_fields_as_none(agent, published):
     sample = agent.tick()
     topic, kind, data = published.call_args_list[-1].args[:3]
-    assert (topic, kind) == (live.node_topic(agent.node_id), "sample")
+    assert (topic, kind) == (payloads.node_topic(agent.node_id), "sample")
     assert [g["memory_used"] for g in data["gpus"]] == [10 * GiB, 10 * GiB]
     assert data["gpus"][0]["power_w"] is None  # NVML refused: shown as unknown, not 0
     assert data["disk"]["total"] > 0 and sample["host"]["ram_total"] > 0

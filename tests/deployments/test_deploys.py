@@ -14,13 +14,14 @@ from unittest import mock
 
 import pytest
 
-from deployments import live
+from deployments import payloads
 from deployments.forms import DeployForm
 from deployments.host import gpu, ownership, processes, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import plan, reconcile, watch
 from deployments.services import deploys
 from plumbing.errors import ServiceError
+from plumbing.live import snapshots
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -532,12 +533,12 @@ def test_engine_figures_are_published_with_tok_s_from_the_counters_rise(model, n
     try:
         with fake_clock(start=0, step=2):
             watch.deployments_metrics(node.pk, state)
-            assert not [m for m in live.snapshot(live.deployment_topic(d.pk)) if m["kind"] == "engine"]
+            assert not [m for m in snapshots.snapshot(payloads.deployment_topic(d.pk)) if m["kind"] == "engine"]
             watch.deployments_metrics(node.pk, state)
     finally:
         server.shutdown()
         server.server_close()
-    [message] = [m for m in live.snapshot(live.deployment_topic(d.pk)) if m["kind"] == "engine"]
+    [message] = [m for m in snapshots.snapshot(payloads.deployment_topic(d.pk)) if m["kind"] == "engine"]
     at = message["data"].pop("at")
     assert abs(at - time.time()) < 60  # Unix time of the reading
     # The server counts no TTFT or finished request: the SLO figures of its 2-second window are empty.

@@ -16,10 +16,10 @@ from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 
 from controlpanel.metricsview import exposition
-from deployments import live, livefeed
+from deployments import payloads
 from deployments.models import ModelCopy, Node
 from deployments.services import nodes
-from plumbing import livedrops
+from plumbing.live import drops, fleetfeed, snapshots
 from tests import fleetsim
 from tests.conftest import run_async
 from tests.factories import NodeFactory, UserFactory
@@ -60,7 +60,8 @@ async def _coalesced(client):
     await ws.send_json_to({"subscribe": ["fleet"]})
     snapshot = await ws.receive_json_from(timeout=5)
     assert snapshot["snapshot"] and snapshot["kind"] == "nodes"
-    assert snapshot["data"]["nodes"] == {str(fleet[0].pk): json.loads(json.dumps(asdict(live.FleetNode.of(before))))}
+    shown = json.loads(json.dumps(asdict(payloads.FleetNode.of(before))))
+    assert snapshot["data"]["nodes"] == {str(fleet[0].pk): shown}
 
     samples = {node.pk: fleetsim.synthetic_sample(node.pk, 2, time.time()) for node in fleet[1:]}
     for node_id, sample in samples.items():
@@ -106,7 +107,7 @@ async def _traced(client):
 
 
 def test_without_live_trace_a_fleet_state_carries_no_stage_times():
-    assert live.stamp('{"t":1}', "pub") == '{"t":1}'
+    assert fleetfeed.stamp('{"t":1}', "pub") == '{"t":1}'
 
 
 def test_a_slow_browser_skips_to_the_latest_state_of_each_node():
@@ -118,10 +119,10 @@ def test_a_slow_browser_skips_to_the_latest_state_of_each_node():
             await gate.wait()
 
         def offer(nodes):
-            subscriber.offer(nodes, live.fleet_message(nodes))
+            subscriber.offer(nodes, fleetfeed.fleet_message(nodes))
 
-        subscriber = livefeed.Subscriber(send)
-        superseded = livefeed.counts["superseded"]
+        subscriber = fleetfeed.Subscriber(send)
+        superseded = fleetfeed.counts["superseded"]
         offer({"1": '{"t":1}'})
         await asyncio.sleep(0)  # the first goes out and its send hangs: the browser reads slowly
         offer({"1": '{"t":2}'})
@@ -130,7 +131,7 @@ def test_a_slow_browser_skips_to_the_latest_state_of_each_node():
         while len(sent) < 2:
             await asyncio.sleep(0.01)
         subscriber.close()
-        return sent, livefeed.counts["superseded"] - superseded
+        return sent, fleetfeed.counts["superseded"] - superseded
 
     sent, superseded = run_async(scenario())  # on its own loop: Playwright may own this thread's
     assert [m["data"]["nodes"] for m in sent] == [{"1": {"t": 1}}, {"1": {"t": 3}, "2": {"t": 3}}]
@@ -140,8 +141,8 @@ def test_a_slow_browser_skips_to_the_latest_state_of_each_node():
 @pytest.mark.django_db
 def test_messages_the_channel_layer_drops_are_counted_and_exported():
     layer = RedisChannelLayer(hosts=[settings.REDIS_URL], capacity=1, prefix=f"drops{uuid.uuid4().hex[:8]}")
-    livedrops.count_drops()
-    before = livedrops.dropped()
+    drops.count_drops()
+    before = drops.dropped()
 
     async def send_three():
         channel = await layer.new_channel()
@@ -151,9 +152,9 @@ def test_messages_the_channel_layer_drops_are_counted_and_exported():
         await layer.flush()
 
     run_async(send_three())
-    assert livedrops.dropped() - before == 2
+    assert drops.dropped() - before == 2
     exported = re.search(r"^panel_live_dropped_messages_total (\S+)$", exposition().decode(), re.M)
-    assert exported and float(exported[1]) == livedrops.dropped()
+    assert exported and float(exported[1]) == drops.dropped()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -169,11 +170,11 @@ def test_the_fleet_model_drives_the_real_agent_code_for_many_nodes_in_one_proces
     published = fleet.published()
     assert sorted(Node.objects.filter(name__startswith="sim-").values_list("pk", flat=True)) == sorted(published)
     assert all(len(ts) >= 2 for ts in published.values())  # every node ticked more than once
-    state = live.fleet_state()
+    state = fleetfeed.fleet_state()
     assert {int(k): json.loads(v)["t"] for k, v in state.items()} == {k: ts[-1] for k, ts in published.items()}
     assert all(n.last_heartbeat is not None and n.disk_total for n in Node.objects.filter(pk__in=published))
     engine = fleet.agents[0]
-    figures = {m["kind"]: m["data"] for m in live.snapshot(live.deployment_topic(engine.deployment_id))}
+    figures = {m["kind"]: m["data"] for m in snapshots.snapshot(payloads.deployment_topic(engine.deployment_id))}
     assert figures["engine"]["running"] == 4.0 and figures["engine"]["tok_s"] > 0  # its engine's figures reached its page
     copy = ModelCopy.objects.get(pk=fleet.agents[1].copy.pk)
     assert copy.state == ModelCopy.State.DOWNLOADING and copy.bytes_done > 0  # the download reported progress

@@ -271,12 +271,12 @@ def test_live_updates_never_fail_the_caller_while_redis_is_away():
     import redis
     from channels_redis.core import RedisChannelLayer
 
-    from deployments import live
+    from plumbing.live import publishing
 
     dead = "redis://127.0.0.1:9/0"  # nothing listens on the discard port
     with mock.patch("plumbing.redisconn.client", return_value=redis.Redis.from_url(dead)), \
-            mock.patch("deployments.live.get_channel_layer", return_value=RedisChannelLayer(hosts=[dead])):
-        live.publish("node:1", "status", {"x": 1})  # logged, not raised
+            mock.patch("plumbing.live.sender.get_channel_layer", return_value=RedisChannelLayer(hosts=[dead])):
+        publishing.publish("node:1", "status", {"x": 1})  # logged, not raised
 
 
 def test_a_second_agent_under_a_name_that_heartbeats_refuses_to_start(sleeper):

@@ -16,12 +16,13 @@ import yaml
 from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments import engineapikey, live
+from deployments import engineapikey, payloads
 from deployments.host import vllm
 from deployments.models import Deployment, Node
 from deployments.notify import checks, deliveries, services as notify
 from deployments.notify.models import Delivery
 from deployments.services import deploys, nodes
+from plumbing.live import snapshots
 from tests.conftest import free_port, in_thread, wait_until
 from tests.e2e.test_gateway import start_gateway
 from tests.factories import GpuFactory, NodeFactory, UserFactory
@@ -199,8 +200,8 @@ def test_a_real_prometheus_scrapes_the_panel_and_the_engines_it_discovers(
         notify.slo_set(ops, deployment.pk, ttft_p95_ms=1, error_pct=None, minutes=0)
         served = Deployment.objects.get(pk=deployment.pk)
         vllm.smoke_test(f"http://127.0.0.1:{served.port}", "tiny", key=engineapikey.of(served))
-        topic = live.deployment_topic(deployment.pk)
-        figures = wait_until(lambda: (kept := live.kept([topic], "engine")[0] or {}).get("window_requests") and kept,
+        topic = payloads.deployment_topic(deployment.pk)
+        figures = wait_until(lambda: (kept := snapshots.kept([topic], "engine")[0] or {}).get("window_requests") and kept,
                              timeout=30, interval=0.5, message="the agent's SLO figures of the engine")
         assert figures["ttft_p95_s"] > 0.001 and figures["error_share"] == 0.0
         checks.conditions_check()

@@ -13,7 +13,7 @@ import redis
 from django.urls import reverse
 from playwright.sync_api import expect
 
-from deployments import live
+from deployments import payloads
 from deployments.models import Deployment
 from plumbing import tokens
 from tests.conftest import free_port, wait_until
@@ -25,7 +25,7 @@ HEARTBEAT_S = 0.5  # the page gives up a socket after 3 missed beats + 1 s: 2.5 
 
 
 class _Figures(threading.Thread):
-    """Engine figures for one deployment, sent the agent's way (live.send_engine_figures) every 0.2 s;
+    """Engine figures for one deployment, sent the agent's way (payloads.send_engine_figures) every 0.2 s;
     tok_s counts the messages, so the page's figure tells which one it last got."""
 
     def __init__(self, d):
@@ -35,7 +35,7 @@ class _Figures(threading.Thread):
     def run(self):
         while not self.done.wait(0.2):
             self.sent += 1
-            live.send_engine_figures(self.d.node_id, live.EngineFigures(
+            payloads.send_engine_figures(self.d.node_id, payloads.EngineFigures(
                 id=self.d.pk, name=self.d.name, tok_s=float(self.sent), running=1, waiting=0, kv_cache=0.25))
 
 

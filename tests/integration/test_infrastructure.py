@@ -9,9 +9,10 @@ from channels.testing import WebsocketCommunicator
 from django.conf import settings
 
 from controlpanel.asgi import application
-from deployments import live, tasks
+from deployments import payloads, tasks
 from deployments.models import Node
 from plumbing import redisconn
+from plumbing.live import fleetfeed, publishing
 from tests.conftest import agent_argv, run_async, wait_until
 
 
@@ -53,10 +54,11 @@ async def _published_message_reaches_client(client, unique):
     ws = WebsocketCommunicator(application, "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
     connected, _ = await ws.connect()
     assert connected
-    await ws.send_json_to({"subscribe": [live.node_topic(node.pk)]})
+    await ws.send_json_to({"subscribe": [payloads.node_topic(node.pk)]})
     # The subscription is in place once a second publish round-trips; publish until one arrives.
     for _ in range(50):
-        await sync_to_async(live.publish)(live.node_topic(node.pk), "sample", {"gpus": [{"index": 0, "memory_used": 42}]})
+        await sync_to_async(publishing.publish)(payloads.node_topic(node.pk), "sample",
+                                                {"gpus": [{"index": 0, "memory_used": 42}]})
         try:
             message = await ws.receive_json_from(timeout=0.2)
             break
@@ -79,11 +81,11 @@ async def _reconnect_gets_snapshot(client, unique):
 
     user = await sync_to_async(UserFactory)(role="viewer")
     node = await sync_to_async(NodeFactory)(name=f"snap-{unique}")
-    await sync_to_async(live.publish)(live.node_topic(node.pk), "sample", {"seq": 7})
+    await sync_to_async(publishing.publish)(payloads.node_topic(node.pk), "sample", {"seq": 7})
     cookie = await sync_to_async(_session_cookie)(client, user)
     ws = WebsocketCommunicator(application, "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
     assert (await ws.connect())[0]
-    await ws.send_json_to({"subscribe": [live.node_topic(node.pk), "bogus:topic"]})
+    await ws.send_json_to({"subscribe": [payloads.node_topic(node.pk), "bogus:topic"]})
     first = await ws.receive_json_from(timeout=5)
     second = await ws.receive_json_from(timeout=5)
     by_kind = {("error" if "error" in m else m["kind"]): m for m in (first, second)}
@@ -95,8 +97,8 @@ async def _reconnect_gets_snapshot(client, unique):
 
 def test_the_tests_keep_their_redis_keys_apart_from_a_running_panel():
     # A panel on the same Redis uses the default prefix "panel"; what a test publishes must land elsewhere.
-    topic = live.node_topic(int(uuid.uuid4().int % 10**12))
-    live.publish(topic, "sample", {"seq": 1})
+    topic = payloads.node_topic(int(uuid.uuid4().int % 10**12))
+    publishing.publish(topic, "sample", {"seq": 1})
     written = [k.decode() for k in redisconn.client().scan_iter(f"*:snapshot:{topic}")]
     assert written and not any(key.startswith("panel:") for key in written), written
 
@@ -126,7 +128,7 @@ def test_panels_on_two_databases_of_one_redis_do_not_hear_each_others_fleet_chan
     for db in (4, 5):
         monkeypatch.setattr(redisconn, "_client", None)
         settings.REDIS_URL = f"redis://{kwargs['host']}:{kwargs['port']}/{db}"
-        channels[db] = (redisconn.client(), live.fleet_channel())
+        channels[db] = (redisconn.client(), fleetfeed.fleet_channel())
     monkeypatch.setattr(redisconn, "_client", None)
     (client_a, channel_a), (client_b, channel_b) = channels[4], channels[5]
     listener = client_a.pubsub(ignore_subscribe_messages=True)

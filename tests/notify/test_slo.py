@@ -7,12 +7,13 @@ import time
 import pytest
 from django.utils import timezone
 
-from deployments import live
+from deployments import payloads
 from deployments.models import Deployment
 from deployments.node import watch
 from deployments.host import slo
 from deployments.notify import checks, services
 from deployments.notify.models import Alert, Slo
+from plumbing.live import snapshots
 from tests.factories import DeploymentFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -21,7 +22,7 @@ INF = float("inf")
 
 def _figures(d, ttft_p95_s=None, error_share=None, requests=100, age_s=0.0):
     """The engine figures as the agent's watch sends and keeps them."""
-    live.send_engine_figures(d.node_id, live.EngineFigures(
+    payloads.send_engine_figures(d.node_id, payloads.EngineFigures(
         id=d.pk, name=d.name, tok_s=50.0, running=1.0, waiting=0.0, kv_cache=0.1, ttft_p95_s=ttft_p95_s,
         error_share=error_share, window_requests=requests, window_s=300.0, at=time.time() - age_s))
 
@@ -122,7 +123,7 @@ def test_the_agents_watch_keeps_the_window_figures_the_check_reads(monkeypatch):
     state = {}
     watch.deployments_metrics(d.node_id, state)
     watch.deployments_metrics(d.node_id, state)
-    [kept] = live.kept([live.deployment_topic(d.pk)], "engine")
+    [kept] = snapshots.kept([payloads.deployment_topic(d.pk)], "engine")
     assert kept["window_requests"] == 10 and kept["error_share"] == pytest.approx(0.2)
     assert kept["ttft_p95_s"] == 0.5  # 8 of 10 new first tokens after 0.5 s: p95 is in +Inf, the highest bound
     assert time.time() - kept["at"] < 5

@@ -5,8 +5,8 @@ import io
 import pytest
 from rest_framework.test import APIClient
 
-from benchmarks import csvsafe
 from benchmarks.models import StudyTrial
+from plumbing import csvsafe
 from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory, StudyFactory
 
 pytestmark = pytest.mark.django_db

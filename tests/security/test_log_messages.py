@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 from rest_framework.test import APIClient
 
-from deployments import live, secrets
+from deployments import payloads, secrets
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import plan, ranks, watch
 from tests.deployments.test_deploys import FLAGS, FakeHost, host  # noqa: F401 - host: the plan's node, faked at its boundary
@@ -60,7 +60,7 @@ def test_an_engine_that_exits_while_loading_leaves_no_secret_of_its_log_in_any_m
         return handle
 
     host.mocks["processes.launch"].side_effect = launch_then_exit
-    with mock.patch.object(live, "send_log_lines", autospec=True) as send:
+    with mock.patch.object(payloads, "send_log_lines", autospec=True) as send:
         plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == Deployment.Status.FAILED and "The engine exited while loading: ValueError" in d.status_message

@@ -5,7 +5,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from benchmarks import services as bench
-from deployments import live, secrets
+from deployments import payloads, secrets
 from deployments.models import Deployment
 from deployments.node import plan
 from deployments.services import deploys
@@ -54,7 +54,7 @@ def test_the_plan_sends_the_engines_new_log_lines_live_without_a_marked_value(ma
     copy = ModelCopyFactory(node=node, path=str(tmp_path / "m"), model=ModelRepoFactory(files=[{"path": "a", "size": 1}]))
     d = DeploymentFactory(node=node, model=copy.model, port=8000, status=Deployment.Status.QUEUED, secret_env=marked,
                           env={"VLLM_MY_VAR": VALUE})
-    with mock.patch.object(live, "send_log_lines", autospec=True) as send:
+    with mock.patch.object(payloads, "send_log_lines", autospec=True) as send:
         def launch_printing_the_value(spec):  # vLLM prints its non-default args and env at start
             handle = FakeHost.launch(host, spec)
             with spec.log_path.open("a") as log:

@@ -8,7 +8,7 @@ from django.contrib.sessions.models import Session
 from django.test import Client
 
 from controlpanel.asgi import application
-from deployments import consumers
+from plumbing.live import consumer
 from tests.conftest import run_async
 from tests.factories import NodeFactory, UserFactory
 
@@ -88,7 +88,7 @@ def test_a_user_without_a_role_cannot_open_a_socket():
 
 
 def test_subscriptions_are_to_existing_objects_and_capped_per_socket(monkeypatch):
-    monkeypatch.setattr(consumers, "MAX_TOPICS", 3)
+    monkeypatch.setattr(consumer, "MAX_TOPICS", 3)
 
     async def scenario():
         user = await sync_to_async(UserFactory)(role="viewer")

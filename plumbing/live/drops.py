@@ -1,4 +1,4 @@
-"""Messages the Channels layer dropped, counted instead of lost without a trace.
+"""Drop counting: messages the Channels layer dropped, counted instead of lost without a trace.
 
 channels-redis's group_send skips every socket whose queue is full (LIVE_CHANNEL_CAPACITY) and only
 says so in an INFO log record ("%s of %s channels over capacity in group %s"); nothing reaches the
