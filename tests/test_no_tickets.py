@@ -13,7 +13,7 @@ ROOT_FILES = ("docker-compose.yml", "pyproject.toml", "Dockerfile", "Dockerfile.
 SKIPPED_DIRS = {"migrations", "__pycache__", "node_modules"}
 VENDORED = ROOT / "static" / "vendor"
 TICKET = re.compile(r"\b(?:issues?|tickets?) ?#?\d+\b", re.IGNORECASE)
-# An upstream project named right before the number ("vLLM issue 12345", "GPUStack's issue #2116") is a citation.
+# An upstream project named right before the number (vLLM's or GPUStack's own issue numbers) is a citation.
 UPSTREAM = re.compile(r"\b(?:vllm|gpustack|xinference|ray|nccl|celery|django|pytorch|torch|huggingface|transformers|"
                       r"redis|uvicorn|daphne|channels|nvidia)(?:'s)?(?:\s+github)?\s*$", re.IGNORECASE)
 
