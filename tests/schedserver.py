@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script (perf/ does): the repository, n
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.schedbodies import build_chunks, count_prompt, full_response  # noqa: E402
 from tests.schedcache import PrefixCache  # noqa: E402
+from plumbing.eventloops import new_loop, raise_fd_limit  # noqa: E402
 
 perf_counter = time.perf_counter
 
@@ -389,7 +390,7 @@ class SchedServer:
         self._thread.join(10)
 
     def _run(self):
-        self._loop = _new_loop()
+        self._loop = new_loop()
         asyncio.set_event_loop(self._loop)
         self._runner = self._loop.run_until_complete(_serve(self.server, self.host, self.port))
         self.port = self._runner.addresses[0][1]
@@ -448,37 +449,18 @@ def main(argv=None):
                         zero_delay=args.zero_delay, reasoning_field=args.reasoning_field, spin_us=args.spin_us,
                         role_with_first_token=args.role_with_first_token, jitter=args.jitter, seed=args.seed,
                         slots=args.slots)
-    _raise_fd_limit()
+    raise_fd_limit()
     if args.wait_stdin:
         sys.stdin.readline()
     if not args.gc:
         gc.disable()  # a collection mid-level would delay chunks; /stats?reset=1 collects instead
-    loop = asyncio.new_event_loop() if args.no_uvloop else _new_loop()
+    loop = asyncio.new_event_loop() if args.no_uvloop else new_loop()
     runner = loop.run_until_complete(_serve(Server(schedule), args.host, args.port))
     print(f"schedserver listening on http://{args.host}:{runner.addresses[0][1]}", flush=True)
     try:
         loop.run_forever()
     except KeyboardInterrupt:
         pass
-
-
-# _new_loop and _raise_fd_limit repeat benchmarks/runner/workers.py's on purpose: this server is the
-# yardstick the runner is measured against (tests, perf/), so it shares no code with the runner, and
-# it runs as a plain script.
-def _new_loop():
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-def _raise_fd_limit():
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 if __name__ == "__main__":

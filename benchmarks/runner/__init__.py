@@ -7,7 +7,7 @@
 
 Metrics follow `vllm bench serve` (TTFT, TPOT, ITL, E2E, throughputs); the extras (time to first
 content token, per-token ITL, reasoning/content split, tok/s per user) are labelled as ours.
-May import deployments.host (the vLLM client, host errors) and its own modules; no Django.
+May import deployments.host (the vLLM client, host errors), plumbing's plain files and its own modules; no Django.
 """
 from .child import sweep_in_child
 from .memory import MemoryLimitError

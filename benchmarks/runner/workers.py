@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import benchmarks.runner.memory as memory  # the modules, not the package: its __init__ imports this one
 import benchmarks.runner.workloads as workloads
+from plumbing.eventloops import new_loop, raise_fd_limit
 from .load import Pool, run_share
 from .prompts import Target, share_requests
 from .spec import LoadSpec, RunnerError
@@ -44,22 +45,6 @@ class _Command:
     turns: int = 0  # a multi-turn level: requests per conversation (load.run_share); with `due`, one per conversation
 
 
-def _new_loop():  # tests/schedserver.py has its own copy: see there why
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-def _raise_fd_limit():
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def _prefetched(requests, budget: int) -> list:
     """The first requests of an iterator, up to `budget` bytes (at least one)."""
     out, size = [], 0
@@ -78,9 +63,9 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_proces
     if own_process:
         memory.limit(memory_bytes)
         prefetch = min(prefetch, memory.current() // 4 or prefetch)
-        _raise_fd_limit()
+        raise_fd_limit()
         gc.disable()  # a collection pauses the loop and delays timestamps; collect between levels instead
-    loop = _new_loop()
+    loop = new_loop()
     asyncio.set_event_loop(loop)
     failed = []
 

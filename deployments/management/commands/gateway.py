@@ -6,16 +6,9 @@ import signal
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from plumbing.eventloops import new_loop, raise_fd_limit
+
 log = logging.getLogger("deployments.gateway")
-
-
-def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (about twice the chunks a second of asyncio's own loop), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 class Command(BaseCommand):
@@ -36,7 +29,7 @@ class Command(BaseCommand):
             raise CommandError(f"--port must be 0-65535, not {port}")
         if ready_wait < 0:
             raise CommandError("--ready-wait must be 0 or more seconds")
-        _raise_fd_limit()
+        raise_fd_limit()
         loop = new_loop()
         asyncio.set_event_loop(loop)
         gateway = Gateway(node, ready_wait_s=ready_wait)
@@ -55,11 +48,3 @@ class Command(BaseCommand):
         loop.run_until_complete(runner.cleanup())
         loop.close()
 
-
-def _raise_fd_limit():
-    """Each stream holds two sockets (caller, engine): the default 1024 descriptors end at ~500 streams."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
