@@ -10,7 +10,6 @@ outputs; its best output tokens/s (output tokens over its measured duration) cou
 Last line: ours_tok_s=... vllm_tok_s=... ratio=...  Target: ratio >= 1.5.
 """
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.runner import LoadSpec, Sweeper  # noqa: E402
-from vllmbench import VLLM, Server, cores, make_tokenizer, raise_priority, run_vllm  # noqa: E402
+from vllmbench import VLLM, Server, comparison_args, make_tokenizer, pin_client, run_vllm  # noqa: E402
 
 
 def main():
@@ -27,14 +26,11 @@ def main():
     parser.add_argument("--levels", default="16,64,256")
     parser.add_argument("--output-tokens", type=int, default=2000)
     parser.add_argument("--requests-per-user", type=int, default=4)
-    parser.add_argument("--no-vllm", action="store_true", help="measure only ours")
-    parser.add_argument("--no-priority", action="store_true", help="don't raise this run's CPU priority")
+    comparison_args(parser)
     args = parser.parse_args()
     levels = [int(c) for c in args.levels.split(",")]
-    server_core, client_core = cores()
     use_vllm = VLLM.exists() and not args.no_vllm
-    restore = (lambda: None) if args.no_priority else raise_priority()
-    os.sched_setaffinity(0, {client_core})
+    server_core, client_core, restore = pin_client(args.no_priority)
     server = Server(server_core, "--zero-delay")
     workdir = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
     best = {"ours": 0.0, "vllm": 0.0}

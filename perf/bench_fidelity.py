@@ -27,7 +27,6 @@ ours_median_round_max_err_pct, ours_worst_round_max_err_pct (and vllm_...). Targ
 """
 import argparse
 import json
-import os
 import shutil
 import socket
 import statistics
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.runner import LoadSpec, Sweeper  # noqa: E402
-from vllmbench import VLLM, Server, cores, make_tokenizer, raise_priority, run_vllm  # noqa: E402
+from vllmbench import VLLM, Server, comparison_args, make_tokenizer, pin_client, run_vllm  # noqa: E402
 
 def loopback_overhead_ms(server: Server, count: int = 20) -> float:
     """Median TTFT of a blocking raw-socket client at concurrency 1, minus the server's own TTFT."""
@@ -75,14 +74,11 @@ def main():
     parser.add_argument("--requests-per-user", type=int, default=3)
     parser.add_argument("--min-requests", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="runs per level and client (best, median, worst shown)")
-    parser.add_argument("--no-vllm", action="store_true", help="measure only ours")
-    parser.add_argument("--no-priority", action="store_true", help="don't raise this run's CPU priority")
+    comparison_args(parser)
     args = parser.parse_args()
     levels = [int(c) for c in args.levels.split(",")]
-    server_core, client_core = cores()
     use_vllm = VLLM.exists() and not args.no_vllm
-    restore = (lambda: None) if args.no_priority else raise_priority()
-    os.sched_setaffinity(0, {client_core})  # our worker processes inherit it
+    server_core, client_core, restore = pin_client(args.no_priority)
     server = Server(server_core, "--ttft-ms", "50", "--gap-ms", "10", "--tokens-per-chunk", "1",
                     "--role-with-first-token")
     workdir = Path(tempfile.mkdtemp(prefix="bench-fidelity-"))

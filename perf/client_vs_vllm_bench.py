@@ -60,7 +60,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from benchmarks.runner import LoadSpec, load_jsonl, run_level  # noqa: E402
 from deployments.host import processenv, processes, serveargv, vllm  # noqa: E402
-from vllmbench import VLLM, cores, free_port, raise_priority, run_vllm  # noqa: E402
+from vllmbench import VLLM, free_port, pin_client, raise_priority, run_vllm  # noqa: E402
 
 TINY_MODEL = ROOT / "var" / "tiny-model"
 OUT_TOKENS = 64
@@ -160,9 +160,7 @@ def main():
     if not VLLM.exists() or not (TINY_MODEL / "config.json").exists():
         raise SystemExit("needs scripts/install-engine's engine and tiny model")
     load_start = os.getloadavg()
-    engine_core, client_core = cores()
-    restore = (lambda: None) if args.no_priority else raise_priority()
-    os.sched_setaffinity(0, {client_core})  # our measuring processes and vllm bench serve inherit it
+    engine_core, client_core, restore = pin_client(args.no_priority)
     workdir = Path(tempfile.mkdtemp(prefix="client-vs-vllm-"))
     handle = None
     # rows[case][client] = [per round: {"tok_s", "ttft", "ttft_ours", "engine_ttft_ms", ...}]

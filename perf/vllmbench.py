@@ -1,5 +1,6 @@
-"""What perf/bench_fidelity.py and perf/bench_ceiling.py share: tests/schedserver.py pinned to a core,
-this run's CPU priority, and one `vllm bench serve` run (its invocation and result) to compare with."""
+"""What perf/bench_fidelity.py, perf/bench_ceiling.py and perf/client_vs_vllm_bench.py share: their common flags,
+tests/schedserver.py pinned to a core, this run's core and CPU priority, and one `vllm bench serve` run (its
+invocation and result) to compare with."""
 import json
 import os
 import socket
@@ -19,6 +20,21 @@ def cores() -> tuple[int, int]:
     """(server core, client core): the first two this process may use."""
     allowed = sorted(os.sched_getaffinity(0))
     return allowed[0], allowed[1 % len(allowed)]
+
+
+def comparison_args(parser) -> None:
+    """The flags of a comparison with `vllm bench serve`: --no-vllm, --no-priority."""
+    parser.add_argument("--no-vllm", action="store_true", help="measure only ours")
+    parser.add_argument("--no-priority", action="store_true", help="don't raise this run's CPU priority")
+
+
+def pin_client(no_priority: bool) -> tuple[int, int, callable]:
+    """(server core, client core, undo): this process pinned to the client core (the measuring processes and
+    `vllm bench serve` it starts inherit it), its CPU priority raised unless `no_priority`; undo() lowers it."""
+    server_core, client_core = cores()
+    restore = (lambda: None) if no_priority else raise_priority()
+    os.sched_setaffinity(0, {client_core})
+    return server_core, client_core, restore
 
 
 def raise_priority(pid: int = 0) -> callable:
