@@ -17,7 +17,6 @@ Target: both p95 <= 1 s. Runs on SQLite in a temporary folder; needs scripts/ins
 import argparse
 import logging
 import os
-import secrets
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from panelctl import launcher  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
+from inprocess import start_panel, stop_engines  # noqa: E402
 
 VLLM = ROOT / ".engine-venv" / "bin" / "vllm"
 TINY_MODEL = ROOT / "var" / "tiny-model"
@@ -130,18 +130,6 @@ def one_round(api: httpx.Client, model_id: int, index: int) -> dict:
     return row
 
 
-def stop_engines():
-    """Engines run in their own sessions and outlive the agent: never leave one behind."""
-    try:
-        from deployments.host import processes
-        from deployments.models import Deployment
-
-        for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-            processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
-    except Exception as exc:  # noqa: BLE001 - Django may not be set up yet
-        print(f"note: engines not checked: {exc}", file=sys.stderr)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -149,25 +137,15 @@ def main():
     if not VLLM.exists() or not (TINY_MODEL / "config.json").exists():
         raise SystemExit("needs the CPU engine and the tiny model: run scripts/install-engine")
     var = Path(tempfile.mkdtemp(prefix="perf-deploy-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(PANEL_VAR_DIR=str(var), DATABASE_URL=f"sqlite:///{var / 'panel.sqlite3'}", PYTHONUNBUFFERED="1",
-               VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(var / "vllm-cache"), CPU_HOST_EXCLUSIVE="0",
-               DJANGO_SETTINGS_MODULE="controlpanel.settings", CHANNELS_PREFIX=f"perfdeploy{os.getpid()}",
-               SECRET_KEY=secrets.token_urlsafe(50))
     children = launcher.Children()
     try:
-        env["REDIS_URL"] = launcher.start_embedded_redis(children, env, var)
-        os.environ.update(env)
-        import django
-
-        django.setup()
+        env = start_panel(var, children, PYTHONUNBUFFERED="1", VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(var / "vllm-cache"),
+                          CHANNELS_PREFIX=f"perfdeploy{os.getpid()}")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
         from django.contrib.auth import get_user_model
-        from django.core.management import call_command
 
         from plumbing import tokens
 
-        call_command("migrate", verbosity=0)
         token = tokens.issue(get_user_model().objects.create_superuser("perf", "", "perf-password-1"))
         port = launcher.free_port()
         children.start("web", [launcher.PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--port", str(port),

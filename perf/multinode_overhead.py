@@ -17,7 +17,6 @@ Last line: name=value pairs; overhead_p95_s is the target (<= 1 s). SQLite in a 
 import argparse
 import logging
 import os
-import secrets
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
 
 from panelctl import launcher  # noqa: E402
-from deploy_overhead import FirstHealth, percentile, process_started_at, stop_engines, wait  # noqa: E402
+from deploy_overhead import FirstHealth, percentile, process_started_at, wait  # noqa: E402
+from inprocess import start_panel, stop_engines  # noqa: E402
 
 VLLM = ROOT / ".engine-venv" / "bin" / "vllm"
 TINY_MODEL = ROOT / "var" / "tiny-model"
@@ -86,26 +86,16 @@ def main():
     if not VLLM.exists() or not (TINY_MODEL / "config.json").exists():
         raise SystemExit("needs the CPU engine and the tiny model: run scripts/install-engine")
     var = Path(tempfile.mkdtemp(prefix="perf-multinode-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(PANEL_VAR_DIR=str(var), DATABASE_URL=f"sqlite:///{var / 'panel.sqlite3'}", PYTHONUNBUFFERED="1",
-               VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(var / "vllm-cache"), CPU_HOST_EXCLUSIVE="0",
-               DJANGO_SETTINGS_MODULE="controlpanel.settings", CHANNELS_PREFIX=f"perfmn{os.getpid()}",
-               SECRET_KEY=secrets.token_urlsafe(50))
     children = launcher.Children()
     rows = []
     try:
-        env["REDIS_URL"] = launcher.start_embedded_redis(children, env, var)
-        os.environ.update(env)
-        import django
-
-        django.setup()
+        env = start_panel(var, children, PYTHONUNBUFFERED="1", VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(var / "vllm-cache"),
+                          CHANNELS_PREFIX=f"perfmn{os.getpid()}")
         logging.getLogger("httpx").setLevel(logging.WARNING)
         from django.contrib.auth import get_user_model
-        from django.core.management import call_command
 
         from plumbing import tokens
 
-        call_command("migrate", verbosity=0)
         token = tokens.issue(get_user_model().objects.create_superuser("perf", "", "perf-password-1"))
         port = launcher.free_port()
         children.start("web", [launcher.PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--port", str(port),
@@ -132,15 +122,7 @@ def main():
                 rows.append({"one": one, "two": two, "overhead": two - one})
                 print(f"round {i}: panel one-node {one:.3f} s, two-node {two:.3f} s, overhead {two - one:.3f} s", flush=True)
     finally:
-        stop_engines()
-        try:
-            from deployments.host import processes
-            from deployments.models import DeploymentRank
-
-            for pgid in DeploymentRank.objects.exclude(pgid=None).values_list("pgid", flat=True):
-                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
-        except Exception as exc:  # noqa: BLE001 - Django may not be set up
-            print(f"note: ranks not checked: {exc}", file=sys.stderr)
+        stop_engines(ranks=True)
         children.stop()
     overhead = [r["overhead"] for r in rows]
     print(f"one_node_panel_p50_s={statistics.median(r['one'] for r in rows):.3f} "

@@ -16,7 +16,6 @@ Run: PYTHONPATH=$PWD .venv/bin/python perf/prewarm.py [--files 4 --mib 256 --rou
 """
 import argparse
 import os
-import secrets
 import shutil
 import statistics
 import subprocess
@@ -28,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deployments.host import loadphases, pagecache, processes  # noqa: E402
+from deployments.host import loadphases, pagecache  # noqa: E402
 from panelctl import launcher  # noqa: E402
+from inprocess import start_panel, stop_engines  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 VLLM = Path(os.environ.get("ENGINE_VENV", ROOT / ".engine-venv")) / "bin" / "vllm"
@@ -106,26 +106,16 @@ def prediction(loads: int) -> dict:
     if not VLLM.exists() or not model_path.exists():
         return {"predict_err_pct": "nan", "predict_note": "no CPU engine or tiny model here"}
     var = Path(tempfile.mkdtemp(prefix="perf-prewarm-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    # A node's vLLM cache (VLLM_CACHE_ROOT) starts empty here, as on a node's first deploy of the model.
-    env.update(PANEL_VAR_DIR=str(var), DATABASE_URL=f"sqlite:///{var / 'panel.sqlite3'}", VLLM_BIN=str(VLLM),
-               VLLM_CACHE_ROOT=str(var / "vllm-cache"), CPU_HOST_EXCLUSIVE="0", DJANGO_SETTINGS_MODULE="controlpanel.settings",
-               CHANNELS_PREFIX=f"perfprewarm{os.getpid()}", SECRET_KEY=secrets.token_urlsafe(50))
     children = launcher.Children()
     try:
-        env["REDIS_URL"] = launcher.start_embedded_redis(children, env, var)
-        os.environ.update(env)
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-
+        # A node's vLLM cache (VLLM_CACHE_ROOT) starts empty here, as on a node's first deploy of the model.
+        start_panel(var, children, VLLM_BIN=str(VLLM), VLLM_CACHE_ROOT=str(var / "vllm-cache"),
+                    CHANNELS_PREFIX=f"perfprewarm{os.getpid()}")
         from deployments import tasks
         from deployments.agent import Agent
         from deployments.models import Deployment, Node
         from deployments.services import loadtime, repos
 
-        call_command("migrate", verbosity=0)
         agent = Agent(name="perf-node", model_store=str(var / "store"), address="127.0.0.1", version="perf")
         agent.register()  # in a thread, as at an agent's start: the engine's version and flags, the store's read rate
         node = wait_until(lambda: Node.objects.exclude(engine_flags=[]).filter(pk=agent.node_id).first(), timeout=300,
@@ -146,13 +136,7 @@ def prediction(loads: int) -> dict:
                 errors.append(100.0 * abs(forecast.total_s - actual) / actual)
         kept = len(loadtime.load_history(d)[0])
     finally:
-        try:
-            from deployments.models import Deployment
-
-            for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)  # never leave an engine behind
-        except Exception as exc:  # noqa: BLE001 - Django may not be set up
-            print(f"note: engines not checked: {exc}", file=sys.stderr)
+        stop_engines()
         children.stop()
         shutil.rmtree(var, ignore_errors=True)
     return {"predict_err_pct": round(max(errors), 1), "predict_err_each_pct": "/".join(f"{e:.1f}" for e in errors),

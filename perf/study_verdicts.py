@@ -38,7 +38,6 @@ import json
 import math
 import os
 import random
-import secrets
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from panelctl import launcher  # noqa: E402
+from inprocess import start_panel, stop_engines  # noqa: E402
 
 FAKE_VLLM = ROOT / "tests" / "faults" / "fakevllm" / "vllm"
 CONCURRENCY, TOKENS, REQUESTS, GAP_MS, TTFT_MS, JITTER = 4, 24, 16, 2.0, 5.0, 0.05
@@ -130,23 +130,13 @@ def overhead(repeats: int) -> dict:
     (model_dir / "fake_engine.json").write_text(json.dumps({
         "load_s": LOAD_S, "python": sys.executable,
         "schedules": {"*": {"ttft_ms": STUDY_TTFT_MS, "gap_ms": STUDY_GAP_MS}}}))
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(PANEL_VAR_DIR=str(var), DATABASE_URL=f"sqlite:///{var / 'panel.sqlite3'}", PYTHONUNBUFFERED="1",
-               VLLM_BIN=str(FAKE_VLLM), CPU_HOST_EXCLUSIVE="0", DJANGO_SETTINGS_MODULE="controlpanel.settings",
-               CHANNELS_PREFIX=f"perftune{os.getpid()}", SECRET_KEY=secrets.token_urlsafe(50),
-               # The fake engine's schedule server runs on this venv's Python, which the engine user may not reach
-               # (a venv under /root): engines run as the agent's user here, as in tests/integration.
-               PANEL_ENGINE_USER="root")
     children = launcher.Children()
     try:
-        env["REDIS_URL"] = launcher.start_embedded_redis(children, env, var)
-        os.environ.update(env)
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-
-        call_command("migrate", verbosity=0)
+        env = start_panel(var, children, PYTHONUNBUFFERED="1", VLLM_BIN=str(FAKE_VLLM),
+                          CHANNELS_PREFIX=f"perftune{os.getpid()}",
+                          # The fake engine's schedule server runs on this venv's Python, which the engine user may
+                          # not reach (a venv under /root): engines run as the agent's user here, as in tests/integration.
+                          PANEL_ENGINE_USER="root")
         children.start("agent", [launcher.PYTHON, "manage.py", "nodeagent", "--name", "perf-tune", "--model-store",
                                  str(var / "store"), "--concurrency", "2"], env)
         from benchmarks import studies, studyresults
@@ -233,14 +223,7 @@ def overhead(repeats: int) -> dict:
             figures["estimate_after_first_trial_err_pct"] = err
         return figures
     finally:
-        try:
-            from deployments.host import processes
-            from deployments.models import Deployment
-
-            for pgid in Deployment.objects.exclude(pgid=None).values_list("pgid", flat=True):
-                processes.stop(pgid, term_timeout_s=5, kill_timeout_s=5)
-        except Exception as exc:  # noqa: BLE001 - Django may not be set up
-            print(f"note: engines not checked: {exc}", file=sys.stderr)
+        stop_engines()
         children.stop()
 
 
