@@ -6,11 +6,11 @@ import re
 
 import pytest
 from channels.testing import WebsocketCommunicator
-from django.urls import URLPattern, URLResolver, get_resolver
 
 from controlpanel.asgi import application
 from controlpanel.routing import websocket_urlpatterns
 from tests.conftest import run_async
+from tests.helpers import url_patterns
 
 PUBLIC = {"/accounts/login/", "/healthz"}
 MACHINE_READABLE = {"/metrics"}  # read by Prometheus: answers 401, like the API, instead of a login redirect
@@ -26,16 +26,7 @@ def _sample_path(regex: str) -> str:
     return "/" + path.lstrip("/")
 
 
-def _walk(patterns, prefix=""):
-    for entry in patterns:
-        regex = prefix + entry.pattern.regex.pattern.lstrip("^").rstrip("$").replace("\\Z", "")
-        if isinstance(entry, URLResolver):
-            yield from _walk(entry.url_patterns, regex)
-        elif isinstance(entry, URLPattern):
-            yield _sample_path(regex)
-
-
-ALL_PATHS = sorted({p for p in _walk(get_resolver().url_patterns) if not p.startswith("/static/")})
+ALL_PATHS = sorted({p for p in map(_sample_path, (regex for regex, _ in url_patterns())) if not p.startswith("/static/")})
 GUARDED = [p for p in ALL_PATHS if p not in PUBLIC]
 
 

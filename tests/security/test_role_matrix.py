@@ -16,7 +16,6 @@ from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.apps import apps
 from django.test import Client
-from django.urls import URLPattern, URLResolver, get_resolver
 from rest_framework.test import APIClient
 
 from controlpanel.asgi import application
@@ -26,6 +25,7 @@ from deployments.gateway.models import CallerKey
 from tests.conftest import run_async
 from tests.factories import (BenchmarkRunFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, StudyFactory,
                              UserFactory)
+from tests.helpers import url_patterns
 from tests.test_api_permissions import OPERATIONS, OPERATOR_ANSWERS, _concrete, objects  # noqa: F401 - objects: a fixture
 
 ROLES = ["anonymous", "no role", "viewer", "operator", "admin"]
@@ -53,15 +53,6 @@ ACTS = {"run-cancel", "study-control", "copy-action", "deployment-action", "acco
 OWNED = {"key-revoke"}
 
 
-def _walk(patterns, prefix=""):
-    for entry in patterns:
-        regex = prefix + entry.pattern.regex.pattern.lstrip("^").rstrip("$").replace("\\Z", "")
-        if isinstance(entry, URLResolver):
-            yield from _walk(entry.url_patterns, regex)
-        elif isinstance(entry, URLPattern):
-            yield regex, entry.name
-
-
 def _page_path(regex: str, ids: dict) -> str:
     path = regex.replace("^", "").replace("$", "")
     path = re.sub(r"\(\?P<format>\\\.[^)]*\)", ".json", path)
@@ -79,7 +70,7 @@ def _page_path(regex: str, ids: dict) -> str:
     return "/" + path.replace("\\.", ".").replace("\\", "").lstrip("/")
 
 
-PAGES = {r: name for r, name in _walk(get_resolver().url_patterns)
+PAGES = {r: name for r, name in url_patterns()
          if not r.startswith(("static/", "api/", "admin/")) and "(?P<format>" not in r}
 PAGE_REGEXES = sorted(PAGES)
 
