@@ -8,7 +8,27 @@ from deployments.models import Deployment
 from plumbing.states import Transitions
 
 
-class BenchmarkRun(Transitions, models.Model):
+class Job(Transitions, models.Model):
+    """Work a user asks for that starts and ends (a run, a study): who asked, and when it was made, started and
+    ended (stamped as its status moves); newest first."""
+
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created = models.DateTimeField(auto_now_add=True)
+    started = models.DateTimeField(null=True, blank=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        abstract = True
+        ordering = ["-created"]
+
+    def entered(self, status) -> None:
+        if status == self.Status.RUNNING and not self.started:  # a study resumed after a pause keeps its start
+            self.started = timezone.now()
+        elif status in self.TERMINAL:
+            self.finished = timezone.now()
+
+
+class BenchmarkRun(Job):
     """A sweep over concurrency levels against a deployment or any OpenAI-compatible URL."""
 
     class Status(models.TextChoices):
@@ -40,13 +60,6 @@ class BenchmarkRun(Transitions, models.Model):
         "A capacity search's answer: the highest rate measured to meet the SLOs, the interval, each round and the "
         "sentence (benchmarks/runner/capacity.py); empty for other runs."))
     cancel_requested = models.BooleanField(default=False)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
-    created = models.DateTimeField(auto_now_add=True)
-    started = models.DateTimeField(null=True, blank=True)
-    finished = models.DateTimeField(null=True, blank=True)
-
-    class Meta:
-        ordering = ["-created"]
 
     def __str__(self):
         return self.name or f"run {self.pk}"
@@ -54,12 +67,6 @@ class BenchmarkRun(Transitions, models.Model):
     @property
     def target(self) -> str:
         return str(self.deployment) if self.deployment_id else self.base_url
-
-    def entered(self, status) -> None:
-        if status == self.Status.RUNNING:
-            self.started = timezone.now()
-        elif status in self.TERMINAL:
-            self.finished = timezone.now()
 
 
 class BenchmarkPoint(models.Model):
@@ -136,7 +143,7 @@ class BenchmarkPoint(models.Model):
         return f"{self.run} {self.rate:g} req/s" if self.kind == self.Kind.RATE else f"{self.run} c={self.concurrency}"
 
 
-class Study(Transitions, models.Model):
+class Study(Job):
     """A tuning study: a deployment's baseline and variants, each redeployed and benchmarked in repeats."""
 
     class Status(models.TextChoices):
@@ -177,23 +184,12 @@ class Study(Transitions, models.Model):
     pause_requested = models.BooleanField(default=False)
     finish_trial = models.JSONField(default=dict, blank=True, help_text="The closing redeploy: {engine_args, env, sent, agent_pid}.")
     results = models.JSONField(default=dict, blank=True, help_text="Estimates, comparisons and verdicts (benchmarks.studies).")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
-    created = models.DateTimeField(auto_now_add=True)
-    started = models.DateTimeField(null=True, blank=True)
-    finished = models.DateTimeField(null=True, blank=True)
 
-    class Meta:
-        ordering = ["-created"]
+    class Meta(Job.Meta):
         verbose_name_plural = "studies"
 
     def __str__(self):
         return self.name or f"study {self.pk}"
-
-    def entered(self, status) -> None:
-        if status == self.Status.RUNNING and not self.started:
-            self.started = timezone.now()
-        elif status in self.TERMINAL:
-            self.finished = timezone.now()
 
 
 class StudyVariant(models.Model):
