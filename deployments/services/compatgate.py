@@ -2,24 +2,17 @@
 minimum GPU memory against the chosen GPUs, and the combinations known to fail (the recipes' own and the
 panel's table in deployments/recipes/compat.py) refuse a deploy with the reason and the fix, unless an admin
 overrides it, which the timeline records (as the fit gate does, services/fitgate.py)."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deployments.models import Deployment, ModelRepo, Node, Recipe
 from deployments.recipes import compat, resolve, schema
 from deployments.services import recipes
+from deployments.services.gateoverride import GateOverride, gate_override
 from plumbing.errors import ServiceError
 
-__all__ = ["CompatOverride", "Option", "refusals", "compat_gate", "recipe_options", "OVERRIDE_HINT"]
+__all__ = ["Option", "refusals", "compat_gate", "recipe_options", "OVERRIDE_HINT"]
 OVERRIDE_HINT = ("an admin can deploy it anyway (the form's \"Deploy anyway, against the compatibility check\", "
                  "API: override_compat, panelctl: --override-compat)")
-
-
-@dataclass
-class CompatOverride:
-    """An admin's decision to deploy against the compatibility check, for the deployment's timeline."""
-
-    message: str
-    data: dict = field(default_factory=dict)
 
 
 def refusals(model: ModelRepo, node: Node, flags: dict, env: dict, *, recipe: schema.Recipe | None = None,
@@ -47,7 +40,7 @@ def refusals(model: ModelRepo, node: Node, flags: dict, env: dict, *, recipe: sc
 
 def compat_gate(model: ModelRepo, node: Node, gpu_indices: list[int], engine_args: dict, env: dict, *,
                 resolved=None, nnodes: int = 1, gpu_bytes: int = 0, override: bool = False, admin: bool = False,
-                deployment: Deployment | None = None) -> CompatOverride | None:
+                deployment: Deployment | None = None) -> GateOverride | None:
     """Refuse (409 incompatible, each reason with its fix) what would fail before the load, unless an admin
     overrides it: then the override to record on the timeline. `resolved` is the recipe the deploy used
     (resolve.Resolved), if any. A redeploy an admin already overrode for these same reasons keeps it."""
@@ -57,16 +50,11 @@ def compat_gate(model: ModelRepo, node: Node, gpu_indices: list[int], engine_arg
     if not found:
         return None
     verdict = "; ".join(r.text() for r in found)
-    earlier = deployment and deployment.events.filter(step="compat_override", data__verdict=verdict).exists()
-    if not override and not earlier:
-        raise ServiceError(f"{model} would fail on {node}: {verdict}. {OVERRIDE_HINT[0].upper()}{OVERRIDE_HINT[1:]}.",
+    refusal = ServiceError(f"{model} would fail on {node}: {verdict}. {OVERRIDE_HINT[0].upper()}{OVERRIDE_HINT[1:]}.",
                            field="recipe", code="incompatible")
-    if override and not admin:
-        raise ServiceError("Only an admin can deploy against the compatibility check.", field="override_compat",
-                           code="forbidden")
-    how = "kept from an earlier admin override" if not override else "an admin overrode the compatibility check"
-    return CompatOverride(f"Deployed although the compatibility check says: {verdict} ({how}).",
-                          {"verdict": verdict, "codes": [r.code for r in found]})
+    return gate_override(refusal, check="the compatibility check", step="compat_override", verdict=verdict,
+                         says=f": {verdict}", data={"verdict": verdict, "codes": [r.code for r in found]},
+                         override=override, admin=admin, deployment=deployment, override_field="override_compat")
 
 
 @dataclass

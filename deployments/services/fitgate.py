@@ -1,23 +1,14 @@
 """Whether a model fits a node (its GPUs, or its RAM for the CPU engine), and the fit verdict gating a deploy:
 the estimate the deploy page shows for the deploy's own settings, and the refusal of what it
 says will not fit unless an admin overrides it."""
-from dataclasses import dataclass, field
-
 from deployments import flagpolicy, modelconfig, modelfit, userflags
 from deployments.models import Deployment, ModelRepo, Node
+from deployments.services.gateoverride import GateOverride, gate_override
 from plumbing.errors import ServiceError
 
-__all__ = ["FitOverride", "model_fit", "deploy_fit", "model_fit_gate", "OVERRIDE_HINT"]
+__all__ = ["model_fit", "deploy_fit", "model_fit_gate", "OVERRIDE_HINT"]
 OVERRIDE_HINT = ("an admin can deploy it anyway (the form's \"Deploy anyway\", API: override_fit, "
                  "panelctl: --override-fit)")
-
-
-@dataclass
-class FitOverride:
-    """An admin's decision to deploy against the fit verdict, for the deployment's timeline."""
-
-    message: str
-    data: dict = field(default_factory=dict)
 
 
 def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
@@ -69,7 +60,7 @@ def _int(value) -> int | None:
 
 def model_fit_gate(model: ModelRepo, node: Node, gpu_indices: list[int], engine_args: dict, env: dict, *,
                    nnodes: int = 1, override: bool = False, admin: bool = False,
-                   deployment: Deployment | None = None) -> FitOverride | None:
+                   deployment: Deployment | None = None) -> GateOverride | None:
     """Refuse a deploy its fit estimate says will not fit (409 does_not_fit, naming the reason), unless an
     admin overrides it: then the override to record on the timeline. An unknown verdict (config not read,
     RAM not reported) and a deploy over several nodes (each node's share is checked by the plan) pass.
@@ -80,14 +71,11 @@ def model_fit_gate(model: ModelRepo, node: Node, gpu_indices: list[int], engine_
     if fit is None or fit.fits or not getattr(fit, "known", True):
         return None
     verdict = fit.message
-    earlier = deployment and deployment.events.filter(step="fit_override", data__verdict=verdict).exists()
-    if not override and not earlier:
-        raise ServiceError(f"{model} does not fit {node}: {verdict.removeprefix('does not fit: ')}. "
+    refusal = ServiceError(f"{model} does not fit {node}: {verdict.removeprefix('does not fit: ')}. "
                            f"{_remedy(fit)}; {OVERRIDE_HINT}.", field="model", code="does_not_fit")
-    if override and not admin:
-        raise ServiceError("Only an admin can deploy against the fit check.", field="override_fit", code="forbidden")
-    how = "kept from an earlier admin override" if not override else "an admin overrode the fit check"
-    return FitOverride(f"Deployed although the fit check says {verdict} ({how}).", {"verdict": verdict})
+    return gate_override(refusal, check="the fit check", step="fit_override", verdict=verdict, says=f" {verdict}",
+                         data={"verdict": verdict}, override=override, admin=admin, deployment=deployment,
+                         override_field="override_fit")
 
 
 def _remedy(fit) -> str:
