@@ -1,8 +1,6 @@
 """The API's fast lane (plumbing/fastlane.py): a cached answer served on the event loop is the answer Django
 would give at that moment (the same body and headers), and the lane never serves past a write, a new sample,
 a revoked token, a lost role, another role's answer, or a request that differs in anything but its token."""
-import asyncio
-
 import httpx
 import pytest
 import redis
@@ -11,6 +9,7 @@ from django.contrib.auth.models import Group
 from deployments import history
 from perf.api_latency import server_timing
 from plumbing import apicache, fastlane, tokens
+from tests.conftest import run_async
 from tests.factories import DeploymentFactory, NodeFactory, UserFactory
 
 VARYING = {"date", "server", "server-timing"}  # set per answer by uvicorn, or per request
@@ -116,15 +115,15 @@ def test_without_redis_or_with_a_bump_owed_the_lane_vouches_for_nothing(monkeypa
         async def hgetall(self, key):
             raise redis.ConnectionError("down")
 
-    async def versions():
+    async def versions():  # on a loop of its own (run_async): a browser test may own this thread's
         return await fastlane._versions()
 
     apicache._redis().delete(apicache._vkey())  # as after a flush
-    assert asyncio.run(versions()) is None  # missing versions: Django's path starts them
+    assert run_async(versions()) is None  # missing versions: Django's path starts them
     apicache.versions()
-    assert asyncio.run(versions()) == apicache.versions()
+    assert run_async(versions()) == apicache.versions()
     monkeypatch.setattr(apicache.debt, "owed", True)
-    assert asyncio.run(versions()) is None
+    assert run_async(versions()) is None
     monkeypatch.setattr(apicache.debt, "owed", False)
     monkeypatch.setattr(fastlane, "_client", lambda: Down())
-    assert asyncio.run(versions()) is None
+    assert run_async(versions()) is None
