@@ -66,6 +66,20 @@ class ModelCopySerializer(serializers.ModelSerializer):
         fields = ["id", "model", "node", "state", "path", "bytes_done", "bytes_total", "percent", "rate", "seconds_left",
                   "progress", "error", "error_code", "last_used", "updated"]
 
+    _stamp = serializers.DateTimeField().to_representation
+
+    def to_representation(self, copy):
+        """What DRF's fields give (tests/deployments/test_api_models.py compares the two), written out: the copy
+        and model lists render every copy of every model on each download's progress, and DRF's per-field
+        machinery cost ~0.1 ms a copy."""
+        stamp = self._stamp
+        return {"id": copy.pk, "model": copy.model_id, "node": copy.node.name, "state": copy.state, "path": copy.path,
+                "bytes_done": copy.bytes_done, "bytes_total": copy.bytes_total, "percent": float(copy.percent),
+                "rate": float(copy.rate), "seconds_left": None if copy.seconds_left is None else float(copy.seconds_left),
+                "progress": copy.progress, "error": copy.error, "error_code": copy.error_code,
+                "last_used": stamp(copy.last_used) if copy.last_used else None,
+                "updated": stamp(copy.updated) if copy.updated else None}
+
 
 class ModelAddSerializer(serializers.Serializer):
     """Either a Hub repo (repo_id, revision) or a folder already on a node (node, local_path)."""

@@ -126,3 +126,22 @@ def test_the_model_and_copy_lists_cost_the_same_queries_for_one_copy_or_twelve(a
     copies = twelve["/api/copies/"][1]
     assert len(copies) == 12 and all(c["node"] and c["model"] and "percent" in c for c in copies)
     assert sum(len(m["copies"]) for m in twelve["/api/models/"][1]) == 12
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"bytes_done": 3 * GiB, "bytes_total": 7 * GiB, "rate": 2.5e8, "progress": {"files": {"a": [1, 2]}, "seconds_left": 16.0},
+     "error": "disk full", "error_code": "disk_full"},
+    {"bytes_total": 0, "rate": 0.0, "state": "ready", "path": "/models/x"},
+])
+def test_a_copy_written_out_is_what_drfs_fields_give(fields, db):
+    from django.utils import timezone
+
+    from deployments.api.serializers import ModelCopySerializer
+    from rest_framework.serializers import ModelSerializer
+
+    copy = ModelCopyFactory(**fields)
+    for last_used in (None, timezone.now()):
+        copy.last_used = last_used
+        serializer = ModelCopySerializer(copy)
+        assert serializer.to_representation(copy) == ModelSerializer.to_representation(serializer, copy)
