@@ -190,7 +190,10 @@ SAMPLE_HOST = {"ram_available": 448 * 10**9, "load1": 3.2}
 
 
 def pct(values, p):
+    """The p-th percentile of `values` (seconds) in ms; nan when there are none (a run too short to measure)."""
     ordered = sorted(values)
+    if not ordered:
+        return float("nan")
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] * 1000
 
 

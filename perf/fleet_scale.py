@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from perf.api_latency import ENDPOINTS, load, pct, print_split  # noqa: E402
 from perf.metrics_scrape import server_cpu_s as cpu_s  # noqa: E402
 
+WARMUP_S = 4.0  # at each end of the run, before and after the API window
+
 
 def main():
     parser = argparse.ArgumentParser()
@@ -56,6 +58,8 @@ def main():
     parser.add_argument("--browsers-of", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.seconds <= 2 * WARMUP_S:
+        parser.error(f"--seconds must be over {2 * WARMUP_S:g}: the API is measured between a warm-up at each end")
 
     if args.browsers_of:
         from tests import fleetsim
@@ -104,7 +108,7 @@ def main():
         go = var / "go"
         engines = [args.engines // args.procs + (k < args.engines % args.procs) for k in range(args.procs)]
         downloads = [args.downloads // args.procs + (k < args.downloads % args.procs) for k in range(args.procs)]
-        warmup = 4.0
+        warmup = WARMUP_S
         for k, chunk in enumerate(chunks):
             sims.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.fleetsim", "--names", ",".join(chunk), "--gpus", str(args.gpus),
