@@ -145,15 +145,18 @@ def versions() -> dict:
     """All current versions (as Redis gives them: digits in bytes), in one round trip; missing
     ones are started."""
     debt.pay()  # before reading: versions that missed a write would vouch for stale answers
-    return _complete(_redis().hgetall(_vkey()), lambda: _redis().hgetall(_vkey()))
+    found = _redis().hgetall(_vkey())
+    current = by_name(found)
+    if current is None:
+        bump(*[name for name, field in _all_names() if field not in found])
+        current = by_name(_redis().hgetall(_vkey()))
+    return current
 
 
-def _complete(found: dict, read_again) -> dict:
-    """`found` (Redis' answer) by name; missing versions are started and read again."""
-    missing = [name for name, field in _all_names() if field not in found]
-    if missing:
-        bump(*missing)
-        found = read_again()
+def by_name(found: dict) -> dict | None:
+    """Redis' answer (field -> version) by version name; None while a version is missing."""
+    if any(field not in found for _, field in _all_names()):
+        return None
     return {name: found[field] for name, field in _all_names()}
 
 

@@ -87,9 +87,7 @@ async def _versions() -> dict | None:
         found = await _client().hgetall(apicache._vkey())
     except (redis.RedisError, OSError, asyncio.TimeoutError):
         return None
-    if any(field not in found for _, field in apicache._all_names()):
-        return None  # Django's path starts missing versions
-    return {name: found[field] for name, field in apicache._all_names()}
+    return apicache.by_name(found)  # None while one is missing: Django's path starts it
 
 
 async def serve(scope, send) -> bool:
