@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, transaction
 from django.utils import timezone
 
-from deployments import modelfit, payloads, sealed
+from deployments import modelfit, nodelive, payloads, sealed
 from deployments.host import disk, downloads, hub, store
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 
@@ -113,6 +113,7 @@ def _copy_fail(copy: ModelCopy, message: str, code: str) -> ModelCopy:
 def node_refresh_disk(node: Node, path) -> None:
     usage = disk.disk_usage(path)
     Node.objects.filter(pk=node.pk).update(disk_total=usage.total, disk_free=usage.free)
+    transaction.on_commit(lambda: nodelive.record(node.pk, None, whole=False))  # not a heartbeat: the list reads the row
 
 
 def _still_wanted(deployment_id: int) -> bool:

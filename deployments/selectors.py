@@ -3,7 +3,6 @@ import shlex
 
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
-from django.utils import timezone
 
 from deployments import engineapikey, history, secrets
 from deployments.host import osuser, processenv, serveargv, systemd
@@ -149,19 +148,3 @@ def deployment_startup(d: Deployment) -> dict:
     totals = event.data["totals"]
     return {"ready_s": round(sum(v for k, v in totals.items() if k != "smoke_test"), 1), "totals": totals,
             **({"start": event.data["start"], "warm_by": event.data.get("warm_by") or []} if event.data.get("start") else {})}
-
-
-def node_live_fields(node_ids: list[int]) -> dict[int, dict]:
-    """What changes with every heartbeat and sample in a node's API answer (NodeSerializer's names):
-    last heartbeat, online, disk figures and the last sample; one query and one Redis round trip."""
-    from rest_framework.fields import DateTimeField
-
-    from deployments import history
-
-    stamp = DateTimeField().to_representation
-    latest = history.latest_many(node_ids)
-    now = timezone.now()
-    rows = Node.objects.filter(pk__in=node_ids).values_list("id", "last_heartbeat", "heartbeat_seconds", "disk_total", "disk_free")
-    return {pk: {"online": Node.is_online(beat, every, now), "last_heartbeat": stamp(beat) if beat else None,
-                 "disk_total": total, "disk_free": free, "live": latest[pk]}
-            for pk, beat, every, total, free in rows}

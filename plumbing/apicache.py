@@ -29,9 +29,9 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from functools import wraps
 
+import orjson
 import redis
 from django.apps import apps
 from django.db import transaction
@@ -41,6 +41,7 @@ from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication
 
 from plumbing import redisconn
+from plumbing.lru import SizedLRU
 from plumbing import tokens as panel_tokens
 from plumbing.roles import group_names, is_operator
 from plumbing.tokens import digest as token_digest
@@ -52,8 +53,9 @@ EVERYTHING = "*"  # bumped by a write whose table cannot be told
 UNWATCHED_TABLES = {"django_session", "controlpanel_idempotencykey"}
 DEBT_RETRY_S = 0.5  # how often a process that owes a bump tries Redis again
 # Columns every agent writes on its own schedule (a heartbeat each 5 s per node): an UPDATE that sets
-# only these makes only the answers that show them stale, those cached with live=True (the node
-# list), not every answer that reads the table (a node's name in the deployment or copy lists).
+# only these makes only the answers that show them stale, those cached with live=True, not every
+# answer that reads the table (a node's name in the deployment or copy lists). The node list reads
+# them from Redis (deployments/nodelive.py): a write of them must also update or drop the node's entry.
 LIVE_COLUMNS = {"deployments_node": {"last_heartbeat", "disk_total", "disk_free", "ram_total", "cpu_count"}}
 MAX_BYTES = 32 * 2**20  # answers kept per web process
 MAX_ENTRY = 2 * 2**20
@@ -250,42 +252,9 @@ def watch_database_writes() -> None:
 
 # -- the process-local store --------------------------------------------------------------------
 
-class _Store:
-    """A small LRU bounded by size (bytes, or entries when each counts 1)."""
-
-    def __init__(self, max_size: int):
-        self.max_size, self.size = max_size, 0
-        self.entries: OrderedDict = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        with self.lock:
-            found = self.entries.get(key)
-            if found is None:
-                return None
-            self.entries.move_to_end(key)
-            return found[0]
-
-    def put(self, key, value, size: int) -> None:
-        with self.lock:
-            old = self.entries.pop(key, None)
-            if old is not None:
-                self.size -= old[1]
-            self.entries[key] = (value, size)
-            self.size += size
-            while self.size > self.max_size and self.entries:
-                _, (_, dropped) = self.entries.popitem(last=False)
-                self.size -= dropped
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-            self.size = 0
-
-
-answers = _Store(MAX_BYTES)  # (url, operator?) -> (snapshot, body, content type)
-tokens = _Store(10_000)  # key -> (snapshot, (user, token))
-values = _Store(64)  # key -> (snapshot, value): cached_value()
+answers = SizedLRU(MAX_BYTES)  # (url, operator?) -> (snapshot, body, content type, composed)
+tokens = SizedLRU(10_000)  # key -> (snapshot, (user, token))
+values = SizedLRU(64)  # key -> (snapshot, value): cached_value()
 _computing: dict = {}  # answer key -> Event, while one thread computes it
 _computing_lock = threading.Lock()
 
@@ -313,21 +282,55 @@ def cached_value(key, compute, current: dict | None, live: bool = False):
     return value
 
 
-def cached_read(live: bool = False):
+class LivePart:
+    """Fields of a list answer that change too often to keep it (the node list's heartbeats and samples). The
+    kept answer holds the rest; these are read for each request with one Redis script (`script` on
+    `keys(answer)`) and merged in, with the same code by Django in its thread (`fill`: what Redis lacks comes
+    from the database) and by the fast lane on the loop (`merge`: None when Redis lacks any; Django answers)."""
+
+    script = ""
+
+    def keys(self, answer: dict) -> list[str]:
+        raise NotImplementedError
+
+    def merge(self, answer: dict, found: list) -> dict | None:
+        raise NotImplementedError
+
+    def fill(self, answer: dict, found: list | None) -> dict:
+        raise NotImplementedError
+
+    def read(self, answer: dict) -> list | None:
+        """Redis' part for `answer`, or None while Redis cannot be reached."""
+        keys = self.keys(answer)
+        try:
+            return _redis().eval(self.script, len(keys), *keys)
+        except (redis.RedisError, OSError):
+            return None
+
+
+def cached_read(live: bool | LivePart = False):
     """For a viewset's GET action: serve the JSON answer from the store while what it read holds.
 
-    `live`: the answer also carries telemetry from Redis (history), so each new sample counts.
+    `live`: True when the answer also carries telemetry from Redis (history), so each new sample counts;
+    a LivePart when the action's answer leaves those fields out and the part fills them in for each request.
     """
+    part = live if isinstance(live, LivePart) else None
 
     def decorate(action):
+        def plain(self, request, *args, **kwargs):
+            response = action(self, request, *args, **kwargs)
+            if part is not None and response.status_code == 200:
+                response.data = part.fill(response.data, part.read(response.data))
+            return response
+
         @wraps(action)
         def wrapper(self, request, *args, **kwargs):
             if request.accepted_renderer.format != "json":
-                return action(self, request, *args, **kwargs)
+                return plain(self, request, *args, **kwargs)
             try:
                 current = request_versions(request)
             except redis.RedisError:
-                return action(self, request, *args, **kwargs)
+                return plain(self, request, *args, **kwargs)
             key = (request.build_absolute_uri(), is_operator(request.user))
             for _ in range(3):
                 hit = _hit(key, current)
@@ -350,10 +353,20 @@ def cached_read(live: bool = False):
                         response.accepted_media_type = request.accepted_media_type
                         response.renderer_context = self.get_renderer_context()
                         response.render()
-                if response.status_code == 200 and len(response.content) <= MAX_ENTRY:
-                    entry = (_snapshot(current, tables, live), response.content, response["Content-Type"])
-                    answers.put(key, entry, len(response.content))
-                    _for_the_lane(response, request, key)
+                if response.status_code == 200:
+                    composed = None
+                    if part is not None:  # kept without the live part, which each request reads
+                        render = functools.partial(request.accepted_renderer.render,
+                                                   accepted_media_type=request.accepted_media_type, renderer_context={})
+                        composed = (part, orjson.loads(response.content), render)
+                    entry = (_snapshot(current, tables, live is True), response.content, response["Content-Type"], composed)
+                    kept = len(response.content) <= MAX_ENTRY
+                    if kept:
+                        answers.put(key, entry, len(response.content))
+                    if composed is not None:
+                        response = _answer(entry[1:])
+                    if kept:
+                        _for_the_lane(response, request, key)
                 response.cache_state = "miss"
                 return response
             finally:
@@ -376,16 +389,25 @@ def _for_the_lane(response, request, key):
 
 
 def cached_answer(key, current: dict):
-    """(body, content type) kept under `key` and still valid at `current`, or None."""
+    """(body, content type, composed) kept under `key` and still valid at `current`, or None. `composed`:
+    None, or (LivePart, the answer without it, render) when the body is to be composed for each request."""
     found = answers.get(key)
     if found is None or not _valid(found[0], current):
         return None
-    return found[1], found[2]
+    return found[1:]
+
+
+def _answer(found) -> HttpResponse:
+    body, content_type, composed = found
+    if composed is not None:
+        part, answer, render = composed
+        body = render(part.fill(answer, part.read(answer)))
+    return HttpResponse(body, content_type=content_type)
 
 
 def _hit(key, current: dict):
     found = cached_answer(key, current)
-    return None if found is None else HttpResponse(found[0], content_type=found[1])
+    return None if found is None else _answer(found)
 
 
 def cached_user(raw_key: str, current: dict):

@@ -25,12 +25,13 @@ from django.conf import settings
 from redis import asyncio as aioredis
 
 from plumbing import apicache
+from plumbing.lru import SizedLRU
 from plumbing.roles import is_operator, role_name
 
 _KEYWORD = b"Token "
 _NOT_FOR_THE_LANE = {b"cookie", b"content-length", b"transfer-encoding"}  # a session, or a body
 _DROPPED = {"content-length", "server-timing"}  # recomputed for each answer
-learned = apicache._Store(4096)  # request shape -> (absolute URI, headers, roles served)
+learned = SizedLRU(4096)  # request shape -> (absolute URI, headers, roles served)
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its asyncio Redis client
 
 
@@ -105,7 +106,17 @@ async def serve(scope, send) -> bool:
     answer = apicache.cached_answer((uri, is_operator(user)), current)
     if answer is None:
         return False
-    body = answer[0]
+    body, _, composed = answer
+    if composed is not None:  # the node list: its live part read now, as Django would (apicache.LivePart)
+        part, kept, render = composed
+        keys = part.keys(kept)
+        try:
+            merged = part.merge(kept, await _client().eval(part.script, len(keys), *keys))
+        except (redis.RedisError, OSError, asyncio.TimeoutError):
+            return False
+        if merged is None:
+            return False
+        body = render(merged)
     headers = headers + ((b"content-length", str(len(body)).encode()),)
     if settings.SERVER_TIMING:
         headers += ((b"server-timing", f"lane;dur={(time.perf_counter() - started) * 1000:.2f}, cache;desc=lane".encode()),)

@@ -1,22 +1,19 @@
 """API views: validate, call one service, serialize. Errors share one shape (plumbing.api)."""
 from dataclasses import asdict
 
-import redis
-
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
-from plumbing import apicache, longpoll
+from plumbing import longpoll
 from plumbing.apicache import cached_read
 from plumbing.errors import ServiceError
 from plumbing.idempotency import idempotent
 from plumbing.params import int_param
-from plumbing.roles import is_operator
 
-from deployments import modelfit, secrets, selectors
+from deployments import modelfit, nodelive, secrets, selectors
 from deployments.api import serializers
 from deployments.gateway import keys
 from deployments.models import ModelCopy
@@ -29,24 +26,14 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     lookup_field = "name"
     lookup_value_regex = r"[a-z0-9][a-z0-9-]*"
 
-    @cached_read(live=True)
+    @cached_read(live=nodelive.NODES_LIVE)
     def list(self, request, *args, **kwargs):
-        # Every sample and heartbeat changes this answer (128 nodes: ~150 a second), so it is built from
-        # two parts: the rows' part, kept while no table it read changes (heartbeats write only
-        # apicache.LIVE_COLUMNS, which do not count), and the live part, read fresh in one query and one
-        # Redis round trip.
-        def rows():
-            page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-            context = {**self.get_serializer_context(), "latest": {}}  # the live part comes below
-            return self.get_paginated_response(self.get_serializer(page, many=True, context=context).data).data
-
-        try:
-            current = apicache.request_versions(request)
-        except redis.RedisError:
-            current = None
-        answer = apicache.cached_value(("nodes", request.build_absolute_uri(), is_operator(request.user)), rows, current)
-        live = selectors.node_live_fields([node["id"] for node in answer["results"]])
-        return Response({**answer, "results": [{**node, **live.get(node["id"], {})} for node in answer["results"]]})
+        # Heartbeats and samples change this answer about 150 times a second at 128 nodes: the rows are kept
+        # while no table they read changes (heartbeats write only apicache.LIVE_COLUMNS, which do not count),
+        # and each node's live fields are read for every request, in one Redis call (deployments/nodelive.py).
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        context = {**self.get_serializer_context(), "latest": {}}  # the live part comes from NODES_LIVE
+        return self.get_paginated_response(self.get_serializer(page, many=True, context=context).data)
 
     @extend_schema(request=None, responses={202: serializers.NodeSerializer})
     @action(detail=True, methods=["post"], url_path="measure-disk")

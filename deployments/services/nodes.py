@@ -1,11 +1,10 @@
 """Services for nodes: registration, heartbeats, telemetry, routing host work."""
 import logging
 
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import history, payloads
+from deployments import history, nodelive, payloads
 from deployments.dispatch import node_enqueue  # noqa: F401 - re-exported: callers route host work through nodes
 from deployments.models import Deployment, DeploymentRank, Gpu, Node
 
@@ -42,6 +41,7 @@ def node_register(*, name: str, address: str, agent_version: str, model_store: s
     node.engine_user = engine_user or {}
     node.last_heartbeat = timezone.now()
     node.save()
+    transaction.on_commit(lambda: nodelive.record(node.pk, node.last_heartbeat, node.disk_total, node.disk_free))
     seen = []
     for info in gpus:
         Gpu.objects.update_or_create(
@@ -62,7 +62,9 @@ def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: in
         fields.update(disk_total=disk_total, disk_free=disk_free)
     if ram_total is not None:
         fields.update(ram_total=ram_total, cpu_count=cpu_count or 0)
-    Node.objects.filter(pk=node_id).update(**fields)
+    if Node.objects.filter(pk=node_id).update(**fields):  # then in Redis, for the node list (deployments/nodelive.py)
+        transaction.on_commit(lambda: nodelive.record(node_id, fields["last_heartbeat"], disk_total, disk_free,
+                                                      whole=disk_total is not None))
 
 
 def node_engines(node_id: int) -> dict[int, dict]:
