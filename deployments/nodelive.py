@@ -75,7 +75,8 @@ def mirror(node_id: int, last_heartbeat, disk_total, disk_free, versions: dict |
     """Record a heartbeat in the node's mirror entry (skipped when the entry holds a newer valid one). `versions`:
     apicache's versions as found before the figures were read; by default the current ones."""
     stamps = [versions[apicache.EVERYTHING], versions[_TABLE]] if versions else []
-    (client or redisconn.client()).eval(_WRITE, 2, _key(node_id), apicache._vkey(), repr(last_heartbeat.timestamp()),
+    t = repr(last_heartbeat.timestamp()) if last_heartbeat else "0"  # never: offline
+    (client or redisconn.client()).eval(_WRITE, 2, _key(node_id), apicache._vkey(), t,
                                         orjson.dumps(_fields(last_heartbeat, disk_total, disk_free)), *stamps)
 
 
@@ -145,7 +146,7 @@ class NodesLive(apicache.LivePart):
         pipe = redisconn.client().pipeline(transaction=False)
         for pk, beat, every, total, free in rows:
             by_id[pk].update(_fields(beat, total, free), online=Node.is_online(beat, every, now))
-            if beat is not None and versions is not None:
+            if versions is not None:
                 mirror(pk, beat, total, free, versions, client=pipe)
         try:
             pipe.execute()
