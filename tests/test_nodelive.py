@@ -134,3 +134,20 @@ def test_a_heartbeat_while_redis_is_away_still_reaches_the_database_and_voids_th
     assert nodelive.NODES_LIVE.merge(answer, nodelive.NODES_LIVE.read(answer)) is None  # the old entry counts no more
     filled = nodelive.NODES_LIVE.fill(answer, nodelive.NODES_LIVE.read(answer))
     assert (filled["results"][0]["disk_free"], filled["results"][0]["online"]) == (2, True)
+
+
+def test_without_redis_the_node_list_is_read_from_the_database(db, operator, monkeypatch):
+    from rest_framework.test import APIClient
+
+    node = NodeFactory(name="n1", heartbeat_seconds=5.0)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now(), disk_free=7)
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Token {tokens.issue(operator)}")
+    unreachable = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5,
+                              retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+    monkeypatch.setattr(redisconn, "client", lambda: unreachable)
+    monkeypatch.setattr(apicache.debt, "owed", False)
+    answer = api.get("/api/nodes/")
+    assert answer.status_code == 200
+    shown = answer.json()["results"][0]
+    assert (shown["online"], shown["disk_free"], shown["live"]) == (True, 7, None)
