@@ -119,3 +119,19 @@ def test_files_with_the_real_engines_names_count_once_they_appear_and_only_unhel
             engine_like.wait()
         for path in (before, after, held, semaphore, unrelated):
             path.unlink(missing_ok=True)
+
+
+def test_the_fake_engine_stopped_as_soon_as_its_shared_file_exists_leaves_none(tmp_path):
+    """A SIGTERM that comes while the fake starts its EngineCore stand-in still unlinks the file, as it does later:
+    otherwise a test that stops a fake engine early (the stray above) finds a "stale" file it did not cause."""
+    folder = _fake_model(tmp_path / "model")
+    fake, _ = _fake_engine(folder, "3.0123456789abcdef01234567")
+    shm = Path("/dev/shm")
+    try:
+        wait_until(lambda: list(shm.glob(f"psm_fakevllm_{fake.pid}_*")), timeout=20, interval=0.001,
+                   message="the fake engine's shared file")
+        os.killpg(fake.pid, signal.SIGTERM)
+        fake.wait(10)
+        assert not list(shm.glob(f"psm_fakevllm_{fake.pid}_*"))
+    finally:
+        stop_leftover_engines(tmp_path)
