@@ -8,7 +8,7 @@ import orjson
 from django.utils import timezone
 
 from deployments.models import NodeMetric
-from plumbing import apicache, redisconn
+from plumbing import redisconn
 
 RECENT_SECONDS = 3600
 RETENTION = timedelta(days=7)
@@ -47,7 +47,6 @@ def push(node_id: int, sample: dict, sample_seconds: float = 1.0) -> None:
     pipe.rpush(_key(node_id), json.dumps(compact(sample), separators=(",", ":")))
     pipe.ltrim(_key(node_id), -keep, -1)
     pipe.expire(_key(node_id), RECENT_SECONDS * 2)
-    apicache.bump(apicache.LIVE, pipe=pipe)  # answers carrying live figures are stale now
     pipe.execute()
 
 

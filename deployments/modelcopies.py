@@ -113,7 +113,7 @@ def _copy_fail(copy: ModelCopy, message: str, code: str) -> ModelCopy:
 def node_refresh_disk(node: Node, path) -> None:
     usage = disk.disk_usage(path)
     Node.objects.filter(pk=node.pk).update(disk_total=usage.total, disk_free=usage.free)
-    transaction.on_commit(lambda: nodelive.record(node.pk, None, whole=False))  # not a heartbeat: the list reads the row
+    transaction.on_commit(lambda: nodelive.record(node.pk))  # not a heartbeat: the list reads the row
 
 
 def _still_wanted(deployment_id: int) -> bool:

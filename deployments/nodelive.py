@@ -80,12 +80,12 @@ def mirror(node_id: int, last_heartbeat, disk_total, disk_free, versions: dict |
                                         orjson.dumps(_fields(last_heartbeat, disk_total, disk_free)), *stamps)
 
 
-def record(node_id: int, last_heartbeat, disk_total=None, disk_free=None, *, whole: bool = True) -> None:
-    """After a heartbeat reached the database: mirror it, or drop the entry when the heartbeat did not carry
-    every figure (`whole`); the database answers until a list writes it back. A heartbeat must not depend on
-    Redis: when it is away, this process owes a bump of EVERYTHING, which voids every mirror entry."""
+def record(node_id: int, last_heartbeat=None, disk_total=None, disk_free=None) -> None:
+    """After a heartbeat reached the database: mirror it; without a time or disk figures (a disk measured
+    outside a heartbeat, say), drop the entry, and the database answers until a list writes it back. A heartbeat
+    must not depend on Redis: when it is away, this process owes a bump of EVERYTHING, which voids every entry."""
     try:
-        if whole:
+        if last_heartbeat is not None and disk_total is not None:
             mirror(node_id, last_heartbeat, disk_total, disk_free)
         else:
             redisconn.client().delete(_key(node_id))

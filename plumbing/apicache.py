@@ -5,10 +5,9 @@ absolute) and the caller's role, with the version of every table it read. Versio
 a database execute wrapper sees every statement, in every process, so each committed INSERT/
 UPDATE/DELETE bumps the version of the table it wrote (ORM, bulk update or raw SQL alike; a write
 it cannot attribute, such as TRUNCATE, bumps them all), and the SELECTs run while an answer is
-computed name the tables it depends on. Answers that carry telemetry also depend on "live", which
-each new sample bumps (history.push), and so does a heartbeat: an UPDATE that sets only the
-columns in LIVE_COLUMNS. So a heartbeat makes the node list stale but not the deployment, copy
-or benchmark lists, and no answer is ever served after a change it depends on.
+computed name the tables it depends on, so no answer is ever served after a change it depends on.
+A heartbeat (an UPDATE that sets only the columns in LIVE_COLUMNS) bumps nothing: no kept answer shows
+those columns, and the node list reads them, with the telemetry, for each request (LivePart).
 
 A request reads all versions in one Redis round trip; while nothing it depends on changed, the
 answer costs no query. After a change, one request per process recomputes an answer and
@@ -47,15 +46,14 @@ from plumbing.roles import group_names, is_operator
 from plumbing.tokens import digest as token_digest
 
 log = logging.getLogger(__name__)
-LIVE = "live"  # bumped by each telemetry sample
 EVERYTHING = "*"  # bumped by a write whose table cannot be told
 # Logins and page visits, and idempotency keys, change no API answer.
 UNWATCHED_TABLES = {"django_session", "controlpanel_idempotencykey"}
 DEBT_RETRY_S = 0.5  # how often a process that owes a bump tries Redis again
 # Columns every agent writes on its own schedule (a heartbeat each 5 s per node): an UPDATE that sets
-# only these makes only the answers that show them stale, those cached with live=True, not every
-# answer that reads the table (a node's name in the deployment or copy lists). The node list reads
-# them from Redis (deployments/nodelive.py): a write of them must also update or drop the node's entry.
+# only these makes no answer stale, not even those that read the table (a node's name in the deployment
+# or copy lists). The node list reads them from Redis (deployments/nodelive.py): a write of them must
+# also update or drop the node's entry there.
 LIVE_COLUMNS = {"deployments_node": {"last_heartbeat", "disk_total", "disk_free", "ram_total", "cpu_count"}}
 MAX_BYTES = 32 * 2**20  # answers kept per web process
 MAX_ENTRY = 2 * 2**20
@@ -78,10 +76,10 @@ def _redis():
 
 @functools.cache
 def _all_names() -> tuple:
-    """Every version there is (one per table of the project's models, plus LIVE and EVERYTHING), with
+    """Every version there is (one per table of the project's models, plus EVERYTHING), with
     its field name in Redis' answer."""
     tables = {m._meta.db_table for m in apps.get_models(include_auto_created=True)} - UNWATCHED_TABLES
-    return tuple((name, name.encode()) for name in sorted(tables) + [LIVE, EVERYTHING])
+    return tuple((name, name.encode()) for name in sorted(tables) + [EVERYTHING])
 
 
 class _Debt:
@@ -171,8 +169,8 @@ def request_versions(request) -> dict:
     return found
 
 
-def _snapshot(current: dict, tables: set, live: bool) -> tuple:
-    names = [n for n in tables if n in current] + [EVERYTHING] + ([LIVE] if live else [])
+def _snapshot(current: dict, tables: set) -> tuple:
+    names = [n for n in tables if n in current] + [EVERYTHING]
     return tuple((n, int(current[n])) for n in names)
 
 
@@ -202,9 +200,7 @@ def _watch(execute, sql, params, many, context):
     if head.startswith(_WRITE_HEADS) or (not head.startswith("SELECT") and _ANY_WRITE_RE.search(sql)):
         match = _WRITE_RE.match(sql)
         table = match[1] if match else EVERYTHING  # TRUNCATE, WITH ... UPDATE: who knows what changed
-        if table in LIVE_COLUMNS and _sets_only(sql, LIVE_COLUMNS[table]):
-            table = LIVE
-        if table not in UNWATCHED_TABLES:
+        if table not in UNWATCHED_TABLES and not (table in LIVE_COLUMNS and _sets_only(sql, LIVE_COLUMNS[table])):
             _bump_quietly(table)  # now, for readers on this connection (inside the transaction)
             connection = context["connection"]
             if connection.in_atomic_block:  # and once committed, for everyone else
@@ -265,9 +261,9 @@ def clear() -> None:
     values.clear()
 
 
-def cached_value(key, compute, current: dict | None, live: bool = False):
-    """`compute()`, kept in this process while no table it read changed (nor the telemetry, when
-    `live`). `current`: versions() as the caller found them; None (Redis unreachable) computes."""
+def cached_value(key, compute, current: dict | None):
+    """`compute()`, kept in this process while no table it read changed. `current`: versions() as the
+    caller found them; None (Redis unreachable) computes."""
     if current is None:
         return compute()
     found = values.get(key)
@@ -278,7 +274,7 @@ def cached_value(key, compute, current: dict | None, live: bool = False):
         return found[1]
     with _recording() as tables:
         value = compute()
-    values.put(key, (_snapshot(current, tables, live), value), 1)
+    values.put(key, (_snapshot(current, tables), value), 1)
     return value
 
 
@@ -308,19 +304,17 @@ class LivePart:
             return None
 
 
-def cached_read(live: bool | LivePart = False):
+def cached_read(live: LivePart | None = None):
     """For a viewset's GET action: serve the JSON answer from the store while what it read holds.
 
-    `live`: True when the answer also carries telemetry from Redis (history), so each new sample counts;
-    a LivePart when the action's answer leaves those fields out and the part fills them in for each request.
+    `live`: the fields the action's answer leaves out, filled in for each request (the node list's telemetry).
     """
-    part = live if isinstance(live, LivePart) else None
 
     def decorate(action):
         def plain(self, request, *args, **kwargs):
             response = action(self, request, *args, **kwargs)
-            if part is not None and response.status_code == 200:
-                response.data = part.fill(response.data, part.read(response.data))
+            if live is not None and response.status_code == 200:
+                response.data = live.fill(response.data, live.read(response.data))
             return response
 
         @wraps(action)
@@ -355,11 +349,11 @@ def cached_read(live: bool | LivePart = False):
                         response.render()
                 if response.status_code == 200:
                     composed = None
-                    if part is not None:  # kept without the live part, which each request reads
+                    if live is not None:  # kept without the live part, which each request reads
                         render = functools.partial(request.accepted_renderer.render,
                                                    accepted_media_type=request.accepted_media_type, renderer_context={})
-                        composed = (part, orjson.loads(response.content), render)
-                    entry = (_snapshot(current, tables, live is True), response.content, response["Content-Type"], composed)
+                        composed = (live, orjson.loads(response.content), render)
+                    entry = (_snapshot(current, tables), response.content, response["Content-Type"], composed)
                     kept = len(response.content) <= MAX_ENTRY
                     if kept:
                         answers.put(key, entry, len(response.content))
@@ -443,5 +437,5 @@ class CachedTokenAuthentication(TokenAuthentication):
                 panel_tokens.failed(address)
                 raise
             group_names(user)  # the roles, read now so that they are part of what this depends on
-        tokens.put(key, (_snapshot(current, tables, live=False), (user, token)), 1)
+        tokens.put(key, (_snapshot(current, tables), (user, token)), 1)
         return user, token

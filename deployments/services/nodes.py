@@ -63,8 +63,7 @@ def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: in
     if ram_total is not None:
         fields.update(ram_total=ram_total, cpu_count=cpu_count or 0)
     if Node.objects.filter(pk=node_id).update(**fields):  # then in Redis, for the node list (deployments/nodelive.py)
-        transaction.on_commit(lambda: nodelive.record(node_id, fields["last_heartbeat"], disk_total, disk_free,
-                                                      whole=disk_total is not None))
+        transaction.on_commit(lambda: nodelive.record(node_id, fields["last_heartbeat"], disk_total, disk_free))
 
 
 def node_engines(node_id: int) -> dict[int, dict]:
