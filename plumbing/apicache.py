@@ -22,6 +22,7 @@ then owes a bump of EVERYTHING, pays it from a retry thread as soon as Redis ans
 nothing from its own cache until then. A new process starts owing one, for a writer that died
 before it could pay. So a token revoked during an outage is refused everywhere once Redis is back.
 """
+import asyncio
 import functools
 import logging
 import os
@@ -289,7 +290,7 @@ class LivePart:
     def keys(self, answer: dict) -> list[str]:
         raise NotImplementedError
 
-    def merge(self, answer: dict, found: list) -> dict | None:
+    def merge(self, answer: dict, found: list | None) -> dict | None:
         raise NotImplementedError
 
     def fill(self, answer: dict, found: list | None) -> dict:
@@ -301,6 +302,14 @@ class LivePart:
         try:
             return _redis().eval(self.script, len(keys), *keys)
         except (redis.RedisError, OSError):
+            return None
+
+    async def read_async(self, answer: dict, client) -> list | None:
+        """read(), with an asyncio Redis client (the fast lane's)."""
+        keys = self.keys(answer)
+        try:
+            return await client.eval(self.script, len(keys), *keys)
+        except (redis.RedisError, OSError, asyncio.TimeoutError):
             return None
 
 

@@ -109,12 +109,8 @@ async def serve(scope, send) -> bool:
     body, _, composed = answer
     if composed is not None:  # the node list: its live part read now, as Django would (apicache.LivePart)
         part, kept, render = composed
-        keys = part.keys(kept)
-        try:
-            merged = part.merge(kept, await _client().eval(part.script, len(keys), *keys))
-        except (redis.RedisError, OSError, asyncio.TimeoutError):
-            return False
-        if merged is None:
+        merged = part.merge(kept, await part.read_async(kept, _client()))
+        if merged is None:  # a node Redis does not hold, or Redis away
             return False
         body = render(merged)
     headers = headers + ((b"content-length", str(len(body)).encode()),)
