@@ -264,6 +264,12 @@ def _lock_file(run: str, name: str):
 
 
 @pytest.fixture
+def timed(settings):
+    """Each answer says where it was served (its Server-Timing header: a cache hit or miss, or the fast lane)."""
+    settings.SERVER_TIMING = True
+
+
+@pytest.fixture
 def operator(db):
     from tests.factories import UserFactory
 

@@ -15,11 +15,6 @@ from tests.factories import DeploymentFactory, NodeFactory, UserFactory
 VARYING = {"date", "server", "server-timing"}  # set per answer by uvicorn, or per request
 
 
-@pytest.fixture
-def timed(settings):
-    settings.SERVER_TIMING = True
-
-
 def get(base, path, token, **headers):
     response = httpx.get(f"{base}{path}", headers={"Authorization": f"Token {token}", **headers}, timeout=10)
     cache = server_timing(response.headers.get("server-timing", ""), 0.0).get("cache")

@@ -16,7 +16,7 @@ from deployments.services import nodes
 from plumbing import apicache, redisconn, tokens
 from tests.conftest import free_port
 from tests.factories import NodeFactory
-from tests.test_fastlane import VARYING, get, timed  # noqa: F401 - timed: a fixture
+from tests.test_fastlane import VARYING, get
 
 SAMPLE = {"gpus": [], "disk": {"free": 10**12}, "host": {"ram_available": 10**9, "load1": 0.5}}
 
@@ -30,7 +30,7 @@ def both(base, token):
     return lane, django
 
 
-def test_the_lane_composes_heartbeats_and_samples_as_django_does(live_server_asgi, operator, timed):  # noqa: F811
+def test_the_lane_composes_heartbeats_and_samples_as_django_does(live_server_asgi, operator, timed):
     first, second = NodeFactory(name="n1"), NodeFactory(name="n2")
     token = tokens.issue(operator)
     for _ in range(2):
@@ -48,7 +48,7 @@ def test_the_lane_composes_heartbeats_and_samples_as_django_does(live_server_asg
     assert shown["n2"]["live"]["t"] == 5.0 and shown["n1"]["live"] is None
 
 
-def test_online_is_decided_when_asked_from_the_heartbeat_kept(live_server_asgi, operator, timed):  # noqa: F811
+def test_online_is_decided_when_asked_from_the_heartbeat_kept(live_server_asgi, operator, timed):
     node = NodeFactory(name="n1", heartbeat_seconds=5.0)
     token = tokens.issue(operator)
     nodelive.mirror(node.pk, timezone.now() - timedelta(seconds=16), 10**12, 10**11)  # over three heartbeats ago
@@ -61,7 +61,7 @@ def test_online_is_decided_when_asked_from_the_heartbeat_kept(live_server_asgi, 
     assert how == "lane" and answer.json()["results"][0]["online"] is True
 
 
-def test_a_node_edited_outside_a_heartbeat_shows_the_database(live_server_asgi, operator, timed):  # noqa: F811
+def test_a_node_edited_outside_a_heartbeat_shows_the_database(live_server_asgi, operator, timed):
     node = NodeFactory(name="n1")
     token = tokens.issue(operator)
     nodes.node_heartbeat(node.pk, disk_total=10**12, disk_free=10**11)
@@ -76,7 +76,7 @@ def test_a_node_edited_outside_a_heartbeat_shows_the_database(live_server_asgi, 
     assert how == "lane" and answer.json()["results"][0]["online"] is False
 
 
-def test_a_disk_measured_outside_a_heartbeat_is_shown(live_server_asgi, operator, timed, tmp_path):  # noqa: F811
+def test_a_disk_measured_outside_a_heartbeat_is_shown(live_server_asgi, operator, timed, tmp_path):
     from deployments import modelcopies
 
     node = NodeFactory(name="n1")
@@ -91,7 +91,7 @@ def test_a_disk_measured_outside_a_heartbeat_is_shown(live_server_asgi, operator
     assert how == "lane" and answer.json()["results"][0]["disk_total"] > 1
 
 
-def test_a_bump_of_everything_voids_the_mirror_until_django_writes_it_back(live_server_asgi, operator, timed):  # noqa: F811
+def test_a_bump_of_everything_voids_the_mirror_until_django_writes_it_back(live_server_asgi, operator, timed):
     node = NodeFactory(name="n1")
     token = tokens.issue(operator)
     nodes.node_heartbeat(node.pk, disk_total=10**12, disk_free=10**11)
