@@ -42,6 +42,9 @@ def pytest_collection_modifyitems(config, items):
         for folder_name, marker in FOLDER_MARKERS.items():
             if marker != FOLDER_MARKERS.get(folder) and item.get_closest_marker(marker):
                 misplaced.append(f"{item.nodeid} is marked {marker} but is not in tests/{folder_name}/")
+        if folder not in FOLDER_MARKERS and "tiny_model" in getattr(item, "fixturenames", ()):
+            misplaced.append(f"{item.nodeid} is in the fast tier, which installs no engine to build the tiny model "
+                             "with: take tiny_model_files (tokenizer and config) or move it to its tier's folder")
         if item.get_closest_marker("slow") and not (getattr(item.obj, "__doc__", None) or "").strip():
             misplaced.append(f"{item.nodeid} is marked slow without a docstring saying why it must be")
     if misplaced:
@@ -463,6 +466,15 @@ def run_async(coro, timeout: float = 30):
 
     channel_layers.backends.clear()  # a layer's receive state belongs to one loop: the last test's is not shared
     return in_thread(run)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_files(tmp_path_factory) -> Path:
+    """The tiny model's tokenizer and config, without weights, built with the panel's own packages: the fast tier's
+    tests of tokenizer files and model copies need no engine venv (a fresh clone's `./panel test --fast` has none)."""
+    from tests import tinymodel
+
+    return tinymodel.model_files(tmp_path_factory.mktemp("tiny-model-files"))
 
 
 @pytest.fixture(scope="session")

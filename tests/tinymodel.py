@@ -44,10 +44,9 @@ def _corpus() -> list[str]:
     return [CORPUS] * 4 + [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
 
 
-def _tokenizer(out: Path):
-    """Train a byte-level BPE tokenizer on CORPUS and wrap it for transformers."""
+def train_tokenizer():
+    """Train the byte-level BPE tokenizer on CORPUS (the `tokenizers` library alone, which the panel has)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -59,8 +58,15 @@ def _tokenizer(out: Path):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def _tokenizer(out: Path):
+    """The trained tokenizer wrapped for transformers, saved into `out`."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=train_tokenizer(),
         bos_token="<|endoftext|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -70,6 +76,25 @@ def _tokenizer(out: Path):
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
+
+
+def model_files(path) -> Path:
+    """The tiny model's tokenizer and config without weights, written with the panel's own packages (no torch,
+    no transformers): what the fast tier's tests of prompt lengths and model copies read."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
+    config = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    model = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": tok.get_vocab_size(),
+             "hidden_size": 128, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "torch_dtype": "bfloat16"}
+    (out / "config.json").write_text(json.dumps(model, indent=2))
+    return out
 
 
 def build(path) -> Path:

@@ -130,8 +130,8 @@ def test_a_unit_never_installed_on_a_node_has_nothing_to_disable():
 
 
 @pytest.mark.django_db
-def test_a_worker_rank_downloads_the_model_on_its_own_node_in_its_prepare_step(tmp_path, tiny_model, settings, sent_tasks):
-    shutil.copytree(tiny_model, tmp_path / "hub" / "acme" / "tiny")
+def test_a_worker_rank_downloads_the_model_on_its_own_node_in_its_prepare_step(tmp_path, tiny_model_files, settings, sent_tasks):
+    shutil.copytree(tiny_model_files, tmp_path / "hub" / "acme" / "tiny")
     head, worker = _node("gpu-a"), _node("gpu-b")
     worker.model_store = str(tmp_path / "store-b")
     worker.save()
@@ -149,6 +149,6 @@ def test_a_worker_rank_downloads_the_model_on_its_own_node_in_its_prepare_step(t
     copy = ModelCopy.objects.get(model=model, node=worker)
     assert copy.state == "ready" and copy.bytes_done == model.total_size > 0
     assert Path(copy.path).is_relative_to(tmp_path / "store-b")
-    assert (Path(copy.path) / "config.json").read_bytes() == (tiny_model / "config.json").read_bytes()
+    assert (Path(copy.path) / "config.json").read_bytes() == (tiny_model_files / "config.json").read_bytes()
     assert copy.path in d.events.get(step="prepare@gpu-b").message
     assert DeploymentRank.objects.get(pk=rank.pk).state == "stopped"
