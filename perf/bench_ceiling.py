@@ -3,7 +3,8 @@
 A zero-delay server (tests/schedserver.py --zero-delay: every chunk as fast as it can, one token
 per chunk) runs pinned to one core; each client runs pinned to the other, so the client's own
 per-chunk cost is what limits the figure. Each client runs a few concurrency levels with long
-outputs; its best output tokens/s (output tokens over its measured duration) counts.
+outputs, which client goes first alternating level by level; its best output tokens/s (output tokens over its
+measured duration) counts.
 
     python perf/bench_ceiling.py [--levels 16,64,256] [--output-tokens 2000] [--no-vllm]
 
@@ -40,19 +41,25 @@ def main():
                         max_tokens=args.output_tokens, ignore_eos=True, min_requests=128,
                         requests_per_user=args.requests_per_user, warmup_per_user=1, scrape_metrics=False)
         with Sweeper(spec, max(levels)) as sweeper:
-            for concurrency in levels:
+
+            def ours(concurrency):
                 level = sweeper.run_level(concurrency)
                 best["ours"] = max(best["ours"], level.output_throughput)
                 print(f"ours  c={concurrency:<4} {level.output_throughput:9.0f} tok/s  "
                       f"({level.output_tokens} tokens in {level.duration_s:.2f} s, failed {level.failed_requests})",
                       flush=True)
-                if use_vllm:
-                    data = run_vllm(server.base_url, client_core, tokenizer, workdir, concurrency,
-                                    spec.num_requests(concurrency), args.output_tokens, concurrency)
-                    best["vllm"] = max(best["vllm"], data["output_throughput"])
-                    print(f"vllm  c={concurrency:<4} {data['output_throughput']:9.0f} tok/s  "
-                          f"({data['total_output_tokens']} tokens in {data['duration']:.2f} s, "
-                          f"failed {data['failed']})", flush=True)
+
+            def vllm(concurrency):
+                data = run_vllm(server.base_url, client_core, tokenizer, workdir, concurrency,
+                                spec.num_requests(concurrency), args.output_tokens, concurrency)
+                best["vllm"] = max(best["vllm"], data["output_throughput"])
+                print(f"vllm  c={concurrency:<4} {data['output_throughput']:9.0f} tok/s  "
+                      f"({data['total_output_tokens']} tokens in {data['duration']:.2f} s, "
+                      f"failed {data['failed']})", flush=True)
+
+            for k, concurrency in enumerate(levels):  # which client goes first alternates level by level
+                for client in ([ours, vllm] if use_vllm else [ours])[::1 if k % 2 == 0 else -1]:
+                    client(concurrency)
     finally:
         server.close()
         restore()

@@ -20,7 +20,7 @@ The server sends the role chunk together with the first token, as vLLM does: vll
 It raises its own CPU priority while it runs (nice and autogroup -20, root only, restored at
 the end; --no-priority skips this): other work on a shared machine would otherwise decide the result.
 
-    python perf/bench_fidelity.py [--levels 1,64,256,1024] [--rounds 2] [--no-vllm]
+    python perf/bench_fidelity.py [--levels 1,64,256,1024] [--rounds 3] [--no-vllm]
 
 Last line: name=value pairs with ours_max_err_pct=... vllm_max_err_pct=... (best rounds), and
 ours_median_round_max_err_pct, ours_worst_round_max_err_pct (and vllm_...). Target: ours_max_err_pct <= 3 %.

@@ -35,7 +35,8 @@ It raises its own and the engine's CPU priority while it runs (nice and autogrou
 Last line: name=value pairs: per case <case>_tok_s_ratio and <case>_ttft_ratio (ours / vllm in the
 same round, the median over rounds: a pair ran minutes apart, so a slow drift of the machine cancels),
 <case>_<variant>_tok_s_ratio and ..._ttft_ratio for the other variants of ours
-(noscrape, scrape20hz, enginecore), <case>_<client>_tok_s_spread and
+(noscrape, scrape20hz, enginecore), <case>_<client>_vs_noscrape_tok_s_ratio (ours and ours_scrape20hz over
+ours_noscrape in the same round, the median: what the sampler costs), <case>_<client>_tok_s_spread and
 _ttft_spread, <case>_<client>_engine_ttft_ms, metrics_cpu_ms (API server CPU per /metrics read),
 load1_start and load1_end. A ratio whose distance from 1 is within the clients' spreads is the
 engine's (and the machine's) variance, not the client.
@@ -251,6 +252,12 @@ def main():
                     figures[f"{name}_{label}{key}_ratio"] = statistics.median(ratios)
                 print(f"  {client} / vllm round by round: tok/s {' '.join(f'{r:.3f}' for r in paired['tok_s'])}, "
                       f"TTFT {' '.join(f'{r:.3f}' for r in paired['ttft'])}", flush=True)
+        if by_client.get("ours_noscrape"):  # what the sampler costs: ours with it against ours without, same round
+            for client in (c for c in ("ours", "ours_scrape20hz") if by_client.get(c)):
+                ratios = [o["tok_s"] / n["tok_s"] for o, n in zip(by_client[client], by_client["ours_noscrape"])]
+                figures[f"{name}_{client}_vs_noscrape_tok_s_ratio"] = statistics.median(ratios)
+                print(f"  {client} / ours_noscrape round by round: tok/s {' '.join(f'{r:.3f}' for r in ratios)}",
+                      flush=True)
     figures["metrics_cpu_ms"] = cpu_ms
     figures["rounds"] = args.rounds
     figures["load1_start"] = load_start[0]

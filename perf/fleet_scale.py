@@ -4,7 +4,7 @@ clients reading the lists, all at once for 60 s, against the panel as in product
 two worker processes behind one Redis and one database).
 
 The fleet is tests/fleetsim.py: real node agents (deployments.agent.Agent, every tick unchanged)
-with made-up host readings, a few hundred per process. Figures:
+with made-up host readings, many per process (--nodes / --procs: 32 with the defaults). Figures:
 - `p95_ms`: from the moment a sample is taken to its arrival at a browser that shows it (every
   fleet-page browser shows every node; a node page its node), over every such arrival;
 - `lost_pct`: samples a browser should have shown and never got, until the run's end (a browser

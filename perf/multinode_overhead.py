@@ -2,7 +2,7 @@
 
 The panel runs as in production (embedded Redis, uvicorn, real node agents on their own queues, the CPU
 vLLM engine and the tiny model), here with two agents on this machine as two nodes. Each round deploys
-through the REST API, one after the other:
+through the REST API, one after the other, the one-node deploy first in even rounds and second in odd ones:
   one-node: TP 1 on node A;
   two-node: TP 2 over nodes A (head) and B (a headless worker rank), vLLM's `--nnodes 2` launch.
 For each, the panel's part of the time, not vLLM's:
@@ -116,9 +116,12 @@ def main():
             # The worker node has the same files (one disk here): a ready copy of the model there.
             ModelCopy.objects.create(model=model, node=Node.objects.get(name=WORKER), state="ready", path=str(TINY_MODEL))
             api.get("/api/deployments/").raise_for_status()
-            for i in range(args.rounds):
-                one = one_deploy(api, model.pk, f"one-node-{i}", [])
-                two = one_deploy(api, model.pk, f"two-node-{i}", [{"node": WORKER, "gpus": []}])
+            for i in range(args.rounds):  # the order alternates, so neither layout always starts after the other
+                took = {}
+                for layout in ("one", "two") if i % 2 == 0 else ("two", "one"):
+                    took[layout] = one_deploy(api, model.pk, f"{layout}-node-{i}",
+                                              [{"node": WORKER, "gpus": []}] if layout == "two" else [])
+                one, two = took["one"], took["two"]
                 rows.append({"one": one, "two": two, "overhead": two - one})
                 print(f"round {i}: panel one-node {one:.3f} s, two-node {two:.3f} s, overhead {two - one:.3f} s", flush=True)
     finally:

@@ -1,11 +1,16 @@
 """CPU of one node-list answer (GET /api/nodes/, 100 nodes x 8 GPUs with a sample each): composed from the kept
 rows and the live part read from Redis (what each request costs now, on the fast lane or in Django), against
-the peer measured in the same run: the rows rebuilt through Django's view, as after a change to a node.
+the peer measured in the same run: the rows rebuilt through Django's view, as after a change to a node. Also, in
+the same run, what a cached answer costs through the web handler (plumbing/handler.py, called here as uvicorn
+calls it): a repeated GET /api/deployments/ answered on the event loop (plumbing/fastlane.py) against the same
+GET answered from the cache by Django (the lane forgets the request each time: the thread hop, middleware and
+DRF), beside /healthz; and the node list's encoding with orjson (the panel's renderer) against DRF's own
+JSONRenderer (the standard library's json).
 
     python perf/node_list_cpu.py [--nodes 100] [--rounds 300]
 
-CPU time of this process (time.process_time), not wall time: the figures hold on a busy machine. A panel of its
-own under a temporary folder (perf/inprocess.py: SQLite, embedded Redis).
+CPU time of this process (time.process_time, the handler's threads included; Server-Timing on, which says how each
+answer was served), not wall time: the figures hold on a busy machine. A panel of its own under a temporary folder (perf/inprocess.py: SQLite, embedded Redis).
 """
 import argparse
 import sys
@@ -46,6 +51,52 @@ def cpu_ms(work, rounds: int) -> float:
     return (time.process_time() - started) / rounds * 1000
 
 
+def through_handler(token: str, rounds: int) -> dict:
+    """CPU ms per answer through the web handler: a cached list on the lane and through Django, and /healthz."""
+    import asyncio
+
+    from plumbing import fastlane
+    from plumbing.handler import ThreadedASGIHandler
+
+    handler = ThreadedASGIHandler(1)
+    headers = [(b"host", b"localhost"), (b"authorization", f"Token {token}".encode())]
+
+    async def get(path: str, how: str | None = None):
+        sent, scope = [], {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                           "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                           "root_path": "", "headers": headers, "client": ("127.0.0.1", 50000),
+                           "server": ("127.0.0.1", 8000)}
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await handler(scope, receive, send)
+        timing = {name.lower(): value for name, value in sent[0]["headers"]}.get(b"server-timing", b"")
+        if sent[0]["status"] != 200 or (how and f"cache;desc={how}".encode() not in timing):
+            raise SystemExit(f"{path}: {sent[0]['status']} {timing!r}, not answered by {how}")
+
+    async def cpu(path: str, how: str | None = None, forget: bool = False) -> float:
+        await get(path)  # Django answers (and caches, and teaches the lane)
+        started = time.process_time()
+        for _ in range(rounds):
+            if forget:
+                fastlane.learned.clear()
+            await get(path, how)
+        return (time.process_time() - started) / rounds * 1000
+
+    async def all_three():
+        return {"lane": await cpu("/api/deployments/", "lane"),
+                "django": await cpu("/api/deployments/", "hit", forget=True), "healthz": await cpu("/healthz")}
+
+    try:
+        return asyncio.run(all_three())
+    finally:
+        handler.executor.shutdown()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=100)
@@ -53,9 +104,10 @@ def main():
     args = parser.parse_args()
     children = launcher.Children()
     try:
-        start_panel(Path(tempfile.mkdtemp(prefix="perf-nodes-")), children)
+        start_panel(Path(tempfile.mkdtemp(prefix="perf-nodes-")), children, SERVER_TIMING="1")
         from django.contrib.auth import get_user_model
         from django.contrib.auth.models import Group
+        from rest_framework.renderers import JSONRenderer
         from rest_framework.test import APIClient
 
         from plumbing import apicache, tokens
@@ -84,13 +136,22 @@ def main():
             through_django()
 
         rebuild = cpu_ms(rebuilt, max(10, args.rounds // 10))
+        merged = part.merge(rows, found)
+        stdlib = JSONRenderer()
+        encode = {"orjson": cpu_ms(lambda: render(merged), args.rounds),
+                  "json": cpu_ms(lambda: stdlib.render(merged), max(10, args.rounds // 10))}
+        hit = through_handler(tokens.issue(user), args.rounds)
     finally:
         children.stop()
     print(f"node list, {args.nodes} nodes x 8 GPUs, {size / 1000:.0f} KB: composed {read + merge:.2f} ms of CPU "
           f"(reading the live part {read:.2f} ms, merging and encoding {merge:.2f} ms); rows rebuilt through Django "
-          f"{rebuild:.2f} ms ({rebuild / (read + merge):.1f}x)")
+          f"{rebuild:.2f} ms ({rebuild / (read + merge):.1f}x); encoded with orjson {encode['orjson']:.2f} ms, with "
+          f"json (DRF's JSONRenderer) {encode['json']:.2f} ms")
+    print(f"a cached list's hit through the web handler: {hit['lane']:.2f} ms of CPU on the event loop, "
+          f"{hit['django']:.2f} ms through Django ({hit['django'] / hit['lane']:.1f}x); /healthz {hit['healthz']:.2f} ms")
     print(f"composed_ms={read + merge:.2f} read_ms={read:.2f} merge_ms={merge:.2f} rebuilt_ms={rebuild:.2f} "
-          f"bytes={size} nodes={args.nodes}")
+          f"orjson_ms={encode['orjson']:.2f} json_ms={encode['json']:.2f} hit_lane_ms={hit['lane']:.2f} "
+          f"hit_django_ms={hit['django']:.2f} healthz_ms={hit['healthz']:.2f} bytes={size} nodes={args.nodes}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 1. prewarm_ratio: the same files, dropped from the page cache (posix_fadvise DONTNEED per file)
    before each read, read by host/pagecache.prewarm (parallel) and by one sequential `cat f... >
-   /dev/null`; rounds alternate, the median of each is compared (target >= 1.0).
+   /dev/null`; rounds alternate which goes first, the median of each is compared (target >= 1.0).
 2. predict_err_pct: the panel deploys the real CPU engine and restarts it LOADS times with the same
    flags, through its own services and node-side plan (plan.deployment_run, the node agent's task,
    run here on a fresh SQLite database and an embedded Redis): each load is kept in the history the
@@ -51,20 +51,21 @@ def throughput(folder: Path, count: int, mib: int, rounds: int) -> dict:
         files.append(path)
     os.sync()
     total = sum(p.stat().st_size for p in files)
-    cat_s, warm_s, residue = [], [], []
-    for _ in range(rounds):
-        residue.append(_drop_all(files))
-        t = time.perf_counter()
-        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-        cat_s.append(time.perf_counter() - t)
-        residue.append(_drop_all(files))
-        t = time.perf_counter()
-        pagecache.prewarm(files, workers=min(8, count))
-        warm_s.append(time.perf_counter() - t)
-    resident = pagecache.residency(files).percent
+    peers = {"cat": lambda: subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True),
+             "prewarm": lambda: pagecache.prewarm(files, workers=min(8, count))}
+    took, residue, resident = {"cat": [], "prewarm": []}, [], []
+    for n in range(rounds):  # the order alternates, so neither always reads right after the other
+        for name in ("cat", "prewarm") if n % 2 == 0 else ("prewarm", "cat"):
+            residue.append(_drop_all(files))
+            t = time.perf_counter()
+            peers[name]()
+            took[name].append(time.perf_counter() - t)
+            if name == "prewarm":
+                resident.append(pagecache.residency(files).percent)
+    cat_s, warm_s = took["cat"], took["prewarm"]
     cat_bps, warm_bps = total / statistics.median(cat_s), total / statistics.median(warm_s)
     return {"prewarm_gbps": round(warm_bps / 1e9, 3), "cat_gbps": round(cat_bps / 1e9, 3),
-            "prewarm_ratio": round(warm_bps / cat_bps, 3), "resident_after_prewarm_pct": resident,
+            "prewarm_ratio": round(warm_bps / cat_bps, 3), "resident_after_prewarm_pct": min(resident),
             "resident_after_drop_pct": max(residue), "bytes": total}
 
 
@@ -152,6 +153,7 @@ def main():
     ap.add_argument("--loads", type=int, default=3, help="restarts after the first start (0: no engine)")
     ap.add_argument("--dir", default=str(ROOT / "var"), help="a folder on the model store's filesystem (not tmpfs)")
     args = ap.parse_args()
+    Path(args.dir).mkdir(parents=True, exist_ok=True)  # var/ is made by the first ./panel start or test
     folder = Path(tempfile.mkdtemp(prefix="prewarm-", dir=args.dir))
     try:
         result = throughput(folder, args.files, args.mib, args.rounds)
