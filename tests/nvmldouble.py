@@ -7,7 +7,7 @@ SharedMemory that the test writes and reads back (tests/e2e/test_node_page.py).
 import inspect
 import json
 import os
-import threading
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -160,23 +160,26 @@ class FakeNvml:
 class SharedMemory:
     """GPU memory set by a test for a double in another process, through two files in `folder`.
 
-    `state.json` (the test writes it): each GPU's allocated bytes, and how many reads of GPU 0 the driver answers
-    in all (`turns`; None: any number). The sampler reads GPU 0 first in every sample, so with a number of turns
-    the test lets the agent take exactly that many samples: a read past them waits until the test allows more.
+    `state.json` (the test writes it): each GPU's allocated bytes, and how many of the agent's samples the driver
+    answers in all (`turns`; None: any number). A sample's first read is GPU 0's memory, made inside the agent's
+    own `Agent.sample` (deployments/agent.py); past the turns allowed it waits until the test allows more, so the
+    test lets the agent take exactly the samples it wants, and a sample waiting means every earlier one was sent.
+    Other reads (the inventory at start, the host checks, the search for GPU processes nobody owns, which samples
+    NVML again every few seconds) are answered at once.
     `reported.jsonl` (the double appends to it): one line per memory read with what it answered
-    (`{"gpu", "used", "v"}`: the struct's version), and `{"waiting": turn}` when a read of GPU 0 starts waiting.
+    (`{"gpu", "used", "v", "sample"}`: the struct's version, whether the agent's sample made the read), and
+    `{"waiting": turn}` when a sample starts waiting.
     """
 
     def __init__(self, folder):
         self.folder = Path(folder)
         self.state, self.log = self.folder / "state.json", self.folder / "reported.jsonl"
-        self._turns_taken = 0
-        self._lock = threading.Lock()
+        self._turns_taken = 0  # only the agent's sampler thread takes turns
 
     # The test's side.
 
     def set(self, used: list[int], turns: int | None = None) -> None:
-        """Each GPU's allocated bytes from now on, and the reads of GPU 0 answered in all."""
+        """Each GPU's allocated bytes from now on, and how many of the agent's samples are answered in all."""
         self.folder.mkdir(parents=True, exist_ok=True)
         part = self.state.with_suffix(".part")
         part.write_text(json.dumps({"used": used, "turns": turns}))
@@ -194,11 +197,12 @@ class SharedMemory:
         return entries
 
     def reported(self, index: int) -> list[int]:
-        """The used bytes the double answered for GPU `index` in each v2 read (the call the sampler makes), in order."""
-        return [e["used"] for e in self.entries() if e.get("gpu") == index and e["v"] == 2]
+        """The used bytes the double answered the agent's samples for GPU `index` (v2 reads, as the sampler makes
+        them), in order: what the agent can have sent to browsers."""
+        return [e["used"] for e in self.entries() if e.get("gpu") == index and e["sample"] and e["v"] == 2]
 
     def waiting(self) -> int | None:
-        """The turn a read of GPU 0 waits for, once one waits: the reads answered so far are one fewer."""
+        """The turn the agent's sample waits for, once one waits: the samples answered so far are one fewer."""
         waits = [e["waiting"] for e in self.entries() if "waiting" in e]
         return waits[-1] if waits else None
 
@@ -206,28 +210,37 @@ class SharedMemory:
 
     def used(self, index: int) -> int:
         state = json.loads(self.state.read_text())
-        if index == 0:
+        if index == 0 and _in_agent_sample():
             state = self._turn(state)
         return state["used"][index]
 
     def _turn(self, state: dict) -> dict:
-        with self._lock:
-            said = False
-            while state["turns"] is not None and self._turns_taken >= state["turns"]:
-                if not said:
-                    self._append({"waiting": self._turns_taken + 1})
-                    said = True
-                time.sleep(0.01)
-                state = json.loads(self.state.read_text())
-            self._turns_taken += 1
-            return state
+        said = False
+        while state["turns"] is not None and self._turns_taken >= state["turns"]:
+            if not said:
+                self._append({"waiting": self._turns_taken + 1})
+                said = True
+            time.sleep(0.01)
+            state = json.loads(self.state.read_text())
+        self._turns_taken += 1
+        return state
 
     def record(self, index: int, used: int, version: int) -> None:
-        self._append({"gpu": index, "used": used, "v": version})
+        self._append({"gpu": index, "used": used, "v": version, "sample": _in_agent_sample()})
 
     def _append(self, entry: dict) -> None:
         with open(self.log, "a") as f:
             f.write(json.dumps(entry) + "\n")
+
+
+def _in_agent_sample() -> bool:
+    """Whether this read is made inside the node agent's own sample (deployments.agent.Agent.sample)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_qualname == "Agent.sample" and frame.f_globals.get("__name__") == "deployments.agent":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def agent_double(folder, gpus: int = 8) -> FakeNvml:

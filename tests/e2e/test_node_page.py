@@ -141,9 +141,6 @@ def test_gpu_memory_nvml_reports_through_a_real_agent_redis_and_channels_is_the_
     spawn(agent_argv(name, tmp_path / "store", sample_seconds=0.5, heartbeat_seconds=2), env, name=name)
     node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
     assert sorted(node.gpus.values_list("uuid", flat=True)) == [f"GPU-double-{i}" for i in range(8)]
-    # The host checks read NVML once at start, on a thread of their own; after them only the sampler reads it, so
-    # each read of GPU 0 is one sample and the double can hold the sampler between two.
-    wait_until(lambda: Node.objects.get(pk=node.pk).host_checks, timeout=60, message="the host checks at start")
     page.goto(f"{page.base_url}/nodes/{node.pk}/")
     expect(page.locator("#live-state")).to_have_text("live")
     rows = {i: page.locator(f'#gpu-table tr[data-gpu="{i}"] [data-f="mem"]') for i in range(8)}
@@ -155,8 +152,9 @@ def test_gpu_memory_nvml_reports_through_a_real_agent_redis_and_channels_is_the_
     for i in range(8):
         assert last[i] in double.reported(i)[-2:] and last[i] == steps[0][i]
 
-    # Then sample by sample: the sampler waits at its next read while the test changes the memory, one sample reads
-    # the new memory, and the next waits again. Nothing newer than that sample exists, so the page must show it.
+    # Then sample by sample: the agent's next sample waits in the double while the test changes the memory, one
+    # sample reads the new memory and is sent, and the next waits again. Nothing newer than that sample exists, so
+    # the page must show it.
     double.set(steps[0], turns=0)
     turn = wait_until(double.waiting, timeout=30, message="the sampler to wait for the NVML double")
     for used in steps[1:]:
