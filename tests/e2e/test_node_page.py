@@ -126,6 +126,11 @@ def _chart_series(page) -> dict[int, list[int]]:
     return {gpu: [round(v * GiB) for v in values] for gpu, values in series}
 
 
+def _chart_last(page) -> dict[int, int | None]:
+    """Each GPU's last point in the memory chart, in bytes (None: an empty line)."""
+    return {gpu: values[-1] if values else None for gpu, values in _chart_series(page).items()}
+
+
 @pytest.mark.timeout(240)
 def test_gpu_memory_nvml_reports_through_a_real_agent_redis_and_channels_is_the_figure_and_the_chart_on_the_page(
         logged_in_page, process_env, spawn, unique, tmp_path):
@@ -148,7 +153,7 @@ def test_gpu_memory_nvml_reports_through_a_real_agent_redis_and_channels_is_the_
     # The double answers freely: the chart's last point is one of the last two figures it answered.
     for i in range(8):
         expect(rows[i]).to_have_text(_memory_figure(steps[0][i]), timeout=30000)
-    last = {gpu: values[-1] for gpu, values in _chart_series(page).items()}
+    last = _chart_last(page)
     for i in range(8):
         assert last[i] in double.reported(i)[-2:] and last[i] == steps[0][i]
 
@@ -164,7 +169,7 @@ def test_gpu_memory_nvml_reports_through_a_real_agent_redis_and_channels_is_the_
         for i in range(8):
             assert double.reported(i)[-1] == used[i]
             expect(rows[i]).to_have_text(_memory_figure(used[i]), timeout=30000)
-        last = {gpu: values[-1] for gpu, values in _chart_series(page).items()}
+        last = _chart_last(page)
         assert last == {i: double.reported(i)[-1] for i in range(8)}
 
     # The chart followed every change in order, and holds nothing NVML did not answer.
