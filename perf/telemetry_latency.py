@@ -45,7 +45,7 @@ def run_agent(name: str, gpus: int, seconds: float, out: str) -> None:
     from deployments.agent import Agent
     from deployments.host import gpu
     from tests.host.test_doctor import DoctorGpu, DoctorNvml
-    from tests.host.test_gpu import proc
+    from tests.nvmldouble import proc
 
     # The doctor's fake: the agent's start runs the host checks too, as on a real driver.
     fake = DoctorNvml([DoctorGpu(f"GPU-{name}-{i}", f":{0x18 + i:02x}:00.0", compute=[proc(10_000 + i, 70 * 2**30)])

@@ -89,7 +89,7 @@ def host_boundaries(gpus: int) -> ExitStack:
     """Replace what an agent reads from its host and its engines, for this process."""
     from deployments.host import gpu, slo, vllm
     from deployments.node import watch
-    from tests.host.test_gpu import FakeGpu, FakeNvml
+    from tests.nvmldouble import FakeGpu, FakeNvml
 
     stack = ExitStack()
     stack.enter_context(mock.patch.object(gpu, "pynvml", FakeNvml([FakeGpu(f"GPU-sim-{i}") for i in range(gpus)])))

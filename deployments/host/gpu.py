@@ -299,7 +299,9 @@ def _ecc_errors(handle, error_type) -> int:
 
 
 def _memory_info(handle):
-    # v2 reports "used" without the driver's reserved memory, as nvidia-smi does; old drivers lack it.
+    # v2 counts the driver's reserved memory apart from "used", as nvidia-smi does on drivers that have v2. Older
+    # drivers have only v1, whose "used" includes the reserved memory (total = used + free) and whose nvidia-smi shows
+    # that figure: it is kept as it is, since v1 does not say how much of it is reserved.
     try:
         return pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
     except pynvml.NVMLError:

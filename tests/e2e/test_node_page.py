@@ -1,8 +1,10 @@
-"""The node page in real Chromium: live charts, the process table, offline/online, reconnects."""
+"""The node page in real Chromium: live charts, the process table, offline/online, reconnects, and GPU memory from
+NVML (the NVML double in a real agent process) to the chart."""
 import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
@@ -11,9 +13,11 @@ from deployments.models import Node
 from deployments.services import nodes
 from tests.conftest import agent_argv, in_thread, wait_until
 from tests.factories import DeploymentFactory, GpuFactory, NodeFactory
+from tests.nvmldouble import MIB, TOTAL, SharedMemory
 
 pytestmark = pytest.mark.e2e
 GiB = 2**30
+NVML_DOUBLE = Path(__file__).parent / "nvml_double"  # a pynvml that is the NVML double, for one agent's PYTHONPATH
 
 
 def _sample(t, used_gib, util, pid=None):
@@ -109,3 +113,67 @@ def test_a_multi_node_deployments_page_follows_every_nodes_gpu_memory_and_the_wo
     expect(page.locator("#ranks")).to_contain_text(head.name)
     _record(worker, _sample(time.time(), 35, 50, pid=5151))
     expect(page.locator('#procs tr[data-pid="5151"]')).to_contain_text(f"{d.name} (rank 1)")
+
+
+def _memory_figure(used):
+    """A GPU's memory as the node page's table writes it."""
+    return f"{used / GiB:.1f} GiB / {TOTAL / GiB:.1f} GiB"
+
+
+def _chart_series(page) -> dict[int, list[int]]:
+    """Each GPU's line in the memory chart, in bytes (the chart holds GiB: bytes / 2**30, exact in a double)."""
+    series = page.evaluate("NODE.gpus.map((gpu, k) => [gpu, nodeCharts.mem.data[k + 1]])")
+    return {gpu: [round(v * GiB) for v in values] for gpu, values in series}
+
+
+def _chart_last(page) -> dict[int, int | None]:
+    """Each GPU's last point in the memory chart, in bytes (None: an empty line)."""
+    return {gpu: values[-1] if values else None for gpu, values in _chart_series(page).items()}
+
+
+@pytest.mark.timeout(240)
+def test_gpu_memory_nvml_reports_through_a_real_agent_redis_and_channels_is_the_figure_and_the_chart_on_the_page(
+        logged_in_page, process_env, spawn, unique, tmp_path):
+    """A real node agent whose pynvml is the NVML double (8 H200s): the memory each GPU reports is what the node page
+    shows in its table and as the chart's last point, and each change shows from the sample that read it on."""
+    page = logged_in_page
+    double = SharedMemory(tmp_path / "nvml")
+    steps = [[(5 + 11 * i + 7 * k) * GiB + (97 * i + 31 * k + 3) * MIB for i in range(8)] for k in range(3)]
+    double.set(steps[0])
+    name = f"nvml-{unique}"
+    env = dict(process_env, NVML_DOUBLE=str(double.folder), VLLM_BIN=str(tmp_path / "no-vllm"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(NVML_DOUBLE), process_env.get("PYTHONPATH")])))
+    spawn(agent_argv(name, tmp_path / "store", sample_seconds=0.5, heartbeat_seconds=2), env, name=name)
+    node = wait_until(lambda: Node.objects.filter(name=name).first(), timeout=60, message="the agent")
+    assert sorted(node.gpus.values_list("uuid", flat=True)) == [f"GPU-double-{i}" for i in range(8)]
+    page.goto(f"{page.base_url}/nodes/{node.pk}/")
+    expect(page.locator("#live-state")).to_have_text("live")
+    rows = {i: page.locator(f'#gpu-table tr[data-gpu="{i}"] [data-f="mem"]') for i in range(8)}
+
+    # The double answers freely: the chart's last point is one of the last two figures it answered.
+    for i in range(8):
+        expect(rows[i]).to_have_text(_memory_figure(steps[0][i]), timeout=30000)
+    last = _chart_last(page)
+    for i in range(8):
+        assert last[i] in double.reported(i)[-2:] and last[i] == steps[0][i]
+
+    # Then sample by sample: the agent's next sample waits in the double while the test changes the memory, one
+    # sample reads the new memory and is sent, and the next waits again. Nothing newer than that sample exists, so
+    # the page must show it.
+    double.set(steps[0], turns=0)
+    turn = wait_until(double.waiting, timeout=30, message="the sampler to wait for the NVML double")
+    for used in steps[1:]:
+        double.set(used, turns=turn)
+        wait_until(lambda turn=turn: double.waiting() == turn + 1, timeout=30, message="one sample of the new memory")
+        turn += 1
+        for i in range(8):
+            assert double.reported(i)[-1] == used[i]
+            expect(rows[i]).to_have_text(_memory_figure(used[i]), timeout=30000)
+        last = _chart_last(page)
+        assert last == {i: double.reported(i)[-1] for i in range(8)}
+
+    # The chart followed every change in order, and holds nothing NVML did not answer.
+    for gpu, values in _chart_series(page).items():
+        changes = [v for k, v in enumerate(values) if k == 0 or v != values[k - 1]]
+        assert changes == [step[gpu] for step in steps]
+        assert set(values) <= set(double.reported(gpu))

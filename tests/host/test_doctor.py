@@ -6,7 +6,7 @@ import pynvml
 import pytest
 
 from deployments.host import doctor, gpu
-from tests.host.test_gpu import GIB, MIB, FakeGpu, FakeNvml
+from tests.nvmldouble import GIB, MIB, FakeGpu, FakeNvml
 
 
 class DoctorGpu(FakeGpu):

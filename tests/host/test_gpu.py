@@ -1,143 +1,10 @@
-"""The NVML sampler against a fake pynvml that speaks pynvml's names and shapes."""
-
-from types import SimpleNamespace
+"""The NVML sampler against the NVML double (tests/nvmldouble.py), which speaks pynvml's names and shapes."""
 
 import pynvml
 import pytest
 
 from deployments.host import gpu
-
-MIB = 1024**2
-GIB = 1024**3
-
-
-class FakeGpu:
-    """One GPU as the fake driver sees it; `fails` maps a pynvml function name to its error."""
-
-    def __init__(self, uuid, procs=(), graphics=(), fails=None):
-        self.uuid = uuid
-        self.compute = list(procs)
-        self.graphics = list(graphics)
-        self.fails = dict(fails or {})
-        self.exits_after: dict[int, int] = {}  # pid -> process-list reads before it is gone
-        self.used = 20 * GIB
-        self.limit_mw = 700_000
-        self.energy_mj = 0  # the driver's energy counter
-
-    def check(self, function):
-        if function in self.fails:
-            raise self.fails[function]()
-
-
-def proc(pid, used):
-    return SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
-                           computeInstanceId=0xFFFFFFFF)
-
-
-class FakeNvml:
-    """Stands in for the pynvml module: same function names, return shapes and error classes."""
-
-    NVMLError = pynvml.NVMLError
-    NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
-    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
-    NVML_MEMORY_ERROR_TYPE_CORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
-    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-    NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
-    nvmlMemory_v2 = pynvml.nvmlMemory_v2
-
-    def __init__(self, gpus, init_error=None):
-        self.gpus = gpus
-        self.init_error = init_error
-        self.inits = 0
-        self.names = {}
-
-    def nvmlInit(self):
-        self.inits += 1
-        if self.init_error:
-            raise self.init_error()
-
-    def nvmlDeviceGetCount(self):
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, index):
-        return self.gpus[index]
-
-    def nvmlDeviceGetUUID(self, h):
-        h.check("nvmlDeviceGetUUID")
-        return h.uuid
-
-    def nvmlDeviceGetName(self, h):
-        h.check("nvmlDeviceGetName")
-        return "NVIDIA H200"
-
-    def nvmlDeviceGetCudaComputeCapability(self, h):
-        h.check("nvmlDeviceGetCudaComputeCapability")
-        return (9, 0)
-
-    def nvmlDeviceGetMemoryInfo(self, h, version=None):
-        h.check("nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo")
-        total = 143771 * MIB
-        info = SimpleNamespace(total=total, used=h.used, free=total - h.used - 512 * MIB)
-        if version:
-            info.version, info.reserved = version, 512 * MIB
-        return info
-
-    def nvmlDeviceGetUtilizationRates(self, h):
-        h.check("nvmlDeviceGetUtilizationRates")
-        return SimpleNamespace(gpu=87, memory=41)
-
-    def nvmlDeviceGetTemperature(self, h, sensor):
-        assert sensor == pynvml.NVML_TEMPERATURE_GPU
-        h.check("nvmlDeviceGetTemperature")
-        return 54
-
-    def nvmlDeviceGetPowerUsage(self, h):
-        h.check("nvmlDeviceGetPowerUsage")
-        return 412_345  # milliwatts
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, h):
-        h.check("nvmlDeviceGetTotalEnergyConsumption")
-        return h.energy_mj
-
-    def nvmlDeviceGetPowerManagementLimit(self, h):
-        h.check("nvmlDeviceGetPowerManagementLimit")
-        return h.limit_mw
-
-    def nvmlDeviceGetClockInfo(self, h, clock):
-        assert clock == pynvml.NVML_CLOCK_SM
-        h.check("nvmlDeviceGetClockInfo")
-        return 1980
-
-    def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
-        h.check("nvmlDeviceGetTotalEccErrors")
-        assert counter_type == pynvml.NVML_VOLATILE_ECC
-        return 3 if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED else 0
-
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
-        h.check("nvmlDeviceGetCurrPcieLinkGeneration")
-        return 5
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
-        h.check("nvmlDeviceGetCurrPcieLinkWidth")
-        return 16
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        h.check("nvmlDeviceGetComputeRunningProcesses")
-        for pid in list(h.exits_after):
-            h.exits_after[pid] -= 1
-            if h.exits_after[pid] < 0:
-                h.compute = [p for p in h.compute if p.pid != pid]
-                del h.exits_after[pid]
-        return list(h.compute)
-
-    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
-        h.check("nvmlDeviceGetGraphicsRunningProcesses")
-        return list(h.graphics)
-
-    def nvmlSystemGetProcessName(self, pid):
-        if pid not in self.names:
-            raise pynvml.NVMLError_NotFound()
-        return self.names[pid]
+from tests.nvmldouble import GIB, MIB, RESERVED, TOTAL, FakeGpu, FakeNvml, proc
 
 
 @pytest.fixture
@@ -203,10 +70,15 @@ def test_a_new_power_limit_shows_once_the_cached_one_expires(fake, monkeypatch):
     assert gpu.sample()[0].power_limit_w == 450.0
 
 
-def test_memory_is_still_read_on_drivers_without_the_v2_call(fake):
+def test_on_drivers_without_the_v2_call_used_memory_includes_the_reserved_memory_as_their_nvidia_smi_shows(fake):
+    # v1 has no reserved field: its used is the reserved and the allocated memory together (total = used + free),
+    # the figure nvidia-smi shows on such a driver; v2 (the second GPU) says how much of it is reserved.
     fake.gpus[0].fails = {"nvmlDeviceGetMemoryInfo_v2": pynvml.NVMLError_FunctionNotFound}
 
-    assert gpu.sample()[0].memory_used == 20 * GIB
+    v1, v2 = gpu.sample()
+
+    assert (v1.memory_total, v1.memory_used, v1.memory_free) == (TOTAL, RESERVED + 20 * GIB, TOTAL - RESERVED - 20 * GIB)
+    assert (v2.memory_total, v2.memory_used, v2.memory_free) == (TOTAL, 20 * GIB, v1.memory_free)
 
 
 def test_processes_the_driver_cannot_list_read_as_unknown_not_as_none_running(fake):
