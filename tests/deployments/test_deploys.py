@@ -23,6 +23,7 @@ from deployments.services import deploys
 from plumbing.errors import ServiceError
 from plumbing.live import snapshots
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
+from tests.helpers import marked, started
 
 pytestmark = pytest.mark.django_db
 S = Deployment.Status
@@ -258,7 +259,7 @@ def test_a_stranger_answering_on_the_port_is_not_taken_for_the_engine(model, nod
     import subprocess
     import sys
 
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stranger = started(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))  # its command line
     try:
         host.mocks["listeners.listening"].return_value = ({stranger.pid}, False)
         d = _queued(model, node)
@@ -282,6 +283,7 @@ def test_an_engine_process_of_the_deployment_listening_on_the_port_is_its_own(mo
     def launch(spec):  # the listener: a real process with the engine's environment (its marker)
         procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                       env={**spec.env, "PATH": "/usr/bin:/bin"}))
+        marked(procs[0].pid, spec.env[ownership.MARKER_VAR])  # as a real engine's by the time it answers /health
         host.mocks["listeners.listening"].return_value = ({procs[0].pid}, False)
         return FakeHost.launch(host, spec)
 

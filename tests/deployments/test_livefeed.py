@@ -8,6 +8,7 @@ from dataclasses import asdict
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -45,15 +46,63 @@ def live_app():
     return application
 
 
+class _Ticks:
+    """The feed's tick, ended by the test: the feed's `asyncio.sleep(LIVE_TICK_S)` waits for `end()`, so what goes
+    out within a tick and what after it is set by the test, not by how fast this machine records samples. Each node
+    change the feed hears is recorded in `heard` (the pub/sub hop is not instant)."""
+
+    def __init__(self, monkeypatch, tick_s: float):
+        self.tick_s, self.started, self.ends, self.heard = tick_s, asyncio.Queue(), asyncio.Queue(), []
+        public = {k: v for k, v in vars(asyncio).items() if not k.startswith("__")}
+        monkeypatch.setattr(fleetfeed, "asyncio", SimpleNamespace(**{**public, "sleep": self.sleep}))
+        add = fleetfeed.FleetFeed._add
+
+        def heard(feed, node_id, text):
+            self.heard.append(node_id)
+            add(feed, node_id, text)
+
+        monkeypatch.setattr(fleetfeed.FleetFeed, "_add", heard)
+
+    async def sleep(self, delay, result=None):
+        if delay != self.tick_s:
+            return await asyncio.sleep(delay, result)
+        self.started.put_nowait(None)
+        await self.ends.get()
+        return result
+
+    async def end(self):
+        """End the tick the feed is in (waiting until it is in one)."""
+        await asyncio.wait_for(self.started.get(), 5)
+        self.ends.put_nowait(None)
+
+    async def hear(self, *nodes):
+        """Until the feed has heard each of `nodes` change."""
+        for _ in range(500):
+            if {str(n.pk) for n in nodes} <= set(self.heard):
+                return
+            await asyncio.sleep(0.01)
+        pytest.fail(f"the feed never heard {[n.pk for n in nodes]}")
+
+
+def _shown(sample) -> dict:
+    return {"t": sample["t"], "disk": {"total": sample["disk"]["total"], "free": sample["disk"]["free"]},
+            "gpus": [{"index": g["index"], "memory_used": g["memory_used"], "memory_total": g["memory_total"],
+                      "util_gpu": g["util_gpu"]} for g in sample["gpus"]]}
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_fleet_page_gets_the_state_then_one_message_per_tick_with_the_nodes_that_changed(client, settings):
-    settings.LIVE_TICK_S = 1.0  # wide, so that the three samples below surely fall in one tick after the first
-    run_async(_coalesced(client))
+def test_a_fleet_page_gets_the_state_then_one_message_per_tick_with_the_nodes_that_changed(client, settings, monkeypatch):
+    settings.LIVE_TICK_S = 3600.0  # a tick ends only when the test ends it (_Ticks)
+
+    async def scenario():
+        return await _coalesced(client, _Ticks(monkeypatch, settings.LIVE_TICK_S))
+
+    run_async(scenario())
 
 
-async def _coalesced(client):
+async def _coalesced(client, ticks):
     user = await sync_to_async(UserFactory)(role="viewer")
-    fleet = [await sync_to_async(NodeFactory)(name=f"feed-{i}") for i in range(4)]
+    fleet = [await sync_to_async(NodeFactory)(name=f"feed-{i}") for i in range(5)]
     before = fleetsim.synthetic_sample(0, 2, time.time() - 5)
     await sync_to_async(nodes.node_sample_record)(fleet[0].pk, before, {})
     ws = await _socket(client, user)
@@ -63,22 +112,30 @@ async def _coalesced(client):
     shown = json.loads(json.dumps(asdict(payloads.FleetNode.of(before))))
     assert snapshot["data"]["nodes"] == {str(fleet[0].pk): shown}
 
-    samples = {node.pk: fleetsim.synthetic_sample(node.pk, 2, time.time()) for node in fleet[1:]}
-    for node_id, sample in samples.items():
-        await sync_to_async(nodes.node_sample_record)(node_id, sample, {})
-    got, messages = {}, 0
-    while len(got) < 3:
-        message = await ws.receive_json_from(timeout=5)
-        messages += 1
-        assert (message["topic"], message["kind"]) == ("fleet", "nodes") and "snapshot" not in message
-        got.update(message["data"]["nodes"])
-    # The first change goes out at once, the ones within the same tick together.
-    assert messages <= 2
-    assert got == {str(k): {"t": s["t"], "disk": {"total": s["disk"]["total"], "free": s["disk"]["free"]},
-                            "gpus": [{"index": g["index"], "memory_used": g["memory_used"], "memory_total": g["memory_total"],
-                                      "util_gpu": g["util_gpu"]} for g in s["gpus"]]}
-                   for k, s in samples.items()}
-    assert await ws.receive_nothing(timeout=0.3)  # and nothing else: no message per node, no repeat
+    async def record(node):
+        sample = fleetsim.synthetic_sample(node.pk, 2, time.time())
+        await sync_to_async(nodes.node_sample_record)(node.pk, sample, {})
+        return sample
+
+    async def message():
+        got = await ws.receive_json_from(timeout=5)
+        assert (got["topic"], got["kind"]) == ("fleet", "nodes") and "snapshot" not in got
+        return got["data"]["nodes"]
+
+    # The first change after a quiet spell goes out at once, and a tick starts.
+    first = await record(fleet[1])
+    assert await message() == {str(fleet[1].pk): _shown(first)}
+    # Changes heard within the tick wait for its end, then go out together in one message.
+    within = {node.pk: await record(node) for node in fleet[2:4]}
+    await ticks.hear(*fleet[2:4])
+    assert await ws.receive_nothing(timeout=0.3)  # heard, and the tick holds them: no message per change
+    await ticks.end()
+    assert await message() == {str(k): _shown(s) for k, s in within.items()}
+    # The next tick carries only what changed in it: nothing already sent is sent again.
+    last = await record(fleet[4])
+    await ticks.hear(fleet[4])
+    await ticks.end()
+    assert await message() == {str(fleet[4].pk): _shown(last)}
     await ws.disconnect()
 
 

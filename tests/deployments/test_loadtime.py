@@ -3,6 +3,7 @@ the store's read rate, and start-up in run environments."""
 import os
 from datetime import timedelta
 
+import psutil
 import pytest
 from django.utils import timezone
 
@@ -119,16 +120,61 @@ def test_a_fresh_load_is_calibrated_a_replayed_one_is_not_and_a_failed_calibrati
     assert event.data["totals"] and fresh.load_detail["phases"]  # the load is kept all the same
 
 
-def test_the_detail_reports_model_size_residency_and_free_ram(tmp_path):
+def _cold(*paths) -> None:
+    """Written out and dropped from the page cache (by the test itself, not the code under test), or the test is
+    skipped: a filesystem whose page cache ignores POSIX_FADV_DONTNEED (tmpfs) has no cold start to measure."""
+    from deployments.host import pagecache
+
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    left = pagecache.residency(list(paths))
+    if left.resident:
+        pytest.skip(f"{left.resident} of {left.total} bytes stayed in the page cache after POSIX_FADV_DONTNEED here: "
+                    "no cold precondition")
+
+
+def test_the_detail_reports_model_size_residency_the_engines_read_rate_and_free_ram(tmp_path, monkeypatch):
+    """The engine is a shell that reads its weights cold when told; the watch's clock is the test's, so the rate is
+    exactly the bytes it fetched from storage over the seconds the clock moved."""
+    import subprocess
+    import time
+    from types import SimpleNamespace
+
+    from tests.helpers import started
+
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(os.urandom(4 << 20))
+    _cold(weights)
     d = DeploymentFactory()
     ModelCopyFactory(model=d.model, node=d.node, path=str(folder))
-    _, detail, _, _ = _load(d, pid=os.getpid())
-    assert detail["model_bytes"] == 1 << 20
-    assert detail["resident_bytes"] is not None and 0 <= detail["resident_bytes"] <= 1 << 20
-    assert detail["ram_available"] > 0 and detail["read_bps"] >= 0
+    clock = [1000.0]
+    monkeypatch.setattr(loads, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    engine = started(subprocess.Popen(["sh", "-c", f"read go; cat {weights} > /dev/null; echo read; read end"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    try:
+        d.started, d.pid = timezone.now(), engine.pid
+        watch = loads.LoadWatch(d)
+        cold = watch.detail()
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        assert engine.stdout.readline() == "read\n"
+        clock[0] += loads.RESIDENCY_EVERY_S  # one read-rate window (>= 1 s) and one residency period later
+        warm = watch.detail()
+    finally:
+        engine.kill()
+        engine.wait()
+    assert cold["model_bytes"] == warm["model_bytes"] == 4 << 20
+    assert (cold["resident_bytes"], cold["read_bps"]) == (0, 0)  # nothing read yet, and no rate before a window
+    assert warm["resident_bytes"] == 4 << 20
+    assert warm["read_bps"] == round((4 << 20) / loads.RESIDENCY_EVERY_S)
+    assert 0 < warm["ram_available"] <= psutil.virtual_memory().total
 
 
 def test_measuring_the_store_keeps_its_rate_on_the_node(tmp_path):
@@ -157,10 +203,8 @@ def test_prewarm_reads_the_model_into_the_page_cache_and_says_so_on_its_step(tmp
     folder.mkdir()
     for i in range(3):
         (folder / f"model-{i}.safetensors").write_bytes(os.urandom(2 << 20))
-    os.sync()
     files = pagecache.weight_files(folder)
-    for p in files:
-        pagecache.drop(p)
+    _cold(*files)  # the precondition: none of it in the page cache, so the pre-warm's reads are what bring it in
     warm = loads.Prewarm(str(folder), workers=3)
     event = DeploymentEvent.objects.create(deployment=DeploymentFactory(), step="prewarm")
     message = warm.wait(event)
@@ -193,6 +237,7 @@ def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_load
     folder = tmp_path / "m"
     folder.mkdir(exist_ok=True)
     (folder / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    _cold(folder / "model.safetensors")  # none of it in the page cache: the plan's pre-warm is what reads it in
     d = _queued(model, node, prewarm=True)
     plan.deployment_run(d.pk)
     d.refresh_from_db()

@@ -20,6 +20,7 @@ from deployments.services import deploys, nodes, repos
 from plumbing.errors import ServiceError
 from tests.deployments.test_deploys import _create, _queued, host, model, node  # noqa: F401
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
+from tests.helpers import marked, started
 
 pytestmark = pytest.mark.django_db
 S = Deployment.Status
@@ -27,13 +28,14 @@ S = Deployment.Status
 
 @pytest.fixture
 def sleeper():
-    """An unrelated process group (someone else's job), killed by the test itself at the end."""
+    """An unrelated process group (someone else's job), running `sleep` (exec'd: what /proc shows of it is its
+    own), killed by the test itself at the end."""
     procs = []
 
     def start(env=None):
         proc = subprocess.Popen(["sleep", "300"], start_new_session=True, env=env)
         procs.append(proc)
-        return proc
+        return started(proc)
 
     yield start
     for proc in procs:
@@ -71,6 +73,7 @@ def test_an_engine_carrying_its_marker_is_stopped_with_its_whole_group(sleeper):
     marker = ownership.new_marker(7)
     ours = sleeper(env={**os.environ, ownership.MARKER_VAR: marker})
     d = DeploymentFactory(status=S.STOPPING, pid=ours.pid, pgid=ours.pid, marker=marker)
+    marked(ours.pid, marker)  # what the agent reads once an engine runs (CI read an environment not laid out yet)
     assert ownership.owned(ours.pid, marker) and not ownership.owned(ours.pid, "7.other")
     watch.deployment_halt(d.pk)
     ours.wait(5)

@@ -23,6 +23,7 @@ from deployments.node import ranks, units
 from plumbing import queue
 from tests.deployments.test_multinode import _node
 from tests.factories import DeploymentFactory
+from tests.helpers import marked
 
 pytestmark = pytest.mark.django_db
 DOUBLE = Path(__file__).parent.parent / "faults" / "systemd"
@@ -51,6 +52,12 @@ def systemctl(tmp_path, monkeypatch):
 
 def _show() -> dict:
     return dict(line.split("=", 1) for line in systemd.systemctl("show", "-p", "MainPID,ActiveState,NRestarts", UNIT).split())
+
+
+def _main_running() -> int:
+    """The unit's MainPID once it shows the marker: `systemctl start` (Type=simple) returns once the main process is
+    forked, and its environment, the proof that it is the rank's engine, reads empty until its exec is done."""
+    return marked(int(_show()["MainPID"]), MARKER)
 
 
 def _ready(pid=None):
@@ -85,7 +92,7 @@ def test_a_rank_whose_unit_starts_after_the_agent_waits_and_is_adopted_while_the
     assert _watched(rank, worker).state == "loading"  # still to be started: it waits
 
     subprocess.run(["systemctl", "__boot"], check=True, timeout=30)
-    main = int(_show()["MainPID"])
+    main = _main_running()
     assert _watched(rank, worker).pid == main  # adopted: the unit's engine, proven by its marker
     assert (_watched(rank, worker).state, rank.message) == ("running", "")  # the head is ready: so is the rank
     assert _lost(sent_tasks) == []
@@ -103,7 +110,7 @@ def _dead(pid: int) -> bool:
 
 def test_a_crashed_rank_is_restarted_once_by_its_unit_and_adopted_while_the_deployment_stays_ready(systemctl, sent_tasks):
     systemd.systemctl("enable", "--now", UNIT)
-    first = int(_show()["MainPID"])
+    first = _main_running()
     d, worker, rank = _ready(pid=first)
     assert _watched(rank, worker).state == "running"
 
@@ -119,8 +126,9 @@ def test_a_crashed_rank_is_restarted_once_by_its_unit_and_adopted_while_the_depl
     while not (int(_show()["MainPID"]) not in (0, first) and _show()["ActiveState"] == "active"):
         assert time.monotonic() < deadline, _show()
         time.sleep(0.05)
+    restarted = _main_running()
     rank = _watched(rank, worker, passes=2)
-    assert (rank.state, rank.pid) == ("running", int(_show()["MainPID"])) and _show()["NRestarts"] == "1"
+    assert (rank.state, rank.pid) == ("running", restarted) and _show()["NRestarts"] == "1"
     assert _lost(sent_tasks) == []
     assert Deployment.objects.get(pk=d.pk).status == "ready"
 

@@ -80,6 +80,46 @@ def _texts(output: list) -> list:
     return [part.get("text") for item in output for part in item.get("content") or []]
 
 
+# What differs between two answers that are the same: their ids, times and the count of their events.
+VOLATILE = frozenset({"id", "created", "created_at", "item_id", "response_id", "system_fingerprint", "sequence_number"})
+JOINED = frozenset({"content", "text", "reasoning", "reasoning_content", "refusal", "delta"})  # streamed in pieces
+
+
+def _fold(into: dict, part: dict) -> dict:
+    """`part` merged into `into`: streamed text joined, list items by their index, any other field its last value."""
+    for key, value in part.items():
+        if key in VOLATILE or value is None:
+            continue
+        if isinstance(value, str) and key in JOINED:
+            into[key] = into.get(key, "") + value
+        elif isinstance(value, dict):
+            _fold(into.setdefault(key, {}), value)
+        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):  # [] adds nothing
+            items = into.setdefault(key, {})
+            for i, item in enumerate(value):
+                _fold(items.setdefault(item.get("index", i), {}), item)
+        else:
+            into[key] = value
+    return into
+
+
+def _answer(text: str) -> dict:
+    """A streamed reply whole, however its tokens were grouped into events (tokens that come while the engine's server
+    is busy go out together): each event kind's payloads folded (_fold), the kinds in their order, [DONE] or not."""
+    kinds, folded, done = [], {}, False
+    for line in text.splitlines():
+        if line.startswith("event:") and line not in kinds:
+            kinds.append(line)
+        elif line.startswith("data:"):
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+            else:
+                event = json.loads(data)
+                _fold(folded.setdefault(event.get("type", ""), {}), event)
+    return {"kinds": kinds, "events": folded, "done": done}
+
+
 def totals(**filters) -> dict:
     return Usage.objects.filter(**filters).aggregate(
         requests=Sum("requests"), errors=Sum("errors"), prompt=Sum("prompt_tokens"),
@@ -113,9 +153,9 @@ def test_every_openai_route_answers_through_the_gateway_as_the_engine_does(cpu_e
                     assert path == "/v1/embeddings"  # the tiny model generates: the engine's own refusal passes
                     assert theirs.json() == mine.json()
                     continue
-                if stream:
+                if stream:  # temperature 0: the same events, token by token, to the end
                     assert theirs.text.rstrip().endswith("data: [DONE]") or "response.completed" in theirs.text
-                    assert theirs.text.replace(" ", "")[:6] == mine.text.replace(" ", "")[:6]
+                    assert _answer(theirs.text) == _answer(mine.text), (path, theirs.text)
                 elif path == "/v1/responses":  # temperature 0: the same answer (items get ids of their own)
                     assert _texts(theirs.json()["output"]) == _texts(mine.json()["output"]) != []
                 else:
@@ -205,7 +245,10 @@ def test_a_multi_turn_workload_shows_the_engines_own_prefix_cache_hits(cpu_engin
     assert 0 < cache["hits"] <= reuse["reusable_tokens"]
 
 
-def test_keys_are_refused_and_a_revocation_holds_within_a_second(process_env, spawn):
+def test_keys_are_refused_and_a_revoked_key_is_refused_once_the_gateway_has_the_announced_change(process_env, spawn):
+    """No clock: a key made after the revocation and announced with it (`canary`) is served only from a snapshot
+    read after the revocation was committed, so once the canary passes, the very next request with the revoked key
+    is refused. How long a revocation takes is perf/gateway_overhead.py's figure."""
     with SchedServer(ttft_ms=1, gap_ms=1, default_max_tokens=2) as sched:
         node = NodeFactory(name="gw-e2e-keys", address="127.0.0.1")
         make_deployment(node, sched.port, aliases=["kimi"])
@@ -218,19 +261,20 @@ def test_keys_are_refused_and_a_revocation_holds_within_a_second(process_env, sp
         assert httpx.post(url, json=chat, headers=bearer("vcp-wrong")).status_code == 401
         assert httpx.post(url, json=chat, headers=bearer(expired)).status_code == 401
         assert httpx.post(url, json=chat, headers=bearer(scoped)).status_code == 403
-        latencies = []
-        for _ in range(3):
+
+        def served(key):
+            return lambda: httpx.post(url, json=chat, headers=bearer(key)).status_code == 200
+
+        for _ in range(3):  # each a revocation after the last one the gateway saw
             victim = make_key()
             changes.changed("keys")
-            wait_until(lambda: httpx.post(url, json=chat, headers=bearer(victim)).status_code == 200, timeout=5)
+            wait_until(served(victim), timeout=30, message="the new key to be served")
             CallerKey.objects.filter(prefix=victim[:12]).update(revoked_at=timezone.now())
+            canary = make_key()
             changes.changed("keys")  # what the revoke service does after its commit
-            revoked = time.monotonic()
-            with httpx.Client() as client:
-                while client.post(url, json=chat, headers=bearer(victim)).status_code == 200:
-                    assert time.monotonic() - revoked < 1.0
-            latencies.append(time.monotonic() - revoked)
-        print(f"revocation refused after {max(latencies) * 1000:.0f} ms at most")
+            wait_until(served(canary), timeout=30, message="the gateway to serve the announced change")
+            refused = httpx.post(url, json=chat, headers=bearer(victim))
+            assert refused.status_code == 401 and "has been revoked" in refused.json()["error"]["message"]
 
 
 def test_the_rps_limit_lets_through_its_rate_and_answers_429_with_retry_after(process_env, spawn):

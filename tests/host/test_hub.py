@@ -11,8 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -223,25 +225,35 @@ def test_corrupt_data_from_the_server_is_rejected_and_not_kept(url, repos, dest)
     assert not (dest / downloads.PARTIAL_DIR / f"{shard.name}.part").exists()
 
 
-def test_cancel_keeps_partials_and_a_second_call_resumes(url, repos, dest):
+class _Ticks(threading.Thread):
+    """The download's thread, each wait of the caller's thread on it recorded: (timeout, still running after)."""
+
+    waits: list[tuple[float | None, bool]] = []
+
+    def join(self, timeout=None):
+        super().join(timeout)
+        self.waits.append((timeout, self.is_alive()))
+
+
+def test_cancel_keeps_partials_and_a_second_call_resumes(url, repos, dest, monkeypatch):
     info = hub.repo_info("org/small", endpoint=url)
     configure(url, throttle_bps=8 * MB)
     seen: list[downloads.Progress] = []
-    stamps: list[float] = []
-
-    def record(progress: downloads.Progress) -> None:
-        seen.append(progress)
-        stamps.append(time.monotonic())
+    monkeypatch.setattr(_Ticks, "waits", [])
+    monkeypatch.setattr(downloads, "threading", SimpleNamespace(Thread=_Ticks, Event=threading.Event, Lock=threading.Lock))
 
     with pytest.raises(downloads.DownloadCancelled):
-        downloads.download(info, dest, endpoint=url, chunk_bytes=1 << 20, on_progress=record,
+        downloads.download(info, dest, endpoint=url, chunk_bytes=1 << 20, on_progress=seen.append,
                      should_cancel=lambda: seen[-1].bytes_done > 6 * MB)
     part = dest / downloads.PARTIAL_DIR / "model-00001-of-00001.safetensors.part"
     kept = part.stat().st_size
     assert kept > 5 * MB
-    assert any(2 * MB < p.rate_bps < 12 * MB and p.seconds_left for p in seen)
+    moving = [p for p in seen if p.rate_bps > 0]  # the time left follows from the rate the same report gives
+    assert moving and all(p.seconds_left == pytest.approx((p.bytes_total - p.bytes_done) / p.rate_bps) for p in moving)
     assert seen[-1].current_file == "model-00001-of-00001.safetensors" and seen[-1].bytes_done > 6 * MB
-    assert min(b - a for a, b in zip(stamps, stamps[1:])) >= downloads.TICK_S * 0.8  # a few per second at most
+    # A few reports per second at most: after the first, each one follows a wait of TICK_S on the download.
+    assert _Ticks.waits and {timeout for timeout, _ in _Ticks.waits} == {downloads.TICK_S}
+    assert len(seen) - 1 <= sum(running for _, running in _Ticks.waits)
 
     configure(url, throttle_bps=None)
     remaining = downloads.bytes_needed(info, dest)
@@ -250,6 +262,22 @@ def test_cancel_keeps_partials_and_a_second_call_resumes(url, repos, dest):
     downloads.download(info, dest, endpoint=url)
     assert fetched(url) <= remaining * 1.1
     assert_same_tree(repos / "org/small", dest)
+
+
+def test_the_rate_is_the_bytes_received_over_the_last_window_and_the_time_left_follows_from_it(tmp_path, monkeypatch):
+    files = [hub.RepoFile("a.safetensors", 100 * MB, None, None)]
+    run = downloads._Download(hub.RepoInfo("org/a", "main", "c" * 40, files, None, 100 * MB), tmp_path, None, "http://x",
+                              MB, 1)
+    now = [1000.0]
+    monkeypatch.setattr(downloads, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    assert run.progress().rate_bps == 0.0 and run.progress().seconds_left is None  # nothing received yet
+    for t, received in ((1001.0, 4 * MB), (1002.0, 10 * MB), (1007.0, 40 * MB)):
+        now[0], run.fetched["a.safetensors"] = t, received
+        run.done["a.safetensors"] = received
+        p = run.progress()
+    # The window keeps RATE_WINDOW_S (5 s): the samples at 1000 and 1001 are dropped, 1002 (10 MB) is its start.
+    assert p.rate_bps == pytest.approx((40 - 10) * MB / (1007 - 1002))
+    assert p.seconds_left == pytest.approx(60 * MB / p.rate_bps) and p.bytes_done == 40 * MB
 
 
 def test_a_broken_connection_keeps_the_partial_for_a_resume(url, repos, dest):

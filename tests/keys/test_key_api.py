@@ -4,17 +4,21 @@ and CSV that a spreadsheet opens as data; the deploy API's route fields."""
 import csv
 import io
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 
-from deployments.gateway import keys
+from deployments.gateway import keys, selectors
 from deployments.gateway.models import CallerKey, Route, Usage
 from tests.factories import DeploymentFactory, UserFactory
 from tests.helpers import api_client
 
 pytestmark = pytest.mark.django_db
 HOUR = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+# The usage queries' clock: past noon, so that the hour before is the same UTC day whenever the test runs.
+USAGE_NOW = datetime(2026, 6, 15, 12, 30, tzinfo=timezone.utc)
+USAGE_HOUR = USAGE_NOW.replace(minute=0)
 
 
 def test_a_created_key_shows_its_secret_in_the_answer_only(operator):
@@ -72,13 +76,15 @@ def test_internal_keys_are_not_listed(operator):
 
 
 @pytest.fixture
-def usage(operator):
+def usage(operator, monkeypatch):
+    """Usage rows around USAGE_HOUR, read with the usage queries' clock at USAGE_NOW."""
+    monkeypatch.setattr(selectors, "timezone", SimpleNamespace(now=lambda: USAGE_NOW))
     a, _ = keys.key_create(operator, "team-a")
     b, _ = keys.key_create(operator, "=HYPERLINK(1)")  # a name a spreadsheet would run
     d1, d2 = DeploymentFactory(name="kimi-1"), DeploymentFactory(name="kimi-2")
-    rows = [(HOUR, a, "kimi", d1, 3, 1, 30, 5, 7), (HOUR, a, "kimi", d1, 2, 0, 20, 1, 1),  # two gateways, one group
-            (HOUR - timedelta(hours=1), a, "kimi", d2, 1, 0, 10, 0, 4),
-            (HOUR - timedelta(days=1), b, "qwen", d2, 4, 2, 40, 0, 9)]
+    rows = [(USAGE_HOUR, a, "kimi", d1, 3, 1, 30, 5, 7), (USAGE_HOUR, a, "kimi", d1, 2, 0, 20, 1, 1),  # two gateways
+            (USAGE_HOUR - timedelta(hours=1), a, "kimi", d2, 1, 0, 10, 0, 4),
+            (USAGE_HOUR - timedelta(days=1), b, "qwen", d2, 4, 2, 40, 0, 9)]
     for hour, key, name, d, req, err, prompt, reasoning, content in rows:
         Usage.objects.create(hour=hour, key=key, model_name=name, deployment=d, requests=req, errors=err,
                              prompt_tokens=prompt, reasoning_tokens=reasoning, content_tokens=content)
@@ -90,15 +96,17 @@ def test_usage_is_summed_by_hour_per_key(usage, viewer):
     rows = api_client(viewer).get("/api/usage/?group=key&by=hour&days=2").json()["rows"]
     mine = [r for r in rows if r["label"].startswith("team-a")]
     assert [(r["period"], r["requests"], r["errors"], r["prompt_tokens"], r["reasoning_tokens"], r["content_tokens"])
-            for r in mine] == [((HOUR - timedelta(hours=1)).isoformat(), 1, 0, 10, 0, 4), (HOUR.isoformat(), 5, 1, 50, 6, 8)]
+            for r in mine] == [((USAGE_HOUR - timedelta(hours=1)).isoformat(), 1, 0, 10, 0, 4),
+                               (USAGE_HOUR.isoformat(), 5, 1, 50, 6, 8)]
     assert mine[0]["label"] == f"team-a ({a.prefix}…)"
 
 
 def test_usage_by_day_per_model_and_per_deployment(usage, viewer):
     client = api_client(viewer)
-    by_model = {r["label"]: r["requests"] for r in client.get("/api/usage/?group=model&by=day&days=3").json()["rows"]
-                if r["period"].startswith(HOUR.date().isoformat())}
-    assert by_model.get("kimi") == 6 or HOUR.hour == 0  # the hour before midnight falls on the day before
+    by_day = {(r["period"], r["label"]): r["requests"]
+              for r in client.get("/api/usage/?group=model&by=day&days=3").json()["rows"]}
+    today, yesterday = USAGE_HOUR.replace(hour=0), USAGE_HOUR.replace(hour=0) - timedelta(days=1)
+    assert by_day == {(today.isoformat(), "kimi"): 6, (yesterday.isoformat(), "qwen"): 4}
     totals = {}
     for r in client.get("/api/usage/?group=deployment&by=day&days=3").json()["rows"]:
         totals[r["label"]] = totals.get(r["label"], 0) + r["requests"]
