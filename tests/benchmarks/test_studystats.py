@@ -137,9 +137,9 @@ def test_the_verdict_tests_trials_keep_their_verdicts_with_half_a_second_of_host
     (studyschedules.py), judged as a study judges output tok/s, with a busy host's delay added to every request of
     some repeats: "fast" stays better with any of its repeats 0.5 s late (twice its requests' own time), and "same"
     stays no different with all of its repeats 0.5 s late and none of the baseline's, or the other way round. Twice
-    that delay does turn them: the margin is this much and no more. A run of the whole suite beside that test made
-    its requests about 70 ms late, when it still ran a 4x faster variant at 2 repeats (which a delay of 50 ms in one
-    repeat turned)."""
+    that delay does turn them: the margin is this much and no more. The run of the whole suite where that test failed,
+    when it still ran a 4x faster variant at 2 repeats, measured it at 2.39x: its requests ~70 ms late if the
+    baseline's were on time (by this model, 50 ms in one of its two repeats turned that verdict)."""
     def repeats(schedule, delayed=(), late_s=0.5):
         return [delivered(schedule, late_s if i in delayed else 0.0) for i in range(REPEATS)]
 
