@@ -29,7 +29,14 @@ subtracted: what is left is the panel's (agent polling, the plan's steps, the ru
   estimate_after_first_trial_err_pct   the first study's elapsed time plus the time left its page shows once its
                                    first trial ended, against what it took (target within ±30)
 
-    python perf/study_verdicts.py [--studies 60] [--drift 0.03] [--skip-overhead]
+Estimate from a run, no engine and no panel: a run of one workload (level 1, 16 tokens) against a schedule server
+(TTFT 30 ms, a token every 8 ms), and the model a study's estimate makes of it for another workload (levels 1 and 2,
+48 tokens; benchmarks/studyestimate.py), against the time that server's own record of the first run says the
+second takes (rounds of requests, each TTFT + 47 gaps), over --estimate-rounds rounds:
+
+  estimate_model_err_pct           the median error (target within ±30), with _min_ and _max_ beside it
+
+    python perf/study_verdicts.py [--studies 60] [--drift 0.03] [--skip-overhead] [--estimate-rounds 10]
 
 Last line: name=value pairs.
 """
@@ -227,19 +234,57 @@ def overhead(repeats: int) -> dict:
         children.stop()
 
 
+def estimate_model(rounds: int) -> dict:
+    """A run's figures made into another workload's time by the study estimate's model, against the time the
+    schedule server's own record says that workload takes; the error's median, least and most over the rounds."""
+    from django.apps import apps
+
+    if not apps.ready:  # without the overhead part, which made this process a panel
+        os.environ.update({"DJANGO_SETTINGS_MODULE": "controlpanel.settings", "SECRET_KEY": os.urandom(32).hex(),
+                           "PANEL_VAR_DIR": tempfile.mkdtemp(prefix="perf-estimate-")})
+        import django
+
+        django.setup()  # the model's module imports the models; nothing here touches a database
+    from benchmarks import runner, studyestimate
+    from tests.schedserver import SchedServer
+
+    measured = {"levels": [1], "max_tokens": 16, "min_requests": 4, "requests_per_user": 4, "warmup_per_user": 0}
+    workload = {"levels": [1, 2], "max_tokens": 48, "min_requests": 4, "requests_per_user": 2, "warmup_per_user": 1}
+    errors = []
+    for i in range(rounds):
+        with SchedServer(ttft_ms=30, gap_ms=8) as server:
+            spec = runner.LoadSpec(base_url=server.base_url, model="sched", levels=tuple(measured["levels"]),
+                                   max_tokens=measured["max_tokens"], min_requests=measured["min_requests"],
+                                   requests_per_user=measured["requests_per_user"],
+                                   warmup_per_user=measured["warmup_per_user"], scrape_metrics=False, workers=1)
+            levels = runner.sweep(spec).levels
+            # What the server delivered (on a loaded host it writes late, and the client sees that too).
+            ttft_s, gap_s = statistics.median(server.server.truth_ttft), statistics.median(server.server.truth_itl)
+        model = studyestimate._modelled(levels, workload)  # a LevelResult has every figure a stored point has
+        request_s = ttft_s + (workload["max_tokens"] - 1) * gap_s
+        truth = sum(math.ceil(studyestimate._level_counts(workload, c) / c) * request_s for c in workload["levels"])
+        errors.append(100 * (model - truth) / truth)
+        print(f"estimate round {i + 1}: model {model:.3f} s, the schedule's record {truth:.3f} s ({errors[-1]:+.1f} %)",
+              flush=True)
+    return {"estimate_model_err_pct": statistics.median(errors), "estimate_model_err_min_pct": min(errors),
+            "estimate_model_err_max_pct": max(errors)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--studies", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--drift", type=float, default=0.03, help="host drift between repeats: sd of the factor")
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--estimate-rounds", type=int, default=10)
     args = parser.parse_args()
     figures = verdicts(args.studies, args.repeats)
     figures.update(verdicts(args.studies, args.repeats, drift=args.drift, seed=1))
     if not args.skip_overhead:
         figures.update(overhead(args.repeats))
+    figures.update(estimate_model(args.estimate_rounds))
     print(" ".join(f"{k}={v:.2f}" for k, v in figures.items())
-          + f" studies={args.studies} repeats={args.repeats} drift={args.drift}")
+          + f" studies={args.studies} repeats={args.repeats} drift={args.drift} estimate_rounds={args.estimate_rounds}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from benchmarks import studystats
 from benchmarks.runner.spec import RequestRecord
 from benchmarks.runner.stats import request_samples
 from benchmarks.studystats import BETTER, SAME, WORSE, Repeat
+from tests.benchmarks.studyschedules import BASELINE, FAST, REPEATS, delivered
 
 
 def noisy(center: float, n: int, spread: float, rng: random.Random) -> list[float]:
@@ -129,6 +130,31 @@ def test_with_host_drift_between_repeats_the_interval_covers_the_true_difference
     assert 0.90 * studies <= covered <= 0.99 * studies, covered / studies
     assert 0.90 * studies <= covered_rel <= 0.99 * studies, covered_rel / studies
     assert 0.01 * studies <= false <= 0.10 * studies, false / studies
+
+
+def test_the_verdict_tests_trials_keep_their_verdicts_with_half_a_second_of_host_delay_per_request():
+    """The trials tests/integration/test_study_verdicts.py runs, as a punctual schedule server delivers them
+    (studyschedules.py), judged as a study judges output tok/s, with a busy host's delay added to every request of
+    some repeats: "fast" stays better with any of its repeats 0.5 s late (twice its requests' own time), and "same"
+    stays no different with all of its repeats 0.5 s late and none of the baseline's, or the other way round. Twice
+    that delay does turn them: the margin is this much and no more. The run of the whole suite where that test failed,
+    when it still ran a 4x faster variant at 2 repeats, measured it at 2.39x: its requests ~70 ms late if the
+    baseline's were on time (by this model, 50 ms in one of its two repeats turned that verdict)."""
+    def repeats(schedule, delayed=(), late_s=0.5):
+        return [delivered(schedule, late_s if i in delayed else 0.0) for i in range(REPEATS)]
+
+    def verdict(base, variant):
+        return studystats.compare(base, variant, studystats.INVERSE).verdict  # as studyresults judges throughput
+
+    every = set(range(REPEATS))
+    subsets = [{i for i in every if mask >> i & 1} for mask in range(1, 2**REPEATS)]
+    assert verdict(repeats(BASELINE), repeats(FAST)) == BETTER
+    assert verdict(repeats(BASELINE), repeats(BASELINE)) == SAME
+    assert {verdict(repeats(BASELINE), repeats(FAST, delayed)) for delayed in subsets} == {BETTER}
+    assert verdict(repeats(BASELINE), repeats(BASELINE, every)) == SAME
+    assert verdict(repeats(BASELINE, every), repeats(BASELINE)) == SAME
+    assert {verdict(repeats(BASELINE), repeats(FAST, delayed, late_s=1.0)) for delayed in subsets} != {BETTER}
+    assert verdict(repeats(BASELINE), repeats(BASELINE, every, late_s=1.0)) == WORSE
 
 
 def test_missing_repeats_give_no_answer_rather_than_a_wrong_one():

@@ -48,21 +48,32 @@ def test_a_sweep_started_in_the_browser_grows_its_charts_live(logged_in_page, co
         expect(row).to_contain_text("256 / 1280")
         expect(page.locator("#single-stream")).to_contain_text("tok/s")
         cells = row.locator("td").all_inner_texts()
-        # Every level: TPOT > 0 and no ITL cell reads 0.00 (two chunks arrive together: one gap, two tokens).
+        # Every level: TPOT > 0 and no ITL cell reads 0.00 (two chunks arrive together: one gap, two tokens), each
+        # the level's stored figure.
+        decode = {}
         for tr in page.locator("#points tbody tr").all():
-            tpot, itl_token, itl_chunk = (float(x) for x in tr.locator("td").all_inner_texts()[8:11])
-            assert tpot > 0 and itl_token > 0 and itl_chunk > 0, tr.inner_text()
-            assert itl_token == pytest.approx(10, abs=5)  # 20 ms a write over its two tokens
+            figures = [float(x) for x in tr.locator("td").all_inner_texts()[8:11]]
+            assert all(x > 0 for x in figures), tr.inner_text()
+            decode[int(tr.get_attribute("data-concurrency"))] = figures
         expect(page.locator("#saturation")).to_be_visible()  # saturated, or why not, once the run ends
         legends = " ".join(page.locator(".u-legend").all_inner_texts())
         assert "--" not in legends and "tok/s" in legends.lower()  # labels, not "s: --" placeholders
         assert page.locator("#chart-ticks").bounding_box()["y"] < page.locator("#environment").bounding_box()["y"]
     run.refresh_from_db()
     assert run.status == "done" and run.single_stream_tok_s > 0
-    # The row shows what was measured, each figure in its column; and the schedule's order holds: the
-    # first content token never before 40 ms + 4 × 20 ms (8 reasoning tokens, two a write), and after the first.
+    # The row shows what was measured, each figure in its column; and the schedule's order holds: the first token
+    # never before 40 ms, the first content token never before 40 ms + 4 × 20 ms (8 reasoning tokens, two a write),
+    # the server being never early. No upper bound: a busy host delays the client's reads by any amount.
     point = run.points.get(concurrency=1)
     shown = [float(x) for x in cells[5].split(" / ")] + [float(cells[6]), float(cells[7])]
     stored = [point.ttft_ms["median"], point.ttft_ms["p99"], point.ttft_vllm_bench_ms["median"], point.ttfc_ms["median"]]
     assert shown == pytest.approx(stored, abs=0.051)  # one decimal as the page rounds it
-    assert 40 <= point.ttft_ms["median"] < 40 + 4 * 20 <= point.ttfc_ms["median"]
+    assert 40 <= point.ttft_ms["median"] <= point.ttfc_ms["median"] and point.ttfc_ms["median"] >= 40 + 4 * 20
+    # Per-token ITL divides each gap between reads over the tokens the read brought. Every read brings at least one
+    # whole write of two one-token chunks, so over a level the per-token gaps' mean (all gaps / all tokens after each
+    # request's first read) is at most half the per-read gaps' mean (all gaps / all reads): an identity with the
+    # writes' structure, where 10 ± 5 ms (20 ms a write over two tokens) was a race with the host.
+    for p in run.points.all():
+        assert decode[p.concurrency] == pytest.approx(
+            [p.tpot_ms["median"], p.itl_per_token_ms["median"], p.itl_ms["median"]], abs=0.0051)  # two decimals
+        assert p.itl_per_token_ms["mean"] <= p.itl_ms["mean"] / 2 * (1 + 1e-9), (p.itl_per_token_ms, p.itl_ms)

@@ -21,7 +21,6 @@ from benchmarks.runner import BUILTIN, COMPLETIONS, LoadSpec, RunnerError, run_l
 from tests.schedserver import SchedServer
 
 GAP_MS = 10.0
-HALF_GAP = GAP_MS / 2  # which chunk was counted, not how precisely (see the docstring)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +79,9 @@ def reads(record) -> list[float]:
 def test_itl_is_every_gap_between_reads_that_brought_token_chunks(measured):
     level, told = measured
     assert sum(len(r.chunk_times) - 1 for r in level.records) == 10 * 9
-    assert level.itl_ms["median"] == pytest.approx(ms([b - a for r in level.records
-                                                       for a, b in zip(reads(r), reads(r)[1:])]))
-    # One gap per read that brought token chunks: the server writes a chunk every 10 ms and a late read only makes a
-    # gap longer (never compared with the server's clock: a busy machine delays reads by more than a gap).
-    assert level.itl_ms["median"] >= 0.75 * GAP_MS, (level.itl_ms, told)
+    # One gap per read that brought token chunks, as an identity with the records: not compared with the server's
+    # 10 ms (a late read shortens the gap after it: CI read a median of 6.7 ms on a loaded machine).
+    assert level.itl_ms["median"] == pytest.approx(ms(read_gaps(level))), (level.itl_ms, told)
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +182,12 @@ def test_reasoning_and_content_tokens_are_split_exactly_by_usage(level):
 
 
 def test_time_to_first_content_waits_for_the_reasoning_chunks(level):
-    assert bytes(level.records[0].chunk_kinds) == b"rr" + b"c" * 8
+    assert all(bytes(r.chunk_kinds) == b"rr" + b"c" * 8 for r in level.records)
     assert level.ttfc_ms["median"] == pytest.approx(ms([r.chunk_times[2] - r.start for r in level.records]))
-    assert level.ttfc_ms["median"] - level.ttft_ms["median"] >= 2 * GAP_MS - HALF_GAP  # two chunks later, at least
+    # The schedule's order: the first content chunk is the third token chunk, which the server writes 50 ms + two gaps
+    # after the request reached it at the earliest (never early; load only delays it). Counting the first token
+    # chunk, reasoning, would read ~50 ms.
+    assert level.ttfc_ms["median"] >= 50 + 2 * GAP_MS
 
 
 def test_throughputs_are_counts_over_the_measured_duration(level):
@@ -255,16 +255,36 @@ def test_completions_endpoint_streams_text_with_random_prompts():
     assert level.reasoning_tokens == 0
 
 
-def test_sweep_reports_every_level_in_order_with_live_ticks(server):
-    levels, ticks = [], []
-    result = sweep(spec_for(server, levels=(1, 3), min_requests=3, requests_per_user=2),
-                   on_level=levels.append, on_tick=ticks.append)
+def test_sweep_reports_every_level_in_order_with_live_ticks():
+    """Live ticks, by structure: in the levels' order, tok/s the chunks' rate times the tokens each carries (3, known
+    from the usage of any finished request; before one, taken as 1), and the server's /metrics as that server counted
+    it during the level. No tok/s compared between levels: that is a race of two measurements on a busy host."""
+    # Its own server (its token counter is this sweep's alone) and requests of 90 tokens: 0.34 s each on the schedule,
+    # so each level lasts a second or more, ten ticks.
+    with SchedServer(ttft_ms=50, gap_ms=GAP_MS, tokens_per_chunk=3, reasoning_tokens=6) as own:
+        levels, ticks = [], []
+        result = sweep(spec_for(own, levels=(1, 3), max_tokens=90, min_requests=3, requests_per_user=2),
+                       on_level=levels.append, on_tick=ticks.append)
+        generated = own.server.generation_tokens_total
     assert [lv.concurrency for lv in levels] == [1, 3] and result.levels == levels
     assert [lv.num_requests for lv in levels] == [3, 6]
     assert result.single_stream_tok_s == levels[0].tok_s_per_user
+    assert [t.concurrency for t in ticks] == sorted(t.concurrency for t in ticks) and ticks[0].concurrency == 1
     assert {t.concurrency for t in ticks} == {1, 3}
-    assert max(t.tok_s for t in ticks if t.concurrency == 3) > max(t.tok_s for t in ticks if t.concurrency == 1)
-    assert ticks[-1].server["num_requests_running"] >= 0
+    assert all(t.in_flight <= t.concurrency for t in ticks)
+    assert any(t.chunks_s > 0 for t in ticks)  # a tick came while chunks did (each level lasts ten ticks)
+    for t in ticks:
+        counted = t.concurrency == 3 or t.completed  # a request ended: its usage says 3 tokens a chunk
+        assert t.tok_s == pytest.approx(t.chunks_s * (3 if counted else 1)), t
+    # The server's own counter: by any tick at c=3 it had streamed all of c=1 (1 warmup + 3 requests), and at most
+    # all it streamed (9 more requests, the warmup of 3 included).
+    first, both = 4 * 90, (4 + 9) * 90
+    assert generated == both
+    readings = [t.server for t in ticks if t.concurrency == 3 and t.server]
+    assert readings, "no /metrics reading reached a tick at c=3"
+    for reading in readings:
+        assert first <= reading["generation_tokens_total"] <= both, reading
+        assert 0 <= reading["num_requests_running"] <= 3 and reading["num_requests_waiting"] == 0, reading
 
 
 def test_cancel_stops_a_run_promptly_and_keeps_what_finished():
