@@ -68,9 +68,9 @@ def random_moment(low, high) -> float:
     return replay.rng().uniform(low, high)
 
 
-def set_load(folder: Path, load_s: float) -> None:
-    """How long the fake engine takes from start to /health."""
-    (folder / "fake_engine.json").write_text(json.dumps({"load_s": load_s}))
+def set_load(folder: Path, load_s: float, stop_s: float = 0.0) -> None:
+    """How long the fake engine takes from start to /health, and to exit after a SIGTERM once it serves."""
+    (folder / "fake_engine.json").write_text(json.dumps({"load_s": load_s, "stop_s": stop_s}))
 
 
 def agent_env(process_env, tmp_path, **extra):
