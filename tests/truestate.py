@@ -65,7 +65,7 @@ class Agent:
 def random_moment(low, high) -> float:
     """When to inject a fault: at random, so that repeated runs land everywhere inside the window; from the running
     test's own RNG, so that FAULT_SEED replays it whichever worker runs the test (tests/faults/replay.py)."""
-    return replay.rng().uniform(low, high)
+    return replay.moment(low, high)
 
 
 def set_load(folder: Path, load_s: float, stop_s: float = 0.0) -> None:

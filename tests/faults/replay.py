@@ -6,8 +6,9 @@ The base seed is FAULT_SEED when set. Otherwise the run draws one: the process t
 pytest's start (a run of tests/faults or of a file in it: the controller, under xdist) draws it and exports it to
 the workers it starts; where only the workers read it (the whole suite: tests/faults' conftest is loaded during
 collection), each derives it from the run id that pytest-xdist gives all of them. A run of tests/faults prints it
-in its header, and every fault test that fails prints it in its report, with the command that replays that test.
-tests/faults/conftest.py takes the hooks and the fixture below."""
+in its header, and every fault test that fails prints it in its report, with the command that replays that test;
+each test's --junitxml report holds the seed and the moments it drew (properties FAULT_SEED and fault_moments), to
+compare a replay with. tests/faults/conftest.py takes the hooks and the fixture below."""
 import os
 import random
 import shlex
@@ -26,7 +27,6 @@ def _base_seed() -> int:
 
 
 BASE_SEED = _base_seed()
-_current: tuple[str, random.Random] | None = None  # the running test's id and its RNG
 
 
 def rng_of(nodeid: str, base: int | None = None) -> random.Random:
@@ -34,16 +34,28 @@ def rng_of(nodeid: str, base: int | None = None) -> random.Random:
     return random.Random(f"{BASE_SEED if base is None else base}:{nodeid}")
 
 
-def rng() -> random.Random:
-    """The running test's RNG: created at its first draw (the fixture below starts every fault test afresh; other
-    tests, e.g. tests/e2e's real-engine kill, get theirs by their id at their first draw)."""
+class Moments:
+    """A test's RNG and what it drew."""
+
+    def __init__(self, nodeid: str):
+        self.nodeid, self.rng, self.drawn = nodeid, rng_of(nodeid), []
+
+
+_current: Moments | None = None
+
+
+def moment(low: float, high: float) -> float:
+    """A random moment in [low, high] from the running test's RNG. The fixture below starts every fault test's
+    afresh; another test (tests/e2e's real-engine kill) gets its own, by its id, at its first draw."""
     global _current
     nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     if not nodeid:
         raise RuntimeError("fault moments are drawn inside a test (PYTEST_CURRENT_TEST names it)")
-    if _current is None or _current[0] != nodeid:
-        _current = (nodeid, rng_of(nodeid))
-    return _current[1]
+    if _current is None or _current.nodeid != nodeid:
+        _current = Moments(nodeid)
+    value = _current.rng.uniform(low, high)
+    _current.drawn.append(value)
+    return value
 
 
 def replay_line(nodeid: str) -> str:
@@ -62,11 +74,14 @@ def pytest_report_header(config):
 
 @pytest.fixture(autouse=True)
 def fault_moments(request):
-    """This test's RNG, fresh: a test run twice in one process draws the same moments twice."""
+    """This test's RNG, fresh (a test run twice in one process draws the same moments twice); the base seed and the
+    moments it drew go in its report (--junitxml's properties), so that a replay can be compared with the run."""
     global _current
-    _current = (request.node.nodeid, rng_of(request.node.nodeid))
-    request.node.user_properties.append((SEED_VAR, BASE_SEED))  # in --junitxml's report (perf/fault_soak.py)
-    yield _current[1]
+    mine = _current = Moments(request.node.nodeid)
+    request.node.user_properties.append((SEED_VAR, BASE_SEED))
+    yield mine
+    if mine.drawn:
+        request.node.user_properties.append(("fault_moments", " ".join(f"{m:.6f}" for m in mine.drawn)))
     _current = None
 
 
