@@ -38,6 +38,13 @@ def shm_watch():
 
 
 @pytest.fixture
+def figure(request):
+    """figure(name, seconds): a timing the test measured, kept in its report (--junitxml's properties), where
+    perf/fault_soak.py prints it over a soak. No test compares it with anything: this machine's timings vary."""
+    return lambda name, value: request.node.user_properties.append((name, round(value, 2)))
+
+
+@pytest.fixture
 def fake_model(tmp_path, unique):
     """A local model folder the fake engine "loads" in `load_s` seconds (see set_load)."""
     folder = tmp_path / f"fake-model-{unique}"
