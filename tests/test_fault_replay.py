@@ -71,7 +71,9 @@ def test_a_fault_tests_moments_replay_under_any_worker_and_order_from_the_printe
     output, first = _run(root, tmp_path / "first.jsonl", "-n", "2", "--dist", "worksteal", "suite")
     assert len(first) == 5, output
     assert {r["worker"] for r in first.values()} == {"gw0", "gw1"}, first  # both workers drew
-    [seed] = {r["seed"] for r in first.values()}
+    seeds = {r["seed"] for r in first.values()}
+    assert len(seeds) == 1, f"the workers drew from different base seeds: {seeds}"
+    [seed] = seeds
     failing = "suite/faults/test_moments.py::test_four_fails"
     assert f"FAULT_SEED={seed} ./panel test {failing}" in output, output
 
@@ -84,6 +86,12 @@ def test_a_fault_tests_moments_replay_under_any_worker_and_order_from_the_printe
     assert set(again) == set(ids), output
     assert {t: again[t]["moments"] for t in ids} == {t: first[t]["moments"] for t in ids}
 
+    # A run of the fault folder with no seed given: the seed its header prints is the one its workers drew from.
+    output, third = _run(root, tmp_path / "third.jsonl", "-n", "2", "--dist", "worksteal", "suite/faults")
+    drawn = {r["seed"] for r in third.values()}
+    assert {r["worker"] for r in third.values()} == {"gw0", "gw1"} and len(drawn) == 1, third
+    assert f"fault moments: FAULT_SEED={drawn.pop()}" in output, output
+
 
 def test_the_moments_depend_on_the_base_seed_and_the_test_id_only():
     """(So the equal moments above are the same seed and test replayed, not a fixed sequence.)"""
@@ -91,3 +99,13 @@ def test_the_moments_depend_on_the_base_seed_and_the_test_id_only():
     assert a == [replay.rng_of("tests/faults/test_x.py::test_a", 7).random() for _ in range(3)]
     assert a != [replay.rng_of("tests/faults/test_x.py::test_b", 7).random() for _ in range(3)]
     assert a != [replay.rng_of("tests/faults/test_x.py::test_a", 8).random() for _ in range(3)]
+
+
+def test_a_test_without_the_fixture_draws_from_its_own_rng_by_its_id(monkeypatch):
+    """(tests/e2e/test_engine_kill.py draws its kill's moment without tests/faults' fixture.)"""
+    from tests.truestate import random_moment
+
+    for nodeid in ("tests/e2e/test_x.py::test_a", "tests/e2e/test_x.py::test_b"):
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{nodeid} (call)")
+        expected = replay.rng_of(nodeid)
+        assert [random_moment(1.0, 8.0) for _ in range(2)] == [expected.uniform(1.0, 8.0) for _ in range(2)]
