@@ -260,7 +260,8 @@ async def _send_file(request: web.Request, repo: Repo, e: Entry, headers: dict) 
     state: State = request.app[STATE]
     rng = None if state.ignore_range else _parse_range(request.headers.get("Range"), e.size)
     with state.lock:
-        state.requests.append({"method": request.method, "path": e.path, "range": request.headers.get("Range")})
+        state.requests.append({"method": request.method, "repo": repo.repo_id, "path": e.path,
+                               "range": request.headers.get("Range")})
     if rng == "bad":
         return web.Response(status=416, headers={"Content-Range": f"bytes */{e.size}"})
     start, end = rng or (0, e.size)

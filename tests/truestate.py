@@ -3,11 +3,11 @@ real one, and checks of the true state they leave: what the API says is what run
 process that nobody owns, no /dev/shm file that an engine of this test left behind. Used by the
 fault suite (tests/faults/) and the real-engine kill (tests/e2e/test_engine_kill.py).
 
-Every kill is counted in COUNTS; the fault suite prints the totals at its end."""
+Every kill is counted in COUNTS; the fault suite prints the totals at its end. Random moments come from the
+running test's own RNG (tests/faults/replay.py: FAULT_SEED replays them)."""
 import collections
 import json
 import os
-import random
 import re
 import signal
 from pathlib import Path
@@ -15,11 +15,11 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import ROOT, agent_argv, free_port, wait_until
+from tests.faults import replay
 
 FAKE_VLLM = ROOT / "tests" / "faults" / "fakevllm" / "vllm"
 COUNTS: collections.Counter = collections.Counter()
 SETTLED = {"ready", "failed", "stopped"}
-RNG = random.Random(int(os.environ.get("FAULT_SEED", "0")) or None)  # FAULT_SEED replays a run's moments
 SHM = Path("/dev/shm")
 # The fake engine's files name its API server's PID: psm_fakevllm_<pid>_<hex>.
 FAKE_SHM = re.compile(r"psm_fakevllm_(\d+)_[0-9a-f]+")
@@ -63,13 +63,14 @@ class Agent:
 
 
 def random_moment(low, high) -> float:
-    """When to inject a fault: at random, so that repeated runs land everywhere inside the window."""
-    return RNG.uniform(low, high)
+    """When to inject a fault: at random, so that repeated runs land everywhere inside the window; from the running
+    test's own RNG, so that FAULT_SEED replays it whichever worker runs the test (tests/faults/replay.py)."""
+    return replay.moment(low, high)
 
 
-def set_load(folder: Path, load_s: float) -> None:
-    """How long the fake engine takes from start to /health."""
-    (folder / "fake_engine.json").write_text(json.dumps({"load_s": load_s}))
+def set_load(folder: Path, load_s: float, stop_s: float = 0.0) -> None:
+    """How long the fake engine takes from start to /health, and to exit after a SIGTERM once it serves."""
+    (folder / "fake_engine.json").write_text(json.dumps({"load_s": load_s, "stop_s": stop_s}))
 
 
 def agent_env(process_env, tmp_path, **extra):

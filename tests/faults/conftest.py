@@ -5,7 +5,8 @@ agents and the checks live in tests/truestate.py, shared with the real-engine ki
 
 How many times each fault is injected comes from the environment, sized for CI here; the soak
 (perf/fault_soak.py) runs the same tests at full size. Every kill, outage and race is counted in
-COUNTS; the session prints the totals at its end."""
+COUNTS; the session prints the totals at its end. Each test draws its random moments from an RNG of its own
+(tests/faults/replay.py): the run's FAULT_SEED, printed in the header and under every failure, replays them."""
 import json
 import os
 import subprocess
@@ -15,6 +16,9 @@ import pytest
 
 from tests import truestate
 from tests.conftest import free_port, wait_until
+# Each test's own random moments, replayed by FAULT_SEED: the hooks and the fixture of tests/faults/replay.py.
+from tests.faults.replay import fault_moments, pytest_configure, pytest_report_header  # noqa: F401
+from tests.faults.replay import pytest_runtest_makereport  # noqa: F401
 from tests.host.test_hub import sha256_of as sha256  # noqa: F401 - for the fault tests
 from tests.truestate import COUNTS, Agent, agent_env, set_load, stop_leftover_engines  # noqa: F401 - COUNTS for the fault tests
 from tests.truestate import add_fake_model  # noqa: F401 - tests/e2e/test_study_page.py imports its agent helpers from here
@@ -31,6 +35,13 @@ def shm_watch():
     truestate.WATCH = truestate.ShmWatch()
     yield truestate.WATCH
     truestate.WATCH = None
+
+
+@pytest.fixture
+def figure(request):
+    """figure(name, seconds): a timing the test measured, kept in its report (--junitxml's properties), where
+    perf/fault_soak.py prints it over a soak. No test compares it with anything: this machine's timings vary."""
+    return lambda name, value: request.node.user_properties.append((name, round(value, 2)))
 
 
 @pytest.fixture

@@ -1,13 +1,16 @@
 """A Stop always happens, with real agents and the fake engine: the halt dropped three
 ways (the web process killed after its commit, before on_commit sent it; Redis emptied by FLUSHALL right
 after the Stop; every worker thread of the agent held by throttled downloads) and the engine is stopped
-within the bound, every time; a Stop pressed again sends the halt again at once; a worker rank's lost
-halt is re-driven by its own node's agent; a benchmark run whose run_execute was lost runs all the same.
+every time, by the re-drive where the halt was lost (the agent's log says it re-drove it, once for each loss);
+a Stop pressed again sends the halt again, and the queue's halt stops the engine, not the re-drive; a worker
+rank's lost halt is re-driven by its own node's agent; a benchmark run whose run_execute was lost runs all the
+same.
 
-The bound: a halt that nothing picked up runs by REDRIVE_AFTER_S + REDRIVE_EVERY_S after the Stop
-(deployments/node/redrive.py), plus the halt itself (the fake engine goes at SIGTERM); one the queue
-still delivers runs at once on the agent's control lane, and a plan on its plans lane, even while every
-host thread downloads (plumbing/pool.py)."""
+A halt that nothing picked up runs by REDRIVE_AFTER_S + REDRIVE_EVERY_S after the Stop (deployments/node/redrive.py),
+plus the halt itself; one the queue still delivers runs at once on the agent's control lane, and a plan on its plans
+lane, even while every host thread downloads (plumbing/pool.py). Which of the two stopped an engine is read from the
+agent's log, never from a clock: the seconds each took are the tests' figures (tests/faults/conftest.py's `figure`),
+which perf/fault_soak.py prints over a soak."""
 import json
 import os
 import signal
@@ -35,19 +38,17 @@ from tests.truestate import (COUNTS, FAKE_VLLM, Agent, add_fake_model, agent_env
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 HALT_S = 10.0  # the fake engine's halt, a few database writes, and a shared 2-core machine's load (load average 10 seen)
-LOST_BOUND_S = REDRIVE_AFTER_S + REDRIVE_EVERY_S + HALT_S  # a halt no message will ever bring
-QUEUED_BOUND_S = HALT_S  # a halt the queue delivers to a free thread
+LOST_BOUND_S = REDRIVE_AFTER_S + REDRIVE_EVERY_S + HALT_S  # a halt no message will ever bring (sizes the timeouts)
+GUARD_S = 120.0  # a stop not done by then is hung: a guard against a hang, not a bound the test checks
 MB = 1 << 20
 
 
-def _stopped_within(d, folder, since: float, bound: float) -> float:
-    """Wait until the deployment is Stopped and its engine gone; fail past `bound` seconds after `since`."""
-    left = bound - (time.monotonic() - since)
-    settle(d, timeout=max(left, 0.1), states={"stopped"})
-    wait_until(lambda: not engines_under(folder), timeout=max(bound - (time.monotonic() - since), 0.1),
-               message="the engine to be gone")
+def _stopped(d, folder, since: float) -> float:
+    """Wait until the deployment is Stopped and its engine gone, and check the true state; the seconds since `since`
+    (a figure for the report, compared with nothing here)."""
+    settle(d, timeout=GUARD_S, states={"stopped"})
+    wait_until(lambda: not engines_under(folder), timeout=GUARD_S, message="the engine to be gone")
     took = time.monotonic() - since
-    assert took <= bound, f"stopped {took:.1f} s after the Stop; the bound is {bound:.0f} s"
     assert_true_state(d, folder)
     return took
 
@@ -115,7 +116,8 @@ def _transaction_open() -> bool:
 
 
 @pytest.mark.timeout(150 + KILLS * 3 * LOST_BOUND_S)
-def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fake_model, process_env):
+def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fake_model, process_env,
+                                                                  figure):
     node = fault_agent.node
     model = add_fake_model(node, fake_model)
     d = None
@@ -124,9 +126,8 @@ def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fa
         _killed_web(process_env, "stop", d.pk)
         asked = time.monotonic()  # (the Stop committed a moment ago, as the web process died)
         assert Deployment.objects.get(pk=d.pk).status == "stopping"  # committed, and no halt was ever sent
-        took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
+        figure("lost_halt_s", _stopped(d, fake_model, asked))
         COUNTS["lost_halts_survived"] += 1
-        print(f"halt lost with the web process: engine stopped {took:.1f} s after the Stop")
     assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS
     assert d.events.filter(step="stop", level="warning", message__startswith="The halt was lost").count() == KILLS
 
@@ -135,8 +136,8 @@ def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fa
     _killed_web(process_env, "stop", d.pk)
     asked = time.monotonic()
     deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
-    _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
-    assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS
+    figure("halt_sent_again_s", _stopped(d, fake_model, asked))
+    assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS  # the halt sent again stopped it
 
     # A run whose run_execute was never sent no longer sits Queued for ever, blocking every new run.
     d = _ready(model, node, d)
@@ -144,9 +145,9 @@ def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fa
     asked = time.monotonic()
     run = BenchmarkRun.objects.get(deployment=d)
     assert run.status == "queued"
-    wait_until(lambda: BenchmarkRun.objects.get(pk=run.pk).status != "queued", timeout=LOST_BOUND_S,
+    wait_until(lambda: BenchmarkRun.objects.get(pk=run.pk).status != "queued", timeout=GUARD_S,
                message="the lost run to be re-driven")
-    print(f"lost run_execute: running {time.monotonic() - asked:.1f} s after it was queued")
+    figure("lost_run_s", time.monotonic() - asked)
     assert _redriven(fault_agent, "benchmarks.run_execute") == 1
     COUNTS["lost_runs_survived"] += 1
     ended = wait_until(lambda: (r := BenchmarkRun.objects.get(pk=run.pk)).status in BenchmarkRun.TERMINAL and r,
@@ -155,12 +156,13 @@ def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fa
     assert ended.points.exists()  # it measured: one copy of the task ran it, not none
     asked = time.monotonic()
     deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
-    _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+    figure("halt_sent_s", _stopped(d, fake_model, asked))
+    assert _redriven(fault_agent, "deployments.deployment_halt") == KILLS  # the queue's halt stopped it
 
 
 @pytest.mark.timeout(120 + KILLS * 2 * LOST_BOUND_S)
 def test_a_halt_flushed_from_redis_right_after_the_stop_is_redriven(private_redis, process_env, spawn, unique,
-                                                                      tmp_path, fake_model):
+                                                                      tmp_path, fake_model, figure):
     env = agent_env(process_env, tmp_path, REDIS_URL=private_redis.url)
     agent = Agent(spawn, env, f"flush-{unique}", tmp_path / "store")
     node = agent.start()
@@ -178,15 +180,15 @@ def test_a_halt_flushed_from_redis_right_after_the_stop_is_redriven(private_redi
                 deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
                 client.flushall()
                 COUNTS["redis_flushed_after_stop"] += 1
-            took = _stopped_within(d, fake_model, asked, LOST_BOUND_S)
+            figure("lost_halt_s", _stopped(d, fake_model, asked))
             COUNTS["lost_halts_survived"] += 1
-            print(f"halt flushed from Redis: engine stopped {took:.1f} s after the Stop")
         assert _redriven(agent, "deployments.deployment_halt") == KILLS
         # Work sent after the flush still reaches the agent (the queues' routes are declared again).
         d = _ready(model, node, d)
         asked = time.monotonic()
         deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
-        _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+        figure("halt_sent_s", _stopped(d, fake_model, asked))
+        assert _redriven(agent, "deployments.deployment_halt") == KILLS  # the queue's halt stopped it
     finally:
         stop_leftover_engines(tmp_path)
 
@@ -210,10 +212,11 @@ def slow_hub(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_a_stop_and_a_plan_run_at_once_while_downloads_hold_every_host_thread(
-        process_env, spawn, unique, tmp_path, settings, fake_model, slow_hub):
+        process_env, spawn, unique, tmp_path, settings, fake_model, slow_hub, figure):
     """Engine control and plans have threads of their own in the agent (plumbing/pool.py): with a download
     on each of its 4 host threads (nodeagent's --concurrency) and a minute of each left, a Stop's halt and a
-    deploy's plan are taken from their queues and run at once, not by the re-drive after its bound."""
+    deploy's plan are taken from their queues and run, not re-driven (the agent's log), and both are done while
+    the four downloads still run."""
     settings.HF_ENDPOINT = slow_hub
     env = agent_env(process_env, tmp_path, HF_ENDPOINT=slow_hub)
     agent = Agent(spawn, env, f"busy-{unique}", tmp_path / "store")  # 4 host threads (nodeagent's default)
@@ -231,32 +234,29 @@ def test_a_stop_and_a_plan_run_at_once_while_downloads_hold_every_host_thread(
                    message="the downloads to hold the node queue's threads")
         asked = time.monotonic()
         deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
-        took = _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+        figure("halt_behind_downloads_s", _stopped(d, fake_model, asked))
+        assert downloading.count() == len(BUSY_REPOS), "the engine was stopped only once a download had ended"
         COUNTS["halts_behind_busy_queue"] += 1
-        print(f"Stop with every host thread downloading: engine stopped {took:.1f} s after the Stop")
 
         asked = time.monotonic()
         d = deploys.deployment_redeploy(Deployment.objects.get(pk=d.pk))
-        wait_until(lambda: Deployment.objects.get(pk=d.pk).status not in ("queued", "stopped"),
-                   timeout=QUEUED_BOUND_S, message="the plan to start behind the downloads")
-        started = time.monotonic() - asked
-        assert settle(d, timeout=60).status == "ready"
+        assert settle(d, timeout=GUARD_S).status == "ready"
+        figure("plan_behind_downloads_s", time.monotonic() - asked)
         COUNTS["plans_behind_busy_queue"] += 1
-        print(f"Deploy with every host thread downloading: plan running {started:.1f} s after the deploy, "
-              f"ready {time.monotonic() - asked:.1f} s after it")
-        assert downloading.count() == len(BUSY_REPOS)  # the host threads were downloading all along
+        # In this order: stopped and deployed again while the four downloads held the host threads, by the halt and
+        # the plan the queue delivered (the re-drive, which would have run them past its bound, ran nothing).
+        assert downloading.count() == len(BUSY_REPOS), "deployed again only once a download had ended"
         assert _redriven(agent, "deployments.deployment_halt") == _redriven(agent, "deployments.deployment_run") == 0
         for copy in copies:
             repos.model_copy_cancel(ModelCopy.objects.get(pk=copy.pk))
-        asked = time.monotonic()
         deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
-        _stopped_within(d, fake_model, asked, QUEUED_BOUND_S)
+        _stopped(d, fake_model, time.monotonic())
     finally:
         stop_leftover_engines(tmp_path)
 
 
-@pytest.mark.timeout(90)
-def test_a_lost_rank_halt_is_redriven_by_the_worker_nodes_agent(fault_agent, fake_model, unique):
+@pytest.mark.timeout(90 + GUARD_S)
+def test_a_lost_rank_halt_is_redriven_by_the_worker_nodes_agent(fault_agent, fake_model, unique, figure):
     """A multi-node deployment Stopping, its worker rank on this agent's node Stopping too (the Stop marks
     every rank), and the rank's halt never sent: the worker's agent halts its engine from the row."""
     worker = fault_agent.node
@@ -272,11 +272,9 @@ def test_a_lost_rank_halt_is_redriven_by_the_worker_nodes_agent(fault_agent, fak
     rank = DeploymentRank.objects.create(deployment=d, node=worker, rank=1, state="stopping", pid=engine.pid,
                                          pgid=engine.pid, pid_create_time=born, marker=marker)
     asked = time.monotonic()
-    wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=LOST_BOUND_S,
+    wait_until(lambda: DeploymentRank.objects.get(pk=rank.pk).state == "stopped", timeout=GUARD_S,
                message="the rank to be stopped")
-    assert engine.wait(HALT_S) is not None and not engines_under(fake_model)
-    took = time.monotonic() - asked
-    assert took <= LOST_BOUND_S
-    assert _redriven(fault_agent, "deployments.rank_halt") == 1
+    assert engine.wait(GUARD_S) is not None and not engines_under(fake_model)
+    figure("lost_rank_halt_s", time.monotonic() - asked)
+    assert _redriven(fault_agent, "deployments.rank_halt") == 1  # the re-drive halted it: nothing else was sent
     COUNTS["lost_rank_halts_survived"] += 1
-    print(f"rank halt lost: its engine stopped {took:.1f} s after the Stop")

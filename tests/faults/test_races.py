@@ -20,8 +20,8 @@ from plumbing.errors import ServiceError
 from tests.conftest import wait_until
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
 from tests.faults.conftest import RACES, sha256
-from tests.truestate import (COUNTS, RNG, Agent, add_fake_model, agent_env, assert_true_state, deploy, set_load,
-                             settle, stop_and_check, stop_leftover_engines)
+from tests.truestate import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy, random_moment,
+                             set_load, settle, stop_and_check, stop_leftover_engines)
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 S = Deployment.Status
@@ -159,10 +159,11 @@ def test_a_delete_racing_a_deploy_has_exactly_one_winner_with_its_files_intact(f
         copy = ModelCopy.objects.create(model=model, node=node, state="ready", path=str(store_dir))
         barrier = threading.Barrier(2)
         results = {}
+        delays = random_moment(0, 0.02), random_moment(0, 0.02)  # either may get there first (drawn here: in order)
 
         def deleting():
             barrier.wait()
-            time.sleep(RNG.uniform(0, 0.02))  # either may get there first
+            time.sleep(delays[0])
             try:
                 repos.model_copy_delete(ModelCopy.objects.get(pk=copy.pk))
                 results["delete"] = "won"
@@ -173,7 +174,7 @@ def test_a_delete_racing_a_deploy_has_exactly_one_winner_with_its_files_intact(f
 
         def deploying():
             barrier.wait()
-            time.sleep(RNG.uniform(0, 0.02))
+            time.sleep(delays[1])
             try:
                 results["deploy"] = deploy(model, node).pk
             except ServiceError as exc:
