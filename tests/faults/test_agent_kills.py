@@ -11,9 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-from rest_framework.test import APIClient
 
 from deployments.host import downloads
 from deployments.models import Deployment, ModelCopy, ModelRepo
@@ -21,6 +19,7 @@ from deployments.services import deploys, repos
 from tests.conftest import in_thread, wait_until
 from tests.factories import UserFactory
 from tests.faults.conftest import KILLS, sha256
+from tests.helpers import api_client, pid_alive
 from tests.hfserver import configure, get_stats, reset_stats, serve
 from tests.truestate import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy, random_moment,
                              set_load, settle, stop_and_check, stop_leftover_engines)
@@ -34,9 +33,7 @@ STOP_KILL_WITHIN_S = 2.0  # the kill lands this long at most after the engine wa
 
 @pytest.fixture
 def viewer():
-    api = APIClient()
-    api.force_authenticate(UserFactory(role="viewer"))
-    return api
+    return api_client(UserFactory(role="viewer"))
 
 
 def _shown(api, d) -> str:
@@ -48,13 +45,6 @@ def _answers(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
         return False
 
 
@@ -101,11 +91,11 @@ def test_agent_killed_while_the_engine_stops_ends_stopped_with_no_engine_left(fa
         fault_agent.kill()
         cut = Deployment.objects.get(pk=d.pk)
         assert cut.status == "stopping", f"the kill landed outside the stop: {cut.status}"
-        assert _alive(engine), "the engine had exited before the kill: it did not land in the stop"
+        assert pid_alive(engine), "the engine had exited before the kill: it did not land in the stop"
         fault_agent.start()
         row = settle(d, timeout=60, states={"stopped", "failed"})
         assert row.status == "stopped", row.status_message  # the restarted agent finished the stop
-        assert not _alive(engine), f"stopped, but its engine (PID {engine}) still runs"
+        assert not pid_alive(engine), f"stopped, but its engine (PID {engine}) still runs"
         assert_true_state(d, fake_model)
     COUNTS["kills_mid_stop"] += KILLS
 

@@ -116,8 +116,7 @@ def _transaction_open() -> bool:
 
 
 @pytest.mark.timeout(150 + KILLS * 3 * LOST_BOUND_S)
-def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fake_model, process_env,
-                                                                  figure):
+def test_a_stop_and_a_run_lost_with_the_web_process_are_redriven(fault_agent, fake_model, process_env, figure):
     node = fault_agent.node
     model = add_fake_model(node, fake_model)
     d = None
