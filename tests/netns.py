@@ -3,7 +3,10 @@ deployment's node, or a stranger that is none. Used by the firewall tests (deplo
 import contextlib
 import subprocess
 import sys
+import time
 import uuid
+
+from tests.conftest import free_port
 
 CONNECT = """import socket, sys
 for port in sys.argv[2:]:
@@ -41,12 +44,26 @@ def machines(*roles):
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "route", "add", "default", "via", host_ip)  # every address of this host, as from outside
             found[role] = (ns, ns_ip, host_ip)
+        for ns, _, host_ip in found.values():
+            _reachable(ns, host_ip)
         yield found
     finally:
         for link in links:
             subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=20)
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def _reachable(ns, host, timeout=30.0):
+    """Wait until `host` answers from namespace `ns` (a refused connection to a port nobody listens on is an answer):
+    a test's first connection must not race the new link (a loaded CI run once timed out on all three ports)."""
+    deadline, seen = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        seen = connect(ns, host, [free_port()])
+        if set(seen.values()) <= {"open", "ConnectionRefusedError"}:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{host} never answered from namespace {ns} within {timeout:.0f} s: {seen}")
 
 
 def connect(ns, host, ports) -> dict[int, str]:
