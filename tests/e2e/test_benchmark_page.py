@@ -61,14 +61,13 @@ def test_a_sweep_started_in_the_browser_grows_its_charts_live(logged_in_page, co
         assert page.locator("#chart-ticks").bounding_box()["y"] < page.locator("#environment").bounding_box()["y"]
     run.refresh_from_db()
     assert run.status == "done" and run.single_stream_tok_s > 0
-    # The row shows what was measured, each figure in its column; and the schedule's order holds: the first token
-    # never before 40 ms, the first content token never before 40 ms + 4 × 20 ms (8 reasoning tokens, two a write),
-    # the server being never early. No upper bound: a busy host delays the client's reads by any amount.
+    # The row shows what was measured, each figure in its column; and the records' order holds: the first content
+    # token never before the first token. How close the figures come to the schedule is perf/bench_fidelity.py's.
     point = run.points.get(concurrency=1)
     shown = [float(x) for x in cells[5].split(" / ")] + [float(cells[6]), float(cells[7])]
     stored = [point.ttft_ms["median"], point.ttft_ms["p99"], point.ttft_vllm_bench_ms["median"], point.ttfc_ms["median"]]
     assert shown == pytest.approx(stored, abs=0.051)  # one decimal as the page rounds it
-    assert 40 <= point.ttft_ms["median"] <= point.ttfc_ms["median"] and point.ttfc_ms["median"] >= 40 + 4 * 20
+    assert point.ttft_ms["median"] <= point.ttfc_ms["median"]  # each request's TTFC is at or after its TTFT
     # Per-token ITL divides each gap between reads over the tokens the read brought. Every read brings at least one
     # whole write of two one-token chunks, so over a level the per-token gaps' mean (all gaps / all tokens after each
     # request's first read) is at most half the per-read gaps' mean (all gaps / all reads): an identity with the
