@@ -184,10 +184,10 @@ def test_reasoning_and_content_tokens_are_split_exactly_by_usage(level):
 def test_time_to_first_content_waits_for_the_reasoning_chunks(level):
     assert all(bytes(r.chunk_kinds) == b"rr" + b"c" * 8 for r in level.records)
     assert level.ttfc_ms["median"] == pytest.approx(ms([r.chunk_times[2] - r.start for r in level.records]))
-    # The schedule's order: the first content chunk is the third token chunk, which the server writes 50 ms + two gaps
-    # after the request reached it at the earliest (never early; load only delays it). Counting the first token
-    # chunk, reasoning, would read ~50 ms.
-    assert level.ttfc_ms["median"] >= 50 + 2 * GAP_MS
+    # The first content chunk is the third token chunk, never before the first (how close both come to the schedule
+    # is perf/bench_fidelity.py's).
+    assert all(r.chunk_times[2] >= r.chunk_times[0] for r in level.records)
+    assert level.ttfc_ms["median"] >= level.ttft_ms["median"]
 
 
 def test_throughputs_are_counts_over_the_measured_duration(level):
