@@ -251,8 +251,8 @@ def start(args) -> int:
 
 
 # The fast tier: what a developer runs while working. Everything here needs no real engine, browser,
-# Prometheus, Ray or killed process, so `./panel test --fast` installs none of them.
-FAST_MARKERS = "not e2e and not faults and not integration and not slow and not gpu"
+# Prometheus, Ray, killed process or Debian tool (promtool, amtool, nft), so `./panel test --fast` installs none of them.
+FAST_MARKERS = "not e2e and not faults and not integration and not slow and not gpu and not tools"
 
 
 def pytest_argv(pytest_args: list[str], ci: bool) -> list[str]:

@@ -4,7 +4,6 @@ the panel exposes or vLLM serves. No Docker engine runs here, so the files are p
 (with Debian's promtool where installed)."""
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -89,7 +88,7 @@ def test_prometheus_scrapes_the_panels_real_endpoints():
     assert resolve(sd_url.removeprefix("http://127.0.0.1:8000")).url_name == "api-prometheus-targets"
 
 
-@pytest.mark.skipif(not shutil.which("promtool"), reason="Debian's prometheus package (promtool) is not installed")
+@pytest.mark.tools
 def test_promtool_accepts_the_config_and_the_rules(tmp_path):
     rules = MONITORING / "dcgm-rules.yml"
     checked = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)

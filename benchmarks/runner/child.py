@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import benchmarks.runner.memory as memory  # the module, not the package: its __init__ imports this one
+from deployments.host import processes
+
 from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
 from .sweep import sweep, sweep_workers  # already imported by the package's __init__ when run with -m
 
@@ -122,11 +124,17 @@ def _send(proc, data: bytes) -> bool:
 
 
 def _kill(proc) -> None:
-    """The child and its measuring processes: its session is theirs alone."""
+    """The child and its measuring processes (its session is theirs alone), its resource tracker last:
+    the queues, event and barrier they share are named semaphores in /dev/shm, which the tracker unlinks
+    once they are dead; what is left of them after that goes too."""
+    shm = processes.shm_files(proc.pid)  # before the kill: the dead no longer say what they held
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        proc.kill()
+        proc.wait()  # its exit code, before processes.kill() reaps it
+    except OSError:
         pass
+    if not processes.kill(proc.pid):
+        processes.remove_unused_shm(shm)
 
 
 def _close(proc) -> None:

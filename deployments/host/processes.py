@@ -247,19 +247,25 @@ def stop(pgid: int, term_timeout_s: float = 30.0, kill_timeout_s: float = 10.0) 
         sent.append("SIGTERM")
         survivors = _wait_gone(pgid, time.monotonic() + term_timeout_s)
     if survivors:
-        # Python's resource tracker (it ignores SIGTERM) unlinks the semaphores and shared memory
-        # its clients registered once they are all dead: kill it last, or vLLM's sem.mp-* and
-        # psm_* files leak, some of which no live process maps so nothing else can name them.
-        deadline = time.monotonic() + kill_timeout_s
-        _signal([pid for pid in survivors if not _is_resource_tracker(pid)], signal.SIGKILL)
         sent.append("SIGKILL")
-        survivors = _wait_gone(pgid, time.monotonic() + kill_timeout_s / 2, spare_trackers=True)
-        if survivors:
-            _signal_group(pgid, signal.SIGKILL)
-            # A process in uninterruptible sleep (a stuck GPU driver call) survives even SIGKILL.
-            survivors = _wait_gone(pgid, deadline)
+        survivors = kill(pgid, kill_timeout_s)
     removed = [] if survivors else remove_unused_shm(shm)
     return StopResult(sent, round(time.monotonic() - started, 3), survivors, removed)
+
+
+def kill(pgid: int, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL group or session `pgid`, Python's resource trackers last; the members left on the deadline.
+
+    A resource tracker (it ignores SIGTERM) unlinks the semaphores and shared memory its clients
+    registered once they are all dead: killed with them, vLLM's and the load generator's sem.mp-* and
+    psm_* files leak, some of which no live process maps, so nothing else can name them."""
+    deadline = time.monotonic() + timeout_s
+    survivors = _wait_gone(pgid, deadline - timeout_s / 2, spare_trackers=True)
+    if survivors:
+        _signal_group(pgid, signal.SIGKILL)
+        # A process in uninterruptible sleep (a stuck GPU driver call) survives even SIGKILL.
+        survivors = _wait_gone(pgid, deadline)
+    return survivors
 
 
 def remove_unused_shm(paths: set[str]) -> list[str]:

@@ -19,7 +19,7 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and nftables need root")
 # `./panel test` installs nftables; the fast tier installs nothing, so there these tests wait for the whole run.
-needs_nft = pytest.mark.skipif(shutil.which("nft") is None, reason="nftables is not installed (./panel test installs it)")
+needs_nft = pytest.mark.tools  # nftables: ./panel test installs it; the fast tier leaves these out
 
 # Binds every port it is given on 0.0.0.0 once told to (a socket is tagged with its maker's cgroup, so it is moved
 # first), forks a child that binds one more, prints "up", then holds them.
