@@ -147,13 +147,16 @@ def prepare(store: str | Path, model_path: str | Path, key: str, user: osuser.En
                 os.chmod(folder, 0o710)
             else:
                 os.chmod(folder, 0o700)
-        path.mkdir(mode=0o700, exist_ok=True)
         if user.separate:
-            for dirpath, dirnames, files in os.walk(path):  # a folder made by an earlier agent as root
-                for name in [*dirnames, *files]:
-                    os.chown(os.path.join(dirpath, name), user.uid, user.gid, follow_symlinks=False)
-            os.chown(path, user.uid, user.gid)
-        os.chmod(path, 0o700)
+            st = os.lstat(path) if os.path.lexists(path) else None
+            if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid != user.uid):
+                # Made by an earlier agent as root: made again, never walked (what the engine wrote in a
+                # folder of its own is not root's to touch; the cost is one cold compile).
+                shutil.rmtree(path) if stat.S_ISDIR(st.st_mode) else os.unlink(path)
+            osuser.own_folder(path, user, 0o700)
+        else:
+            path.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(path, 0o700)
     except OSError as exc:
         raise CompileCacheError(f"cannot prepare the compile cache {path}: {exc}", permanent=True) from exc
     return Prepared(path=str(path), warm=has_artifacts(path), bytes=size_bytes(path))

@@ -159,16 +159,58 @@ def create(name: str, home: Path | None = None) -> None:
 
 
 def ensure_home(user: EngineUser) -> None:
-    """The user's home and cache folders, owned by it (0750: other local users need nothing there)."""
+    """The user's home (0750: other local users need nothing there) and its cache folders, made by the user.
+
+    The home's path is root's (its parent, e.g. /var/lib, is): root makes it and hands it over through a
+    descriptor. What lies inside is the engine's to change at will, a link planted in place of ~/.cache
+    included, so root never goes there: the user makes its cache folders itself (make_dirs_as)."""
     if not user.separate:
         return
     home = Path(user.home)
-    for path in [home, *{Path(v) for k, v in user.environ().items() if k in CACHE_ENV}]:
-        path.mkdir(parents=True, exist_ok=True)
-        st = path.stat()
+    home.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        own_folder(home, user, 0o750, follow=True)  # an admin may have made the home a link to a bigger disk
+    except OSError as exc:
+        raise EngineUserError(f"cannot make the engine user's home {home}: {exc}") from exc
+    make_dirs_as(user, sorted({v for k, v in user.environ().items() if k in CACHE_ENV} - {user.home}))
+
+
+def own_folder(path: str | Path, user: EngineUser, mode: int, follow: bool = False) -> None:
+    """Make folder `path` (if missing) and give it to `user` with `mode`, through a descriptor: the owner and
+    mode change on what was opened, so a swap after the open changes nothing. Without `follow`, a link at
+    `path` is refused (OSError ELOOP), its target untouched. For a path whose folders above are root's only."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    try:
+        st = os.fstat(fd)
         if (st.st_uid, st.st_gid) != (user.uid, user.gid):
-            os.chown(path, user.uid, user.gid)
-    home.chmod(0o750)
+            os.fchown(fd, user.uid, user.gid)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def make_dirs_as(user: EngineUser, paths: list[str | Path]) -> None:
+    """`mkdir -p` of `paths` run as `user`, for folders in places the user owns: root never goes through a
+    path the engine controls, so a link the engine planted leads nowhere the engine could not go itself."""
+    if not paths:
+        return
+    if not user.separate:
+        for path in paths:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        return
+    mkdir = shutil.which("mkdir") or "/bin/mkdir"
+    try:
+        out = subprocess.run([mkdir, "-p", "--", *map(str, paths)], capture_output=True, text=True, timeout=30,
+                             stdin=subprocess.DEVNULL, **user.popen_kwargs())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EngineUserError(f"the engine user {user.name} could not make {', '.join(map(str, paths))}: {exc}") from exc
+    if out.returncode != 0:
+        raise EngineUserError(f"the engine user {user.name} could not make its folders: {out.stderr.strip()[-300:]}")
 
 
 def resolve(name: str | None = None, make: bool = True) -> EngineUser:

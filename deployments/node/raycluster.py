@@ -17,14 +17,13 @@ The cluster is authenticated: the head's agent makes a new token at each Ray hea
 (`Deployment.ray_token`, write-only like other secrets), and every Ray node, `vllm serve` (Ray's driver)
 and the panel's own status calls get it through their environment (host/raynode.auth_env).
 """
-import os
 import time
 from pathlib import Path
 
 from django.conf import settings
 
 from deployments import layout, sealed
-from deployments.host import firewall, ownership, processes, processlog, raynode
+from deployments.host import firewall, osuser, ownership, processes, processlog, raynode
 from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle
 from deployments.node.cluster import head_address, rank_env, ranks_failed
@@ -54,10 +53,10 @@ def _temp_dir(d: Deployment) -> str:
     sockets under it (a path of at most 107 bytes): kept short."""
     user = engine_user("", "")  # Ray runs as the engine user: its files live in that user's home, not var/
     path = (Path(user.home) if user.separate else Path(settings.VAR_DIR)) / "ray" / str(d.pk)
-    path.mkdir(parents=True, exist_ok=True)
-    if user.separate:
-        os.chown(path.parent, user.uid, user.gid)
-        os.chown(path, user.uid, user.gid)
+    try:
+        osuser.make_dirs_as(user, [path])  # by the engine user: its home is its own, links it planted included
+    except osuser.EngineUserError as exc:
+        raise PlanFailed(f"Cannot make Ray's folder on this node: {exc}") from exc
     return str(path)
 
 
