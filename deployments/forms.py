@@ -97,7 +97,8 @@ class DeployForm(forms.Form):
                   "(--kv-cache-memory-bytes); refused when none matches.")
     sleep_mode = forms.BooleanField(required=False, label="Sleep mode: can sleep, wake and swap on these GPUs",
                                     help_text="vLLM's sleep mode (CUDA GPUs, one node). Sleep-mode deployments share GPUs, "
-                                              "one awake at a time: swapping between them takes seconds, not a load.")
+                                              "one awake at a time: swapping between them takes seconds, not a load. "
+                                              "Admins only: it opens vLLM's development routes to local processes.")
     start_asleep = forms.BooleanField(required=False, label="Start asleep (ready to be swapped to)",
                                       help_text="Loaded, smoke-tested, then put to sleep; one serving on these GPUs sleeps "
                                                 "meanwhile and wakes again after.")

@@ -218,7 +218,8 @@ class DeployRequestSerializer(serializers.Serializer):
                                                     "no_memory_profile) when none matches.")
     sleep_mode = serializers.BooleanField(default=False, help_text="Start with vLLM's sleep mode (CUDA GPUs, one node): it "
                                           "can sleep and wake, and share its GPUs with other sleep-mode deployments, one "
-                                          "awake at a time (swap).")
+                                          "awake at a time (swap). Admins only (403 otherwise): it starts the engine with "
+                                          "VLLM_SERVER_DEV_MODE=1, whose development routes answer local processes without a key.")
     start_asleep = serializers.BooleanField(default=False, help_text="Once loaded and smoke-tested, put it to sleep (and "
                                             "wake again those its plan put to sleep): ready to be swapped to.")
     override_fit = serializers.BooleanField(default=False, help_text="Deploy although the fit check says the model does "

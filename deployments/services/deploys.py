@@ -27,7 +27,8 @@ __all__ = ["deployment_ranks_stop", "deployment_create", "deployment_free_port",
 def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, engine_args: dict,
            replace_ids: list[int], deployment: Deployment | None = None, stop_foreign: bool = False, nnodes: int = 1,
            env: dict | None = None, override_fit: bool = False, admin: bool = False, resolved=None,
-           override_compat: bool = False, sleep_mode: bool = False, start_asleep: bool = False) -> list[tuple[str, object]]:
+           override_compat: bool = False, sleep_mode: bool = False, start_asleep: bool = False,
+           was_sleep_mode: bool = False) -> list[tuple[str, object]]:
     """Refuse what cannot work before anything is stopped or started. Callers hold the node's
     row lock, so two claims on one node's GPUs are decided one after the other.
 
@@ -56,7 +57,7 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     if not has_copy and (model.local_path or not model.files):
         raise ServiceError(model.inspect_error or f"{model} is not on {node} and cannot be downloaded there yet.",
                            field="model", code="not_inspected")
-    sleepgate.check_sleep_mode(node, nnodes, sleep_mode, start_asleep)
+    sleepgate.check_sleep_mode(node, nnodes, sleep_mode, start_asleep, admin=admin, was_on=was_sleep_mode)
     sharing = sleepgate.sharers(node, gpu_indices, sleep_mode, exclude=deployment)  # put to sleep, not stopped
     replaced = set(replace_ids) | set(deployment_holders(node, gpu_indices).values_list("pk", flat=True)) - sharing
     same_port = node.deployments.filter(status__in=Deployment.ACTIVE, port=port).exclude(pk__in=replaced)
@@ -238,7 +239,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     override_fit = changes.pop("override_fit", False)
     override_compat = changes.pop("override_compat", False)
     use = changes.pop("recipe_use", None)
-    old_args, old_env = d.engine_args, d.env
+    old_args, old_env, was_sleep_mode = d.engine_args, d.env, d.sleep_mode
     if "engine_args" in changes:  # one spelling for every check below and the argv
         changes["engine_args"] = deploydefaults.keep_served_name(privileged.canonical(changes["engine_args"], {})[0],
                                                                  d.engine_args)
@@ -263,7 +264,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     overrides = _check(model=d.model, node=d.node, gpu_indices=gpu_indices, port=d.port, engine_args=d.engine_args,
                        replace_ids=d.replace, deployment=d, stop_foreign=d.stop_foreign, nnodes=1 + len(workers), env=d.env,
                        override_fit=override_fit, admin=is_admin(user), override_compat=override_compat,
-                       resolved=use and use.resolved, sleep_mode=d.sleep_mode, start_asleep=d.start_asleep)
+                       resolved=use and use.resolved, sleep_mode=d.sleep_mode, start_asleep=d.start_asleep,
+                       was_sleep_mode=was_sleep_mode)
     multinode.check_executor(d.engine_args, 1 + len(workers))
     if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
         ray = multinode.executor(d.engine_args) == "ray"

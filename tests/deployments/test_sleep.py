@@ -10,7 +10,7 @@ from deployments.node import sleep
 from deployments.services import deploys, sleepgate, sleeps
 from panelctl import cli
 from plumbing.errors import ServiceError
-from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
+from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 GIB = 1 << 30
@@ -49,9 +49,9 @@ def sent(sent_tasks):
 def test_sleep_mode_is_refused_where_vllm_has_none():
     cpu = NodeFactory(engine_version="0.32.0+cpu")
     with pytest.raises(ServiceError, match="CPU build"):
-        sleepgate.check_sleep_mode(cpu, 1, True, False)
+        sleepgate.check_sleep_mode(cpu, 1, True, False, admin=True)
     with pytest.raises(ServiceError, match="one node"):
-        sleepgate.check_sleep_mode(NodeFactory(engine_version="0.32.0"), 2, True, False)
+        sleepgate.check_sleep_mode(NodeFactory(engine_version="0.32.0"), 2, True, False, admin=True)
     with pytest.raises(ServiceError, match="needs sleep mode"):
         sleepgate.check_sleep_mode(cpu, 1, False, True)
     sleepgate.check_sleep_mode(cpu, 1, False, False)  # nothing asked: nothing refused
@@ -63,10 +63,34 @@ def test_a_sleep_mode_deploy_shares_gpus_with_sleep_mode_deployments_and_replace
     assert sleepgate.sharers(gpu_node, [0, 1], True) == {a.pk}  # the plan puts `a` to sleep; `plain` is stopped
     assert sleepgate.sharers(gpu_node, [0, 1], False) == set()  # without sleep mode both are replaced
     b = deploys.deployment_create(model=a.model, node=gpu_node, gpu_indices=[0], port=9100, engine_args={}, env={},
-                                  name="b", sleep_mode=True, start_asleep=True)
+                                  name="b", sleep_mode=True, start_asleep=True, user=UserFactory(role="admin"))
     assert (b.sleep_mode, b.start_asleep, b.status) == (True, True, S.QUEUED)
     assert ("deployments.deployment_run", [b.pk]) in sent()
     assert plain.pk not in sleepgate.sharers(gpu_node, [1], True)
+
+
+def test_only_an_admin_turns_sleep_mode_on_and_an_operator_may_redeploy_what_an_admin_set_up(gpu_node, sent):
+    """Sleep mode means VLLM_SERVER_DEV_MODE=1: vLLM's development routes answer any local process without a key."""
+    operator, admin = UserFactory(role="operator"), UserFactory(role="admin")
+    model = _on(gpu_node, 1, status=S.STOPPED).model
+    with pytest.raises(ServiceError, match="Needs the admin role: sleep mode .*VLLM_SERVER_DEV_MODE=1") as refused:
+        deploys.deployment_create(model=model, node=gpu_node, gpu_indices=[0], port=9101, engine_args={}, env={},
+                                  name="op", sleep_mode=True, user=operator)
+    assert refused.value.code == "forbidden" and not Deployment.objects.filter(name="op").exists()
+    plain = deploys.deployment_create(model=model, node=gpu_node, gpu_indices=[0], port=9101, engine_args={}, env={},
+                                      name="op", user=operator)
+    Deployment.objects.filter(pk=plain.pk).update(status=S.READY)
+    plain.refresh_from_db()
+    with pytest.raises(ServiceError, match="Needs the admin role: sleep mode") as refused:  # nor on a redeploy
+        deploys.deployment_redeploy(plain, sleep_mode=True, user=operator)
+    assert refused.value.code == "forbidden" and not Deployment.objects.get(pk=plain.pk).sleep_mode
+    plain.refresh_from_db()
+    made = deploys.deployment_redeploy(plain, sleep_mode=True, user=admin)
+    assert made.sleep_mode
+    Deployment.objects.filter(pk=made.pk).update(status=S.READY)
+    made.refresh_from_db()
+    again = deploys.deployment_redeploy(made, user=operator)  # what an admin set up, redeployed as it is
+    assert again.sleep_mode and again.status == S.QUEUED
 
 
 def test_sleep_is_asked_of_the_node_only_for_a_ready_sleep_mode_deployment(gpu_node, sent):

@@ -57,12 +57,14 @@ def test_a_swap_pair_starts_asleep_swaps_wakes_and_keeps_its_true_state_through_
         fault_agent, tmp_path, unique):
     node = fault_agent.node
     folders = {"a": _model(tmp_path, "model-a"), "b": _model(tmp_path, "model-b")}
-    a = deploy(add_fake_model(node, folders["a"]), node, name=f"a-{unique}", sleep_mode=True)
+    admin = UserFactory(role="admin")  # sleep mode opens vLLM's development routes: an admin's call
+    a = deploy(add_fake_model(node, folders["a"]), node, name=f"a-{unique}", sleep_mode=True, user=admin)
     assert settle(a, states={"ready", "failed"}).status == "ready"
     Route.objects.create(deployment=a, names=[f"chat-{unique}"])
 
     # B deployed "asleep" on the same host: A sleeps while B loads, B goes to sleep once smoke-tested, A wakes.
-    b = deploy(add_fake_model(node, folders["b"]), node, name=f"b-{unique}", sleep_mode=True, start_asleep=True)
+    b = deploy(add_fake_model(node, folders["b"]), node, name=f"b-{unique}", sleep_mode=True, start_asleep=True,
+               user=admin)
     assert settle(b, timeout=90, states={"sleeping", "failed"}).status == "sleeping", Deployment.objects.get(pk=b.pk).status_message
     wait_until(lambda: _status(a) == "ready", timeout=30, message="A awake again after B went to sleep")
     assert _engine_asleep(b) and not _engine_asleep(a)
