@@ -14,10 +14,10 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
-from deployments.gateway import changes
+from deployments.gateway import changes, config
 from deployments.gateway.models import CallerKey
 
-NAME = "prometheus"
+NAME = config.SCRAPE_KEY_NAME
 PREFIX = "(scrape token)"  # not the secret's first characters: the token is the panel's own
 
 

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # get_batch_defaults): 1024 on GPUs of 70 GB or more (A100 excepted), else 256; 128 per rank on CPUs.
 BIG_GPU_BYTES = 70 * 1024**3
 INTERNAL_KEY_NAME = "gateway"
+SCRAPE_KEY_NAME = "prometheus"  # the internal key whose secret is the scrape token (deployments/scrapekey.py)
 NONE = frozenset()
 
 
@@ -40,10 +41,11 @@ class Key(NamedTuple):
     deployments: frozenset  # deployment ids; empty: any
     expires_at: float | None  # epoch seconds
     revoked: bool
-    internal: bool
+    internal: bool  # the gateways' own key: gateway to gateway
     rps: float | None
     tpm: int | None
     concurrency: int | None
+    scrape: bool = False  # Prometheus's scrape token (scrapekey.py): engine metrics, nothing else
 
 
 @dataclass(frozen=True)
@@ -141,11 +143,12 @@ def _load_keys() -> dict:
         scopes.setdefault(key_id, set()).add(deployment_id)
     keys = {}
     for row in CallerKey.objects.values_list("id", "prefix", "digest", "model_names", "expires_at", "revoked_at",
-                                             "internal", "rps_limit", "tpm_limit", "max_concurrency"):
-        key_id, prefix, key_digest, names, expires, revoked, internal, rps, tpm, conc = row
+                                             "internal", "name", "rps_limit", "tpm_limit", "max_concurrency"):
+        key_id, prefix, key_digest, names, expires, revoked, internal, name, rps, tpm, conc = row
+        scrape = internal and name == SCRAPE_KEY_NAME
         keys[key_digest] = Key(key_id, prefix, frozenset(n for n in names or () if isinstance(n, str)) if names else NONE,
                                frozenset(scopes[key_id]) if key_id in scopes else NONE, _epoch(expires),
-                               revoked is not None, internal, rps, tpm, conc)
+                               revoked is not None, internal and not scrape, rps, tpm, conc, scrape)
     return keys
 
 

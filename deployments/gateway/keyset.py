@@ -25,8 +25,9 @@ def bearer(header: str) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def authenticate(snapshot: Snapshot, header: str, now: float | None = None) -> Key:
-    """The key an `Authorization: Bearer …` header carries, or Refused(401)."""
+def authenticate(snapshot: Snapshot, header: str, now: float | None = None, metrics: bool = False) -> Key:
+    """The key an `Authorization: Bearer …` header carries, or Refused(401); Refused(403) for a key that is not
+    for this door: the scrape token opens engine metrics (`metrics`) and nothing else, and only it opens them."""
     secret = bearer(header)
     if not secret:
         raise Refused(401, "invalid_api_key", "Send your key as 'Authorization: Bearer <key>'.",
@@ -38,6 +39,9 @@ def authenticate(snapshot: Snapshot, header: str, now: float | None = None) -> K
         raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has been revoked.", kind="authentication_error")
     if key.expires_at is not None and key.expires_at <= (now if now is not None else time.time()):
         raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has expired.", kind="authentication_error")
+    if key.scrape != metrics:
+        raise Refused(403, "forbidden", "Engine metrics are for the panel's scrape token only." if metrics else
+                      "The scrape token opens engine metrics only: send a caller key.", kind="permission_error")
     return key
 
 

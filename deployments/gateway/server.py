@@ -145,12 +145,9 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def metrics(self, request, deployment_id: str) -> web.Response:
-        """An engine's own /metrics for Prometheus: internal keys only, engines of this node only."""
+        """An engine's own /metrics for Prometheus: the scrape token only, engines of this node only."""
         try:
-            key = keyset.authenticate(self.snapshot, request.headers.get("Authorization", ""))
-            if not key.internal:
-                raise Refused(403, "forbidden", "Engine metrics are for the panel's internal keys.",
-                              kind="permission_error")
+            keyset.authenticate(self.snapshot, request.headers.get("Authorization", ""), metrics=True)
         except Refused as refusal:
             return error(refusal)
         target = self.snapshot.targets.get(int(deployment_id)) if deployment_id.isdigit() else None

@@ -9,7 +9,10 @@ import pytest
 from django.db.models import Sum
 from django.utils import timezone
 
+from deployments import scrapekey
+from deployments.gateway import config
 from deployments.gateway import reload as gateway_reload
+from deployments.gateway.server import FORWARDED
 from deployments.gateway.models import CallerKey, Usage
 from deployments.models import Deployment, Node
 from tests.conftest import free_port
@@ -228,16 +231,28 @@ def test_media_urls_only_from_the_routes_domains(node, sched, gateway):
     assert ask("file:///etc/passwd") == 400
 
 
-def test_engine_metrics_only_for_internal_keys(node, sched, gateway):
+def test_engine_metrics_open_to_the_scrape_token_only_and_it_opens_nothing_else(node, sched, gateway):
     d = make_deployment(node, sched.port)
-    internal, caller = make_key(internal=True), make_key()
+    scrape = make_key(internal=True, name=scrapekey.NAME)
+    peer, caller = make_key(internal=True, name=config.INTERNAL_KEY_NAME), make_key()
     gateway.reload()
     url = f"{gateway.url}/engines/{d.pk}/metrics"
-    reply = httpx.get(url, headers={"Authorization": f"Bearer {internal}"})
+    reply = httpx.get(url, headers={"Authorization": f"Bearer {scrape}"})
     assert reply.status_code == 200 and "vllm:num_requests_running" in reply.text
-    assert httpx.get(url, headers={"Authorization": f"Bearer {caller}"}).status_code == 403
+    for other in (caller, peer):  # a caller's key, and the gateways' own
+        assert httpx.get(url, headers={"Authorization": f"Bearer {other}"}).status_code == 403
     assert httpx.get(url).status_code == 401
-    assert httpx.get(f"{gateway.url}/engines/999999/metrics", headers={"Authorization": f"Bearer {internal}"}).status_code == 404
+    assert httpx.get(f"{gateway.url}/engines/999999/metrics", headers={"Authorization": f"Bearer {scrape}"}).status_code == 404
+    # The scrape token on every inference path and the model list: refused, and nothing reached the engine.
+    served = sched.server.requests_total
+    for path in sorted(FORWARDED):
+        refused = httpx.post(gateway.url + path, json={**CHAT, "stream": True}, headers={"Authorization": f"Bearer {scrape}"})
+        assert refused.status_code == 403, (path, refused.text)
+        assert refused.json()["error"]["message"] == "The scrape token opens engine metrics only: send a caller key."
+    assert httpx.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {scrape}"}).status_code == 403
+    assert sched.server.requests_total == served
+    assert not Usage.objects.filter(key__name=scrapekey.NAME).exists()
+    assert post(gateway, caller, CHAT).status_code == 200  # and a caller's key still works
 
 
 def test_the_gateway_reports_its_port_and_health(node, gateway):
