@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import pydantic
 from aiohttp import web
 
 if __package__ in (None, ""):  # run as a script (perf/ does): the repository, not tests/, must be on the path
@@ -32,6 +33,8 @@ if __package__ in (None, ""):  # run as a script (perf/ does): the repository, n
 from tests.schedbodies import build_chunks, count_prompt, full_response  # noqa: E402
 from tests.schedcache import PrefixCache  # noqa: E402
 from plumbing.eventloops import new_loop, raise_fd_limit  # noqa: E402
+
+_BOOL = pydantic.TypeAdapter(bool)
 
 perf_counter = time.perf_counter
 
@@ -218,6 +221,12 @@ class Server:
             return web.json_response({"error": {"message": "messages must be a list"}}, status=400)
         if not chat and "prompt" not in body:
             return web.json_response({"error": {"message": "prompt is required"}}, status=400)
+        try:  # booleans as vLLM's pydantic request models read them: "stream": "true" streams, "false" does not
+            stream = _BOOL.validate_python(body.get("stream") or False)
+            options = body.get("stream_options") or {}
+            usage_flags = [_BOOL.validate_python(options.get(k) or False) for k in ("include_usage", "continuous_usage_stats")]
+        except pydantic.ValidationError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
         sch = self.schedule
         n = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or sch.default_max_tokens))
         prompt_tokens = count_prompt(body)
@@ -228,14 +237,12 @@ class Server:
             self.prefix.query(body)
         reasoning = min(sch.reasoning_tokens, n) if chat else 0
         model = body.get("model", "sched")
-        if not body.get("stream"):
+        if not stream:
             if not sch.zero_delay:
                 await asyncio.sleep((sch.ttft_ms + sch.gap_ms * (-(-n // max(1, sch.tokens_per_chunk)) - 1)) / 1000)
             self.generation_tokens_total += n
             return web.json_response(full_response(model, chat, n, reasoning, prompt_tokens))
-        options = body.get("stream_options") or {}
-        key = (model, chat, n, reasoning, prompt_tokens, bool(options.get("include_usage")),
-               bool(options.get("continuous_usage_stats")))
+        key = (model, chat, n, reasoning, prompt_tokens, *usage_flags)
         built = self._built.get(key)
         if built is None:  # identical requests share their chunks (and their id): building costs ~40 µs
             if len(self._built) > 1024:

@@ -90,7 +90,7 @@ def test_every_websocket_route_refuses_anonymous_users(route):
 
 async def _refused(route):
     communicator = WebsocketCommunicator(application, "/" + route, headers=[(b"origin", b"http://localhost"), (b"host", b"localhost")])
-    connected, code = await communicator.connect()
+    connected, code = await communicator.connect(timeout=30)
     assert not connected
     assert code == 4401
     await communicator.disconnect()

@@ -111,7 +111,7 @@ def test_a_socket_gets_heartbeats_only_while_the_layer_holds_its_group(settings)
             (b"host", b"localhost")])
         pattern = redisconn.key("group", topics.socket_group("*"))
         before = set(redisconn.client().keys(pattern))
-        connected, _ = await ws.connect()
+        connected, _ = await ws.connect(timeout=30)
         assert connected
         assert await ws.receive_json_from(timeout=5) == {"beat": 0.1}
         # What Redis restarted empty does to every group, for this socket's own one (the Redis is shared).

@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
+import pydantic
 from aiohttp import web
 
 from deployments.gateway import config, keyset, media, upstream, usage
@@ -28,6 +29,7 @@ from deployments.gateway.reload import Watcher
 log = logging.getLogger(__name__)
 
 FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"})
+CUT_TOKENS = "panel.cut_tokens"  # on the request: what a stream the caller cut had used (usage.streamed)
 STREAMS_USAGE = frozenset({"/v1/chat/completions", "/v1/completions"})  # accept stream_options.include_usage
 PIN = "X-Panel-Deployment"  # gateway to gateway: the deployment the origin chose (internal keys only)
 DOWN_S = 1.0  # an engine that refused a connection is skipped this long (or until the next reload)
@@ -194,6 +196,9 @@ class Gateway:
                 try:
                     response, tokens, failed = await self.forward(request, target, body, raw)
                     return response
+                except asyncio.CancelledError:  # the caller went away mid-stream: what it got is counted
+                    tokens = request.get(CUT_TOKENS)
+                    raise
                 except EngineDown as exc:
                     log.warning("%s refused a connection (%s): trying again", target.name, exc)
                     self.down[target.id] = time.monotonic() + DOWN_S
@@ -277,7 +282,7 @@ class Gateway:
             headers[PIN] = str(target.id)
         data = raw if out is body else json.dumps(out).encode()
         if streaming:
-            return await self._stream(request, target, headers, data, strip)
+            return await self._stream(request, target, headers, data, strip, body)
         try:
             reply = await self.session.post(target.url + request.path, data=data, headers=headers)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
@@ -291,7 +296,7 @@ class Gateway:
                               kind="api_error") from exc
             return _answer(answer, reply.status, kind)
 
-    async def _stream(self, request, target: config.Target, headers: dict, data: bytes, strip: bool):
+    async def _stream(self, request, target: config.Target, headers: dict, data: bytes, strip: bool, body: dict):
         """A streamed answer through upstream.py's direct relay (the caller's socket written from the engine's)."""
         host, port = target.address
         loop = asyncio.get_running_loop()
@@ -325,12 +330,13 @@ class Gateway:
             broken = await sink.done
         except asyncio.CancelledError:  # the caller went away: so does the engine's request
             sink.finish(upstream.Broken("the caller went away"))
+            request[CUT_TOKENS] = sink.relay.tokens or usage.streamed(body, sink.relay.events)
             raise
         rest = sink.rest()
         transport = request.transport
         if broken is not None or transport is None or transport.is_closing():
             log.info("A stream from %s ended early: %s", target.name, broken or "the caller went away")
-            return response, None, True
+            return response, sink.relay.tokens or usage.streamed(body, sink.relay.events), True
         if rest:
             await response.write(rest)
         await response.write_eof()
@@ -350,7 +356,9 @@ def _answer(answer: bytes, status: int, kind: str):
 
 async def _body(request) -> tuple[dict, bytes]:
     """The JSON body with a string "model" and its bytes (forwarded as they are when nothing changes), or
-    Refused(400)."""
+    Refused(400). `stream` and `stream_options.include_usage` are read as the engine reads them (pydantic's lax
+    booleans: "true", 1, "on"...) and forwarded as JSON booleans, so what the gateway meters is what the engine
+    does: a "stream": "true" read here as not streaming was streamed by vLLM and counted as 0 tokens."""
     raw = await request.read()
     try:
         body = json.loads(raw)
@@ -358,7 +366,29 @@ async def _body(request) -> tuple[dict, bytes]:
         raise Refused(400, "invalid_json", "The request body is not JSON.") from None
     if not isinstance(body, dict) or not isinstance(body.get("model"), str) or not body["model"]:
         raise Refused(400, "model_required", "The request body must be a JSON object naming a \"model\".")
+    options = body.get("stream_options")
+    lax = "stream" in body and not isinstance(body["stream"], bool)
+    lax_usage = isinstance(options, dict) and "include_usage" in options and not isinstance(options["include_usage"], bool)
+    if lax or lax_usage:
+        body = {**body, "stream": _lax_bool(body.get("stream"), "stream")}
+        if lax_usage:
+            body["stream_options"] = {**options, "include_usage": _lax_bool(options["include_usage"],
+                                                                           "stream_options.include_usage")}
+        raw = json.dumps(body).encode()
     return body, raw
+
+
+LAX_BOOL = pydantic.TypeAdapter(bool)  # vLLM's request models are pydantic's, in its lax mode
+
+
+def _lax_bool(value, field: str) -> bool:
+    """A boolean as vLLM reads it ("true", 1, "on"... null is "not given"), or Refused(400) where vLLM refuses."""
+    if value is None:
+        return False
+    try:
+        return LAX_BOOL.validate_python(value)
+    except pydantic.ValidationError:
+        raise Refused(400, "invalid_request", f'"{field}" must be true or false.') from None
 
 
 async def serve(gateway: Gateway, host: str, port: int) -> web.ServerRunner:

@@ -46,10 +46,11 @@ def _data(event: bytes):
 class Relay:
     """The bytes to forward for each piece an engine's stream is read in, and the last usage seen."""
 
-    __slots__ = ("strip", "carry", "tokens")
+    __slots__ = ("strip", "carry", "tokens", "events")
 
     def __init__(self, strip: bool):
         self.strip, self.carry, self.tokens = strip, b"", None
+        self.events = 0  # events forwarded: what a stream cut before its usage event is counted by
 
     def feed(self, piece: bytes) -> bytes:
         if self.carry:
@@ -59,6 +60,7 @@ class Relay:
             piece, self.carry = (piece[:end + 2], piece[end + 2:]) if end >= 0 else (b"", piece)
             if len(self.carry) > MAX_CARRY:
                 piece, self.carry = piece + self.carry, b""
+        self.events += piece.count(END)
         if USAGE in piece:
             piece, found = scan(piece, self.strip)
             if found is not None:

@@ -47,6 +47,29 @@ def tokens_of(usage) -> Tokens | None:
     return Tokens(prompt, completion, reasoning if isinstance(reasoning, int) else 0)
 
 
+CHARS_PER_TOKEN = 4  # English text in the usual BPE vocabularies: a prompt's tokens where the engine never said
+
+
+def streamed(body: dict, events: int) -> Tokens:
+    """What a stream that ended before its usage event (the caller cut it, the engine broke) is counted as: a
+    token per event forwarded (vLLM sends one or more per event), and the prompt's text at CHARS_PER_TOKEN
+    (media URLs not counted). Cutting a stream before its last event no longer makes it free."""
+    text = sum(len(s) for s in _strings(body.get("messages", body.get("prompt", body.get("input")))))
+    return Tokens(prompt=-(-text // CHARS_PER_TOKEN), completion=events)
+
+
+def _strings(value):
+    if isinstance(value, str):
+        if not value.startswith("data:"):
+            yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
 def from_event(obj) -> Tokens | None:
     """Usage in one streamed event: a chat/completions chunk's `usage`, or /v1/responses' response.completed."""
     if not isinstance(obj, dict):

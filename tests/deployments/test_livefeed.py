@@ -35,7 +35,7 @@ async def _socket(client, user) -> WebsocketCommunicator:
     cookie = await sync_to_async(_cookie)(client, user)
     ws = WebsocketCommunicator(live_app(), "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"),
                                                                  (b"host", b"localhost")])
-    connected, _ = await ws.connect()
+    connected, _ = await ws.connect(timeout=30)
     assert connected
     return ws
 

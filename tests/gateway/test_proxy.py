@@ -172,6 +172,53 @@ def test_concurrency_and_token_limits_answer_429(node, gateway):
         assert over.status_code == 429 and 55 <= int(over.headers["Retry-After"]) <= 60
 
 
+def test_a_stream_asked_for_in_a_string_is_counted_and_limited_as_the_engine_streams_it(node, sched, gateway):
+    """vLLM reads "stream": "true" (and 1, "on", "yes") as a stream; the gateway read it as a plain answer, found
+    no usage in it and counted 0 tokens, so a key limited to 40 tokens a minute ran unlimited."""
+    make_deployment(node, sched.port)
+    key, other = make_key(tpm_limit=40), make_key()
+    key_id = CallerKey.objects.get(prefix=key[:12]).pk
+    gateway.reload()
+    body = {**CHAT, "max_tokens": 26}  # 3 prompt + 26 completion tokens
+    first = post(gateway, key, {**body, "stream": "true"})
+    assert first.status_code == 200 and first.headers["Content-Type"].startswith("text/event-stream")
+    assert not any(c.get("usage") for c in events(first.text))  # the caller did not ask for usage
+    assert post(gateway, key, {**body, "stream": "on", "stream_options": {"include_usage": "false"}}).status_code == 200
+    refused = post(gateway, key, {**body, "stream": "yes"})  # 58 tokens used: over 40
+    assert refused.status_code == 429, refused.text
+    totals = wait_for(lambda: (t := usage_totals(key_id=key_id))["requests"] == 3 and t)
+    assert totals["prompt"] == 6 and totals["reasoning"] + totals["content"] == 52
+    bad = post(gateway, other, {**body, "stream": "maybe"})  # what vLLM refuses, refused here
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == '"stream" must be true or false.'
+
+
+def test_a_stream_the_caller_cuts_before_its_usage_event_is_counted_and_limited(node, gateway):
+    """Closing a stream before its last event (where the usage is) made it free: now each event forwarded counts a
+    token and the prompt its text's estimate, so the key's limit holds."""
+    with SchedServer(ttft_ms=10, gap_ms=50, default_max_tokens=200) as slow:
+        make_deployment(node, slow.port)
+        key = make_key(tpm_limit=40)
+        key_id = CallerKey.objects.get(prefix=key[:12]).pk
+        gateway.reload()
+        cut = 0
+        for _ in range(2):
+            with httpx.stream("POST", gateway.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 200,
+                              "stream": True}, headers={"Authorization": f"Bearer {key}"}, timeout=30) as reply:
+                assert reply.status_code == 200
+                read = 0
+                for line in reply.iter_lines():
+                    read += line.startswith("data: {")
+                    if read == 25:
+                        break  # and the connection closes, the usage event 175 tokens away
+            cut += 1
+            wait_for(lambda: (usage_totals(key_id=key_id)["requests"] or 0) == cut)
+        totals = usage_totals(key_id=key_id)
+        assert totals["errors"] == 2  # cut short
+        assert totals["reasoning"] + totals["content"] >= 2 * 25 and totals["prompt"] >= 2
+        over = post(gateway, key, {**CHAT, "max_tokens": 2})
+        assert over.status_code == 429 and "tokens per minute" in over.json()["error"]["message"]
+
+
 def test_a_full_deployment_queue_answers_429(node, gateway):
     with SchedServer(ttft_ms=400, gap_ms=1, default_max_tokens=2) as slow:
         make_deployment(node, slow.port, max_in_flight=1, queue_bound=1)

@@ -52,7 +52,7 @@ async def _published_message_reaches_client(client, unique):
     node = await sync_to_async(NodeFactory)(name=f"ws-{unique}")
     cookie = await sync_to_async(_session_cookie)(client, user)
     ws = WebsocketCommunicator(application, "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
-    connected, _ = await ws.connect()
+    connected, _ = await ws.connect(timeout=30)
     assert connected
     await ws.send_json_to({"subscribe": [payloads.node_topic(node.pk)]})
     # The subscription is in place once a second publish round-trips; publish until one arrives.
@@ -84,7 +84,7 @@ async def _reconnect_gets_snapshot(client, unique):
     await sync_to_async(publishing.publish)(payloads.node_topic(node.pk), "sample", {"seq": 7})
     cookie = await sync_to_async(_session_cookie)(client, user)
     ws = WebsocketCommunicator(application, "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=30))[0]
     await ws.send_json_to({"subscribe": [payloads.node_topic(node.pk), "bogus:topic"]})
     first = await ws.receive_json_from(timeout=5)
     second = await ws.receive_json_from(timeout=5)

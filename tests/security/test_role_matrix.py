@@ -204,7 +204,7 @@ def test_every_websocket_route_for_every_role(route, role, allowed):
         if cookie:
             headers.append((b"cookie", f"sessionid={cookie.value}".encode()))
         ws = WebsocketCommunicator(application, route, headers=headers)
-        connected, code = await ws.connect()
+        connected, code = await ws.connect(timeout=30)
         if allowed is True:
             assert connected
             await ws.disconnect()

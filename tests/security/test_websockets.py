@@ -24,7 +24,7 @@ def _login(user) -> tuple[Client, bytes]:
 async def _open(cookie: bytes) -> WebsocketCommunicator:
     ws = WebsocketCommunicator(application, "/ws/live/",
                                headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
-    connected, code = await ws.connect()
+    connected, code = await ws.connect(timeout=30)
     assert connected, code
     return ws
 
@@ -81,7 +81,7 @@ def test_a_user_without_a_role_cannot_open_a_socket():
         _, cookie = await sync_to_async(_login)(user)
         ws = WebsocketCommunicator(application, "/ws/live/",
                                    headers=[(b"cookie", cookie), (b"origin", b"http://localhost"), (b"host", b"localhost")])
-        connected, code = await ws.connect()
+        connected, code = await ws.connect(timeout=30)
         assert not connected and code == 4403
         await ws.disconnect()
     run_async(scenario())
