@@ -9,6 +9,7 @@ a plain child process on a free local port: no system package, no root. Ctrl-C s
 (each in its own process group) and leaves nothing running.
 """
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -255,9 +257,20 @@ def start(args) -> int:
 FAST_MARKERS = "not e2e and not faults and not integration and not slow and not gpu and not tools"
 
 
+def basetemp() -> str:
+    """This checkout's own folder for pytest's temporary files. pytest's shared /tmp/pytest-of-<user> is made 0700
+    again by every other pytest run on the host, which shut the engine user out of the model folders tests had
+    opened to it (two runs side by side failed that way); one folder per checkout, so no other run touches it."""
+    digest = hashlib.sha256(str(BASE_DIR).encode()).hexdigest()[:10]
+    return str(Path(tempfile.gettempdir()) / f"panel-tests-{digest}")
+
+
 def pytest_argv(pytest_args: list[str], ci: bool) -> list[str]:
-    """pytest's arguments for `test [--fast] ARGS`: the fast tier's marker filter, and on CI the slowest tests."""
+    """pytest's arguments for `test [--fast] ARGS`: the fast tier's marker filter, on CI the slowest tests, and the
+    checkout's own temporary folder (basetemp) unless one is given."""
     args = list(pytest_args)
+    if not any(a.startswith("--basetemp") for a in args):
+        args = [f"--basetemp={basetemp()}", *args]
     workers = "2"
     if "--fast" in args:
         args.remove("--fast")

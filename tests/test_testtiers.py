@@ -1,4 +1,6 @@
 """The test tiers docs/testing.md names: `./panel test --fast` selects by marker, CI lists the slowest tests."""
+import tempfile
+
 from panelctl import launcher
 
 
@@ -15,11 +17,30 @@ def test_ci_prints_the_thirty_slowest_tests_and_a_developer_run_does_not():
     assert "-m" not in launcher.pytest_argv(["tests/e2e"], ci=True)  # the whole suite filters nothing
 
 
+def test_each_checkout_keeps_its_temporary_files_where_no_other_pytest_run_closes_them(tmp_path):
+    """pytest makes its shared /tmp/pytest-of-<user> 0700 at every run's start: a run beside ours shut the engine
+    user out of our tests' model folders. A checkout's own folder, named by its path, unless one is given."""
+    ours = launcher.basetemp()
+    assert "/pytest-of-" not in ours and ours.startswith(tempfile.gettempdir())
+    assert f"--basetemp={ours}" in launcher.pytest_argv(["--fast"], ci=True)
+    assert launcher.pytest_argv([f"--basetemp={tmp_path}"], ci=False).count(f"--basetemp={tmp_path}") == 1
+    assert not [a for a in launcher.pytest_argv([f"--basetemp={tmp_path}"], ci=False) if a == f"--basetemp={ours}"]
+    assert _basetemp_of(launcher.BASE_DIR.parent / "another-clone") != ours  # a second clone: a folder of its own
+
+
+def _basetemp_of(root):
+    import unittest.mock
+
+    with unittest.mock.patch.object(launcher, "BASE_DIR", root):
+        return launcher.basetemp()
+
+
 def test_the_suite_runs_on_two_workers_and_the_fast_tier_on_three_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("PANEL_TEST_WORKERS", raising=False)
     argv = launcher.pytest_argv([], ci=True)
     assert argv[argv.index("-n") + 1] == "2" and argv[argv.index("--dist") + 1] == "worksteal"
-    assert launcher.pytest_argv(["-n", "0", "tests/host"], ci=False) == ["-n", "0", "tests/host"]
+    assert launcher.pytest_argv(["-n", "0", "tests/host"], ci=False) == [
+        f"--basetemp={launcher.basetemp()}", "-n", "0", "tests/host"]
     fast = launcher.pytest_argv(["--fast"], ci=False)
     assert fast[fast.index("-n") + 1] == "3"  # the fast tier's tests wait more than they compute
     monkeypatch.setenv("PANEL_TEST_WORKERS", "3")

@@ -17,8 +17,8 @@ from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
 from deployments.node.guards import foreign_holders
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
-from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, model_ready, move,
-                                    step, unit_install, unit_text)
+from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, mark_stopped,
+                                    model_ready, move, step, unit_install, unit_text)
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,36 @@ def _run(deployment_id: int) -> Deployment:
         sleep.after_load(d, slept, swap_from)
     except Aborted:
         log.info("deployment %s: plan aborted by a stop request", d.name)
+        _halt_own_launch(d)
     except (PlanFailed, processes.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
-        fail(d, str(exc))
+        if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():  # e.g. the engine the Stop ended "exited"
+            log.info("deployment %s: %s, after a stop request: stopped, not failed", d.name, exc)
+            _halt_own_launch(d)
+        else:
+            fail(d, str(exc))
     except Exception as exc:  # noqa: BLE001 - a Redis or database blip must not leave the row mid-plan
         log.exception("deployment %s: the plan broke", d.name)
         fail(d, f"The plan broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
     return d
+
+
+def _halt_own_launch(d: Deployment) -> None:
+    """A Stop that landed while this plan launched: the Stop's own halt may have read the row before the PID was
+    in it, or looked for the marker before the new process carried it, and found nothing to stop. So the plan
+    stops what it launched itself, once the process can be proven ours (its environment readable after exec),
+    and the row is stopped with nothing left behind."""
+    if not (d.pid or d.marker):
+        return  # aborted before the launch: nothing of this plan's runs
+    lifecycle.still_running(d, tries=50, wait_s=0.1)  # until it carries its marker (or is gone)
+    try:
+        message = halt_engine(d)
+    except (processes.EngineError, systemd.SystemdError, PlanFailed) as exc:
+        fail(d, f"Stopping the engine this plan launched: {exc}")
+        return
+    deployment_event(d, "stopped", f"Engine the plan had launched stopped: {message}.")
+    with transaction.atomic():  # unless the Stop's own halt got there first, or a new deploy came since
+        if Deployment.objects.select_for_update().filter(pk=d.pk, status=S.STOPPING).exists():
+            mark_stopped(d, "stopped by request")
 
 
 def deployment_follow(deployment_id: int) -> Deployment:

@@ -23,10 +23,30 @@ def deployment_halt(deployment_id: int) -> Deployment:
     d = Deployment.objects.select_related("node").get(pk=deployment_id)
     if d.status != S.STOPPING:
         return d
+    if _plan_running(deployment_id):  # it stopped what it launched and the row with it
+        d = Deployment.objects.select_related("node").get(pk=deployment_id)
+        if d.status != S.STOPPING:
+            return d
     with step_unchecked(d, "stopped") as event:
         event.message = "Engine stopped: " + halt_engine(d) + "."
     mark_stopped(d, "stopped by request")
     return d
+
+
+PLAN_ABORT_WAIT_S = 15.0
+
+
+def _plan_running(deployment_id: int) -> bool:
+    """Whether a plan or follow of this agent drove the deployment when the Stop came; waits (PLAN_ABORT_WAIT_S at
+    most) for it to end. A plan sees the Stop at its next check (each step, each second of a load) and halts what
+    it launched itself: a halt from here at the same moment could read the row before the plan wrote its PID
+    down, find nothing and mark it stopped while the engine went on. Past the wait the Stop halts on its own."""
+    if not lifecycle.driven(deployment_id):
+        return False
+    deadline = time.monotonic() + PLAN_ABORT_WAIT_S
+    while lifecycle.driven(deployment_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return True
 
 
 def deployment_forget(deployment_id: int) -> None:

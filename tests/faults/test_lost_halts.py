@@ -98,11 +98,12 @@ def _all_threads_stopped(pid: int) -> bool:
 
 
 def _transaction_open() -> bool:
-    """Whether another process holds a transaction on the test database."""
+    """Whether another process holds a transaction on the test database, or (SQLite) any lock on it: a reader
+    frozen inside a SELECT holds a shared lock, which lets a write begin but not commit ("database is locked")."""
     if connection.vendor == "sqlite":
         probe = sqlite3.connect(connection.settings_dict["NAME"], timeout=0.2, isolation_level=None)
         try:
-            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("BEGIN EXCLUSIVE")
             probe.execute("ROLLBACK")
             return False
         except sqlite3.OperationalError:
@@ -171,10 +172,13 @@ def test_a_halt_flushed_from_redis_right_after_the_stop_is_redriven(private_redi
     try:
         for attempt in range(KILLS):
             d = _ready(model, node, d)
-            # The agent frozen for the moment of the Stop: its consumers' BRPOPs (1 s) have returned, so the
-            # halt waits in Redis, where FLUSHALL drops it, as a Redis restarted empty would.
+            # The agent frozen for the moment of the Stop: once its consumers' BRPOPs (1 s) have returned (Redis
+            # counts no blocked client: a frozen agent sends no new one), the halt waits in Redis, where FLUSHALL
+            # drops it, as a Redis restarted empty would. (A fixed 1.5 s wait let a late BRPOP take it, on a
+            # loaded host.)
             with _frozen(agent):
-                time.sleep(1.5)
+                wait_until(lambda: client.info("clients")["blocked_clients"] == 0, timeout=30,
+                           message="the frozen agent's consumers to have no BRPOP waiting in Redis")
                 asked = time.monotonic()
                 deploys.deployment_stop(Deployment.objects.get(pk=d.pk))
                 client.flushall()
