@@ -163,7 +163,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         body.is_valid(raise_exception=True)
         v = body.validated_data
         route = keys.route_check(aliases=v["aliases"], max_in_flight=v["max_in_flight"], queue_bound=v["queue_bound"],
-                                 media_domains=v["media_domains"])
+                                 media_domains=v["media_domains"], user=request.user)
         d = deploys.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
                                        engine_args=v["engine_args"], env=v["env"], secret_env=v["secret_env"], name=v["name"], replace_ids=v["replace"],
                                        auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],

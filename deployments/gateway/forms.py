@@ -59,13 +59,18 @@ class RouteForm(forms.Form):
                                     help_text="Domains image/audio/video URLs may come from (and their subdomains); "
                                               "empty: data: URLs only.")
 
+    def __init__(self, *args, user=None, deployment=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.user, self.deployment = user, deployment
+
     def clean(self):
         data = super().clean()
         if self.errors:
             return data
         try:
             data["route"] = keys.route_check(aliases=words(data["aliases"]), max_in_flight=data["max_in_flight"],
-                                             queue_bound=data["queue_bound"], media_domains=words(data["media_domains"]))
+                                             queue_bound=data["queue_bound"], media_domains=words(data["media_domains"]),
+                                             user=self.user, deployment=self.deployment)
         except ServiceError as exc:
             self.add_error(exc.field if exc.field in self.fields else None, exc.message)
         return data

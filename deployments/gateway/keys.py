@@ -5,6 +5,7 @@ committed (changes.changed), so a revoked key is refused within a second everywh
 Who may: operators manage their own keys, admins everyone's (key_manage_check); the panel's internal keys
 (gateway to gateway, Prometheus) are never listed, changed or revoked here.
 """
+import ipaddress
 import re
 import secrets
 from datetime import datetime
@@ -173,7 +174,30 @@ def key_revoke(key: CallerKey, by) -> CallerKey:
     return key
 
 
-def domains_check(domains) -> list[str]:
+# Names that lead inside the GPU host's own network (RFC 6761 and 6762 special-use names, names that only resolve
+# on a private network, cloud metadata services): the engine fetches media from there as the host.
+INTERNAL_TLDS = frozenset({"localhost", "local", "localdomain", "internal", "intranet", "lan", "home", "corp",
+                           "private", "arpa", "test", "invalid", "example", "onion"})
+
+
+def internal_domain(name: str) -> str | None:
+    """Why an engine must not fetch media from `name` unless an admin says so (an IP literal, a one-label name, a
+    special-use or private name), or None."""
+    try:
+        ipaddress.ip_address(name)
+        return "an IP address"
+    except ValueError:
+        pass
+    if "." not in name:
+        return "a name without a domain, resolved inside the host's network"
+    if name.rsplit(".", 1)[1] in INTERNAL_TLDS:
+        return "a special-use or private name, resolved inside the host's network"
+    return None
+
+
+def domains_check(domains, admin: bool = False, kept=()) -> list[str]:
+    """Media domains checked: names, not addresses; internal ones (internal_domain) only an admin's, or kept as
+    an admin set them (`kept`: the route's domains now)."""
     if domains is None:
         return []
     if isinstance(domains, str) or not isinstance(domains, (list, tuple)):
@@ -181,9 +205,12 @@ def domains_check(domains) -> list[str]:
     out = []
     for domain in domains:
         text = domain.strip().lower().strip(".") if isinstance(domain, str) else ""
-        if not DOMAIN.match(text):
+        if not DOMAIN.match(text) and internal_domain(text) != "an IP address":
             raise ServiceError(f"{str(domain)[:60]!r} is not a domain name (e.g. images.example.com; its subdomains "
                                "are allowed too).", field="media_domains")
+        if (why := internal_domain(text)) and not admin and text not in kept:
+            raise ServiceError(f"Needs the admin role: {text} is {why}; the engine would fetch from inside the GPU "
+                               "host.", field="media_domains", code="forbidden")
         out.append(text)
     return list(dict.fromkeys(out))
 
@@ -199,12 +226,16 @@ def _bound(value, field: str, top: int, low: int = 1):
     return value
 
 
-def route_check(aliases=None, max_in_flight=None, queue_bound=None, media_domains=None) -> dict:
-    """Route fields from a form, the API or panelctl: checked, or ServiceError for the first bad one."""
+def route_check(aliases=None, max_in_flight=None, queue_bound=None, media_domains=None, user=None,
+                deployment=None) -> dict:
+    """Route fields from a form, the API or panelctl: checked, or ServiceError for the first bad one. `user` and
+    `deployment` (its route now): an internal media domain is an admin's to add (domains_check)."""
     queue = _bound(queue_bound, "queue_bound", MAX_QUEUE, low=0)
+    kept = Route.objects.filter(deployment=deployment).values_list("media_domains", flat=True).first() if deployment else ()
     return {"names": model_names_check(aliases, field="aliases"),
             "max_in_flight": _bound(max_in_flight, "max_in_flight", MAX_IN_FLIGHT),
-            "queue_bound": 256 if queue is None else queue, "media_domains": domains_check(media_domains)}
+            "queue_bound": 256 if queue is None else queue,
+            "media_domains": domains_check(media_domains, admin=bool(user and is_admin(user)), kept=kept or ())}
 
 
 def route_set(deployment: Deployment, **fields) -> Route:

@@ -104,7 +104,7 @@ def deploy(request, pk):
         initial["port"] = deploys.deployment_free_port(node)
         return _deploy_page(request, model, node, forms.DeployForm(node=node, initial=initial), preset=key, use=use)
     form = forms.DeployForm(request.POST, node=node)
-    route_form = gateway_forms.RouteForm(request.POST, prefix="route")
+    route_form = gateway_forms.RouteForm(request.POST, prefix="route", user=request.user)
     valid = form.is_valid() & route_form.is_valid()  # both: every error shows at once
     if not valid or "check" in request.POST:  # "Check fit": the estimate for these values, nothing deployed
         return _deploy_page(request, model, node, form, status=200 if valid else 400, route_form=route_form)
@@ -150,7 +150,7 @@ def deployment_edit(request, pk):
     if request.method != "POST":
         return _deploy_page(request, d.model, d.node, forms.DeployForm(node=d.node, initial=_initial(None, d)), deployment=d)
     form = forms.DeployForm(request.POST, node=d.node)
-    route_form = gateway_forms.RouteForm(request.POST, prefix="route")
+    route_form = gateway_forms.RouteForm(request.POST, prefix="route", user=request.user, deployment=d)
     valid = form.is_valid() & route_form.is_valid()
     if not valid or "check" in request.POST:
         return _deploy_page(request, d.model, d.node, form, status=200 if valid else 400, deployment=d, route_form=route_form)

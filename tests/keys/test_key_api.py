@@ -150,6 +150,34 @@ def test_the_deploy_api_takes_aliases_and_bounds_and_refuses_a_bad_alias(api_obj
     assert "kimi" in made.json()["call"]["models"]
 
 
+@pytest.mark.parametrize("domain", ["127.0.0.1", "169.254.169.254", "10.0.0.1", "::1", "localhost", "metadata",
+                                    "metadata.google.internal", "printer.local", "router.home.arpa", "db.lan"])
+def test_media_domains_inside_the_hosts_network_are_an_admins_to_allow(api_objects, operator, domain, sent_tasks):
+    """The engine fetches media URLs from inside the GPU host: an operator letting it reach an address, a one-label
+    name or a special-use or private one would be a blind SSRF from the host."""
+    deployment = api_objects["deployments"]
+    body = {"model": deployment.model_id, "node": deployment.node.name, "name": "media", "preset": "none", "gpus": [0],
+            "replace": [deployment.pk], "media_domains": ["images.example.com", domain]}
+    refused = api_client(operator).post("/api/deployments/", body, format="json")
+    assert refused.status_code == 403, refused.content
+    assert refused.json()["error"]["message"].startswith(f"Needs the admin role: {domain} is ")
+    assert not Route.objects.filter(deployment__name="media").exists() and not sent_tasks.commit()
+    made = api_client(UserFactory(role="admin")).post("/api/deployments/", body, format="json")
+    assert made.status_code == 202, made.content
+    assert Route.objects.get(deployment_id=made.json()["id"]).media_domains == ["images.example.com", domain]
+
+
+def test_an_operator_keeps_the_internal_media_domain_an_admin_set_and_may_add_no_other():
+    d = DeploymentFactory()
+    keys.route_set(d, **keys.route_check(media_domains=["intranet.corp"], user=UserFactory(role="admin")))
+    operator = UserFactory(role="operator")
+    kept = keys.route_check(media_domains=["intranet.corp", "cdn.example.org"], user=operator, deployment=d)
+    assert kept["media_domains"] == ["intranet.corp", "cdn.example.org"]
+    with pytest.raises(keys.ServiceError, match="Needs the admin role: 10.1.2.3 is an IP address") as refused:
+        keys.route_check(media_domains=["intranet.corp", "10.1.2.3"], user=operator, deployment=d)
+    assert refused.value.code == "forbidden"
+
+
 def test_metrics_count_usage_per_key_model_and_deployment_as_totals(usage, viewer_client):
     from tests.test_metrics import scrape, value
 

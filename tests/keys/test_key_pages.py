@@ -116,6 +116,7 @@ def test_the_deploy_form_sets_aliases_bounds_and_media_domains(operator_client, 
 
 @pytest.mark.parametrize("field, value, words", [("route-aliases", "kimi;ls", "is not a model name"),
                                                  ("route-media_domains", "http://evil/x", "is not a domain name"),
+                                                 ("route-media_domains", "169.254.169.254", "Needs the admin role"),
                                                  ("route-max_in_flight", "0", "greater than or equal to 1")])
 def test_a_bad_gateway_field_on_the_deploy_form_answers_400_and_deploys_nothing(operator_client, field, value, words, sent_tasks):
     model, node = _cpu_model()
