@@ -12,6 +12,11 @@ from .stats import percentile
 
 MAX_ENTRIES = 100_000
 TRACE_BLOCK_TOKENS = 512  # Mooncake's traces hash prompts in blocks of 512 tokens
+# A request's lengths: beyond the longest context any model serves (10M tokens, Llama 4 Scout). And a trace's
+# blocks in all (one hash id each, kept in memory by the preview and every run): 1M is 512M prompt tokens, ~3x
+# Mooncake's own published traces; an 80-byte line could otherwise ask for billions.
+MAX_TRACE_TOKENS = 10 * 2**20
+MAX_TRACE_BLOCKS = 1_000_000
 CHARS_PER_TOKEN = 4  # a ShareGPT reply's length in tokens, estimated (its text is not sent)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -87,7 +92,7 @@ def mooncake(text: str) -> list[list]:
     """[[timestamp ms, input_length, output_length, [hash ids]], ...] from a Mooncake trace (JSONL of
     {"timestamp", "input_length", "output_length", "hash_ids"}), in the file's order, which must be
     time order."""
-    out, previous = [], None
+    out, previous, blocks = [], None, 0
     for where, obj in _entries(text, "requests", '"timestamp", "input_length", "output_length", "hash_ids"'):
         for name, least in (("timestamp", 0), ("input_length", 1), ("output_length", 1)):
             value = obj.get(name)
@@ -95,6 +100,9 @@ def mooncake(text: str) -> list[list]:
                 raise PromptError(f'{where}: field "{name}" must be a number of at least {least}')
             if name != "timestamp" and value != int(value):
                 raise PromptError(f'{where}: field "{name}" must be a whole number of tokens')
+            if name != "timestamp" and value > MAX_TRACE_TOKENS:
+                raise PromptError(f'{where}: field "{name}" is {int(value):,} tokens, more than any model takes '
+                                  f"({MAX_TRACE_TOKENS:,})")
         ids = obj.get("hash_ids", [])
         if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
             raise PromptError(f'{where}: field "hash_ids" must be a list of whole numbers of at least 0')
@@ -103,6 +111,10 @@ def mooncake(text: str) -> list[list]:
             raise PromptError(f'{where}: field "timestamp" {obj["timestamp"]} is before the line before ({previous}); '
                               "a trace is in time order")
         previous = obj["timestamp"]
+        blocks += max(len(ids), math.ceil(tokens / TRACE_BLOCK_TOKENS))
+        if blocks > MAX_TRACE_BLOCKS:
+            raise PromptError(f"{where}: the trace's prompts reach {MAX_TRACE_BLOCKS:,} blocks of "
+                              f"{TRACE_BLOCK_TOKENS} tokens; keep it shorter")
         # A prompt longer than its hashed blocks keeps its own text for the rest (an id no other request has).
         out.append([float(obj["timestamp"]), tokens, int(obj["output_length"]), list(ids)])
     if not out:

@@ -68,12 +68,10 @@ def entry(spec, index: int, lengths, key) -> dict:
 
 def _block_sizes(tokens: int, blocks: int, block: int) -> list[int]:
     """Tokens of each block of a trace request: full blocks, the last one what is left."""
-    sizes = []
-    for _ in range(blocks):
-        size = min(block, tokens - sum(sizes))
-        if size <= 0:
-            break
-        sizes.append(size)
+    full, rest = divmod(tokens, block)  # linear in the blocks (a running sum was quadratic: 12 s at 4e7 tokens)
+    sizes = [block] * min(blocks, full)
+    if len(sizes) < blocks and rest:
+        sizes.append(rest)
     return sizes
 
 

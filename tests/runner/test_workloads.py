@@ -127,11 +127,29 @@ def test_a_malformed_sharegpt_file_is_refused_naming_the_line_and_the_field(text
     ('{"timestamp": 0, "input_length": 10.5, "output_length": 2}', 'line 1: field "input_length" must be a whole number'),
     ('{"timestamp": 0, "input_length": 10, "output_length": 2}\n{"timestamp": 0, "input_length": 10, "output_length": 2}',
      "every \"timestamp\" is the same"),
+    # An 80-byte line asking for 40 million tokens (its preview took 12 s of a web thread, 1e8 never answered).
+    ('{"timestamp": 0, "input_length": 40000000, "output_length": 2}', 'line 1: field "input_length" is 40,000,000 '
+                                                                         "tokens, more than any model takes"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 99999999}', 'line 1: field "output_length" is 99,999,999'),
+    ("\n".join(f'{{"timestamp": {i}, "input_length": 10485760, "output_length": 1}}' for i in range(60)),
+     "line 49: the trace's prompts reach 1,000,000 blocks of 512 tokens"),
 ])
 def test_a_malformed_trace_is_refused_naming_the_line_and_the_field(text, message):
     with pytest.raises(PromptError) as caught:
         workfiles.mooncake(text)
     assert message in str(caught.value)
+
+
+def test_a_request_as_long_as_the_bound_is_cut_into_its_blocks_and_previewed():
+    """The blocks of a trace request: full ones, then what is left; 20,480 of them at the bound."""
+    assert workloads._block_sizes(1300, 3, 512) == [512, 512, 276] and workloads._block_sizes(1024, 5, 512) == [512, 512]
+    assert workloads._block_sizes(1300, 2, 512) == [512, 512]  # fewer hash ids than blocks: those only
+    line = f'{{"timestamp": 0, "input_length": {workfiles.MAX_TRACE_TOKENS}, "output_length": 8}}\n'
+    requests = workfiles.mooncake(line + line.replace('"timestamp": 0', '"timestamp": 5'))
+    assert [len(r[3]) for r in requests] == [workfiles.MAX_TRACE_TOKENS // 512] * 2
+    trace = {"kind": "trace", "block_tokens": 512, "requests": requests}
+    view = workfiles.preview(LoadSpec(base_url="http://x", model="m", workload=trace))
+    assert view["prompt_tokens"]["max"] == workfiles.MAX_TRACE_TOKENS and view["prefix_reuse"]["share"] == 0.0
 
 
 def test_a_preview_shows_lengths_and_what_a_prefix_cache_could_serve():
