@@ -119,7 +119,7 @@ def deployment_unit(d: Deployment) -> tuple[str, str]:
     except EngineError as exc:  # a row stored before flag names were canonical (flagpolicy): redeploy it
         return name, f"# No unit: {exc}."
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
-                               log_path=d.log_path or f"/var/log/vllm-{d.name}.log",
+                               log_path=d.log_path or f"/var/log/vllm-{d.name}.log", working_dir=argv[2],
                                run_as=osuser.from_facts(d.node.engine_user),  # as the node's agent would
                                secret_env_file=str(systemd.env_file_path(name)) if secret_env else None)
     return name, secrets.redact_deployment(d, text)  # a secret flag value (--api-key) is shown masked

@@ -110,12 +110,12 @@ def marked_env(env: dict, marker: str, role: str = ENGINE) -> dict:
 
 def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
     """Start the process and record it on the row: under its systemd unit when the deployment is persisted
-    (`unit_install(argv, env, log_path) -> main PID`), else as a process group of its own. Returns the PID."""
+    (`unit_install(argv, env, log_path, cwd) -> main PID`), else as a process group of its own. Returns the PID."""
     marker = spec.marker or ownership.new_marker(deployment_of(p).pk)
     env = marked_env(spec.env, marker, spec.role)
     save(p, marker=marker, log_path=str(spec.log_path))
     if unit_of(p) and unit_install is not None:
-        pid = unit_install(spec.argv, env, str(spec.log_path))
+        pid = unit_install(spec.argv, env, str(spec.log_path), spec.cwd)
         save(p, pid=pid, pgid=pgid_of(pid), pid_create_time=create_time(pid))
     else:
         handle = processes.launch(processes.EngineSpec(argv=spec.argv, env=env, log_path=spec.log_path, cwd=spec.cwd,

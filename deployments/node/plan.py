@@ -227,7 +227,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     # again, enabled for the next boot.
     spec = lifecycle.Launch(argv=argv, env={**_engine_env(d), **warm_env}, log_path=_log_path(d), cwd=Path(model_path),
                             run_as=run_as, marker=d.marker if ray else "")
-    lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
+    lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path, cwd: unit_install(d, argv, env, log_path, cwd=cwd))
     return f"PID {d.pid}: {' '.join(argv[:3])} … (log {d.log_path})"
 
 
@@ -416,8 +416,8 @@ def _persist(deployment_id: int) -> Deployment:
         # Loading before the unit's engine is recorded: the row never reads ready with a loading engine's PID.
         move(d, S.LOADING, f"restarting under systemd as {name}")
         spec = lifecycle.Launch(argv=argv, env={**_engine_env(d), **warm_env},
-                                log_path=Path(d.log_path) if d.log_path else _log_path(d))
-        lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path: unit_install(d, argv, env, log_path))
+                                log_path=Path(d.log_path) if d.log_path else _log_path(d), cwd=Path(copy.path))
+        lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path, cwd: unit_install(d, argv, env, log_path, cwd=cwd))
         deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
         _follow(d)
     except (systemd.SystemdError, PlanFailed, processes.EngineError, OSError, Aborted) as exc:

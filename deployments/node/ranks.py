@@ -250,7 +250,8 @@ def _launch(r: DeploymentRank, model_path: str) -> None:
                             role=lifecycle.RAY if ray else lifecycle.ENGINE,
                             run_as=engine_user(model_path, r.node.model_store))
     # Persisted: this node's own unit runs the rank, enabled for the next boot.
-    pid = lifecycle.launch(r, spec, unit_install=lambda argv, env, log: unit_install(d, argv, env, log, rank=r.rank))
+    pid = lifecycle.launch(r, spec, unit_install=lambda argv, env, log, cwd: unit_install(d, argv, env, log, rank=r.rank,
+                                                                                        cwd=cwd))
     how = f"under {systemd.unit_name(d.name, r.rank)}" if d.systemd_unit else f"PID {pid}"
     what = f"Ray node joining {head_address(d)}:{d.master_port}" if ray else " ".join(userflags.argv_words(own))
     deployment_event(d, f"launch@{r.node.name}", f"Rank {r.rank}: {how}, {what} (log {log_path})", node=r.node.name)

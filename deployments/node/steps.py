@@ -212,18 +212,22 @@ def engine_user(model_path: str, store: str) -> osuser.EngineUser:
     return user
 
 
-def unit_install(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0) -> int:
+def unit_install(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0,
+                 cwd: Path | None = None) -> int:
     """Install and start one engine of `d` as a systemd unit (the head's, or worker rank `rank`'s); its PID."""
-    text, secret_env = unit_text(d, argv, env, log_path, rank)
+    text, secret_env = unit_text(d, argv, env, log_path, rank, cwd)
     return systemd.install(systemd.unit_name(d.name, rank), text, secret_env=secret_env)
 
 
-def unit_text(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0) -> tuple[str, dict]:
-    """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text)."""
+def unit_text(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0,
+              cwd: Path | None = None) -> tuple[str, dict]:
+    """The unit's text and its secret variables (a 0600 EnvironmentFile, not the unit text); it starts in `cwd`
+    (the model's folder, as an engine started by the agent does: a relative file flag reads from there)."""
     env, secret_env = secrets.split(env, secrets.marked(d))
     argv, flag_env = systemd.secret_argv(argv)  # --api-key: the EnvironmentFile's VLLM_API_KEY, never ExecStart=
     secret_env = {**secret_env, **flag_env}
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})" + (f", rank {rank}" if rank else ""), env=env,
-                               log_path=log_path, argv=argv, run_as=osuser.current(), secret_env_file=str(
+                               log_path=log_path, argv=argv, run_as=osuser.current(), working_dir=str(cwd or "/"),
+                               secret_env_file=str(
                                    systemd.env_file_path(systemd.unit_name(d.name, rank))) if secret_env else None)
     return text, secret_env

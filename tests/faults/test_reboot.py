@@ -14,11 +14,12 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from django.utils import timezone
 
 from deployments.host import ownership
-from deployments.models import Deployment, DeploymentEvent, Node
+from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.services import deploys
 from tests.conftest import wait_until
 from tests.helpers import pid_alive
@@ -89,7 +90,10 @@ def _persisted(agent, model):
     wait_until(lambda: DeploymentEvent.objects.filter(deployment=d, step="persist", message__startswith="Installed")
                .exists() and (r := Deployment.objects.get(pk=d.pk)).systemd_unit and r.status == "ready" and r.pid,
                timeout=60, message="the deployment to run under its unit")
-    return Deployment.objects.get(pk=d.pk)
+    row = Deployment.objects.get(pk=d.pk)
+    # The unit starts the engine in its model's folder, as the agent does (a relative file flag reads from there).
+    assert psutil.Process(row.pid).cwd() == ModelCopy.objects.get(model=row.model, node=row.node).path
+    return row
 
 
 def _reboot(agent, d, tmp_path, units_first: bool):

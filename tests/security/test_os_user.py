@@ -1,6 +1,7 @@
 """Engines as their own user, the panel's side: what the agent reports and the node page shows,
 and the units the panel writes (installed or downloaded) with the engine user and no secret in ExecStart=."""
 import os
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -46,8 +47,9 @@ def test_an_installed_unit_runs_as_the_engine_user_with_the_api_key_in_its_envir
     d = DeploymentFactory(node=copy.node, model=copy.model, engine_args={"api-key": KEY, "max-num-seqs": 8})
     argv = ["/opt/vllm", "serve", "/models/org/m", "--port", "8000", "--api-key", KEY, "--max-num-seqs", "8"]
     with mock.patch.object(osuser, "current", return_value=ENGINE):
-        text, secret_env = steps.unit_text(d, argv, {"A": "1"}, "/var/log/x.log")
+        text, secret_env = steps.unit_text(d, argv, {"A": "1"}, "/var/log/x.log", cwd=Path("/models/org/m"))
     assert secret_env == {"VLLM_API_KEY": KEY} and KEY not in text and "--api-key" not in text
+    assert "WorkingDirectory=/models/org/m\n" in text  # the model's folder, as the agent starts it (not /)
     assert "User=vllm-engine\n" in text and "NoNewPrivileges=yes\n" in text and "SupplementaryGroups=video\n" in text
     assert "EnvironmentFile=" in text
 
@@ -59,4 +61,4 @@ def test_the_downloaded_unit_names_the_user_the_nodes_agent_reported():
     d = DeploymentFactory(node=copy.node, model=copy.model, env={"HF_TOKEN": KEY})  # (--api-key is the panel's now)
     name, text = selectors.deployment_unit(d)
     assert "User=vllm-engine\n" in text and "--api-key" not in text and KEY not in text
-    assert f"EnvironmentFile=/etc/systemd/system/{name}.env" in text
+    assert f"EnvironmentFile=/etc/systemd/system/{name}.env" in text and "WorkingDirectory=/models/org/m\n" in text
