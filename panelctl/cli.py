@@ -1,6 +1,6 @@
 """panelctl: the panel's REST API from scripts and terminals.
 
-    export PANEL_URL=http://panel:8000 PANEL_TOKEN=...   (or: panelctl login --url ... --token ...)
+    export PANEL_URL=http://panel:8000 PANEL_TOKEN=...   (or: panelctl login --url ..., which asks for the token)
     panelctl list nodes                                  # what the panel sees (also: models, deployments, runs)
     panelctl model-add Qwen/Qwen3-0.6B                   # then: panelctl list models
     panelctl deploy Qwen/Qwen3-0.6B --node cpu-01 --wait # the node's preset and a free port, as on the form
@@ -18,6 +18,7 @@ Progress goes to stderr, results to stdout (--json for machines). Exit codes:
   4 not logged in or not allowed  5 not found  6 panel unreachable or server error  7 timed out
 """
 import argparse
+import getpass
 import json
 import os
 import sys
@@ -31,9 +32,21 @@ CONFIG = Path(os.environ.get("PANELCTL_CONFIG", Path.home() / ".config" / "panel
 
 
 def cmd_login(panel, args):
-    Panel(args.url, args.token).get("nodes/")
+    """The token from a prompt (a terminal) or standard input, not the command line, which every local user sees
+    in `ps`; `--token` still works and says so."""
+    token = args.token
+    if token is not None and not args.token_stdin:
+        print("panelctl: a token on the command line is visible to every local user (ps); prefer the prompt or "
+              "--token-stdin", file=sys.stderr)
+    elif args.token_stdin or not sys.stdin.isatty():
+        token = sys.stdin.readline().strip()
+    else:
+        token = getpass.getpass("API token: ").strip()
+    if not token:
+        raise CliError("no token given (paste the one the account page shows)")
+    Panel(args.url, token).get("nodes/")
     CONFIG.parent.mkdir(parents=True, exist_ok=True)
-    write_private(CONFIG, json.dumps({"url": args.url, "token": args.token}))  # 0600 from its first byte
+    write_private(CONFIG, json.dumps({"url": args.url, "token": token}))  # 0600 from its first byte
     say(f"Saved to {CONFIG}.")
     return 0
 
@@ -76,7 +89,9 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("login", help="save the panel URL and token")
     s.add_argument("--url", required=True, dest="url")
-    s.add_argument("--token", required=True, dest="token")
+    s.add_argument("--token", default=None, dest="token", help="the API token (visible in ps: prefer the prompt, "
+                                                                 "or --token-stdin)")
+    s.add_argument("--token-stdin", action="store_true", help="read the token from standard input")
     s.set_defaults(fn=cmd_login)
     nodes.add(sub)
     models.add(sub)

@@ -31,7 +31,7 @@ class Panel:
 
     def __init__(self, url: str, token: str, timeout: float = 60.0):
         if not url:
-            raise CliError("No panel URL: set PANEL_URL or run `panelctl login --url URL --token TOKEN`.", BAD_INPUT)
+            raise CliError("No panel URL: set PANEL_URL or run `panelctl login --url URL` (it asks for the token).", BAD_INPUT)
         headers = {"Authorization": f"Token {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/") + "/api/", headers=headers, timeout=timeout)
 

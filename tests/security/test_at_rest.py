@@ -1,4 +1,5 @@
 """Secrets at rest and at start: a real SECRET_KEY, private files, no secret on a command line, hashed tokens."""
+import io
 import os
 import subprocess
 import sys
@@ -80,10 +81,27 @@ def test_the_cli_token_file_is_private_from_its_first_byte(tmp_path):
     try:  # with chmod disabled, only a file created 0600 ends up 0600
         with mock.patch.object(cli, "CONFIG", config), mock.patch.object(cli.Panel, "get", autospec=True), \
                 mock.patch.object(Path, "chmod", autospec=True):
-            cli.cmd_login(None, mock.Mock(url="http://panel", token="pct_secret"))
+            cli.cmd_login(None, mock.Mock(url="http://panel", token="pct_secret", token_stdin=False))
     finally:
         os.umask(old)
     assert config.stat().st_mode & 0o777 == 0o600 and "pct_secret" in config.read_text()
+
+
+def test_the_cli_reads_the_login_token_from_standard_input_not_its_command_line(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "panelctl.json"
+    monkeypatch.setattr(cli, "CONFIG", config)
+    monkeypatch.setattr("sys.stdin", io.StringIO("pct_from_stdin\n"))
+    with mock.patch.object(cli.Panel, "get", autospec=True) as asked:
+        assert cli.main(["login", "--url", "http://panel", "--token-stdin"]) == 0
+    assert asked.call_args.args[0].http.headers["Authorization"] == "Token pct_from_stdin"
+    assert "pct_from_stdin" in config.read_text()
+    monkeypatch.setattr("sys.stdin", io.StringIO("pct_piped\n"))  # not a terminal: read too, without the flag
+    with mock.patch.object(cli.Panel, "get", autospec=True):
+        assert cli.main(["login", "--url", "http://panel"]) == 0
+    assert "pct_piped" in config.read_text()
+    with mock.patch.object(cli.Panel, "get", autospec=True):
+        assert cli.main(["login", "--url", "http://panel", "--token", "pct_argv"]) == 0
+    assert "visible to every local user (ps)" in capsys.readouterr().err  # still taken, with the warning
 
 
 def test_compose_requires_passwords_for_redis_and_postgresql():
