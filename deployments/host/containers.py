@@ -167,7 +167,8 @@ def find(marker: str | None = None) -> list[dict]:
     """The panel's engine containers (those carrying `marker`, when given): id, name, status, main PID."""
     label = f"{MARKER_LABEL}={marker}" if marker else ENGINE_LABEL
     try:
-        found = client().containers.list(all=True, filters={"label": label})
+        # ignore_removed: a container removed between the list and its inspect (another stop) is not an error
+        found = client().containers.list(all=True, filters={"label": label}, ignore_removed=True)
     except (docker.errors.DockerException, OSError) as exc:
         raise ContainerError(f"cannot list the engine containers: {exc}") from exc
     return [{"id": c.id, "name": c.name, "status": c.status, "pid": c.attrs.get("State", {}).get("Pid") or None,

@@ -122,3 +122,25 @@ def test_a_daemon_that_is_away_is_worth_retrying(monkeypatch, tmp_path):
     with pytest.raises(processes.EngineError) as away:  # what the lifecycle catches, whichever runtime launched
         processes.launch(_spec(tmp_path))
     assert not away.value.permanent and "Docker daemon" in str(away.value) and time.monotonic() - started < containers.API_TIMEOUT_S
+
+
+def test_a_container_removed_between_the_list_and_its_inspect_is_not_an_error(monkeypatch):
+    """Docker lists containers, then inspects each: one removed in between (another stop, another agent's run on the
+    same daemon) made find() fail the whole listing with a 404."""
+    import docker
+    from unittest import mock
+
+    api = mock.Mock()
+    api.containers.return_value = [{"Id": "gone"}, {"Id": "here"}]
+
+    def inspect(container_id):
+        if container_id == "gone":
+            raise docker.errors.NotFound("No such container: gone")
+        return {"Id": "here", "Name": "/engine", "State": {"Status": "running", "Pid": 42},
+                "Config": {"Labels": {containers.MARKER_LABEL: "m1"}}}
+
+    api.inspect_container.side_effect = inspect
+    daemon = docker.DockerClient.__new__(docker.DockerClient)
+    daemon.api = api
+    monkeypatch.setattr(containers, "client", lambda: daemon)
+    assert containers.find() == [{"id": "here", "name": "engine", "status": "running", "pid": 42, "marker": "m1"}]
