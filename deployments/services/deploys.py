@@ -65,6 +65,8 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
         same_port = same_port.exclude(pk=deployment.pk)
     if same_port.exists():
         raise ServiceError(f"Port {port} is used by {same_port.first().name} on {node}.", field="port", code="port_in_use")
+    if port == (node.gateway_port or settings.GATEWAY_PORT):
+        raise ServiceError(f"Port {port} is {node}'s gateway port: choose another port.", field="port", code="port_in_use")
     # The agent names the deployment a stray engine belongs to: the one redeployed and those
     # ticked under "Also stop" are stopped by the plan itself, never foreign.
     spare = {*replace_ids, *([deployment.pk] if deployment else [])}
@@ -114,9 +116,11 @@ class ForeignProcesses(ServiceError):
 
 
 def deployment_free_port(node: Node) -> int:
-    """The first engine port no active deployment on the node holds, never the panel's own port."""
+    """The first engine port no active deployment on the node holds, never the node's gateway's (refused to an
+    engine: _check) nor the panel's own (where the panel runs on the node, the launch finds it taken; elsewhere
+    8000 is vLLM's own default, which a user may choose)."""
     taken = set(node.deployments.filter(status__in=Deployment.ACTIVE).values_list("port", flat=True))
-    taken.add(settings.PANEL_PORT)
+    taken |= {settings.PANEL_PORT, node.gateway_port or settings.GATEWAY_PORT}
     port = settings.ENGINE_PORT_FIRST
     while port in taken:
         port += 1

@@ -3,6 +3,7 @@
 import pytest
 
 from deployments.models import Deployment
+from deployments.services import deploys
 from tests.deployments.test_deploys import FLAGS
 from tests.factories import DeploymentEventFactory, DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory
 
@@ -44,6 +45,21 @@ def test_bad_deploys_get_a_400_naming_the_field_and_nothing_runs(api, setup, bod
     assert response.status_code == 400
     assert text in " ".join(response.json()["error"]["fields"][field])
     assert not Deployment.objects.exists()
+
+
+def test_the_gateways_port_is_refused_to_an_engine_and_neither_it_nor_the_panels_is_offered(api, setup, settings):
+    node, model = setup
+    node.gateway_port = 4123
+    node.save()
+    response = api.post("/api/deployments/", {"model": model.pk, "node": "gpu-01", "gpus": [0], "port": 4123},
+                        format="json")
+    assert response.status_code == 409, response.content
+    assert response.json()["error"]["message"] == "Port 4123 is gpu-01's gateway port: choose another port."
+    assert not Deployment.objects.exists()
+    settings.ENGINE_PORT_FIRST, settings.PANEL_PORT = 4122, 4124  # the panel's own, then the gateway's, are next
+    assert deploys.deployment_free_port(node) == 4122
+    DeploymentFactory(node=node, port=4122, status="ready")
+    assert deploys.deployment_free_port(node) == 4125
 
 
 def test_busy_gpus_answer_409_naming_the_holder(api, setup):
