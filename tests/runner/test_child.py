@@ -7,13 +7,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from benchmarks.runner import LoadSpec, MemoryLimitError, RunnerError, sweep_in_child
+from deployments.host import processes
 from tests.schedserver import SchedServer
 
 MIB = 2**20
-SHM = Path("/dev/shm")
 
 
 def test_levels_and_ticks_come_back_while_the_child_runs():
@@ -73,19 +74,21 @@ def test_a_child_killed_mid_run_leaves_no_semaphore_in_dev_shm():
     """The measuring processes share queues, an event and a barrier: named POSIX semaphores in
     /dev/shm (sem.mp-*), which Python's resource tracker unlinks when their owner dies. A caller whose
     callback fails kills the child's whole session: the tracker must not die with it, and what it
-    could not unlink the caller does."""
-    before = {p.name for p in SHM.iterdir()}
+    could not unlink the caller does. (Only the child's own files count: other runs make theirs meanwhile.)"""
     with SchedServer(ttft_ms=10, gap_ms=200) as server:  # ~20 s per request: the kill lands mid-level
         spec = LoadSpec(base_url=server.base_url, model="sched", prompt_source="builtin", max_tokens=100,
                         levels=(2,), min_requests=4, tick_s=0.1, workers=1)
-        held = []
+        held = set()
 
         def tick(_):
-            held.extend(p.name for p in SHM.iterdir() if p.name.startswith("sem.mp-") and p.name not in before)
-            raise KeyboardInterrupt  # a failing callback, Ctrl-C: the caller kills the child at once
+            for child in psutil.Process().children():
+                if "benchmarks.runner.child" in " ".join(child.cmdline()):
+                    held.update(p for p in processes.shm_files(child.pid) if Path(p).name.startswith("sem.mp-"))
+            if held:
+                raise KeyboardInterrupt  # a failing callback, Ctrl-C: the caller kills the child at once
 
         with pytest.raises(KeyboardInterrupt):
             sweep_in_child(spec, on_tick=tick, memory_bytes=512 * MIB)
     assert held, "the measuring processes held no named semaphore: this test checks nothing"
-    left = sorted(p.name for p in SHM.iterdir() if p.name.startswith("sem.mp-") and p.name not in before)
+    left = sorted(p for p in held if Path(p).exists())
     assert left == [], f"the killed child left {left} in /dev/shm"
