@@ -50,7 +50,8 @@ class DeploymentAdmin(admin.ModelAdmin):
     inlines = [DeploymentRankInline, DeploymentEventInline]
     # Secrets are write-only here too (deployments/secrets.py): shown masked, edited on the panel's form.
     exclude = ["env", "engine_args", "log_tail", "ray_token"]
-    readonly_fields = ["environment", "engine_flags", "log"]
+    # What the agent writes and root acts on (a unit it unlinks, a log it reads into the page): never typed here.
+    readonly_fields = ["environment", "engine_flags", "log", "systemd_unit", "log_path", "marker", "pid", "pgid"]
 
     @admin.display(description="Environment")
     def environment(self, obj):

@@ -68,6 +68,14 @@ def env_file_text(env: dict[str, str]) -> str:
     return "".join(f"{name}={_quote(value, dollars=False).replace('%%', '%')}\n" for name, value in sorted(env.items()))
 
 
+def checked(name: str) -> str:
+    """`name` if it is one of the panel's unit names (vllm-<deployment>[.rank<n>].service), else SystemdError: root
+    writes, unlinks and asks systemctl about it, so a name from the database (an admin's edit) is never a path."""
+    if not _UNIT_NAME.match(name or "") or not name.startswith("vllm-"):
+        raise SystemdError(f"{name!r} is not a unit name of the panel's")
+    return name
+
+
 def env_file_path(name: str, unit_dir: Path = UNIT_DIR) -> Path:
     return unit_dir / f"{name}.env"
 
@@ -128,8 +136,7 @@ def systemctl(*args: str, timeout: float = 120.0) -> str:
 
 def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[str, str] | None = None) -> int:
     """Write the unit (0600) and its secrets' EnvironmentFile (0600), enable and start it; return the main PID."""
-    if not _UNIT_NAME.match(name):
-        raise SystemdError(f"{name!r} is not a unit name")
+    checked(name)
     if not available():
         raise SystemdError("systemd is not available on this node (or the agent is not root)")
     if secret_env:
@@ -141,7 +148,7 @@ def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[st
 
 
 def main_pid(name: str) -> int:
-    return int(systemctl("show", "-p", "MainPID", "--value", name).strip() or 0)
+    return int(systemctl("show", "-p", "MainPID", "--value", checked(name)).strip() or 0)
 
 
 @dataclass
@@ -164,7 +171,7 @@ class UnitStatus:
 
 def unit_status(name: str) -> UnitStatus:
     """The unit's MainPID, ControlGroup, ActiveState, UnitFileState and NRestarts (`systemctl show`)."""
-    out = systemctl("show", "-p", "MainPID,ControlGroup,ActiveState,UnitFileState,NRestarts", name)
+    out = systemctl("show", "-p", "MainPID,ControlGroup,ActiveState,UnitFileState,NRestarts", checked(name))
     props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     return UnitStatus(main_pid=int(props.get("MainPID") or 0), cgroup=props.get("ControlGroup", ""),
                       active=props.get("ActiveState", ""), enabled=props.get("UnitFileState", ""),
@@ -172,16 +179,16 @@ def unit_status(name: str) -> UnitStatus:
 
 
 def stop(name: str) -> None:
-    systemctl("stop", name)
+    systemctl("stop", checked(name))
 
 
 def start(name: str) -> int:
-    systemctl("start", name)
+    systemctl("start", checked(name))
     return main_pid(name)
 
 
 def uninstall(name: str, unit_dir: Path = UNIT_DIR) -> None:
-    disable(name)
+    disable(checked(name))
     (unit_dir / name).unlink(missing_ok=True)
     env_file_path(name, unit_dir).unlink(missing_ok=True)
     systemctl("daemon-reload")
@@ -191,7 +198,7 @@ def disable(name: str) -> None:
     """Stop the unit and keep it from starting at boot (a stopped deployment stays stopped); a unit
     never installed here (an engine being moved under systemd) has nothing to stop."""
     try:
-        systemctl("disable", "--now", name)
+        systemctl("disable", "--now", checked(name))
     except SystemdError as exc:
         if "does not exist" not in str(exc) and "not loaded" not in str(exc):
             raise

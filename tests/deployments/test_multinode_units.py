@@ -123,10 +123,10 @@ def test_a_unit_never_installed_on_a_node_has_nothing_to_disable():
     """A rank moved under systemd has no unit yet when its old engine stops; any other systemctl error stands."""
     missing = systemd.SystemdError("systemctl disable --now x failed: Unit file x.service does not exist.")
     with mock.patch("deployments.host.systemd.systemctl", autospec=True, side_effect=missing):
-        systemd.disable("x.service")
+        systemd.disable("vllm-x.service")
     with mock.patch("deployments.host.systemd.systemctl", autospec=True, side_effect=systemd.SystemdError("Access denied")):
         with pytest.raises(systemd.SystemdError, match="Access denied"):
-            systemd.disable("x.service")
+            systemd.disable("vllm-x.service")
 
 
 @pytest.mark.django_db

@@ -32,3 +32,19 @@ def test_a_line_break_cannot_add_a_setting(bad):
         _unit(["vllm", bad])
     with pytest.raises(systemd.SystemdError):
         _unit(["vllm"], {"NCCL_X": bad})
+
+
+def test_root_never_takes_a_stored_unit_name_for_a_path():
+    """Root unlinks `<unit dir>/<name>` and asks systemctl about it: a name an admin's edit put in the database
+    (`../../etc/passwd`, another service's) is refused before anything runs, and the admin form cannot set it."""
+    from unittest import mock
+
+    from deployments.admin import DeploymentAdmin
+
+    with mock.patch("deployments.host.systemd.systemctl", autospec=True) as called:
+        for name in ("../../etc/passwd", "sshd.service", "vllm-x.service/../../y.service", "", "vllm-x.timer"):
+            for act in (systemd.uninstall, systemd.disable, systemd.stop, systemd.start, systemd.main_pid):
+                with pytest.raises(systemd.SystemdError, match="is not a unit name of the panel's"):
+                    act(name)
+        assert not called.called
+    assert {"systemd_unit", "log_path"} <= set(DeploymentAdmin.readonly_fields)
