@@ -3,6 +3,7 @@
 Defaults run the embedded setup: SQLite in ./var, the embedded Redis that `manage.py panel`
 starts when REDIS_URL is unset, and this machine as a node.
 """
+import ipaddress
 import os
 from pathlib import Path
 
@@ -135,6 +136,18 @@ AXES_COOLOFF_TIME = env_float("AXES_COOLOFF_MINUTES", 15.0) / 60  # hours
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False
+# Reverse proxies in front of the panel (addresses or networks, comma-separated): only from these is
+# X-Forwarded-For believed, for login lockouts and API token throttles (plumbing/clientip.py). Empty: the
+# connecting address counts, whatever the header says.
+TRUSTED_PROXIES = env_list("TRUSTED_PROXIES", "")
+for _proxy in TRUSTED_PROXIES:
+    try:
+        ipaddress.ip_network(_proxy, strict=False)
+    except ValueError:
+        from django.core.exceptions import ImproperlyConfigured
+        raise ImproperlyConfigured(f"TRUSTED_PROXIES: {_proxy!r} is not an address or a network (e.g. 10.0.0.5, "
+                                   "10.0.0.0/24)") from None
+AXES_CLIENT_IP_CALLABLE = "plumbing.clientip.client_address"
 # Failed API token attempts per client address and minute before 429 (plumbing/apicache.py).
 TOKEN_FAILURES_PER_MINUTE = env_int("TOKEN_FAILURES_PER_MINUTE", 20)
 

@@ -40,7 +40,7 @@ from django.http import HttpResponse
 from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication
 
-from plumbing import redisconn
+from plumbing import clientip, redisconn
 from plumbing.lru import SizedLRU
 from plumbing import tokens as panel_tokens
 from plumbing.roles import group_names, is_operator
@@ -436,7 +436,7 @@ class CachedTokenAuthentication(TokenAuthentication):
         found = tokens.get(key)
         if found is not None and _valid(found[0], current):
             return found[1]
-        address = self.request.META.get("REMOTE_ADDR", "")
+        address = clientip.client_address(self.request)
         if panel_tokens.blocked(address):  # guessing tokens: wait for the next minute
             raise exceptions.Throttled(wait=60, detail="Too many wrong API tokens from this address; try again in a minute.")
         with _recording() as tables:

@@ -1,4 +1,5 @@
 """Requests that cannot exhaust the server: capped bodies, bounded long polls, throttled logins and tokens."""
+import os
 import select
 import socket
 import threading
@@ -143,3 +144,41 @@ def test_guessing_api_tokens_is_throttled(settings, viewer):
     answers = [client.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token pct_guess{i}").status_code for i in range(7)]
     assert answers[:5] == [401] * 5 and answers[5:] == [429, 429]
     assert Client(REMOTE_ADDR="10.9.8.6").get("/api/nodes/", HTTP_AUTHORIZATION=f"Token {good}").status_code == 200
+
+
+@pytest.mark.django_db
+def test_behind_a_listed_proxy_lockouts_and_token_throttles_count_each_client_and_a_forged_header_counts_nothing(settings,
+                                                                                                                  viewer):
+    """Behind a reverse proxy every request connects from the proxy: without TRUSTED_PROXIES five bad logins locked
+    the user out for everyone. From a listed proxy, X-Forwarded-For's last address it did not add is the client;
+    from anyone else the header is ignored (a forged one moves no count)."""
+    settings.TRUSTED_PROXIES, settings.TOKEN_FAILURES_PER_MINUTE = ["10.0.0.0/24"], 5
+    UserFactory(username="bob", role="viewer")
+
+    def via_proxy(client_ip):  # a proxy appends the address it saw; an attacker may have sent its own first
+        return Client(REMOTE_ADDR="10.0.0.5", HTTP_X_FORWARDED_FOR=f"6.6.6.6, {client_ip}")
+
+    attacker = via_proxy("203.0.113.9")
+    for _ in range(settings.AXES_FAILURE_LIMIT):
+        attacker.post(reverse("login"), {"username": "bob", "password": "wrong"})
+    assert attacker.post(reverse("login"), {"username": "bob", "password": PASSWORD}).status_code == 429
+    assert via_proxy("198.51.100.7").post(reverse("login"), {"username": "bob", "password": PASSWORD}).status_code == 302
+    guesses = [attacker.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token pct_guess{i}").status_code for i in range(6)]
+    assert guesses[5] == 429
+    good = tokens.issue(viewer)
+    assert via_proxy("198.51.100.7").get("/api/nodes/", HTTP_AUTHORIZATION=f"Token {good}").status_code == 200
+    # Not from a listed proxy: the header is the sender's own words, and the connecting address counts.
+    forged = Client(REMOTE_ADDR="192.0.2.50", HTTP_X_FORWARDED_FOR="198.51.100.7")
+    answers = [forged.get("/api/nodes/", HTTP_AUTHORIZATION=f"Token pct_forged{i}").status_code for i in range(6)]
+    assert answers == [401] * 5 + [429]  # 192.0.2.50's own count, not 198.51.100.7's
+    assert via_proxy("198.51.100.7").get("/api/nodes/", HTTP_AUTHORIZATION="Token pct_other").status_code == 401
+
+
+def test_a_trusted_proxy_that_is_no_address_stops_the_settings_from_loading(tmp_path):
+    from tests.security.test_at_rest import _settings_load
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "SECRET_KEY_FILE", "DEBUG")}
+    base = {**env, "SECRET_KEY": "k" * 50, "PANEL_VAR_DIR": str(tmp_path)}
+    refused = _settings_load({**base, "TRUSTED_PROXIES": "10.0.0.5, proxy.example.com"})
+    assert refused.returncode != 0 and "TRUSTED_PROXIES: 'proxy.example.com' is not an address or a network" in refused.stderr
+    assert _settings_load({**base, "TRUSTED_PROXIES": "10.0.0.5, 10.1.0.0/16, ::1"}).returncode == 0
