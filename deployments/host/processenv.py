@@ -23,6 +23,9 @@ INHERITED = frozenset({
 INHERITED_PREFIXES = ("LC_",)
 # Set for every engine: models load from the local folder, and nothing is reported home.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# A media URL from an allowed domain may not redirect the engine elsewhere (169.254.169.254, a host on the GPU
+# node's network): the gateway checks the URL a caller sent, not where it leads. An admin may set it back.
+NO_MEDIA_REDIRECTS = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
 
 
 def inherited(environ: Mapping[str, str] | None = None, extra: frozenset[str] = frozenset()) -> dict[str, str]:
@@ -90,8 +93,9 @@ def secret_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 def deployment_env(env: Mapping[str, str], gpu_indices: Iterable[int] = ()) -> dict[str, str]:
     """What the panel sets for one deployment's engine: the `own` of engine_environ at launch, and the
     Environment= of its systemd unit (installed or downloaded). The offline defaults, then the
-    deployment's variables, then GPU numbering as NVML's and CUDA_VISIBLE_DEVICES for its GPUs."""
-    own = {**OFFLINE, **{str(k): str(v) for k, v in env.items()},
+    deployment's variables, then GPU numbering as NVML's and CUDA_VISIBLE_DEVICES for its GPUs. No media
+    redirects unless the deployment's variables say otherwise (an admin's: the name is not on the operator list)."""
+    own = {**OFFLINE, **NO_MEDIA_REDIRECTS, **{str(k): str(v) for k, v in env.items()},
            "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # NVML's indices; CUDA's default order may differ
     if gpu_indices:
         own["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_indices))

@@ -45,3 +45,21 @@ def test_a_launched_engine_process_sees_none_of_the_agents_secrets(tmp_path):
     assert seen["VLLM_X"] == "1" and "PATH" in seen
     leaked = {k for k, v in PANEL_SECRETS.items() if k in seen or any(v in value for value in seen.values())}
     assert not leaked, f"the engine saw {sorted(leaked)}"
+
+
+def test_an_engine_follows_no_media_redirect_unless_an_admin_allows_it():
+    """The gateway checks the media URL a caller sent against the route's domains, not where it redirects to (the
+    cloud's metadata address, a host on the GPU node's network): engines get VLLM_MEDIA_URL_ALLOW_REDIRECTS=0."""
+    from deployments import flagpolicy, privileged
+    from plumbing.errors import ServiceError
+
+    assert processenv.deployment_env({}, [0])["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+    assert processenv.deployment_env({"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1"})["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "1"
+    assert "VLLM_MEDIA_URL_ALLOW_REDIRECTS" not in flagpolicy.OPERATOR_ENV
+    try:
+        privileged.check(engine_args={}, env={"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1"}, model_dir="/m", admin=False)
+    except ServiceError as exc:
+        assert exc.code == "forbidden" and "VLLM_MEDIA_URL_ALLOW_REDIRECTS" in exc.message
+    else:
+        raise AssertionError("an operator turned media redirects back on")
+    privileged.check(engine_args={}, env={"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1"}, model_dir="/m", admin=True)
