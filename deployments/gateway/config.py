@@ -71,6 +71,7 @@ class Snapshot:
     keys: dict = field(default_factory=dict)  # digest -> Key
     targets: dict = field(default_factory=dict)  # deployment id -> Target
     by_name: dict = field(default_factory=dict)  # model name -> [deployment id] (active, ready or not)
+    peers: frozenset = frozenset()  # the nodes' addresses: where the gateways' own key may come from
 
 
 def digest(secret: str) -> str:
@@ -202,7 +203,8 @@ def load(node_name: str) -> Snapshot:
     for target in targets.values():
         for name in target.names:
             by_name.setdefault(name, []).append(target.id)
-    return Snapshot(keys=load_keys(), targets=targets, by_name=by_name)
+    peers = frozenset(a for a in Node.objects.exclude(address="").values_list("address", flat=True) if a)
+    return Snapshot(keys=load_keys(), targets=targets, by_name=by_name, peers=peers)
 
 
 def stamps() -> tuple:

@@ -25,9 +25,12 @@ def bearer(header: str) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def authenticate(snapshot: Snapshot, header: str, now: float | None = None, metrics: bool = False) -> Key:
+def authenticate(snapshot: Snapshot, header: str, now: float | None = None, metrics: bool = False,
+                 remote: str | None = None) -> Key:
     """The key an `Authorization: Bearer …` header carries, or Refused(401); Refused(403) for a key that is not
-    for this door: the scrape token opens engine metrics (`metrics`) and nothing else, and only it opens them."""
+    for this door: the scrape token opens engine metrics (`metrics`) and nothing else, and only it opens them; the
+    gateways' own key comes from a node's address only (`remote`: the caller's; it travels between nodes in clear
+    HTTP unless TLS is put in front, so a copy of it is useless from anywhere else)."""
     secret = bearer(header)
     if not secret:
         raise Refused(401, "invalid_api_key", "Send your key as 'Authorization: Bearer <key>'.",
@@ -39,6 +42,9 @@ def authenticate(snapshot: Snapshot, header: str, now: float | None = None, metr
         raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has been revoked.", kind="authentication_error")
     if key.expires_at is not None and key.expires_at <= (now if now is not None else time.time()):
         raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has expired.", kind="authentication_error")
+    if key.internal and remote is not None and remote not in snapshot.peers:
+        raise Refused(403, "forbidden", "The gateways' own key is for the panel's gateways, from their nodes only.",
+                      kind="permission_error")
     if key.scrape != metrics:
         raise Refused(403, "forbidden", "Engine metrics are for the panel's scrape token only." if metrics else
                       "The scrape token opens engine metrics only: send a caller key.", kind="permission_error")

@@ -139,7 +139,7 @@ class Gateway:
 
     def models(self, request) -> web.Response:
         try:
-            key = keyset.authenticate(self.snapshot, request.headers.get("Authorization", ""))
+            key = keyset.authenticate(self.snapshot, request.headers.get("Authorization", ""), remote=request.remote)
         except Refused as refusal:
             return error(refusal)
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "vllm-control-panel"}
@@ -169,7 +169,7 @@ class Gateway:
     async def proxy(self, request: web.BaseRequest) -> web.StreamResponse:
         snapshot = self.snapshot
         try:
-            key = keyset.authenticate(snapshot, request.headers.get("Authorization", ""))
+            key = keyset.authenticate(snapshot, request.headers.get("Authorization", ""), remote=request.remote)
             body, raw = await _body(request)
         except Refused as refusal:
             return error(refusal)

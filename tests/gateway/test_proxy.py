@@ -302,6 +302,23 @@ def test_engine_metrics_open_to_the_scrape_token_only_and_it_opens_nothing_else(
     assert post(gateway, caller, CHAT).status_code == 200  # and a caller's key still works
 
 
+def test_the_gateways_own_key_is_taken_from_a_nodes_address_only(node, sched):
+    """It travels between nodes in clear HTTP unless TLS is put in front: a copy is useless from anywhere else."""
+    make_deployment(node, sched.port)
+    peer = make_key(internal=True, name=config.INTERNAL_KEY_NAME)
+    Node.objects.exclude(pk=node.pk).update(address="")
+    Node.objects.filter(pk=node.pk).update(address="10.9.9.9")  # no node at 127.0.0.1, where this test calls from
+    with GatewayThread(node.name, ready_wait_s=1.0) as gw:
+        refused = post(gw, peer, CHAT)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["message"] == ("The gateways' own key is for the panel's gateways, from their "
+                                                      "nodes only.")
+        assert httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {peer}"}).status_code == 403
+        Node.objects.create(name="gw-peer", address="127.0.0.1")
+        gw.reload()
+        assert post(gw, peer, CHAT).status_code == 200  # from a node's address
+
+
 def test_the_gateway_reports_its_port_and_health(node, gateway):
     assert Node.objects.get(pk=node.pk).gateway_port == gateway.gateway.port
     assert httpx.get(gateway.url + "/healthz").json()["status"] == "ok"
