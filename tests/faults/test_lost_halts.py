@@ -13,6 +13,7 @@ agent's log, never from a clock: the seconds each took are the tests' figures (t
 which perf/fault_soak.py prints over a soak."""
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -67,9 +68,16 @@ def _killed_web(process_env, what: str, pk: int) -> None:
     COUNTS["web_killed_after_commit"] += 1
 
 
+PLAN_ENDED = re.compile(r"Task deployments\.deployment_run\[[^\]]+\] (?:succeeded|raised)")
+
+
+def _log(agent) -> str:
+    return open(agent.proc.log_path, encoding="utf-8", errors="replace").read()
+
+
 def _redriven(agent, name: str) -> int:
     """How many times the agent's log says it re-drove task `name`: proof the halt really was lost."""
-    return open(agent.proc.log_path, encoding="utf-8", errors="replace").read().count(f"re-driving {name}(")
+    return _log(agent).count(f"re-driving {name}(")
 
 
 @contextmanager
@@ -172,6 +180,10 @@ def test_a_halt_flushed_from_redis_right_after_the_stop_is_redriven(private_redi
     try:
         for attempt in range(KILLS):
             d = _ready(model, node, d)
+            # The plan ends a moment after the row reads ready; one still running when the Stop comes halts the
+            # engine it launched itself (test_stop_wins), and the halt would not be lost. Frozen after it ended.
+            wait_until(lambda: len(PLAN_ENDED.findall(_log(agent))) >= attempt + 1, timeout=GUARD_S,
+                       message="the deploy plan to end")
             # The agent frozen for the moment of the Stop: once its consumers' BRPOPs (1 s) have returned (Redis
             # counts no blocked client: a frozen agent sends no new one), the halt waits in Redis, where FLUSHALL
             # drops it, as a Redis restarted empty would. (A fixed 1.5 s wait let a late BRPOP take it, on a
