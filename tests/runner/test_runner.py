@@ -100,11 +100,13 @@ def test_chunks_that_arrive_together_share_the_gap_before_them(bunched):
     # The gap between reads, not the 0 between chunks of one read (a late read shortens the gap after it, so no
     # figure of the server's clock is asserted: this is an identity with the records).
     assert level.itl_ms["median"] == pytest.approx(ms(read_gaps(level))), (level.itl_ms, told)
-    assert level.itl_per_token_ms["median"] == pytest.approx(level.itl_ms["median"] / 4, rel=0.25)
+    # Per token: each read's gap spread over the chunks it brought, and TPOT: (E2E - TTFT) over the 31 tokens after
+    # the first, both identities with the records. (A ratio of the two medians, "itl / 4 within 25 %", failed on a
+    # busy host whose late reads brought 8 chunks at once: 2.51 against 1.62 ms.)
+    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=1)))
     assert level.itl_per_token_ms["p90"] > 0 and level.itl_per_token_ms["median"] > 0
-    # TPOT spreads (E2E - TTFT) over 31 tokens, 7 gaps over 28 of them beyond the first read's 4:
-    # 10 ms / 4 against 70 / 31 ms, one figure read two ways.
-    assert level.tpot_ms["median"] == pytest.approx(level.itl_per_token_ms["median"] * 28 / 31, rel=0.25)
+    assert level.tpot_ms["median"] == pytest.approx(ms([(r.chunk_times[-1] - r.chunk_times[0]) / 31
+                                                        for r in level.records if r.chunk_times[-1] > r.chunk_times[0]]))
 
 
 def test_several_tokens_per_chunk_and_several_chunks_per_read_multiply():
