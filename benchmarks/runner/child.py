@@ -130,9 +130,9 @@ def _kill(proc) -> None:
     shm = processes.shm_files(proc.pid)  # before the kill: the dead no longer say what they held
     try:
         proc.kill()
-        proc.wait()  # its exit code, before processes.kill() reaps it
-    except OSError:
-        pass
+        proc.wait(EXIT_WAIT_S)  # its exit code, before processes.kill() reaps it
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # stuck in the kernel: processes.kill() says who survived
     if not processes.kill(proc.pid):
         processes.remove_unused_shm(shm)
 

@@ -12,9 +12,9 @@ from .stats import percentile
 
 MAX_ENTRIES = 100_000
 TRACE_BLOCK_TOKENS = 512  # Mooncake's traces hash prompts in blocks of 512 tokens
-# A request's lengths: beyond the longest context any model serves (10M tokens, Llama 4 Scout). And a trace's
-# blocks in all (one hash id each, kept in memory by the preview and every run): 1M is 512M prompt tokens, ~3x
-# Mooncake's own published traces; an 80-byte line could otherwise ask for billions.
+# A request's lengths: at most the longest context any model serves (10M tokens, Llama 4 Scout). And a trace's
+# blocks in all (one hash id each, kept in memory by the preview and every run): 1M blocks is 512M prompt tokens;
+# an 80-byte line could otherwise ask for billions.
 MAX_TRACE_TOKENS = 10 * 2**20
 MAX_TRACE_BLOCKS = 1_000_000
 CHARS_PER_TOKEN = 4  # a ShareGPT reply's length in tokens, estimated (its text is not sent)

@@ -205,10 +205,11 @@ def domains_check(domains, admin: bool = False, kept=()) -> list[str]:
     out = []
     for domain in domains:
         text = domain.strip().lower().strip(".") if isinstance(domain, str) else ""
-        if not DOMAIN.match(text) and internal_domain(text) != "an IP address":
+        why = internal_domain(text)
+        if not DOMAIN.match(text) and why != "an IP address":
             raise ServiceError(f"{str(domain)[:60]!r} is not a domain name (e.g. images.example.com; its subdomains "
                                "are allowed too).", field="media_domains")
-        if (why := internal_domain(text)) and not admin and text not in kept:
+        if why and not admin and text not in kept:
             raise ServiceError(f"Needs the admin role: {text} is {why}; the engine would fetch from inside the GPU "
                                "host.", field="media_domains", code="forbidden")
         out.append(text)

@@ -29,7 +29,7 @@ from deployments.gateway.reload import Watcher
 log = logging.getLogger(__name__)
 
 FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"})
-CUT_TOKENS = "panel.cut_tokens"  # on the request: what a stream the caller cut had used (usage.streamed)
+CUT_TOKENS = web.RequestKey("cut_tokens", usage.Tokens)  # on the request: what a stream the caller cut had used
 STREAMS_USAGE = frozenset({"/v1/chat/completions", "/v1/completions"})  # accept stream_options.include_usage
 PIN = "X-Panel-Deployment"  # gateway to gateway: the deployment the origin chose (internal keys only)
 DOWN_S = 1.0  # an engine that refused a connection is skipped this long (or until the next reload)
@@ -330,17 +330,22 @@ class Gateway:
             broken = await sink.done
         except asyncio.CancelledError:  # the caller went away: so does the engine's request
             sink.finish(upstream.Broken("the caller went away"))
-            request[CUT_TOKENS] = sink.relay.tokens or usage.streamed(body, sink.relay.events)
+            request[CUT_TOKENS] = _used(sink, body)
             raise
         rest = sink.rest()
         transport = request.transport
         if broken is not None or transport is None or transport.is_closing():
             log.info("A stream from %s ended early: %s", target.name, broken or "the caller went away")
-            return response, sink.relay.tokens or usage.streamed(body, sink.relay.events), True
+            return response, _used(sink, body), True
         if rest:
             await response.write(rest)
         await response.write_eof()
         return response, sink.relay.tokens, False
+
+
+def _used(sink: upstream.Sink, body: dict) -> usage.Tokens:
+    """What a stream that ended early used: its usage event when one came, else what was forwarded of it."""
+    return sink.relay.tokens or usage.streamed(body, sink.relay.events)
 
 
 def _answer(answer: bytes, status: int, kind: str):

@@ -148,7 +148,10 @@ def prepare(store: str | Path, model_path: str | Path, key: str, user: osuser.En
             else:
                 os.chmod(folder, 0o700)
         if user.separate:
-            st = os.lstat(path) if os.path.lexists(path) else None
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                st = None
             if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid != user.uid):
                 # Made by an earlier agent as root: made again, never walked (what the engine wrote in a
                 # folder of its own is not root's to touch; the cost is one cold compile).

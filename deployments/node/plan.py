@@ -18,7 +18,7 @@ from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
 from deployments.node.guards import foreign_holders
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, mark_stopped,
-                                    model_ready, move, step, unit_install, unit_text)
+                                    model_ready, move, step, stop_requested, unit_install, unit_text)
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _run(deployment_id: int) -> Deployment:
         log.info("deployment %s: plan aborted by a stop request", d.name)
         _halt_own_launch(d)
     except (PlanFailed, processes.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
-        if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():  # e.g. the engine the Stop ended "exited"
+        if stop_requested(d):  # e.g. the engine the Stop ended "exited"
             log.info("deployment %s: %s, after a stop request: stopped, not failed", d.name, exc)
             _halt_own_launch(d)
         else:
@@ -99,7 +99,8 @@ def _halt_own_launch(d: Deployment) -> None:
     and the row is stopped with nothing left behind."""
     if not (d.pid or d.marker):
         return  # aborted before the launch: nothing of this plan's runs
-    lifecycle.still_running(d, tries=50, wait_s=0.1)  # until it carries its marker (or is gone)
+    if d.pid and processes.alive(d.pid, d.pid_create_time or 0.0):
+        lifecycle.still_running(d, tries=50, wait_s=0.1)  # until it carries its marker, after its exec
     try:
         message = halt_engine(d)
     except (processes.EngineError, systemd.SystemdError, PlanFailed) as exc:
@@ -315,7 +316,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                                                           load_detail=d.load_detail, log_tail=d.log_tail)
                 record_shm(d)
                 payloads.send_deployment_status(d)
-                if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+                if stop_requested(d):
                     raise Aborted("stop requested")
             if why := follow.exited():
                 raise PlanFailed(f"The engine exited while loading: {why}")

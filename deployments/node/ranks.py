@@ -33,7 +33,8 @@ from deployments.node import lifecycle, raycluster, units
 from deployments.node.cluster import head_address, multinode_args, rank_env, ranks_failed
 from deployments.node.crashes import deployment_crashed
 from deployments.node.lifecycle import RAY_TERM_S, STOP_TERM_S
-from deployments.node.steps import Aborted, PlanFailed, engine_user, make_room, model_ready, unit_install
+from deployments.node.steps import (Aborted, PlanFailed, engine_user, make_room, model_ready, stop_requested,
+                                    unit_install)
 from deployments.timeline import deployment_event
 from plumbing.queue import enqueue
 from plumbing.states import InvalidTransition
@@ -63,7 +64,7 @@ def ranks_wait(d: Deployment, states: set, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         ranks_failed(d)
-        if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+        if stop_requested(d):
             raise Aborted("stop requested")
         late = d.ranks.select_related("node").exclude(state__in=states)
         if not late.exists():

@@ -28,7 +28,7 @@ from deployments.models import Deployment, DeploymentRank
 from deployments.node import lifecycle
 from deployments.node.cluster import head_address, rank_env, ranks_failed
 from deployments.node.lifecycle import pgid_of
-from deployments.node.steps import Aborted, PlanFailed, engine_user
+from deployments.node.steps import Aborted, PlanFailed, engine_user, stop_requested
 
 S = Deployment.Status
 JOIN_TIMEOUT_S = 120.0  # Ray nodes start in a few seconds; on 2 shared cores with an engine loading, slower
@@ -134,7 +134,7 @@ def cluster_wait(d: Deployment) -> str:
     env = {**rank_env(d, head_address(d), d.gpu_indices), **auth_env(d)}  # no marker: not part of the cluster
     while True:
         ranks_failed(d)
-        if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+        if stop_requested(d):
             raise Aborted("stop requested")
         if not head_alive(d):
             last = processlog.tail(Path(d.log_path), 3) if d.log_path else []

@@ -59,10 +59,15 @@ def move(d: Deployment, status: str, message: str = "") -> None:
         changes.changed("deployments")
 
 
+def stop_requested(d: Deployment) -> bool:
+    """Someone pressed Stop since the plan began: the row reads stopping."""
+    return Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists()
+
+
 @contextmanager
 def step(d: Deployment, name: str):
     """A timeline step: start and end times, and its message (set `event.message` inside)."""
-    if Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+    if stop_requested(d):
         raise Aborted("stop requested")
     event = deployment_event(d, name, "…", ongoing=True)
     try:
@@ -192,7 +197,7 @@ def model_ready(d: Deployment, node: Node) -> str:
                     raise PlanFailed(f"The model's copy on {node} is {copy.get_state_display().lower()}.") from exc
                 copy.save()
             copy = model_copy_download(copy.pk, deployment_id=d.pk)  # a stop cancels only a download its plan started
-        if copy.state == ModelCopy.State.CANCELLED and Deployment.objects.filter(pk=d.pk, status=S.STOPPING).exists():
+        if copy.state == ModelCopy.State.CANCELLED and stop_requested(d):
             raise Aborted("stop requested")  # the stop cancelled it (repos.model_download_cancel_for)
         if copy.state != ModelCopy.State.READY:
             raise PlanFailed(f"The model could not be downloaded to {node}: {copy.error or copy.state}")
