@@ -113,8 +113,12 @@ class LoadWatch:
                 "resident_bytes": self.residency.resident if self.residency else None, "start": self.start}
 
     def ready(self) -> str:
-        """The API answered: the smoke test starts. Returns the comparison with the previous load."""
-        self.clock.enter("smoke_test", self.now())
+        """The API answered: the smoke test starts. Returns the comparison with the previous load.
+        The API answering is the API up, whether or not its log lines were read before /health answered."""
+        now = self.now()
+        if "api_up" not in (phase for phase, _, _ in self.clock.segments):
+            self.clock.enter("api_up", now)
+        self.clock.enter("smoke_test", now)
         return "; ".join(loadphases.compare(self.clock.totals(), self.previous or {}))
 
     def finish(self) -> None:

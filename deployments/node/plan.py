@@ -322,6 +322,9 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                 raise PlanFailed(f"The engine exited while loading: {why}")
             if vllm.health(base_url, timeout=1.0):
                 _answered_by_ours(d, base_url)
+                if lines := follow.read():  # written since the last read: "API up" among them
+                    watch.feed(lines)
+                    payloads.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
                 break
             idle = min(progress.idle_s(now), now - moved_at)
             if idle > d.stall_seconds:

@@ -52,6 +52,16 @@ def test_a_finished_load_keeps_its_phases_and_the_next_one_predicts_from_it():
     assert watch.history == [event.data["totals"]]
 
 
+def test_a_load_whose_api_lines_were_not_read_yet_when_the_api_answered_still_has_its_api_up_phase():
+    """/health can answer between one read of the log and the next (CI: a busy host's Gantt had no "API up"):
+    the API answering is the API up, whatever the log has said so far."""
+    lines = CPU_LOG.splitlines()
+    before_api = lines[:next(i for i, line in enumerate(lines) if "init engine" in line)]
+    _, _, _, event = _load(DeploymentFactory(), lines=before_api)
+    phases = [p for p, _, _ in event.data["segments"]]
+    assert phases[-2:] == ["api_up", "smoke_test"]
+
+
 def test_other_flags_are_another_history_and_another_node_is_scaled_by_its_disk():
     d = DeploymentFactory(node=NodeFactory(disk_read={"bps": 2e9}))
     _load(d)

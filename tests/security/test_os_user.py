@@ -21,7 +21,7 @@ ENGINE = osuser.EngineUser(name="vllm-engine", uid=990, gid=990, groups=(44,), h
 
 def test_the_node_page_says_who_engines_run_as(tmp_path, client, viewer, unique):
     with mock.patch("deployments.host.gpu.inventory", autospec=True, side_effect=gpu.NvmlUnavailable("none")), \
-            mock.patch("deployments.node.reconcile.node_engine_report", autospec=True):
+            mock.patch.object(Agent, "_report_engine", autospec=True):  # its thread would outlive the test
         agent = Agent(name=f"cpu-{unique}", model_store=str(tmp_path), address="", version="t")
         agent.register()
     facts = Node.objects.get(pk=agent.node_id).engine_user
