@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 from django.utils import timezone
 
-from deployments import contextfit, kvcalibration, payloads, selectors, warmstart
+from deployments import contextfit, kvcalibration, payloads, secrets, selectors, warmstart
 from deployments.host import compilecache, loadphases, pagecache
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 
@@ -81,6 +81,13 @@ class LoadWatch:
 
     def now(self) -> float:
         return time.time() - self.t0
+
+    def read(self, follow) -> None:
+        """The lines `follow` (a lifecycle.LogFollow) finds written since its last read: fed to the phases and
+        sent to the page, redacted."""
+        if lines := follow.read():
+            self.feed(lines)
+            payloads.send_log_lines(self.d.pk, secrets.redact_lines(self.d, lines[-200:]))
 
     def feed(self, lines: list[str]) -> None:
         now = self.now()

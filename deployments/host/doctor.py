@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deployments.host import disk, gpu
+from deployments.host import disk, door, firewall, gpu
 
 PASS, WARN, FAIL, UNKNOWN = "pass", "warn", "fail", "unknown"
 # The oldest Linux driver for each CUDA runtime (NVIDIA's CUDA toolkit release notes, table 3).
@@ -37,8 +37,11 @@ class Check:
 
 
 def run(*, root: str = "/", facts: gpu.HostFacts | None = None, nvml_error: str = "", engine_cuda: str | None = None,
-        disk_path: str = "/", largest_recipe_bytes: int | None = None, largest_recipe: str = "") -> list[Check]:
-    """Every check, in the order the node page lists them. `facts` None: NVML is unavailable (`nvml_error`)."""
+        disk_path: str = "/", largest_recipe_bytes: int | None = None, largest_recipe: str = "",
+        engines: dict[str, int] | None = None) -> list[Check]:
+    """Every check, in the order the node page lists them. `facts` None: NVML is unavailable (`nvml_error`).
+    `engines` ({name: API port} of the engines running here): audited for routes open without a key; None skips
+    the door and the audit (fixture trees)."""
     checks = [driver_check(facts, nvml_error, engine_cuda)]
     if facts is not None and facts.gpus:
         checks += [topology_check(facts), p2p_check(facts), pcie_check(facts), bar_check(facts),
@@ -46,6 +49,8 @@ def run(*, root: str = "/", facts: gpu.HostFacts | None = None, nvml_error: str 
     multi = facts is not None and len(facts.gpus) > 1
     checks += [iommu_check(root, multi), acs_check(root, multi), uvm_check(root, facts is not None, multi),
                disk_check(disk_path, largest_recipe_bytes, largest_recipe)]
+    if engines is not None:
+        checks += [door_check(), exposure_check(engines)]
     return checks
 
 
@@ -260,6 +265,46 @@ def disk_check(path: str, largest_bytes: int | None, largest: str = "") -> Check
         return Check("disk", WARN, f"{free / 2**30:,.0f} GiB free in the model store, less than {what}",
                      "free space, or point the model store (MODEL_STORE) at a bigger disk", data)
     return Check("disk", PASS, f"{free / 2**30:,.0f} GiB free in the model store, room for {what}", "", data)
+
+
+# --- who can reach an engine ------------------------------------------------------------------------------
+
+# Engine routes asked without a key by the exposure audit: the OpenAI API vLLM keys, and routes it never keys.
+EXPOSURE_ROUTES = ("/v1/chat/completions", "/invocations", "/tokenize", "/collective_rpc", "/pause", "/metrics")
+
+
+def door_check() -> Check:
+    """Whether engine ports answer only the agent's uid here (host/door.py)."""
+    shut, why = door.door_check()
+    if shut:
+        return Check("engine_door", PASS, why)
+    return Check("engine_door", FAIL, f"engine ports answer every local user: {why}",
+                 "run the agent as root with nftables and CAP_NET_ADMIN, and PANEL_FIREWALL on")
+
+
+def exposure_check(engines: dict[str, int]) -> Check:
+    """Each running engine's routes asked without a key, as an unprivileged uid (`nobody`), on this host: every
+    route that answers is a door the gateway does not guard. `engines`: {deployment name: API port}."""
+    if not engines:
+        return Check("exposure", PASS, "no engine running here to audit")
+    if os.geteuid() != 0:
+        return Check("exposure", UNKNOWN, "not audited: the agent is not root, so it cannot ask as another uid")
+    try:
+        answers = door.ask_as(door.NOBODY, {port: list(EXPOSURE_ROUTES) for port in engines.values()})
+    except firewall.FirewallError as exc:
+        return Check("exposure", UNKNOWN, f"not audited: {exc}")
+    found = {name: {route: status for route, status in answers.get(port, {}).items()
+                    if isinstance(status, int) and status not in (401, 403)}
+             for name, port in engines.items()}
+    found = {name: routes for name, routes in found.items() if routes}
+    data = {"engines": engines, "answers": {str(k): v for k, v in answers.items()}, "open": found}
+    if not found:
+        return Check("exposure", PASS, f"{len(engines)} engine(s) asked as uid {door.NOBODY} without a key: "
+                     "no route answered", "", data)
+    listed = "; ".join(f"{name}: " + ", ".join(f"{route} ({status})" for route, status in routes.items())
+                       for name, routes in found.items())
+    return Check("exposure", FAIL, f"any local user reaches engines without a key — {listed}",
+                 "shut the loopback door (see the engine_door check), then restart these engines", data)
 
 
 # --- the engine's CUDA, and NCCL presets that follow the topology ---------------------------------------------

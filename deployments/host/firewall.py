@@ -18,6 +18,8 @@ accepts what another firewall drops. A process started under a cgroup of its own
 engine container) is matched in that cgroup and not moved. `release(key)` removes the key's element and chain
 (and its cgroup) once the group is gone; `sweep()` does it for groups that ended while no agent watched.
 
+The table also holds the loopback door of every engine's API port (host/door.py).
+
 Where nft, cgroup v2 or CAP_NET_ADMIN is missing, or the match does not work (the self-test in `check()`
 fails), multi-node and Ray deployments are refused with the reason; `PANEL_FIREWALL=off` on an agent turns
 the firewall off there (its timeline says so) for hosts whose cluster network is isolated by other means.
@@ -44,6 +46,7 @@ NFT_CGROUP_BASE = Path("/sys/fs/cgroup")  # nft resolves a cgroupv2 path under t
 LEVEL = 2  # the depth of the cgroups matched: panel-engines/<key>, system.slice/<unit>.service
 LOCK = Path("/run/panel-engines-nft.lock")
 _checked: str | None = None  # the self-test passed in this process
+BASE_CHAINS = {"input", "output"}  # the table's own chains, never a group's
 
 
 class FirewallError(EngineError):
@@ -354,13 +357,13 @@ def _rebuild(drop: set[str]) -> None:
     longer name those, so they cannot be deleted one by one), and delete every chain no element jumps to. One
     nft transaction: at no moment is a live group unguarded. No table yet (a fresh host, where no multi-node
     or Ray group was ever guarded): nothing to drop."""
-    if not _table_exists():
+    if not _table_exists() or "input" not in _chains():  # no group was ever guarded here (the door only)
         return
     keep = {path: chain for path, chain in _elements().items()
             if chain not in drop and (NFT_CGROUP_BASE / path).is_dir()}
     script = f"flush map inet {TABLE} guarded\n" + "".join(
         f"add element inet {TABLE} guarded {_element(path, chain)}\n" for path, chain in keep.items())
-    script += "".join(f"delete chain inet {TABLE} {chain}\n" for chain in _chains() - set(keep.values()) - {"input"})
+    script += "".join(f"delete chain inet {TABLE} {chain}\n" for chain in _chains() - set(keep.values()) - BASE_CHAINS)
     _nft(script)
 
 
@@ -403,3 +406,4 @@ def _rmdir(root: Path, key: str) -> None:
         (root / PARENT / key).rmdir()
     except OSError:
         pass  # processes left (EBUSY) or already gone
+

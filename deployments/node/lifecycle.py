@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.host import firewall, osuser, ownership, processes, processlog, systemd
+from deployments.host import door, firewall, osuser, ownership, processes, processlog, systemd
 from deployments.models import Deployment, DeploymentRank, EngineProcess
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,8 @@ def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
     (`unit_install(argv, env, log_path, cwd) -> main PID`), else as a process group of its own. Returns the PID."""
     marker = spec.marker or ownership.new_marker(deployment_of(p).pk)
     env = marked_env(spec.env, marker, spec.role)
+    if port := api_port(p, spec.role):
+        door.shut(port, deployment_of(p).node.name)  # before it binds: its routes answer only the agent and gateway
     save(p, marker=marker, log_path=str(spec.log_path))
     if unit_of(p) and unit_install is not None:
         pid = unit_install(spec.argv, env, str(spec.log_path), spec.cwd)
@@ -125,6 +127,11 @@ def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
     if d.master_port:  # multi-node or Ray: its cluster ports admit only the deployment's nodes (the API server
         firewall.guard(marker, [p.pid], node_addresses(d))  # listens on loopback: the node's gateway is the door)
     return p.pid
+
+
+def api_port(p: EngineProcess, role: str = ENGINE) -> int | None:
+    """The port of the engine's API server (the head's engine; worker ranks and Ray nodes serve none)."""
+    return None if isinstance(p, DeploymentRank) or role != ENGINE else p.port
 
 
 def node_addresses(d: Deployment) -> list[str]:
@@ -253,6 +260,7 @@ def halt(p: EngineProcess, term_s: float = STOP_TERM_S) -> Halted:
     survived = bool(result and result.survivors)
     if not survived:
         processes.remove_unused_shm(set(p.shm_files or []))
+        door.reopen(api_port(p), deployment_of(p).node.name)  # the port leaves the door's set
     tail = "\n".join(processlog.tail(Path(p.log_path), TAIL_LINES)) if p.log_path else p.log_tail
     save(p, pid=None, pgid=None, pid_create_time=None, log_tail=tail,
          **({} if survived else {"shm_files": []}), **({"marker": ""} if not survived else {}))

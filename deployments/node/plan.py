@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import claims, engineapikey, loads, payloads, secrets, warmstart
+from deployments import claims, engineapikey, loads, payloads, warmstart
 from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
@@ -292,10 +292,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
     with step(d, "load") as event:
         watch.event_id = event.pk
         while True:
-            lines = follow.read()
-            watch.feed(lines)
-            if lines:
-                payloads.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
+            watch.read(follow)
             now = time.monotonic()
             current = _gpu_memory(d.gpu_indices)
             if any(abs((current.get(i) or 0) - (memory.get(i) or 0)) > 64 << 20 for i in current):
@@ -322,9 +319,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                 raise PlanFailed(f"The engine exited while loading: {why}")
             if vllm.health(base_url, timeout=1.0):
                 _answered_by_ours(d, base_url)
-                if lines := follow.read():  # written since the last read: "API up" among them
-                    watch.feed(lines)
-                    payloads.send_log_lines(d.pk, secrets.redact_lines(d, lines[-200:]))
+                watch.read(follow)  # what was written since the last read: "API up" among it
                 break
             idle = min(progress.idle_s(now), now - moved_at)
             if idle > d.stall_seconds:

@@ -28,6 +28,7 @@ KINDS = {k.name: k for k in (
     Kind("download_failed", "Download failed", ERROR),
     Kind("disk_low", "Disk below threshold", WARNING, "disk"),
     Kind("node_offline", "Node offline", ERROR, "offline"),
+    Kind("engine_exposed", "Engine reachable without a key", CRITICAL, "exposure"),
     Kind("gpu_ecc", "GPU ECC errors", ERROR, "ecc"),
     Kind("gpu_thermal", "GPU temperature high", WARNING, "thermal"),
     Kind("slo_breached", "SLO breached", WARNING, "slo"),

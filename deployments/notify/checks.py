@@ -1,5 +1,6 @@
 """Periodic conditions, from what the control plane already has: each node's heartbeat (offline, back), its
-model store's free space (the heartbeat's figures), its GPUs' last telemetry sample (ECC errors, temperature),
+model store's free space (the heartbeat's figures), its host doctor's exposure audit (engines answering local
+users without a key), its GPUs' last telemetry sample (ECC errors, temperature),
 crash episodes that ended (a deployment up again long enough), and each SLO against its engine's last kept
 figures (the agent's reading of the engine's own /metrics over 5 minutes). One pass is conditions_check(), run by beat
 (schedule.py) on the control queue; a test calls it directly. A condition fires once and resolves once: seen
@@ -64,6 +65,12 @@ def node_check(node: Node, sample: dict | None) -> None:
         _condition("disk_low", "disk", node, low, f"Node {node.name}: model store {percent:.1f} % free",
                    f"{node.disk_free / 2**30:.1f} GiB free of {node.disk_total / 2**30:.1f} GiB (threshold {threshold:g} %).",
                    f"Node {node.name}: model store {percent:.1f} % free again.", free_bytes=node.disk_free)
+    exposure = next((c for c in (node.host_checks or {}).get("checks") or [] if c.get("name") == "exposure"), None)
+    if exposure is not None:  # the host doctor's audit: engine routes any local user reached without a key
+        _condition("engine_exposed", "exposure", node, exposure.get("status") == "fail",
+                   f"Node {node.name}: engines answer local users without a key", exposure.get("summary", ""),
+                   f"Node {node.name}: engine ports answer only the panel again.",
+                   engines=sorted((exposure.get("data") or {}).get("open") or {}))
     if not sample or not node.online:
         return
     gpus = sample.get("gpus") or []

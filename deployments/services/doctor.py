@@ -10,10 +10,10 @@ from django.utils import timezone
 
 from deployments import flagpolicy
 from deployments.host import doctor, gpu
-from deployments.models import Node, Recipe
+from deployments.models import Deployment, Node, Recipe
 
 log = logging.getLogger(__name__)
-__all__ = ["DOCTOR_EVERY_S", "node_doctor_run", "largest_recipe", "layout_warnings"]
+__all__ = ["DOCTOR_EVERY_S", "door_shut", "node_doctor_run", "largest_recipe", "layout_warnings", "running_engines"]
 DOCTOR_EVERY_S = 600.0  # the agent runs the checks again this often (a BIOS or module change needs a reboot anyway)
 # Checks whose failure breaks GPU-to-GPU traffic: they matter to any layout over more than one GPU.
 MULTI_GPU_CHECKS = ("p2p", "iommu", "acs", "uvm_hmm", "pcie")
@@ -30,7 +30,8 @@ def node_doctor_run(node_id: int, model_store: str, root: str = "/") -> dict:
         size, name = largest_recipe()
         checks = doctor.run(root=root, facts=facts, nvml_error=nvml_error,
                             engine_cuda=doctor.engine_cuda(getattr(settings, "VLLM_BIN", "vllm")),
-                            disk_path=model_store or "/", largest_recipe_bytes=size, largest_recipe=name)
+                            disk_path=model_store or "/", largest_recipe_bytes=size, largest_recipe=name,
+                            engines=running_engines(node_id))
         kind = doctor.topology_kind(facts) if facts and facts.gpus else "none"
         p2p_ok = all(c.status == doctor.PASS for c in checks if c.name == "p2p")
         report = {"at": timezone.now().isoformat(), "checks": doctor.as_data(checks), "topology": kind,
@@ -40,6 +41,18 @@ def node_doctor_run(node_id: int, model_store: str, root: str = "/") -> dict:
         report = {"at": timezone.now().isoformat(), "checks": [], "error": str(exc)[:300]}
     Node.objects.filter(pk=node_id).update(host_checks=report)
     return report
+
+
+def running_engines(node_id: int) -> dict[str, int]:
+    """{name: API port} of the engines serving or asleep on this node: what the exposure audit asks."""
+    up = Deployment.objects.filter(node_id=node_id, status__in=Deployment.UP).exclude(port=None)
+    return dict(up.values_list("name", "port"))
+
+
+def door_shut(node: Node) -> bool:
+    """The node's doctor proved engine ports answer only its agent (the engine_door check passed)."""
+    return any(c.get("name") == "engine_door" and c.get("status") == doctor.PASS
+               for c in (node.host_checks or {}).get("checks") or [])
 
 
 def largest_recipe() -> tuple[int | None, str]:

@@ -43,7 +43,7 @@ def test_the_report_is_stored_on_the_node_with_the_topology_and_its_nccl_presets
     assert node.host_checks == report and report["topology"] == "PCIe"
     names = [c["name"] for c in report["checks"]]
     assert names == ["driver", "topology", "p2p", "pcie", "bar", "persistence", "ecc", "clocks", "iommu", "acs",
-                     "uvm_hmm", "disk"]
+                     "uvm_hmm", "disk", "engine_door", "exposure"]
     assert [p["name"] for p in report["nccl_presets"]] == ["PCIe, low concurrency", "PCIe, high concurrency"]
     disk = next(c for c in report["checks"] if c["name"] == "disk")
     assert "moonshotai/Kimi-K2.5" in disk["summary"] and disk["data"]["largest"] == 714 * GB

@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 
 from deployments.gateway.models import Route
-from deployments.models import Deployment
+from deployments.models import Deployment, Node
 from deployments.node import sleep
 from deployments.services import deploys, sleepgate, sleeps
 from panelctl import cli
@@ -69,11 +69,14 @@ def test_a_sleep_mode_deploy_shares_gpus_with_sleep_mode_deployments_and_replace
     assert plain.pk not in sleepgate.sharers(gpu_node, [1], True)
 
 
-def test_only_an_admin_turns_sleep_mode_on_and_an_operator_may_redeploy_what_an_admin_set_up(gpu_node, sent):
-    """Sleep mode means VLLM_SERVER_DEV_MODE=1: vLLM's development routes answer any local process without a key."""
+def test_where_engine_ports_answer_everyone_only_an_admin_turns_sleep_mode_on_and_an_operator_may_redeploy_it(
+        gpu_node, sent):
+    """Sleep mode means VLLM_SERVER_DEV_MODE=1: vLLM's development routes answer whoever reaches the port without a
+    key. The node's doctor never proved its loopback door shut here (no engine_door check passed)."""
     operator, admin = UserFactory(role="operator"), UserFactory(role="admin")
     model = _on(gpu_node, 1, status=S.STOPPED).model
-    with pytest.raises(ServiceError, match="Needs the admin role: sleep mode .*VLLM_SERVER_DEV_MODE=1") as refused:
+    with pytest.raises(ServiceError, match="Needs the admin role on g1: its engine ports answer every local user "
+                                           r"\(see the node's engine_door check\).*VLLM_SERVER_DEV_MODE=1") as refused:
         deploys.deployment_create(model=model, node=gpu_node, gpu_indices=[0], port=9101, engine_args={}, env={},
                                   name="op", sleep_mode=True, user=operator)
     assert refused.value.code == "forbidden" and not Deployment.objects.filter(name="op").exists()
@@ -81,7 +84,7 @@ def test_only_an_admin_turns_sleep_mode_on_and_an_operator_may_redeploy_what_an_
                                       name="op", user=operator)
     Deployment.objects.filter(pk=plain.pk).update(status=S.READY)
     plain.refresh_from_db()
-    with pytest.raises(ServiceError, match="Needs the admin role: sleep mode") as refused:  # nor on a redeploy
+    with pytest.raises(ServiceError, match="Needs the admin role on g1") as refused:  # nor on a redeploy
         deploys.deployment_redeploy(plain, sleep_mode=True, user=operator)
     assert refused.value.code == "forbidden" and not Deployment.objects.get(pk=plain.pk).sleep_mode
     plain.refresh_from_db()
@@ -91,6 +94,24 @@ def test_only_an_admin_turns_sleep_mode_on_and_an_operator_may_redeploy_what_an_
     made.refresh_from_db()
     again = deploys.deployment_redeploy(made, user=operator)  # what an admin set up, redeployed as it is
     assert again.sleep_mode and again.status == S.QUEUED
+
+
+def test_an_operator_turns_sleep_mode_on_where_the_nodes_doctor_proved_the_door_shut(gpu_node, sent):
+    """The door (host/firewall.py) keeps every uid but the agent's off engine ports, dev routes included: the
+    admin-only rule had no reason left there. A failed or missing engine_door check keeps it."""
+    operator = UserFactory(role="operator")
+    model = _on(gpu_node, 1, status=S.STOPPED).model
+    for status in ("fail", "unknown"):
+        Node.objects.filter(pk=gpu_node.pk).update(host_checks={"checks": [{"name": "engine_door", "status": status}]})
+        gpu_node.refresh_from_db()
+        with pytest.raises(ServiceError, match="Needs the admin role on g1"):
+            deploys.deployment_create(model=model, node=gpu_node, gpu_indices=[0], port=9101, engine_args={}, env={},
+                                      name="op", sleep_mode=True, user=operator)
+    Node.objects.filter(pk=gpu_node.pk).update(host_checks={"checks": [{"name": "engine_door", "status": "pass"}]})
+    gpu_node.refresh_from_db()
+    made = deploys.deployment_create(model=model, node=gpu_node, gpu_indices=[0], port=9101, engine_args={}, env={},
+                                     name="op", sleep_mode=True, user=operator)
+    assert made.sleep_mode and made.status == S.QUEUED
 
 
 def test_sleep_is_asked_of_the_node_only_for_a_ready_sleep_mode_deployment(gpu_node, sent):

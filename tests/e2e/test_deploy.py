@@ -11,7 +11,7 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from deployments.host import processes
+from deployments.host import door, processes
 from deployments.models import Deployment
 from tests.conftest import free_port, wait_until
 from tests.e2e.holders import record_whole_host_holders
@@ -55,6 +55,8 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     assert "Loading safetensors checkpoint shards" in page.locator("#log").text_content()
     first = Deployment.objects.get(name="tiny-a")
     assert first.smoke["completion_tokens"] > 0 and processes.members(first.pgid)
+    if door.door_check()[0]:  # the launch shut its port: another uid is refused on every route (host/door.py)
+        assert door.reach_as(door.NOBODY, "127.0.0.1", [first_port]) == {first_port: "ConnectionRefusedError"}
     # What the load found cached is the timeline's figure above, taken when the pre-warm ended. The page cache read
     # again now is not asserted: other work on a shared machine evicts it meanwhile (CI saw 93.1 % here).
 

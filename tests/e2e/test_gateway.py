@@ -3,6 +3,7 @@ engine key and a reasoning parser) and of known-schedule servers (tests/schedser
 import asyncio
 import datetime
 import json
+import os
 import re
 import secrets
 import sys
@@ -17,7 +18,7 @@ from django.utils import timezone
 
 from deployments.gateway import changes
 from deployments.gateway.models import CallerKey, Usage
-from deployments.host import processes, processlog, serveargv, vllm
+from deployments.host import door, processes, processlog, serveargv, vllm
 from deployments.models import Deployment
 from tests.conftest import VLLM, free_port, run_async, wait_until
 from tests.factories import NodeFactory
@@ -184,6 +185,34 @@ def test_vllm_routes_outside_the_openai_api_are_404_through_the_gateway(cpu_engi
                  "/server_info", "/is_sleeping", "/start_profile", "/stop_profile", "/v1/completions/render",
                  "/v1/chat/completions/render", "/inference/v1/generate"]:
         assert httpx.post(gateway + path, json={"model": "tiny"}, headers=bearer(key)).status_code == 404, path
+
+
+@pytest.mark.tools  # nftables: ./panel test installs it
+@pytest.mark.skipif(os.geteuid() != 0, reason="nftables and another uid need root")
+def test_behind_the_door_no_route_of_the_real_engine_answers_another_uid_and_the_gateway_still_serves(
+        cpu_engine, process_env, spawn, monkeypatch):
+    """vLLM 0.32 keys only /v1 (and a few prefixes): /invocations and /tokenize answered `nobody` without a key.
+    The door (host/firewall.py) refuses the connection itself, so no route answers, dev routes included; the
+    gateway (the agent's uid) still serves with a caller's key."""
+    port, engine_key = cpu_engine
+    routes = ["/invocations", "/tokenize", "/v1/chat/completions", "/collective_rpc", "/pause", "/metrics", "/health"]
+    before = door.ask_as(door.NOBODY, {port: routes})[port]
+    assert before["/v1/chat/completions"] == 401, before  # keyed
+    for route in ("/invocations", "/tokenize", "/metrics", "/health"):  # not keyed: reachable by any local user
+        assert isinstance(before[route], int) and before[route] not in (401, 403, 404), (route, before)
+    monkeypatch.setattr(door, "_door", None)
+    door.shut(port, "gw-e2e-door")
+    try:
+        after = door.ask_as(door.NOBODY, {port: routes})[port]
+        assert set(after.values()) == {"ConnectionRefusedError"}, after
+        node = NodeFactory(name="gw-e2e-door", address="127.0.0.1")
+        make_deployment(node, port, served="tiny", engine_key=engine_key)
+        key = make_key()
+        gateway = start_gateway(spawn, process_env, node.name)
+        reply = httpx.post(gateway + "/v1/chat/completions", json=CHAT, headers=bearer(key), timeout=120)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+    finally:
+        door.reopen(port, "gw-e2e-door")
 
 
 def test_usage_matches_the_engines_own_usage_fields_exactly(cpu_engine, process_env, spawn):
