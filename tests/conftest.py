@@ -128,13 +128,30 @@ def pytest_runtest_logreport(report):
         _slow_ids.add(report.nodeid)
 
 
+_door_before: set[int] = set()
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        from deployments.host import door
+
+        _door_before.update(door.door_ports())
+
+
 def pytest_sessionfinish(session):
-    """An xdist worker hands the faults it injected (tests/truestate.COUNTS) to the controller, which prints them."""
+    """An xdist worker hands the faults it injected (tests/truestate.COUNTS) to the controller, which prints them.
+    The controller, once every worker ended, takes the ports the suite's engines put in the loopback door's set
+    (host/door.py) out again: plans run against fake engines that no test stops would otherwise leave ports such
+    as 8000 closed to every other user of the machine."""
     if hasattr(session.config, "workeroutput"):
         from tests.truestate import COUNTS
 
         session.config.workeroutput["fault_counts"] = dict(COUNTS)
         session.config.workeroutput["lock_waits"] = dict(_lock_waits)
+    elif not hasattr(session.config, "workerinput"):
+        from deployments.host import door
+
+        door._drop(set(door.door_ports()) - _door_before)
 
 
 @pytest.hookimpl(optionalhook=True)

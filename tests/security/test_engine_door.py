@@ -127,7 +127,7 @@ def test_a_launch_shuts_the_engines_port_before_it_binds_and_a_halt_reopens_it(t
 
 @pytest.mark.django_db
 def test_the_exposure_audit_turns_an_open_engine_into_a_red_check_and_an_alert_and_clears_both_once_shut(
-        engine, tmp_path):
+        engine, owner, tmp_path):
     node = NodeFactory(name="exposed-node")
     DeploymentFactory(node=node, name="open-engine", port=engine, status=Deployment.Status.READY)
     report = doctor_service.node_doctor_run(node.pk, str(tmp_path), root=str(tmp_path))
@@ -141,7 +141,7 @@ def test_the_exposure_audit_turns_an_open_engine_into_a_red_check_and_an_alert_a
     alert = Alert.objects.get(node=node, kind="engine_exposed", resolved=None)
     assert "engines answer local users without a key" in alert.title and alert.data["engines"] == ["open-engine"]
 
-    door.shut(engine, node.name)
+    door.shut(engine, owner)
     report = doctor_service.node_doctor_run(node.pk, str(tmp_path), root=str(tmp_path))
     by_name = {c["name"]: c for c in report["checks"]}
     assert by_name["engine_door"]["status"] == doctor.PASS and doctor_service.door_shut(node.__class__.objects.get(pk=node.pk))
