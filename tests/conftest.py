@@ -128,21 +128,12 @@ def pytest_runtest_logreport(report):
         _slow_ids.add(report.nodeid)
 
 
-_door_before: set[int] = set()
-
-
-def pytest_sessionstart(session):
-    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
-        from deployments.host import door
-
-        _door_before.update(door.door_ports())
-
-
 def pytest_sessionfinish(session):
     """An xdist worker hands the faults it injected (tests/truestate.COUNTS) to the controller, which prints them.
-    The controller, once every worker ended, takes the ports the suite's engines put in the loopback door's set
-    (host/door.py) out again: plans run against fake engines that no test stops would otherwise leave ports such
-    as 8000 closed to every other user of the machine."""
+    The controller, once every worker ended, takes out of the loopback door's set (host/door.py) the ports whose
+    shutting process is gone and nothing listens on: plans run against fake engines that no test stops would
+    otherwise leave ports such as 8000 closed to every other user of the machine. Never the ports of a run beside
+    this one while its workers and agents live."""
     if hasattr(session.config, "workeroutput"):
         from tests.truestate import COUNTS
 
@@ -151,7 +142,11 @@ def pytest_sessionfinish(session):
     elif not hasattr(session.config, "workerinput"):
         from deployments.host import door
 
-        door._drop(set(door.door_ports()) - _door_before)
+        import psutil
+
+        listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        door._drop({port for port, (_, pid) in door.door_elements().items()
+                    if not psutil.pid_exists(pid) and port not in listening})
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -357,12 +352,14 @@ def unique():
 
 
 @pytest.fixture
-def process_env(transactional_db):
-    """Environment for child processes (agents, workers) that must see the test database."""
+def process_env(transactional_db, tmp_path_factory):
+    """Environment for child processes (agents, workers) that must see the test database; their agents read local
+    models from the tests' own folders."""
     from django.conf import settings
     from django.db import connection
 
     env = dict(os.environ)
+    env["LOCAL_MODEL_ROOTS"] = str(tmp_path_factory.getbasetemp())
     db = connection.settings_dict
     if db["ENGINE"].endswith("sqlite3"):
         env["DATABASE_URL"] = f"sqlite:///{db['NAME']}"

@@ -20,9 +20,8 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
-from pathlib import Path
 
+from deployments.host import osuser
 from deployments.host.firewall import TABLE, FirewallError, _Lock, _nft, _nft_bin, _refused, _table_exists, enabled
 
 NOBODY = 65534  # the unprivileged uid the door is proven against
@@ -130,13 +129,10 @@ def ask_as(uid: int, routes: dict[int, list[str]]) -> dict[int, dict[str, int | 
 
 
 def _world_python() -> str:
-    """A Python interpreter any uid may run (the agent's own may sit under root's 0700 home, as pyenv's does)."""
-    for candidate in (sys.executable, shutil.which("python3"), "/usr/bin/python3", "/usr/local/bin/python3"):
-        if candidate and os.path.exists(candidate):
-            real = Path(os.path.realpath(candidate))
-            if real.stat().st_mode & 0o001 and all(parent.stat().st_mode & 0o001 for parent in real.parents):
-                return str(real)
-    raise FirewallError("no Python interpreter here that another uid may run", permanent=True)
+    python = osuser.any_python()
+    if python is None:
+        raise FirewallError("no Python interpreter here that another uid may run", permanent=True)
+    return python
 
 
 def shut(port: int, owner: str) -> str:
@@ -146,7 +142,7 @@ def shut(port: int, owner: str) -> str:
     shut_here, why = door_check()
     if not shut_here:
         return f"Port {port} answers every local user: {why}."
-    element = f'{int(port)} comment "{_owner(owner)}"'
+    element = f'{int(port)} comment "{_owner(owner)} {os.getpid()}"'
     with _Lock():
         _ensure_door()
         # add, delete, add again in one transaction: the port is never open, and its owner is the new one.
@@ -162,6 +158,11 @@ def _owner(name: str) -> str:
 
 def door_ports() -> dict[int, str]:
     """{port: owner} of the door's set now (empty without a table)."""
+    return {port: owner for port, (owner, _) in door_elements().items()}
+
+
+def door_elements() -> dict[int, tuple[str, int]]:
+    """{port: (owner, PID of the process that shut it)} of the door's set now (empty without a table)."""
     nft = shutil.which("nft")
     out = subprocess.run([nft, "-j", "list", "set", "inet", TABLE, "engine_ports"], capture_output=True, text=True,
                          timeout=20) if nft else None
@@ -171,9 +172,10 @@ def door_ports() -> dict[int, str]:
     for item in json.loads(out.stdout).get("nftables", []):
         for e in item.get("set", {}).get("elem", []):
             if isinstance(e, dict):
-                found[e["elem"]["val"]] = e["elem"].get("comment", "")
+                owner, _, pid = e["elem"].get("comment", "").partition(" ")
+                found[e["elem"]["val"]] = (owner, int(pid) if pid.isdigit() else 0)
             elif isinstance(e, int):
-                found[e] = ""
+                found[e] = ("", 0)
     return found
 
 

@@ -352,3 +352,14 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))
+
+
+def any_python() -> str | None:
+    """A Python interpreter any uid may run, for a child that drops to another user (the agent's own may sit under
+    root's 0700 home, as pyenv's does); None when there is none."""
+    for candidate in (sys.executable, shutil.which("python3"), "/usr/bin/python3", "/usr/local/bin/python3"):
+        if candidate and os.path.exists(candidate):
+            real = Path(os.path.realpath(candidate))
+            if real.stat().st_mode & 0o001 and all(parent.stat().st_mode & 0o001 for parent in real.parents):
+                return str(real)
+    return None
