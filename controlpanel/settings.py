@@ -308,6 +308,9 @@ SPECTACULAR_SETTINGS = {
 
 # --- the panel's own knobs --------------------------------------------------------------
 MODEL_STORE = env_str("MODEL_STORE", str(VAR_DIR / "models"))
+# Folders an agent reads local models from ("Add a local folder"), beside its model store: set by whoever runs the
+# node (an admin), read as the engine user (deployments/host/store.py).
+LOCAL_MODEL_ROOTS = env_list("LOCAL_MODEL_ROOTS", "")
 NODE_NAME = env_str("NODE_NAME", "")  # default: this machine's hostname
 WEB_GC_THRESHOLD = tuple(int(x) for x in env_list("WEB_GC_THRESHOLD", "10000,20,100"))  # see controlpanel/asgi.py
 WEB_THREADS = env_int("WEB_THREADS", 16)

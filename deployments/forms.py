@@ -24,7 +24,9 @@ class ModelAddForm(forms.Form):
 class LocalModelForm(forms.Form):
     node = forms.ModelChoiceField(queryset=Node.objects.all())
     path = forms.CharField(label="Folder on the node", max_length=1024, validators=[validators.validate_local_path],
-                           widget=forms.TextInput(attrs={"placeholder": "/models/my-model"}))
+                           widget=forms.TextInput(attrs={"placeholder": "/models/my-model"}),
+                           help_text="Below the node's model store or a folder its admin declared (LOCAL_MODEL_ROOTS on "
+                                     "its agent); read as the engine user.")
 
 
 class DownloadForm(forms.Form):

@@ -15,7 +15,9 @@ def start_panel(var: Path, children: launcher.Children, **env: str) -> dict:
     (the engine, a CHANNELS_PREFIX of the run's, ...). Returns the environment, for the children the script starts."""
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")} | {
         "PANEL_VAR_DIR": str(var), "DATABASE_URL": f"sqlite:///{var / 'panel.sqlite3'}", "CPU_HOST_EXCLUSIVE": "0",
-        "DJANGO_SETTINGS_MODULE": "controlpanel.settings", "SECRET_KEY": secrets.token_urlsafe(50), **env}
+        "DJANGO_SETTINGS_MODULE": "controlpanel.settings", "SECRET_KEY": secrets.token_urlsafe(50),
+        # The run's own folders and the repository's var/ (the tiny model): where the scripts' local models lie.
+        "LOCAL_MODEL_ROOTS": f"{var},{Path(__file__).resolve().parent.parent / 'var'}", **env}
     env["REDIS_URL"] = launcher.start_embedded_redis(children, env, var)
     os.environ.update(env)
     import django

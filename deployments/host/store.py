@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import os
 import re
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from deployments.host import folderlist, osuser
 from deployments.host.errors import HostError
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -49,31 +53,38 @@ def model_dir(store: str | Path, repo_id: str, revision: str) -> Path:
 MAX_FILES = 20_000  # the largest Hub models have a few hundred files
 
 
-def inspect_local(path: str | Path) -> LocalModel:
-    """List a local model folder and read its config.json."""
+def inspect_local(path: str | Path, roots: list[str], run_as=None) -> LocalModel:
+    """List a local model folder and read its config.json: only below one of `roots` (the folders an admin declared
+    for local models, the model store among them), and read as `run_as` (the engine user, an osuser.EngineUser; None
+    or not separate: this process) in a child of its own, so root never reads a folder on an operator's word."""
     root = Path(path)
     if not root.is_absolute():
         raise StoreError(f"{path} is not an absolute path")
-    if not root.is_dir():
-        raise StoreError(f"{path} is not a folder on this node")
-    # A model folder has a config.json at its top: checked before walking, so "/" or a home folder
-    # is refused at once instead of being walked file by file.
-    if not (root / "config.json").is_file():
-        raise StoreError(f"{path} has no config.json: not a model folder")
-    files = []
-    for p in root.rglob("*"):
-        if p.is_file() and ".partial" not in p.parts:
-            files.append((str(p.relative_to(root)), p.stat().st_size))
-            if len(files) > MAX_FILES:
-                raise StoreError(f"{path} holds more than {MAX_FILES} files: not a model folder")
-    files.sort()
-    config = None
-    if (root / "config.json").is_file():
+    real = os.path.realpath(root)
+    allowed = [os.path.realpath(r) for r in roots if r]
+    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in allowed):
+        raise StoreError(f"{path} is outside the folders this node reads models from ({', '.join(allowed) or 'none'}): "
+                         "an admin adds one with LOCAL_MODEL_ROOTS on the node's agent")
+    if run_as is not None and run_as.separate:
         try:
-            config = json.loads((root / "config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise StoreError(f"{root / 'config.json'} is not valid JSON: {exc}") from exc
-    return LocalModel(path=str(root), files=files, config=config, total_size=sum(size for _, size in files))
+            python = osuser.any_python()
+            if python is None:
+                raise StoreError("no Python interpreter here that the engine user may run")
+            out = subprocess.run([python, "-I", "-S", "-c", inspect.getsource(folderlist), real, str(MAX_FILES)],
+                                 user=run_as.uid, group=run_as.gid, extra_groups=list(run_as.groups), cwd="/",
+                                 capture_output=True, text=True, timeout=300)
+            found = json.loads(out.stdout)
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            raise StoreError(f"cannot read {path} as {run_as.name}: {exc}") from exc
+        if "error" in found:
+            raise StoreError(f"{found['error']} (read as {run_as.name}, who runs the engines)")
+    else:
+        try:
+            found = folderlist.listing(real, MAX_FILES)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from exc
+    files = [(str(p), int(size)) for p, size in found["files"]]
+    return LocalModel(path=real, files=files, config=found["config"], total_size=sum(size for _, size in files))
 
 
 def remove(path: str | Path, store: str | Path) -> int:

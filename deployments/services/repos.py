@@ -8,7 +8,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from deployments import claims, modelconfig, modelfit, payloads
-from deployments.host import compilecache, hub, store
+from deployments.host import compilecache, hub, osuser, store
 from deployments.modelcopies import (hf_token, model_copy_download, model_copy_progress,  # noqa: F401 - the node's part,
                                      node_refresh_disk)  # beneath both sides; its names are services' API too
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
@@ -143,8 +143,9 @@ def model_inspect_local(model_id: int, node_id: int) -> ModelRepo:
     model = ModelRepo.objects.get(pk=model_id)
     node = Node.objects.get(pk=node_id)
     try:
-        local = store.inspect_local(model.local_path)
-    except store.StoreError as exc:
+        local = store.inspect_local(model.local_path, [node.model_store, *settings.LOCAL_MODEL_ROOTS],
+                                    run_as=osuser.current())
+    except (store.StoreError, osuser.EngineUserError) as exc:
         model.inspect_error = str(exc)
         model.save(update_fields=["inspect_error"])
         return model

@@ -1,11 +1,12 @@
 """Models and downloads, with the Hub replaced at the host/hub.py boundary."""
 import json
+import os
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
-from deployments.host import downloads, hub
+from deployments.host import downloads, hub, osuser
 from deployments.models import ModelCopy, ModelRepo, Secret
 from deployments.services import fitgate, repos
 from plumbing.errors import ServiceError
@@ -207,7 +208,9 @@ def test_an_agent_restart_queues_its_unfinished_downloads_again(sent_tasks):
     assert repos.model_copies_resume(node) == [running.pk]
 
 
-def test_a_local_folder_becomes_a_ready_copy_on_its_node(tmp_path):
+def test_a_local_folder_becomes_a_ready_copy_on_its_node(tmp_path, settings, monkeypatch):
+    settings.LOCAL_MODEL_ROOTS = [str(tmp_path)]
+    monkeypatch.setattr(osuser, "current", lambda: osuser.EngineUser("me", os.getuid(), os.getgid(), separate=False))
     (tmp_path / "config.json").write_text((CONFIGS / "llama-3.1-8b-instruct.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     node = NodeFactory()

@@ -15,7 +15,7 @@ from deployments.gateway import reload as gateway_reload
 from deployments.gateway.server import FORWARDED
 from deployments.gateway.models import CallerKey, Usage
 from deployments.models import Deployment, Node
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 from tests.gateway.conftest import GatewayThread, make_deployment, make_key
 from tests.schedserver import SchedServer
 
@@ -140,31 +140,36 @@ def test_an_alias_reaches_the_engine_under_its_served_name(node, sched, gateway)
     assert wait_for(lambda: Usage.objects.filter(model_name="kimi").exists())
 
 
-def test_rps_limit_answers_429_with_retry_after(node, sched, gateway):
+def test_rps_limit_answers_429_with_retry_after(node, sched, gateway, monkeypatch):
+    """The limiter's clock is the test's: a host so busy that each request took longer than the refill (CI: ten
+    200s in a row at 2/s) cannot make the refusal a race."""
+    from deployments.gateway import limits
+
+    now = [1000.0]
+    monkeypatch.setattr(limits, "clock", lambda: now[0])
     make_deployment(node, sched.port)
     key = make_key(rps_limit=2)
     gateway.reload()
-    codes = []
-    for _ in range(10):  # a burst of two passes; the next refusal comes once a request beats the refill (2/s)
-        refused = post(gateway, key, CHAT)
-        codes.append(refused.status_code)
-        if refused.status_code == 429:
-            break
-    assert codes[:2] == [200, 200] and codes[-1] == 429, codes
-    assert refused.headers["Retry-After"] == "1"
-    assert 0 < int(refused.headers["retry-after-ms"]) <= 500
-    time.sleep(0.6)
+    codes = [post(gateway, key, CHAT).status_code for _ in range(3)]  # a burst of two passes, the third waits
+    assert codes == [200, 200, 429], codes
+    refused = post(gateway, key, CHAT)
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    assert refused.headers["retry-after-ms"] == "500"  # one token at 2/s
+    now[0] += 0.5
     assert post(gateway, key, CHAT).status_code == 200
+    assert post(gateway, key, CHAT).status_code == 429
 
 
 def test_concurrency_and_token_limits_answer_429(node, gateway):
-    with SchedServer(ttft_ms=300, gap_ms=1, default_max_tokens=4) as slow:
+    # The first request is still at the server when the second is sent (waited for, not slept on: a busy host
+    # reached the gateway later than a fixed 0.1 s), and stays there 3 s.
+    with SchedServer(ttft_ms=3000, gap_ms=1, default_max_tokens=4) as slow:
         make_deployment(node, slow.port)
         one_at_a_time, budget = make_key(max_concurrency=1), make_key(tpm_limit=10)
         gateway.reload()
         first = threading.Thread(target=post, args=(gateway, one_at_a_time, CHAT))
         first.start()
-        time.sleep(0.1)
+        wait_until(lambda: slow.server.requests_total == 1, timeout=30, interval=0.01, message="the first request in flight")
         assert post(gateway, one_at_a_time, CHAT).status_code == 429
         first.join()
         assert post(gateway, budget, CHAT).status_code == 200  # 3 + 8 tokens: over 10 now

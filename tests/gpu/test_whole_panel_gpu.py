@@ -47,7 +47,8 @@ class Panel:
         self.password = secrets.token_urlsafe(16)
         env = {k: v for k, v in os.environ.items() if k not in NOT_THE_PANELS}
         env.update(PANEL_VAR_DIR=str(self.var), VLLM_BIN=str(vllm), PANEL_ADMIN_USER="admin",
-                   PANEL_ADMIN_PASSWORD=self.password, PYTHONUNBUFFERED="1")
+                   PANEL_ADMIN_PASSWORD=self.password, PYTHONUNBUFFERED="1",
+                   LOCAL_MODEL_ROOTS=str(base))  # the test's model folders, as an admin would declare them
         self.log = base / "panel.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "panelctl.launcher", "start", "--port", str(self.port),

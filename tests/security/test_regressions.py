@@ -1,5 +1,6 @@
 """Small 500s and hangs found while reading the code, each kept as a regression test."""
 import json
+import os
 from unittest import mock
 
 import pytest
@@ -46,11 +47,11 @@ def test_a_system_folder_is_refused_as_a_local_model(operator, path, sent_tasks)
 def test_the_agent_refuses_to_walk_a_folder_without_a_config(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "big.bin").write_bytes(b"x")
-    with mock.patch.object(type(tmp_path), "rglob", autospec=True) as walk, pytest.raises(store.StoreError, match="config.json"):
-        store.inspect_local(tmp_path)
+    with mock.patch.object(os, "walk", autospec=True) as walk, pytest.raises(store.StoreError, match="config.json"):
+        store.inspect_local(tmp_path, [str(tmp_path)])
     assert not walk.called
     (tmp_path / "config.json").write_text(json.dumps({}))
-    assert store.inspect_local(tmp_path).files == [("a/big.bin", 1), ("config.json", 2)]
+    assert store.inspect_local(tmp_path, [str(tmp_path)]).files == [("a/big.bin", 1), ("config.json", 2)]
 
 
 @pytest.mark.parametrize("target", ["https://evil.example/", "//evil.example/x", "http:/\\evil.example", "javascript:alert(1)"])

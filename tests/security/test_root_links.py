@@ -144,3 +144,47 @@ def test_a_compile_cache_folder_an_earlier_agent_made_as_root_is_made_again_not_
     again = compilecache.prepare(store, store / "org--m", "k1", engine)
     assert again.warm and again.bytes == 1
 
+
+@pytest.mark.django_db
+def test_a_local_model_folder_is_read_as_the_engine_user_and_only_below_the_declared_roots(place, engine, secret,
+                                                                                         settings, monkeypatch):
+    """An operator named a `root:root 0700` folder as a local model, and the agent (root) listed it and read its
+    config.json for every viewer. Now only folders below the model store or LOCAL_MODEL_ROOTS are read, and read as
+    the engine user: what it cannot read, the panel does not show."""
+    from deployments.models import ModelRepo
+    from deployments.services import repos
+    from tests.factories import NodeFactory
+
+    models = place / "models"
+    model = models / "tiny"
+    model.mkdir(parents=True)
+    configs = Path(__file__).parent.parent / "fixtures" / "configs"
+    (model / "config.json").write_text((configs / "llama-3.1-8b-instruct.json").read_text())
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    for path in (models, model):
+        path.chmod(0o755)
+    (secret / "config.json").write_text('{"model_type": "llama", "hidden": "root only"}')
+    monkeypatch.setattr(osuser, "current", lambda: engine)
+    node = NodeFactory(model_store=str(place / "store"))
+    settings.LOCAL_MODEL_ROOTS = [str(models)]
+
+    def inspected(path):
+        row = ModelRepo.objects.create(repo_id=f"local/{uuid.uuid4().hex[:6]}", revision=path, local_path=path)
+        return repos.model_inspect_local(row.pk, node.pk)
+
+    outside = inspected(str(secret))  # not below a declared root: refused before anything is read
+    assert outside.inspect_error.startswith(f"{secret} is outside the folders this node reads models from "
+                                            f"({place / 'store'}, {models}): an admin adds one with LOCAL_MODEL_ROOTS")
+    assert outside.files == [] and outside.config == {}
+    settings.LOCAL_MODEL_ROOTS = [str(place)]  # declared now: read as the engine user, who may not
+    denied = inspected(str(secret))
+    assert "not a folder this node's engines may read" in denied.inspect_error or "has no config.json" in denied.inspect_error
+    assert denied.inspect_error.endswith(f"(read as {engine.name}, who runs the engines)")
+    assert denied.files == [] and denied.config == {} and not denied.copies.exists()
+    link = models / "link-to-secret"  # a link from inside a root to outside it: judged where it leads
+    link.symlink_to(secret)
+    settings.LOCAL_MODEL_ROOTS = [str(models)]
+    assert "is outside the folders" in inspected(str(link)).inspect_error
+    ok = inspected(str(model))
+    assert ok.inspect_error == "" and [f["path"] for f in ok.files] == ["config.json", "model.safetensors"]
+    assert ok.copies.get(node=node).state == "ready"
