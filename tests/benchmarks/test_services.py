@@ -66,8 +66,10 @@ def test_a_real_sweep_stores_each_level_with_the_schedules_figures():
     points = list(run.points.all())
     assert [p.concurrency for p in points] == [1, 4]
     for p in points:
-        # The schedule's order (never before the server's 40 ms; content after two reasoning chunks), not a stopwatch.
-        assert 40 <= p.ttft_ms["median"] < p.ttfc_ms["median"] < p.e2e_ms["median"]
+        # The schedule's order (never before the server's 40 ms; content after two reasoning chunks), not a stopwatch:
+        # an order, not a gap (a busy host's client read the reasoning and the first content in one read: CI saw
+        # TTFT = TTFC = 390.157 ms at the median).
+        assert 40 <= p.ttft_ms["median"] <= p.ttfc_ms["median"] <= p.e2e_ms["median"]
         assert p.output_tokens == 16 * p.num_requests and p.reasoning_tokens == 4 * p.num_requests
         assert p.content_tokens == 12 * p.num_requests and p.failed_requests == 0
     assert run.single_stream_tok_s == pytest.approx(points[0].tok_s_per_user)
