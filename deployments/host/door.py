@@ -93,12 +93,7 @@ print(json.dumps(out))
 
 def reach_as(uid: int, host: str, ports: list[int]) -> dict[int, str]:
     """{port: "open" or why not} for TCP connections made by a child running as `uid` (root only)."""
-    try:
-        out = subprocess.run([_world_python(), "-I", "-S", "-c", _CONNECT, host, *map(str, ports)], user=uid, group=uid,
-                             extra_groups=[], capture_output=True, text=True, timeout=30, cwd="/")
-        return {int(k): v for k, v in json.loads(out.stdout).items()}
-    except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise FirewallError(f"cannot connect as uid {uid}: {exc}", permanent=True) from exc
+    return {int(k): v for k, v in _as(uid, _CONNECT, [host, *map(str, ports)], 30).items()}
 
 
 _ASK = """import http.client, json, sys
@@ -120,19 +115,14 @@ print(json.dumps(out))
 def ask_as(uid: int, routes: dict[int, list[str]]) -> dict[int, dict[str, int | str]]:
     """{port: {route: HTTP status, or why no answer}} for GETs without a key made by a child running as `uid`
     (root only). GET only: it acts on nothing (a POST-only route answers 405, which shows it is reachable)."""
+    return {int(k): v for k, v in _as(uid, _ASK, [json.dumps(routes)], 60).items()}
+
+
+def _as(uid: int, source: str, args: list[str], timeout: float) -> dict:
     try:
-        out = subprocess.run([_world_python(), "-I", "-S", "-c", _ASK, json.dumps(routes)], user=uid, group=uid,
-                             extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
-        return {int(k): v for k, v in json.loads(out.stdout).items()}
+        return osuser.python_as(source, args, uid, uid, timeout=timeout)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        raise FirewallError(f"cannot ask as uid {uid}: {exc}", permanent=True) from exc
-
-
-def _world_python() -> str:
-    python = osuser.any_python()
-    if python is None:
-        raise FirewallError("no Python interpreter here that another uid may run", permanent=True)
-    return python
+        raise FirewallError(f"cannot connect as uid {uid}: {exc}", permanent=True) from exc
 
 
 def shut(port: int, owner: str) -> str:

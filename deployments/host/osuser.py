@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import grp
 import os
 import pwd
@@ -363,3 +364,14 @@ def any_python() -> str | None:
             if real.stat().st_mode & 0o001 and all(parent.stat().st_mode & 0o001 for parent in real.parents):
                 return str(real)
     return None
+
+
+def python_as(source: str, args: list[str], uid: int, gid: int, groups=(), timeout: float = 60):
+    """Run Python `source` with `args` as `uid` (root only) in a child of its own and return the JSON it printed;
+    OSError (no interpreter that uid may run, or the child cannot start), SubprocessError or ValueError otherwise."""
+    python = any_python()
+    if python is None:
+        raise OSError("no Python interpreter here that another uid may run")
+    out = subprocess.run([python, "-I", "-S", "-c", source, *args], user=uid, group=gid, extra_groups=list(groups),
+                         capture_output=True, text=True, timeout=timeout, cwd="/")
+    return json.loads(out.stdout)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import os
 import re
 import shutil
@@ -67,13 +66,8 @@ def inspect_local(path: str | Path, roots: list[str], run_as=None) -> LocalModel
                          "an admin adds one with LOCAL_MODEL_ROOTS on the node's agent")
     if run_as is not None and run_as.separate:
         try:
-            python = osuser.any_python()
-            if python is None:
-                raise StoreError("no Python interpreter here that the engine user may run")
-            out = subprocess.run([python, "-I", "-S", "-c", inspect.getsource(folderlist), real, str(MAX_FILES)],
-                                 user=run_as.uid, group=run_as.gid, extra_groups=list(run_as.groups), cwd="/",
-                                 capture_output=True, text=True, timeout=300)
-            found = json.loads(out.stdout)
+            found = osuser.python_as(inspect.getsource(folderlist), [real, str(MAX_FILES)], run_as.uid, run_as.gid,
+                                     run_as.groups, timeout=300)
         except (OSError, subprocess.SubprocessError, ValueError) as exc:
             raise StoreError(f"cannot read {path} as {run_as.name}: {exc}") from exc
         if "error" in found:
