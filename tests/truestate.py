@@ -212,21 +212,13 @@ def _session_of(pid: int) -> int | None:
         return None
 
 
-def _held() -> set[str]:
-    from deployments.host import processes
-
-    held = set()
-    for pid in psutil.pids():
-        held |= processes._shm_paths_of(pid)
-    return held
-
-
 def stale_shm() -> list[str]:
     """/dev/shm files of this test's engines (see ShmWatch) that are still there and that no live
-    process maps or holds open."""
+    process maps or holds open (by inode: processes.unused_shm)."""
+    from deployments.host import processes
+
     assert WATCH is not None, "no ShmWatch for this test: use tests/faults' fixture or set truestate.WATCH"
-    ours = WATCH.ours()
-    return sorted(p for p in ours - _held() if Path(p).exists())
+    return processes.unused_shm(WATCH.ours())
 
 
 def assert_true_state(d, folder):

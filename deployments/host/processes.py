@@ -268,17 +268,50 @@ def kill(pgid: int, timeout_s: float = 10.0) -> list[int]:
     return survivors
 
 
+def shm_inodes_in_use() -> set[int]:
+    """The /dev/shm files some live process holds open or maps, by inode: a file's name is not enough, since
+    glibc's sem_open maps a semaphore under a temporary name it then unlinks (its creator's maps read
+    `/dev/shm/sem.XXXXXX (deleted)` while the semaphore lives on as `sem.mp-…`)."""
+    inodes = set()
+    for pid in psutil.pids():
+        proc_dir = f"/proc/{pid}"
+        try:
+            for fd in os.listdir(f"{proc_dir}/fd"):
+                try:
+                    if os.readlink(f"{proc_dir}/fd/{fd}").startswith(f"{SHM_DIR}/"):
+                        inodes.add(os.stat(f"{proc_dir}/fd/{fd}").st_ino)
+                except OSError:
+                    continue
+            with open(f"{proc_dir}/maps") as maps:
+                for line in maps:
+                    if f" {SHM_DIR}/" in line:
+                        inodes.add(int(line.split(None, 5)[4]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return inodes
+
+
+def unused_shm(paths: set[str]) -> list[str]:
+    """Those of `paths` that exist and that no live process holds open or maps."""
+    in_use = shm_inodes_in_use()
+    unused = []
+    for path in sorted(paths):
+        try:
+            if os.stat(path).st_ino not in in_use:
+                unused.append(path)
+        except OSError:
+            continue
+    return unused
+
+
 def remove_unused_shm(paths: set[str]) -> list[str]:
     """Delete those of `paths` that no live process holds open or mapped (what an engine left)."""
     # Only plain files directly in /dev/shm: the list comes back from the database.
     paths = {p for p in paths if Path(p).parent == SHM_DIR and ".." not in Path(p).parts}
     if not paths:
         return []
-    in_use = set()
-    for pid in psutil.pids():
-        in_use |= _shm_paths_of(pid)
     removed = []
-    for path in sorted(paths - in_use):
+    for path in unused_shm(paths):
         try:
             os.unlink(path)
             removed.append(path)

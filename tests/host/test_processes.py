@@ -131,3 +131,33 @@ def test_a_deployments_env_is_the_offline_defaults_then_its_own_variables_then_i
     assert env["VLLM_NO_USAGE_STATS"] == "0"  # the deployment's own wins over the panel's default
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # the GPUs it was given win over a typed value
     assert "CUDA_VISIBLE_DEVICES" not in processenv.deployment_env({}, [])
+
+
+def test_a_live_semaphore_is_held_though_its_creator_maps_it_under_another_name():
+    """glibc's sem_open makes a semaphore under a temporary name, maps it, links the real name and unlinks the
+    temporary one: its creator's /proc/<pid>/maps reads `/dev/shm/sem.XXXXXX (deleted)`, never `sem.mp-…`. Held
+    by path alone, a live Python semaphore looked unused and was removed, and the spawned child that was about to
+    open it died (`SemLock._rebuild`: FileNotFoundError; a benchmark worker beside a fault test did). Held is by
+    the file itself (its inode)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    lock = ctx.Lock()
+    path = f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}"
+    assert Path(path).exists() and path not in processes._shm_paths_of(os.getpid())  # invisible by its name
+    assert processes.remove_unused_shm({path}) == [] and Path(path).exists()
+    child = ctx.Process(target=_take, args=(lock,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    del lock  # its creator lets go: now it is unused, and removed (Python's finalizer would have unlinked it)
+    import gc
+
+    gc.collect()
+    left = Path(path)
+    assert not left.exists() or processes.remove_unused_shm({path}) == [path]
+
+
+def _take(lock) -> None:
+    with lock:
+        pass
