@@ -346,6 +346,12 @@ ENGINE_PORT_FIRST = env_int("ENGINE_PORT_FIRST", 8100)
 RECIPES_DIR = env_str("RECIPES_DIR", "")
 # Each node's gateway, the one public door to its engines: http://<node address>:GATEWAY_PORT/v1.
 GATEWAY_PORT = env_int("GATEWAY_PORT", 4000)
+# TLS on every node's gateway, for callers and for the other nodes' gateways (set on every node, or none):
+# the node's certificate and key in PEM (its address in the subject alternative names), and the CA the
+# gateways check each other's certificates against (the system's store when empty). docs/gateway.md.
+GATEWAY_TLS_CERT = env_str("GATEWAY_TLS_CERT", "")
+GATEWAY_TLS_KEY = env_str("GATEWAY_TLS_KEY", "")
+GATEWAY_TLS_CA = env_str("GATEWAY_TLS_CA", "")
 # URL prefixes a benchmark may target besides deployments (benchmarks/allowlist.py); default none.
 BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")
 # What one benchmark may ask for (benchmarks/caps.py, refused with a 400 naming the limit): requests per

@@ -207,7 +207,8 @@ def engine_scrape_targets() -> list[dict]:
             "gpus").order_by("name"):
         groups.append({
             "targets": [f"{d.node.address or '127.0.0.1'}:{d.node.gateway_port or settings.GATEWAY_PORT}"],
-            "labels": {"__metrics_path__": f"/engines/{d.pk}/metrics", "node": d.node.name, "deployment": d.name,
+            "labels": {"__metrics_path__": f"/engines/{d.pk}/metrics",
+                       "__scheme__": "https" if settings.GATEWAY_TLS_CERT else "http", "node": d.node.name, "deployment": d.name,
                        "model": str(d.model), "gpus": ",".join(map(str, d.gpu_indices))},
         })
     return groups

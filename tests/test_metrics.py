@@ -184,7 +184,8 @@ def test_service_discovery_lists_each_ready_engine_with_its_labels(viewer_client
     # The engine listens on loopback; its node's gateway serves its /metrics to the scrape key.
     assert response.json() == [{
         "targets": [f"{ready.node.address}:{settings.GATEWAY_PORT}"],
-        "labels": {"__metrics_path__": f"/engines/{ready.pk}/metrics", "node": ready.node.name, "deployment": ready.name,
+        "labels": {"__metrics_path__": f"/engines/{ready.pk}/metrics", "__scheme__": "http", "node": ready.node.name,
+                   "deployment": ready.name,
                    "model": str(ready.model), "gpus": "0,1"},
     }]
     ready.node.gateway_port = 4321  # what the node's gateway reported at its start

@@ -7,14 +7,11 @@ when deployments/gateway/changes.py's version moves, or when the database's own 
 """
 import gc
 import hashlib
-import hmac
 import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from django.conf import settings
-from django.contrib.auth import get_user_model
-from django.db import IntegrityError
 from django.db.models import Count, Max
 
 from deployments import callit, sealed
@@ -26,7 +23,6 @@ log = logging.getLogger(__name__)
 # vLLM 0.32's --max-num-seqs defaults for its API server (vllm/engine/arg_utils.py
 # get_batch_defaults): 1024 on GPUs of 70 GB or more (A100 excepted), else 256; 128 per rank on CPUs.
 BIG_GPU_BYTES = 70 * 1024**3
-INTERNAL_KEY_NAME = "gateway"
 SCRAPE_KEY_NAME = "prometheus"  # the internal key whose secret is the scrape token (deployments/scrapekey.py)
 NONE = frozenset()
 
@@ -41,11 +37,14 @@ class Key(NamedTuple):
     deployments: frozenset  # deployment ids; empty: any
     expires_at: float | None  # epoch seconds
     revoked: bool
-    internal: bool  # the gateways' own key: gateway to gateway
+    internal: bool  # PEER: another node's gateway (peers.py)
     rps: float | None
     tpm: int | None
     concurrency: int | None
     scrape: bool = False  # Prometheus's scrape token (scrapekey.py): engine metrics, nothing else
+
+
+PEER = Key(0, "gateway", frozenset(), frozenset(), None, False, True, None, None, None)  # what a peer gateway is
 
 
 @dataclass(frozen=True)
@@ -54,11 +53,12 @@ class Target:
 
     id: int
     name: str  # the deployment's slug
+    node: str  # its (head) node's name
     names: tuple  # model names callers may use: the served name, then the route's aliases
     served: str  # what the engine itself answers to: the body's "model" is rewritten to it
     url: str
     address: tuple  # (host, port) of `url`
-    bearer: str  # the engine key (local) or the gateways' internal key (remote)
+    bearer: str  # the engine key (local); remote: "" (the peer key is made per request)
     local: bool
     ready: bool
     max_in_flight: int
@@ -71,36 +71,11 @@ class Snapshot:
     keys: dict = field(default_factory=dict)  # digest -> Key
     targets: dict = field(default_factory=dict)  # deployment id -> Target
     by_name: dict = field(default_factory=dict)  # model name -> [deployment id] (active, ready or not)
-    peers: frozenset = frozenset()  # the nodes' addresses: where the gateways' own key may come from
+    peers: dict = field(default_factory=dict)  # node name -> address: where each peer gateway's key may come from
 
 
 def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def internal_secret() -> str:
-    """The key gateways send to each other: derived from SECRET_KEY, which every node of a panel shares, so no
-    node has to store or fetch it; only its digest is in the database (internal_key_ensure)."""
-    raw = hmac.new(settings.SECRET_KEY.encode(), b"vllm control panel: gateway to gateway", hashlib.sha256).hexdigest()
-    return "vcp-" + raw[:43]
-
-
-def internal_key_ensure() -> bool:
-    """Make sure the internal gateway key exists (owned by the first superuser, as the Prometheus key is);
-    False when there is no user to own it yet (then remote deployments are not routed to)."""
-    secret_digest = digest(internal_secret())
-    if CallerKey.objects.filter(digest=secret_digest).exists():
-        return True
-    users = get_user_model().objects.order_by("-is_superuser", "id")
-    owner = users.first()
-    if owner is None:
-        return False
-    try:
-        CallerKey.objects.create(owner=owner, name=INTERNAL_KEY_NAME, prefix=internal_secret()[:12],
-                                 digest=secret_digest, internal=True)
-    except IntegrityError:
-        pass  # another node's gateway made it first
-    return True
 
 
 def default_in_flight(d: Deployment) -> int:
@@ -147,9 +122,11 @@ def _load_keys() -> dict:
                                              "internal", "name", "rps_limit", "tpm_limit", "max_concurrency"):
         key_id, prefix, key_digest, names, expires, revoked, internal, name, rps, tpm, conc = row
         scrape = internal and name == SCRAPE_KEY_NAME
+        if internal and not scrape:
+            continue  # an earlier release's shared gateway key: peers now use peers.py's, one per node pair
         keys[key_digest] = Key(key_id, prefix, frozenset(n for n in names or () if isinstance(n, str)) if names else NONE,
                                frozenset(scopes[key_id]) if key_id in scopes else NONE, _epoch(expires),
-                               revoked is not None, internal and not scrape, rps, tpm, conc, scrape)
+                               revoked is not None, False, rps, tpm, conc, scrape)
     return keys
 
 
@@ -164,7 +141,7 @@ def revoked_since(stamp) -> tuple[list[str], object]:
 
 def load_targets(node_name: str) -> dict:
     targets = {}
-    remote_bearer = internal_secret() if internal_key_ensure() else ""
+    scheme = "https" if settings.GATEWAY_TLS_CERT else "http"
     routes = {r.deployment_id: r for r in Route.objects.all()}
     for d in Deployment.objects.filter(status__in=Deployment.ACTIVE).select_related("node").prefetch_related("gpus"):
         served = callit.served_models(d)
@@ -182,13 +159,13 @@ def load_targets(node_name: str) -> dict:
                 log.error("Deployment %s is not routed to: its engine key cannot be read here (%s)", d.name, exc)
                 bearer, ready = "", False
         else:
-            if not d.node.address or not remote_bearer:
+            if not d.node.address:
                 continue
             address = (d.node.address, d.node.gateway_port or settings.GATEWAY_PORT)
-            bearer = remote_bearer
+            bearer = ""  # the peer key of the hour, made per request (peers.current)
         targets[d.pk] = Target(
-            id=d.pk, name=d.name, names=tuple(dict.fromkeys([served[0], *aliases])), served=served[0],
-            url=f"http://{address[0]}:{address[1]}", address=address,
+            id=d.pk, name=d.name, node=d.node.name, names=tuple(dict.fromkeys([served[0], *aliases])), served=served[0],
+            url=f"{'http' if local else scheme}://{address[0]}:{address[1]}", address=address,
             bearer=bearer, local=local, ready=ready,
             max_in_flight=(route.max_in_flight if route and route.max_in_flight else default_in_flight(d)),
             queue_bound=route.queue_bound if route else 256,
@@ -203,7 +180,7 @@ def load(node_name: str) -> Snapshot:
     for target in targets.values():
         for name in target.names:
             by_name.setdefault(name, []).append(target.id)
-    peers = frozenset(a for a in Node.objects.exclude(address="").values_list("address", flat=True) if a)
+    peers = dict(Node.objects.exclude(address="").exclude(name=node_name).values_list("name", "address"))
     return Snapshot(keys=load_keys(), targets=targets, by_name=by_name, peers=peers)
 
 

@@ -5,7 +5,8 @@ raise their usual AuthenticationError / PermissionDeniedError / NotFoundError. A
 """
 import time
 
-from deployments.gateway.config import Key, Snapshot, digest
+from deployments.gateway import peers
+from deployments.gateway.config import PEER, Key, Snapshot, digest
 
 
 class Refused(Exception):
@@ -26,15 +27,17 @@ def bearer(header: str) -> str:
 
 
 def authenticate(snapshot: Snapshot, header: str, now: float | None = None, metrics: bool = False,
-                 remote: str | None = None) -> Key:
+                 remote: str | None = None, peer: str | None = None, node: str = "") -> Key:
     """The key an `Authorization: Bearer …` header carries, or Refused(401); Refused(403) for a key that is not
-    for this door: the scrape token opens engine metrics (`metrics`) and nothing else, and only it opens them; the
-    gateways' own key comes from a node's address only (`remote`: the caller's; it travels between nodes in clear
-    HTTP unless TLS is put in front, so a copy of it is useless from anywhere else)."""
+    for this door: the scrape token opens engine metrics (`metrics`) and nothing else, and only it opens them.
+    `peer` (the X-Panel-Node header) marks another node's gateway: its key is the one of that pair and hour
+    (peers.py), taken from that node's address only (`remote`: the caller's) and for this `node` only."""
     secret = bearer(header)
     if not secret:
         raise Refused(401, "invalid_api_key", "Send your key as 'Authorization: Bearer <key>'.",
                       kind="authentication_error")
+    if peer is not None:
+        return _peer(snapshot, secret, peer, node, remote, metrics, now)
     key = snapshot.keys.get(digest(secret))
     if key is None:
         raise Refused(401, "invalid_api_key", "Incorrect API key provided.", kind="authentication_error")
@@ -42,13 +45,24 @@ def authenticate(snapshot: Snapshot, header: str, now: float | None = None, metr
         raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has been revoked.", kind="authentication_error")
     if key.expires_at is not None and key.expires_at <= (now if now is not None else time.time()):
         raise Refused(401, "invalid_api_key", f"The key {key.prefix}… has expired.", kind="authentication_error")
-    if key.internal and remote is not None and remote not in snapshot.peers:
-        raise Refused(403, "forbidden", "The gateways' own key is for the panel's gateways, from their nodes only.",
-                      kind="permission_error")
     if key.scrape != metrics:
         raise Refused(403, "forbidden", "Engine metrics are for the panel's scrape token only." if metrics else
                       "The scrape token opens engine metrics only: send a caller key.", kind="permission_error")
     return key
+
+
+def _peer(snapshot: Snapshot, secret: str, peer: str, node: str, remote: str | None, metrics: bool,
+          now: float | None) -> Key:
+    if metrics:
+        raise Refused(403, "forbidden", "Engine metrics are for the panel's scrape token only.",
+                      kind="permission_error")
+    address = snapshot.peers.get(peer)
+    if address is None or (remote is not None and remote != address):
+        raise Refused(403, "forbidden", "A gateway's key is taken from its own node's address only.",
+                      kind="permission_error")
+    if not peers.valid(secret, peer, node, now):
+        raise Refused(401, "invalid_api_key", "Incorrect API key provided.", kind="authentication_error")
+    return PEER
 
 
 def may_call(key: Key, name: str) -> bool:

@@ -8,8 +8,8 @@ only by the reload and usage loops, in one thread of their own.
 
 Only the OpenAI routes pass (FORWARDED); every other path, vLLM's admin, dev and weight endpoints included,
 is 404 here. Engines are reached on 127.0.0.1 with their engine key; a deployment on another node through that
-node's gateway with the gateways' internal key (the receiving gateway serves such a request from the pinned
-deployment only, and does not count it again).
+node's gateway with the key of that pair of nodes and hour (peers.py; over TLS when GATEWAY_TLS_CERT is set): the
+receiving gateway serves such a request from the pinned deployment only, and does not count it again.
 """
 import asyncio
 import json
@@ -21,7 +21,7 @@ import aiohttp
 import pydantic
 from aiohttp import web
 
-from deployments.gateway import config, keyset, media, upstream, usage
+from deployments.gateway import config, keyset, media, peers, upstream, usage
 from deployments.gateway.keyset import Refused
 from deployments.gateway.limits import Admission, KeyLimits, retry_after_header
 from deployments.gateway.reload import Watcher
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 FORWARDED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"})
 CUT_TOKENS = web.RequestKey("cut_tokens", usage.Tokens)  # on the request: what a stream the caller cut had used
 STREAMS_USAGE = frozenset({"/v1/chat/completions", "/v1/completions"})  # accept stream_options.include_usage
-PIN = "X-Panel-Deployment"  # gateway to gateway: the deployment the origin chose (internal keys only)
+PIN = "X-Panel-Deployment"  # gateway to gateway: the deployment the origin chose (peer gateways only)
 DOWN_S = 1.0  # an engine that refused a connection is skipped this long (or until the next reload)
 CONNECT_TRIES = 3
 MAX_BODY = 64 << 20  # data: images and audio travel in the body
@@ -69,6 +69,7 @@ class Gateway:
         self.watcher = Watcher(self, poll_s)
         self.session: aiohttp.ClientSession | None = None  # answers read whole, engine metrics
         self.pool = upstream.Pool()  # streams
+        self.tls = peers.client_context()  # how the other nodes' gateways are checked (None: plain HTTP)
         self.port = None
 
     async def db(self, fn, *args):
@@ -137,9 +138,13 @@ class Gateway:
             return await self.metrics(request, path[len("/engines/"):-len("/metrics")])
         return not_found(request)
 
+    def authenticate(self, request, metrics: bool = False) -> config.Key:
+        return keyset.authenticate(self.snapshot, request.headers.get("Authorization", ""), metrics=metrics,
+                                   remote=request.remote, peer=request.headers.get(peers.HEADER), node=self.node)
+
     def models(self, request) -> web.Response:
         try:
-            key = keyset.authenticate(self.snapshot, request.headers.get("Authorization", ""), remote=request.remote)
+            key = self.authenticate(request)
         except Refused as refusal:
             return error(refusal)
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "vllm-control-panel"}
@@ -149,7 +154,7 @@ class Gateway:
     async def metrics(self, request, deployment_id: str) -> web.Response:
         """An engine's own /metrics for Prometheus: the scrape token only, engines of this node only."""
         try:
-            keyset.authenticate(self.snapshot, request.headers.get("Authorization", ""), metrics=True)
+            self.authenticate(request, metrics=True)
         except Refused as refusal:
             return error(refusal)
         target = self.snapshot.targets.get(int(deployment_id)) if deployment_id.isdigit() else None
@@ -169,7 +174,7 @@ class Gateway:
     async def proxy(self, request: web.BaseRequest) -> web.StreamResponse:
         snapshot = self.snapshot
         try:
-            key = keyset.authenticate(snapshot, request.headers.get("Authorization", ""), remote=request.remote)
+            key = self.authenticate(request)
             body, raw = await _body(request)
         except Refused as refusal:
             return error(refusal)
@@ -276,15 +281,18 @@ class Gateway:
         if body["model"] != target.served:
             out = {**out, "model": target.served}
         headers = {"Content-Type": "application/json"}
-        if target.bearer:
-            headers["Authorization"] = f"Bearer {target.bearer}"
-        if not target.local:
-            headers[PIN] = str(target.id)
+        if target.local:
+            headers["Authorization"] = f"Bearer {target.bearer}" if target.bearer else None
+        else:
+            headers.update({"Authorization": f"Bearer {peers.current(self.node, target.node)}",
+                            peers.HEADER: self.node, PIN: str(target.id)})
+        headers = {name: value for name, value in headers.items() if value}
         data = raw if out is body else json.dumps(out).encode()
         if streaming:
             return await self._stream(request, target, headers, data, strip, body)
         try:
-            reply = await self.session.post(target.url + request.path, data=data, headers=headers)
+            reply = await self.session.post(target.url + request.path, data=data, headers=headers,
+                                            ssl=(self.tls if not target.local and self.tls else True))
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
             raise EngineDown(str(exc)) from exc
         async with reply:
@@ -302,7 +310,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         for _ in range(2):
             try:
-                conn, reused = await self.pool.connect(host, port)
+                conn, reused = await self.pool.connect(host, port, tls=None if target.local else self.tls)
             except (OSError, asyncio.TimeoutError) as exc:
                 raise EngineDown(str(exc)) from exc
             sink = upstream.Sink(loop, strip, framed=request.version >= aiohttp.HttpVersion11)
@@ -401,7 +409,7 @@ async def serve(gateway: Gateway, host: str, port: int) -> web.ServerRunner:
     server = _Server(gateway.handle, handler_cancellation=True, access_log=None)
     runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
+    site = web.TCPSite(runner, host, port, backlog=4096, ssl_context=peers.server_context())
     await site.start()
     gateway.port = runner.addresses[0][1]
     await gateway.start()

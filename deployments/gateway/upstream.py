@@ -162,16 +162,17 @@ class Pool:
     def __init__(self):
         self.idle: dict[tuple, list[Connection]] = {}
 
-    async def connect(self, host: str, port: int, timeout: float = 10.0) -> tuple[Connection, bool]:
-        """A connection and whether it was idle here (the engine may have closed it meanwhile: ask again)."""
+    async def connect(self, host: str, port: int, timeout: float = 10.0, tls=None) -> tuple[Connection, bool]:
+        """A connection and whether it was idle here (the engine may have closed it meanwhile: ask again); `tls`:
+        an SSL context for a peer gateway that serves TLS."""
         idle = self.idle.get((host, port))
         while idle:
             conn = idle.pop()
             if not conn.transport.is_closing():
                 return conn, True
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(loop.create_connection(lambda: Connection(self, (host, port)), host, port),
-                                         timeout)
+        _, conn = await asyncio.wait_for(loop.create_connection(
+            lambda: Connection(self, (host, port)), host, port, ssl=tls, server_hostname=host if tls else None), timeout)
         return conn, False
 
     def release(self, conn: Connection) -> None:

@@ -140,7 +140,8 @@ class Deployment(Transitions, EngineProcess):
     def base_url(self) -> str:
         """Where callers reach it: its node's gateway (the engine itself listens on loopback only)."""
         host = self.node.address or "127.0.0.1"
-        return f"http://{host}:{self.node.gateway_port or settings.GATEWAY_PORT}"
+        scheme = "https" if settings.GATEWAY_TLS_CERT else "http"
+        return f"{scheme}://{host}:{self.node.gateway_port or settings.GATEWAY_PORT}"
 
     @property
     def served_model_name(self) -> str:

@@ -169,7 +169,7 @@ def test_vllm_routes_outside_the_openai_api_are_404_through_the_gateway(cpu_engi
     port, engine_key = cpu_engine
     node = NodeFactory(name="gw-e2e-404", address="127.0.0.1")
     make_deployment(node, port, served="tiny", engine_key=engine_key)
-    key = make_key(internal=True)  # even the panel's own keys
+    key = make_key()
     gateway = start_gateway(spawn, process_env, node.name)
     direct = f"http://127.0.0.1:{port}"
     # Harmless to ask the engine itself: they exist there.

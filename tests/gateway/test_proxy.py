@@ -10,7 +10,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from deployments import scrapekey
-from deployments.gateway import config
+from deployments.gateway import peers
 from deployments.gateway import reload as gateway_reload
 from deployments.gateway.server import FORWARDED
 from deployments.gateway.models import CallerKey, Usage
@@ -286,13 +286,15 @@ def test_media_urls_only_from_the_routes_domains(node, sched, gateway):
 def test_engine_metrics_open_to_the_scrape_token_only_and_it_opens_nothing_else(node, sched, gateway):
     d = make_deployment(node, sched.port)
     scrape = make_key(internal=True, name=scrapekey.NAME)
-    peer, caller = make_key(internal=True, name=config.INTERNAL_KEY_NAME), make_key()
+    caller = make_key()
+    Node.objects.create(name="gw-peer", address="127.0.0.1")
     gateway.reload()
     url = f"{gateway.url}/engines/{d.pk}/metrics"
     reply = httpx.get(url, headers={"Authorization": f"Bearer {scrape}"})
     assert reply.status_code == 200 and "vllm:num_requests_running" in reply.text
-    for other in (caller, peer):  # a caller's key, and the gateways' own
-        assert httpx.get(url, headers={"Authorization": f"Bearer {other}"}).status_code == 403
+    assert httpx.get(url, headers={"Authorization": f"Bearer {caller}"}).status_code == 403
+    peer = {"Authorization": f"Bearer {peers.current('gw-peer', node.name)}", peers.HEADER: "gw-peer"}
+    assert httpx.get(url, headers=peer).status_code == 403  # a peer gateway's key of the hour
     assert httpx.get(url).status_code == 401
     assert httpx.get(f"{gateway.url}/engines/999999/metrics", headers={"Authorization": f"Bearer {scrape}"}).status_code == 404
     # The scrape token on every inference path and the model list: refused, and nothing reached the engine.
@@ -305,23 +307,6 @@ def test_engine_metrics_open_to_the_scrape_token_only_and_it_opens_nothing_else(
     assert sched.server.requests_total == served
     assert not Usage.objects.filter(key__name=scrapekey.NAME).exists()
     assert post(gateway, caller, CHAT).status_code == 200  # and a caller's key still works
-
-
-def test_the_gateways_own_key_is_taken_from_a_nodes_address_only(node, sched):
-    """It travels between nodes in clear HTTP unless TLS is put in front: a copy is useless from anywhere else."""
-    make_deployment(node, sched.port)
-    peer = make_key(internal=True, name=config.INTERNAL_KEY_NAME)
-    Node.objects.exclude(pk=node.pk).update(address="")
-    Node.objects.filter(pk=node.pk).update(address="10.9.9.9")  # no node at 127.0.0.1, where this test calls from
-    with GatewayThread(node.name, ready_wait_s=1.0) as gw:
-        refused = post(gw, peer, CHAT)
-        assert refused.status_code == 403, refused.text
-        assert refused.json()["error"]["message"] == ("The gateways' own key is for the panel's gateways, from their "
-                                                      "nodes only.")
-        assert httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {peer}"}).status_code == 403
-        Node.objects.create(name="gw-peer", address="127.0.0.1")
-        gw.reload()
-        assert post(gw, peer, CHAT).status_code == 200  # from a node's address
 
 
 def test_the_gateway_reports_its_port_and_health(node, gateway):
