@@ -207,8 +207,8 @@ def domains_check(domains, admin: bool = False, kept=()) -> list[str]:
         text = domain.strip().lower().strip(".") if isinstance(domain, str) else ""
         why = internal_domain(text)
         if not DOMAIN.match(text) and why != "an IP address":
-            raise ServiceError(f"{str(domain)[:60]!r} is not a domain name (e.g. images.example.com; its subdomains "
-                               "are allowed too).", field="media_domains")
+            raise ServiceError(f"{str(domain)[:60]!r} is not a domain name (e.g. images.example.com: the host of the "
+                               "URL, exactly; a subdomain is an entry of its own).", field="media_domains")
         if why and not admin and text not in kept:
             raise ServiceError(f"Needs the admin role: {text} is {why}; the engine would fetch from inside the GPU "
                                "host.", field="media_domains", code="forbidden")
