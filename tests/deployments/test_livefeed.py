@@ -287,7 +287,8 @@ def test_browse_records_a_socket_the_server_closed_and_the_account_counts_what_c
 
     started = time.monotonic()
     [seen] = run_async(scenario())
-    assert seen["closed"] is not None and time.monotonic() - started < 20  # it stopped at the close, not at 30 s
+    # It stopped at the close, not at its 30 s: the bound is the 30 s itself, whatever else the host is doing.
+    assert seen["closed"] is not None and time.monotonic() - started < 30
     assert [t for _, t, _ in seen["samples"]] == sent
     later = [seen["closed"] + 3 + k for k in range(5)]  # what the node published after the socket died
     result = fleetsim.account({1: sent + later}, [seen], end=seen["closed"] + 10)

@@ -120,8 +120,10 @@ def test_several_tokens_per_chunk_and_several_chunks_per_read_multiply():
     # A gap is between reads, and a read brings a whole write (two chunks): counting each chunk as its own gap would
     # add a ~0 gap per write. (Not compared with the server's 10 ms: a late read shortens the gap after it.)
     assert all(len(reads(r)) <= 6 for r in level.records)  # 12 chunks in 6 writes
-    assert level.itl_ms["median"] == pytest.approx(ms(read_gaps(level))), (level.itl_ms, told)
-    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=3)))
+    # A client the host held back for a whole stream reads it in one go: then there is no gap, and no ITL.
+    gaps, spread = read_gaps(level), spread_gaps(level, tokens_per_chunk=3)
+    assert level.itl_ms.get("median") == (pytest.approx(ms(gaps)) if gaps else None), (level.itl_ms, told)
+    assert level.itl_per_token_ms.get("median") == (pytest.approx(ms(spread)) if spread else None)
 
 
 def read_gaps(level) -> list[float]:
@@ -290,13 +292,14 @@ def test_sweep_reports_every_level_in_order_with_live_ticks():
 
 
 def test_cancel_stops_a_run_promptly_and_keeps_what_finished():
-    request_s = 0.010 + 99 * 0.200  # the schedule: ~20 s per request
     with SchedServer(ttft_ms=10, gap_ms=200, reasoning_tokens=0) as slow:
         stop = threading.Event()
         threading.Timer(0.5, stop.set).start()
-        started = time.monotonic()
         result = sweep(spec_for(slow, levels=(4, 8), max_tokens=100), cancel=stop)
-        assert time.monotonic() - started < request_s / 2  # it did not wait for the requests to end
+        sent = slow.server.generation_tokens_total
+    # It did not wait for the requests to end: the server had sent a few of their 4 x 100 tokens (one per 200 ms),
+    # not all. (A count, not the wall time: a busy host may take seconds to deliver the cancel.)
+    assert sent < 4 * 100 / 2, sent
     assert result.cancelled and len(result.levels) == 1
     assert result.levels[0].cancelled and result.levels[0].completed == 0
 
