@@ -178,7 +178,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
                                            recipe=recipes.recipe_choice(v["recipe"], v["variant"], v["strategy"])
                                            if v["recipe"] else None,
                                            workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
-            keys.route_set(d, **route)
+            keys.route_set(d, user=request.user, **route)
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})

@@ -120,7 +120,7 @@ def deploy(request, pk):
                 sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
                 workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"],
                 **recipe_pages.deploy_kwargs(data))
-            keys.route_set(d, **route_form.cleaned_data["route"])
+            keys.route_set(d, user=request.user, **route_form.cleaned_data["route"])
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, model, node, form, status=409, route_form=route_form)
@@ -166,7 +166,7 @@ def deployment_edit(request, pk):
                                          reuse_memory_profile=data["reuse_memory_profile"],
                                          sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
                                          override_fit=data["override_fit"], override_compat=data["override_compat"], **placement)
-            keys.route_set(d, **route_form.cleaned_data["route"])
+            keys.route_set(d, user=request.user, **route_form.cleaned_data["route"])
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, d.model, d.node, form, status=409, deployment=d, route_form=route_form)
