@@ -3,6 +3,7 @@ side (what each request sends, what a prefix cache could reuse) is benchmarks/ru
 from benchmarks import runner
 from benchmarks.models import Workload
 from plumbing.errors import ServiceError
+from plumbing.queue import enqueue
 
 MAX_FILE_BYTES = 20 * 2**20
 # Each kind's own settings: (name, smallest, largest, whole number?).
@@ -66,7 +67,8 @@ def _think(values: dict) -> dict:
 
 
 def workload_create(*, name: str, kind: str, values: dict, file_text: str = "", user=None) -> Workload:
-    """Check and save a workload with the preview of what it sends."""
+    """Check and save a workload; the preview of what it sends is made by the control worker (workload_preview),
+    not in the request: at the file bounds it takes seconds, and a web thread held that long stalls every page."""
     name = name.strip()
     if not name:
         raise ServiceError("Name the workload.", field="name")
@@ -75,8 +77,23 @@ def workload_create(*, name: str, kind: str, values: dict, file_text: str = "", 
     spec = workload_spec(kind, values, file_text)
     lengths = {k: _setting(values, k, 1, 200_000, True) if k in values else runner.spec_default(k)
                for k in ("input_tokens", "max_tokens")}
-    preview = runner.workfiles.preview(runner.LoadSpec(base_url="http://preview", model="", workload=spec, **lengths))
-    return Workload.objects.create(name=name, kind=kind, spec=spec, preview=preview, created_by=user, **lengths)
+    workload = Workload.objects.create(name=name, kind=kind, spec=spec, preview={}, created_by=user, **lengths)
+    enqueue("benchmarks.workload_preview", args=[workload.pk])
+    return workload
+
+
+def workload_preview(workload_id: int) -> dict | None:
+    """Make and keep a workload's preview (the control worker's task); None when it was deleted meanwhile."""
+    w = Workload.objects.filter(pk=workload_id).first()
+    if w is None:
+        return None
+    try:
+        preview = runner.workfiles.preview(runner.LoadSpec(base_url="http://preview", model="", workload=w.spec,
+                                                           input_tokens=w.input_tokens, max_tokens=w.max_tokens))
+    except Exception as exc:  # noqa: BLE001 - said on the workload's row rather than lost in a worker log
+        preview = {"error": f"No preview: {exc}"[:500]}
+    Workload.objects.filter(pk=workload_id).update(preview=preview)
+    return preview
 
 
 def workload_params(workload: Workload, params: dict) -> dict:

@@ -5,6 +5,7 @@ from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 
 from deployments import engineapikey, history, secrets
+from deployments.gateway import media
 from deployments.host import osuser, processenv, serveargv, systemd
 from deployments.host.processes import EngineError
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
@@ -92,7 +93,7 @@ def _engine_argv(d: Deployment) -> tuple[list[str], dict, dict]:
     names were canonical."""
     copy = ModelCopy.objects.filter(model=d.model, node=d.node).first()
     argv = serveargv.build_argv(settings.VLLM_BIN, copy.path if copy and copy.path else f"/models/{d.model.repo_id}",
-                                d.port, serveargv.API_HOST, d.engine_args)
+                                d.port, serveargv.API_HOST, d.engine_args, media.engine_args(d))
     own = processenv.deployment_env(d.env, d.gpu_indices)
     env, secret_env = secrets.split(own if d.master_port else {**own, **processenv.LOOPBACK_ONLY}, secrets.marked(d))
     argv, flag_env = systemd.secret_argv(argv)

@@ -33,6 +33,10 @@ def cmd_workloads(panel, args):
 
 def preview_line(p: dict) -> str:
     """'prompts 24-84 tokens (p50 54), outputs 6, a prefix cache could serve 47.2 %', and a trace's rate."""
+    if not p:
+        return "preview being made (a few seconds; `panelctl workloads` again)"
+    if p.get("error"):
+        return p["error"]
     parts = []
     if tokens := p.get("prompt_tokens") or p.get("prompt_words"):
         unit = "tokens" if "prompt_tokens" in p else "words"

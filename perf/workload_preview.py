@@ -1,6 +1,6 @@
-"""What a workload file at the panel's bounds costs the web thread that checks and previews it (benchmarks/workloads.py
-workload_create): Mooncake traces reaching MAX_TRACE_BLOCKS blocks of prompt, spread over 100 to 60,000 requests
-(8 KiB to ~5 MB of file, under the 20 MB upload bound), and one request of MAX_TRACE_TOKENS; each checked
+"""What a workload file at the panel's bounds costs to check (the web request, benchmarks/workloads.py workload_create)
+and preview (the control worker's benchmarks.workload_preview task): Mooncake traces reaching MAX_TRACE_BLOCKS
+blocks of prompt, spread over 100 to 60,000 requests (8 KiB to ~5 MB of file, under the 20 MB upload bound), and one request of MAX_TRACE_TOKENS; each checked
 (workfiles.mooncake) and previewed (workfiles.preview).
 
 The cost follows the blocks, not the file: 100 requests of 5M tokens are an 8 KiB file. The peer is the same run's

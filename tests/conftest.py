@@ -2,6 +2,7 @@
 import contextlib
 import fcntl
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -184,10 +185,27 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped on CI, where nothing may be skipped: {report.longrepr}"
 
 
+FREE_PORTS = (20000, 32767)  # above Ray's worker ports (10002-19999), below the kernel's ephemeral range
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing holds, for a server that binds it later (an engine, after a load of a minute). Not one the
+    kernel picks (bind to 0): those come from its ephemeral range, which every connect() and bind(0) of any
+    process draws from meanwhile (a run beside this one took a Ray engine's port that way). Random, so two
+    sessions seldom pick the same one."""
+    low, high = FREE_PORTS
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        high = min(high, int(f.read().split()[0]) - 1)
+    pick = random.SystemRandom()
+    for _ in range(1000):
+        port = pick.randint(low, high)
+        try:
+            with socket.socket() as anywhere:  # free on every address, loopback included
+                anywhere.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def wait_until(predicate, timeout=15.0, interval=0.05, message="condition"):

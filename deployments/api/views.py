@@ -1,6 +1,7 @@
 """API views: validate, call one service, serialize. Errors share one shape (plumbing.api)."""
 from dataclasses import asdict
 
+from django.db import transaction
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -164,19 +165,20 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         v = body.validated_data
         route = keys.route_check(aliases=v["aliases"], max_in_flight=v["max_in_flight"], queue_bound=v["queue_bound"],
                                  media_domains=v["media_domains"], user=request.user)
-        d = deploys.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
-                                       engine_args=v["engine_args"], env=v["env"], secret_env=v["secret_env"], name=v["name"], replace_ids=v["replace"],
-                                       auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
-                                       stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
-                                       reuse_memory_profile=v["reuse_memory_profile"],
-                                       preset="" if v["preset"] == "none" else v["preset"],
-                                       replace_existing=v["replace_existing"], master_port=v["master_port"],
-                                       override_fit=v["override_fit"], override_compat=v["override_compat"],
-                                       sleep_mode=v["sleep_mode"], start_asleep=v["start_asleep"],
-                                       recipe=recipes.recipe_choice(v["recipe"], v["variant"], v["strategy"])
-                                       if v["recipe"] else None,
-                                       workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
-        keys.route_set(d, **route)
+        with transaction.atomic():  # the route is saved before the plan is sent: the launch reads it
+            d = deploys.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
+                                           engine_args=v["engine_args"], env=v["env"], secret_env=v["secret_env"], name=v["name"], replace_ids=v["replace"],
+                                           auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
+                                           stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
+                                           reuse_memory_profile=v["reuse_memory_profile"],
+                                           preset="" if v["preset"] == "none" else v["preset"],
+                                           replace_existing=v["replace_existing"], master_port=v["master_port"],
+                                           override_fit=v["override_fit"], override_compat=v["override_compat"],
+                                           sleep_mode=v["sleep_mode"], start_asleep=v["start_asleep"],
+                                           recipe=recipes.recipe_choice(v["recipe"], v["variant"], v["strategy"])
+                                           if v["recipe"] else None,
+                                           workers=[multinode.Worker(w["node"], sorted(set(w["gpus"]))) for w in v["workers"]])
+            keys.route_set(d, user=request.user, **route)
         return Response(serializers.DeploymentDetailSerializer(d).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})

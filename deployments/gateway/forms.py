@@ -56,7 +56,7 @@ class RouteForm(forms.Form):
     queue_bound = forms.IntegerField(required=False, min_value=0, max_value=keys.MAX_QUEUE, initial=256,
                                      label="Queue bound", help_text="Requests waiting beyond that; then 429.")
     media_domains = forms.CharField(required=False, max_length=4000, label="Media domains",
-                                    help_text="Domains image/audio/video URLs may come from (and their subdomains); "
+                                    help_text="Host names image/audio/video URLs may come from, exactly (a subdomain is an entry of its own); "
                                               "empty: data: URLs only.")
 
     def __init__(self, *args, user=None, deployment=None, **kwargs):

@@ -207,8 +207,8 @@ def domains_check(domains, admin: bool = False, kept=()) -> list[str]:
         text = domain.strip().lower().strip(".") if isinstance(domain, str) else ""
         why = internal_domain(text)
         if not DOMAIN.match(text) and why != "an IP address":
-            raise ServiceError(f"{str(domain)[:60]!r} is not a domain name (e.g. images.example.com; its subdomains "
-                               "are allowed too).", field="media_domains")
+            raise ServiceError(f"{str(domain)[:60]!r} is not a domain name (e.g. images.example.com: the host of the "
+                               "URL, exactly; a subdomain is an entry of its own).", field="media_domains")
         if why and not admin and text not in kept:
             raise ServiceError(f"Needs the admin role: {text} is {why}; the engine would fetch from inside the GPU "
                                "host.", field="media_domains", code="forbidden")
@@ -239,8 +239,30 @@ def route_check(aliases=None, max_in_flight=None, queue_bound=None, media_domain
             "media_domains": domains_check(media_domains, admin=bool(user and is_admin(user)), kept=kept or ())}
 
 
-def route_set(deployment: Deployment, **fields) -> Route:
-    """Set the deployment's route (the fields route_check returned); the gateways reload it."""
+def names_check(user, names, exclude_ids=(), field: str = "aliases") -> None:
+    """Served names and aliases belong to whoever deployed them: a name an active deployment of another user
+    answers to at the gateway is refused (403), or callers of that name would be sent to this engine too. An
+    admin may take any name; a stopped deployment holds none; `exclude_ids` (the deployment itself, those it
+    replaces) are not in the way; rows with no creator (made by the panel's own commands) hold none."""
+    wanted = {n for n in names or () if n}
+    if user is None or is_admin(user) or not wanted:
+        return
+    others = list(Deployment.objects.filter(status__in=Deployment.ACTIVE).exclude(created_by=None)
+                  .exclude(created_by=user).exclude(pk__in=[i for i in exclude_ids if i])
+                  .values_list("pk", "name", "engine_args", "created_by__username"))
+    aliases = dict(Route.objects.filter(deployment_id__in=[row[0] for row in others]).values_list("deployment_id", "names"))
+    for pk, name, engine_args, owner in others:
+        taken = wanted & {str((engine_args or {}).get("served-model-name") or ""), *map(str, aliases.get(pk) or ())}
+        if taken:
+            raise ServiceError(f"{sorted(taken)[0]!r} is a name of {name}, which {owner} deployed: a served name or "
+                               "alias belongs to whoever deployed it. Choose another, or ask an admin.", field=field,
+                               code="forbidden")
+
+
+def route_set(deployment: Deployment, user=None, **fields) -> Route:
+    """Set the deployment's route (the fields route_check returned); the gateways reload it. `user`'s aliases
+    are checked against other users' names (names_check)."""
+    names_check(user, fields.get("names"), [deployment.pk, *(deployment.replace or ())])
     with transaction.atomic():
         route, _ = Route.objects.update_or_create(deployment=deployment, defaults=fields)
         _tell("routes")

@@ -29,7 +29,9 @@ KEY_REFUSED = f"The engine's key (--api-key, VLLM_API_KEY) is {KEY_BY_PANEL}"
 RESERVED_FLAGS = {"--host": "set by the panel (engines listen on 127.0.0.1; the node's gateway is the public door)",
                   "--port": "set by the panel (the deployment's port)",
                   "--model": "set by the panel from the model",
-                  "--api-key": KEY_BY_PANEL}
+                  "--api-key": KEY_BY_PANEL,
+                  "--allowed-media-domains": "set by the panel from the route's media domains (the gateway "
+                                             "checks the same list)"}
 
 
 def reserved(flag: str) -> str:
@@ -44,19 +46,21 @@ def _word(name: str, value) -> str:
     return str(value)
 
 
-def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args: dict) -> list[str]:
-    """Turn {"tensor-parallel-size": 8, "enforce-eager": True} into a `vllm serve` argv (no shell).
+def build_argv(vllm_bin: str, model_path: str, port: int, host: str, engine_args: dict,
+               panel_args: dict | None = None) -> list[str]:
+    """Turn {"tensor-parallel-size": 8, "enforce-eager": True} into a `vllm serve` argv (no shell); `panel_args`:
+    flags the panel itself sets (reserved ones among them: --allowed-media-domains), after the user's.
 
     Names must be canonical (flagpolicy.canonical_flags: `tensor-parallel-size`, never `tensor_parallel_size`
     or `--tensor-parallel-size`) and no value may begin with '-': every way in canonicalises and checks first,
     so anything else here is refused rather than guessed at."""
     argv = [str(vllm_bin), "serve", str(model_path), "--host", host, "--port", str(int(port))]
-    for name, value in engine_args.items():
+    for name, value in [*engine_args.items(), *(panel_args or {}).items()]:
         if not flagpolicy.is_canonical(name):
             raise EngineError(f"engine flag {str(name)[:40]!r} is not in canonical form (lower case, dashed, no "
                               "leading dashes): redeploy to store it so", permanent=True)
         flag = f"--{name}"
-        if flag in RESERVED_FLAGS:
+        if flag in RESERVED_FLAGS and name in engine_args:
             raise EngineError(reserved(flag), permanent=True)
         # False/None leave the engine's default; vLLM spells "off" for on-by-default flags --no-X.
         if value is None or value is False:

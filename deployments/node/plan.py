@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from deployments import claims, engineapikey, loads, payloads, warmstart
+from deployments.gateway import media
 from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
@@ -203,7 +204,7 @@ def _launch(d: Deployment, model_path: str) -> str:
         raise PlanFailed(f"Port {d.port} is in use on {d.node}: choose another port or stop what listens there.")
     vllm_bin = settings.VLLM_BIN
     try:
-        errors = serveargv.validate_args(d.engine_args, serveargv.engine_flags(vllm_bin))
+        errors = serveargv.validate_args(d.engine_args, flags := serveargv.engine_flags(vllm_bin))
     except processes.EngineError as exc:
         raise PlanFailed(f"Cannot run the engine: {exc}") from exc
     if errors:
@@ -221,7 +222,8 @@ def _launch(d: Deployment, model_path: str) -> str:
         raise PlanFailed(str(exc)) from exc
     d.load_detail = {**(d.load_detail or {}), "start": start}  # LoadWatch keeps it and records it with the load
     Deployment.objects.filter(pk=d.pk).update(load_detail=d.load_detail)
-    argv = serveargv.build_argv(vllm_bin, model_path, d.port, serveargv.API_HOST, {**args, **warm_args})
+    argv = serveargv.build_argv(vllm_bin, model_path, d.port, serveargv.API_HOST, {**args, **warm_args},
+                                media.engine_args(d, flags))
     engineapikey.new(d)  # a new key for every engine started (_engine_env hands it over)
     # Started in the model's folder: a relative file flag (--chat-template t.jinja) reads from there. With Ray the
     # engine carries the marker its Ray head got (raycluster.head_start); a persisted one starts under its unit
@@ -405,7 +407,8 @@ def _persist(deployment_id: int) -> Deployment:
     copy = ModelCopy.objects.get(model=d.model, node=d.node)
     name = systemd.unit_name(d.name)
     warm_args, warm_env = warmstart.relaunch_extras(d)  # the same cache folder and KV size as the engine it replaces
-    argv = serveargv.build_argv(settings.VLLM_BIN, copy.path, d.port, serveargv.API_HOST, {**d.engine_args, **warm_args})
+    argv = serveargv.build_argv(settings.VLLM_BIN, copy.path, d.port, serveargv.API_HOST, {**d.engine_args, **warm_args},
+                                media.engine_args(d, serveargv.engine_flags(settings.VLLM_BIN)))
     try:
         # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
         Deployment.objects.filter(pk=d.pk).update(pid=None)

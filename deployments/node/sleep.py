@@ -115,11 +115,11 @@ def put_to_sleep(d: Deployment, level: int | None = None) -> str:
         ram = group_rss(d)
         d.sleep_level, d.sleep_ram_bytes = level, ram
         Deployment.objects.filter(pk=d.pk).update(sleep_level=level, sleep_ram_bytes=ram)
-        move(d, S.SLEEPING, f"Asleep at {why}.")
         took = time.monotonic() - started
         event.message = (f"Asleep at {why}, in {took:.2f} s (the engine's sleep call {asked:.2f} s); GPU memory "
                          f"now {_held_text(held)}; host RAM {ram / GIB:.2f} GiB.")
         event.data = {"seconds": round(took, 3), "engine_s": round(asked, 3), "level": level, "ram_bytes": ram}
+    move(d, S.SLEEPING, f"Asleep at {why}.")  # once the step has ended: whoever sees the status finds it done
     return event.message
 
 
@@ -152,11 +152,11 @@ def wake(d: Deployment) -> str:
         level = d.sleep_level
         d.sleep_level = d.sleep_ram_bytes = None
         Deployment.objects.filter(pk=d.pk).update(sleep_level=None, sleep_ram_bytes=None)
-        move(d, S.READY, "")
         took = time.monotonic() - started
         event.message = (f"Awake in {took:.2f} s from level {level} (the engine's wake call {asked:.2f} s); "
                          f"GPU memory {_held_text(held)}.")
         event.data = {"seconds": round(took, 3), "engine_s": round(asked, 3), "level": level, "start": "wake"}
+    move(d, S.READY, "")  # once the step has ended: whoever sees the status finds it done
     return event.message
 
 

@@ -15,6 +15,7 @@ from deployments.services import compatgate, fitgate, multinode, recipes, repos,
 from deployments.claims import deployment_holders, lock_node
 from deployments.dispatch import node_enqueue, send_plan
 from deployments.dispatch import ranks_stop as deployment_ranks_stop
+from deployments.gateway import keys
 from deployments.timeline import deployment_event
 from plumbing.errors import ServiceError
 from plumbing.roles import is_admin
@@ -186,6 +187,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                        replace_ids=list(replace_ids), stop_foreign=stop_foreign, nnodes=1 + len(workers), env=env,
                        override_fit=override_fit, admin=is_admin(user), resolved=use and use.resolved,
                        override_compat=override_compat, sleep_mode=sleep_mode, start_asleep=start_asleep)
+    keys.names_check(user, [engine_args.get("served-model-name")], replace_ids, field="engine_args")
     multinode.check_executor(engine_args, 1 + len(workers))
     if workers:
         multinode.check(model=model, head=node, head_gpus=gpu_indices, workers=workers, engine_args=engine_args,
@@ -270,6 +272,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
                        override_fit=override_fit, admin=is_admin(user), override_compat=override_compat,
                        resolved=use and use.resolved, sleep_mode=d.sleep_mode, start_asleep=d.start_asleep,
                        was_sleep_mode=was_sleep_mode)
+    keys.names_check(user, [d.engine_args.get("served-model-name")], [d.pk, *d.replace], field="engine_args")
     multinode.check_executor(d.engine_args, 1 + len(workers))
     if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
         ray = multinode.executor(d.engine_args) == "ray"

@@ -1,6 +1,7 @@
 """Deployment pages: the list, the deploy form (with presets), a deployment's live page, its actions
 and its systemd unit."""
 from django.contrib import messages
+from django.db import transaction
 from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -110,18 +111,19 @@ def deploy(request, pk):
         return _deploy_page(request, model, node, form, status=200 if valid else 400, route_form=route_form)
     data = form.cleaned_data
     try:
-        d = deploys.deployment_create(
-            model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
-            env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
-            stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-            reuse_memory_profile=data["reuse_memory_profile"],
-            sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
-            workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"],
-            **recipe_pages.deploy_kwargs(data))
+        with transaction.atomic():  # the route is saved before the plan is sent: the launch reads its media domains
+            d = deploys.deployment_create(
+                model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
+                env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
+                stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
+                reuse_memory_profile=data["reuse_memory_profile"],
+                sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
+                workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"],
+                **recipe_pages.deploy_kwargs(data))
+            keys.route_set(d, user=request.user, **route_form.cleaned_data["route"])
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, model, node, form, status=409, route_form=route_form)
-    keys.route_set(d, **route_form.cleaned_data["route"])
     return redirect("deployment-detail", d.pk)
 
 
@@ -157,16 +159,17 @@ def deployment_edit(request, pk):
     data = form.cleaned_data
     try:
         placement = {"workers": _workers(data)} if d.master_port or data["placement"] else {}
-        deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
-                                     env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
-                                     stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-                                     reuse_memory_profile=data["reuse_memory_profile"],
-                                     sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
-                                     override_fit=data["override_fit"], override_compat=data["override_compat"], **placement)
+        with transaction.atomic():
+            deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
+                                         env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
+                                         stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
+                                         reuse_memory_profile=data["reuse_memory_profile"],
+                                         sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
+                                         override_fit=data["override_fit"], override_compat=data["override_compat"], **placement)
+            keys.route_set(d, user=request.user, **route_form.cleaned_data["route"])
     except ServiceError as exc:
         _refused(form, exc)
         return _deploy_page(request, d.model, d.node, form, status=409, deployment=d, route_form=route_form)
-    keys.route_set(d, **route_form.cleaned_data["route"])
     return redirect("deployment-detail", d.pk)
 
 

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 from rest_framework.test import APIClient
 
-from benchmarks import services, workloads
+from benchmarks import services, tasks, workloads
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun, Workload
 from panelctl import cli
@@ -31,14 +31,20 @@ def _queued_not_run(settings, sent_tasks):
     settings.BENCHMARK_URL_ALLOWLIST = [URL]
 
 
-def test_an_operator_creates_a_workload_with_its_preview_and_a_viewer_only_reads_it(api, viewer):
+def test_an_operator_creates_a_workload_with_its_preview_and_a_viewer_only_reads_it(api, viewer, sent_tasks):
     made = api.post("/api/workloads/", {"name": "chats", "kind": "multiturn", "turns": 4, "think_s": 1.5,
                                         "input_tokens": 50, "max_tokens": 20}, format="json")
     assert made.status_code == 201, made.json()
     body = made.json()
     assert body["settings"] == {"turns": 4, "think_s": 1.5}
-    assert body["preview"]["prompt_tokens"]["max"] == 4 * 50 + 3 * 20
-    assert 0 < body["preview"]["prefix_reuse"]["share"] < 1
+    # The preview is the control worker's task, sent once the workload is saved: nothing of it in the request.
+    assert body["preview"] == {}
+    [task] = sent_tasks.commit().of("benchmarks.workload_preview")
+    assert task.args == [body["id"]] and task.queue in (None, "control")
+    tasks.workload_preview(*task.args)
+    preview = api.get(f"/api/workloads/{body['id']}/").json()["preview"]
+    assert preview["prompt_tokens"]["max"] == 4 * 50 + 3 * 20
+    assert 0 < preview["prefix_reuse"]["share"] < 1
     reader = APIClient()
     reader.force_authenticate(viewer)
     assert reader.get("/api/workloads/").json()["results"][0]["name"] == "chats"
@@ -69,7 +75,7 @@ def test_a_run_takes_a_workload_by_name_and_a_trace_replays_at_its_own_rate(api)
     response = api.post("/api/runs/", {"base_url": URL, "workload": "yesterday"}, format="json")
     assert response.status_code == 202, response.json()
     params = response.json()["params"]
-    assert params["levels"] == [] and params["rates"] == [pytest.approx(trace.preview["rate"])] == [2.0]
+    assert params["levels"] == [] and params["rates"] == [pytest.approx(workloads.workload_preview(trace.pk)["rate"])] == [2.0]
     assert params["workload_name"] == "yesterday" and "workload" not in params  # its data stays out of the answer
     assert BenchmarkRun.objects.get().params["workload"]["requests"] == trace.spec["requests"]
     chats = workloads.workload_create(name="chats", kind="multiturn", values={"turns": 2, "think_s": 0})
@@ -94,6 +100,9 @@ def test_panelctl_adds_a_workload_and_benches_with_it(live_server_asgi, operator
     login = ["--url", live_server_asgi, "--token", tokens.issue(operator)]
     (tmp_path / "trace.jsonl").write_text(trace_text())
     assert cli.main([*login, "workload", "add", "day", "--kind", "trace", "--file", str(tmp_path / "trace.jsonl")]) == 0
+    assert "preview being made" in capsys.readouterr().out
+    workloads.workload_preview(Workload.objects.get().pk)  # the control worker's task
+    assert cli.main([*login, "workloads"]) == 0
     assert "6 requests over 2.5 s (2 req/s at 1x)" in capsys.readouterr().out
     (tmp_path / "bad.jsonl").write_text('{"timestamp": 0}')
     assert cli.main([*login, "workload", "add", "bad", "--kind", "trace", "--file", str(tmp_path / "bad.jsonl")]) == 2
@@ -183,6 +192,7 @@ def test_the_workloads_page_saves_a_trace_shows_its_preview_and_refuses_a_bad_fi
         "name": "day", "kind": "trace", "input_tokens": 128, "max_tokens": 128,
         "file": SimpleUploadedFile("t.jsonl", trace_text().encode())})
     assert good.status_code == 302 and Workload.objects.get().kind == "trace"
+    workloads.workload_preview(Workload.objects.get().pk)  # the control worker's task
     page = viewer_client.get("/benchmarks/workloads/").content.decode()
     assert "6 requests over 2.5 s: 2.0 req/s at 1x" in page and "New workload" not in page  # viewers only read
     assert viewer_client.post(f"/benchmarks/workloads/{Workload.objects.get().pk}/delete/").status_code == 403

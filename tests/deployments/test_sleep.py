@@ -236,3 +236,25 @@ def test_a_sleep_mode_deployment_is_not_made_a_systemd_service(gpu_node):
     with pytest.raises(ServiceError, match="cannot be made a systemd service") as refused:
         deploys.deployment_persist(d)
     assert refused.value.code == "no_sleep_mode" and not d.events.filter(step="persist").exists()
+
+
+def test_the_status_moves_only_once_its_sleep_or_wake_step_has_ended(gpu_node, monkeypatch):
+    """Whoever sees "sleeping" or "ready" finds the step that made it ended on the timeline (a swap's test read a
+    woken deployment's timeline between the status and the step's end: ['sleep'] without its 'wake')."""
+    d = _on(gpu_node, 0, status=S.READY, sleep_mode=True, name="kimi")
+    monkeypatch.setattr(sleep.vllm, "sleep", lambda url, level, key, timeout: None)
+    monkeypatch.setattr(sleep.vllm, "wake_up", lambda url, key, timeout, tags=(): None)
+    monkeypatch.setattr(sleep.vllm, "is_sleeping", lambda url, key: False)
+    monkeypatch.setattr(sleep, "_key", lambda d: "k")
+    seen = []
+    moved = sleep.move
+
+    def move(row, status, message):
+        seen.append((status, list(row.events.filter(ended__isnull=True).values_list("step", flat=True))))
+        return moved(row, status, message)
+
+    monkeypatch.setattr(sleep, "move", move)
+    sleep.put_to_sleep(Deployment.objects.select_related("model", "node").get(pk=d.pk), level=1)
+    sleep.wake(Deployment.objects.select_related("model", "node").get(pk=d.pk))
+    assert seen == [(S.SLEEPING, []), (S.READY, [])]
+    assert list(d.events.filter(ended__isnull=False).values_list("step", flat=True)) == ["sleep", "wake"]

@@ -276,7 +276,7 @@ def test_media_urls_only_from_the_routes_domains(node, sched, gateway):
         return post(gateway, key, {**CHAT, "messages": [{"role": "user", "content": [part]}]}).status_code
 
     assert ask("https://images.example.com/cat.png") == 200
-    assert ask("https://cdn.images.example.com/cat.png") == 200
+    assert ask("https://cdn.images.example.com/cat.png") == 400  # vLLM's rule: the host, exactly
     assert ask("data:image/png;base64,iVBORw0KGgo=") == 200
     assert ask("http://169.254.169.254/latest/meta-data") == 400
     assert ask("https://images.example.com.evil.org/x.png") == 400

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from unittest import mock
 import pytest
 
 from deployments.host import diskwrite, downloads, hub
+from tests.conftest import free_port
 from tests.hfserver import configure, get_stats, reset_stats, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,12 +98,6 @@ def url(server_url):
     reset_stats(server_url)
     yield server_url
     configure(server_url, **defaults)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fetched(url: str) -> int:
