@@ -31,8 +31,9 @@ from tests.factories import DeploymentFactory, ModelCopyFactory, NodeFactory, Us
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 # What the argv of an operator's engine may hold: the operator list, a listed option turned off, and what
-# the panel itself sets.
-ALLOWED = set(flagpolicy.OPERATOR_FLAGS) | {f"no-{n}" for n in flagpolicy.OPERATOR_FLAGS} | {"host", "port"}
+# the panel itself sets (its address, and the route's media domains: deployments/gateway/media.py).
+ALLOWED = (set(flagpolicy.OPERATOR_FLAGS) | {f"no-{n}" for n in flagpolicy.OPERATOR_FLAGS}
+           | {"host", "port", "allowed-media-domains"})
 # A value an operator would plausibly give; 1 for the rest (a bool flag given 1 is the engine's problem).
 VALUES = {"distributed-executor-backend": "mp", "tool-call-parser": "hermes", "reasoning-parser": "qwen3",
           "kv-cache-dtype": "fp8", "dtype": "bfloat16", "served-model-name": "tiny"}
