@@ -225,19 +225,23 @@ def test_a_stream_the_caller_cuts_before_its_usage_event_is_counted_and_limited(
 
 
 def test_a_full_deployment_queue_answers_429(node, gateway):
-    with SchedServer(ttft_ms=400, gap_ms=1, default_max_tokens=2) as slow:
-        make_deployment(node, slow.port, max_in_flight=1, queue_bound=1)
+    """One in flight, one waiting, the next refused. Each request goes once the one before is where it should be (at
+    the engine, in the queue): three sent 50 ms apart all got 200 on a busy host, the first done before the third."""
+    with SchedServer(ttft_ms=3000, gap_ms=1, default_max_tokens=2) as slow:
+        d = make_deployment(node, slow.port, max_in_flight=1, queue_bound=1)
         key = make_key()
         gateway.reload()
         codes = []
-        threads = [threading.Thread(target=lambda: codes.append(post(gateway, key, CHAT).status_code))
-                   for _ in range(3)]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
+        threads = [threading.Thread(target=lambda: codes.append(post(gateway, key, CHAT).status_code)) for _ in range(2)]
+        threads[0].start()
+        wait_for(lambda: slow.server.requests_total == 1)  # in flight at the engine
+        threads[1].start()
+        wait_for(lambda: (a := gateway.gateway.admissions.get(d.pk)) is not None and len(a.waiters) == 1)  # queued
+        refused = post(gateway, key, CHAT)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "deployment_busy", refused.text
         for t in threads:
             t.join()
-        assert sorted(codes) == [200, 200, 429]  # one in flight, one waited and then ran, one refused
+        assert codes == [200, 200] and slow.server.requests_total == 2  # the refused one never reached the engine
 
 
 def test_no_ready_deployment_waits_then_answers_503_and_follows_one_that_becomes_ready(node, sched, gateway):
