@@ -212,7 +212,7 @@ def test_a_run_environment_carries_the_deployments_start_up():
     assert startup["ready_s"] == pytest.approx(sum(v for k, v in event.data["totals"].items() if k != "smoke_test"), abs=0.1)
 
 
-def test_prewarm_reads_the_model_into_the_page_cache_and_says_so_on_its_step(tmp_path):
+def test_prewarm_reads_the_model_into_the_page_cache_and_says_so_on_its_step(tmp_path, monkeypatch):
     from deployments.host import pagecache
     folder = tmp_path / "m"
     folder.mkdir()
@@ -222,9 +222,14 @@ def test_prewarm_reads_the_model_into_the_page_cache_and_says_so_on_its_step(tmp
     _cold(*files)  # the precondition: none of it in the page cache, so the pre-warm's reads are what bring it in
     warm = loads.Prewarm(str(folder), workers=3)
     event = DeploymentEvent.objects.create(deployment=DeploymentFactory(), step="prewarm")
+    measured, real = [], pagecache.residency
+    monkeypatch.setattr(pagecache, "residency", lambda paths: measured.append(real(paths)) or measured[-1])
     message = warm.wait(event)
-    assert pagecache.residency(files).percent == 100
-    assert "100 % of the model is in the page cache" in message and warm.done == warm.total == 6 << 20
+    # Every byte read through the page cache, and the step says what mincore() saw right after. Not a second look
+    # later: a host under memory pressure evicted two pages in between (99.9 %).
+    assert warm.done == warm.total == 6 << 20 and measured[-1].total == 6 << 20
+    assert f"{measured[-1].percent:.0f} % of the model is in the page cache" in message
+    assert "100 % of the model is in the page cache" in message
 
 
 def test_prewarm_is_skipped_with_a_reason_when_the_model_does_not_fit_in_free_ram(tmp_path, monkeypatch):
