@@ -8,6 +8,7 @@ start at the turn of the hour). So a copy of one (read off a network where TLS w
 gateways, docs/gateway.md) is good for one sender's address towards one node for two hours at most; changing
 SECRET_KEY changes every key at once.
 """
+import functools
 import hashlib
 import hmac
 import ssl
@@ -25,8 +26,14 @@ def epoch(now: float | None = None) -> int:
 
 
 def secret(source: str, destination: str, hour: int) -> str:
+    return _secret(settings.SECRET_KEY, source, destination, hour)
+
+
+@functools.lru_cache(maxsize=1024)
+def _secret(key: str, source: str, destination: str, hour: int) -> str:
+    """Made once per pair and hour, not per request (every forwarded request checks up to three)."""
     message = f"vllm control panel: gateway {source} to {destination}, hour {hour}".encode()
-    return PREFIX + hmac.new(settings.SECRET_KEY.encode(), message, hashlib.sha256).hexdigest()
+    return PREFIX + hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
 
 
 def current(source: str, destination: str, now: float | None = None) -> str:

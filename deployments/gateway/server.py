@@ -281,12 +281,11 @@ class Gateway:
         if body["model"] != target.served:
             out = {**out, "model": target.served}
         headers = {"Content-Type": "application/json"}
-        if target.local:
-            headers["Authorization"] = f"Bearer {target.bearer}" if target.bearer else None
-        else:
+        if not target.local:
             headers.update({"Authorization": f"Bearer {peers.current(self.node, target.node)}",
                             peers.HEADER: self.node, PIN: str(target.id)})
-        headers = {name: value for name, value in headers.items() if value}
+        elif target.bearer:
+            headers["Authorization"] = f"Bearer {target.bearer}"
         data = raw if out is body else json.dumps(out).encode()
         if streaming:
             return await self._stream(request, target, headers, data, strip, body)
