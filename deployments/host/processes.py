@@ -169,26 +169,31 @@ def members(pgid: int) -> list[int]:
     return found
 
 
-def _shm_paths_of(pid: int) -> set[str]:
-    paths = set()
-    proc_dir = Path(f"/proc/{pid}")
+def _shm_held(pid: int) -> list[tuple[str, int]]:
+    """(path, inode) of each /dev/shm file process `pid` holds open or maps; a path unlinked since reads
+    "… (deleted)". Shared memory is often mmap'd and its fd closed: /proc/pid/maps still names it."""
+    held = []
+    proc_dir = f"/proc/{pid}"
     try:
-        for fd in (proc_dir / "fd").iterdir():
+        for fd in os.listdir(f"{proc_dir}/fd"):
             try:
-                target = os.readlink(fd)
+                target = os.readlink(f"{proc_dir}/fd/{fd}")
+                if target.startswith(f"{SHM_DIR}/"):
+                    held.append((target, os.stat(f"{proc_dir}/fd/{fd}").st_ino))
             except OSError:
                 continue
-            if target.startswith(f"{SHM_DIR}/") and not target.endswith(" (deleted)"):
-                paths.add(target)
-        # Shared memory is often mmap'd and its fd closed: /proc/pid/maps still names it.
-        with open(proc_dir / "maps") as maps:
+        with open(f"{proc_dir}/maps") as maps:
             for line in maps:
                 idx = line.find(f" {SHM_DIR}/")
-                if idx != -1 and not line.rstrip().endswith("(deleted)"):
-                    paths.add(line[idx + 1 :].rstrip("\n"))
-    except OSError:
+                if idx != -1:
+                    held.append((line[idx + 1 :].rstrip("\n"), int(line.split(None, 5)[4])))
+    except (OSError, ValueError, IndexError):
         pass
-    return paths
+    return held
+
+
+def _shm_paths_of(pid: int) -> set[str]:
+    return {path for path, _ in _shm_held(pid) if not path.endswith("(deleted)")}
 
 
 def shm_files(pgid: int) -> set[str]:
@@ -272,23 +277,7 @@ def shm_inodes_in_use() -> set[int]:
     """The /dev/shm files some live process holds open or maps, by inode: a file's name is not enough, since
     glibc's sem_open maps a semaphore under a temporary name it then unlinks (its creator's maps read
     `/dev/shm/sem.XXXXXX (deleted)` while the semaphore lives on as `sem.mp-…`)."""
-    inodes = set()
-    for pid in psutil.pids():
-        proc_dir = f"/proc/{pid}"
-        try:
-            for fd in os.listdir(f"{proc_dir}/fd"):
-                try:
-                    if os.readlink(f"{proc_dir}/fd/{fd}").startswith(f"{SHM_DIR}/"):
-                        inodes.add(os.stat(f"{proc_dir}/fd/{fd}").st_ino)
-                except OSError:
-                    continue
-            with open(f"{proc_dir}/maps") as maps:
-                for line in maps:
-                    if f" {SHM_DIR}/" in line:
-                        inodes.add(int(line.split(None, 5)[4]))
-        except (OSError, ValueError, IndexError):
-            continue
-    return inodes
+    return {inode for pid in psutil.pids() for _, inode in _shm_held(pid)}
 
 
 def unused_shm(paths: set[str]) -> list[str]:
