@@ -43,6 +43,8 @@ class Agent:
         self._watched_at = -1e9
         self._reconciled = False
         self._foreign: list[dict] = []
+        self._listeners: list[dict] = []
+        self._described: dict = {}  # what guards.listeners_of read of each listener, kept between its calls
         self._net: tuple[float, int, int] | None = None  # (time, sent, received) of the previous sample
         self._doctor_at: float | None = None  # the first tick's clock: the host checks ran at start (_report_engine)
 
@@ -129,6 +131,7 @@ class Agent:
         if now - self._engines_at >= ENGINES_REFRESH_S:  # what the sample's GPU processes belong to
             self._engines, self._engines_at = nodes.node_engines(self.node_id), now
             self._foreign = guards.node_foreign_record(self.node_id, self._foreign)
+            self._listeners = guards.node_listeners_record(self.node_id, self._listeners, self._described)
             repos.model_copies_stalled_resume(self.node_id)
         # The sample first: the crash watch below may wait seconds on an engine's /health, and browsers
         # would see the sample that much later. Heartbeat and crash watch must not depend on Redis.

@@ -5,6 +5,10 @@ from django.utils import timezone
 from deployments import payloads, secrets
 from deployments.models import Deployment, DeploymentEvent
 
+# The status message of a deployment a plan stopped for another (node/steps.make_room), followed by the other's name:
+# its subscribers are told who took its GPUs (notify/events.py).
+MADE_ROOM_FOR = "stopped to make room for "
+
 __all__ = ["deployment_event"]
 
 

@@ -1,16 +1,20 @@
-"""The TCP ports a process listens on, so a deploy onto a port a stranger's engine holds is refused naming
-that port rather than as "other processes hold the GPUs". Plain Python, no Django."""
+"""Who listens on which TCP port of this host: a deploy onto a port some program holds is refused naming it, before
+anything is stopped. Plain Python, no Django."""
 import psutil
 
 
-def listening_ports(pid: int) -> list[int]:
-    """The ports `pid` listens on; none when it is gone or its sockets cannot be read (another user's,
-    without the rights)."""
+def host_listeners() -> dict[int, set[int]]:
+    """{port: the PIDs listening on it, on any address} for every listening TCP socket of the host; a socket whose
+    PID cannot be read (another user's, to an agent that is not root) is there with no PID."""
+    found: dict[int, set[int]] = {}
     try:
-        connections = psutil.Process(pid).net_connections(kind="inet")
+        connections = psutil.net_connections(kind="tcp")
     except psutil.Error:
-        return []
-    return sorted({c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN and c.laddr})
+        return {}
+    for c in connections:
+        if c.status == psutil.CONN_LISTEN and c.laddr:
+            found.setdefault(c.laddr.port, set()).update([c.pid] if c.pid else [])
+    return found
 
 
 def listening(port: int) -> tuple[set[int], bool]:

@@ -30,6 +30,9 @@ class Node(models.Model):
     agent_pid = models.IntegerField(null=True, blank=True, help_text="PID of the agent that heartbeats.")
     foreign_processes = models.JSONField(default=list, blank=True,
                                          help_text="Processes on the GPUs the panel did not start, as the agent last saw them.")
+    listeners = models.JSONField(default=list, blank=True,
+                                 help_text="Who listens on which TCP port of the host, as the agent last saw it: "
+                                           "[{port, pid, user, command, deployment}].")
     disk_read = models.JSONField(default=dict, blank=True,
                                  help_text="The model store's sequential read rate: {bps, bytes, cold, at}.")
     gateway_port = models.PositiveIntegerField(null=True, blank=True,

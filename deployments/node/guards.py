@@ -4,7 +4,7 @@ from django.conf import settings
 from deployments.host import gpu, listeners, ownership
 from deployments.models import Deployment, DeploymentRank, Node
 
-__all__ = ["foreign_holders", "node_foreign_record", "panel_markers"]
+__all__ = ["foreign_holders", "node_foreign_record", "node_listeners_record", "panel_markers"]
 
 
 def panel_markers(node_id: int, spare=()) -> tuple[dict, set, dict]:
@@ -67,7 +67,6 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> li
             continue  # gone meanwhile
         stray = ownership.owner(pid, others) if others else None
         found.append({**info, **holders[pid], "display": ownership.is_display_server(info),
-                      "ports": listeners.listening_ports(pid),  # a deploy onto one is refused naming it
                       "deployment": known.get(stray) if stray else None})
     return found
 
@@ -77,4 +76,36 @@ def node_foreign_record(node_id: int, previous: list[dict]) -> list[dict]:
     found = foreign_holders(node_id, None)
     if found != previous:
         Node.objects.filter(pk=node_id).update(foreign_processes=found)
+    return found
+
+
+def listeners_of(node_id: int, described: dict) -> list[dict]:
+    """Every listening TCP port of the host: {port, pid, user, command, deployment} (deployment: the one whose
+    engine it is, by its marker or unit; None for any other program). `described` keeps what was read of each
+    (port, PID) for the next call: a host's listeners rarely change, and reading a PID's owner walks its ancestry."""
+    rows = Deployment.objects.filter(node_id=node_id).values_list("pk", "marker", "systemd_unit")
+    markers = {m: (None, None) for _, m, _ in rows if m}
+    by_marker = {m: pk for pk, m, _ in rows if m}
+    by_unit = {u: pk for pk, _, u in rows if u}
+    found, kept = [], {}
+    for port, pids in sorted(listeners.host_listeners().items()):
+        pid = min(pids) if pids else None
+        key = (port, pid, tuple(sorted(by_marker)), tuple(sorted(by_unit)))
+        if key not in described:
+            info = ownership.describe(pid) if pid else {"pid": None, "user": "?", "command": "?"}
+            mark = ownership.owner(pid, markers, set(by_unit)) if pid else None
+            described[key] = {"port": port, "pid": pid, "user": info["user"], "command": info["command"][:120],
+                              "deployment": by_marker.get(mark) or by_unit.get(mark)}
+        kept[key] = described[key]
+        found.append(described[key])
+    described.clear()
+    described.update(kept)
+    return found
+
+
+def node_listeners_record(node_id: int, previous: list[dict], described: dict) -> list[dict]:
+    """Store who listens on which port of the node (the deploy form and API refuse a port in use with it)."""
+    found = listeners_of(node_id, described)
+    if found != previous:
+        Node.objects.filter(pk=node_id).update(listeners=found)
     return found

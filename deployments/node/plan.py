@@ -15,8 +15,7 @@ from deployments import claims, engineapikey, loads, payloads, warmstart
 from deployments.gateway import media
 from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
-from deployments.node import cluster, lifecycle, ranks, raycluster, sleep
-from deployments.node.guards import foreign_holders
+from deployments.node import cluster, lifecycle, precheck, ranks, raycluster, sleep
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, mark_stopped,
                                     model_ready, move, step, stop_requested, unit_install, unit_text)
@@ -39,6 +38,8 @@ def _run(deployment_id: int) -> Deployment:
         return d  # stopped or already running: a stale or duplicate message
     try:
         move(d, S.PREPARING)
+        with step(d, "checks") as event:  # everything that can fail, before anything serving is stopped
+            event.message = precheck.checks(d)
         if d.master_port:  # multi-node: every worker node prepares its rank meanwhile
             ranks.ranks_send(d)
         with step(d, "model") as event:
@@ -141,11 +142,7 @@ def _follow_again(d: Deployment) -> None:
 
 def _stop_holders(d: Deployment) -> str:
     """Stop deployments on the chosen GPUs (and those asked for), then stray GPU processes."""
-    indices = d.gpu_indices
-    others = Deployment.objects.filter(node=d.node, status__in=Deployment.ACTIVE).exclude(pk=d.pk)
-    sharing = {o.pk for o in sleep.sharing(d)}  # asleep now (make_way): they share the GPUs
-    targets = [o for o in claims.deployment_holders(d.node, indices, exclude=d) if o.pk not in sharing] + list(
-        others.filter(pk__in=d.replace))
+    targets = precheck.to_stop(d)
     done = []
     if d.pid or d.systemd_unit:  # a redeploy: our own previous engine goes first
         result = halt_engine(d)
@@ -162,14 +159,9 @@ def _stop_foreign(d: Deployment) -> list[str]:
     """Processes on the chosen GPUs (the whole host without GPUs) that the panel did not start:
     the plan fails naming them, unless the deploy asked to stop them; display servers never.
     Exactly the holders and their own children are signalled, never the rest of their session."""
-    foreign = foreign_holders(d.node_id, d.gpu_indices, spare=[d.pk, *d.replace])
-    if not foreign:
-        return []
-    blocking = [p for p in foreign if not p["display"]]
+    blocking = precheck.blocking_foreign(d)  # again: one may have started since the checks
     if blocking and not d.stop_foreign:
-        raise PlanFailed("Other processes hold the chosen GPUs: " + "; ".join(
-            f"PID {p['pid']} ({p['user']}: {p['command'][:80]}{', ' + str(p['memory'] >> 20) + ' MiB' if p['memory'] else ''})"
-            for p in blocking) + ". Stop them, or deploy with \"stop other processes on these GPUs\".")
+        raise PlanFailed(precheck.foreign_refusal(blocking))
     if not blocking:
         return []
     try:
@@ -203,12 +195,10 @@ def _launch(d: Deployment, model_path: str) -> str:
     if not processes.port_free("0.0.0.0", d.port):
         raise PlanFailed(f"Port {d.port} is in use on {d.node}: choose another port or stop what listens there.")
     vllm_bin = settings.VLLM_BIN
-    try:
-        errors = serveargv.validate_args(d.engine_args, flags := serveargv.engine_flags(vllm_bin))
+    try:  # checked before anything was stopped (precheck); the engine could have gone since
+        flags = serveargv.engine_flags(vllm_bin)
     except processes.EngineError as exc:
-        raise PlanFailed(f"Cannot run the engine: {exc}") from exc
-    if errors:
-        raise PlanFailed("; ".join(errors.values()))
+        raise PlanFailed(f"Cannot run the engine: {exc}. {precheck.ENGINE_FIX}.") from exc
     _claim(d)
     ray = raycluster.uses_ray(d)
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself

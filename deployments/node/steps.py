@@ -21,7 +21,7 @@ from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import lifecycle
 from deployments.node.lifecycle import TAIL_LINES
 from deployments.modelcopies import model_copy_download
-from deployments.timeline import deployment_event
+from deployments.timeline import MADE_ROOM_FOR, deployment_event
 from plumbing.states import InvalidTransition
 
 log = logging.getLogger(__name__)
@@ -166,11 +166,11 @@ def make_room(d: Deployment, others, node: Node, elsewhere: str) -> list[str]:
             raise PlanFailed(elsewhere.format(other=other, node=node))
         if other.status != S.STOPPING:
             try:
-                move(other, S.STOPPING, f"stopped to make room for {d.name}")
+                move(other, S.STOPPING, f"{MADE_ROOM_FOR}{d.name}")
             except Aborted:  # it ended meanwhile
                 continue
         result = halt_engine(other)
-        mark_stopped(other, f"stopped to make room for {d.name}")
+        mark_stopped(other, f"{MADE_ROOM_FOR}{d.name}")
         done.append(f"{other.name} ({result})")
     return done
 

@@ -21,6 +21,7 @@ KINDS = {k.name: k for k in (
     Kind("ready", "Deployment ready", INFO),
     Kind("failed", "Deployment failed", ERROR, "failed"),
     Kind("stalled", "Load stalled", ERROR, "failed"),
+    Kind("displaced", "Stopped for another deployment", WARNING),
     Kind("crashed", "Engine crashed", ERROR, "down"),
     Kind("auto_restarted", "Auto-restarted", WARNING, "down"),
     Kind("restart_loop", "Restarting in a loop", CRITICAL, "down"),

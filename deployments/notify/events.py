@@ -5,6 +5,7 @@ from django.utils import timezone
 
 from deployments.notify import alerts
 from deployments.notify.alerts import alert_raise, alert_resolve
+from deployments.timeline import MADE_ROOM_FOR
 
 LOOP_RESTARTS = 3  # auto-restarts within one firing "down" alert that make it a restart loop
 
@@ -44,6 +45,22 @@ def deployment_moved(d, was: str, now: str, restarted: bool) -> None:
         alert_resolve("down", why, deployment=d)
         if now == S.STOPPED:
             alert_resolve("failed", why, deployment=d)
+        if now == S.STOPPED and was == S.STOPPING and message.startswith(MADE_ROOM_FOR):
+            _displaced(d, message[len(MADE_ROOM_FOR):])
+
+
+def _displaced(d, by_name: str) -> None:
+    """A serving deployment a deploy plan stopped to take its GPUs (or its place): who, with what, where."""
+    other = type(d).objects.filter(name=by_name).select_related("model", "created_by").first()
+    if other is None:
+        body = f"{by_name} took its place."
+    else:
+        who = f" by {other.created_by.get_username()}" if other.created_by else ""
+        body = (f"{other.name} ({other.model}) was deployed on its GPUs{who}: GPUs "
+                f"{', '.join(map(str, other.gpu_indices)) or 'none (CPU)'} on {other.node.name}, port {other.port}.")
+    alert_raise("displaced", deployment=d, title=f"{d.name} was stopped to make room for {by_name}",
+                body=f"{body} {d.name} served {d.model} on port {d.port}; deploy it again from its page once they are free.",
+                data={"by": by_name, "by_id": other.pk if other else None})
 
 
 def copy_moved(copy, was: str, now: str) -> None:

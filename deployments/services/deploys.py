@@ -72,9 +72,11 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     # ticked under "Also stop" are stopped by the plan itself, never foreign.
     spare = {*replace_ids, *([deployment.pk] if deployment else [])}
     strangers = [p for p in node.foreign_processes if not p.get("display") and p.get("deployment") not in spare]
-    if listener := next((p for p in strangers if port in (p.get("ports") or [])), None):
-        raise ServiceError(f"Port {port} is in use on {node} by PID {listener['pid']} ({listener['user']}: "
-                           f"{listener['command'][:60]}): choose another port, or stop it.", field="port", code="port_in_use")
+    # Any program listening there (as the agent last saw the host), unless it is an engine this deploy stops itself.
+    if listener := next((p for p in node.listeners if p["port"] == port and p.get("deployment") not in spare | replaced), None):
+        by = f" by PID {listener['pid']} ({listener['user']}: {listener['command'][:60]})" if listener["pid"] else ""
+        raise ServiceError(f"Port {port} is in use on {node}{by}: choose another port, or stop it.", field="port",
+                           code="port_in_use")
     fit = fitgate.model_fit_gate(model, node, gpu_indices, engine_args, env or {}, nnodes=nnodes,
                                  override=override_fit, admin=admin, deployment=deployment)
     compat = compatgate.compat_gate(model, node, gpu_indices, engine_args, env or {}, resolved=resolved, nnodes=nnodes,
@@ -117,11 +119,11 @@ class ForeignProcesses(ServiceError):
 
 
 def deployment_free_port(node: Node) -> int:
-    """The first engine port no active deployment on the node holds, never the node's gateway's (refused to an
-    engine: _check) nor the panel's own (where the panel runs on the node, the launch finds it taken; elsewhere
+    """The first engine port no active deployment on the node holds and no program listens on (as the agent last
+    saw the host), never the node's gateway's (refused to an engine: _check) nor the panel's own (where the panel runs on the node, the launch finds it taken; elsewhere
     8000 is vLLM's own default, which a user may choose)."""
     taken = set(node.deployments.filter(status__in=Deployment.ACTIVE).values_list("port", flat=True))
-    taken |= {settings.PANEL_PORT, node.gateway_port or settings.GATEWAY_PORT}
+    taken |= {settings.PANEL_PORT, node.gateway_port or settings.GATEWAY_PORT, *(p["port"] for p in node.listeners)}
     port = settings.ENGINE_PORT_FIRST
     while port in taken:
         port += 1

@@ -14,7 +14,7 @@ from tests.factories import DeploymentEventFactory, DeploymentFactory, ModelCopy
 from tests.hfserver import serve
 
 STRANGER = {"pid": 4321, "user": "bob", "name": "vllm", "command": "vllm serve /tmp/other --port 8100", "memory": 0,
-            "gpus": [], "display": False, "deployment": None, "ports": [8100]}
+            "gpus": [], "display": False, "deployment": None}
 
 
 @pytest.fixture
@@ -62,7 +62,8 @@ def test_deploy_of_a_repo_not_in_the_panel_exits_5_and_suggests_a_command_that_e
 
 def test_each_deploy_check_says_its_own_reason_in_the_order_a_user_can_act_on(login, cpu_node, capsys):
     node, model = cpu_node
-    Node.objects.filter(pk=node.pk).update(foreign_processes=[STRANGER])  # a stranger's engine on port 8100
+    Node.objects.filter(pk=node.pk).update(  # a stranger's engine on port 8100
+        foreign_processes=[STRANGER], listeners=[{"port": 8100, "deployment": None, **{k: STRANGER[k] for k in ("pid", "user", "command")}}])
     deploy = [*login, "deploy", "testorg/tiny-chat", "--node", node.name]
 
     # A bad value first: the caller's to fix, whatever holds the host.

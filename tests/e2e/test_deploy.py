@@ -4,15 +4,19 @@ A user deploys the tiny model with pre-warm on, watches it load phase by phase (
 and sees the smoke-test answer; redeploys it with a change (not refused for its own engine's processes)
 and sees the second load predicted from the first (how close the prediction comes is a figure,
 measured by perf/prewarm.py, not asserted here); deploys a second engine that
-replaces the first (the old one is stopped, its processes gone); then stops the second from its page.
+replaces the first (the old one is stopped, its processes gone); mistypes a port some program listens on for a
+third that would replace the second (refused on the form naming the port; the second keeps serving); then stops
+the second from its page.
 """
+import os
 import re
+import socket
 
 import pytest
 from playwright.sync_api import expect
 
 from deployments.host import door, processes
-from deployments.models import Deployment
+from deployments.models import Deployment, Node
 from tests.conftest import free_port, wait_until
 from tests.e2e.holders import record_whole_host_holders
 
@@ -49,7 +53,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator("#load-bar")).to_have_attribute("style", re.compile(r"width: 100(\.0)?%"))
     expect(page.locator("#smoke")).to_contain_text("completion tokens", timeout=60_000)
     steps = page.locator("#timeline tbody td:first-child")
-    expect(steps).to_contain_text(["queued", "model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"])
+    expect(steps).to_contain_text(["queued", "checks", "model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"])
     # 99 % seen in CI when the model was already cached and one page had been evicted by other memory pressure.
     expect(page.locator("#timeline")).to_contain_text(re.compile(r"(99|100) % of the model is in the page cache"))
     assert "Loading safetensors checkpoint shards" in page.locator("#log").text_content()
@@ -94,6 +98,24 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     assert processes.members(first.pgid) == [] and processes.port_free("0.0.0.0", first_port)
 
     second = Deployment.objects.get(name="tiny-b")
+    # A port typo: a program of this test listens on it. The deploy that would replace tiny-b is refused on the form
+    # naming the port and the program, before anything is stopped (the agent records the host's listeners).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        wait_until(lambda: busy in {p["port"] for p in Node.objects.get(pk=node.pk).listeners}, timeout=60,
+                   interval=0.5, message=f"the agent to record port {busy} as listened on")
+        page.goto(f"{page.base_url}/models/{model.pk}/deploy/?node={node.pk}")
+        page.fill("#id_name", "tiny-c")
+        page.fill("#id_port", str(busy))
+        page.check('[data-field="replace"] label:has-text("tiny-b") input')
+        page.click("#deploy-submit")
+        expect(page.locator("form")).to_contain_text(f"Port {busy} is in use on {node.name} by PID {os.getpid()}")
+    expect(page.locator("h1")).to_contain_text("Deploy")
+    assert Deployment.objects.get(pk=second.pk).status == "ready" and not Deployment.objects.filter(name="tiny-c").exists()
+    page.goto(f"{page.base_url}/deployments/{second.pk}/")
+    expect(page.locator("#status")).to_have_text("Ready")
     page.once("dialog", lambda dialog: dialog.accept())  # Stop asks first
     page.click('button[data-action="stop"]')
     expect(page.locator("#status")).to_have_text("Stopped", timeout=60_000)

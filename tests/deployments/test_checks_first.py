@@ -1,0 +1,165 @@
+"""Every check that can fail runs before a plan stops anything (deployments/node/precheck.py): a busy port, an
+engine that cannot run or refuses a flag, processes the panel did not start on the GPUs. Seen by a user: a
+deploy onto a port another program held stopped the serving deployment first, then failed at the launch. The host
+is replaced at its boundary as in test_deploys.py (FakeHost); the port holder is a real process, named."""
+import subprocess
+import sys
+
+import pytest
+
+from deployments.host import processes
+from deployments.models import Deployment
+from deployments.node import plan
+from deployments.notify.models import Alert
+from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401 - fixtures
+from tests.factories import DeploymentFactory
+from tests.helpers import started
+
+pytestmark = pytest.mark.django_db
+S = Deployment.Status
+
+
+@pytest.fixture
+def serving(node):
+    """A ready deployment on GPU 0, which the new one (GPUs 0 and 1, port 8000) would replace."""
+    d = DeploymentFactory(node=node, status=S.READY, pid=777, pgid=777, port=9000, name="tiny-chat-vm")
+    d.gpus.set(node.gpus.filter(index__in=[0]))
+    return d
+
+
+def _untouched(serving, host, d):
+    serving.refresh_from_db()
+    assert serving.status == S.READY and serving.pid == 777, serving.status_message
+    host.mocks["processes.stop"].assert_not_called()
+    host.mocks["processes.launch"].assert_not_called()
+    assert not d.events.filter(step__in=["stop_others", "gpu_memory", "launch"]).exists()
+    assert not Alert.objects.filter(deployment=serving).exists()
+
+
+def test_a_port_another_program_holds_fails_the_deploy_and_stops_nothing(model, node, host, serving):
+    holder = started(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # port-holder"]))
+    try:
+        host.mocks["processes.port_free"].return_value = False
+        host.mocks["listeners.listening"].return_value = ({holder.pid}, False)
+        d = _queued(model, node)
+        plan.deployment_run(d.pk)
+        d.refresh_from_db()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert d.status == S.FAILED
+    assert d.status_message.startswith(f"Port 8000 is in use on gpu-01 by PID {holder.pid} (")
+    assert "port-holder" in d.status_message and "Nothing was stopped." in d.status_message
+    assert [e.step for e in d.events.exclude(step="queued")] == ["checks", "failed"]
+    _untouched(serving, host, d)
+
+
+def test_an_engine_that_cannot_run_fails_the_deploy_naming_the_fix_and_stops_nothing(model, node, host, serving):
+    host.mocks["serveargv.engine_flags"].side_effect = processes.EngineError(
+        "no engine at vllm: [Errno 2] No such file or directory: 'vllm'", permanent=True)
+    d = _queued(model, node)
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and "Cannot run the engine: no engine at vllm" in d.status_message
+    assert "scripts/install-engine" in d.status_message and "VLLM_BIN" in d.status_message
+    _untouched(serving, host, d)
+
+
+def test_a_flag_the_engine_does_not_take_fails_the_deploy_and_stops_nothing(model, node, host, serving):
+    d = _queued(model, node)
+    Deployment.objects.filter(pk=d.pk).update(engine_args={"tensor-parallel-size": 2, "max-modle-len": 4096})
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and "unknown engine flag --max-modle-len; did you mean --max-model-len?" in d.status_message
+    _untouched(serving, host, d)
+
+
+def test_a_foreign_gpu_process_fails_the_deploy_and_stops_nothing(model, node, host, serving, monkeypatch):
+    stranger = {"pid": 31337, "user": "bob", "command": "python train.py", "memory": 20 << 30, "display": False}
+    monkeypatch.setattr("deployments.node.precheck.foreign_holders", lambda *a, **kw: [stranger])
+    d = _queued(model, node)
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED and "Other processes hold the chosen GPUs: PID 31337 (bob: python train.py, 20480 MiB)" in d.status_message
+    _untouched(serving, host, d)
+
+
+def test_the_port_of_an_engine_the_plan_stops_itself_is_not_in_the_way(model, node, host):
+    """The deployment replaced on the same port listens there until the plan stops it: the launch checks again."""
+    old = DeploymentFactory(node=node, status=S.READY, pid=777, pgid=777, port=8000, name="old")
+    old.gpus.set(node.gpus.filter(index__in=[1]))
+    host.mocks["processes.port_free"].side_effect = [False, True]  # before the stop, then at the launch
+    d = _queued(model, node)
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.READY, d.status_message
+    assert d.events.get(step="checks").message.startswith("The engine takes the flags; port 8000 is old's, free once it is stopped")
+    assert Deployment.objects.get(pk=old.pk).status == S.STOPPED
+
+
+def test_a_deployment_stopped_to_make_room_tells_its_subscribers_who_stopped_it_and_why(model, node, host, serving):
+    d = _queued(model, node)
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.READY, d.status_message
+    alert = Alert.objects.get(deployment=serving, kind="displaced")
+    assert alert.title == f"tiny-chat-vm was stopped to make room for {d.name}"
+    assert alert.body.startswith(f"{d.name} (") and "was deployed on its GPUs: GPUs 0, 1 on gpu-01, port 8000." in alert.body
+
+
+# --- what the control plane knows before it queues anything: the node's listeners -----------------------------
+
+LISTEN = ("import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+          "print(s.getsockname()[1], flush=True)\ntime.sleep(60)\n")
+
+
+def _listening(env=None) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, text=True, env=env)
+    return proc, int(proc.stdout.readline())
+
+
+def test_the_agent_records_who_listens_on_each_port_and_whose_engine_it_is(node, monkeypatch):
+    from deployments.host import ownership
+    from deployments.node import guards
+    from tests.helpers import marked
+
+    engine = DeploymentFactory(node=node, status=S.READY, marker="m-listen-1", port=8000, name="tiny-serving")
+    stranger, stranger_port = _listening()
+    ours, our_port = _listening({"PATH": "/usr/bin:/bin", ownership.MARKER_VAR: engine.marker})
+    try:
+        marked(ours.pid, engine.marker)
+        described = {}
+        found = {p["port"]: p for p in guards.node_listeners_record(node.pk, [], described)}
+        again = guards.listeners_of(node.pk, described)  # from what was read: the same answer
+    finally:
+        for p in (stranger, ours):
+            p.kill()
+            p.wait()
+    assert found[stranger_port]["pid"] == stranger.pid and found[stranger_port]["deployment"] is None
+    assert "socket.socket()" in found[stranger_port]["command"]
+    assert found[our_port]["pid"] == ours.pid and found[our_port]["deployment"] == engine.pk
+    node.refresh_from_db()
+    assert {p["port"] for p in node.listeners} >= {stranger_port, our_port}
+    assert {p["port"]: p for p in again}[stranger_port] == found[stranger_port]
+
+
+def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is_queued(model, node, sent_tasks):
+    from deployments.services import deploys
+    from plumbing.errors import ServiceError
+
+    serving = DeploymentFactory(node=node, status=S.READY, port=8000, name="old", pid=777)
+    serving.gpus.set(node.gpus.filter(index__in=[0]))
+    program = {"port": 18771, "pid": 5150, "user": "alice", "command": "python -m http.server 18771", "deployment": None}
+    engine = {"port": 8000, "pid": 777, "user": "vllm-engine", "command": "vllm serve", "deployment": serving.pk}
+    node.listeners = [program, engine]
+    node.save(update_fields=["listeners"])
+    args = {"model": model, "node": node, "gpu_indices": [0, 1], "engine_args": {"tensor-parallel-size": 2}, "env": {}}
+    with pytest.raises(ServiceError) as exc:
+        deploys.deployment_create(port=18771, **args)
+    assert (exc.value.code, exc.value.field) == ("port_in_use", "port")
+    assert str(exc.value) == ("Port 18771 is in use on gpu-01 by PID 5150 (alice: python -m http.server 18771): "
+                              "choose another port, or stop it.")
+    assert Deployment.objects.filter(node=node).count() == 1 and sent_tasks.commit().names() == []
+    # The engine on 8000 is the one this deploy replaces (it holds GPU 0): its port is not in the way.
+    assert deploys.deployment_create(port=8000, **args).status == S.QUEUED
+    assert deploys.deployment_free_port(node) not in (8000, 18771)
