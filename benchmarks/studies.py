@@ -132,8 +132,8 @@ def study_preview(d: Deployment, variants: list[dict], repeats: int, workload: d
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     preview = {"variants": len(variants) + 1, "trials": trials, **studyestimate.study_estimate(d, trials, workload)}
     if repeats < studystats.MIN_REPEATS:
-        preview["warning"] = (f"{repeats} repeat per variant: the study will measure, but give no verdict (a verdict "
-                              f"needs at least {studystats.MIN_REPEATS} repeats of each variant).")
+        preview["warning"] = (f"{repeats} repeat{'s' if repeats != 1 else ''} per variant: the study will measure, but "
+                              f"give no interval and no verdict ({studystats.too_few(repeats)}).")
     return preview
 
 

@@ -139,8 +139,10 @@ def _rule_level(rule: dict, levels: list):
 
 
 def _median(row: dict, key: str) -> float | None:
+    """A variant's figure: the mean over its repeats, the point its interval holds (results kept before it was
+    stored: the median of the repeats)."""
     est = row["estimates"].get(key)
-    return est["median"] if est else None
+    return est.get("value", est["median"]) if est else None
 
 
 def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int | None, str]:

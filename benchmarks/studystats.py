@@ -11,6 +11,14 @@ their spread, and its tails are normal where a small sample's are Student's t. T
 the difference is widened by sqrt(n/(n-1)) * t(df)/z for that reason (n = the fewer repeats of the
 two; df = n_a + n_b - 2), which keeps the false "significant" rate near 5 % at 3 repeats
 (perf/study_verdicts.py measures it).
+
+Every figure here is positive (throughputs, latencies), so intervals are made on the log scale: a variant's
+interval never goes below zero, a relative difference never below -100 %, and the absolute difference's interval
+is the relative one times the baseline, so both say the same direction. Each interval is placed around its point
+(the mean over repeats, or the ratio of the two means) by the replicates' spread about their median, so the point
+is always inside it, however skewed the replicates are. With fewer than MIN_REPEATS repeats a side there is no
+interval and no verdict: too few repeats to judge (two repeats widen by Student's t at 2 degrees of freedom, 3.1
+times: an interval that wide bounds nothing useful).
 """
 import math
 import random
@@ -19,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 BETTER, WORSE, SAME, NO_VERDICT = "better", "worse", "no significant difference", "no verdict"
-MIN_REPEATS = 2  # fewer repeats of a side give no interval (one value has no spread) and so no verdict
+MIN_REPEATS = 3  # fewer repeats of a side give no interval and no verdict: too few repeats to judge
 Z975 = 1.959964
 # Student's t, two-sided 95 %, by degrees of freedom (1-30); beyond 30 the normal quantile is close.
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -45,12 +53,15 @@ class Repeat:
 
 @dataclass
 class Estimate:
-    """A variant's figure: the median of its repeats and a 95 % interval of the mean over repeats."""
+    """A variant's figure: the mean over its repeats (`value`, the point its 95 % interval holds), the median of
+    its repeats beside it, and why there is no interval when there is none."""
 
+    value: float
     median: float
     low: float | None
     high: float | None
     n: int
+    why: str = ""
 
 
 @dataclass
@@ -120,22 +131,44 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 def _interval(center: float, reps: list[float], widen: float) -> tuple[float, float]:
+    """`center` moved by the replicates' 2.5 and 97.5 % quantiles about their median, widened: holds `center`."""
     ordered = sorted(reps)
-    mean = math.fsum(ordered) / len(ordered)
-    return (center + widen * (_quantile(ordered, 0.025) - mean), center + widen * (_quantile(ordered, 0.975) - mean))
+    middle = _quantile(ordered, 0.5)
+    return (center + widen * (_quantile(ordered, 0.025) - middle), center + widen * (_quantile(ordered, 0.975) - middle))
+
+
+def _positive(*values: Sequence[float] | float) -> bool:
+    return all((v > 0 for v in group) if isinstance(group, (list, tuple)) else group > 0 for group in values)
+
+
+def too_few(n_b: int, n_v: int | None = None) -> str:
+    """Why there is no interval or verdict with `n_b` (and `n_v`) repeats; "" when there are enough."""
+    fewest = n_b if n_v is None else min(n_b, n_v)
+    if fewest >= MIN_REPEATS:
+        return ""
+    side = "" if n_v is None else f" of {'the baseline' if n_b == fewest else 'this variant'}"
+    return (f"too few repeats to judge: {fewest} repeat{'s' if fewest != 1 else ''}{side}, and an interval needs at "
+            f"least {MIN_REPEATS} of each to know how much a figure varies between repeats")
 
 
 def estimate(repeats: Sequence[Repeat], kind: str = SCALED, n_boot: int = 2000, seed: int = 0) -> Estimate | None:
-    """The median of the repeats and a 95 % interval of their mean (None, None with one repeat: a
-    single value says nothing of its spread); None without repeats."""
+    """The mean over the repeats with its 95 % interval (none with fewer than MIN_REPEATS repeats), and their
+    median; None without repeats."""
     repeats = [r for r in repeats if r.value is not None]
     if not repeats:
         return None
-    if len(repeats) < MIN_REPEATS:
-        return Estimate(median=repeats[0].value, low=None, high=None, n=1)
-    rng = random.Random(seed)
-    low, high = _interval(_center(repeats), replicates(repeats, kind, n_boot, rng), widening(len(repeats), len(repeats)))
-    return Estimate(median=statistics.median(r.value for r in repeats), low=low, high=high, n=len(repeats))
+    center, median = _center(repeats), statistics.median(r.value for r in repeats)
+    if why := too_few(len(repeats)):
+        return Estimate(value=center, median=median, low=None, high=None, n=len(repeats), why=why)
+    reps = replicates(repeats, kind, n_boot, random.Random(seed))
+    widen = widening(len(repeats), len(repeats))
+    if _positive(center, reps):
+        low, high = _interval(math.log(center), [math.log(r) for r in reps], widen)
+        low, high = math.exp(low), math.exp(high)
+    else:  # a zero among the figures: the plain scale, never below zero
+        low, high = _interval(center, reps, widen)
+        low = max(low, 0.0)
+    return Estimate(value=center, median=median, low=low, high=high, n=len(repeats))
 
 
 def compare(baseline: Sequence[Repeat], variant: Sequence[Repeat], kind: str = SCALED, higher_is_better: bool = True,
@@ -147,33 +180,28 @@ def compare(baseline: Sequence[Repeat], variant: Sequence[Repeat], kind: str = S
     variant = [r for r in variant if r.value is not None]
     if not baseline or not variant:
         return None
-    if min(len(baseline), len(variant)) < MIN_REPEATS:
-        # One repeat resamples to itself: a zero-width interval that would call any difference real.
-        center_b, center_v = _center(baseline), _center(variant)
-        fewest = min(len(baseline), len(variant))
-        return Comparison(diff=center_v - center_b, low=None, high=None,
-                          rel=center_v / center_b - 1 if center_b else None, rel_low=None, rel_high=None,
-                          verdict=NO_VERDICT, why=f"{fewest} repeat{'s' if fewest != 1 else ''} of "
-                          f"{'the baseline' if len(baseline) == fewest else 'this variant'}: a verdict needs at least "
-                          f"{MIN_REPEATS} of each, to know how much a figure varies between repeats")
+    center_b, center_v = _center(baseline), _center(variant)
+    diff = center_v - center_b
+    rel = center_v / center_b - 1 if center_b else None
+    if why := too_few(len(baseline), len(variant)):
+        return Comparison(diff=diff, low=None, high=None, rel=rel, rel_low=None, rel_high=None, verdict=NO_VERDICT, why=why)
     rng = random.Random(seed)
     reps_b = replicates(baseline, kind, n_boot, rng)
     reps_v = replicates(variant, kind, n_boot, rng)
-    center_b, center_v = _center(baseline), _center(variant)
-    diff = center_v - center_b
-    low, high = _interval(diff, [v - b for v, b in zip(reps_v, reps_b)], widening(len(baseline), len(variant)))
+    widen = widening(len(baseline), len(variant))
+    if _positive(center_b, center_v, reps_b, reps_v):  # the log of the ratio: bounded below by -100 %
+        low, high = _interval(math.log(center_v / center_b), [math.log(v / b) for v, b in zip(reps_v, reps_b)], widen)
+        rel_low, rel_high = math.expm1(low), math.expm1(high)
+        low, high = center_b * rel_low, center_b * rel_high
+    else:
+        low, high = _interval(diff, [v - b for v, b in zip(reps_v, reps_b)], widen)
+        rel_low, rel_high = (low / center_b, high / center_b) if center_b else (None, None)
     if low > 0:
         verdict = BETTER if higher_is_better else WORSE
     elif high < 0:
         verdict = WORSE if higher_is_better else BETTER
     else:
         verdict = SAME
-    rel = rel_low = rel_high = None
-    if center_b:
-        rels = sorted(v / b - 1 for v, b in zip(reps_v, reps_b) if b)
-        if rels:
-            rel = center_v / center_b - 1
-            rel_low, rel_high = _interval(rel, rels, widening(len(baseline), len(variant)))
     return Comparison(diff=diff, low=low, high=high, rel=rel, rel_low=rel_low, rel_high=rel_high, verdict=verdict)
 
 

@@ -32,7 +32,8 @@ class StudyForm(forms.Form):
     named_workload = forms.ModelChoiceField(queryset=Workload.objects.all(), required=False, label="Workload",
                                             empty_label="none: random prompts of the lengths above",
                                             help_text="A named workload's prompts and lengths, for every trial.")
-    repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved.")
+    repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved: 3 or more for a verdict (fewer measure, "
+                                                                                  "but are too few repeats to judge).")
     order = forms.ChoiceField(choices=list(studies.ORDERS.items()))
     rule = forms.ChoiceField(choices=list(studyresults.RULES.items()), initial="throughput", label="Winner rule")
     rule_level = forms.CharField(max_length=40, required=False, label="Rule's level N", help_text=(

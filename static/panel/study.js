@@ -66,10 +66,10 @@
         const [metric, level] = key.split("@");
         const cmp = v.comparisons[key];
         const label = (r.metrics[metric] || metric) + (level ? ` at ${levelLabel(level)}` : "");
-        // One repeat has no interval: the figure alone, and the row says why there is no verdict.
+        // Too few repeats: the figure alone, no interval, and the row says why there is no verdict.
         const range = (lo, hi, f) => (lo == null || hi == null ? "" : ` [${f(lo)}, ${f(hi)}]`);
         rows.push(`<tr data-variant="${v.id}" data-key="${key}"><td>${esc(v.name)}</td><td>${esc(label)}</td>` +
-          `<td class="num">${fmt(est.median)}${range(est.low, est.high, fmt)}</td>` +
+          `<td class="num" title="${est.why ? esc(est.why) : "the mean over repeats and its 95 % interval"}">${fmt(est.value ?? est.median)}${range(est.low, est.high, fmt)}</td>` +
           `<td class="num">${cmp ? `${pct(cmp.rel)}${range(cmp.rel_low, cmp.rel_high, pct)}` : "—"}</td>` +
           `<td class="verdict" title="${cmp && cmp.why ? esc(cmp.why) : ""}">${cmp ? esc(cmp.verdict) + (cmp.why ? `<div class="muted">${esc(cmp.why)}</div>` : "") : v.is_baseline ? "baseline" : "—"}</td></tr>`);
       }

@@ -196,10 +196,10 @@ def test_one_repeat_measures_but_gives_no_verdict_and_keeps_the_baseline(d):
     study = run_through(study, d, {"baseline": 100.0, "one seq": 200.0})
     one = next(r for r in study.results["variants"] if r["name"] == "one seq")
     cmp = one["comparisons"]["throughput@4"]
-    assert cmp["verdict"] == "no verdict" and cmp["low"] is None and "a verdict needs at least 2" in cmp["why"]
+    assert cmp["verdict"] == "no verdict" and cmp["low"] is None and cmp["why"].startswith("too few repeats to judge: 1 repeat")
     assert one["estimates"]["throughput@4"]["low"] is None
     assert study.results["winner"] == study.variants.get(is_baseline=True).pk
-    assert "one seq measured highest, but with 1 repeat" in study.results["winner_why"]
+    assert "one seq measured highest, but with too few repeats to judge: 1 repeat" in study.results["winner_why"]
 
 
 def test_the_results_name_the_rule_in_words_and_give_per_gpu_figures_only_on_gpus(d):
@@ -256,11 +256,11 @@ def test_unknown_flags_and_disallowed_env_are_refused_before_anything_starts(d):
 
 
 def test_a_study_runs_interleaved_trials_judges_them_and_restores_the_baseline(d):
-    study = make(d)
+    study = make(d, repeats=3)  # a verdict needs 3 repeats a side
     study = run_through(study, d, {"baseline": 100.0, "one seq": 20.0})
     assert study.status == "finishing"
     trials = list(study.trials.select_related("variant"))
-    assert [t.variant.name for t in trials] == ["baseline", "one seq", "baseline", "one seq"]
+    assert [t.variant.name for t in trials] == ["baseline", "one seq"] * 3
     assert all(t.status == "done" and t.startup["weights"] == 3.0 and t.overhead_s is not None for t in trials)
     one = next(r for r in study.results["variants"] if r["name"] == "one seq")
     assert one["comparisons"]["throughput@4"]["verdict"] == "worse"
@@ -274,11 +274,11 @@ def test_a_study_runs_interleaved_trials_judges_them_and_restores_the_baseline(d
 
 def test_a_variant_that_fails_to_start_is_recorded_and_the_study_goes_on(d):
     study = make(d, variants=[{"name": "bad", "engine_args": {"max-num-seqs": "oops"}, "env": {}},
-                              {"name": "more", "engine_args": {"max-num-seqs": 32}, "env": {}}])
+                              {"name": "more", "engine_args": {"max-num-seqs": 32}, "env": {}}], repeats=3)
     study = run_through(study, d, {"baseline": 100.0, "more": 150.0})
     bad = study.variants.get(name="bad")
     assert "--max-num-seqs takes a whole number from 0 up, not 'oops'" in bad.failed  # refused before the launch
-    assert list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped"]
+    assert list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped"]
     more = next(r for r in study.results["variants"] if r["name"] == "more")
     assert more["comparisons"]["throughput@4"]["verdict"] == "better"
     assert study.results["winner"] == study.variants.get(name="more").pk
