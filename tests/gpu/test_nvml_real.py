@@ -58,7 +58,22 @@ def close(ours, theirs, tolerance) -> bool:
     return ours is not None and abs(ours - theirs) <= tolerance
 
 
+def _settled(timeout_s: float = 60.0) -> None:
+    """Until every GPU's power draw holds still (within 10 W over a second): right after a load (the energy check
+    runs before this one) it falls by tens of watts a second, and two readers a moment apart differ by that much
+    (seen on an H100: 371 W by the sampler, 437 W by nvidia-smi just before)."""
+    deadline = time.monotonic() + timeout_s
+    last = [g["power.draw"] for g in nvidia_smi()]
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = [g["power.draw"] for g in nvidia_smi()]
+        if all(a is None or b is None or abs(a - b) <= 10 for a, b in zip(last, now)):
+            return
+        last = now
+
+
 def test_sampler_figures_match_nvidia_smi(gpus):
+    _settled()
     smi = nvidia_smi()
     samples = gpu.sample()
 

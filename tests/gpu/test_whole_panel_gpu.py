@@ -3,7 +3,10 @@ agent, embedded Redis, SQLite) registers the GPU node, and a deploy through the 
 stand-in (tests/gpu/standin_vllm.py) as the engine user, whose EngineCore-like child holds real GPU memory.
 NVML attributes that memory to the deployment (the node page's live sample, over the WebSocket the page
 uses), the stand-in can neither read the environment of any panel process nor signal one nor open the
-panel's var/ files, and Stop gives the memory back.
+panel's var/ files, no process of another uid reaches the engine's routes (the loopback door, host/door.py, with
+nftables), and Stop gives the memory back. The live path (NVML in the agent, Redis, Channels, the page's WebSocket)
+is held to nvidia-smi, read beside it ten times a second: each figure the socket brings, through the load and the
+Stop, is one nvidia-smi showed within the tick before it arrived.
 
 No Django in this process, like the rest of this folder: the panel runs as its own processes and is
 reached over HTTP and WebSocket only, as a user's browser or client reaches it."""
@@ -16,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +28,7 @@ import psutil
 import pytest
 from websockets.sync.client import connect
 
-from deployments.host import gpu
+from deployments.host import door, gpu
 from tests.conftest import ROOT, free_port, wait_until
 
 pytestmark = pytest.mark.gpu
@@ -149,6 +153,71 @@ def _model(base: Path, probe: list[str], name: str = "gpu-stand-in", **config) -
     return folder
 
 
+class Smi:
+    """nvidia-smi's memory.used of GPU 0 (MiB), read about ten times a second in a thread: [(Unix time, MiB)]."""
+
+    def __init__(self):
+        self.readings: list[tuple[float, int]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            before = time.time()
+            out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30)
+            if out.returncode == 0:
+                self.readings.append(((before + time.time()) / 2, int(out.stdout.strip())))
+            self.done.wait(0.1)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(40)
+
+
+class Live:
+    """The node's live samples as the page's WebSocket brings them, collected in a thread:
+    [(Unix time received, the sample)]."""
+
+    def __init__(self, panel: "Panel", node_id: int):
+        self.socket = panel.live()
+        self.socket.send(json.dumps({"subscribe": [f"node:{node_id}"]}))
+        self.samples: list[tuple[float, dict]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            try:
+                message = json.loads(self.socket.recv(timeout=0.5))
+            except TimeoutError:
+                continue
+            if message.get("kind") == "sample":
+                self.samples.append((time.time(), message["data"]))
+
+    def stop(self) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            self.thread.join(10)
+            self.socket.close()
+
+
+TICK_S = 1.0  # the agent samples every second (deployments/agent.py)
+
+
+def _matching(live: Live, smi: Smi) -> tuple[list, list]:
+    """(matched, unmatched): each live GPU 0 figure with the nvidia-smi reading that showed it within the tick
+    before the socket brought it (MiB, nvidia-smi's rounding), or alone when none did."""
+    matched, unmatched = [], []
+    for received, sample in live.samples:
+        mib = (sample["gpus"][0]["memory_used"] or 0) / 2**20
+        seen = [(t, m) for t, m in smi.readings if received - TICK_S <= t <= received and abs(m - mib) <= 1]
+        (matched if seen else unmatched).append((received, sample["t"], round(mib), seen[-1] if seen else None))
+    return matched, unmatched
+
+
 def _held(pid: int) -> int:
     return next((p.used_memory or 0 for p in gpu.sample([0])[0].processes or [] if p.pid == pid), 0)
 
@@ -165,6 +234,7 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
     panel = Panel(base, vllm)
     d = None
     figures = {}
+    smi = live = None
     done = False
     try:
         started = time.monotonic()
@@ -183,6 +253,10 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
         wait_until(lambda: [c for c in panel.get(f"/api/copies/?node={NODE}&model={model['id']}")["results"] if c["state"] == "ready"],
              60, message="the local model's copy on the node to be ready")
 
+        smi = Smi()  # reading before the first live sample can come: each figure needs its tick of readings
+        wait_until(lambda: len(smi.readings) >= 3 and smi.readings[-1][0] - smi.readings[0][0] >= TICK_S, 60,
+                   message="nvidia-smi's first readings", interval=0.05)
+        live = Live(panel, node["id"])
         before = gpu.sample([0])[0]
         asked = time.monotonic()
         d = panel.post("/api/deployments/", {"model": model["id"], "node": NODE, "gpus": [0], "preset": "none",
@@ -203,17 +277,29 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
         assert engine_uid != 0 and report["uid"] == engine_uid and report["no_new_privs"] == "1", report
         assert holder != d["pid"] and os.getpgid(holder) == os.getpgid(d["pid"])
         # The panel says whose it is: the node page's live sample labels the process with the deployment.
-        with panel.live() as socket:
-            socket.send(json.dumps({"subscribe": [f"node:{node['id']}"]}))
-            deadline = time.monotonic() + 30
-            labelled = None
-            while labelled is None and time.monotonic() < deadline:
-                message = json.loads(socket.recv(timeout=max(0.1, deadline - time.monotonic())))
-                if message.get("kind") == "sample":
-                    procs = message["data"]["gpus"][0]["processes"] or []
-                    labelled = next((p for p in procs if p["pid"] == holder and p.get("deployment")), None)
-        assert labelled is not None, "no live sample labelled the stand-in's GPU process with its deployment"
+        def labelled_sample():
+            for _, sample in reversed(live.samples):
+                found = next((p for p in sample["gpus"][0]["processes"] or [] if p["pid"] == holder and p.get("deployment")), None)
+                if found:
+                    return found
+            return None
+
+        labelled = wait_until(labelled_sample, 30, message="a live sample labelling the stand-in's GPU process with its deployment")
         assert labelled["deployment"] == {"id": d["id"], "name": "gpu-stand-in"} and labelled["used_memory"] >= HOLD_GIB * GIB
+
+        # The loopback door: the engine's routes answer the agent's uid (root, as this test) and no other, the
+        # engine's own user included; every route refused before HTTP, as the doctor's exposure audit asks them.
+        port = d["port"]
+        shut, why = door.door_check()
+        assert shut, f"the door cannot be shut here: {why}"
+        assert door.door_ports().get(port) == NODE, door.door_ports()
+        routes = ["/health", "/v1/models", "/v1/chat/completions", "/invocations", "/tokenize", "/metrics"]
+        as_root = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code
+        asked_as = {uid: door.ask_as(uid, {port: routes})[port] for uid in (door.NOBODY, engine_uid)}
+        assert as_root == 200, as_root
+        for uid, answers in asked_as.items():
+            assert not [r for r, status in answers.items() if isinstance(status, int)], (uid, answers)
+        figures["door"] = {uid: sorted(set(a.values())) for uid, a in asked_as.items()}
 
         # The boundary: every panel process's environment closed to it, every signal refused, var/ closed.
         panel_pids = {str(p.pid): " ".join(p.cmdline()[:4]) for p in panel.processes()}
@@ -234,6 +320,17 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
         stopped = wait_until(lambda: (row := panel.get(f"/api/deployments/{d['id']}/"))["status"] in ("stopped", "failed") and row,
                        60, message="the deployment to show stopped")
         assert stopped["status"] == "stopped", stopped["status_message"]
+        time.sleep(2 * TICK_S)  # the samples after the memory came back
+        live.stop()
+        smi.stop()
+        matched, unmatched = _matching(live, smi)
+        figures.update(live_samples=len(live.samples), smi_readings=len(smi.readings))
+        assert len(live.samples) >= 5 and len(smi.readings) >= 20, figures
+        assert unmatched == [], f"live figures nvidia-smi never showed in the tick before: {unmatched[:5]} ({len(matched)} matched)"
+        levels = {m[2] for m in matched}
+        assert max(levels) - min(levels) >= HOLD_GIB * 1024, f"the live figures never followed the load and Stop: {sorted(levels)}"
+        lag = [received - t for received, t, _, _ in matched]
+        wait_until(lambda: port not in door.door_ports(), 10, message=f"port {port} out of the door's set after Stop")
         # Exited is gone, as the panel counts it (host/processes.py): a zombie waits only for its parent's wait().
         wait_until(lambda: not _running(holder) and not _running(d["pid"]), 10, message="the engine's processes to end")
         zombies = [f"{pid} (zombie, parent {psutil.Process(pid).ppid()})" for pid in (holder, d["pid"]) if psutil.pid_exists(pid)]
@@ -243,9 +340,16 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
               f"{labelled['deployment']['name']!r}; the stand-in probed {len(probed)} panel processes (agent PID {agent}): "
               f"environ EACCES and kill(pid, 0) EPERM for each, other users' environments readable: 0, var files "
               f"{sorted(set(report['files'].values()))} (EACCES={errno.EACCES}); Stop -> memory back in "
-              f"{figures['memory_back_s']:.2f} s, no process left running" + (f" ({', '.join(zombies)})" if zombies else ""))
+              f"{figures['memory_back_s']:.2f} s, no process left running; the door: port {port} answered root /health 200, "
+              f"uid {door.NOBODY} and the engine's uid {engine_uid}: {figures['door']} on every route; live path: "
+              f"{len(matched)} WebSocket samples from {min(levels)} to {max(levels)} MiB, each one nvidia-smi showed "
+              f"within {TICK_S:.0f} s before it arrived ({len(smi.readings)} nvidia-smi readings), sample to socket "
+              f"median {sorted(lag)[len(lag) // 2] * 1000:.0f} ms, max {max(lag) * 1000:.0f} ms" + (f" ({', '.join(zombies)})" if zombies else ""))
         done = True
     finally:
+        for feed in (live, smi):
+            if feed is not None:
+                feed.stop()
         if not done:
             print(f"\n--- figures so far: {figures}; the panel's log (end) ---\n{panel.tail(8000)}")
         if d and d.get("pid") and psutil.pid_exists(d["pid"]):  # the test failed midway: the engine must not outlive it
