@@ -68,7 +68,7 @@ class DeploymentStatus:
 
     @classmethod
     def of(cls, d: Deployment) -> "DeploymentStatus":
-        return pick(cls, d, id=d.pk, status_display=d.get_status_display(), message=d.status_message)
+        return pick(cls, d, id=d.pk, status_display=d.badge, message=d.status_message)
 
 
 @dataclass(frozen=True)

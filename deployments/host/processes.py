@@ -117,6 +117,7 @@ def launch(spec: EngineSpec) -> EngineHandle:
             )
         except OSError as e:
             raise EngineError(f"cannot start {spec.argv[0]}: {e}", permanent=True) from e
+    _CHILDREN[proc.pid] = proc
     return EngineHandle(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid))
 
 
@@ -127,12 +128,34 @@ def _create_time(pid: int) -> float:
         return 0.0
 
 
+# The engines this process started, kept so that subprocess's own clean-up of forgotten children never reaps one
+# (and takes its exit status) before the crash watch asks; and the exit codes of those that ended (exits.py).
+_CHILDREN: dict[int, subprocess.Popen] = {}
+_EXITS: dict[int, int] = {}
+
+
 def _reap(pid: int) -> None:
     # Our own exited children stay zombies (and look alive) until waited for.
+    if (proc := _CHILDREN.get(pid)) is not None:
+        if proc.poll() is not None:
+            _EXITS[pid] = _CHILDREN.pop(pid).returncode
+        return
     try:
-        os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        pass
+        return
+    if done:
+        _EXITS[pid] = os.waitstatus_to_exitcode(status)
+
+
+def exit_code(pid: int) -> int | None:
+    """How `pid` ended, as Popen.returncode says it (-N: signal N), when this process started it and it has ended;
+    None otherwise (still running, started by another agent process, or a unit's)."""
+    _reap(pid)
+    if len(_EXITS) > 1000:  # an agent running for months: the oldest are long reported
+        for old in list(_EXITS)[:500]:
+            del _EXITS[old]
+    return _EXITS.get(pid)
 
 
 def alive(pid: int, create_time: float = 0.0) -> bool:

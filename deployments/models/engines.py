@@ -118,6 +118,13 @@ class Deployment(Transitions, EngineProcess):
     def __str__(self):
         return self.name
 
+    @property
+    def badge(self) -> str:
+        """The status as its badge says it: "Crashed" for a failure the crash watch found (node/crashes.py)."""
+        if self.status == self.Status.FAILED and (self.status_message or "").startswith("Crashed"):
+            return "Crashed"
+        return self.get_status_display()
+
     def transition(self, to, message: str = "", **fields) -> None:
         """Move to `to` with `message` as the status message (cleared when none), or raise InvalidTransition."""
         super().transition(to, status_message=message, **fields)

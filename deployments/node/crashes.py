@@ -7,7 +7,7 @@ from django.db import transaction
 
 from deployments import claims
 from deployments.dispatch import send_plan
-from deployments.host import processlog
+from deployments.host import exits, processlog
 from deployments.models import Deployment
 from deployments.node.lifecycle import TAIL_LINES
 from deployments.node.steps import fail
@@ -24,8 +24,8 @@ def deployment_crashed(d: Deployment, reason: str) -> None:
     if lost:  # the head often dies because a worker rank did; say which
         reason = f"rank {lost.rank} on node {lost.node.name} died ({lost.message}), then {reason}"
     d.log_tail = "\n".join(processlog.tail(Path(d.log_path), TAIL_LINES)) if d.log_path else d.log_tail
-    last = d.log_tail.splitlines()[-5:]
-    fail(d, f"Crashed: {reason}. Last log lines: " + " | ".join(last))
+    last = exits.engine_lines(d.log_tail.splitlines())  # the engine's own: its /health and /metrics polls left out
+    fail(d, f"Crashed: {reason}. " + ("Its last log lines: " + " | ".join(last) if last else "It logged nothing of its own."))
     if d.auto_restart and not d.systemd_unit:  # a unit-backed engine's restarts are systemd's (Restart=on-failure)
         delay = min(600, 10 * 2 ** d.restarts)
         with transaction.atomic():

@@ -5,7 +5,7 @@ import time
 from django.utils import timezone
 
 from deployments import payloads
-from deployments.host import slo, systemd, vllm
+from deployments.host import exits, processes, slo, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import lifecycle, raycluster, units
 from deployments.node.crashes import deployment_crashed
@@ -94,6 +94,8 @@ def deployments_watch(node_id: int, state: dict) -> None:
 
 
 def _crash_watch(node_id: int, state: dict, now: float) -> None:
+    oom, state["oom"] = state.get("oom"), exits.oom_kills()  # the OOM kills since the last pass saw them alive
+    oom_killed = (state["oom"] or 0) - oom if oom is not None and state["oom"] is not None else 0
     for d in Deployment.objects.filter(node_id=node_id, status__in=Deployment.UP).exclude(pid=None):
         if d.status == S.SLEEPING and lifecycle.driven(d.pk):
             continue  # being woken or swapped: the wake step says how it ended
@@ -113,7 +115,8 @@ def _crash_watch(node_id: int, state: dict, now: float) -> None:
             state[d.pk] = 0 if vllm.health(f"http://127.0.0.1:{d.port}", timeout=2.0) else failures + 1
         if alive and state[d.pk] < 3:
             continue
-        reason = ("its Ray head exited" if ray_lost else "the engine process exited" if not alive
+        reason = ("its Ray head exited" if ray_lost else
+                  f"the engine process exited, {exits.explain(processes.exit_code(d.pid), oom_killed)}" if not alive
                   else "/health failed 3 times in a row")
         deployment_crashed(d, reason)
         state.pop(d.pk, None)
