@@ -66,6 +66,11 @@ class LoadWatch:
         # A load followed again after an agent restart (fresh=False) replays old lines at today's clock:
         # shown, not kept. (Not judged by the clock: on a busy host the watch may start long after launch.)
         self.fresh = fresh
+        if not fresh:  # the lost agent's load step never ended: it is closed saying so, not left open beside this one
+            DeploymentEvent.objects.filter(deployment=d, step="load", ended=None).update(
+                ended=timezone.now(), level=DeploymentEvent.Level.WARNING,
+                message="The node agent following this load was lost; a new agent follows it from here (the outage "
+                        "is not the engine's: this load's timings are not compared nor kept).")
         self.clock = loadphases.PhaseClock()
         self.history, self.basis, self.scale, self.previous = load_history(d)
         self.files = _model_files(d)
@@ -126,6 +131,8 @@ class LoadWatch:
         if "api_up" not in (phase for phase, _, _ in self.clock.segments):
             self.clock.enter("api_up", now)
         self.clock.enter("smoke_test", now)
+        if not self.fresh:  # replayed at today's clock, the agent's outage inside: no comparison to blame the engine
+            return ""
         return "; ".join(loadphases.compare(self.clock.totals(), self.previous or {}))
 
     def finish(self) -> None:

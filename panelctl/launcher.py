@@ -46,16 +46,26 @@ def wait_for_port(port: int, timeout: float = 15.0) -> None:
     raise SystemExit(f"nothing is listening on 127.0.0.1:{port} after {timeout:.0f} s")
 
 
+RESTART_FIRST_S, RESTART_MAX_S = 1.0, 60.0  # a dead child's restart delay: doubled each time, reset after a minute up
+RESTART_RESET_S = 60.0
+
+
 class Children:
-    """Child processes, each in its own session, stopped together (TERM, then KILL)."""
+    """Child processes, each in its own session, stopped together (TERM, then KILL). One that dies is started again
+    with backoff (`restart_exited`), so the others (the web, the gateway: callers' one door) stay up meanwhile."""
 
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.infrastructure: list[subprocess.Popen] = []  # stopped after everything that uses them
+        self.how: dict[str, tuple[list[str], dict, dict]] = {}  # name: how it was started, to start it again
+        self.started: dict[str, float] = {}
+        self.delay: dict[str, float] = {}
+        self.due: dict[str, float] = {}  # name: when an exited child is started again
 
     def start(self, name: str, argv: list[str], env: dict, infrastructure: bool = False, **kwargs) -> subprocess.Popen:
         proc = subprocess.Popen(argv, env=env, cwd=BASE_DIR, start_new_session=True, **kwargs)
         self.procs.append((name, proc))
+        self.how[name], self.started[name] = (argv, env, kwargs), time.monotonic()
         if infrastructure:
             self.infrastructure.append(proc)
         return proc
@@ -65,6 +75,31 @@ class Children:
             if proc.poll() is not None:
                 return name, proc.returncode
         return None
+
+    def restart_exited(self, now: float | None = None) -> list[str]:
+        """Start again each child that exited once its delay has passed (1 s, doubled at each exit up to 60 s, back
+        to 1 s after a minute up); what happened, one line each."""
+        now = time.monotonic() if now is None else now
+        said = []
+        for i, (name, proc) in enumerate(self.procs):
+            if proc.poll() is None:
+                continue
+            if name not in self.due:
+                up = now - self.started[name]
+                delay = RESTART_FIRST_S if up >= RESTART_RESET_S else min(RESTART_MAX_S, self.delay.get(name, RESTART_FIRST_S / 2) * 2)
+                self.delay[name], self.due[name] = delay, now + delay
+                said.append(f"{name} exited with code {proc.returncode}; starting it again in {delay:.0f} s "
+                            "(the rest of the panel keeps running).")
+            elif now >= self.due[name]:
+                del self.due[name]
+                argv, env, kwargs = self.how[name]
+                again = subprocess.Popen(argv, env=env, cwd=BASE_DIR, start_new_session=True, **kwargs)
+                self.procs[i] = (name, again)
+                self.started[name] = now
+                if proc in self.infrastructure:
+                    self.infrastructure[self.infrastructure.index(proc)] = again
+                said.append(f"{name} started again (PID {again.pid}).")
+        return said
 
     def stop(self, timeout: float = 10.0) -> None:
         """The web, workers and agent first, Redis once they are gone: stopped the other way round, a
@@ -241,10 +276,8 @@ def start(args) -> int:
         print(f"  Redis: {re.sub(r':[^:@/]*@', ':***@', env['REDIS_URL'])}   Node: {node_name}   Ctrl-C stops everything.")
         print("=" * 64 + "\n", flush=True)
         while not stopping:
-            exited = children.first_exited()
-            if exited:
-                print(f"{exited[0]} exited with code {exited[1]}; stopping the panel.", file=sys.stderr)
-                return 1
+            for line in children.restart_exited():
+                print(line, file=sys.stderr, flush=True)
             time.sleep(0.5)
         return 0
     finally:

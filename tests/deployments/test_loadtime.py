@@ -111,6 +111,24 @@ def test_a_load_followed_again_after_an_agent_restart_is_shown_but_not_learned_f
     assert d.load_detail["phases"]["segments"]
 
 
+def test_a_load_followed_again_closes_the_lost_agents_open_step_and_blames_nothing_on_the_engine():
+    """The agent killed mid-load left its load step open ("load … …" on the timeline), and the load followed again
+    said "Process start 56 s slower than last time": the agent's outage, taken for the engine's."""
+    d = DeploymentFactory()
+    d.started, d.pid = timezone.now() - timedelta(minutes=5), None
+    _load(DeploymentFactory(model=d.model, node=d.node, engine_args=d.engine_args))  # a previous load to compare with
+    lost = DeploymentEvent.objects.create(deployment=d, step="load")  # the killed agent's, never ended
+    watch = loads.LoadWatch(d, fresh=False)
+    lost.refresh_from_db()
+    assert lost.ended is not None and lost.level == DeploymentEvent.Level.WARNING
+    assert lost.message.startswith("The node agent following this load was lost; a new agent follows it from here")
+    watch.feed(CPU_LOG.splitlines())
+    assert watch.previous and watch.ready() == ""  # a previous load there is, and no comparison is made
+    fresh = loads.LoadWatch(d)
+    fresh.feed(CPU_LOG.splitlines())
+    assert fresh.ready() != ""  # the same lines, followed by the plan that launched them, are compared
+
+
 def test_a_fresh_load_is_calibrated_a_replayed_one_is_not_and_a_failed_calibration_never_fails_the_load(monkeypatch):
     """The node calibrates the KV estimate itself (deployments/kvcalibration.py, beneath both sides)."""
     from deployments import kvcalibration

@@ -190,8 +190,9 @@ def panel(process_env, private_redis, spawn, unique, tmp_path):
     """`./panel start` (python -m panelctl.launcher start) on this test's database and private Redis;
     yields a function that (re)starts it and returns its node; stopped with Ctrl-C's SIGINT at the end."""
     env = agent_env(process_env, tmp_path, REDIS_URL=private_redis.url, PANEL_ADMIN_PASSWORD="correct-horse-battery-9")
-    argv = [sys.executable, "-m", "panelctl.launcher", "start", "--port", str(free_port()),
-            "--gateway-port", str(free_port()), "--node-name", f"up-{unique}"]
+    ports = {"web": free_port(), "gateway": free_port()}
+    argv = [sys.executable, "-m", "panelctl.launcher", "start", "--port", str(ports["web"]),
+            "--gateway-port", str(ports["gateway"]), "--node-name", f"up-{unique}"]
     running, agents = [], set()
 
     def start() -> Node:
@@ -206,6 +207,7 @@ def panel(process_env, private_redis, spawn, unique, tmp_path):
         proc.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its web, worker and agent, and exits
         proc.wait(60)
 
+    start.ports, start.running = ports, running
     yield start, stop
     while running:
         stop()
@@ -224,4 +226,38 @@ def test_restarting_panel_start_keeps_its_engine_serving(panel, fake_model):
         COUNTS["panel_start_restarts"] += 1
 
     _restarts_keep_serving(restart, row, fake_model)
+    stop_and_check(row, fake_model)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_agent_is_started_again_by_the_launcher_while_the_web_and_the_gateway_stay_up(panel, fake_model):
+    """kill -9 of ./panel start's node agent once stopped the whole panel, the gateway (callers' one door) included,
+    with the engine left running and unreachable. Now the launcher starts the agent again with backoff; the web and
+    the gateway answer throughout, the engine keeps serving, and the new agent adopts it."""
+    start, stop = panel
+    node = start()
+    row = _serving(node, fake_model)
+    launcher = start.running[-1]
+    ports = start.ports
+    answers = {"web": [], "gateway": []}
+    os.kill(node.agent_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while _adopted(row) < 1 and time.monotonic() - killed < 90:
+        for name, port in ports.items():
+            try:
+                answers[name].append(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code)
+            except httpx.HTTPError as exc:
+                answers[name].append(repr(exc))
+        assert launcher.poll() is None, "./panel start exited when its agent was killed"
+        time.sleep(0.2)
+    back = Node.objects.get(pk=node.pk)
+    assert _adopted(row) == 1 and back.agent_pid != node.agent_pid, "the agent did not come back and adopt the engine"
+    assert set(answers["web"]) == {200} and set(answers["gateway"]) == {200}, answers
+    now = Deployment.objects.get(pk=row.pk)
+    assert (now.status, now.pid) == ("ready", row.pid), now.status_message
+    assert_true_state(row, fake_model)
+    log = open(launcher.log_path).read()
+    assert "nodeagent exited with code -9; starting it again in 1 s (the rest of the panel keeps running)." in log, log[-3000:]
+    print(f"agent back and the engine adopted {time.monotonic() - killed:.1f} s after kill -9; "
+          f"{len(answers['web'])} web and gateway health checks meanwhile, all 200")
     stop_and_check(row, fake_model)
