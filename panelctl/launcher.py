@@ -274,6 +274,10 @@ def start(args) -> int:
         else:
             print(f"  Log in with your existing admin account ({username} by default).")
         print(f"  Redis: {re.sub(r':[^:@/]*@', ':***@', env['REDIS_URL'])}   Node: {node_name}   Ctrl-C stops everything.")
+        if not (shutil.which(env["VLLM_BIN"]) or os.access(env["VLLM_BIN"], os.X_OK)):
+            print(f"  No engine found ({env['VLLM_BIN']}): deploys fail until one is installed. Without an NVIDIA GPU:\n"
+                  "  scripts/install-engine (vLLM's CPU build, into .engine-venv), then start again; with GPUs: vLLM in\n"
+                  "  a venv of its own, and VLLM_BIN=<its bin/vllm> ./panel start.")
         print("=" * 64 + "\n", flush=True)
         while not stopping:
             for line in children.restart_exited():

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deployments.host import disk, door, firewall, gpu
+from deployments.host import disk, door, firewall, gpu, serveargv
 
 PASS, WARN, FAIL, UNKNOWN = "pass", "warn", "fail", "unknown"
 # The oldest Linux driver for each CUDA runtime (NVIDIA's CUDA toolkit release notes, table 3).
@@ -38,11 +38,12 @@ class Check:
 
 def run(*, root: str = "/", facts: gpu.HostFacts | None = None, nvml_error: str = "", engine_cuda: str | None = None,
         disk_path: str = "/", largest_recipe_bytes: int | None = None, largest_recipe: str = "",
-        engines: dict[str, int] | None = None) -> list[Check]:
+        engines: dict[str, int] | None = None, engine: tuple[str, str, str] | None = None) -> list[Check]:
     """Every check, in the order the node page lists them. `facts` None: NVML is unavailable (`nvml_error`).
     `engines` ({name: API port} of the engines running here): audited for routes open without a key; None skips
-    the door and the audit (fixture trees)."""
-    checks = [driver_check(facts, nvml_error, engine_cuda)]
+    the door and the audit (fixture trees). `engine`: (the agent's VLLM_BIN, its version, why it could not be
+    inspected) as the agent found them at its start; None skips the engine check."""
+    checks = ([engine_check(*engine, engine_cuda)] if engine is not None else []) + [driver_check(facts, nvml_error, engine_cuda)]
     if facts is not None and facts.gpus:
         checks += [topology_check(facts), p2p_check(facts), pcie_check(facts), bar_check(facts),
                    persistence_check(facts), ecc_check(facts), clocks_check(facts)]
@@ -56,6 +57,17 @@ def run(*, root: str = "/", facts: gpu.HostFacts | None = None, nvml_error: str 
 
 def as_data(checks: list[Check]) -> list[dict]:
     return [asdict(c) for c in checks]
+
+
+def engine_check(vllm_bin: str, version: str, error: str, cuda: str | None) -> Check:
+    """Whether this node has an engine to run: vLLM found, its version and build (CPU or the CUDA it was built for)."""
+    found = shutil.which(vllm_bin) or vllm_bin
+    if error or not version:
+        return Check("engine", FAIL, f"no engine to run at {vllm_bin}: {error or 'it did not say its version'}",
+                     serveargv.ENGINE_FIX, {"vllm_bin": vllm_bin})
+    build = f"built for CUDA {cuda}" if cuda else ("the CPU build" if "cpu" in version.lower() else "build not read")
+    return Check("engine", PASS, f"vLLM {version} at {found} ({build})", "",
+                 {"vllm_bin": found, "version": version, "cuda": cuda})
 
 
 # --- NVML -----------------------------------------------------------------------------------------------------

@@ -130,6 +130,11 @@ def _version_cached(vllm_bin: str, mtime: float, timeout_s: float) -> str:
     return ""
 
 
+# How to get an engine where there is none: in the launch failure, the host doctor's engine check and ./panel start.
+ENGINE_FIX = ("install an engine on this node: scripts/install-engine (the CPU build of vLLM, for a machine without an "
+              "NVIDIA GPU) or vLLM in a venv of its own, then point the agent at it with VLLM_BIN and restart the agent")
+
+
 def engine_version(vllm_bin: str, timeout_s: float = 120.0) -> str:
     """What `vllm --version` says ("0.32.0+cpu"), asked of its interpreter's package metadata when the script
     names one, or "" when it cannot tell (cached per binary)."""

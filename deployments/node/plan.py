@@ -198,7 +198,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     try:  # checked before anything was stopped (precheck); the engine could have gone since
         flags = serveargv.engine_flags(vllm_bin)
     except processes.EngineError as exc:
-        raise PlanFailed(f"Cannot run the engine: {exc}. {precheck.ENGINE_FIX}.") from exc
+        raise PlanFailed(f"Cannot run the engine: {exc}. To fix it, {serveargv.ENGINE_FIX}.") from exc
     _claim(d)
     ray = raycluster.uses_ray(d)
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself

@@ -12,10 +12,7 @@ from deployments.node import sleep
 from deployments.node.guards import foreign_holders
 from deployments.node.steps import PlanFailed
 
-__all__ = ["ENGINE_FIX", "blocking_foreign", "checks", "foreign_refusal", "to_stop"]
-
-ENGINE_FIX = ("Install an engine on this node: scripts/install-engine (the CPU engine the panel's tests use) or "
-              "vLLM in a venv of its own, then point the agent at it with VLLM_BIN and restart the agent")
+__all__ = ["blocking_foreign", "checks", "foreign_refusal", "to_stop"]
 
 
 def to_stop(d: Deployment) -> list[Deployment]:
@@ -32,7 +29,7 @@ def checks(d: Deployment) -> str:
     try:
         flags = serveargv.engine_flags(settings.VLLM_BIN)
     except processes.EngineError as exc:
-        raise PlanFailed(f"Cannot run the engine: {exc}. {ENGINE_FIX}.") from exc
+        raise PlanFailed(f"Cannot run the engine: {exc}. To fix it, {serveargv.ENGINE_FIX}.") from exc
     if errors := serveargv.validate_args(d.engine_args, flags):
         raise PlanFailed("; ".join(errors.values()))
     port = _port(d)

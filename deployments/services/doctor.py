@@ -28,10 +28,11 @@ def node_doctor_run(node_id: int, model_store: str, root: str = "/") -> dict:
         except gpu.NvmlUnavailable as exc:
             facts, nvml_error = None, exc.reason
         size, name = largest_recipe()
-        checks = doctor.run(root=root, facts=facts, nvml_error=nvml_error,
-                            engine_cuda=doctor.engine_cuda(getattr(settings, "VLLM_BIN", "vllm")),
+        vllm_bin = getattr(settings, "VLLM_BIN", "vllm")
+        version, error = Node.objects.values_list("engine_version", "engine_error").get(pk=node_id)  # the agent's start
+        checks = doctor.run(root=root, facts=facts, nvml_error=nvml_error, engine_cuda=doctor.engine_cuda(vllm_bin),
                             disk_path=model_store or "/", largest_recipe_bytes=size, largest_recipe=name,
-                            engines=running_engines(node_id))
+                            engines=running_engines(node_id), engine=(vllm_bin, version, error))
         kind = doctor.topology_kind(facts) if facts and facts.gpus else "none"
         p2p_ok = all(c.status == doctor.PASS for c in checks if c.name == "p2p")
         report = {"at": timezone.now().isoformat(), "checks": doctor.as_data(checks), "topology": kind,

@@ -42,8 +42,8 @@ def test_the_report_is_stored_on_the_node_with_the_topology_and_its_nccl_presets
     node.refresh_from_db()
     assert node.host_checks == report and report["topology"] == "PCIe"
     names = [c["name"] for c in report["checks"]]
-    assert names == ["driver", "topology", "p2p", "pcie", "bar", "persistence", "ecc", "clocks", "iommu", "acs",
-                     "uvm_hmm", "disk", "engine_door", "exposure"]
+    assert names == ["engine", "driver", "topology", "p2p", "pcie", "bar", "persistence", "ecc", "clocks", "iommu",
+                     "acs", "uvm_hmm", "disk", "engine_door", "exposure"]
     assert [p["name"] for p in report["nccl_presets"]] == ["PCIe, low concurrency", "PCIe, high concurrency"]
     disk = next(c for c in report["checks"] if c["name"] == "disk")
     assert "moonshotai/Kimi-K2.5" in disk["summary"] and disk["data"]["largest"] == 714 * GB
@@ -53,7 +53,8 @@ def test_a_host_without_nvml_and_a_crashing_check_never_raise(tmp_path):
     node = NodeFactory()
     with mock.patch.object(gpu, "host_facts", autospec=True, side_effect=gpu.NvmlUnavailable("Driver Not Loaded")):
         report = doctor_service.node_doctor_run(node.pk, str(tmp_path), root=str(tmp_path))
-    assert report["checks"][0]["status"] == "unknown" and report["nccl_presets"] == []
+    driver = next(c for c in report["checks"] if c["name"] == "driver")
+    assert driver["status"] == "unknown" and report["nccl_presets"] == []
     with mock.patch.object(doctor, "run", autospec=True, side_effect=RuntimeError("boom")):
         report = run_on(node, tmp_path, facts())
     assert report["error"] == "boom" and Node.objects.get(pk=node.pk).host_checks["error"] == "boom"
@@ -97,3 +98,21 @@ def test_the_deploy_warning_names_the_failing_check_for_the_forms_layout(tmp_pat
     shown = hostchecks.deploy_context_fit({"model": model, "node": node, "form": form})
     assert shown["host_warnings"] and "P2P" in shown["host_warnings"][0]
     assert [p["name"] for p in shown["presets"]] == ["PCIe, high concurrency"]  # P2P off: the P2P-free one only
+
+
+def test_the_engine_is_a_host_check_found_with_its_version_and_build_or_missing_with_the_fix(tmp_path, settings):
+    """./panel start on a fresh machine has no engine: the node page said "It runs the CPU engine." and the first
+    deploy failed with "[Errno 2] No such file or directory: 'vllm'", no fix named."""
+    node = NodeFactory(engine_version="", engine_error="no engine at vllm: [Errno 2] No such file or directory: 'vllm'")
+    settings.VLLM_BIN = "vllm"
+    engine = next(c for c in run_on(node, tmp_path, facts())["checks"] if c["name"] == "engine")
+    assert engine["status"] == "fail" and engine["summary"].startswith("no engine to run at vllm: no engine at vllm")
+    assert engine["fix"].startswith("install an engine on this node: scripts/install-engine (the CPU build of vLLM")
+    assert "VLLM_BIN" in engine["fix"]
+    fake = tmp_path / "venv" / "bin" / "vllm"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\n")
+    settings.VLLM_BIN = str(fake)
+    Node.objects.filter(pk=node.pk).update(engine_version="0.32.0+cpu", engine_error="")
+    engine = next(c for c in run_on(node, tmp_path, facts())["checks"] if c["name"] == "engine")
+    assert (engine["status"], engine["summary"]) == ("pass", f"vLLM 0.32.0+cpu at {fake} (the CPU build)")
