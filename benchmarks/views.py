@@ -9,7 +9,7 @@ from django.views.decorators.http import require_POST
 
 from benchmarks import payloads, selectors, services
 from benchmarks.forms import RunForm
-from benchmarks.models import BenchmarkRun
+from benchmarks.models import BenchmarkRun, Workload
 from benchmarks.runner import slo as slos_mod
 from deployments.models import Deployment
 from plumbing.errors import ServiceError
@@ -50,6 +50,7 @@ def run_detail(request, pk):
         # A run of rate levels only (or a capacity search) is charted against the rate; any other against concurrency.
         "axis": "rate" if by_rate else "concurrency", "axis_label": "request rate" if by_rate else "concurrency",
         "slo_text": slos_mod.describe(run.params.get("slos") or []),
+        "workload_kind": dict(Workload.Kind.choices).get((run.params.get("workload") or {}).get("kind"), ""),
         "initial": {"ticks": run.ticks, "points": [payloads.run_point_data(p) for p in points],
                     "slos": run.params.get("slos") or []}})
 

@@ -82,6 +82,14 @@ def reasoning_split(record: RequestRecord, counts: list[float], exact_counts: bo
     return reasoning, out - reasoning, "chunks"
 
 
+def timed_decode(record: RequestRecord, arrived: list[tuple[float, float]]) -> bool:
+    """Whether a request's decode is something a client timed: more than one token, and those after its first in at
+    least two reads (one, for a two-token answer). Tokens after the first that all came in one read (or in the read of
+    the first) have no decode a client could time: their TPOT would be that one gap shared out (0.01 ms was seen,
+    beside 2 ms per token), their rate absurd. Such a request counts for TTFT and E2E, not for the decode figures."""
+    return record.output_tokens > 1 and len(arrived) - 1 >= min(2, record.output_tokens - 1)
+
+
 def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, workers: int = 1,
               cancelled: bool = False) -> LevelResult:
     """A LevelResult from the measured (non-warmup) records of one level."""
@@ -106,15 +114,14 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
         e2es.append(e2e)
         if r.ttfc is not None:
             ttfcs.append(r.ttfc)
-        # A request whose every token came in the read of its first has no decode time a client could
-        # see (its TPOT would read 0): it counts for TTFT and E2E, not for the decode figures.
-        if r.output_tokens > 1 and e2e > ttft:
-            tpots.append((e2e - ttft) / (r.output_tokens - 1))
-            decode_tokens += r.output_tokens - 1
-            decode_s += e2e - ttft
         counts, exact_counts = chunk_token_counts(r)
         exact = exact and exact_counts
         arrived = arrivals(r, counts)
+        if e2e > ttft and timed_decode(r, arrived):
+            tpots.append((e2e - ttft) / (r.output_tokens - 1))
+            decode_tokens += r.output_tokens - 1
+            decode_s += e2e - ttft
+
         itls.extend(chunk_gaps(arrived))
         itls_token.extend(per_token_gaps(arrived))
         reasoning, content, source = reasoning_split(r, counts, exact_counts)
@@ -180,9 +187,8 @@ def request_samples(records: list[RequestRecord], limit: int = MAX_SAMPLES) -> d
         first, e2e = r.ttft, r.e2e
         ttft.append(round(first * 1000.0, 3))
         e2es.append(round(e2e * 1000.0, 3))
-        if e2e > first and r.output_tokens > 1:
+        if e2e > first and timed_decode(r, arrivals(r, chunk_token_counts(r)[0])):
             tok_s.append(round((r.output_tokens - 1) / (e2e - first), 3))
-        if r.output_tokens > 1 and e2e > first:
             tpot.append(round((e2e - first) / (r.output_tokens - 1) * 1000.0, 4))
 
     def thin(values):

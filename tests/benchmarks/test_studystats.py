@@ -186,7 +186,8 @@ def test_the_pareto_front_keeps_points_nothing_beats_on_both_axes():
 
 def test_per_request_samples_come_from_the_records():
     def record(start, first, last, tokens):
-        return RequestRecord(index=0, start=start, chunk_times=[first, last], output_tokens=tokens, success=True)
+        return RequestRecord(index=0, start=start, chunk_times=[first, (first + last) / 2, last], output_tokens=tokens,
+                             success=True)
 
     samples = request_samples([record(0.0, 0.1, 1.1, 101), record(0.0, 0.2, 0.7, 51),
                                RequestRecord(index=2, success=False)])

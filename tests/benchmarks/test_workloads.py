@@ -130,6 +130,9 @@ def test_a_multi_turn_run_stores_the_engines_hit_rate_beside_what_it_could_reuse
     assert 0 < cache["hits"] <= reuse["reusable_tokens"]
     page = viewer_client.get(f"/benchmarks/{run.pk}/").content.decode()
     assert "Workload <strong>chats</strong> (multiturn: 3 turns" in page
+    # The header's prompt source is the workload, not the form's "random, 128 tokens in" it never used.
+    assert ('id="prompts">workload <strong>chats</strong> (Multi-turn conversations), 40 tokens per user message '
+            '/ 8 out, ignore_eos</dd>') in page
     assert f"{round(100 * cache['hits'] / cache['queries'])} % of {cache['queries']:.0f}" in page
     rows = list(csv.DictReader(io.StringIO(viewer_client.get(f"/benchmarks/{run.pk}/export.csv").content.decode())))
     assert float(rows[0]["prefix_cache_hit_rate"]) == cache["hit_rate"]

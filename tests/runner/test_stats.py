@@ -85,8 +85,8 @@ def test_failed_requests_count_but_stay_out_of_latencies():
 
 
 def test_throughputs_are_counts_over_first_send_to_last_completion():
-    a = record(0, 1.0, [1.1, 1.2], tokens=10, prompt_tokens=5)
-    b = record(1, 1.5, [1.6, 1.9], tokens=30, prompt_tokens=5)
+    a = record(0, 1.0, [1.1, 1.15, 1.2], tokens=10, prompt_tokens=5)
+    b = record(1, 1.5, [1.6, 1.7, 1.9], tokens=30, prompt_tokens=5)
     level = summarize(2, [a, b])
     assert level.duration_s == pytest.approx(0.901)
     assert level.output_throughput == pytest.approx(40 / 0.901)
@@ -97,9 +97,9 @@ def test_throughputs_are_counts_over_first_send_to_last_completion():
 
 
 def test_single_stream_decode_is_total_decode_tokens_over_total_decode_time():
-    # A request whose chunks came in two reads (decode 10 ms) beside two slow ones: the mean of the
+    # A request whose chunks came in three reads (decode 10 ms) beside two slow ones: the mean of the
     # rates would read (12.7 + 2 × 1.27) / 3 = 5.1 k tok/s; the pooled rate agrees with TPOT instead.
-    fast = record(0, 0.0, [0.05] * 64 + [0.06] * 64, tokens=128)
+    fast = record(0, 0.0, [0.05] * 64 + [0.055] * 32 + [0.06] * 32, tokens=128)
     slow = [record(i, 0.0, [0.05 + 0.001 * j for j in range(101)], tokens=101) for i in (1, 2)]
     level = summarize(1, [fast, *slow])
     assert level.tok_s_per_user == pytest.approx((127 + 100 + 100) / (0.01 + 0.1 + 0.1))
@@ -114,6 +114,20 @@ def test_chunks_of_one_read_are_one_arrival_so_no_gap_that_brought_tokens_reads_
     assert level.itl_ms["median"] == pytest.approx(15.0)  # gaps between reads: 10 and 20 ms
     assert level.itl_per_token_ms["mean"] == pytest.approx((5 + 5 + 20) / 3)  # 10 ms over 2 tokens, 20 over 1
     assert min(level.itl_per_token_ms.values()) > 0
+
+
+def test_a_request_whose_tokens_after_its_first_came_in_one_read_is_left_out_of_the_decode_figures():
+    """Seen: TPOT median 0.01 ms and 2,446 tok/s per user beside ITL per token 1.97 ms. A request whose 127 tokens
+    after its first came in one read 1 ms later has no decode a client timed: TTFT and E2E count it, TPOT and the
+    per-user rate do not; a two-token answer's one gap is its decode."""
+    burst = record(0, 0.0, [0.05] + [0.051] * 127, tokens=128)
+    steady = record(1, 0.0, [0.05 + 0.002 * j for j in range(101)], tokens=101)
+    two = record(2, 0.0, [0.05, 0.07], tokens=2)
+    level = summarize(1, [burst, steady, two])
+    assert level.ttft_ms["median"] == pytest.approx(50.0) and len(level.e2e_ms) and level.completed == 3
+    assert level.tpot_ms["mean"] == pytest.approx((2.0 + 20.0) / 2)  # steady's 2 ms and two's 20 ms: no 0.008 ms
+    assert level.tok_s_per_user == pytest.approx((100 + 1) / (0.2 + 0.02))
+    assert summarize(1, [burst]).tpot_ms == {} and summarize(1, [burst]).tok_s_per_user == 0.0
 
 
 def test_a_request_whose_tokens_all_came_in_one_read_has_no_decode_figures():
