@@ -7,7 +7,7 @@ from django.http import HttpResponse, HttpResponseForbidden
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from benchmarks import payloads, selectors, services
+from benchmarks import noise, payloads, selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun, Workload
 from benchmarks.runner import slo as slos_mod
@@ -43,7 +43,7 @@ def run_detail(request, pk):
     by_rate = bool(run.params.get("rates") or run.params.get("capacity")) and not run.params.get("levels")
     return render(request, "benchmarks/run_detail.html", {
         "run": run, "points": points, "environment": selectors.environment_rows(run.environment),
-        "saturation": selectors.run_saturation(run, points),
+        "saturation": selectors.run_saturation(run, points), "late_sends": noise.late_sends(run, points),
         "prefix_rows": [(f"{p.rate:g} req/s" if p.kind == "rate" else f"concurrency {p.concurrency}",
                          p.server_metrics.get("prefix_cache"), p.prefix_reuse) for p in points
                         if p.server_metrics.get("prefix_cache") or p.prefix_reuse],
@@ -80,7 +80,8 @@ def compare(request):
     data = [{"id": r.pk, "name": r.name, "label": r.label, "single_stream_tok_s": r.single_stream_tok_s,
              "points": [payloads.run_point_data(p) for p in r.points.all()]} for r in runs]
     return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
-                                                       "ids": ",".join(str(r.pk) for r in runs), "slo_rows": _slo_rows(runs)})
+                                                       "ids": ",".join(str(r.pk) for r in runs), "slo_rows": _slo_rows(runs),
+                                                       "deltas": noise.level_deltas(runs)})
 
 
 def _slo_rows(runs) -> list[dict]:
