@@ -240,6 +240,8 @@ def start(args) -> int:
         username, password = ensure_admin(env)
         env.pop("PANEL_ADMIN_PASSWORD", None)  # the web, workers and agent have no use for it
         node_name = args.node_name or env.get("NODE_NAME") or socket.gethostname().split(".")[0].lower()
+        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
+        env.setdefault("PANEL_URL", url)  # the links in notifications (the worker sends them)
         children.start(
             "web",
             [PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--host", args.host, "--port", str(args.port),
@@ -264,7 +266,6 @@ def start(args) -> int:
                                    "--port", str(gateway_port)], env)
         wait_for_port(args.port, timeout=30)
         wait_for_node(node_name, agent.pid, env, children)  # the box comes after the agent's start-up lines, not among them
-        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
         print("\n" + "=" * 64)
         print(f"  vLLM panel is up: {url}")
         print(f"  Gateway (call your deployments here, with a key from /account/): "

@@ -1,6 +1,7 @@
 """What a status move means to a person: a deployment ready, failed, stalled, crashed or auto-restarted; a
 download finished or failed; a benchmark or study finished. hooks.py calls these with the row, its status
 before and after, inside the transaction that saved it."""
+from django.apps import apps
 from django.utils import timezone
 
 from deployments.notify import alerts
@@ -8,6 +9,13 @@ from deployments.notify.alerts import alert_raise, alert_resolve
 from deployments.timeline import MADE_ROOM_FOR
 
 LOOP_RESTARTS = 3  # auto-restarts within one firing "down" alert that make it a restart loop
+
+
+def _in_study(d) -> bool:
+    """A tuning study redeploys `d` trial after trial: its loads and failed variants are the study's, told once when
+    it finishes (study_finished), not as a "ready" or "failed" each (a 6-trial study sent 7 "ready" webhooks)."""
+    study = apps.get_model("benchmarks", "Study")
+    return study.objects.filter(deployment_id=d.pk, status__in=study.DRIVEN).exists()
 
 
 def deployment_moved(d, was: str, now: str, restarted: bool) -> None:
@@ -21,6 +29,8 @@ def deployment_moved(d, was: str, now: str, restarted: bool) -> None:
             down.data = {**down.data, "readies": down.data.get("readies", 0) + 1}
             down.save(update_fields=["data"])
             return
+        if _in_study(d):
+            return
         took = (d.ready_at - d.started).total_seconds() if d.ready_at and d.started else None
         alert_raise("ready", deployment=d, title=f"{d.name} is ready" + (f" after {took:.0f} s" if took is not None else ""),
                     body=f"{d.model} on {d.node.name}, GPUs {d.gpu_indices or 'none (CPU)'}, port {d.port}.",
@@ -31,7 +41,7 @@ def deployment_moved(d, was: str, now: str, restarted: bool) -> None:
                         data={"auto_restart": d.auto_restart})
         elif message.startswith("Stalled"):
             alert_raise("stalled", deployment=d, title=f"{d.name}: the load stalled", body=message)
-        else:
+        elif not _in_study(d):  # a study's failed variant is in its study_finished message
             alert_raise("failed", deployment=d, title=f"{d.name} failed ({was})", body=message)
     elif now == S.QUEUED and was == S.FAILED and restarted:
         down = alerts.open_alert("down", d)

@@ -229,3 +229,37 @@ def test_a_team_subscription_reaches_each_member_on_their_own_channel_and_no_one
     assert send_due() == ["sent", "sent"]
     assert sorted(to[0] for to, _ in smtp.messages) == ["alice@example.com", "bob@example.com"]
     assert all(mail["Subject"] == f"[ERROR] {d.name} crashed" for _, mail in smtp.messages)
+
+
+def test_a_studys_loads_and_failed_variants_are_told_once_when_it_finishes_not_one_message_each(subscriber, receiver,
+                                                                                                  send_due):
+    """A 6-trial study sent 7 "ready" webhooks in four minutes, each one linking nowhere ("url": "")."""
+    from benchmarks.models import Study
+    from tests.factories import StudyFactory
+
+    d = _loading()
+    study = StudyFactory(deployment=d)
+    Study.objects.filter(pk=study.pk).update(status=Study.Status.RUNNING)
+    steps.move(d, S.READY)  # a trial's redeploy
+    steps.fail(Deployment.objects.get(pk=d.pk), "--max-num-seqs takes a whole number from 0 up, not 'oops'")
+    assert send_due() == []
+    Study.objects.filter(pk=study.pk).update(status=Study.Status.DONE)
+    d = Deployment.objects.get(pk=d.pk)
+    d.status = S.LOADING
+    d.save()
+    steps.move(d, S.READY)  # no study drives it now: told
+    assert send_due() == ["sent"] and receiver.received[-1].json["event"] == "ready"
+
+
+def test_a_message_links_to_its_deployment_or_node_on_the_panel(subscriber, receiver, send_due, settings):
+    settings.PANEL_URL = "http://panel.example:8000/"
+    d = _ready()
+    node = NodeFactory()
+    nodes.node_heartbeat(node.pk)
+    send_due()
+    assert receiver.received[0].json["url"] == f"http://panel.example:8000/deployments/{d.pk}/"
+    from deployments.notify import alerts
+
+    alerts.alert_raise("disk_low", node=node, title="disk low")
+    send_due()
+    assert receiver.received[-1].json["url"] == f"http://panel.example:8000/nodes/{node.pk}/"
