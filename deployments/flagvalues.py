@@ -15,6 +15,7 @@ COUNTS = {"max-num-seqs", "max-num-batched-tokens", "block-size", "max-logprobs"
 AMOUNTS = {"swap-space", "cpu-offload-gb"}
 # vLLM reads --max-model-len as a whole number, -1 or "auto", or with a k/m/g suffix ("32k").
 MODEL_LEN = re.compile(r"^(?:-1|auto|\d+(?:\.\d+)?[kKmMgG]?)$")
+SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$")
 
 
 def _whole(value) -> int:
@@ -53,6 +54,10 @@ def _problem(name: str, value) -> str | None:
         return f"--{name} takes {what}, not {shown}"
     if name == "max-model-len" and not isinstance(value, bool) and not MODEL_LEN.match(str(value).strip()):
         return f"--{name} takes a number of tokens (e.g. 4096 or 32k), not {shown}"
+    if name == "served-model-name" and value != "" and not SERVED_NAME.match(str(value)):
+        # One argv word (the panel passes one name); callers put it in "model", where a space or quote breaks clients.
+        return (f"--{name} is the one name callers put in \"model\": letters, digits and . _ - / : only (no spaces), "
+                f"not {shown}")
     return None
 
 

@@ -1,7 +1,7 @@
 """The roles: viewers watch, operators change things, admins also allow what runs code on a host.
 
-Groups `viewer`, `operator` and `admin` (create the last in the admin site when needed); superusers
-are admins. Each role includes the ones before it.
+Groups `viewer`, `operator` and `admin` (made by the migrations); superusers are admins. Each role includes the
+ones before it.
 """
 VIEWER = "viewer"
 OPERATOR = "operator"

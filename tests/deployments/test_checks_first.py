@@ -163,3 +163,12 @@ def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is
     # The engine on 8000 is the one this deploy replaces (it holds GPU 0): its port is not in the way.
     assert deploys.deployment_create(port=8000, **args).status == S.QUEUED
     assert deploys.deployment_free_port(node) not in (8000, 18771)
+
+
+@pytest.mark.parametrize("name, ok", [("tiny chat", False), ('kimi"', False), ("moonshotai/Kimi-K2.5", True),
+                                      ("llama3:8b", True), ("", True)])
+def test_a_served_name_with_a_space_is_refused_with_what_it_may_hold(name, ok):
+    from deployments import flagvalues
+
+    said = flagvalues.problems({"served-model-name": name})
+    assert said == [] if ok else said[0].startswith("--served-model-name is the one name callers put in \"model\"")
