@@ -20,6 +20,22 @@ class NodeField(serializers.SlugRelatedField):
         return super().to_internal_value(data)
 
 
+class ModelField(serializers.PrimaryKeyRelatedField):
+    """A model by its id, or by its repo id as panelctl and the Hub name it ("org/name", "org/name@revision")."""
+
+    def __init__(self, **kwargs):
+        super().__init__(queryset=ModelRepo.objects.all(), **kwargs)
+
+    def to_internal_value(self, data):
+        if isinstance(data, str) and not data.strip().isdigit():
+            repo, _, revision = data.strip()[:400].partition("@")
+            found = ModelRepo.objects.filter(repo_id=repo, revision=revision or "main").first()
+            if found is None:
+                self.fail("does_not_exist", pk_value=data[:120])
+            return found
+        return super().to_internal_value(data)
+
+
 def _django(validator):
     """Run a Django validator inside DRF, keeping its message."""
     def run(value):
@@ -189,7 +205,7 @@ class DeployRequestSerializer(serializers.Serializer):
     """A deploy: engine flags as a dict ({"tensor-parallel-size": 8}), environment as a dict; `workers`
     spread it over more nodes (`node` is the head, rank 0)."""
 
-    model = serializers.PrimaryKeyRelatedField(queryset=ModelRepo.objects.all())
+    model = ModelField(help_text='The model\'s id, or its repo id ("org/name", "org/name@revision").')
     node = NodeField()
     name = serializers.SlugField(max_length=80, required=False, default="")
     gpus = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=1023), required=False, default=list,

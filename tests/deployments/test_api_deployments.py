@@ -107,3 +107,16 @@ def test_the_unit_to_install_by_hand_runs_the_copy_with_the_deployments_env_on_p
     assert ['"serve"', '"/models/m"'] == exec_start.split()[1:3] and '"--port" "8100"' in exec_start
     assert 'Environment="NCCL_PROTO=LL"' in answer["text"] and 'Environment="CUDA_VISIBLE_DEVICES=2,3"' in answer["text"]
     assert "AGENT_ONLY" not in answer["text"]
+
+
+def test_a_deploy_names_its_model_by_repo_id_as_panelctl_does(api, setup):
+    """docs/api.md had no curl example and the API wanted the model's integer id where panelctl takes the repo id."""
+    node, model = setup
+    body = {"node": "gpu-01", "gpus": [0], "port": 8100, "preset": "none"}
+    response = api.post("/api/deployments/", {"model": model.repo_id, **body}, format="json")
+    assert response.status_code == 202, response.json()
+    assert Deployment.objects.get().model == model
+    for unknown in ("nobody/nothing", f"{model.repo_id}@no-such-revision"):
+        refused = api.post("/api/deployments/", {"model": unknown, **body, "port": 8101}, format="json")
+        assert refused.status_code == 400 and "model" in refused.json()["error"]["fields"], refused.json()
+    assert Deployment.objects.count() == 1
