@@ -126,7 +126,9 @@ class DeployForm(forms.Form):
 
     # Fields that mean nothing on a node without GPUs, and those of a deploy over several nodes: sent as
     # they are (their defaults), not shown where they cannot apply (~24 fields on a CPU node).
-    GPU_FIELDS = ("gpus", "tp", "pp", "expert_parallel", "gpu_memory_utilization", "attention_backend")
+    # Hidden on a node without GPUs: sleep mode is CUDA's, and a memory profile is what a GPU load measured.
+    GPU_FIELDS = ("gpus", "tp", "pp", "expert_parallel", "gpu_memory_utilization", "attention_backend", "sleep_mode",
+                  "start_asleep", "reuse_memory_profile")
     MULTI_NODE_FIELDS = ("workers", "worker_gpus", "master_port")
 
     PARSER = re.compile(r"^[A-Za-z0-9_.-]*$")

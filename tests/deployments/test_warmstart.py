@@ -176,3 +176,13 @@ def test_a_runs_environment_says_whether_its_engine_started_cold_or_warm(model, 
     text = startup_text({"startup": snapshot})  # PostgreSQL's jsonb keeps the phases in an order of its own
     assert text.startswith("ready in 6.5 s, warm: compile cache + memory profile (")
     assert "weights 2.0 s" in text and "compile 4.5 s" in text
+
+
+def test_a_cpu_node_is_not_offered_sleep_mode_start_asleep_or_a_memory_profile():
+    """The deploy form offered sleep mode, start asleep and memory-profile reuse on a CPU node (all three CUDA's)."""
+    from tests.factories import GpuFactory, NodeFactory
+
+    cpu, gpu = NodeFactory(name="cpu-only"), NodeFactory(name="gpu-node")
+    GpuFactory(node=gpu, index=0)
+    for name in ("sleep_mode", "start_asleep", "reuse_memory_profile"):
+        assert DeployForm(node=cpu)[name].is_hidden and not DeployForm(node=gpu)[name].is_hidden
