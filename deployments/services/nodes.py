@@ -7,6 +7,7 @@ from django.utils import timezone
 from deployments import history, nodelive, payloads
 from deployments.dispatch import node_enqueue  # noqa: F401 - re-exported: callers route host work through nodes
 from deployments.models import Deployment, DeploymentRank, Gpu, Node
+from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
 __all__ = ["AgentConflict", "node_register", "node_heartbeat", "node_enqueue", "node_engines", "node_sample_record", "node_minute_record"]
@@ -32,6 +33,7 @@ def node_register(*, name: str, address: str, agent_version: str, model_store: s
         raise AgentConflict(f"node {name!r} already has a running agent (PID {node.agent_pid} on "
                             f"{node.agent_host or 'another host'}, last heartbeat {node.last_heartbeat:%H:%M:%S}); "
                             "give this host its own name (--name or NODE_NAME), or stop the other agent.")
+    lost = (node.agent_pid, node.last_heartbeat) if other and previous_dead and node.agent_pid else None
     node.agent_host, node.agent_pid = agent_host, agent_pid
     node.address = address
     node.agent_version = agent_version
@@ -51,7 +53,22 @@ def node_register(*, name: str, address: str, agent_version: str, model_store: s
         )
         seen.append(info.index)
     node.gpus.exclude(index__in=seen).filter(deployments__isnull=True).delete()
+    if lost:
+        _agent_back(node, *lost)
     return node
+
+
+def _agent_back(node: Node, old_pid: int, last_heartbeat) -> None:
+    """A new agent took over from one that ended without a word (killed, crashed): each deployment the node runs
+    says on its timeline when the old one was last heard from and how long the node had no agent, so a slow step
+    there is seen as the agent's outage, not the engine's."""
+    now = timezone.now()
+    gap = f", {(now - last_heartbeat).total_seconds():.0f} s later" if last_heartbeat else ""
+    heard = f" after its last heartbeat at {last_heartbeat:%H:%M:%S}" if last_heartbeat else ""
+    for d in Deployment.objects.filter(node=node, status__in=Deployment.ACTIVE):
+        deployment_event(d, "agent", f"The node agent (PID {old_pid}) was lost{heard}; a new agent (PID "
+                         f"{node.agent_pid}) took over at {now:%H:%M:%S}{gap}. The engine was not stopped.",
+                         level="warning")
 
 
 def node_heartbeat(node_id: int, *, disk_total: int | None = None, disk_free: int | None = None,

@@ -3,6 +3,7 @@ and rows that end in the true state after faults. Each test reproduces a finding
 
 Processes here are real (`sleep` in its own session): ownership is read from /proc."""
 import os
+import re
 import signal
 import subprocess
 import time
@@ -288,8 +289,20 @@ def test_a_second_agent_under_a_name_that_heartbeats_refuses_to_start(sleeper):
     with pytest.raises(nodes.AgentConflict, match="already has a running agent"):
         nodes.node_register(**kw, agent_host="host-b", agent_pid=1234)
     # the same host's agent killed a moment ago (its PID is gone): the restart goes ahead
-    Node.objects.filter(name="gpu-07").update(agent_pid=2 ** 22 + 5)
+    node = Node.objects.get(name="gpu-07")
+    serving = DeploymentFactory(node=node, status=S.READY, name="serving-on-07", port=9010)
+    heard = timezone.now() - timedelta(seconds=7)
+    Node.objects.filter(name="gpu-07").update(agent_pid=2 ** 22 + 5, last_heartbeat=heard)
     assert nodes.node_register(**kw, agent_host="host-a", agent_pid=4321).agent_pid == 4321
+    # Its deployments' timelines say the agent was lost and when the new one took over: the outage is the agent's.
+    event = serving.events.get(step="agent")
+    assert event.level == "warning" and event.message.startswith(
+        f"The node agent (PID {2 ** 22 + 5}) was lost after its last heartbeat at {heard:%H:%M:%S}; a new agent "
+        f"(PID 4321) took over at ")
+    later = re.search(r", (\d+) s later\. The engine was not stopped\.$", event.message)
+    assert later and int(later.group(1)) >= 7, event.message
+    nodes.node_register(**kw, agent_host="host-a", agent_pid=4321)  # the same agent registering again: nothing lost
+    assert serving.events.filter(step="agent").count() == 1
 
 
 def test_a_download_whose_row_stopped_moving_is_queued_again(sent_tasks):

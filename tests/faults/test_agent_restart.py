@@ -256,6 +256,8 @@ def test_a_killed_agent_is_started_again_by_the_launcher_while_the_web_and_the_g
     now = Deployment.objects.get(pk=row.pk)
     assert (now.status, now.pid) == ("ready", row.pid), now.status_message
     assert_true_state(row, fake_model)
+    lost = DeploymentEvent.objects.get(deployment_id=row.pk, step="agent").message
+    assert lost.startswith(f"The node agent (PID {node.agent_pid}) was lost after its last heartbeat at "), lost
     log = open(launcher.log_path).read()
     assert "nodeagent exited with code -9; starting it again in 1 s (the rest of the panel keeps running)." in log, log[-3000:]
     print(f"agent back and the engine adopted {time.monotonic() - killed:.1f} s after kill -9; "
