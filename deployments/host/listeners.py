@@ -1,11 +1,21 @@
 """Who listens on which TCP port of this host: a deploy onto a port some program holds is refused naming it, before
 anything is stopped. Plain Python, no Django."""
+import time
+
 import psutil
+
+
+_READ: tuple[float, dict[int, set[int]]] = (-1e9, {})
+READ_EVERY_S = 2.0  # agents of one process (tests/fleetsim.py's simulated fleet) share one read of the host
 
 
 def host_listeners() -> dict[int, set[int]]:
     """{port: the PIDs listening on it, on any address} for every listening TCP socket of the host; a socket whose
-    PID cannot be read (another user's, to an agent that is not root) is there with no PID."""
+    PID cannot be read (another user's, to an agent that is not root) is there with no PID. Read at most every
+    READ_EVERY_S in a process: it walks every process's sockets."""
+    global _READ
+    if time.monotonic() - _READ[0] < READ_EVERY_S:
+        return _READ[1]
     found: dict[int, set[int]] = {}
     try:
         connections = psutil.net_connections(kind="tcp")
@@ -14,6 +24,7 @@ def host_listeners() -> dict[int, set[int]]:
     for c in connections:
         if c.status == psutil.CONN_LISTEN and c.laddr:
             found.setdefault(c.laddr.port, set()).update([c.pid] if c.pid else [])
+    _READ = (time.monotonic(), found)
     return found
 
 

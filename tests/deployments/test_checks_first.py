@@ -119,9 +119,11 @@ def _listening(env=None) -> tuple[subprocess.Popen, int]:
 
 
 def test_the_agent_records_who_listens_on_each_port_and_whose_engine_it_is(node, monkeypatch):
-    from deployments.host import ownership
+    from deployments.host import listeners, ownership
     from deployments.node import guards
     from tests.helpers import marked
+
+    monkeypatch.setattr(listeners, "_READ", (-1e9, {}))  # not another test's read of a moment ago
 
     engine = DeploymentFactory(node=node, status=S.READY, marker="m-listen-1", port=8000, name="tiny-serving")
     stranger, stranger_port = _listening()
