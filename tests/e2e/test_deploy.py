@@ -111,7 +111,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
         page.fill("#id_port", str(busy))
         page.check('[data-field="replace"] label:has-text("tiny-b") input')
         page.click("#deploy-submit")
-        expect(page.locator("form")).to_contain_text(f"Port {busy} is in use on {node.name} by PID {os.getpid()}")
+        expect(page.locator("#deploy-form")).to_contain_text(f"Port {busy} is in use on {node.name} by PID {os.getpid()}")
     expect(page.locator("h1")).to_contain_text("Deploy")
     assert Deployment.objects.get(pk=second.pk).status == "ready" and not Deployment.objects.filter(name="tiny-c").exists()
     page.goto(f"{page.base_url}/deployments/{second.pk}/")
