@@ -54,6 +54,14 @@ def window(by: str, days=None, now=None) -> tuple:
     return until - timedelta(days=days), until
 
 
+def periods(by: str, days=None, now=None) -> list:
+    """Every period (hour or day, UTC) of the window, oldest first: the usage charts' time axis."""
+    since, until = window(by, days, now)
+    step = timedelta(hours=1) if by == "hour" else timedelta(days=1)
+    start = since if by == "hour" else since.replace(hour=0)
+    return [start + i * step for i in range(int((until - start) / step)) if start + i * step < until]
+
+
 def usage(group: str = "key", by: str = "hour", days=None, key_id: int | None = None, now=None) -> list[dict]:
     """[{period, group, label, requests, errors, prompt_tokens, reasoning_tokens, content_tokens}] in period order."""
     if group not in GROUPS:

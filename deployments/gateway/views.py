@@ -50,21 +50,25 @@ def usage(request):
     """Usage by hour or day (?by=), per key, model name or deployment (?group=), over ?days= (charts + table)."""
     group = request.GET.get("group") if request.GET.get("group") in selectors.GROUPS else "key"
     by = request.GET.get("by") if request.GET.get("by") in selectors.BY else "hour"
+    days = request.GET.get("days")
     try:
-        rows = selectors.usage(group, by, request.GET.get("days"))
+        rows = selectors.usage(group, by, days)
         error = ""
     except ServiceError as exc:
-        rows, error = selectors.usage(group, by), exc.message
+        rows, error, days = selectors.usage(group, by), exc.message, None
     labels = sorted({r["label"] for r in rows})
     totals = {label: {m: sum(r[m] for r in rows if r["label"] == label) for m in selectors.MEASURES} for label in labels}
-    periods = sorted({r["period"] for r in rows})
+    # Every hour (or day) of the window, zero where nothing was used: a chart of the periods with data alone drew one
+    # dot per key on an axis labelled 2027, 2028, 2029.
+    periods = selectors.periods(by, days)
     data = {"by": by, "measures": list(selectors.MEASURES), "labels": labels,
             "periods": [int(p.timestamp()) for p in periods],
-            "series": {m: {label: [None] * len(periods) for label in labels} for m in selectors.MEASURES}}
+            "series": {m: {label: [0] * len(periods) for label in labels} for m in selectors.MEASURES}}
     index = {p: i for i, p in enumerate(periods)}
     for r in rows:
         for m in selectors.MEASURES:
-            data["series"][m][r["label"]][index[r["period"]]] = r[m]
+            if r["period"] in index:  # always, by the window; a period outside it is not drawn rather than an error
+                data["series"][m][r["label"]][index[r["period"]]] = r[m]
     return render(request, "gateway/usage.html", {
         "group": group, "by": by, "days": request.GET.get("days") or selectors.DEFAULT_DAYS[by], "error": error,
         "groups": list(selectors.GROUPS), "totals": totals, "measures": selectors.MEASURES, "data": data},

@@ -8,7 +8,9 @@
   function chart(id, lines) {
     const target = document.getElementById(id);
     if (!target) return null;
+    // x: Unix seconds of each hour or day of the window (uPlot's time scale), every one present, zero where unused.
     return new uPlot({ width: Math.max(300, target.clientWidth), height: 220, legend: { live: false },
+      scales: { x: { time: true } },
       series: [{ label: data.by }, ...lines.map((l) => ({ label: l.label, stroke: l.color, dash: l.dash, width: 2,
         points: { size: 5 }, spanGaps: false }))],
       axes: [{}, { size: 60 }] }, [data.periods, ...lines.map((l) => l.values)], target);

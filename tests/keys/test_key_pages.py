@@ -75,9 +75,12 @@ def test_the_usage_page_draws_every_measure_per_key_and_totals_them(operator, vi
     page = viewer_client.get(reverse("usage")).content.decode()
     data = json.loads(page.split('<script id="usage-data" type="application/json">')[1].split("</script>")[0])
     label = f"team-a ({key.prefix}…)"
-    assert data["labels"] == [label] and len(data["periods"]) == 2
-    assert data["series"]["requests"][label] == [1, 3] and data["series"]["reasoning_tokens"][label] == [1, 3]
-    assert data["series"]["content_tokens"][label] == [2, 6]
+    # Every hour of the default 2-day window, zero where unused (one dot per key on a 2027-2029 axis was seen).
+    periods = data["periods"]
+    assert data["labels"] == [label] and len(periods) == 48 and all(b - a == 3600 for a, b in zip(periods, periods[1:]))
+    at = {int(HOUR.timestamp()): 3, int((HOUR - timedelta(hours=2)).timestamp()): 1}
+    assert data["series"]["requests"][label] == [at.get(t, 0) for t in periods]
+    assert data["series"]["content_tokens"][label] == [2 * at.get(t, 0) for t in periods]
     assert "<td class=\"num\">4</td>" in page and 'id="chart-output"' in page and "usage.js" in page
     by_model = viewer_client.get(reverse("usage") + "?group=model&by=day").content.decode()
     assert '"labels": ["kimi"]' in by_model
