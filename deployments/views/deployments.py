@@ -177,6 +177,14 @@ def deployment_edit(request, pk):
 @operator_required
 def deployment_action(request, pk, action):
     d = get_object_or_404(Deployment, pk=pk)
+    if action == "delete":  # a stopped or failed one: failed deployments piled up with no way to remove them
+        try:
+            gone = deploys.deployment_delete(d)
+        except ServiceError as exc:
+            messages.error(request, exc.message)
+            return redirect("deployment-detail", pk)
+        messages.success(request, f"Deleted {d.name}." if gone else f"Deleting {d.name} once its node has removed its unit.")
+        return redirect("deployment-list") if gone else redirect("deployment-detail", pk)
     act = {"stop": deploys.deployment_stop, "restart": deploys.deployment_redeploy, "persist": deploys.deployment_persist,
            "sleep": sleeps.deployment_sleep, "wake": sleeps.deployment_wake,
            "swap": lambda d: sleeps.deployment_swap(d, _swap_target(request))}

@@ -40,3 +40,16 @@ def test_a_sigkilled_engine_is_crashed_with_the_signal_the_oom_kill_and_its_own_
 def test_a_failure_that_is_not_a_crash_keeps_its_badge(model, node):
     d = DeploymentFactory(model=model, node=node, status=S.FAILED, status_message="Stalled: neither the log nor GPU memory moved")
     assert d.badge == "Failed"
+
+
+def test_a_failed_deployment_can_be_deleted_from_its_page_and_a_serving_one_cannot(operator_client, model, node):
+    """Failed deployments piled up with no way to remove them from the pages."""
+    failed = DeploymentFactory(model=model, node=node, status=S.FAILED, status_message="Crashed: ...", name="old-failed")
+    page = operator_client.get(f"/deployments/{failed.pk}/").content.decode()
+    assert 'data-action="delete"' in page
+    answer = operator_client.post(f"/deployments/{failed.pk}/delete/")
+    assert answer.status_code == 302 and answer.url == "/deployments/" and not Deployment.objects.filter(pk=failed.pk).exists()
+    serving = DeploymentFactory(model=model, node=node, status=S.READY, name="serving", port=9001)
+    assert 'data-action="delete"' not in operator_client.get(f"/deployments/{serving.pk}/").content.decode()
+    operator_client.post(f"/deployments/{serving.pk}/delete/")
+    assert Deployment.objects.get(pk=serving.pk).status == S.READY
