@@ -49,7 +49,7 @@ def run(*, root: str = "/", facts: gpu.HostFacts | None = None, nvml_error: str 
                    persistence_check(facts), ecc_check(facts), clocks_check(facts)]
     multi = facts is not None and len(facts.gpus) > 1
     checks += [iommu_check(root, multi), acs_check(root, multi), uvm_check(root, facts is not None, multi),
-               disk_check(disk_path, largest_recipe_bytes, largest_recipe)]
+               disk_check(disk_path, largest_recipe_bytes, largest_recipe, gpu_host=bool(facts and facts.gpus))]
     if engines is not None:
         checks += [door_check(), exposure_check(engines)]
     return checks
@@ -263,7 +263,9 @@ def uvm_check(root: str, has_gpus: bool, multi_gpu: bool = True) -> Check:
                  "echo 'options nvidia_uvm uvm_disable_hmm=1' > /etc/modprobe.d/nvidia-uvm.conf, then reload nvidia_uvm")
 
 
-def disk_check(path: str, largest_bytes: int | None, largest: str = "") -> Check:
+def disk_check(path: str, largest_bytes: int | None, largest: str = "", gpu_host: bool = True) -> Check:
+    """Free space in the model store, against the largest model recipe: a warning on a GPU host, where such a model
+    is what the store is for; on a host without GPUs (which serves no recipe's model) only said."""
     try:
         free = disk.disk_usage(path).free
     except OSError as exc:
@@ -273,6 +275,9 @@ def disk_check(path: str, largest_bytes: int | None, largest: str = "") -> Check
         return Check("disk", PASS, f"{free / 2**30:,.0f} GiB free in the model store", "", data)
     what = f"the largest recipe ({largest}, ~{largest_bytes / 2**30:,.0f} GiB)" if largest else \
         f"the largest recipe (~{largest_bytes / 2**30:,.0f} GiB)"
+    if free < largest_bytes and not gpu_host:
+        return Check("disk", PASS, f"{free / 2**30:,.0f} GiB free in the model store (less than {what}, which a host "
+                     "without GPUs does not serve)", "", data)
     if free < largest_bytes:
         return Check("disk", WARN, f"{free / 2**30:,.0f} GiB free in the model store, less than {what}",
                      "free space, or point the model store (MODEL_STORE) at a bigger disk", data)

@@ -212,6 +212,9 @@ def test_acs_needs_the_extended_config_space_and_a_vm_without_bridges_passes(tmp
 
 def test_free_disk_against_the_largest_recipe(tmp_path):
     assert doctor.disk_check(str(tmp_path / "store"), 1 << 70, "Kimi-K2.5").status == doctor.WARN
+    # A host without GPUs serves no recipe's model: said, not warned (a CPU VM was warned about GLM-5's 1,663 GiB).
+    cpu = doctor.disk_check(str(tmp_path / "store"), 1 << 70, "Kimi-K2.5", gpu_host=False)
+    assert cpu.status == doctor.PASS and "which a host without GPUs does not serve" in cpu.summary
     ok = doctor.disk_check(str(tmp_path), 1, "tiny")
     assert ok.status == doctor.PASS and "room for the largest recipe (tiny" in ok.summary
 
