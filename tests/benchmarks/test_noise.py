@@ -51,3 +51,16 @@ def test_a_rate_level_sent_late_makes_the_run_say_its_results_are_a_lower_bound(
     BenchmarkPointFactory(run=on_time, kind="rate", rate=2, concurrency=0, lag_ms={"p99": 12.0})
     assert noise.late_sends(on_time, list(on_time.points.all())) == ""
     assert 'id="late-sends"' not in viewer_client.get(f"/benchmarks/{on_time.pk}/").content.decode()
+
+
+def test_a_study_of_a_cpu_deployment_has_no_per_gpu_column_even_before_its_results(viewer_client):
+    """An "output tok/s per GPU" column showed on a CPU node's study until its results came."""
+    from tests.factories import GpuFactory, StudyFactory
+
+    cpu = StudyFactory()
+    page = viewer_client.get(f"/benchmarks/studies/{cpu.pk}/").content.decode()
+    assert "Output tok/s per GPU</th>" in page and "the deployment's GPUs\" hidden>Output tok/s per GPU" in page
+    gpu = StudyFactory()
+    GpuFactory(node=gpu.deployment.node, index=0)
+    gpu.deployment.gpus.set(gpu.deployment.node.gpus.all())
+    assert "the deployment's GPUs\">Output tok/s per GPU" in viewer_client.get(f"/benchmarks/studies/{gpu.pk}/").content.decode()
