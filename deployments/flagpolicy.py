@@ -88,6 +88,9 @@ def value_problem(value, argv_only: bool = False) -> str | None:
     if argv_only:
         return None if value.isprintable() else "a value is one line of printable text"
     if not plain_text(value):
+        if value[:1] in "{[" and value.isprintable():  # JSON whose quotes the extra-flags line took away
+            return ("the value looks like JSON but is not valid JSON: on the extra-flags line put it in single "
+                    "quotes, e.g. --hf-overrides '{\"rope_scaling\": null}', so its double quotes are kept")
         return (f"the value must be plain printable text on one line (no shell syntax), "
                 f"at most {MAX_VALUE} characters")
     return None

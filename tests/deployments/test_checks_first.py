@@ -174,3 +174,17 @@ def test_a_served_name_with_a_space_is_refused_with_what_it_may_hold(name, ok):
 
     said = flagvalues.problems({"served-model-name": name})
     assert said == [] if ok else said[0].startswith("--served-model-name is the one name callers put in \"model\"")
+
+
+def test_json_whose_quotes_the_flags_line_dropped_says_how_to_quote_it_and_quoted_json_meets_the_admin_gate():
+    """`--hf-overrides {"trust_remote_code":true}` was refused as "no shell syntax" instead of "admin only"."""
+    from deployments import userflags
+
+    with pytest.raises(userflags.ArgsError) as exc:
+        userflags.parse_flags('--hf-overrides {"trust_remote_code":true}')
+    assert "looks like JSON but is not valid JSON: on the extra-flags line put it in single quotes" in str(exc.value)
+    quoted = userflags.parse_flags("""--hf-overrides '{"trust_remote_code":true}'""")
+    assert quoted == {"hf-overrides": '{"trust_remote_code":true}'}
+    from deployments import flagpolicy
+
+    assert flagpolicy.operator_flag("hf-overrides", quoted["hf-overrides"]) is not None  # an admin's to set
