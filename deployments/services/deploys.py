@@ -286,6 +286,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
                      admin=is_admin(user), old_args=old_args, old_env=old_env)
     _check_profile(d.reuse_memory_profile, d.model, d.node, gpu_indices, d.engine_args, d.env)
     d.transition(Deployment.Status.QUEUED)  # from ready too: the plan stops the running engine first
+    d.smoke = {}  # the previous start's reply is not this one's (the page showed it through the new load)
     d.save()
     d.gpus.set(d.node.gpus.filter(index__in=gpu_indices))
     placed = ""

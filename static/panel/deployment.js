@@ -16,6 +16,10 @@
       $("status").className = "badge " + s.status;
       $("status-message").textContent = s.message || "";
       $("status-message").className = s.status === "failed" ? "errorlist" : "muted";
+      // A new engine (a redeploy, a restart): the previous one's log and smoke reply are not this one's.
+      if (s.pid && String(s.pid) !== $("pid").textContent) logEl.textContent = "";
+      if (s.status === "queued") $("smoke").innerHTML = '<span class="muted">After this start\'s load.</span>';
+      $("expires")?.toggleAttribute("hidden", s.status !== "queued");  // "dropped unless…" is a queued plan's
       $("pid").textContent = s.pid || "—";
       // The start-up card: "Loading" only while it loads (views.deployments.start_title says the same).
       const titles = { ready: "Start-up", queued: "Start-up (queued)", stopped: "Last start-up", failed: "Last start-up",

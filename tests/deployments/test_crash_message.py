@@ -53,3 +53,15 @@ def test_a_failed_deployment_can_be_deleted_from_its_page_and_a_serving_one_cann
     assert 'data-action="delete"' not in operator_client.get(f"/deployments/{serving.pk}/").content.decode()
     operator_client.post(f"/deployments/{serving.pk}/delete/")
     assert Deployment.objects.get(pk=serving.pk).status == S.READY
+
+
+def test_a_redeploy_forgets_the_previous_starts_smoke_reply(model, node, sent_tasks):
+    """During a redeploy the page showed the previous start's smoke reply (and its status message the old one)."""
+    from deployments.services import deploys
+
+    d = DeploymentFactory(model=model, node=node, status=S.READY, smoke={"reply": "Paris.", "latency_s": 0.4}, port=9002,
+                          engine_args={"tensor-parallel-size": 1})
+    d.gpus.set(node.gpus.filter(index__in=[0]))
+    deploys.deployment_redeploy(d)
+    d.refresh_from_db()
+    assert d.status == S.QUEUED and d.smoke == {}
