@@ -13,10 +13,9 @@
   // ITL per chunk far above ITL per token: several tokens came in each read, so per-token timings are an average
   // over a burst, not gaps a client saw (a busy client reads late, or the server coalesced its writes).
   const BURST = 4;
-  function bursts(p) {
+  function bursts(p) {  // about how many tokens came per read, when that many: 0 otherwise
     const chunk = (p.itl_ms || {}).median, token = (p.itl_per_token_ms || {}).median;
-    if (!chunk || !token || chunk < BURST * token) return "";
-    return ` <span class="muted" title="ITL per chunk is ${(chunk / token).toFixed(0)}x ITL per token: tokens arrived in bursts of about ${(chunk / token).toFixed(0)} per read, so TPOT and ITL per token average over each burst">(tokens arrived in bursts)</span>`;
+    return chunk && token && chunk >= BURST * token ? Math.round(chunk / token) : 0;
   }
   const fmt = (v, d = 1) => (v == null ? "—" : Number(v).toFixed(d));
   const width = (el) => Math.max(300, el.clientWidth);
@@ -68,7 +67,7 @@
         `<td class="num" data-f="prompt-tokens" title="${p.prompt_tokens_counted_by ? "sized by " + p.prompt_tokens_counted_by : "prompts as written"}">${p.prompt_tokens_requested ?? "—"} / ${fmt(p.prompt_tokens_mean)}</td>` +
         `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt((p.ttft_vllm_bench_ms || {}).median)}</td>` +
         `<td class="num">${fmt(p.ttfc_ms.median)}</td>` +
-        `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt((p.itl_per_token_ms || {}).median, 2)}</td><td class="num">${fmt(p.itl_ms.median, 2)}${bursts(p)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
+        `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt((p.itl_per_token_ms || {}).median, 2)}</td><td class="num"${bursts(p) ? ` data-bursts="${bursts(p)}" title="about ${bursts(p)} tokens per read"` : ""}>${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
         `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
         `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td>` +
         `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td>` +
@@ -76,6 +75,13 @@
         `<td class="num" data-f="requests">${p.num_requests} / ${p.warmup_requests ?? 0}</td>` +
         (slos.length ? `<td class="num" data-f="goodput">${p.slo && p.slo.each ? fmt(p.goodput, 2) + " / " + fmt(p.slo.attainment_pct, 1) + " %" + (p.slo.met ? " ✓" : " ✗") : "—"}</td>` : "") + "</tr>";
     }).join("");
+    const bursty = ps.filter((p) => bursts(p));
+    const note = document.getElementById("bursts");
+    note.hidden = !bursty.length;
+    note.textContent = bursty.length ? "Tokens arrived in bursts at " + bursty.map((p) => (p.kind === "rate" ? p.rate + " req/s" : "c=" + p.concurrency) +
+      ` (about ${bursts(p)} per read)`).join(", ") + ": ITL per chunk is several times ITL per token there, so TPOT and ITL per " +
+      "token average over each burst rather than time gaps a client saw (a busy client reads late, or the server " +
+      "coalesced its writes)." : "";
     const single = points.get("c1");
     if (single) document.getElementById("single-stream-output").textContent = fmt(single.output_throughput) + " tok/s";
   }
