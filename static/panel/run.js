@@ -61,7 +61,7 @@
       const s = p.server_metrics || {};
       const gauge = (k) => (s[k] ? fmt(s[k].max, 0) : "—");
       const rate = p.kind === "rate";
-      const level = rate ? `${p.rate} req/s${p.concurrency ? " ≤ " + p.concurrency : ""}${p.repeat ? " #" + (p.repeat + 1) : ""}` : p.concurrency;
+      const level = rate ? `${Number(p.rate.toFixed(2))} req/s${p.concurrency ? " ≤ " + p.concurrency : ""}${p.repeat ? " #" + (p.repeat + 1) : ""}` : p.concurrency;
       return `<tr data-concurrency="${p.concurrency}" data-kind="${p.kind}" data-rate="${p.rate}"><td class="num">${level}</td><td class="num">${fmt(p.output_throughput)}</td>` +
         `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
         `<td class="num" data-f="prompt-tokens" title="${p.prompt_tokens_counted_by ? "sized by " + p.prompt_tokens_counted_by : "prompts as written"}">${p.prompt_tokens_requested ?? "—"} / ${fmt(p.prompt_tokens_mean)}</td>` +
@@ -78,7 +78,7 @@
     const bursty = ps.filter((p) => bursts(p));
     const note = document.getElementById("bursts");
     note.hidden = !bursty.length;
-    note.textContent = bursty.length ? "Tokens arrived in bursts at " + bursty.map((p) => (p.kind === "rate" ? p.rate + " req/s" : "c=" + p.concurrency) +
+    note.textContent = bursty.length ? "Tokens arrived in bursts at " + bursty.map((p) => (p.kind === "rate" ? Number(p.rate.toFixed(2)) + " req/s" : "c=" + p.concurrency) +
       ` (about ${bursts(p)} per read)`).join(", ") + ": ITL per chunk is several times ITL per token there, so TPOT and ITL per " +
       "token average over each burst rather than time gaps a client saw (a busy client reads late, or the server " +
       "coalesced its writes)." : "";
