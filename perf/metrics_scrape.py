@@ -75,7 +75,7 @@ def seed() -> list[int]:
     gpus = {(g.node_id, g.index): g for g in Gpu.objects.all()}
     Deployment.gpus.through.objects.bulk_create([
         Deployment.gpus.through(deployment=d, gpu=gpus[(d.node_id, i)]) for d in deployments for i in range(GPUS)])
-    steps = ["queued", "checks", "model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
+    steps = ["queued", "model", "checks", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
     DeploymentEvent.objects.bulk_create([
         DeploymentEvent(deployment=d, step=s, started=started + timedelta(seconds=k), ended=started + timedelta(seconds=k + 1))
         for d in deployments for k, s in enumerate(steps)])

@@ -38,13 +38,13 @@ def _run(deployment_id: int) -> Deployment:
         return d  # stopped or already running: a stale or duplicate message
     try:
         move(d, S.PREPARING)
-        with step(d, "checks") as event:  # everything that can fail, before anything serving is stopped
-            event.message = precheck.checks(d)
         if d.master_port:  # multi-node: every worker node prepares its rank meanwhile
             ranks.ranks_send(d)
         with step(d, "model") as event:
             model_path = model_ready(d, d.node)
             event.message = f"{d.model} is at {model_path}."
+        with step(d, "checks") as event:  # everything that can fail, before anything serving is stopped
+            event.message = precheck.checks(d)
         warm = loads.Prewarm(model_path) if d.prewarm else None  # reads while the others stop
         swap_from = (d.load_detail or {}).get("swap_from")
         move(d, S.STOPPING_OTHERS)

@@ -32,7 +32,7 @@ def _untouched(serving, host, d):
     assert serving.status == S.READY and serving.pid == 777, serving.status_message
     host.mocks["processes.stop"].assert_not_called()
     host.mocks["processes.launch"].assert_not_called()
-    assert not d.events.filter(step__in=["stop_others", "gpu_memory", "launch"]).exists()
+    assert not d.events.filter(step__in=["sleep_others", "stop_others", "gpu_memory", "launch"]).exists()
     assert not Alert.objects.filter(deployment=serving).exists()
 
 
@@ -50,7 +50,7 @@ def test_a_port_another_program_holds_fails_the_deploy_and_stops_nothing(model, 
     assert d.status == S.FAILED
     assert d.status_message.startswith(f"Port 8000 is in use on gpu-01 by PID {holder.pid} (")
     assert "port-holder" in d.status_message and "Nothing was stopped." in d.status_message
-    assert [e.step for e in d.events.exclude(step="queued")] == ["checks", "failed"]
+    assert [e.step for e in d.events.exclude(step="queued")] == ["model", "checks", "failed"]
     _untouched(serving, host, d)
 
 

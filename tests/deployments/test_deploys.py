@@ -220,7 +220,7 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY and d.pid == 4242 and d.load_percent == 100.0
-    assert [e.step for e in d.events.all()] == ["checks", "model", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
+    assert [e.step for e in d.events.all()] == ["model", "checks", "stop_others", "gpu_memory", "launch", "load", "smoke_test"]
     assert all(e.ended for e in d.events.all())
     assert Deployment.objects.get(pk=holder.pk).status == S.STOPPED
     host.mocks["processes.stop"].assert_called_once_with(777, 30.0, 10.0)

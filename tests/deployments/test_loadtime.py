@@ -280,7 +280,7 @@ def test_the_plan_with_prewarm_reads_the_shards_before_launch_and_keeps_the_load
     plan.deployment_run(d.pk)
     d.refresh_from_db()
     assert d.status == S.READY
-    assert [e.step for e in d.events.all()] == ["checks", "model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"]
+    assert [e.step for e in d.events.all()] == ["model", "checks", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"]
     assert "100 % of the model is in the page cache" in d.events.get(step="prewarm").message
     assert pagecache.resident_bytes(folder / "model.safetensors") == 1 << 20
     load = d.events.get(step="load")

@@ -53,7 +53,7 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator("#load-bar")).to_have_attribute("style", re.compile(r"width: 100(\.0)?%"))
     expect(page.locator("#smoke")).to_contain_text("completion tokens", timeout=60_000)
     steps = page.locator("#timeline tbody td:first-child")
-    expect(steps).to_contain_text(["queued", "checks", "model", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"])
+    expect(steps).to_contain_text(["queued", "model", "checks", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"])
     # 99 % seen in CI when the model was already cached and one page had been evicted by other memory pressure.
     expect(page.locator("#timeline")).to_contain_text(re.compile(r"(99|100) % of the model is in the page cache"))
     assert "Loading safetensors checkpoint shards" in page.locator("#log").text_content()
