@@ -117,6 +117,8 @@ def launch(spec: EngineSpec) -> EngineHandle:
             )
         except OSError as e:
             raise EngineError(f"cannot start {spec.argv[0]}: {e}", permanent=True) from e
+    for pid in [pid for pid, child in _CHILDREN.items() if child.poll() is not None]:  # as subprocess's own clean-up
+        _EXITS[pid] = _CHILDREN.pop(pid).returncode  # reaps ended children at each start, keeping how they ended
     _CHILDREN[proc.pid] = proc
     return EngineHandle(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid))
 

@@ -161,11 +161,15 @@ def test_a_newcomer_goes_from_the_hub_to_two_compared_runs_without_changing_a_de
         first_row = page.locator('#points tr[data-concurrency="1"] [data-f="prompt-tokens"]')
         asked, measured = (float(x) for x in first_row.inner_text().split(" / "))
         assert asked == runner.spec_default("input_tokens") and abs(measured - asked) <= 2
-        # Every level has a TPOT (its requests stream 128 tokens each, over many reads), and no ITL cell reads 0.00:
-        # chunks that arrive in one read share its gap.
-        for tr in page.locator("#points tbody tr").all():
-            tpot, itl_token, itl_chunk = tr.locator("td").all_inner_texts()[8:11]
-            assert "—" not in (tpot, itl_token, itl_chunk) and "0.00" not in (tpot, itl_token, itl_chunk), tr.inner_text()
+        # No ITL cell reads 0.00 (chunks that arrive in one read share its gap), and the levels whose decode the client
+        # saw have all three figures. A level may show "—" for all three: on a busy host the client can read a whole
+        # answer at once (CI saw c=2's 32 answers each arrive in the read of their first token), a decode no client
+        # timed, which the page leaves out rather than calling 0 (benchmarks/runner/stats.py timed_decode).
+        rows = [tr.locator("td").all_inner_texts()[8:11] for tr in page.locator("#points tbody tr").all()]
+        for tpot, itl_token, itl_chunk in rows:
+            assert "0.00" not in (tpot, itl_token, itl_chunk), rows
+            assert tpot == "—" or "—" not in (itl_token, itl_chunk), rows  # a TPOT comes with the gaps it was timed by
+        assert any("—" not in row for row in rows), rows
         expect(page.locator("#saturation")).to_be_visible()  # "Saturated at c=…: …" or why not
     runs = list(BenchmarkRun.objects.filter(deployment=deployment).order_by("pk"))
     assert [r.status for r in runs] == ["done", "done"]

@@ -84,7 +84,11 @@ def test_a_child_killed_mid_run_leaves_no_semaphore_in_dev_shm():
 
         def tick(_):
             for child in psutil.Process().children():
-                if "benchmarks.runner.child" in " ".join(child.cmdline()):
+                try:
+                    command = " ".join(child.cmdline())
+                except psutil.Error:  # another test's child that ended and is not reaped yet
+                    continue
+                if "benchmarks.runner.child" in command:
                     held.update(p for p in processes.shm_files(child.pid) if Path(p).name.startswith("sem.mp-"))
             if held:
                 raise KeyboardInterrupt  # a failing callback, Ctrl-C: the caller kills the child at once
