@@ -80,8 +80,9 @@ def node_foreign_record(node_id: int, previous: list[dict]) -> list[dict]:
 
 
 def listeners_of(node_id: int, described: dict) -> list[dict]:
-    """Every listening TCP port of the host: {port, pid, user, command, deployment} (deployment: the one whose
-    engine it is, by its marker or unit; None for any other program). `described` keeps what was read of each
+    """Every listening TCP port of the host: {port, pid, user, command, deployment, engine} (deployment: the one whose
+    engine it is, by its marker or unit; engine: a process the panel launched, whichever deployment; neither for any
+    other program). `described` keeps what was read of each
     (port, PID) for the next call: a host's listeners rarely change, and reading a PID's owner walks its ancestry."""
     rows = Deployment.objects.filter(node_id=node_id).values_list("pk", "marker", "systemd_unit")
     markers = {m: (None, None) for _, m, _ in rows if m}
@@ -95,7 +96,9 @@ def listeners_of(node_id: int, described: dict) -> list[dict]:
             info = ownership.describe(pid) if pid else {"pid": None, "user": "?", "command": "?"}
             mark = ownership.owner(pid, markers, set(by_unit)) if pid else None
             described[key] = {"port": port, "pid": pid, "user": info["user"], "command": info["command"][:120],
-                              "deployment": by_marker.get(mark) or by_unit.get(mark)}
+                              "deployment": by_marker.get(mark) or by_unit.get(mark),
+                              # an engine the panel launched, whichever deployment (one being stopped right now too)
+                              "engine": bool(mark or (pid and ownership.marker_of(pid)))}
         kept[key] = described[key]
         found.append(described[key])
     described.clear()

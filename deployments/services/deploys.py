@@ -72,8 +72,9 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     # ticked under "Also stop" are stopped by the plan itself, never foreign.
     spare = {*replace_ids, *([deployment.pk] if deployment else [])}
     strangers = [p for p in node.foreign_processes if not p.get("display") and p.get("deployment") not in spare]
-    # Any program listening there (as the agent last saw the host), unless it is an engine this deploy stops itself.
-    if listener := next((p for p in node.listeners if p["port"] == port and p.get("deployment") not in spare | replaced), None):
+    # Any other program listening there, as the agent last saw the host (seconds ago). The panel's own engines are the
+    # rows' to judge (above): a record seconds old may show one that has stopped since; the node checks again anyway.
+    if listener := next((p for p in node.listeners if p["port"] == port and not p.get("engine")), None):
         by = f" by PID {listener['pid']} ({listener['user']}: {listener['command'][:60]})" if listener["pid"] else ""
         raise ServiceError(f"Port {port} is in use on {node}{by}: choose another port, or stop it.", field="port",
                            code="port_in_use")

@@ -138,6 +138,7 @@ def test_the_agent_records_who_listens_on_each_port_and_whose_engine_it_is(node,
             p.kill()
             p.wait()
     assert found[stranger_port]["pid"] == stranger.pid and found[stranger_port]["deployment"] is None
+    assert found[stranger_port]["engine"] is False and found[our_port]["engine"] is True
     assert "socket.socket()" in found[stranger_port]["command"]
     assert found[our_port]["pid"] == ours.pid and found[our_port]["deployment"] == engine.pk
     node.refresh_from_db()
@@ -152,7 +153,8 @@ def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is
     serving = DeploymentFactory(node=node, status=S.READY, port=8000, name="old", pid=777)
     serving.gpus.set(node.gpus.filter(index__in=[0]))
     program = {"port": 18771, "pid": 5150, "user": "alice", "command": "python -m http.server 18771", "deployment": None}
-    engine = {"port": 8000, "pid": 777, "user": "vllm-engine", "command": "vllm serve", "deployment": serving.pk}
+    engine = {"port": 8000, "pid": 777, "user": "vllm-engine", "command": "vllm serve", "deployment": serving.pk,
+              "engine": True}
     node.listeners = [program, engine]
     node.save(update_fields=["listeners"])
     args = {"model": model, "node": node, "gpu_indices": [0, 1], "engine_args": {"tensor-parallel-size": 2}, "env": {}}
@@ -162,7 +164,11 @@ def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is
     assert str(exc.value) == ("Port 18771 is in use on gpu-01 by PID 5150 (alice: python -m http.server 18771): "
                               "choose another port, or stop it.")
     assert Deployment.objects.filter(node=node).count() == 1 and sent_tasks.commit().names() == []
-    # The engine on 8000 is the one this deploy replaces (it holds GPU 0): its port is not in the way.
+    # The engine on 8000 is the one this deploy replaces (it holds GPU 0): its port is not in the way. And an engine
+    # the panel launched, seen seconds ago, is the rows' to judge: a stopped one's stale record refuses nothing.
+    node.listeners = [program, engine, {**engine, "port": 8200, "pid": 778, "deployment": None}]
+    node.save(update_fields=["listeners"])
+    assert deploys.deployment_create(port=8200, name="after-a-stop", **{**args, "gpu_indices": [2, 3]}).status == S.QUEUED
     assert deploys.deployment_create(port=8000, **args).status == S.QUEUED
     assert deploys.deployment_free_port(node) not in (8000, 18771)
 
