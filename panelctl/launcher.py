@@ -85,8 +85,8 @@ class Children:
             if proc.poll() is None:
                 continue
             if name not in self.due:
-                up = now - self.started[name]
-                delay = RESTART_FIRST_S if up >= RESTART_RESET_S else min(RESTART_MAX_S, self.delay.get(name, RESTART_FIRST_S / 2) * 2)
+                previous, up = self.delay.get(name), now - self.started[name]
+                delay = RESTART_FIRST_S if previous is None or up >= RESTART_RESET_S else min(RESTART_MAX_S, 2 * previous)
                 self.delay[name], self.due[name] = delay, now + delay
                 said.append(f"{name} exited with code {proc.returncode}; starting it again in {delay:.0f} s "
                             "(the rest of the panel keeps running).")

@@ -39,7 +39,10 @@ def explain(code: int | None, oom_killed: int = 0) -> str:
         said = "its exit status is unknown (this agent process did not start it)"
     elif code < 0:
         sig = -code
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:  # a number no signal of this system has
+            name = f"signal {sig}"
         said = f"killed by {name} (signal {sig})" + (f": {MEANINGS[name]}" if name in MEANINGS else "")
     else:
         said = f"it exited with code {code}" + (" by itself" if code == 0 else "")

@@ -117,8 +117,8 @@ def launch(spec: EngineSpec) -> EngineHandle:
             )
         except OSError as e:
             raise EngineError(f"cannot start {spec.argv[0]}: {e}", permanent=True) from e
-    for pid in [pid for pid, child in _CHILDREN.items() if child.poll() is not None]:  # as subprocess's own clean-up
-        _EXITS[pid] = _CHILDREN.pop(pid).returncode  # reaps ended children at each start, keeping how they ended
+    for pid in list(_CHILDREN):  # as subprocess's own clean-up reaps ended children at each start, keeping how they ended
+        _reap(pid)
     _CHILDREN[proc.pid] = proc
     return EngineHandle(pid=proc.pid, pgid=proc.pid, create_time=_create_time(proc.pid))
 
@@ -137,26 +137,29 @@ _EXITS: dict[int, int] = {}
 
 
 def _reap(pid: int) -> None:
-    # Our own exited children stay zombies (and look alive) until waited for.
+    """Wait for `pid` without blocking when it is our own child (an exited one stays a zombie, and looks alive, until
+    waited for), keeping how it ended."""
     if (proc := _CHILDREN.get(pid)) is not None:
-        if proc.poll() is not None:
-            _EXITS[pid] = _CHILDREN.pop(pid).returncode
+        code = proc.poll()
+    else:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        code = os.waitstatus_to_exitcode(status) if done else None
+    if code is None:
         return
-    try:
-        done, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return
-    if done:
-        _EXITS[pid] = os.waitstatus_to_exitcode(status)
+    _CHILDREN.pop(pid, None)
+    if len(_EXITS) > 1000:  # an agent running for months: the oldest are long reported
+        for old in list(_EXITS)[:500]:
+            del _EXITS[old]
+    _EXITS[pid] = code
 
 
 def exit_code(pid: int) -> int | None:
     """How `pid` ended, as Popen.returncode says it (-N: signal N), when this process started it and it has ended;
     None otherwise (still running, started by another agent process, or a unit's)."""
     _reap(pid)
-    if len(_EXITS) > 1000:  # an agent running for months: the oldest are long reported
-        for old in list(_EXITS)[:500]:
-            del _EXITS[old]
     return _EXITS.get(pid)
 
 

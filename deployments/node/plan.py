@@ -195,10 +195,7 @@ def _launch(d: Deployment, model_path: str) -> str:
     if not processes.port_free("0.0.0.0", d.port):
         raise PlanFailed(f"Port {d.port} is in use on {d.node}: choose another port or stop what listens there.")
     vllm_bin = settings.VLLM_BIN
-    try:  # checked before anything was stopped (precheck); the engine could have gone since
-        flags = serveargv.engine_flags(vllm_bin)
-    except processes.EngineError as exc:
-        raise PlanFailed(f"Cannot run the engine: {exc}. To fix it, {serveargv.ENGINE_FIX}.") from exc
+    flags = precheck.engine_flags()  # checked before anything was stopped; the engine could have gone since
     _claim(d)
     ray = raycluster.uses_ray(d)
     mp_launch = d.master_port and not ray  # vLLM's own multi-node launch; Ray places the workers itself

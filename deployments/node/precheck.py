@@ -12,7 +12,7 @@ from deployments.node import sleep
 from deployments.node.guards import foreign_holders
 from deployments.node.steps import PlanFailed
 
-__all__ = ["blocking_foreign", "checks", "foreign_refusal", "to_stop"]
+__all__ = ["blocking_foreign", "checks", "engine_flags", "foreign_refusal", "to_stop"]
 
 
 def to_stop(d: Deployment) -> list[Deployment]:
@@ -24,13 +24,17 @@ def to_stop(d: Deployment) -> list[Deployment]:
         others.filter(pk__in=d.replace))
 
 
-def checks(d: Deployment) -> str:
-    """Every check of the launch that can fail before anything is stopped; PlanFailed with the first reason."""
+def engine_flags() -> set[str]:
+    """The flags the node's engine takes, or PlanFailed naming how to get an engine."""
     try:
-        flags = serveargv.engine_flags(settings.VLLM_BIN)
+        return serveargv.engine_flags(settings.VLLM_BIN)
     except processes.EngineError as exc:
         raise PlanFailed(f"Cannot run the engine: {exc}. To fix it, {serveargv.ENGINE_FIX}.") from exc
-    if errors := serveargv.validate_args(d.engine_args, flags):
+
+
+def checks(d: Deployment) -> str:
+    """Every check of the launch that can fail before anything is stopped; PlanFailed with the first reason."""
+    if errors := serveargv.validate_args(d.engine_args, engine_flags()):
         raise PlanFailed("; ".join(errors.values()))
     port = _port(d)
     blocking = blocking_foreign(d)

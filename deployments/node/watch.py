@@ -94,8 +94,8 @@ def deployments_watch(node_id: int, state: dict) -> None:
 
 
 def _crash_watch(node_id: int, state: dict, now: float) -> None:
-    oom, state["oom"] = state.get("oom"), exits.oom_kills()  # the OOM kills since the last pass saw them alive
-    oom_killed = (state["oom"] or 0) - oom if oom is not None and state["oom"] is not None else 0
+    before, state["oom"] = state.get("oom"), exits.oom_kills()  # the OOM kills since the last pass saw them alive
+    oom_killed = state["oom"] - before if None not in (before, state["oom"]) else 0
     for d in Deployment.objects.filter(node_id=node_id, status__in=Deployment.UP).exclude(pid=None):
         if d.status == S.SLEEPING and lifecycle.driven(d.pk):
             continue  # being woken or swapped: the wake step says how it ended
