@@ -41,23 +41,24 @@ def level_deltas(runs) -> list[dict]:
     for run in runs[1:]:
         for p in sorted((p for p in run.points.all() if p.kind == "concurrency" and p.concurrency in base),
                         key=lambda p: p.concurrency):
-            b = base[p.concurrency]
-            for label, figure, key, kind, higher in METRICS:
-                then, now = figure(b), figure(p)
-                if not then or not now:
-                    continue
-                rng = random.Random(p.concurrency)
-                reps_b = _spread(then, (b.samples or {}).get(key), kind, rng)
-                reps_v = _spread(now, (p.samples or {}).get(key), kind, rng)
-                logs = sorted(math.log(v / w) for v, w in zip(reps_v, reps_b) if v > 0 and w > 0)
-                low, high = (logs[int(0.025 * (len(logs) - 1))], logs[int(0.975 * (len(logs) - 1))]) if logs else (0, 0)
-                noise = low <= 0 <= high
-                better = (now > then) == higher
-                rows.append({"run": run, "level": p.concurrency, "metric": label, "base": then, "value": now,
-                             "rel": now / then - 1, "rel_text": f"{(now / then - 1) * 100:+.1f} %", "noise": noise,
-                             "verdict": "within noise" if noise else ("better" if better else "worse") +
-                             ", beyond the runs' own spread"})
+            rows += [row for metric in METRICS if (row := _delta(run, base[p.concurrency], p, *metric))]
     return rows
+
+
+def _delta(run, b, p, label: str, figure, key: str, kind: str, higher: bool) -> dict | None:
+    """One metric of one level: `p` (of `run`) against `b`, the first run's; None when either has no figure."""
+    then, now = figure(b), figure(p)
+    if not then or not now:
+        return None
+    rng = random.Random(p.concurrency)
+    reps_b = _spread(then, (b.samples or {}).get(key), kind, rng)
+    reps_v = _spread(now, (p.samples or {}).get(key), kind, rng)
+    logs = sorted(math.log(v / w) for v, w in zip(reps_v, reps_b) if v > 0 and w > 0)
+    noise = not logs or studystats.quantile(logs, 0.025) <= 0 <= studystats.quantile(logs, 0.975)
+    rel = now / then - 1
+    return {"run": run, "level": p.concurrency, "metric": label, "base": then, "value": now, "rel": rel,
+            "rel_text": f"{rel * 100:+.1f} %", "noise": noise,
+            "verdict": "within noise" if noise else f"{'better' if (now > then) == higher else 'worse'}, beyond the runs' own spread"}
 
 
 def late_sends(run, points) -> str:

@@ -123,7 +123,7 @@ def replicates(repeats: Sequence[Repeat], kind: str, n_boot: int, rng: random.Ra
     return out
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
+def quantile(sorted_values: list[float], q: float) -> float:
     rank = (len(sorted_values) - 1) * q
     low = math.floor(rank)
     high = min(low + 1, len(sorted_values) - 1)
@@ -133,8 +133,8 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def _interval(center: float, reps: list[float], widen: float) -> tuple[float, float]:
     """`center` moved by the replicates' 2.5 and 97.5 % quantiles about their median, widened: holds `center`."""
     ordered = sorted(reps)
-    middle = _quantile(ordered, 0.5)
-    return (center + widen * (_quantile(ordered, 0.025) - middle), center + widen * (_quantile(ordered, 0.975) - middle))
+    middle = quantile(ordered, 0.5)
+    return (center + widen * (quantile(ordered, 0.025) - middle), center + widen * (quantile(ordered, 0.975) - middle))
 
 
 def _positive(*values: Sequence[float] | float) -> bool:
