@@ -68,9 +68,11 @@ def random_moment(low, high) -> float:
     return replay.moment(low, high)
 
 
-def set_load(folder: Path, load_s: float, stop_s: float = 0.0) -> None:
-    """How long the fake engine takes from start to /health, and to exit after a SIGTERM once it serves."""
-    (folder / "fake_engine.json").write_text(json.dumps({"load_s": load_s, "stop_s": stop_s}))
+def set_load(folder: Path, load_s: float, stop_s: float = 0.0, hold: Path | None = None) -> None:
+    """How long the fake engine takes from start to /health, and to exit after a SIGTERM once it serves; with `hold`,
+    its load also lasts as long as that file exists."""
+    config = {"load_s": load_s, "stop_s": stop_s} | ({"hold": str(hold)} if hold else {})
+    (folder / "fake_engine.json").write_text(json.dumps(config))
 
 
 def agent_env(process_env, tmp_path, **extra):

@@ -52,8 +52,10 @@ def _answers(port: int) -> bool:
 def test_agent_killed_while_the_engine_loads_adopts_the_loading_engine_and_ends_ready(fault_agent, fake_model, viewer):
     node = fault_agent.node
     model = add_fake_model(node, fake_model)
-    set_load(fake_model, LOAD_S)
+    hold = fake_model.parent / f"{fake_model.name}.hold"
+    set_load(fake_model, LOAD_S, hold=hold)  # the load lasts until the test lets it end: the kill is always inside it
     for _ in range(KILLS):
+        hold.touch()
         d = deploy(model, node)
         wait_until(lambda: _shown(viewer, d) == "loading", timeout=30, message="the panel to show the engine loading")
         time.sleep(random_moment(0.0, LOAD_S / 2))
@@ -61,8 +63,9 @@ def test_agent_killed_while_the_engine_loads_adopts_the_loading_engine_and_ends_
         row = Deployment.objects.get(pk=d.pk)
         # The kill landed in the load: the row still says loading and the engine does not answer yet.
         assert row.status == "loading" and row.pid, f"the kill landed outside the load: {row.status}, PID {row.pid}"
-        assert not _answers(row.port), "the engine had loaded before the kill: it did not land in the load"
+        assert not _answers(row.port), "the engine answered while its load was held: the fake engine ignores the hold"
         loading = row.pid
+        hold.unlink()  # the load goes on to its end while the agent is down
         fault_agent.start()
         row = settle(d, timeout=60, states={"ready", "failed"})
         assert row.status == "ready", row.status_message  # the restarted agent followed the load to its end
