@@ -333,6 +333,11 @@ CPU_HOST_EXCLUSIVE = env_bool("CPU_HOST_EXCLUSIVE", True)
 HOST_TASK_EXPIRES_S = env_int("HOST_TASK_EXPIRES", 600)
 HF_ENDPOINT = env_str("HF_ENDPOINT", "https://huggingface.co")
 HF_TOKEN = env_secret("HF_TOKEN")
+# A download's transient failures (a reset, a stalled read, 5xx, 429, an expired CDN link) are retried from its
+# partial files after this delay, doubled per failure in a row up to a minute; DOWNLOAD_RETRIES failures in a row
+# with no new byte between them fail the copy (its partial files kept for Retry).
+DOWNLOAD_RETRY_FIRST_S = env_float("DOWNLOAD_RETRY_FIRST_S", 2.0)
+DOWNLOAD_RETRIES = env_int("DOWNLOAD_RETRIES", 8)
 # The key the Hugging Face token set on the settings page is encrypted with (deployments/sealed.py): made
 # 0600 on first use; every host that downloads needs the same file.
 HF_TOKEN_KEY_FILE = env_str("HF_TOKEN_KEY_FILE", str(VAR_DIR / "hf-token.key"))

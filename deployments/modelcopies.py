@@ -3,6 +3,7 @@ deploy plan whose model is not there yet (deployments/node/steps.py), and the Hu
 The control plane's model services (services/repos.py) queue downloads, cancel and retry them."""
 import logging
 import time
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, transaction
@@ -15,6 +16,7 @@ from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 log = logging.getLogger(__name__)
 __all__ = ["hf_token", "model_copy_download", "model_copy_progress", "node_refresh_disk"]
 PROGRESS_EVERY_S = 0.5  # how often a running download writes its progress and checks for cancel
+RETRY_MAX_S = 60.0  # the longest backoff between two tries of a download (a server's Retry-After may ask longer)
 
 
 def hf_token() -> str:
@@ -64,8 +66,7 @@ def model_copy_download(copy_id: int, deployment_id: int | None = None) -> Model
         last["cancel"] = model_copy_progress(copy, p) or (deployment_id is not None and not _still_wanted(deployment_id))
 
     try:
-        downloads.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
-                           on_progress=on_progress, should_cancel=lambda: last["cancel"])
+        _fetch(copy, info, dest, on_progress, lambda: last["cancel"], deployment_id)
     except DatabaseError:
         # The row stays "downloading"; it stops moving, and the agent resumes it once the
         # database answers again (model_copies_stalled_resume). The partial files stay.
@@ -89,13 +90,62 @@ def model_copy_download(copy_id: int, deployment_id: int | None = None) -> Model
     return copy
 
 
+def _fetch(copy: ModelCopy, info: hub.RepoInfo, dest, on_progress, should_cancel, deployment_id: int | None) -> None:
+    """downloads.download, and again from the partial files after each transient error, waiting the server's
+    Retry-After or a backoff; a permanent error, DOWNLOAD_RETRIES failures in a row without a new byte, or the same
+    file arriving corrupt twice ends it with that error."""
+    failures, retries, corrupt, before = 0, 0, set(), copy.bytes_done
+    while True:
+        try:
+            return downloads.download(info, dest, token=hf_token() or None, endpoint=settings.HF_ENDPOINT,
+                                      on_progress=on_progress, should_cancel=should_cancel)
+        except hub.HubError as exc:
+            if exc.permanent or exc.code == "busy":
+                raise
+            if exc.code == "corrupt" and exc.message in corrupt:
+                raise hub.HubError(f"{exc.message.split(';')[0]}, twice: the server sends other bytes than it lists.",
+                                   True, "corrupt") from exc
+            if exc.code == "corrupt":
+                corrupt.add(exc.message)
+            failures = 1 if copy.bytes_done > before else failures + 1
+            before, retries = copy.bytes_done, retries + 1
+            if failures > settings.DOWNLOAD_RETRIES:
+                raise hub.HubError(f"{exc.message} {failures} tries in a row brought no new byte; "
+                                   "Retry resumes from what is kept.", True, exc.code) from exc
+            delay = exc.retry_after or min(settings.DOWNLOAD_RETRY_FIRST_S * 2 ** (failures - 1), RETRY_MAX_S)
+            log.warning("download of copy %s: %s; try %d in %.0f s", copy.pk, exc.message, retries + 1, delay)
+            _retry_wait(copy, retries, exc.message, delay, deployment_id)
+
+
+def _retry_wait(copy: ModelCopy, retries: int, reason: str, delay: float, deployment_id: int | None) -> None:
+    """Show the wait on the copy (its next try, why, how many so far), then wait it out unless cancelled."""
+    at = timezone.now() + timedelta(seconds=delay)
+    copy.progress = {**copy.progress, "retries": retries, "retry": {"at": at.isoformat(), "reason": reason}}
+    copy.rate = 0.0
+    ModelCopy.objects.filter(pk=copy.pk).update(progress=copy.progress, rate=0.0, updated=timezone.now())
+    payloads.send_copy(copy)
+    deadline = time.monotonic() + delay
+    while (left := deadline - time.monotonic()) > 0:
+        if _cancelled(copy, deployment_id):
+            raise downloads.DownloadCancelled(f"Download of {copy.model} cancelled; partial files are kept.")
+        # Alive, for a deploy plan waiting on this copy from another worker (steps.model_ready's stall check).
+        ModelCopy.objects.filter(pk=copy.pk).update(updated=timezone.now())
+        time.sleep(min(1.0, left))
+
+
+def _cancelled(copy: ModelCopy, deployment_id: int | None) -> bool:
+    """A cancel asked on the copy, or the deployment that started it no longer wanting it."""
+    return ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists() or (
+        deployment_id is not None and not _still_wanted(deployment_id))
+
+
 def model_copy_progress(copy: ModelCopy, p: downloads.Progress) -> bool:
     """Record a download's progress on its row and on the model's and node's pages; returns whether
     a cancel was asked meanwhile."""
     copy.bytes_done, copy.bytes_total, copy.rate = p.bytes_done, p.bytes_total, p.rate_bps
-    started_by = {"deployment": copy.progress["deployment"]} if (copy.progress or {}).get("deployment") else {}
+    kept = {k: copy.progress[k] for k in ("deployment", "retries") if (copy.progress or {}).get(k)}
     copy.progress = {"files": {k: list(v) for k, v in p.files.items()}, "current_file": p.current_file,
-                     "seconds_left": p.seconds_left, **started_by}
+                     "seconds_left": p.seconds_left, **kept}
     ModelCopy.objects.filter(pk=copy.pk).update(bytes_done=p.bytes_done, bytes_total=p.bytes_total,
                                                 rate=p.rate_bps, progress=copy.progress, updated=timezone.now())
     cancel = ModelCopy.objects.filter(pk=copy.pk, cancel_requested=True).exists()

@@ -174,12 +174,15 @@ class CopyProgress:
     current_file: str | None
     error: str
     path: str
+    retries: int  # transient failures retried so far
+    retry: dict | None  # while a retry waits: {"at": ISO time of the next try, "reason": the failure}
 
     @classmethod
     def of(cls, copy: ModelCopy, state: str | None = None) -> "CopyProgress":
         return pick(cls, copy, id=copy.pk, model=copy.model_id, node=copy.node_id, node_name=copy.node.name,
                      state=state or copy.state, files=copy.progress.get("files", {}),
-                     current_file=copy.progress.get("current_file"))
+                     current_file=copy.progress.get("current_file"), retries=copy.progress.get("retries", 0),
+                     retry=copy.progress.get("retry"))
 
 
 # --- senders: one per message, so each payload goes to the same topics every time ---------------

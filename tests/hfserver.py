@@ -58,6 +58,9 @@ class State:
     ignore_range: bool = False  # answer Range requests with the whole file, like some proxies
     cdn: bool = True
     cdn_base: str | None = None
+    # One-shot faults, each taken by the first file request that reaches its point, in order (FAULT_KINDS).
+    faults: list[dict] = field(default_factory=list)
+    faults_served: list[str] = field(default_factory=list)
     served: dict[str, int] = field(default_factory=dict)
     requests: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -118,8 +121,26 @@ def load_repo(state: State, repo_id: str) -> Repo | None:
         return state.repos.setdefault(repo_id, repo)
 
 
-def _error(status: int, code: str | None, message: str) -> web.Response:
-    headers = {"X-Error-Message": message}
+# Where a file request meets each kind of fault: "status" {status, retry_after?} answers the Hub's resolve with an
+# error (5xx, or 429 with Retry-After); "expired" answers the CDN with 403 as an expired signed link does; "reset"
+# {after} closes the connection after that many bytes of the body; "stall" {after, seconds} sends nothing more for
+# that long after that many bytes, then closes. With "path", a fault waits for a request of that file.
+FAULT_KINDS = {"status": "resolve", "expired": "cdn", "reset": "body", "stall": "body"}
+
+
+def _take_fault(state: State, point: str, path: str) -> dict | None:
+    """The next fault when it belongs at `point` (and to `path` if it names one); it is then spent."""
+    with state.lock:
+        head = state.faults[0] if state.faults else None
+        if head and FAULT_KINDS[head["kind"]] == point and head.get("path", path) == path:
+            fault = state.faults.pop(0)
+            state.faults_served.append(fault["kind"])
+            return fault
+    return None
+
+
+def _error(status: int, code: str | None, message: str, **extra: str) -> web.Response:
+    headers = {"X-Error-Message": message, **extra}
     if code:
         headers["X-Error-Code"] = code
     return web.json_response({"error": message}, status=status, headers=headers)
@@ -219,6 +240,9 @@ async def resolve(request: web.Request) -> web.StreamResponse:
     e = repo.entries.get(request.match_info["path"])
     if e is None:
         return _error(404, "EntryNotFound", "Entry not found")
+    if request.method == "GET" and (fault := _take_fault(state, "resolve", e.path)):
+        after = {"Retry-After": str(fault["retry_after"])} if fault.get("retry_after") is not None else {}
+        return _error(fault["status"], None, "Injected failure", **after)
     if e.lfs and state.cdn and state.cdn_base:
         # The real Hub answers LFS files with a redirect to a CDN on another host.
         location = f"{state.cdn_base}/_cdn/{repo.repo_id}/{repo.commit}/{quote(e.path)}"
@@ -235,6 +259,8 @@ async def cdn(request: web.Request) -> web.StreamResponse:
     e = repo.entries.get(request.match_info["path"]) if repo else None
     if e is None or request.match_info["commit"] != repo.commit:
         return _error(404, None, "Not found")
+    if request.method == "GET" and _take_fault(state, "cdn", e.path):
+        return _error(403, None, "Request has expired")  # as S3 and CloudFront answer a signed URL past its expiry
     return await _send_file(request, repo, e, {"ETag": f'"{e.sha256}"', "Accept-Ranges": "bytes"})
 
 
@@ -274,9 +300,10 @@ async def _send_file(request: web.Request, repo: Repo, e: Entry, headers: dict) 
     if request.method == "HEAD":
         return resp
     key = f"{repo.repo_id}/{e.path}"
+    fault = _take_fault(state, "body", e.path)
     with open(repo.root / e.path, "rb") as f:
-        if state.throttle_bps or state.drop_after:
-            if not await _send_slowly(request, resp, f, start, end, key):
+        if state.throttle_bps or state.drop_after or fault:
+            if not await _send_slowly(request, resp, f, start, end, key, fault):
                 return resp  # dropped on purpose
         else:
             await asyncio.get_running_loop().sendfile(request.transport, f, start, end - start)
@@ -290,17 +317,18 @@ def _count(state: State, key: str, n: int) -> None:
         state.served[key] = state.served.get(key, 0) + n
 
 
-async def _send_slowly(request, resp, f, start: int, end: int, key: str) -> bool:
+async def _send_slowly(request, resp, f, start: int, end: int, key: str, fault: dict | None = None) -> bool:
     state: State = request.app[STATE]
     f.seek(start)
     sent, began = 0, time.monotonic()
+    cut = state.drop_after if fault is None else fault["after"]
     while start + sent < end:
         chunk = f.read(min(64 * 1024, end - start - sent))
-        if state.drop_after is not None and sent + len(chunk) > state.drop_after:
-            chunk = chunk[: max(state.drop_after - sent, 0)]
+        if cut is not None and sent + len(chunk) > cut:
+            chunk = chunk[: max(cut - sent, 0)]
             await resp.write(chunk)
             _count(state, key, len(chunk))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(fault["seconds"] if fault and fault["kind"] == "stall" else 0.05)
             request.transport.close()
             return False
         await resp.write(chunk)
@@ -322,6 +350,7 @@ async def stats(request: web.Request) -> web.StreamResponse:
             state.requests.clear()
         return web.json_response({
             "served": dict(state.served), "total": sum(state.served.values()), "requests": list(state.requests),
+            "faults_served": list(state.faults_served), "faults_left": list(state.faults),
         })
 
 
@@ -331,6 +360,12 @@ async def control(request: web.Request) -> web.StreamResponse:
     for key in ("throttle_bps", "fail_status", "drop_after", "ignore_range", "cdn"):
         if key in body:
             setattr(state, key, body[key])
+    if "faults" in body:
+        unknown = [f for f in body["faults"] if f.get("kind") not in FAULT_KINDS]
+        if unknown:
+            return web.json_response({"error": f"unknown fault kinds {unknown}"}, status=400)
+        with state.lock:
+            state.faults, state.faults_served = list(body["faults"]), []
     return web.json_response({"ok": True})
 
 
@@ -405,7 +440,8 @@ def reset_stats(base_url: str) -> dict:
 
 
 def configure(base_url: str, **options) -> None:
-    """Change throttle_bps, fail_status, drop_after, ignore_range or cdn while the server runs."""
+    """Change throttle_bps, fail_status, drop_after, ignore_range, cdn or the queue of one-shot faults
+    (faults=[{"kind": ...}], see FAULT_KINDS) while the server runs."""
     _post(f"{base_url}/_control", options)
 
 

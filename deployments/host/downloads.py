@@ -6,6 +6,7 @@ download resumes where it stopped. Metadata (what to fetch): host/hub.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -33,6 +34,7 @@ TICK_S = 0.5  # cadence of on_progress and should_cancel
 RATE_WINDOW_S = 5.0
 CONNECT_TIMEOUT_S = 15.0
 READ_TIMEOUT_S = 60.0
+MAX_RETRY_AFTER_S = 600.0  # a server's Retry-After is followed up to this
 
 
 class DownloadCancelled(Exception):
@@ -394,7 +396,10 @@ class _Download:
             # An expired or refused CDN link: asking the Hub again gives a fresh one.
             return HubError(f"The download link for {f.path} was refused (HTTP {r.status}); retry.",
                             False, "unavailable")
-        return status_error(r.status, self.info.repo_id, self.token, self.endpoint, f.path)
+        error = status_error(r.status, self.info.repo_id, self.token, self.endpoint, f.path)
+        with contextlib.suppress(KeyError, ValueError):  # seconds only; an HTTP date is rare enough to back off instead
+            error.retry_after = min(float(r.headers["Retry-After"]), MAX_RETRY_AFTER_S)
+        return error
 
 
 def download(info: RepoInfo, dest: Path, token: str | None = None, endpoint: str | None = None,

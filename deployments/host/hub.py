@@ -45,12 +45,12 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 class HubError(HostError):
     """A Hub failure with a user-facing message and a code the pages and the API show."""
 
-    def __init__(self, message: str, permanent: bool, code: str):
+    def __init__(self, message: str, permanent: bool, code: str, retry_after: float | None = None):
         super().__init__(message, permanent)
-        self.code = code
+        self.code, self.retry_after = code, retry_after  # retry_after: the server's Retry-After, in seconds
 
     def __reduce__(self):  # so it survives pickling (Celery results, multiprocessing)
-        return HubError, (self.message, self.permanent, self.code)
+        return HubError, (self.message, self.permanent, self.code, self.retry_after)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,13 @@
     const rate = c.state === "downloading" && c.rate ? ` · ${size(c.rate)}/s · ${eta(c.seconds_left)}` : "";
     card.querySelector('[data-f="text"]').textContent = `${size(c.bytes_done)} of ${size(c.bytes_total)} (${pct.toFixed(1)} %)${rate}`;
     card.querySelector('[data-f="error"]').textContent = c.error || "";
+    // A transient failure being retried: why, and when the next try starts (it resumes from the kept bytes).
+    const retry = card.querySelector('[data-f="retry"]');
+    if (retry) {
+      const left = c.retry ? Math.max(0, Math.round((Date.parse(c.retry.at) - Date.now()) / 1000)) : 0;
+      retry.textContent = c.state === "downloading" && c.retry
+        ? `${c.retry.reason} Trying again in ${left} s (try ${c.retries + 1}).` : "";
+    }
     const files = Object.entries(c.files || {});
     if (!files.length) return;  // a snapshot without per-file progress: the page's rows stay
     const rows = files.map(([path, [done, total]]) => `<tr><td>${esc(path)}</td><td class="num">` +

@@ -144,7 +144,7 @@ def test_the_agent_checks_the_real_disk_before_the_first_byte(tmp_path, download
 
 @pytest.mark.parametrize("error, state", [
     (hub.HubError("No space left on device while writing model.safetensors", True, "disk_full"), "failed"),
-    (hub.HubError("The connection to the Hub broke; what was fetched is kept.", False, "unavailable"), "failed"),
+    (hub.HubError("Access to org/model is restricted: a token with access is needed.", True, "gated"), "failed"),
     (downloads.DownloadCancelled(), "cancelled"),
 ])
 def test_a_failed_or_cancelled_download_says_why_and_keeps_its_place(tmp_path, download, error, state):
