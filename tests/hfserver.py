@@ -146,7 +146,9 @@ def _error(status: int, code: str | None, message: str, **extra: str) -> web.Res
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-def _repo_or_error(request: web.Request) -> Repo | web.Response:
+def _repo_or_error(request: web.Request, listing: bool = False) -> Repo | web.Response:
+    """The repo a request names, or the Hub's error; `listing` (model info, tree): a gated repo is listed to anyone,
+    as on the real Hub, and only its files are refused without a token with access."""
     state: State = request.app[STATE]
     if state.fail_status:
         return _error(state.fail_status, None, "Injected failure")
@@ -154,7 +156,7 @@ def _repo_or_error(request: web.Request) -> Repo | web.Response:
     repo = load_repo(state, repo_id)
     if repo is None:
         return _error(404, "RepoNotFound", "Repository not found")
-    if repo.token is not None:
+    if repo.token is not None and not listing:
         auth = request.headers.get("Authorization", "")
         if not auth:
             return _error(401, "GatedRepo", "Access to this model is restricted; you must be authenticated")
@@ -176,7 +178,7 @@ def _sibling(e: Entry, blobs: bool) -> dict:
 
 
 async def model_info(request: web.Request) -> web.StreamResponse:
-    repo = _repo_or_error(request)
+    repo = _repo_or_error(request, listing=True)
     if isinstance(repo, web.Response):
         return repo
     blobs = request.query.get("blobs", "").lower() in ("1", "true")
@@ -198,7 +200,7 @@ async def model_info(request: web.Request) -> web.StreamResponse:
 
 
 async def tree(request: web.Request) -> web.StreamResponse:
-    repo = _repo_or_error(request)
+    repo = _repo_or_error(request, listing=True)
     if isinstance(repo, web.Response):
         return repo
     base = request.match_info.get("path", "").strip("/")

@@ -143,6 +143,14 @@ def test_gated_repo_without_token_says_a_token_with_access_is_needed(url):
     assert e.value.code == "gated" and e.value.permanent and "token" in e.value.message
 
 
+def test_a_gated_repo_is_listed_to_anyone_and_only_its_files_are_refused_as_on_the_real_hub(url):
+    commit = hub.repo_check("org/gated", endpoint=url)  # the real Hub lists a gated repo without a token
+    assert len(commit) == 40
+    with pytest.raises(hub.HubError) as e:
+        hub.repo_info("org/gated", endpoint=url)  # its config.json is a file: refused, with the gated message
+    assert e.value.code == "gated"
+
+
 def test_gated_repo_with_a_wrong_token_never_shows_the_token(url):
     wrong = "hf_wrong_token_abcdef123456"
     with pytest.raises(hub.HubError) as e:
