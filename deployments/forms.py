@@ -187,7 +187,8 @@ class DeployForm(forms.Form):
                 flags["attention-backend"] = data["attention_backend"]
             else:
                 env["VLLM_ATTENTION_BACKEND"] = data["attention_backend"]
-        for field, message in {**userflags.check_flags(flags, set(self.node.engine_flags) or None),
+        for field, message in {**userflags.check_flags(flags, set(self.node.engine_flags) or None,
+                                                       self.node.engine_modules),
                                **userflags.check_env(env)}.items():
             self.add_error(field, message)
         data["engine_args"], data["env_vars"] = flags, env

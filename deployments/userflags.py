@@ -7,7 +7,7 @@ import shlex
 
 from deployments import flagpolicy
 from deployments.flagpolicy import ENV_NAME, FLAG_NAME, MAX_VALUE, OptionError  # noqa: F401 (used by callers)
-from deployments.host import serveargv
+from deployments.host import enginemodules, serveargv
 
 # Environment variables a deployment may set: the engine's, the communication libraries' and CUDA's.
 ENV_PREFIXES = ("NCCL_", "VLLM_", "CUDA_", "TORCH_", "PYTORCH_", "HF_", "OMP_", "NVIDIA_", "TRITON_",
@@ -156,13 +156,15 @@ def check_env(env: dict) -> dict[str, str]:
     return {"env": "; ".join(errors)} if errors else {}
 
 
-def check_flags(flags: dict, known: set[str] | None) -> dict[str, str]:
-    """Errors for malformed, non-canonical or reserved flags (serveargv.RESERVED_FLAGS), bad values, and (when
-    the engine's list is known) unknown ones."""
+def check_flags(flags: dict, known: set[str] | None, modules: dict | None = None) -> dict[str, str]:
+    """Errors for malformed, non-canonical or reserved flags (serveargv.RESERVED_FLAGS), bad values, (when the
+    engine's list is known) unknown ones, and (when the node reported them: Node.engine_modules) flags whose package
+    the engine's Python lacks."""
     errors = [f"--{name}: {problem}" for name, value in flags.items()
               if (problem := flagpolicy.value_problem(value))]
     errors += [message for name, message in serveargv.validate_args(flags, known or set()).items()
                if known or "unknown engine flag" not in message]
+    errors += enginemodules.refusals(flags, enginemodules.recorded(modules))
     return {"extra_flags": "; ".join(dict.fromkeys(errors))} if errors else {}
 
 

@@ -283,7 +283,8 @@ class DeployRequestSerializer(serializers.Serializer):
             raise serializers.ValidationError(str(exc)) from exc
         name = self.initial_data.get("node") if isinstance(self.initial_data, dict) else None
         node = Node.objects.filter(name=name).first() if isinstance(name, str) and validators.NODE_NAME.match(name) else None
-        errors = userflags.check_flags(value, set(node.engine_flags) if node and node.engine_flags else None)
+        errors = userflags.check_flags(value, set(node.engine_flags) if node and node.engine_flags else None,
+                                       node.engine_modules if node else None)
         if errors:
             raise serializers.ValidationError(errors["extra_flags"])
         return value

@@ -11,6 +11,8 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
+from deployments.host.processlog import WEIGHTS_BAR_RE
+
 PHASES = ("process", "p2p_check", "weights", "compile", "kv_cache", "graph_capture", "api_up", "smoke_test")
 LABELS = {"process": "process start", "p2p_check": "P2P check", "weights": "weights", "compile": "torch.compile",
           "kv_cache": "KV cache", "graph_capture": "CUDA graphs", "api_up": "API up", "smoke_test": "smoke test"}
@@ -20,7 +22,7 @@ LABELS = {"process": "process start", "p2p_check": "P2P check", "weights": "weig
 # Checked against vLLM 0.32's logger calls (all_reduce_utils, gpu_model_runner, compilation/*, mem_utils).
 _MARKERS = [(re.compile(p), phase) for p, phase in (
     (r"generating GPU P2P access cache|reading GPU P2P access cache", "p2p_check"),
-    (r"Starting to load model|Loading (?:safetensors |pt |bin )?checkpoint shards", "weights"),
+    (r"Starting to load model", "weights"),
     (r"Starting torch\.compile|Dynamo bytecode transform time: ([\d.]+) s|torch\.compile t(?:akes|ook) ([\d.]+) s"
      r"|Compiling a graph for|Directly load the compiled graph|Warming up model for the compilation", "compile"),
     (r"Memory profiling takes ([\d.]+) s|Initial profiling/warmup run took ([\d.]+) s|Available KV cache memory|KV cache size:"
@@ -32,7 +34,6 @@ _MARKERS = [(re.compile(p), phase) for p, phase in (
 # The weights are in once vLLM says so; what follows is the profiling run (compile lines, when
 # compile runs, re-date their own start).
 _WEIGHTS_DONE = re.compile(r"Loading weights took ([\d.]+) s|Model loading took .*? and ([\d.]+) s")
-_SHARDS = re.compile(r"checkpoint shards:\s*\d+% Completed \|\s*(\d+)/(\d+)")
 # "(Worker pid=7) INFO 12-01 03:39:18 [x.py:1] ..." -> month, day, time: for replaying a recorded log.
 _STAMP = re.compile(r"^(?:\(\S+ pid=\d+\)\s+)?[A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
 
@@ -72,8 +73,10 @@ class PhaseClock:
     def feed(self, line: str, now: float) -> None:
         """One log line (tqdm's \\r-separated updates included) read `now` seconds after launch."""
         for text in line.split("\r"):
-            if m := _SHARDS.search(text):
-                self.shards_done, self.shards_total = int(m[1]), int(m[2])
+            if m := WEIGHTS_BAR_RE.search(text):  # any loader's bar (processlog.WEIGHT_BARS)
+                self.shards_done, self.shards_total = int(m[2]), int(m[3])
+                self.enter("weights", now)
+                continue
             if (m := _WEIGHTS_DONE.search(text)) and self.weights_s is None:  # GPUs print two such lines
                 self.weights_s = float(m[1] or m[2])
                 self.enter("weights", now, self.weights_s)

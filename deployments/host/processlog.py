@@ -13,7 +13,18 @@ PHASES = ("starting", "loading_weights", "weights_loaded", "profiling_kv_cache",
 # Overall percent at the start of each phase; loading_weights spans 5..60 by shard.
 _PHASE_PERCENT = {"starting": 0, "loading_weights": 5, "weights_loaded": 60,
                   "profiling_kv_cache": 65, "graph_capture": 80, "server_up": 100}
-_SHARDS_RE = re.compile(r"Loading (?:safetensors |pt |bin )?checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
+# The weights' progress bar of each of vLLM's loaders: tqdm with its _BAR_FORMAT ("{desc}: {percentage:3.0f}% Completed
+# | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]") and these descs, from the loaders' `desc=` in
+# vllm/model_executor/model_loader/weight_utils.py (the bitsandbytes and sharded-state loaders read through them).
+# Runai and InstantTensor count tensors, the others files; either way the fraction is the weights'.
+WEIGHT_BARS = ("Loading safetensors checkpoint shards",  # default; " (eager)" after it with that load strategy
+               "Loading safetensors using Fastsafetensor loader",  # --load-format fastsafetensors
+               "Loading safetensors using InstantTensor loader",  # --load-format instanttensor
+               "Loading safetensors using Runai Model Streamer",  # --load-format runai_streamer(_sharded)
+               "Loading pt checkpoint shards", "Loading np_cache checkpoint shards",
+               "Multi-thread loading pt checkpoint shards", "Multi-thread loading shards")  # enable_multithread_load
+WEIGHTS_BAR_RE = re.compile(r"(?:^|[\s)])(?:" + "|".join(map(re.escape, WEIGHT_BARS))
+                            + r")(?: \(eager\))?:\s*(\d+)% Completed \|\s*(\d+)/(\d+)")
 # "Loading weights took 0.01 seconds" (CPU and GPU); "Model loading took 15.2 GiB memory and 11.3 seconds" (GPU).
 _WEIGHTS_DONE_RE = re.compile(r"Loading weights took ([\d.]+) s|Model loading took .*? and ([\d.]+) s")
 _INIT_DONE_RE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
@@ -60,7 +71,7 @@ class LoadProgress:
             self.phase = phase
 
     def _feed_one(self, text: str, now: float) -> None:
-        if m := _SHARDS_RE.search(text):
+        if m := WEIGHTS_BAR_RE.search(text):
             self.shard_percent, self.shards_done, self.shards_total = map(int, m.groups())
             if self._first_shard is None:
                 self._first_shard = (now, self.shards_done)

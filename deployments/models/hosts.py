@@ -22,6 +22,9 @@ class Node(models.Model):
     nvml_error = models.CharField(max_length=255, blank=True, help_text="Why NVML is unavailable, if it is.")
     engine_version = models.CharField(max_length=64, blank=True)
     engine_flags = models.JSONField(default=list, blank=True, help_text="Flags the node's `vllm serve` accepts.")
+    engine_modules = models.JSONField(default=dict, blank=True,
+                                      help_text="The engine's Python and which optional packages a flag may need it "
+                                                "has (host/enginemodules.report): {python, present}; {} not known.")
     engine_error = models.CharField(max_length=500, blank=True, help_text="Why the engine could not be inspected.")
     systemd = models.BooleanField(default=False, help_text="The agent can install systemd units here.")
     engine_user = models.JSONField(default=dict, blank=True,

@@ -1,12 +1,13 @@
-"""What the node checks before a deploy plan stops anything: the engine runs here and takes the flags, the port is
-free (or held by an engine the plan itself stops), and no process the panel did not start holds the chosen GPUs
-(unless the deploy asked to stop them). A refusal here fails the deploy with the reason and leaves every serving
-deployment serving: a mistyped port never costs the model that was up. The launch checks the port again (a
-process may take it meanwhile), and the foreign holders are looked at again right before they would be stopped."""
+"""What the node checks before a deploy plan stops anything: the engine runs here and takes the flags, its Python has
+the package a flag needs (--load-format fastsafetensors: enginemodules), the port is free (or held by an engine the
+plan itself stops), and no process the panel did not start holds the chosen GPUs (unless the deploy asked to stop
+them). A refusal here fails the deploy with the reason and leaves every serving deployment serving: a mistyped port
+never costs the model that was up. The launch checks the port again (a process may take it meanwhile), and the
+foreign holders are looked at again right before they would be stopped."""
 from django.conf import settings
 
 from deployments import claims
-from deployments.host import listeners, ownership, processes, serveargv
+from deployments.host import enginemodules, listeners, ownership, processes, serveargv
 from deployments.models import Deployment
 from deployments.node import sleep
 from deployments.node.guards import foreign_holders
@@ -36,6 +37,8 @@ def checks(d: Deployment) -> str:
     """Every check of the launch that can fail before anything is stopped; PlanFailed with the first reason."""
     if errors := serveargv.validate_args(d.engine_args, engine_flags()):
         raise PlanFailed("; ".join(errors.values()))
+    if lacking := enginemodules.missing(d.engine_args, settings.VLLM_BIN):
+        raise PlanFailed("; ".join(lacking) + ". Nothing was stopped.")
     port = _port(d)
     blocking = blocking_foreign(d)
     if blocking and not d.stop_foreign:

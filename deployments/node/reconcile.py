@@ -5,7 +5,7 @@ import logging
 from django.conf import settings
 
 from deployments.dispatch import node_enqueue
-from deployments.host import door, firewall, processes, serveargv, systemd
+from deployments.host import door, enginemodules, firewall, processes, serveargv, systemd
 from deployments.models import Deployment, Node
 from deployments.node import lifecycle, sleep, units
 from deployments.node.ranks import ranks_reconcile
@@ -59,10 +59,12 @@ def deployments_reconcile(node) -> dict:
 
 
 def node_engine_report(node_id: int) -> None:
-    """Record which vLLM this node runs and the flags it accepts (used to validate deploy forms)."""
+    """Record which vLLM this node runs, the flags it accepts and the optional packages its Python has (used to
+    validate deploy forms)."""
     try:
         flags = sorted(serveargv.engine_flags(settings.VLLM_BIN))
         Node.objects.filter(pk=node_id).update(engine_flags=flags, engine_error="", systemd=systemd.available(),
-                                               engine_version=serveargv.engine_version(settings.VLLM_BIN))
+                                               engine_version=serveargv.engine_version(settings.VLLM_BIN),
+                                               engine_modules=enginemodules.report(settings.VLLM_BIN))
     except processes.EngineError as exc:
         Node.objects.filter(pk=node_id).update(engine_flags=[], engine_error=str(exc)[:500], systemd=systemd.available())

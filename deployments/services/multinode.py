@@ -79,7 +79,7 @@ def check(*, model: ModelRepo, head: Node, head_gpus: list, workers: list[Worker
         if missing:
             raise ServiceError(f"The engine on {n.name} has no {missing[0]}: it cannot join a multi-node launch.",
                                field="workers")
-        if n.engine_flags and (errors := userflags.check_flags(engine_args, set(n.engine_flags))):
+        if n.engine_flags and (errors := userflags.check_flags(engine_args, set(n.engine_flags), n.engine_modules)):
             raise ServiceError(f"On {n.name}: {errors['extra_flags']}", field="engine_args")
     chosen = [(head, head_gpus), *((w.node, w.gpu_indices) for w in workers)]
     world, count = world_size(engine_args), len(nodes)

@@ -74,6 +74,37 @@ def test_a_flag_the_engine_does_not_take_fails_the_deploy_and_stops_nothing(mode
     _untouched(serving, host, d)
 
 
+def test_a_load_format_whose_package_the_engine_lacks_fails_the_deploy_naming_the_fix_and_stops_nothing(
+        model, node, host, serving):
+    """The recipe's Blackwell overlay loads with fastsafetensors: without the package vLLM fails at the weights,
+    after the predecessor was stopped (36 minutes in, for a large model). The double's engine has none of them."""
+    host.mocks["serveargv.engine_flags"].return_value = {*host.mocks["serveargv.engine_flags"].return_value,
+                                                         "--load-format"}
+    d = _queued(model, node)
+    Deployment.objects.filter(pk=d.pk).update(engine_args={"tensor-parallel-size": 2, "load-format": "fastsafetensors"})
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.FAILED
+    assert ("--load-format fastsafetensors needs the Python package fastsafetensors, which the engine's Python "
+            "(/opt/vllm/bin/python) cannot import. To fix it, install it into the engine's environment "
+            "(`/opt/vllm/bin/python -m pip install fastsafetensors`)") in d.status_message
+    assert [e.step for e in d.events.exclude(step="queued")] == ["model", "checks", "failed"]
+    _untouched(serving, host, d)
+
+
+def test_a_load_format_whose_package_the_engine_has_goes_ahead(model, node, host):
+    host.mocks["serveargv.engine_flags"].return_value = {*host.mocks["serveargv.engine_flags"].return_value,
+                                                         "--load-format"}
+    host.mocks["enginemodules.importable"].return_value = ("/opt/vllm/bin/python", {"fastsafetensors"})
+    d = _queued(model, node)
+    Deployment.objects.filter(pk=d.pk).update(engine_args={"tensor-parallel-size": 2, "load-format": "fastsafetensors"})
+    plan.deployment_run(d.pk)
+    d.refresh_from_db()
+    assert d.status == S.READY, d.status_message
+    argv = host.spec.argv
+    assert argv[argv.index("--load-format") + 1] == "fastsafetensors"
+
+
 def test_a_foreign_gpu_process_fails_the_deploy_and_stops_nothing(model, node, host, serving, monkeypatch):
     stranger = {"pid": 31337, "user": "bob", "command": "python train.py", "memory": 20 << 30, "display": False}
     monkeypatch.setattr("deployments.node.precheck.foreign_holders", lambda *a, **kw: [stranger])
@@ -194,3 +225,33 @@ def test_json_whose_quotes_the_flags_line_dropped_says_how_to_quote_it_and_quote
     from deployments import flagpolicy
 
     assert flagpolicy.operator_flag("hf-overrides", quoted["hf-overrides"]) is not None  # an admin's to set
+
+
+# --- what the control plane knows before it queues anything: the packages the node's engine has ----------------------
+
+@pytest.mark.parametrize("present, error", [
+    ([], "--load-format fastsafetensors needs the Python package fastsafetensors, which the engine's Python "
+         "(/opt/vllm/bin/python) cannot import. To fix it, install it into the engine's environment "
+         "(`/opt/vllm/bin/python -m pip install fastsafetensors`), or deploy without --load-format fastsafetensors"),
+    (["fastsafetensors"], None),
+])
+def test_the_deploy_form_refuses_a_load_format_whose_package_the_node_reported_missing(node, present, error):
+    from deployments.forms import DeployForm
+
+    node.engine_flags = [*node.engine_flags, "--load-format"]
+    node.engine_modules = {"python": "/opt/vllm/bin/python", "present": present}
+    node.save()
+    form = DeployForm({"port": 8000, "tp": 1, "pp": 1, "dp": 1, "gpus": ["0"], "gpu_memory_utilization": 0.9,
+                       "kv_cache_dtype": "auto", "stall_seconds": 600, "extra_flags": "--load-format fastsafetensors"},
+                      node=node)
+    form.is_valid()
+    assert form.errors.get("extra_flags", [None])[0] == error
+
+
+def test_the_agent_records_the_optional_packages_its_engines_python_has(node, host):
+    from deployments.node import reconcile
+
+    host.mocks["enginemodules.importable"].return_value = ("/opt/vllm/bin/python", {"tensorizer", "bitsandbytes"})
+    reconcile.node_engine_report(node.pk)
+    node.refresh_from_db()
+    assert node.engine_modules == {"python": "/opt/vllm/bin/python", "present": ["bitsandbytes", "tensorizer"]}

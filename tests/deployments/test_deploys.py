@@ -142,6 +142,8 @@ class FakeHost:
         patches = {
             "processes.port_free": mock.Mock(return_value=True),
             "serveargv.engine_flags": mock.Mock(return_value=FLAGS),
+            # The engine's Python and which optional packages (enginemodules.MODULES) it has: none unless a test says.
+            "enginemodules.importable": mock.Mock(return_value=("/opt/vllm/bin/python", set())),
             "processes.launch": mock.Mock(side_effect=self.launch),
             "processes.stop": mock.Mock(return_value=processes.StopResult(["SIGTERM"], 0.4, [], ["/dev/shm/psm_1"])),
             "processes.alive": mock.Mock(side_effect=lambda pid, ct=0.0: self.alive),
