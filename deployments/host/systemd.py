@@ -76,6 +76,14 @@ def checked(name: str) -> str:
     return name
 
 
+def other_unit(name: str) -> str:
+    """`name` if it is a service unit's name, else SystemdError: a unit the panel did not write (read from a GPU
+    holder's control group), which it may only ask about and, with the operator's consent, stop."""
+    if not _UNIT_NAME.match(name or "") or not name.endswith(".service") or name.startswith("-"):
+        raise SystemdError(f"{name!r} is not a service unit's name")
+    return name
+
+
 def env_file_path(name: str, unit_dir: Path = UNIT_DIR) -> Path:
     return unit_dir / f"{name}.env"
 

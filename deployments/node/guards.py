@@ -1,10 +1,10 @@
 """What holds a node's GPUs besides the panel's own engines (read on the node itself)."""
 from django.conf import settings
 
-from deployments.host import gpu, listeners, ownership
+from deployments.host import gpu, listeners, ownership, supervisors
 from deployments.models import Deployment, DeploymentRank, Node
 
-__all__ = ["foreign_holders", "node_foreign_record", "node_listeners_record", "panel_markers"]
+__all__ = ["foreign_holders", "node_foreign_record", "node_listeners_record", "panel_markers", "stop_supervised"]
 
 
 def panel_markers(node_id: int, spare=()) -> tuple[dict, set, dict]:
@@ -67,8 +67,26 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> li
             continue  # gone meanwhile
         stray = ownership.owner(pid, others) if others else None
         found.append({**info, **holders[pid], "display": ownership.is_display_server(info),
-                      "deployment": known.get(stray) if stray else None})
+                      "deployment": known.get(stray) if stray else None,
+                      "supervisor": supervisors.as_dict(supervisors.of(pid))})
     return found
+
+
+def stop_supervised(blocking: list[dict]) -> tuple[list[str], list[dict]]:
+    """Stop the holders that run under a systemd unit or a container through that manager (a SIGTERM by PID would
+    see them back a second later): (what was done, for the timeline; the holders left to stop by PID)."""
+    by_supervisor: dict[supervisors.Supervisor, list[dict]] = {}
+    bare = []
+    for p in blocking:
+        if p.get("supervisor"):
+            by_supervisor.setdefault(supervisors.Supervisor(**p["supervisor"]), []).append(p)
+        else:
+            bare.append(p)
+    done = []
+    for sup, held in by_supervisor.items():
+        how = supervisors.stop(sup, [p["pid"] for p in held])  # SupervisorError, SystemdError: the plan fails
+        done.append(f"{', '.join(supervisors.holder_text(p) for p in held)}: {how}")
+    return done, bare
 
 
 def node_foreign_record(node_id: int, previous: list[dict]) -> list[dict]:

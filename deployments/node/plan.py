@@ -13,9 +13,9 @@ from django.utils import timezone
 
 from deployments import claims, engineapikey, loads, payloads, warmstart
 from deployments.gateway import media
-from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, systemd, vllm
+from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, supervisors, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
-from deployments.node import cluster, lifecycle, precheck, ranks, raycluster, sleep
+from deployments.node import cluster, guards, lifecycle, precheck, ranks, raycluster, sleep
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, mark_stopped,
                                     model_ready, move, step, stop_requested, unit_install, unit_text)
@@ -158,25 +158,27 @@ def _stop_holders(d: Deployment) -> str:
 def _stop_foreign(d: Deployment) -> list[str]:
     """Processes on the chosen GPUs (the whole host without GPUs) that the panel did not start:
     the plan fails naming them, unless the deploy asked to stop them; display servers never.
-    Exactly the holders and their own children are signalled, never the rest of their session."""
+    Exactly the holders and their own children are signalled, never the rest of their session; a holder under a
+    systemd unit or in a container is stopped through that manager instead, which would bring it back."""
     blocking = precheck.blocking_foreign(d)  # again: one may have started since the checks
     if blocking and not d.stop_foreign:
         raise PlanFailed(precheck.foreign_refusal(blocking))
     if not blocking:
         return []
     try:
-        result = ownership.stop_holders([p["pid"] for p in blocking], STOP_TERM_S, STOP_KILL_S)
-    except ownership.RefusedToSignal as exc:
+        done, bare = guards.stop_supervised(blocking)
+        result = ownership.stop_holders([p["pid"] for p in bare], STOP_TERM_S, STOP_KILL_S)
+    except (ownership.RefusedToSignal, supervisors.SupervisorError, systemd.SystemdError) as exc:
         raise PlanFailed(f"Cannot stop the processes holding the GPUs: {exc}") from exc
     if result.survivors:
         raise PlanFailed("Processes holding the GPUs survived SIGKILL: " + ", ".join(
             f"PID {pid}" for pid in result.survivors) + " (stuck in the driver?).")
     if not result.signalled:
-        return []
+        return done
     named = ", ".join(f"PID {p['pid']} of {p['user']} ({p['command'][:120]}"
                       + ("" if p["holder"] == p["pid"] else f"; a child of PID {p['holder']}") + ")"
                       for p in result.signalled)
-    return [f"{named}: {' then '.join(result.signals) or 'already gone'}"]
+    return done + [f"{named}: {' then '.join(result.signals) or 'already gone'}"]
 
 
 def _wait_memory(d: Deployment) -> str:

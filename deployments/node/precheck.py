@@ -7,7 +7,7 @@ foreign holders are looked at again right before they would be stopped."""
 from django.conf import settings
 
 from deployments import claims
-from deployments.host import enginemodules, listeners, ownership, processes, serveargv
+from deployments.host import enginemodules, listeners, ownership, processes, serveargv, supervisors
 from deployments.models import Deployment
 from deployments.node import sleep
 from deployments.node.guards import foreign_holders
@@ -67,6 +67,5 @@ def blocking_foreign(d: Deployment) -> list[dict]:
 
 
 def foreign_refusal(blocking: list[dict]) -> str:
-    return "Other processes hold the chosen GPUs: " + "; ".join(
-        f"PID {p['pid']} ({p['user']}: {p['command'][:80]}{', ' + str(p['memory'] >> 20) + ' MiB' if p['memory'] else ''})"
-        for p in blocking) + ". Stop them, or deploy with \"stop other processes on these GPUs\"."
+    return "Other processes hold the chosen GPUs: " + "; ".join(map(supervisors.holder_text, blocking)) + (
+        ". Stop them, or deploy with \"stop other processes on these GPUs\".")

@@ -10,6 +10,7 @@ from django.db import transaction
 from django.utils.text import slugify
 
 from deployments import callit, deploydefaults, flagpolicy, flagvalues, payloads, privileged, secrets, warmstart
+from deployments.host import supervisors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
 from deployments.claims import deployment_holders, lock_node
@@ -111,8 +112,7 @@ class ForeignProcesses(ServiceError):
     on_gpus: bool = True  # False: a node without GPUs, whose whole host is one engine's claim
 
     def __post_init__(self):
-        names = "; ".join(f"PID {p['pid']} ({p['user']}: {p['command'][:60]}"
-                          f"{', ' + str(p['memory'] >> 20) + ' MiB' if p.get('memory') else ''})" for p in self.processes)
+        names = "; ".join(supervisors.holder_text(p, 60) for p in self.processes)
         held = ("Other processes hold the chosen GPUs" if self.on_gpus else
                 "Other vLLM engines run on this node, which has no GPUs and runs one engine at a time")
         super().__init__(f"{held}: {names}. Stop them, or tick \"stop other processes on these GPUs\" "

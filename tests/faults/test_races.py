@@ -18,6 +18,7 @@ from deployments.node import watch
 from deployments.services import deploys, repos
 from plumbing.errors import ServiceError
 from tests.conftest import wait_until
+from tests.helpers import api_client
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, NodeFactory, UserFactory
 from tests.faults.conftest import RACES, sha256
 from tests.truestate import (COUNTS, Agent, add_fake_model, agent_env, assert_true_state, deploy, random_moment,
@@ -26,6 +27,12 @@ from tests.truestate import (COUNTS, Agent, add_fake_model, agent_env, assert_tr
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 S = Deployment.Status
 SCOPED_AGENT = Path(__file__).parent / "scoped_agent.py"
+SYSTEMD_DOUBLE = Path(__file__).parent / "systemd"
+
+
+def _cpu_deploy(model, node) -> dict:
+    """A deploy request on the node without GPUs, on a port of this test process's own."""
+    return {"model": model.pk, "node": node.name, "gpus": [], "port": 18000 + os.getpid() % 1000}
 
 
 @pytest.fixture
@@ -79,11 +86,7 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox_a
     try:
         wait_until(lambda: [p["pid"] for p in type(node).objects.get(pk=node.pk).foreign_processes] == [foreign.pid],
                    timeout=30, message="the agent to see the foreign engine, and only it")
-        from rest_framework.test import APIClient
-
-        api = APIClient()
-        api.force_authenticate(operator)
-        body = {"model": model.pk, "node": node.name, "gpus": [], "port": 18000 + os.getpid() % 1000}
+        api, body = api_client(operator), _cpu_deploy(model, node)
         refused = api.post("/api/deployments/", body, format="json")
         assert refused.status_code == 409, refused.json()
         assert f"PID {foreign.pid}" in refused.json()["error"]["message"]
@@ -107,6 +110,55 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox_a
         if foreign.poll() is None:
             foreign.kill()
         foreign.wait()
+        stop_leftover_engines(tmp_path)
+
+
+@pytest.mark.timeout(150)
+def test_a_foreign_engine_under_a_systemd_unit_that_restarts_it_is_named_with_its_unit_and_stopped_through_it(
+        process_env, spawn, unique, tmp_path, fake_model, operator):
+    """Someone's MiniMax started by hand as a unit with Restart=always: a SIGTERM by PID sees it back a moment later.
+    The refusal names the unit; with consent the plan stops it with `systemctl stop`, and it stays down. systemd is
+    the double (tests/faults/systemd), which runs the unit's process in /system.slice/NAME as systemd does."""
+    scope, unit = f"unit-{unique}", f"minimax-{unique}.service"
+    units = {"PATH": f"{SYSTEMD_DOUBLE}:{os.environ['PATH']}", "SYSTEMD_UNIT_PATH": str(tmp_path / "units"),
+             "SYSTEMCTL_DOUBLE_STATE": str(tmp_path / "systemd-state")}
+    (tmp_path / "units").mkdir()
+    (tmp_path / "units" / unit).write_text(
+        "[Service]\nExecStart=/bin/bash -c 'exec -a \"vllm serve minimax\" sleep 600'\n"
+        f"Environment=FAULT_SCOPE={scope}\nRestart=always\nRestartSec=0.3\n")
+    systemctl = ["python3", str(SYSTEMD_DOUBLE / "systemctl")]
+    env = {**os.environ, **units}
+    subprocess.run([*systemctl, "start", unit], env=env, check=True, timeout=30)
+    agent = Agent(spawn, agent_env(process_env, tmp_path, CPU_HOST_EXCLUSIVE=1, FAULT_SCOPE=scope, **units),
+                  f"unit-{unique}", tmp_path / "store", script=SCOPED_AGENT)
+    node = agent.start()
+    model = add_fake_model(node, fake_model)
+
+    def show(prop):
+        return subprocess.run([*systemctl, "show", "-p", prop, "--value", unit], env=env, capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+
+    try:
+        seen = wait_until(lambda: (f := type(node).objects.get(pk=node.pk).foreign_processes) and f, timeout=30,
+                          message="the agent to see the unit's engine")
+        assert [(p["pid"], p["supervisor"]) for p in seen] == [
+            (int(show("MainPID")), {"kind": "systemd", "name": unit, "restart": "always"})]
+        api, body = api_client(operator), _cpu_deploy(model, node)
+        refused = api.post("/api/deployments/", body, format="json")
+        assert refused.status_code == 409, refused.json()
+        assert f"systemd unit {unit}, restart always" in refused.json()["error"]["message"]
+        accepted = api.post("/api/deployments/", {**body, "stop_foreign": True}, format="json")
+        assert accepted.status_code == 202, accepted.json()
+        d = Deployment.objects.get(pk=accepted.json()["id"])
+        assert settle(d, timeout=60).status == "ready", Deployment.objects.get(pk=d.pk).status_message
+        assert d.events.filter(step="stop_others", message__contains=f"systemctl stop {unit}").exists(), \
+            list(d.events.values_list("step", "message"))
+        time.sleep(1.0)  # three RestartSec: a restart, had the unit been signalled by PID, would be here
+        assert (show("ActiveState"), show("MainPID")) == ("inactive", "0"), "the unit brought its engine back"
+        COUNTS["foreign_stops"] += 1
+        stop_and_check(d, fake_model)
+    finally:
+        subprocess.run([*systemctl, "stop", unit], env=env, timeout=60)
         stop_leftover_engines(tmp_path)
 
 
