@@ -85,3 +85,20 @@ def test_a_level_whose_requests_time_out_stores_and_shows_them_as_timeouts(api, 
     page = viewer_client.get(reverse("run-detail", args=[run.pk]))
     assert [p["timeouts"] for p in page.context["initial"]["points"]] == [4]
     assert "timed out" in page.content.decode()
+
+
+def test_panelctl_bench_says_how_many_requests_of_a_level_failed_and_timed_out(capsys):
+    point = {"concurrency": 8, "output_throughput": 10.0, "ttft_ms": {"median": 5.0}, "tpot_ms": {}, "tok_s_per_user": 0.0,
+             "num_requests": 32, "failed_requests": 5, "timeouts": 4, "errors": ["HTTP 500: boom"]}
+    run = {"id": 3, "params": {"levels": [8]}, "status": "done", "warnings": [], "single_stream_tok_s": None, "error": ""}
+
+    class Panel:
+        def post(self, path, body, key=None):
+            return {**run, "status": "queued"}
+
+        def get(self, path):
+            return [point] if path.endswith("points/") else run
+
+    args = cli.parser().parse_args(["bench", "http://e:8000", "--model", "m", "--concurrency", "8", "--wait"])
+    assert runs.cmd_bench(Panel(), args) == 0
+    assert "5 of 32 failed (4 timed out): HTTP 500: boom" in capsys.readouterr().err
