@@ -91,6 +91,9 @@ class RunForm(forms.Form):
     requests_per_user = forms.IntegerField(
         min_value=1, max_value=1000, initial=default("requests_per_user"),
         help_text=f"Requests per level = max({default('min_requests')}, this × concurrency).")
+    request_timeout_s = forms.FloatField(required=False, label="Request timeout (s)", help_text=(
+        "How long each request may take. Empty: its own, from its max_tokens (a slow stream at high concurrency "
+        "still finishes)."))
     stop_when_saturated = forms.BooleanField(
         required=False, initial=default("stop_when_saturated"), label="Stop once the engine saturates",
         help_text="Skip the higher levels once throughput stays flat while latency or the engine's queue climbs.")
@@ -108,6 +111,11 @@ class RunForm(forms.Form):
 
     def clean_rates(self):
         return parse_rates(self.cleaned_data["rates"])
+
+    def clean_request_timeout_s(self):
+        if problem := runner.timeout_problem(self.cleaned_data["request_timeout_s"]):
+            raise forms.ValidationError(problem)
+        return self.cleaned_data["request_timeout_s"]
 
     def clean_slos(self):
         try:
@@ -160,7 +168,7 @@ class RunForm(forms.Form):
     def params(self) -> dict:
         data = self.cleaned_data
         keys = ("levels", "endpoint", "prompt_source", "input_tokens", "max_tokens", "ignore_eos", "temperature",
-                "requests_per_user", "prompts", "stop_when_saturated")
+                "requests_per_user", "prompts", "stop_when_saturated", "request_timeout_s")
         params = {k: data[k] for k in keys if k in data}
         params.update({k: data[k] for k in ("slos", "capacity") if data.get(k)})
         if data.get("rates") or data.get("capacity"):

@@ -101,7 +101,11 @@ class BenchmarkPoint(models.Model):
     peak_tok_s = models.FloatField(default=0.0)
     reasoning_split = models.CharField(max_length=16, blank=True, help_text="How reasoning tokens were counted.")
     tokens_per_chunk = models.CharField(max_length=16, blank=True, help_text="usage (exact) or estimated.")
-    errors = models.JSONField(default=list, blank=True)
+    errors = models.JSONField(default=list, blank=True, help_text=(
+        "The distinct errors of failed requests, timeouts apart."))
+    timeouts = models.PositiveIntegerField(default=0, help_text=(
+        "Measured requests that ran past their timeout (among failed_requests; the run's request_timeout_s, else "
+        "each request's own from its max_tokens)."))
     # Latency distributions in milliseconds: {"mean", "median", "std", "p90", "p95", "p99"}.
     ttft_ms = models.JSONField(default=dict)
     ttfc_ms = models.JSONField(default=dict, help_text="Time to first content token (not reasoning).")

@@ -57,6 +57,8 @@ class RunPoint:
     output_tokens: int
     num_requests: int
     failed_requests: int
+    timeouts: int  # of failed_requests, those that ran past their timeout
+    errors: list  # the other failures' distinct messages
     warmup_requests: int  # sent before the measured ones, in none of the figures
     server_metrics: dict
     prompt_tokens_requested: int | None  # random prompts: the length asked for, in the model's tokens

@@ -23,7 +23,8 @@ from plumbing.queue import enqueue
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
 SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
-               "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated", "workload")
+               "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated", "workload",
+               "request_timeout_s")
 # Open-loop levels: kept in a run's params only when it asks for rates.
 RATE_PARAMS = ("rates", "arrival", "burstiness", "max_concurrency", "ramp", "ramp_from", "rate_duration_s", "seed")
 # SLOs (runner/slo.py) and a capacity search (runner/capacity.py): kept in params when asked for.
@@ -100,6 +101,8 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
     params = {**DEFAULTS, **params}
     params["levels"] = sorted({int(c) for c in params["levels"]})
     params = _slo_params(params)
+    if problem := runner.timeout_problem(params["request_timeout_s"]):
+        raise ServiceError(problem, field="request_timeout_s")
     if params.get("rates") or params.get("capacity"):
         params = {**{k: runner.spec_default(k) for k in RATE_PARAMS}, **params}
         params["rates"] = sorted({float(r) for r in params["rates"]})

@@ -26,6 +26,7 @@ def cmd_bench(panel, args):
     if levels:
         body["levels"] = levels
     body.update({"workload": args.workload} if args.workload else {})
+    body.update({"request_timeout_s": args.request_timeout} if args.request_timeout is not None else {})
     body.update(rate_fields)
     body.update(slo.slo_body(args))
     run = panel.post("runs/", body, key=args.idempotency_key)
@@ -47,6 +48,10 @@ def cmd_bench(panel, args):
                 say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
                     f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
                     f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
+                if p.get("failed_requests"):
+                    timeouts = f" ({p['timeouts']} timed out)" if p.get("timeouts") else ""
+                    say(f"    {p['failed_requests']} of {p['num_requests']} failed{timeouts}"
+                        + (f": {'; '.join(p['errors'])}" if p.get("errors") else ""))
                 if line := energy_line(p):
                     say(line)
         if run["status"] in ("done", "failed", "cancelled"):
@@ -119,6 +124,8 @@ def add(sub) -> None:
     s.add_argument("--prompts-file", default="", help='JSONL of {"prompt": ...} or {"messages": [...]} per line')
     s.add_argument("--requests-per-user", type=int, default=4)
     s.add_argument("--no-ignore-eos", action="store_true")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long each request may take (default: its own, from its max tokens)")
     s.add_argument("--past-saturation", action="store_true",
                    help="measure every level (by default the sweep stops once the engine saturates)")
     s.add_argument("--wait", action="store_true")

@@ -92,9 +92,17 @@ class RunRequestSerializer(serializers.Serializer):
     capacity = CapacitySerializer(required=False, help_text=(
         "Search for the highest request rate that meets the SLOs (rate levels chosen by bisection); the run's "
         "capacity then says \"serves X req/s at p99 TTFT <= 2 s\"."))
+    request_timeout_s = serializers.FloatField(allow_null=True, default=default("request_timeout_s"), help_text=(
+        "Seconds each request may take, at most a day; null: each request's own, from its max_tokens at a floor of "
+        "0.5 tok/s plus time for its first token (at least 600 s), so long answers at high concurrency finish."))
     stop_when_saturated = serializers.BooleanField(default=default("stop_when_saturated"), help_text=(
         "End the sweep once a level shows the engine saturated (throughput flat while latency or the waiting "
         "queue climbs); false measures every level."))
+
+    def validate_request_timeout_s(self, value):
+        if problem := runner.timeout_problem(value):
+            raise serializers.ValidationError(problem)
+        return value
 
     def validate(self, data):
         if bool(data.get("deployment")) == bool(data.get("base_url")):

@@ -2,6 +2,7 @@
 import asyncio
 import time
 
+from .prompts import Request
 from .spec import RequestRecord
 from .stream import Connection, Counters, open_connection, tls_context
 
@@ -48,10 +49,11 @@ async def until(at: float) -> None:
         await asyncio.sleep(0)
 
 
-async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: float, cancelled,
-                    report=None, tick_s: float = 0.5, busy_poll: bool = False, due: list | None = None,
-                    start_at: float = 0.0, turns: int = 0, think=None) -> tuple[list[RequestRecord], bool]:
-    """Send `requests` [(index, warmup, bytes)] at most `concurrency` at a time; measured records back.
+async def run_share(pool: Pool, requests: list, concurrency: int, cancelled, report=None, tick_s: float = 0.5,
+                    busy_poll: bool = False, due: list | None = None, start_at: float = 0.0, turns: int = 0,
+                    think=None) -> tuple[list[RequestRecord], bool]:
+    """Send `requests` (prompts.Request: each with its own timeout) at most `concurrency` at a time; measured
+    records back.
 
     With `due` (a rate level) request i is sent no earlier than start_at + due[i], then as soon as a
     slot is free; each record keeps its due time and how long it waited for a slot.
@@ -81,7 +83,8 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         in_flight.discard(conn)
         if retry and not state["cancelled"]:
             record.start = 0.0  # the stale connection cost the server nothing: start over
-            task = loop.create_task(connect_and_send(record, retry))
+            again = Request(record.index, record.warmup, retry, record.timeout_s)
+            task = loop.create_task(connect_and_send(record, again))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             return
@@ -107,7 +110,8 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
 
     def send(conn, record, request):
         in_flight.add(conn)
-        conn.send(record, request, on_done, timeout_s)
+        record.timeout_s = request.timeout_s
+        conn.send(record, request.data, on_done, request.timeout_s)
 
     async def connect_and_send(record, request):
         record.start = record.start or time.perf_counter()  # connection setup counts, as in vllm bench serve
@@ -170,7 +174,8 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         """One conversation's turns in order, each after the answer before it and its think time; the first
         keeps its due time (a rate level's). False once cancelled."""
         record = None
-        for index, warmup, request in conversation:
+        for request in conversation:
+            index, warmup = request.index, request.warmup
             wait = think(index) if record is not None and think is not None else 0.0
             if wait > 0:  # the think time counts from the answer's end
                 at = record.done + wait
@@ -201,10 +206,10 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
         """A multi-turn rate level: each conversation starts at its own due time, in due order."""
         started = []
         for conversation in conversations:
-            await until(start_at + due[conversation[0][0] // turns])
+            await until(start_at + due[conversation[0].index // turns])
             if stop_now():
                 break
-            started.append(loop.create_task(converse(conversation, start_at + due[conversation[0][0] // turns])))
+            started.append(loop.create_task(converse(conversation, start_at + due[conversation[0].index // turns])))
         await asyncio.gather(*started)
 
     try:
@@ -215,7 +220,8 @@ async def run_share(pool: Pool, requests: list, concurrency: int, timeout_s: flo
             shared = _conversations(requests, turns)
             await asyncio.gather(*(user(shared) for _ in range(max(1, concurrency))))
             requests = ()
-        for index, warmup, request in requests:
+        for request in requests:
+            index, warmup = request.index, request.warmup
             if due is None:
                 await semaphore.acquire()
                 record = RequestRecord(index=index, warmup=warmup)
@@ -252,10 +258,10 @@ def _conversations(requests, turns: int):
     """Consecutive requests grouped by conversation (index // turns), one list per conversation."""
     conversation, current = None, []
     for item in requests:
-        if item[0] // turns != conversation and current:
+        if item.index // turns != conversation and current:
             yield current
             current = []
-        conversation = item[0] // turns
+        conversation = item.index // turns
         current.append(item)
     if current:
         yield current

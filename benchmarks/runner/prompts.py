@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import random
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import benchmarks.runner.workloads as workloads  # the module, not the package
-from .spec import CHAT, COMPLETIONS, LoadSpec, PromptError, RunnerError
+from .spec import CHAT, COMPLETIONS, LoadSpec, PromptError, RunnerError, request_timeout
 from .tokens import WORDS, PromptLengths
 
 MAX_JSONL_LINES = 100_000
@@ -118,20 +119,30 @@ def _entry_at(spec: LoadSpec, base: list[dict] | None, index: int, lengths, leve
     return {"prompt": random_prompt(random.Random(f"{spec.seed}/{level}/{index}"), spec.input_tokens, lengths)}
 
 
+class Request(NamedTuple):
+    """One request of a level as a worker sends it."""
+
+    index: int
+    warmup: bool
+    data: bytes  # the whole HTTP request
+    timeout_s: float  # how long it may take (spec.request_timeout: the spec's, or its own max_tokens')
+
+
 def share_requests(spec: LoadSpec, target: Target, lengths: PromptLengths | None, level: int, total: int,
                    warmup: int, slots: list[int], key=None):
-    """(index, warmup, request bytes) of the requests a worker owns, made as they are needed: request i
-    belongs to the owner of slot i % level. Bytes of a cycled (built-in or uploaded) entry are made once.
-    Random prompts are seeded by `key` (default: the level), so each level's prompts are its own."""
+    """The Requests a worker owns, made as they are needed: request i belongs to the owner of slot i % level.
+    Bytes of a cycled (built-in or uploaded) entry are made once. Random prompts are seeded by `key` (default:
+    the level), so each level's prompts are its own."""
     base, cache, key = _base(spec), {}, level if key is None else key
     for index in _owned(spec, total, level, slots):
         entry = None if base is None else index % len(base)
-        data = cache.get(entry)
-        if data is None:
-            data = target.request_bytes(request_body(spec, _entry_at(spec, base, index, lengths, key)))
+        made = cache.get(entry)
+        if made is None:
+            body = request_body(spec, _entry_at(spec, base, index, lengths, key))
+            made = target.request_bytes(body), request_timeout(spec, body.get("max_tokens") or spec.max_tokens)
             if entry is not None:
-                cache[entry] = data
-        yield index, index < warmup, data
+                cache[entry] = made
+        yield Request(index, index < warmup, *made)
 
 
 def _owned(spec: LoadSpec, total: int, level: int, slots: list[int]):

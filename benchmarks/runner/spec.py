@@ -1,5 +1,6 @@
 """What a benchmark asks for and what it measures: plain dataclasses, no Django."""
 import copy
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -8,6 +9,16 @@ from deployments.host.errors import HostError
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+# A request's own timeout, unless the spec sets one: time for its first token plus its max_tokens at a floor rate per
+# stream. A fixed timeout fails long answers at high concurrency: at c=1,024 a host's 2,276 tok/s is ~2.2 tok/s per
+# stream, so a fixed 600 s failed every answer above ~1,300 tokens, and reasoning answers are longer. 0.5 tok/s
+# leaves four times that margin (a stream slower still is stuck, not busy); the first token's allowance covers the
+# queue and the prefill of long prompts at such a level; the minimum is the fixed timeout of before, so no request
+# gets less time than it had; the maximum bounds what a stuck request can hold (and what may be asked for).
+TIMEOUT_FLOOR_TOK_S = 0.5
+TIMEOUT_FIRST_TOKEN_S = 300.0
+MIN_REQUEST_TIMEOUT_S = 600.0
+MAX_REQUEST_TIMEOUT_S = 86_400.0  # a day
 
 
 class RunnerError(HostError):
@@ -40,7 +51,7 @@ class LoadSpec:
     api_key: str = ""
     extra_body: dict = field(default_factory=dict)  # merged into every request body
     continuous_usage_stats: bool = False  # ask vLLM for usage in every chunk (exact tokens per chunk)
-    request_timeout_s: float = 600.0
+    request_timeout_s: float | None = None  # seconds each request may take; None = its own (request_timeout)
     workers: int = 0  # measuring processes; 0 = auto (1 per 256 streams, at most cores - 1)
     busy_poll: bool | None = None  # spin instead of sleeping between reads; None = auto (>= 256 streams)
     tick_s: float = 0.5  # how often on_tick is called
@@ -73,6 +84,28 @@ class LoadSpec:
         return max(0, self.warmup_per_user * concurrency)
 
 
+def request_timeout(spec: LoadSpec, max_tokens: int) -> float:
+    """Seconds a request asking for `max_tokens` may take: the spec's request_timeout_s when set, else its own size
+    at the floor rate plus the first token's allowance, within [MIN_REQUEST_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S]."""
+    if spec.request_timeout_s is not None:
+        return float(spec.request_timeout_s)
+    own = TIMEOUT_FIRST_TOKEN_S + max_tokens / TIMEOUT_FLOOR_TOK_S
+    return min(MAX_REQUEST_TIMEOUT_S, max(MIN_REQUEST_TIMEOUT_S, own))
+
+
+def timeout_problem(value) -> str:
+    """Why `value` cannot be a request timeout ("" if it can; None asks for each request's own)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "request_timeout_s is a number of seconds (or empty: each request's own, from its max_tokens)."
+    if not value > 0:  # NaN included
+        return f"request_timeout_s is seconds above 0 (got {value:g})."
+    if value > MAX_REQUEST_TIMEOUT_S or math.isinf(value):
+        return f"request_timeout_s is at most {MAX_REQUEST_TIMEOUT_S:,.0f} s (a day), not {value:,.0f}."
+    return ""
+
+
 def spec_default(name: str):
     """A LoadSpec field's default: the one source the form, the API and the run service read."""
     f = next(f for f in fields(LoadSpec) if f.name == name)
@@ -99,6 +132,8 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     first_choice: float | None = None  # the first chunk without a token that carried a choice (vLLM's role-only chunk)
+    timeout_s: float = 0.0  # how long it was given (spec.request_timeout)
+    timed_out: bool = False  # ran past it
 
     @property
     def ttft(self) -> float:
@@ -169,7 +204,8 @@ class LevelResult:
     tok_s_per_user: float = 0.0  # decode tokens (all but each request's first) ÷ decode time, requests pooled
     peak_tok_s: float = 0.0  # best tick window
     server_metrics: dict = field(default_factory=dict)
-    errors: list = field(default_factory=list)  # distinct error messages, at most 10
+    errors: list = field(default_factory=list)  # distinct error messages, at most 10; timeouts apart:
+    timeouts: int = 0  # measured requests that ran past their timeout (among failed_requests)
     workers: int = 1
     cancelled: bool = False
     # Prompt length: what was asked (random prompts; None for built-in or uploaded ones), the mean the

@@ -99,7 +99,8 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
                          cancelled=cancelled, records=records)
     errors = []
     for r in records:
-        if r.error and r.error not in errors and len(errors) < MAX_ERRORS:
+        result.timeouts += r.timed_out
+        if r.error and not r.timed_out and r.error not in errors and len(errors) < MAX_ERRORS:
             errors.append(r.error)
     result.errors = errors
     if records:

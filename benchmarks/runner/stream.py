@@ -117,9 +117,14 @@ class Connection(asyncio.Protocol):
         self.uses += 1
         self._state, self._buf, self._sse, self._left = HEAD, b"", b"", 0
         self._status, self._keep_alive, self._error_body, self._cum_tokens = 0, True, [], 0
-        self._timer = asyncio.get_running_loop().call_later(timeout_s, self.fail, f"timed out after {timeout_s:g} s")
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._time_out, timeout_s)
         record.start = record.start or perf_counter()
         self.transport.write(request)
+
+    def _time_out(self, timeout_s: float):
+        if self.record is not None:
+            self.record.timed_out = True
+        self.fail(f"timed out after {timeout_s:g} s")
 
     def fail(self, message: str):
         """End the request in flight as failed and drop the connection."""

@@ -28,7 +28,7 @@ from .prompts import Target
 from .saturation import saturated
 from .metricsampler import Sampler
 from .slo import evaluate as slo_evaluate
-from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick
+from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick, timeout_problem
 from .stats import request_samples, schedule_figures, summarize
 from .tokens import WORDS_ONLY, PromptLengths, prompt_lengths
 from .workers import BARRIER_TIMEOUT_S, POLL_S, Workers, _Command
@@ -37,6 +37,8 @@ STREAMS_PER_WORKER = 256  # auto mode: one more process per this many streams
 CANCEL_CHECK_S = 0.2  # the caller's cancel check may be a database query: not more often
 START_MARGIN_S = 0.05  # a rate level's time zero, after the barrier: every worker is on its loop by then
 UNCAPPED = 1 << 30  # a rate level without max_concurrency: no slot is ever waited for
+TIMED_OUT = ("they timed out (a run may set a longer request timeout: the form's, the API's request_timeout_s, "
+             "panelctl bench --request-timeout)")
 
 
 def auto_workers(concurrency: int) -> int:
@@ -316,6 +318,8 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
     rates = [float(r) for r in spec.rates if float(r) > 0]
     if not levels and not rates and not spec.capacity:
         raise RunnerError("no concurrency levels or rates to run", permanent=True)
+    if problem := timeout_problem(spec.request_timeout_s):
+        raise RunnerError(problem, permanent=True)
     if spec.capacity:
         capacity_search.check(spec.capacity)
         if not spec.slos:
@@ -332,7 +336,7 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
     def failed(level: LevelResult, refused_only: bool = False) -> None:
         """Raise when every request of the level failed (only when the server refused them, 4xx, if refused_only:
         a capacity search's overloaded rate may fail whole and is then a miss)."""
-        first = level.errors[0] if level.errors else "unknown error"
+        first = level.errors[0] if level.errors else TIMED_OUT if level.timeouts else "unknown error"
         if level.num_requests and not level.completed and (first.startswith("HTTP 4") or not refused_only):
             raise RunnerError(f"every request at {level.label} failed: {first}", permanent=first.startswith("HTTP 4"))
 

@@ -50,7 +50,7 @@ def _prefetched(requests, budget: int) -> list:
     out, size = [], 0
     for request in requests:
         out.append(request)
-        size += len(request[2])
+        size += len(request.data)
         if size >= budget:
             break
     return out
@@ -101,7 +101,7 @@ def _worker_main(wid, spec, commands, results, barrier, cancel_event, own_proces
                 barrier.wait(BARRIER_TIMEOUT_S)
                 busy = spec.busy_poll if spec.busy_poll is not None else command.concurrency >= BUSY_POLL_STREAMS
                 records, cancelled = loop.run_until_complete(run_share(
-                    pool, itertools.chain(ahead, requests), command.concurrency, spec.request_timeout_s,
+                    pool, itertools.chain(ahead, requests), command.concurrency,
                     lambda: bool(failed) or cancel_event.is_set(), report, command.tick_s, busy,
                     due=command.due, start_at=start.value if command.due is not None else 0.0,
                     turns=command.turns, think=functools.partial(workloads.think_time, spec.workload)))

@@ -72,7 +72,8 @@
         `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td>` +
         `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td>` +
         `<td class="num" data-f="rate">${rate ? fmt(p.achieved_rate, 2) + " / " + fmt((p.lag_ms || {}).p99, 2) : "—"}</td>` +
-        `<td class="num" data-f="requests">${p.num_requests} / ${p.warmup_requests ?? 0}</td>` +
+        `<td class="num" data-f="requests">${p.num_requests} / ${p.warmup_requests ?? 0}` +
+        (p.failed_requests ? ` <span class="errorlist" data-f="failed">${p.failed_requests} failed${p.timeouts ? ` (${p.timeouts} timed out)` : ""}</span>` : "") + "</td>" +
         (slos.length ? `<td class="num" data-f="goodput">${p.slo && p.slo.each ? fmt(p.goodput, 2) + " / " + fmt(p.slo.attainment_pct, 1) + " %" + (p.slo.met ? " ✓" : " ✗") : "—"}</td>` : "") + "</tr>";
     }).join("");
     const bursty = ps.filter((p) => bursts(p));

@@ -104,7 +104,7 @@ def test_a_runs_status_point_and_tick_go_to_the_run_page(sent):
                          "energy_j", "watts_per_gpu", "joules_per_token",
                          "kind", "rate", "achieved_rate", "lag_ms", "slot_wait_ms",  # a rate level's schedule
                          "goodput", "slo", "repeat",  # against the run's SLOs; a capacity search's repeat
-                         "warmup_requests"}
+                         "warmup_requests", "timeouts", "errors"}
     assert data["kind"] == "concurrency"
     assert tick == {"t": 1.5, "concurrency": 4, "tok_s": 99.0, "in_flight": 4, "completed": 2, "failed": 0, "server": {},
                     "rate": 0.0}
