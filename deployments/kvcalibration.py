@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from deployments import contextfit, flagpolicy, modelconfig
+from deployments import contextfit, flagpolicy, modelconfig, modelfit
 from deployments.contextfit import EngineKv, Layout
 from deployments.models import Deployment, FitCalibration, ModelRepo, Node
 
@@ -75,9 +75,9 @@ def memory_of(node: Node, env: dict, gpu_indices, engine_args: dict) -> dict | N
     engine's reserve, the utilization and an explicit KV size where one is set."""
     utilization = float(engine_args.get("gpu-memory-utilization") or 0.9)
     explicit = int_or_none(engine_args.get("kv-cache-memory-bytes"))
-    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
+    gpus = node.gpus.all()
     if gpus:
-        memories = [g.memory_total for g in gpus if not gpu_indices or g.index in gpu_indices]
+        memories = modelfit.usable_memory(gpus, node.foreign_processes, gpu_indices or None)  # less display servers'
         return {"gpu_memory_bytes": memories, "utilization": utilization, "kv_bytes_per_gpu": explicit,
                 "reserve_bytes": contextfit.GPU_RESERVE_BYTES}
     if not node.ram_total:

@@ -144,6 +144,21 @@ def fit_check(
     return result(True, message, budget, free, tokens)
 
 
+def usable_memory(gpus, foreign: list[dict] | None, chosen=None) -> list[int]:
+    """Each GPU's memory (of `gpus`, objects with .index and .memory_total; those in `chosen`, all when None), in
+    index order, less what display servers hold on it (`foreign`: Node.foreign_processes, as the agent last saw
+    them): a display server is never stopped, so its memory is never the engine's."""
+    held: dict[int, int] = {}
+    for p in foreign or []:
+        if not p.get("display"):
+            continue  # a stranger is stopped before the engine starts, or the deploy is refused
+        per_gpu = p.get("gpu_memory") or {str(i): (p.get("memory") or 0) // len(p["gpus"]) for i in p.get("gpus") or []}
+        for index, used in per_gpu.items():
+            held[int(index)] = held.get(int(index), 0) + (used or 0)
+    return [g.memory_total - held.get(g.index, 0) for g in sorted(gpus, key=lambda g: g.index)
+            if chosen is None or g.index in chosen]
+
+
 def _tp_split_problem(spec: ModelSpec, tp: int) -> str | None:
     """Why vLLM would refuse this tensor-parallel size for the model's heads, if it would."""
     if spec.num_attention_heads % tp:

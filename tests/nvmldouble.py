@@ -21,9 +21,15 @@ RESERVED = 512 * MIB  # what the driver and firmware set aside
 
 
 class FakeGpu:
-    """One GPU as the fake driver sees it; `fails` maps a pynvml function name to its error."""
+    """One GPU as the fake driver sees it; `fails` maps a pynvml function name to its error.
 
-    def __init__(self, uuid, procs=(), graphics=(), fails=None):
+    `graphics`: graphics processes (a display server: Xorg, gnome-shell), listed by
+    nvmlDeviceGetGraphicsRunningProcesses only. With `drain_s`, the GPU's used memory is `used` plus what its
+    processes hold, and a process that exits leaves the lists at once while its memory comes back over `drain_s`
+    seconds, evenly: a wait that only watches the lists ends before the memory is free. (A real H100, driver 580,
+    had the memory back by the time a SIGKILLed holder was reaped: the drain is the pessimistic case.)"""
+
+    def __init__(self, uuid, procs=(), graphics=(), fails=None, drain_s=None):
         self.uuid = uuid
         self.compute = list(procs)
         self.graphics = list(graphics)
@@ -32,10 +38,29 @@ class FakeGpu:
         self.used = 20 * GIB  # allocated memory, the driver's reserved memory not included
         self.limit_mw = 700_000
         self.energy_mj = 0  # the driver's energy counter
+        self.drain_s = drain_s
+        self.draining: list[tuple[float, int]] = []  # (when a process exited, the bytes it held)
 
     def check(self, function):
         if function in self.fails:
             raise self.fails[function]()
+
+    def exit(self, pid):
+        """Process `pid` ends: gone from both lists now, its memory back over `drain_s`."""
+        held = {p.pid: p.usedGpuMemory or 0 for p in [*self.compute, *self.graphics]}
+        self.compute = [p for p in self.compute if p.pid != pid]
+        self.graphics = [p for p in self.graphics if p.pid != pid]
+        if self.drain_s is not None and held.get(pid):
+            self.draining.append((time.monotonic(), held[pid]))
+
+    def allocated(self) -> int:
+        """The used memory NVML reports (the driver's reserve apart)."""
+        if self.drain_s is None:
+            return self.used
+        held = {p.pid: p.usedGpuMemory or 0 for p in [*self.compute, *self.graphics]}
+        now = time.monotonic()
+        left = sum(int(b * max(0.0, 1 - (now - t) / self.drain_s)) if self.drain_s else 0 for t, b in self.draining)
+        return self.used + sum(held.values()) + left
 
 
 def proc(pid, used):
@@ -90,11 +115,12 @@ class FakeNvml:
         index = self.gpus.index(h)
         if self.shared is not None:
             h.used = self.shared.used(index)
-        free = TOTAL - h.used - RESERVED
+        used = h.allocated()
+        free = TOTAL - used - RESERVED
         if version:  # v2 counts the reserved memory apart: total = reserved + used + free
-            info = SimpleNamespace(version=version, total=TOTAL, reserved=RESERVED, used=h.used, free=free)
+            info = SimpleNamespace(version=version, total=TOTAL, reserved=RESERVED, used=used, free=free)
         else:  # v1's used is the reserved and the allocated memory together: total = used + free
-            info = SimpleNamespace(total=TOTAL, used=RESERVED + h.used, free=free)
+            info = SimpleNamespace(total=TOTAL, used=RESERVED + used, free=free)
         if self.shared is not None:
             self.shared.record(index, info.used, 2 if version else 1)
         return info
@@ -143,7 +169,7 @@ class FakeNvml:
         for pid in list(h.exits_after):
             h.exits_after[pid] -= 1
             if h.exits_after[pid] < 0:
-                h.compute = [p for p in h.compute if p.pid != pid]
+                h.exit(pid)
                 del h.exits_after[pid]
         return list(h.compute)
 

@@ -60,6 +60,7 @@ class GpuProcess:
     pid: int
     used_memory: int | None
     name: str | None = None
+    graphics: bool = False  # listed as a graphics process only, as display servers are (Xorg, gnome-shell)
 
 
 @dataclass(frozen=True)
@@ -155,13 +156,14 @@ class Nvml:
         if compute is None and graphics is None:
             return None
         used: dict[int, int | None] = {}
+        drawing = {p.pid for p in graphics or []} - {p.pid for p in compute or []}
         for proc in [*(compute or []), *(graphics or [])]:
             mine = proc.usedGpuMemory
             # A "C+G" process is listed twice with the same memory: keep the larger figure.
             seen = used.get(proc.pid)
             used[proc.pid] = mine if seen is None else max(seen, mine or 0)
         return [
-            GpuProcess(pid=pid, used_memory=mem, name=_read(lambda: _process_name(pid)))
+            GpuProcess(pid=pid, used_memory=mem, name=_read(lambda: _process_name(pid)), graphics=pid in drawing)
             for pid, mem in used.items()
         ]
 
@@ -195,6 +197,12 @@ def processes_on(indices: Iterable[int]) -> dict[int, list[GpuProcess]]:
     """Processes holding a context on each GPU; a GPU that can't list them maps to []."""
     nvml = _nvml()
     return {i: nvml.processes(i) or [] for i in indices}
+
+
+def memory_used(indices: Iterable[int]) -> dict[int, int | None]:
+    """Used memory of each GPU (the driver's reserve apart where the driver says), None where NVML won't say."""
+    nvml = _nvml()
+    return {i: getattr(_read(lambda h=nvml.handles[i]: _memory_info(h)), "used", None) for i in indices}
 
 
 def energy_mj(indices: Iterable[int]) -> int | None:
@@ -252,38 +260,6 @@ class EnergyMeter:
         if first is None or last is None or last < first:
             return None
         return (last - first) / 1000.0
-
-
-def wait_memory_released(
-    indices: Iterable[int], pids: Iterable[int] | None, timeout_s: float, poll_s: float = 0.2, ignore: Iterable[int] = ()
-) -> None:
-    """Return once none of `pids` (any process, if None) holds memory on `indices`; `ignore`: processes whose
-    memory stays (engines asleep on these GPUs keep their CUDA context)."""
-    indices, wanted, spare = list(indices), None if pids is None else set(pids), set(ignore)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        holding = {pid: b for pid, b in _holding(processes_on(indices), wanted).items() if pid not in spare}
-        if not holding:
-            return
-        if time.monotonic() >= deadline:
-            raise MemoryNotReleased(holding, timeout_s=timeout_s)
-        time.sleep(poll_s)
-
-
-def _holding(by_gpu: dict[int, list[GpuProcess]], pids: set[int] | None) -> dict[int, int | None]:
-    """Bytes each wanted PID still holds over all GPUs; None when the driver won't say."""
-    held: dict[int, int | None] = {}
-    for procs in by_gpu.values():
-        for proc in procs:
-            if (pids is not None and proc.pid not in pids) or proc.used_memory == 0:
-                continue
-            if proc.pid not in held:
-                held[proc.pid] = proc.used_memory
-            elif held[proc.pid] is None or proc.used_memory is None:
-                held[proc.pid] = None
-            else:
-                held[proc.pid] += proc.used_memory
-    return held
 
 
 def _read(fn: Callable[[], T]) -> T | None:

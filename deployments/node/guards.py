@@ -36,9 +36,10 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> li
     """Processes on these GPUs (None: on any GPU; on a node without GPUs: vLLM engines anywhere on
     the host) that no active deployment of this node (nor one in `spare`) started, by descent: a
     process is the panel's when it or an ancestor carries a deployment's marker. Each: PID, user,
-    command, GPU memory, the GPUs it uses, whether it is a display server (never stopped), and the
+    command, GPU memory (in all and per GPU), the GPUs it uses, whether it is a display server (never stopped), and the
     deployment whose stopped engine it is ("deployment", None for a stranger's)."""
     holders: dict[int, dict] = {}
+    drawing: set[int] = set()  # listed as graphics processes only: display servers, whatever their name
     try:
         held = gpu.processes_on(gpu_indices) if gpu_indices else (
             {s.index: s.processes or [] for s in gpu.sample()} if gpu_indices is None else None)
@@ -47,13 +48,16 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> li
     if held is None or (gpu_indices is None and not held):
         if not settings.CPU_HOST_EXCLUSIVE:
             return []
-        holders = {pid: {"memory": 0, "gpus": []} for pid in ownership.engine_processes()}
+        holders = {pid: {"memory": 0, "gpus": [], "gpu_memory": {}} for pid in ownership.engine_processes()}
     else:
         for index, procs in held.items():
             for p in procs:
-                entry = holders.setdefault(p.pid, {"memory": 0, "gpus": []})
+                entry = holders.setdefault(p.pid, {"memory": 0, "gpus": [], "gpu_memory": {}})
                 entry["memory"] += p.used_memory or 0
                 entry["gpus"].append(index)
+                entry["gpu_memory"][str(index)] = p.used_memory or 0  # what the fit counts as taken (display servers)
+                if p.graphics:
+                    drawing.add(p.pid)
     if not holders:
         return []
     ours, units, known = panel_markers(node_id, spare)
@@ -66,7 +70,7 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> li
         if info["name"] == "?":
             continue  # gone meanwhile
         stray = ownership.owner(pid, others) if others else None
-        found.append({**info, **holders[pid], "display": ownership.is_display_server(info),
+        found.append({**info, **holders[pid], "display": pid in drawing or ownership.is_display_server(info),
                       "deployment": known.get(stray) if stray else None,
                       "supervisor": supervisors.as_dict(supervisors.of(pid))})
     return found

@@ -13,7 +13,8 @@ from django.utils import timezone
 
 from deployments import claims, engineapikey, loads, payloads, warmstart
 from deployments.gateway import media
-from deployments.host import gpu, listeners, ownership, processenv, processes, serveargv, supervisors, systemd, vllm
+from deployments.host import (gpu, gpuwait, listeners, ownership, processenv, processes, serveargv, supervisors, systemd,
+                              vllm)
 from deployments.models import Deployment, DeploymentEvent, ModelCopy
 from deployments.node import cluster, guards, lifecycle, precheck, ranks, raycluster, sleep
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
@@ -186,11 +187,13 @@ def _wait_memory(d: Deployment) -> str:
     if not indices:
         return "No GPUs chosen (CPU engine): nothing to wait for."
     started = time.monotonic()
-    try:
-        gpu.wait_memory_released(indices, pids=None, timeout_s=MEMORY_TIMEOUT_S, ignore=sleep.sharing_pids(d))
+    try:  # display servers are never stopped: their memory stays, and is named
+        kept = gpuwait.wait_memory_released(indices, pids=None, timeout_s=MEMORY_TIMEOUT_S,
+                                            ignore=sleep.sharing_pids(d))
     except gpu.NvmlUnavailable:
         return "No NVIDIA GPU on this node: skipped."
-    return f"GPU memory of GPUs {', '.join(map(str, indices))} released after {time.monotonic() - started:.1f} s."
+    return (f"GPU memory of GPUs {', '.join(map(str, indices))} released after {time.monotonic() - started:.1f} s."
+            + gpuwait.kept_text(kept))
 
 
 def _launch(d: Deployment, model_path: str) -> str:

@@ -28,8 +28,7 @@ def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_uti
     if not model.config:
         return None
     spec = modelconfig.parse_config(model.config, files)
-    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
-    memories = [g.memory_total for g in gpus if gpu_indices is None or g.index in gpu_indices]
+    memories = modelfit.usable_memory(node.gpus.all(), node.foreign_processes, gpu_indices)
     return modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
                               gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
                               context_length=context_length)

@@ -131,7 +131,8 @@ def _check_fit(model: ModelRepo, nodes: list[Node], indices: list[list], engine_
     """Per-GPU weights plus KV room over every node's chosen GPUs, as the one-node fit check does."""
     if not model.config or not any(indices):
         return  # CPU nodes, or a config not read yet: nothing to weigh
-    memories = [g.memory_total for node, chosen in zip(nodes, indices) for g in node.gpus.all() if g.index in chosen]
+    memories = [m for node, chosen in zip(nodes, indices)  # less what each node's display servers hold
+                for m in modelfit.usable_memory(node.gpus.all(), node.foreign_processes, chosen)]
     files = [(f["path"], f["size"]) for f in model.files]
     try:
         spec = modelconfig.parse_config(model.config, files)

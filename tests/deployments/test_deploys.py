@@ -153,7 +153,7 @@ class FakeHost:
             "ownership.owned": mock.Mock(side_effect=lambda pgid, marker, unit=None: self.owned),
             "ownership.pid_owned": mock.Mock(side_effect=lambda pid, marker, unit=None: self.alive and self.owned),
             "ownership.engine_processes": mock.Mock(return_value=[]),
-            "gpu.wait_memory_released": mock.Mock(return_value=None),
+            "gpuwait.wait_memory_released": mock.Mock(return_value=[]),
             "gpu.processes_on": mock.Mock(return_value={}),
             "gpu.sample": mock.Mock(return_value=[]),
             "vllm.served_models": mock.Mock(return_value=["tiny"]),
@@ -227,8 +227,8 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
     assert Deployment.objects.get(pk=holder.pk).status == S.STOPPED
     host.mocks["processes.stop"].assert_called_once_with(777, 30.0, 10.0)
     assert "old (SIGTERM in 0.4 s, 1 /dev/shm files removed)" in d.events.get(step="stop_others").message
-    host.mocks["gpu.wait_memory_released"].assert_called_once_with([0, 1], pids=None, timeout_s=plan.MEMORY_TIMEOUT_S,
-                                                                  ignore=set())  # no engine asleep on them
+    host.mocks["gpuwait.wait_memory_released"].assert_called_once_with([0, 1], pids=None,
+                                                                      timeout_s=plan.MEMORY_TIMEOUT_S, ignore=set())  # no engine asleep on them
     argv, env = host.spec.argv, host.spec.env
     assert argv[1:3] == ["serve", model.copies.get().path] and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_PROTO"] == "LL"
@@ -237,7 +237,7 @@ def test_the_plan_stops_the_holder_waits_for_memory_launches_loads_and_smoke_tes
 
 
 def test_gpu_memory_that_never_comes_back_fails_naming_the_pids(model, node, host):
-    host.mocks["gpu.wait_memory_released"].side_effect = gpu.MemoryNotReleased({31337: 40 * 2**30}, 180)
+    host.mocks["gpuwait.wait_memory_released"].side_effect = gpu.MemoryNotReleased({31337: 40 * 2**30}, 180)
     d = _queued(model, node)
     plan.deployment_run(d.pk)
     d.refresh_from_db()
@@ -350,8 +350,9 @@ def test_a_stop_request_during_the_plan_aborts_it(model, node, host):
 
     def stop_meanwhile(*args, **kw):
         Deployment.objects.filter(pk=d.pk).update(status=S.STOPPING)
+        return []  # nothing left holding memory
 
-    host.mocks["gpu.wait_memory_released"].side_effect = stop_meanwhile
+    host.mocks["gpuwait.wait_memory_released"].side_effect = stop_meanwhile
     plan.deployment_run(d.pk)
     host.mocks["processes.launch"].assert_not_called()
     assert Deployment.objects.get(pk=d.pk).status == S.STOPPING  # the halt task finishes the stop

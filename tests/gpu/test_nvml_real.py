@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from deployments.host import gpu
+from deployments.host import gpu, gpuwait
 
 pytestmark = pytest.mark.gpu
 
@@ -148,7 +148,7 @@ def test_memory_of_a_killed_process_comes_back_and_the_wait_sees_it(holder):
 
     started = time.monotonic()
     os.kill(holder.pid, signal.SIGKILL)
-    gpu.wait_memory_released([0], [holder.pid], timeout_s=30)
+    gpuwait.wait_memory_released([0], [holder.pid], timeout_s=30)
     took = time.monotonic() - started
 
     after = gpu.sample([0])[0].memory_free
@@ -161,7 +161,7 @@ def test_wait_times_out_naming_the_pid_of_a_process_still_alive(holder, monkeypa
     monkeypatch.setattr(gpu, "processes_on", lambda indices: reads.append(1) or real_read(indices))
     started = time.monotonic()
     with pytest.raises(gpu.MemoryNotReleased) as caught:
-        gpu.wait_memory_released([0], [holder.pid], timeout_s=1.0, poll_s=0.2)
+        gpuwait.wait_memory_released([0], [holder.pid], timeout_s=1.0, poll_s=0.2)
     took = time.monotonic() - started
 
     print(f"\n{caught.value} (raised after {took:.2f} s, {len(reads)} reads)")

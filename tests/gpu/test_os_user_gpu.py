@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.host import gpu, osuser, processes
+from deployments.host import gpu, gpuwait, osuser, processes
 
 pytestmark = pytest.mark.gpu
 GIB = 1024**3
@@ -72,5 +72,5 @@ def test_a_stand_in_as_the_engine_user_holds_gpu_memory_that_stop_gives_back(use
     assert report["key"] == "sk-gpu-8" and "sk-gpu-8" not in cmdline
     assert report["environ"] == errno.EACCES and report["kill"] == errno.EPERM
     assert result.survivors == []
-    gpu.wait_memory_released([0], [handle.pid], timeout_s=30)
+    gpuwait.wait_memory_released([0], [handle.pid], timeout_s=30)
     assert handle.pid not in {p.pid for p in gpu.sample([0])[0].processes or []}

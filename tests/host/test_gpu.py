@@ -3,7 +3,7 @@
 import pynvml
 import pytest
 
-from deployments.host import gpu
+from deployments.host import gpu, gpuwait
 from tests.nvmldouble import GIB, MIB, RESERVED, TOTAL, FakeGpu, FakeNvml, proc
 
 
@@ -95,6 +95,7 @@ def test_compute_and_graphics_processes_are_merged_by_pid(fake):
     procs = gpu.processes_on([1])[1]
 
     assert {p.pid: p.used_memory for p in procs} == {10: 2 * GIB, 11: None, 12: 300 * MIB}
+    assert [p.pid for p in procs if p.graphics] == [12]  # graphics only: a display server's kind ("C+G" is not)
 
 
 @pytest.mark.parametrize("error, reason", [
@@ -122,7 +123,7 @@ def test_nvml_starts_once_and_later_samples_reuse_it(fake):
 def test_wait_memory_released_returns_once_the_killed_process_is_gone(fake):
     fake.gpus[0].exits_after[4242] = 3
 
-    gpu.wait_memory_released([0], [4242], timeout_s=5, poll_s=0.001)
+    gpuwait.wait_memory_released([0], [4242], timeout_s=5, poll_s=0.001)
 
     assert gpu.processes_on([0]) == {0: []}
 
@@ -131,7 +132,7 @@ def test_wait_memory_released_times_out_naming_the_pids_and_gib_still_held(fake)
     fake.gpus[1].compute = [proc(4242, 2 * GIB), proc(77, GIB // 2)]
 
     with pytest.raises(gpu.MemoryNotReleased) as caught:
-        gpu.wait_memory_released([0, 1], [4242, 77], timeout_s=0.05, poll_s=0.01)
+        gpuwait.wait_memory_released([0, 1], [4242, 77], timeout_s=0.05, poll_s=0.01)
 
     assert caught.value.pids_still_holding == {4242: 10 * GIB, 77: GIB // 2}
     assert str(caught.value) == (
@@ -142,15 +143,15 @@ def test_wait_memory_released_times_out_naming_the_pids_and_gib_still_held(fake)
 def test_wait_memory_released_ignores_other_gpus_and_other_pids(fake):
     fake.gpus[1].compute = [proc(99, GIB)]
 
-    gpu.wait_memory_released([0], [99], timeout_s=0)
-    gpu.wait_memory_released([1], [4242], timeout_s=0)
+    gpuwait.wait_memory_released([0], [99], timeout_s=0)
+    gpuwait.wait_memory_released([1], [4242], timeout_s=0)
 
 
 def test_wait_memory_released_without_pids_waits_for_every_process(fake):
     fake.gpus[1].compute = [proc(99, None)]
 
     with pytest.raises(gpu.MemoryNotReleased, match="PID 99 holds an unknown amount"):
-        gpu.wait_memory_released([1], None, timeout_s=0)
+        gpuwait.wait_memory_released([1], None, timeout_s=0)
 
 
 def test_the_energy_counters_of_the_chosen_gpus_are_summed_and_unsupported_reads_none(fake):
