@@ -58,7 +58,8 @@ def test_engine_figures_and_a_copys_progress_go_to_both_pages(sent):
     assert (t3, k3, t4, k4) == (f"model:{copy.model_id}", f"copy.{copy.pk}", f"node:{node.pk}", f"copy.{copy.pk}")
     assert progress == {"id": copy.pk, "model": copy.model_id, "node": node.pk, "node_name": "gpu-04",
                         "state": "downloading", "bytes_done": 5, "bytes_total": 10, "rate": 1.0, "seconds_left": 5.0,
-                        "files": {"a": [5, 10]}, "current_file": "a", "error": "", "path": copy.path}
+                        "files": {"a": [5, 10]}, "current_file": "a", "error": "", "path": copy.path,
+                        "retries": 0, "retry": None}
 
 
 def test_a_node_sample_with_a_missing_or_unknown_key_is_refused_before_it_reaches_a_browser(sent):
