@@ -142,8 +142,10 @@ def systemctl(*args: str, timeout: float = 120.0) -> str:
     return out.stdout
 
 
-def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[str, str] | None = None) -> int:
-    """Write the unit (0600) and its secrets' EnvironmentFile (0600), enable and start it; return the main PID."""
+def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[str, str] | None = None,
+            start: bool = True) -> int:
+    """Write the unit (0600) and its secrets' EnvironmentFile (0600), enable and (with `start`) start it; return the
+    main PID (0 when not started: it starts at the next boot, or when started)."""
     checked(name)
     if not available():
         raise SystemdError("systemd is not available on this node (or the agent is not root)")
@@ -151,6 +153,9 @@ def install(name: str, text: str, unit_dir: Path = UNIT_DIR, secret_env: dict[st
         write_private(env_file_path(name, unit_dir), env_file_text(secret_env))
     write_private(unit_dir / name, text)
     systemctl("daemon-reload")
+    if not start:
+        systemctl("enable", name)
+        return 0
     systemctl("enable", "--now", name)
     return main_pid(name)
 

@@ -393,6 +393,9 @@ def deployment_persist_here(deployment_id: int) -> Deployment:
 
 
 def _persist(deployment_id: int) -> Deployment:
+    """The running engine keeps serving: its unit is written with the same command, environment and marker, and
+    enabled, not started; systemd runs the engine from its next start (a boot, or a crash: units.engine_exited starts
+    the unit), and whichever it starts is the deployment's by its marker. No second load."""
     d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
     if d.master_port:
         return _persist_group(d)
@@ -402,20 +405,15 @@ def _persist(deployment_id: int) -> Deployment:
     argv = serveargv.build_argv(settings.VLLM_BIN, copy.path, d.port, serveargv.API_HOST, {**d.engine_args, **warm_args},
                                 media.engine_args(d, serveargv.engine_flags(settings.VLLM_BIN)))
     try:
-        # The watcher skips rows without a PID: clear it first so the switch is not taken for a crash.
-        Deployment.objects.filter(pk=d.pk).update(pid=None)
-        halt_engine(d)
-        d.systemd_unit = name
-        Deployment.objects.filter(pk=d.pk).update(systemd_unit=name)
-        # Loading before the unit's engine is recorded: the row never reads ready with a loading engine's PID.
-        move(d, S.LOADING, f"restarting under systemd as {name}")
-        spec = lifecycle.Launch(argv=argv, env={**_engine_env(d), **warm_env},
-                                log_path=Path(d.log_path) if d.log_path else _log_path(d), cwd=Path(copy.path))
-        lifecycle.launch(d, spec, unit_install=lambda argv, env, log_path, cwd: unit_install(d, argv, env, log_path, cwd=cwd))
-        deployment_event(d, "persist", f"Installed {name}; systemd now starts it at boot.")
-        _follow(d)
-    except (systemd.SystemdError, PlanFailed, processes.EngineError, OSError, Aborted) as exc:
-        fail(d, f"Could not make it a service: {exc}")
+        env = lifecycle.marked_env({**_engine_env(d), **warm_env}, d.marker)
+        unit_install(d, argv, env, d.log_path or str(_log_path(d)), cwd=Path(copy.path), start=False)
+        lifecycle.save(d, systemd_unit=name)
+        payloads.send_deployment_status(d)
+        deployment_event(d, "persist", f"Installed {name}, enabled at boot. The running engine (PID {d.pid}) keeps "
+                                       "serving: systemd runs it from its next start (a reboot, or the agent starting "
+                                       "the unit after a crash), adopted by its marker.")
+    except (systemd.SystemdError, PlanFailed, OSError) as exc:
+        deployment_event(d, "persist", f"Could not make it a service: {exc}", level=DeploymentEvent.Level.ERROR)
     return d
 
 

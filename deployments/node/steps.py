@@ -218,10 +218,11 @@ def engine_user(model_path: str, store: str) -> osuser.EngineUser:
 
 
 def unit_install(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0,
-                 cwd: Path | None = None) -> int:
-    """Install and start one engine of `d` as a systemd unit (the head's, or worker rank `rank`'s); its PID."""
+                 cwd: Path | None = None, start: bool = True) -> int:
+    """Install and (with `start`) start one engine of `d` as a systemd unit (the head's, or worker rank `rank`'s); its
+    PID (0 when not started)."""
     text, secret_env = unit_text(d, argv, env, log_path, rank, cwd)
-    return systemd.install(systemd.unit_name(d.name, rank), text, secret_env=secret_env)
+    return systemd.install(systemd.unit_name(d.name, rank), text, secret_env=secret_env, start=start)
 
 
 def unit_text(d: Deployment, argv: list[str], env: dict[str, str], log_path: str, rank: int = 0,

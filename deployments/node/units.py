@@ -1,5 +1,7 @@
 """Persisted (unit-backed) engines: systemd starts them at boot and again after a crash (Restart=on-failure,
-RestartSec=systemd.RESTART_SEC); the panel never does, and never kills one it can prove is the deployment's.
+RestartSec=systemd.RESTART_SEC); the panel starts a unit only when it is enabled and not running (the engine that
+was serving when it was persisted ran outside it, so nothing else would), and never kills an engine it can prove is
+the deployment's.
 
 Whenever a persisted engine is not the one the row names (a reboot, a crash, an agent that restarted), the
 agent asks systemd for the unit's MainPID and adopts that process when it carries the deployment's marker
@@ -54,9 +56,24 @@ def _wait(d: Deployment, why: str) -> None:
     deployment_event(d, "unit_restart", why.capitalize() + ".")
 
 
+def _started_if_idle(d: Deployment, status: systemd.UnitStatus | None) -> systemd.UnitStatus | None:
+    """A unit enabled but not running (its engine ran outside it since the persist, or the boot has not reached it):
+    started now, since nothing else will; the unit's status after."""
+    if status is None or (status.active, status.enabled) != ("inactive", "enabled"):
+        return status
+    try:
+        systemd.start(d.systemd_unit)
+    except systemd.SystemdError as exc:
+        log.warning("%s: cannot start %s: %s", d, d.systemd_unit, exc)
+        return status
+    deployment_event(d, "unit_start", f"Started {d.systemd_unit}: it was enabled but not running.")
+    return _status(d)
+
+
 def engine_exited(d: Deployment) -> None:
-    """The crash watch saw a ready persisted engine gone: systemd restarts it, the agent adopts it then."""
-    status = _status(d)
+    """The crash watch saw a ready persisted engine gone: systemd restarts it (or the agent starts its unit when
+    systemd had not run it yet), the agent adopts it then."""
+    status = _started_if_idle(d, _status(d))
     if status is not None and status.coming:
         _wait(d, f"the engine exited; {d.systemd_unit} starts it again (systemd's Restart=on-failure, "
                  f"RestartSec={systemd.RESTART_SEC:g} s)")
@@ -71,7 +88,7 @@ def unit_settle(d: Deployment) -> str:
     if lifecycle.adopt(d):
         _adopted(d, "the agent restarted and found")
         return "following"
-    status = _status(d)
+    status = _started_if_idle(d, _status(d))
     if status is not None and status.coming:
         _wait(d, f"waiting for {d.systemd_unit} to start the engine ({status.active}, {status.enabled})")
         return "waiting"

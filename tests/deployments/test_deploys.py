@@ -410,49 +410,46 @@ def test_persisting_needs_a_node_with_systemd(model, node):
         deploys.deployment_persist(d)
 
 
-def test_persisting_installs_the_unit_and_follows_the_engine_under_systemd(model, node, host, tmp_path):
+def test_persisting_keeps_the_running_engine_and_enables_its_unit_for_the_next_start_without_a_second_load(
+        model, node, host, tmp_path):
+    """A 36-minute load is not paid twice: the unit is written with the engine's command and marker and enabled, not
+    started; the serving engine (PID 4242) is the deployment's until systemd starts the unit's (a boot, a crash)."""
     log = tmp_path / "engine.log"
     log.write_text("Starting vLLM server on http://0.0.0.0:8000\n")
-    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), port=8000)
-    at_launch = []
+    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), port=8000,
+                          marker="7.persist-marker")
+    seen = []
 
-    def install_unit(*args, **kwargs):  # the row as anyone reads it while the unit's engine starts
-        at_launch.append(Deployment.objects.values_list("status", flat=True).get(pk=d.pk))
-        return 5555
+    def install_unit(name, text, **kwargs):  # the row as anyone reads it while the unit is written
+        seen.append(Deployment.objects.values_list("status", "pid").get(pk=d.pk))
+        return 0
 
-    with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit) as install, \
-         mock.patch("os.getpgid", return_value=5555):
+    with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit) as install:
         plan.deployment_persist_here(d.pk)
-    assert at_launch == [S.LOADING]  # never "ready" with the loading engine's PID
+    assert seen == [(S.READY, 4242)]
+    name, text = install.call_args.args[:2]
+    assert name == f"vllm-{d.name}.service" and install.call_args.kwargs["start"] is False
+    assert "ExecStart=" in text and "--port" in text and "7.persist-marker" in text  # adopted by it after a boot
     d.refresh_from_db()
-    assert install.call_args.args[0] == f"vllm-{d.name}.service" and "ExecStart=" in install.call_args.args[1]
-    assert d.systemd_unit == f"vllm-{d.name}.service" and d.pid == 5555 and d.status == S.READY
-    assert Path(d.log_path) == log
+    assert d.systemd_unit == name and d.pid == 4242 and d.status == S.READY and Path(d.log_path) == log
+    assert "keeps serving" in d.events.get(step="persist").message
 
 
-def test_the_unit_watch_leaves_alone_a_persist_switch_its_plan_drives(model, node, host, tmp_path, sent_tasks):
-    """CI: the switch's row (loading, no PID yet, its unit and marker set) was taken by the agent's unit watch for
-    a restart of the unit's engine: adopted, a second follow sent_tasks, and the plan's own move to ready then failed
-    the deployment ("cannot go from ready to ready")."""
+def test_a_persisted_engine_that_ran_outside_its_unit_and_exited_is_started_through_its_unit(model, node):
+    """Systemd never ran the engine that was serving when it was persisted: when it exits, the enabled unit is
+    inactive and nothing would start it, so the agent does; the deployment then waits for the unit's engine."""
     from deployments.node import units
 
-    log = tmp_path / "engine.log"
-    log.write_text("Starting vLLM server on http://0.0.0.0:8000\n")
-    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=4242, pgid=4242, log_path=str(log), port=8000)
-
-    def install_unit(*args, **kwargs):  # the agent's watcher looks while the unit's engine starts
-        units.units_watch(node.pk)
-        return 5555
-
-    with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit), \
-         mock.patch("os.getpgid", return_value=5555), \
-         mock.patch("deployments.node.lifecycle.adopt", autospec=True, return_value=True) as adopt:
-        plan.deployment_persist_here(d.pk)
+    d = DeploymentFactory(model=model, node=node, status=S.READY, pid=None, marker="7.m",
+                          systemd_unit="vllm-x.service")
+    states = iter([systemd.UnitStatus(0, "", "inactive", "enabled", 0),
+                   systemd.UnitStatus(6000, "/system.slice/vllm-x.service", "active", "enabled", 0)])
+    with mock.patch("deployments.host.systemd.unit_status", autospec=True, side_effect=lambda name: next(states)), \
+         mock.patch("deployments.host.systemd.start", autospec=True) as start:
+        units.engine_exited(d)
+    start.assert_called_once_with("vllm-x.service")
     d.refresh_from_db()
-    assert d.status == S.READY and d.pid == 5555, d.status_message
-    adopt.assert_not_called()
-    assert "deployments.deployment_follow" not in sent_tasks.commit().names()
-    assert not d.events.filter(step="adopted").exists()
+    assert d.status == S.LOADING and d.events.filter(step="unit_start").exists()
 
 
 def test_one_watch_pass_reaches_each_kind_of_work_only_when_a_row_has_it(node):

@@ -84,15 +84,15 @@ def _persisted(agent, model):
     wait_until(lambda: Node.objects.get(pk=agent.node.pk).systemd, timeout=30, message="the node to report systemd")
     d = deploy(model, Node.objects.get(pk=agent.node.pk))
     assert settle(d, timeout=60).status == "ready"
+    serving, loads = Deployment.objects.get(pk=d.pk).pid, DeploymentEvent.objects.filter(deployment=d, step="load").count()
     deploys.deployment_persist(Deployment.objects.get(pk=d.pk))
-    # Ready again after the switch: the row names the unit's engine (its PID) while it still reads "ready" from
-    # before, until the plan moves it to loading; only after the "Installed" step is "ready" the unit's engine's.
     wait_until(lambda: DeploymentEvent.objects.filter(deployment=d, step="persist", message__startswith="Installed")
-               .exists() and (r := Deployment.objects.get(pk=d.pk)).systemd_unit and r.status == "ready" and r.pid,
-               timeout=60, message="the deployment to run under its unit")
+               .exists(), timeout=60, message="the unit installed")
     row = Deployment.objects.get(pk=d.pk)
-    # The unit starts the engine in its model's folder, as the agent does (a relative file flag reads from there).
-    assert psutil.Process(row.pid).cwd() == ModelCopy.objects.get(model=row.model, node=row.node).path
+    # No second load: the engine that served keeps serving, the unit enabled for its next start.
+    assert row.systemd_unit and row.status == "ready" and row.pid == serving, (row.status, row.pid, serving)
+    assert _show(row.systemd_unit)["UnitFileState"] == "enabled" and _show(row.systemd_unit)["MainPID"] == "0"
+    assert DeploymentEvent.objects.filter(deployment=d, step="load").count() == loads
     return row
 
 
@@ -131,6 +131,8 @@ def _one_adopted_engine(d, since):
     engines = _engines(row.marker)
     main = int(_show(row.systemd_unit)["MainPID"])
     assert engines == [main] == [row.pid], (engines, main, row.pid)
+    # The unit starts the engine in its model's folder, as the agent does (a relative file flag reads from there).
+    assert psutil.Process(row.pid).cwd() == ModelCopy.objects.get(model=row.model, node=row.node).path
     return row
 
 
@@ -167,11 +169,20 @@ def test_a_crashed_persisted_engine_is_restarted_once_by_systemd_and_ready_again
     set_load(fake_model, 1.0)
     d = _persisted(agent, model)
     Deployment.objects.filter(pk=d.pk).update(auto_restart=True)  # the panel's own restart must not add a second
-    before, since = int(_show(d.systemd_unit)["NRestarts"]), timezone.now()
+    # The engine that served when it was persisted ran outside the unit: systemd would not start it again, the agent
+    # starts the unit; the next crash is the unit's engine's, which systemd restarts itself.
+    since = timezone.now()
     os.killpg(d.pgid, signal.SIGKILL)
     row = _one_adopted_engine(d, since)
+    assert DeploymentEvent.objects.filter(deployment=d, step="unit_start", started__gte=since).exists()
+    assert int(_show(d.systemd_unit)["NRestarts"]) == 0 and row.restarts == 0 and row.pid != d.pid
+    before, since = int(_show(d.systemd_unit)["NRestarts"]), timezone.now()
+    os.killpg(row.pgid, signal.SIGKILL)
+    again = _one_adopted_engine(row, since)
     assert int(_show(d.systemd_unit)["NRestarts"]) == before + 1
-    assert row.restarts == 0 and row.pid != d.pid
+    assert not DeploymentEvent.objects.filter(deployment=d, step="unit_start", started__gte=since).exists()
+    assert again.restarts == 0 and again.pid != row.pid
+    row = again
     COUNTS["persisted_crashes"] += 1
     deploys.deployment_stop(row)
     assert settle(d, timeout=60, states={"stopped", "failed"}).status == "stopped" and _engines(d.marker) == []
