@@ -6,7 +6,7 @@ from django.db.models import Prefetch, QuerySet
 
 from deployments import engineapikey, history, secrets
 from deployments.gateway import media
-from deployments.host import osuser, processenv, serveargv, systemd
+from deployments.host import osuser, ownership, processenv, serveargv, systemd
 from deployments.host.processes import EngineError
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
 
@@ -113,12 +113,16 @@ def deployment_command(d: Deployment) -> str:
 
 def deployment_unit(d: Deployment) -> tuple[str, str]:
     """The systemd unit that runs deployment `d`, to install by hand: its file name and its text, with
-    secret values masked (they belong in the unit's EnvironmentFile)."""
+    secret values masked (they belong in the unit's EnvironmentFile). While `d` runs, the unit carries its marker, as
+    the units the panel installs do: an engine started from it is the deployment's to the panel (adopted, stopped
+    with it), never a stranger on its GPUs."""
     name = systemd.unit_name(d.name)
     try:
         argv, env, secret_env = _engine_argv(d)
     except EngineError as exc:  # a row stored before flag names were canonical (flagpolicy): redeploy it
         return name, f"# No unit: {exc}."
+    if d.marker:
+        env = {**env, ownership.MARKER_VAR: d.marker, ownership.ROLE_VAR: "engine"}
     text = systemd.render_unit(description=f"vLLM {d.name} ({d.model})", argv=argv, env=env,
                                log_path=d.log_path or f"/var/log/vllm-{d.name}.log", working_dir=argv[2],
                                run_as=osuser.from_facts(d.node.engine_user),  # as the node's agent would

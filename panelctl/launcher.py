@@ -336,6 +336,16 @@ def test(pytest_args: list[str]) -> int:
         children.stop()
 
 
+def service(action: str, start_args: list[str]) -> int:
+    from panelctl import service as unit
+
+    if action == "show":
+        print(unit.unit_text(start_args, BASE_DIR), end="")
+    else:
+        print(unit.install(start_args, BASE_DIR) if action == "install" else unit.remove())
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["test"]:
@@ -351,6 +361,13 @@ def main(argv=None) -> int:
     p_start.add_argument("--gateway-port", type=int, default=int(os.environ.get("GATEWAY_PORT", "4000")),
                          help="the node gateway's port: callers' one door to the engines")
     sub.add_parser("test", help="run the test suite; every argument after `test` goes to pytest")
+    p_service = sub.add_parser("service", help="run the panel as a systemd unit that starts at boot (install), "
+                                               "undo that (remove) or print the unit (show); start options follow")
+    p_service.add_argument("action", choices=("install", "remove", "show"))
+    if argv[:1] == ["service"]:
+        args, start_args = p_service.parse_known_args(argv[1:])
+        p_start.parse_args(start_args)  # refused here, not at the next boot
+        return service(args.action, start_args)
     args = parser.parse_args(argv)
     if shutil.which("nvidia-smi") is None:
         print("note: no nvidia-smi here; this node will show 'no NVIDIA GPU'.", flush=True)

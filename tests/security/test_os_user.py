@@ -62,3 +62,13 @@ def test_the_downloaded_unit_names_the_user_the_nodes_agent_reported():
     name, text = selectors.deployment_unit(d)
     assert "User=vllm-engine\n" in text and "--api-key" not in text and KEY not in text
     assert f"EnvironmentFile=/etc/systemd/system/{name}.env" in text and "WorkingDirectory=/models/org/m\n" in text
+    assert "PANEL_ENGINE" not in text  # not running: no engine for the unit's to be
+
+
+def test_the_downloaded_unit_of_a_running_deployment_carries_its_marker_so_its_engine_is_the_deployments():
+    from deployments.host import ownership
+
+    copy = ModelCopyFactory(path="/models/org/m")
+    d = DeploymentFactory(node=copy.node, model=copy.model, status="ready", pid=4242, marker="9.abcdef0123456789")
+    _, text = selectors.deployment_unit(d)
+    assert f"{ownership.MARKER_VAR}=9.abcdef0123456789" in text and f"{ownership.ROLE_VAR}=engine" in text
