@@ -4,7 +4,9 @@ the panel runs engines as containers (deployments/host/containers.py) and a test
     python tests/dockerd.py --socket /tmp/x/docker.sock      (tests/faults/test_agent_restart.py starts it)
 
 Endpoints (with or without the /v1.NN prefix): GET /_ping, GET /version, POST /containers/create,
-POST /containers/{id}/start|stop|restart|kill|wait, GET /containers/json (all, filters: label, name, id, status),
+POST /containers/{id}/start|stop|restart|kill|wait (HostConfig.RestartPolicy followed as Docker does: "always" and
+"unless-stopped" start a container again after its process exits unless the API stopped or killed it, "on-failure"
+after a non-zero code; refused with AutoRemove), GET /containers/json (all, filters: label, name, id, status),
 GET /containers/{id}/json, GET /containers/{id}/logs (the multiplexed stream format), DELETE /containers/{id}.
 Errors are Docker's: {"message": ...} with 404 (no such container), 409 (name in use, removing a running one),
 304 (start a running one, stop a stopped one).
@@ -66,11 +68,21 @@ class Container:
         self.proc: subprocess.Popen | None = None
         self.exit_code = 0
         self.started_at = self.finished_at = "0001-01-01T00:00:00Z"
-        self.cgroup = cgroups / cid[:12] if cgroups else None
+        self.cgroup = cgroups / f"docker-{cid}.scope" if cgroups else None  # as Docker's systemd cgroup driver names it
         self.out, self.err = logs / f"{cid}.out", logs / f"{cid}.err"
         self.exited = threading.Event()
         self.exited.set()
         self.removed = False
+        self.restart_count = 0
+        self.stopped = False  # by the API (stop, kill): a restart policy brings it back only at the daemon's start
+
+    def restart_due(self) -> bool:
+        """Docker's restart policy, after an exit: "always" and "unless-stopped" unless stopped through the API,
+        "on-failure" after a non-zero exit code."""
+        policy = (self.host.get("RestartPolicy") or {}).get("Name") or "no"
+        if self.stopped or self.removed:
+            return False
+        return policy in ("always", "unless-stopped") or (policy == "on-failure" and self.exit_code != 0)
 
     @property
     def running(self) -> bool:
@@ -154,6 +166,7 @@ class Container:
             time.sleep(0.02)
 
     def stop(self, timeout: float) -> None:
+        self.stopped = True
         sig = signal.Signals[self.body.get("StopSignal") or "SIGTERM"] if not str(
             self.body.get("StopSignal") or "").isdigit() else int(self.body["StopSignal"])
         self.signal_main(sig)
@@ -178,7 +191,7 @@ class Container:
     def inspect(self) -> dict:
         return {
             "Id": self.id, "Name": f"/{self.name}", "Created": self.created, "Path": (self.argv() or [""])[0],
-            "Args": self.argv()[1:], "Image": "sha256:" + "0" * 64, "RestartCount": 0,
+            "Args": self.argv()[1:], "Image": "sha256:" + "0" * 64, "RestartCount": self.restart_count,
             "State": {"Status": self.status(), "Running": self.running, "Paused": False, "Restarting": False,
                       "OOMKilled": False, "Dead": False, "Pid": self.proc.pid if self.running else 0,
                       "ExitCode": self.exit_code, "Error": "", "StartedAt": self.started_at, "FinishedAt": self.finished_at},
@@ -219,6 +232,11 @@ class Daemon:
     def on_exit(self, c: Container) -> None:
         if c.host.get("AutoRemove"):
             self.remove(c)
+        elif c.restart_due():
+            time.sleep(0.1)  # Docker's first restart delay
+            if c.restart_due():
+                c.restart_count += 1
+                c.start(self.on_exit)
 
     def remove(self, c: Container) -> None:
         with self.lock:
@@ -297,6 +315,9 @@ def app(daemon: Daemon) -> web.Application:
         name = request.query.get("name") or f"double_{secrets.token_hex(4)}"
         if not body.get("Image"):
             return _error(400, "config cannot be empty in order to create a container")
+        host = body.get("HostConfig") or {}
+        if host.get("AutoRemove") and (host.get("RestartPolicy") or {}).get("Name") not in (None, "", "no"):
+            return _error(400, "can't create 'AutoRemove' container with restart policy")
         with daemon.lock:
             if any(c.name == name for c in daemon.containers.values()):
                 return _error(409, f'Conflict. The container name "/{name}" is already in use.')
@@ -309,6 +330,7 @@ def app(daemon: Daemon) -> web.Application:
         c = daemon.get(request.match_info["id"])
         if c.running:
             return web.Response(status=304)
+        c.stopped = False
         try:
             await asyncio.to_thread(c.start, daemon.on_exit)
         except OSError as exc:  # Docker: 400 "failed to create task ... exec: no such file"
@@ -338,6 +360,7 @@ def app(daemon: Daemon) -> web.Application:
             return _error(409, f"Cannot kill container: {c.id}: container is not running")
         name = request.query.get("signal", "SIGKILL")
         sig = int(name) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        c.stopped = c.stopped or sig in (signal.SIGKILL, signal.SIGTERM)  # a manual kill: no restart, as in Docker
         c.signal_main(sig)
         return web.Response(status=204)
 

@@ -113,52 +113,98 @@ def test_a_foreign_engine_holding_the_cpu_host_is_refused_without_the_checkbox_a
         stop_leftover_engines(tmp_path)
 
 
+class _SystemdUnit:
+    """Someone's engine as a unit of the systemctl double (tests/faults/systemd: its process in /system.slice/NAME, as
+    systemd runs it), Restart=always."""
+
+    def __init__(self, tmp_path, unique, scope):
+        self.name = f"minimax-{unique}.service"
+        self.env = {"PATH": f"{SYSTEMD_DOUBLE}:{os.environ['PATH']}", "SYSTEMD_UNIT_PATH": str(tmp_path / "units"),
+                    "SYSTEMCTL_DOUBLE_STATE": str(tmp_path / "systemd-state")}
+        (tmp_path / "units").mkdir()
+        (tmp_path / "units" / self.name).write_text(
+            "[Service]\nExecStart=/bin/bash -c 'exec -a \"vllm serve minimax\" sleep 600'\n"
+            f"Environment=FAULT_SCOPE={scope}\nRestart=always\nRestartSec=0.3\n")
+        self._systemctl("start", self.name)
+        self.supervisor = {"kind": "systemd", "name": self.name, "restart": "always"}
+        self.named, self.stopped_by = f"systemd unit {self.name}, restart always", f"systemctl stop {self.name}"
+
+    def _systemctl(self, *args) -> str:
+        return subprocess.run(["python3", str(SYSTEMD_DOUBLE / "systemctl"), *args], env={**os.environ, **self.env},
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    def main_pid(self) -> int:
+        return int(self._systemctl("show", "-p", "MainPID", "--value", self.name) or 0)
+
+    def down(self) -> bool:
+        return self._systemctl("show", "-p", "ActiveState", "--value", self.name) == "inactive" and not self.main_pid()
+
+    def remove(self) -> None:
+        self._systemctl("stop", self.name)
+
+
+class _Container:
+    """Someone's engine as a container of the Docker API double (tests/dockerd.py: its process in
+    docker-<id>.scope, as Docker's systemd cgroup driver puts it), restart policy "always"."""
+
+    def __init__(self, tmp_path, unique, scope):
+        import docker
+
+        from tests import dockerd
+
+        self._daemon = dockerd.running(tmp_path / "dockerd")
+        self.env = {"DOCKER_HOST": self._daemon.__enter__()}
+        self._client = docker.DockerClient(base_url=self.env["DOCKER_HOST"], version=dockerd.API_VERSION, timeout=30)
+        self._c = self._client.containers.run("someone/minimax", ["/bin/bash", "-c", 'exec -a "vllm serve minimax" sleep 600'],
+                                              environment={"FAULT_SCOPE": scope}, detach=True,
+                                              restart_policy={"Name": "always"})
+        self.supervisor = {"kind": "container", "name": self._c.id, "restart": "always"}
+        self.named, self.stopped_by = f"container {self._c.id[:12]}, restart always", f"docker stop {self._c.id[:12]}"
+
+    def main_pid(self) -> int:
+        self._c.reload()
+        return int(self._c.attrs["State"]["Pid"] or 0)
+
+    def down(self) -> bool:
+        return not self.main_pid()
+
+    def remove(self) -> None:
+        self._daemon.__exit__(None, None, None)
+
+
 @pytest.mark.timeout(150)
-def test_a_foreign_engine_under_a_systemd_unit_that_restarts_it_is_named_with_its_unit_and_stopped_through_it(
-        process_env, spawn, unique, tmp_path, fake_model, operator):
-    """Someone's MiniMax started by hand as a unit with Restart=always: a SIGTERM by PID sees it back a moment later.
-    The refusal names the unit; with consent the plan stops it with `systemctl stop`, and it stays down. systemd is
-    the double (tests/faults/systemd), which runs the unit's process in /system.slice/NAME as systemd does."""
-    scope, unit = f"unit-{unique}", f"minimax-{unique}.service"
-    units = {"PATH": f"{SYSTEMD_DOUBLE}:{os.environ['PATH']}", "SYSTEMD_UNIT_PATH": str(tmp_path / "units"),
-             "SYSTEMCTL_DOUBLE_STATE": str(tmp_path / "systemd-state")}
-    (tmp_path / "units").mkdir()
-    (tmp_path / "units" / unit).write_text(
-        "[Service]\nExecStart=/bin/bash -c 'exec -a \"vllm serve minimax\" sleep 600'\n"
-        f"Environment=FAULT_SCOPE={scope}\nRestart=always\nRestartSec=0.3\n")
-    systemctl = ["python3", str(SYSTEMD_DOUBLE / "systemctl")]
-    env = {**os.environ, **units}
-    subprocess.run([*systemctl, "start", unit], env=env, check=True, timeout=30)
-    agent = Agent(spawn, agent_env(process_env, tmp_path, CPU_HOST_EXCLUSIVE=1, FAULT_SCOPE=scope, **units),
-                  f"unit-{unique}", tmp_path / "store", script=SCOPED_AGENT)
-    node = agent.start()
-    model = add_fake_model(node, fake_model)
-
-    def show(prop):
-        return subprocess.run([*systemctl, "show", "-p", prop, "--value", unit], env=env, capture_output=True,
-                              text=True, timeout=30).stdout.strip()
-
+@pytest.mark.parametrize("supervised", [_SystemdUnit, _Container], ids=["systemd", "docker"])
+def test_a_foreign_engine_under_a_supervisor_that_restarts_it_is_named_with_it_and_stopped_through_it(
+        supervised, process_env, spawn, unique, tmp_path, fake_model, operator):
+    """Someone's MiniMax under a systemd unit with Restart=always, or in a container with restart policy "always": a
+    SIGTERM by PID sees it back a moment later. The refusal names the unit or container; with consent the plan stops
+    it through its manager (`systemctl stop`, the Docker API's stop), and it stays down."""
+    scope = f"sup-{unique}"
+    foreign = supervised(tmp_path, unique, scope)
     try:
+        agent = Agent(spawn, agent_env(process_env, tmp_path, CPU_HOST_EXCLUSIVE=1, FAULT_SCOPE=scope, **foreign.env),
+                      f"sup-{unique}", tmp_path / "store", script=SCOPED_AGENT)
+        node = agent.start()
+        model = add_fake_model(node, fake_model)
         seen = wait_until(lambda: (f := type(node).objects.get(pk=node.pk).foreign_processes) and f, timeout=30,
-                          message="the agent to see the unit's engine")
-        assert [(p["pid"], p["supervisor"]) for p in seen] == [
-            (int(show("MainPID")), {"kind": "systemd", "name": unit, "restart": "always"})]
+                          message="the agent to see the supervised engine")
+        assert [(p["pid"], p["supervisor"]) for p in seen] == [(foreign.main_pid(), foreign.supervisor)]
         api, body = api_client(operator), _cpu_deploy(model, node)
         refused = api.post("/api/deployments/", body, format="json")
         assert refused.status_code == 409, refused.json()
-        assert f"systemd unit {unit}, restart always" in refused.json()["error"]["message"]
+        assert foreign.named in refused.json()["error"]["message"]
         accepted = api.post("/api/deployments/", {**body, "stop_foreign": True}, format="json")
         assert accepted.status_code == 202, accepted.json()
         d = Deployment.objects.get(pk=accepted.json()["id"])
         assert settle(d, timeout=60).status == "ready", Deployment.objects.get(pk=d.pk).status_message
-        assert d.events.filter(step="stop_others", message__contains=f"systemctl stop {unit}").exists(), \
+        assert d.events.filter(step="stop_others", message__contains=foreign.stopped_by).exists(), \
             list(d.events.values_list("step", "message"))
-        time.sleep(1.0)  # three RestartSec: a restart, had the unit been signalled by PID, would be here
-        assert (show("ActiveState"), show("MainPID")) == ("inactive", "0"), "the unit brought its engine back"
+        time.sleep(1.0)  # past the restart delays: a restart, had it been signalled by PID, would be here
+        assert foreign.down(), "its supervisor brought the engine back"
         COUNTS["foreign_stops"] += 1
         stop_and_check(d, fake_model)
     finally:
-        subprocess.run([*systemctl, "stop", unit], env=env, timeout=60)
+        foreign.remove()
         stop_leftover_engines(tmp_path)
 
 
