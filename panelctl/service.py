@@ -7,13 +7,29 @@ KillMode=process: a stop or restart of the panel signals the launcher alone, whi
 engines it launched keep serving (as after Ctrl-C), and the agent adopts them when it is back."""
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
 from pathlib import Path
 
-from deployments.host import systemd
 from plumbing.privatefile import write_private
 
 UNIT = "vllm-panel.service"
+
+
+def unit_dir() -> Path:
+    """Where units are written: systemd's SYSTEMD_UNIT_PATH's first entry, else /etc/systemd/system."""
+    return Path((os.environ.get("SYSTEMD_UNIT_PATH") or "/etc/systemd/system").split(":")[0])
+
+
+def _systemctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def _checked(*args: str) -> None:
+    out = _systemctl(*args)
+    if out.returncode != 0:
+        raise SystemExit(f"systemctl {' '.join(args)} failed: {out.stderr.strip()[-500:]}")
 
 
 def unit_text(start_args: list[str], base_dir: Path) -> str:
@@ -46,20 +62,25 @@ def unit_text(start_args: list[str], base_dir: Path) -> str:
 
 def install(start_args: list[str], base_dir: Path) -> str:
     """Write the unit, enable it for the boot and start it now."""
-    if not systemd.available():
+    try:
+        running = os.geteuid() == 0 and _systemctl("is-system-running").stdout.strip() in (
+            "running", "degraded", "starting", "initializing", "maintenance")
+    except (OSError, subprocess.TimeoutExpired):
+        running = False
+    if not running:
         raise SystemExit("systemd is not running here, or this is not root: `./panel service show` prints the unit to "
-                         f"install by hand as {systemd.UNIT_DIR / UNIT}.")
-    write_private(systemd.UNIT_DIR / UNIT, unit_text(start_args, base_dir))
-    systemd.systemctl("daemon-reload")
-    systemd.systemctl("enable", "--now", UNIT)
-    return (f"Installed {systemd.UNIT_DIR / UNIT}: the panel starts at boot. `systemctl status {UNIT}` shows it; "
+                         f"install by hand as {unit_dir() / UNIT}.")
+    write_private(unit_dir() / UNIT, unit_text(start_args, base_dir))
+    _checked("daemon-reload")
+    _checked("enable", "--now", UNIT)
+    return (f"Installed {unit_dir() / UNIT}: the panel starts at boot. `systemctl status {UNIT}` shows it; "
             "`./panel service remove` undoes it.")
 
 
 def remove() -> str:
     """Stop and disable the unit and delete it; the engines keep serving."""
-    if (systemd.UNIT_DIR / UNIT).exists():
-        systemd.systemctl("disable", "--now", UNIT)
-        (systemd.UNIT_DIR / UNIT).unlink()
-        systemd.systemctl("daemon-reload")
+    if (unit_dir() / UNIT).exists():
+        _checked("disable", "--now", UNIT)
+        (unit_dir() / UNIT).unlink()
+        _checked("daemon-reload")
     return f"Removed {UNIT}; engines the panel started keep serving."

@@ -44,7 +44,6 @@ def double(tmp_path, monkeypatch):
     units.mkdir()
     monkeypatch.setenv("PATH", f"{DOUBLE}:{os.environ['PATH']}")
     monkeypatch.setenv("SYSTEMCTL_DOUBLE_STATE", str(tmp_path / "state"))
-    monkeypatch.setattr(systemd, "UNIT_DIR", units)
     env = {**os.environ, "SYSTEMD_UNIT_PATH": str(units)}
     monkeypatch.setenv("SYSTEMD_UNIT_PATH", str(units))
     yield env
@@ -59,7 +58,7 @@ def test_install_enables_and_starts_the_panel_a_boot_brings_it_back_and_remove_u
     (checkout / "panel").chmod(0o755)
     (checkout / ".env").write_text("PANEL_TEST_VAR=from-dotenv\n")
     print(service.install(["--port", "8100"], checkout))
-    assert (systemd.UNIT_DIR / service.UNIT).exists()
+    assert (service.unit_dir() / service.UNIT).exists()
     wait_until(lambda: started.exists() and started.read_text().splitlines(), timeout=15, message="the panel started")
     assert started.read_text().splitlines() == [f"{checkout} from-dotenv start --port 8100"]
     show = dict(line.split("=", 1) for line in systemd.systemctl("show", "-p", "MainPID,UnitFileState",
@@ -73,6 +72,6 @@ def test_install_enables_and_starts_the_panel_a_boot_brings_it_back_and_remove_u
     subprocess.run(["systemctl", "__boot"], env=double, check=True, timeout=30)
     wait_until(lambda: len(started.read_text().splitlines()) == 2, timeout=15, message="the panel back after the boot")
     print(service.remove())
-    assert not (systemd.UNIT_DIR / service.UNIT).exists()
+    assert not (service.unit_dir() / service.UNIT).exists()
     assert subprocess.run(["systemctl", "is-enabled", service.UNIT], env=double, capture_output=True,
                           timeout=30).returncode != 0
