@@ -1,0 +1,177 @@
+"""The GPU log corpus (tests/fixtures/gpu_logs/, tests/gpucorpus.py) through the panel's own parsers, for every weights
+loader: a TP=8 DeepSeek-V3-architecture load of ~36 minutes as vLLM 0.32's CUDA build prints it. Each line is fed with
+its corpus time as `now` (no sleeping): the phases in order, the weights fraction, the ETA against the corpus's true
+remaining time, and the stall rule of deployments/node/plan.py (the log's idle time; GPU memory is the other half)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deployments.host import processlog
+from deployments.host.loadphases import PhaseClock, predict, replay
+from deployments.host.processlog import LoadProgress
+from tests import gpucorpus
+
+STALL_S = 600  # the deploy form's default stall_seconds
+BARRED = [loader for loader in gpucorpus.LOADERS if loader != "sharded_state"]
+
+
+def lines(loader):
+    return gpucorpus.read(gpucorpus.path(loader))
+
+
+def weights_span(corpus):
+    """The corpus's own weights phase: its first bar (or load start) to the last 'Loading weights took'."""
+    start = next(t for t, line in corpus if "Starting to load model" in line)
+    end = max(t for t, line in corpus if "Loading weights took" in line)
+    return start, end
+
+
+def test_the_corpus_is_what_the_generator_writes():
+    for loader in gpucorpus.LOADERS:
+        assert gpucorpus.path(loader).read_text() == gpucorpus.corpus(loader), f"python -m tests.gpucorpus write ({loader})"
+
+
+@pytest.mark.parametrize("loader", gpucorpus.LOADERS)
+def test_every_line_carries_vllms_prefix_or_is_tqdm_or_uvicorn(loader):
+    for _, line in lines(loader):
+        assert (processlog._LOG_PREFIX_RE.match(line)["level"] or gpucorpus._BAR.search(line)
+                or line.startswith("INFO:     ")), line
+
+
+@pytest.mark.parametrize("loader", gpucorpus.LOADERS)
+def test_the_phase_clock_sees_each_phase_in_order_and_the_load_takes_36_minutes(loader):
+    corpus = lines(loader)
+    clock = PhaseClock()
+    for t, line in corpus:
+        clock.feed(line, t)
+    clock.finish(corpus[-1][0])
+    # torch.compile runs inside the profiling run: the seconds between the weights' end and the compile's
+    # (back-dated) start are that run's, hence KV cache on both sides of the compile (as test_loadphases has it).
+    assert [p for p, _, _ in clock.segments] == ["process", "weights", "kv_cache", "compile", "kv_cache",
+                                                 "graph_capture", "api_up"], clock.segments
+    assert clock.segments[2][2] - clock.segments[2][1] < 45  # sharded_state: the first rank's end ends the weights
+    totals = clock.totals()
+    start, end = weights_span(corpus)
+    assert totals["weights"] == pytest.approx(end - start, rel=0.05)
+    assert totals["compile"] == pytest.approx(109.47, rel=0.1)  # torch.compile's own total
+    assert 150 < totals["graph_capture"] < 200
+    assert 34 * 60 < corpus[-1][0] < 37 * 60
+    assert clock.weights_s == pytest.approx(1744, abs=25)
+    # The same log replayed by its own HH:MM:SS stamps (1 s resolution) splits the same way.
+    by_stamp = replay([line for _, line in corpus]).totals()
+    assert by_stamp["weights"] == pytest.approx(totals["weights"], abs=3)
+
+
+@pytest.mark.parametrize("loader", gpucorpus.LOADERS)
+def test_the_logs_progress_goes_through_each_phase_to_server_up(loader):
+    progress, phases = LoadProgress(), []
+    for t, line in lines(loader):
+        progress.feed(line, now=t)
+        if not phases or phases[-1] != progress.phase:
+            phases.append(progress.phase)
+    want = ["starting", "loading_weights", "weights_loaded", "profiling_kv_cache", "graph_capture", "server_up"]
+    assert phases == want
+    assert progress.percent == 100 and progress.error is None
+    assert progress.weights_seconds == pytest.approx(1744, abs=25)
+
+
+@pytest.mark.parametrize("loader", BARRED)
+def test_the_weights_fraction_moves_with_each_bar_line_and_the_eta_is_near_the_true_time_left(loader):
+    corpus = lines(loader)
+    _, end = weights_span(corpus)
+    progress, last_done, ratios = LoadProgress(), -1, []
+    for t, line in corpus:
+        progress.feed(line, now=t)
+        if gpucorpus._BAR.search(line) and "Capturing" not in line:
+            assert progress.phase == "loading_weights" and progress.shards_done > last_done
+            last_done = progress.shards_done
+            assert 5 <= progress.percent <= 60
+            if progress.shards_done / progress.shards_total >= 0.25 and t < end - 60:
+                ratios.append(progress.seconds_left / (end - t))
+    assert last_done == progress.shards_total
+    assert ratios and all(0.7 < r < 1.4 for r in ratios), ratios
+
+
+@pytest.mark.parametrize("loader", gpucorpus.LOADERS)
+def test_the_prediction_from_an_earlier_same_load_is_near_the_true_time_to_ready(loader):
+    corpus = lines(loader)
+    ready = next(t for t, line in corpus if "Starting vLLM server" in line)
+    earlier = PhaseClock()
+    for t, line in corpus:
+        earlier.feed(line, t)
+    earlier.finish(ready)
+    history = [earlier.totals()]
+    clock, _ = PhaseClock(), None
+    start, end = weights_span(corpus)
+    for t, line in corpus:
+        clock.feed(line, t)
+        if start + 300 < t < end - 60 and clock.phase == "weights":
+            p = predict(clock, t, history, "same key, 1 load")
+            assert 0.8 < p.seconds_left / (ready - t) < 1.25, (t, p)
+
+
+@pytest.mark.parametrize("loader", BARRED)
+def test_a_replay_with_bars_never_idles_long_enough_to_look_stalled(loader):
+    corpus = lines(loader)
+    gaps = [b - a for (a, _), (b, _) in zip(corpus, corpus[1:])]
+    assert max(gaps) < STALL_S / 2
+    progress = LoadProgress()
+    for (t, line), (t_next, _) in zip(corpus, corpus[1:]):
+        progress.feed(line, now=t)
+        assert progress.idle_s(t_next) <= STALL_S
+
+
+def test_the_sharded_state_loader_prints_nothing_while_it_reads_so_only_gpu_memory_keeps_it_alive():
+    """ShardedStateLoader.load_weights has no progress bar: ~29 minutes without a line. The log alone would call it
+    stalled at STALL_S; plan._follow takes the smaller of the log's and GPU memory's idle time, so the load lives
+    while the weights fill GPU memory. The page shows no fraction and no ETA for it."""
+    corpus = lines("sharded_state")
+    before = [(t, line) for t, line in corpus if t < 600]
+    progress = LoadProgress()
+    for t, line in before:
+        progress.feed(line, now=t)
+    last, following = before[-1][0], corpus[len(before)][0]
+    assert progress.phase == "loading_weights" and progress.shards_total == 0 and progress.percent == 5
+    assert progress.seconds_left is None
+    assert following - last > 2 * STALL_S  # the next line: the first rank's "Loading weights took"
+    assert progress.idle_s(last + STALL_S + 1) > STALL_S  # the log alone says stalled; GPU memory must say not
+
+
+def test_a_load_cut_in_the_weights_phase_is_stalled_after_stall_seconds():
+    corpus = lines("safetensors")
+    cut = [(t, line) for t, line in corpus if t < 900]
+    progress = LoadProgress()
+    for t, line in cut:
+        progress.feed(line, now=t)
+    last = cut[-1][0]
+    assert progress.phase == "loading_weights" and 0 < progress.shards_done < progress.shards_total
+    assert progress.idle_s(last + STALL_S - 1) < STALL_S < progress.idle_s(last + STALL_S + 1)
+
+
+def test_the_attention_backend_line_is_vllms_own():
+    text = [line for _, line in lines("safetensors") if "attention backend" in line]
+    assert text and "Using TRITON_MLA attention backend out of potential backends:" in text[0]
+
+
+def test_the_replayer_prints_a_short_corpus_at_200x_and_the_panels_reader_follows_it(tmp_path):
+    corpus = [(t, line) for t, line in lines("fastsafetensors") if t < 700]  # ~3.5 s at 200x
+    short = tmp_path / "short.log"
+    short.write_text("".join(f"@t={t:.2f} {line}\n" for t, line in corpus))
+    log = tmp_path / "engine.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(Path(gpucorpus.__file__)), "replay", str(short), "--speed", "200"],
+                                stdout=out)
+        follow, offset, seen = LoadProgress(), 0, []
+        while True:
+            done = proc.poll() is not None
+            new, offset = processlog.read_lines(log, offset)
+            for line in new:
+                follow.feed(line)
+                seen.append(follow.shards_done)
+            if done:
+                break
+    assert proc.returncode == 0
+    assert follow.phase == "loading_weights" and follow.shards_done == 3 and follow.shards_total == 8
+    assert b"\r" in log.read_bytes()  # bar updates end with \r, as in the engine's own log file
