@@ -159,6 +159,10 @@ def corpus(loader: str) -> str:
         log.at(t, worker(r), "parallel_state.py:1906", f"world_size=8 rank={r} local_rank={r} "
                "distributed_init_method=tcp://127.0.0.1:41955 backend=nccl")
     log.at(31.0, worker(0), "pynccl.py:111", "vLLM is using nccl==2.27.5")
+    p2p = "/root/.cache/vllm/gpu_p2p_access_cache_for_0,1,2,3,4,5,6,7.json"
+    log.at(31.5, worker(0), "all_reduce_utils.py:378", f"generating GPU P2P access cache in {p2p}")
+    for r in range(8):
+        log.at(33.2, worker(r), "all_reduce_utils.py:402", f"reading GPU P2P access cache from {p2p}")
     for r in range(8):
         log.at(34.0, worker(r), "parallel_state.py:2350", f"rank {r} in world size 8 is assigned as DP rank 0, "
                f"PP rank 0, PCP rank 0, TP rank {r}, ETP rank {r}, EP rank N/A, EPLB rank N/A")
@@ -172,6 +176,11 @@ def corpus(loader: str) -> str:
                "509.44 GiB. Available RAM: 1843.12 GiB.")
     _weights(log, loader, rng)
     took = WEIGHTS_END - WEIGHTS_START + 2.0
+    if loader == "runai_streamer":  # the streamer's own logger, in each worker
+        stamp = (LAUNCH + timedelta(seconds=WEIGHTS_END)).strftime("%Y-%m-%d %H:%M:%S")
+        for r in range(8):
+            log.bare(WEIGHTS_END + 0.5, f"({worker(r)}) [{stamp}] INFO file_streamer.py:66: [RunAI Streamer] Overall "
+                     f"time to stream 63.7 GiB of all files to cuda:{r}: {took - 2.0:.2f}s, 37.4 MiB/s")
     source = "sharded_state_loader.py:202" if loader == "sharded_state" else "default_loader.py:501"
     for r in range(8):
         t = WEIGHTS_END + 1.0 + 0.4 * r
@@ -188,7 +197,7 @@ def corpus(loader: str) -> str:
     log.at(t0 + 108.0, worker(0), "backends.py:393", "Compiling a graph for compile range (1, 8192) takes 63.88 s")
     log.at(t0 + 110.0, worker(0), "monitor.py:53", "torch.compile took 109.47 s in total")
     t1 = t0 + 121.0
-    log.at(t1, worker(0), "monitor.py:92", "Initial profiling/warmup run took 10.36 s")
+    log.at(t1, worker(0), "monitor.py:81", "Initial profiling/warmup run took 10.36 s")
     log.at(t1 + 4.0, worker(0), "gpu_worker.py:760", "Available KV cache memory: 9.87 GiB")
     log.at(t1 + 5.0, c, "kv_cache_utils.py:2327", "GPU KV cache size: 151,552 tokens, Maximum concurrency for "
            "131,072 tokens per request: 1.16x")

@@ -11,7 +11,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from deployments.host.processlog import WEIGHTS_BAR_RE
+from deployments.host.processlog import PROCESS_PREFIX, WEIGHTS_BAR_RE
 
 PHASES = ("process", "p2p_check", "weights", "compile", "kv_cache", "graph_capture", "api_up", "smoke_test")
 LABELS = {"process": "process start", "p2p_check": "P2P check", "weights": "weights", "compile": "torch.compile",
@@ -35,7 +35,7 @@ _MARKERS = [(re.compile(p), phase) for p, phase in (
 # compile runs, re-date their own start).
 _WEIGHTS_DONE = re.compile(r"Loading weights took ([\d.]+) s|Model loading took .*? and ([\d.]+) s")
 # "(Worker pid=7) INFO 12-01 03:39:18 [x.py:1] ..." -> month, day, time: for replaying a recorded log.
-_STAMP = re.compile(r"^(?:\(\S+ pid=\d+\)\s+)?[A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
+_STAMP = re.compile(r"^" + PROCESS_PREFIX + r"[A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
 
 
 @dataclass

@@ -38,8 +38,11 @@ _PATTERNS = [
                 r"|Maximum concurrency for"), "profiling_kv_cache"),
     (re.compile(r"Starting to load model"), "loading_weights"),
 ]
+# The process names vLLM puts before a line: "(Worker_TP3 pid=7) " (before 0.10: "(VllmWorker rank=3 pid=7) "), and
+# where the engine core relays its workers' output, both: "(EngineCore_DP0 pid=5) (Worker_TP0 pid=7) ".
+PROCESS_PREFIX = r"(?:\((?:[^()\s]+ )+pid=\d+\)\s+)*"
 # "(EngineCore pid=5) ERROR 11-29 13:27:56 [core.py:1512] message"; tracebacks come bare.
-_LOG_PREFIX_RE = re.compile(r"^(?:\(\S+ pid=\d+\)\s+)?(?:(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^\]]*\]\s+)?")
+_LOG_PREFIX_RE = re.compile(r"^" + PROCESS_PREFIX + r"(?:(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^\]]*\]\s+)?")
 _ERROR_RE = re.compile(r"^(?:[\w.]*(?:Error|Exception)\b|CUDA out of memory|Engine core initialization failed"
                        r"|EngineCore failed to start|Worker proc .* died unexpectedly|.*Address already in use)")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from deployments.contextfit import GiB, EngineKv
 from deployments.host import processlog
 from deployments.host.loadphases import PhaseClock, predict, replay
 from deployments.host.processlog import LoadProgress
@@ -37,7 +38,7 @@ def test_the_corpus_is_what_the_generator_writes():
 def test_every_line_carries_vllms_prefix_or_is_tqdm_or_uvicorn(loader):
     for _, line in lines(loader):
         assert (processlog._LOG_PREFIX_RE.match(line)["level"] or gpucorpus._BAR.search(line)
-                or line.startswith("INFO:     ")), line
+                or line.startswith("INFO:     ") or "[RunAI Streamer]" in line), line
 
 
 @pytest.mark.parametrize("loader", gpucorpus.LOADERS)
@@ -49,9 +50,9 @@ def test_the_phase_clock_sees_each_phase_in_order_and_the_load_takes_36_minutes(
     clock.finish(corpus[-1][0])
     # torch.compile runs inside the profiling run: the seconds between the weights' end and the compile's
     # (back-dated) start are that run's, hence KV cache on both sides of the compile (as test_loadphases has it).
-    assert [p for p, _, _ in clock.segments] == ["process", "weights", "kv_cache", "compile", "kv_cache",
-                                                 "graph_capture", "api_up"], clock.segments
-    assert clock.segments[2][2] - clock.segments[2][1] < 45  # sharded_state: the first rank's end ends the weights
+    assert [p for p, _, _ in clock.segments] == ["process", "p2p_check", "weights", "kv_cache", "compile",
+                                                 "kv_cache", "graph_capture", "api_up"], clock.segments
+    assert clock.segments[3][2] - clock.segments[3][1] < 45  # sharded_state: the first rank's end ends the weights
     totals = clock.totals()
     start, end = weights_span(corpus)
     assert totals["weights"] == pytest.approx(end - start, rel=0.05)
@@ -175,3 +176,27 @@ def test_the_replayer_prints_a_short_corpus_at_200x_and_the_panels_reader_follow
     assert proc.returncode == 0
     assert follow.phase == "loading_weights" and follow.shards_done == 3 and follow.shards_total == 8
     assert b"\r" in log.read_bytes()  # bar updates end with \r, as in the engine's own log file
+
+
+# Where the engine core relays its workers' output (seen in real vLLM logs of early 2026), a worker's line carries both
+# names: "(EngineCore_DP0 pid=20129) (Worker_TP0 pid=20135) INFO 02-15 05:16:38 [...] ...".
+NESTED = "(EngineCore_DP0 pid=20129) (Worker_TP0 pid=20135) "
+
+
+def test_a_worker_line_relayed_by_the_engine_core_keeps_its_level_stamp_and_error():
+    progress = LoadProgress()
+    progress.feed(NESTED + "ERROR 02-15 05:16:38 [gpu_worker.py:310] CUDA out of memory. Tried to allocate 2.00 GiB",
+                  now=1.0)
+    assert progress.error == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    older = LoadProgress()  # the worker's name before vLLM 0.10
+    older.feed("(VllmWorker rank=0 pid=158677) ERROR 07-08 02:34:28 [core.py:515] EngineCore failed to start.", now=1.0)
+    assert older.error == "EngineCore failed to start."
+    corpus = [line for _, line in lines("safetensors")]
+    nested = [NESTED + line.split(") ", 1)[1] if line.startswith("(Worker_TP") else line for line in corpus]
+    assert replay(nested).totals()["weights"] == pytest.approx(replay(corpus).totals()["weights"], abs=1)
+
+
+@pytest.mark.parametrize("loader", gpucorpus.LOADERS)
+def test_the_engines_kv_cache_figures_are_read_for_the_context_fit(loader):
+    kv = EngineKv.from_lines([line for _, line in lines(loader)])
+    assert (kv.device, kv.tokens, kv.kv_bytes) == ("GPU", 151_552, int(9.87 * GiB))
