@@ -122,6 +122,13 @@ class LoadProgress:
         """Seconds since the last log line."""
         return (time.monotonic() if now is None else now) - self.last_activity
 
+    def stalled(self, now: float, memory_moved_at: float, limit: float) -> float | None:
+        """A load is stalled when neither its log nor its GPU memory (last moved at `memory_moved_at`) moved for more
+        than `limit` seconds: how long, or None while it moves. A loader without a progress bar (sharded_state) is
+        silent while it reads; the memory it fills keeps it alive."""
+        idle = min(self.idle_s(now), now - memory_moved_at)
+        return idle if idle > limit else None
+
 
 def read_lines(log_path: Path, offset: int) -> tuple[list[str], int]:
     """Complete lines written after byte `offset`, and the offset to read from next time."""
