@@ -1,6 +1,7 @@
-"""The GPU log corpus (tests/fixtures/gpu_logs/): what vLLM 0.32's CUDA build prints while a TP=8 DeepSeek-V3-architecture
-model (Kimi-K2.5 INT4, 64 safetensors shards, 547 GB, TRITON_MLA) loads, one log per weights loader, each line with its
-time since launch. Read it, replay it at a speed, or write it again (`python -m tests.gpucorpus write`).
+"""The GPU log corpus (tests/fixtures/gpu_logs/): what vLLM 0.32's CUDA build prints while a TP=8
+DeepSeek-V3-architecture model (Kimi-K2.5 INT4, 64 safetensors shards, 547 GB, TRITON_MLA) loads, one log per weights
+loader, each line with its time since launch. Read it, replay it at a speed, or write it again
+(`python -m tests.gpucorpus write`).
 
 Corpus line: `@t=<seconds since launch> <the log line as vLLM prints it>`. A tqdm bar update that tqdm ends with \\r
 (every one but the bar's last) is replayed with \\r, as the engine's log file has it. Which vLLM source file and log
@@ -109,8 +110,8 @@ def bar(desc: str, n: int, total: int, elapsed: float, ascii_bar: bool = False) 
         rest = _clock(per * (total - n))
         rate = f"{per:.2f}s/it" if per >= 1 else f"{1 / per:.2f}it/s"
     if ascii_bar:
-        filled = int(10 * n / total)
-        return f"{desc}: {pct:3.0f}%|{'█' * filled}{' ' * (10 - filled)}| {n}/{total} [{_clock(elapsed)}<{rest}, {rate}]"
+        filled = "█" * int(10 * n / total)
+        return f"{desc}: {pct:3.0f}%|{filled:<10}| {n}/{total} [{_clock(elapsed)}<{rest}, {rate}]"
     return f"{desc}: {pct:3.0f}% Completed | {n}/{total} [{_clock(elapsed)}<{rest}, {rate}]"
 
 

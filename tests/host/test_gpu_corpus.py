@@ -3,17 +3,23 @@ loader: a TP=8 DeepSeek-V3-architecture load of ~36 minutes as vLLM 0.32's CUDA 
 its corpus time as `now` (no sleeping): the phases in order, the weights fraction, the ETA against the corpus's true
 remaining time, and the stall rule (LoadProgress.stalled, which plan._follow applies: neither the log nor GPU memory
 moved for stall_seconds)."""
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from deployments.contextfit import GiB, EngineKv
-from deployments.host import processlog
+from deployments.contextfit import EngineKv, GiB
+from deployments.host import processlog, vllm
 from deployments.host.loadphases import PhaseClock, predict, replay
 from deployments.host.processlog import LoadProgress
 from tests import gpucorpus
+from tests.conftest import free_port
 
 STALL_S = 600  # the deploy form's default stall_seconds
 BARRED = [loader for loader in gpucorpus.LOADERS if loader != "sharded_state"]
@@ -32,7 +38,7 @@ def weights_span(corpus):
 
 def test_the_corpus_is_what_the_generator_writes():
     for loader in gpucorpus.LOADERS:
-        assert gpucorpus.path(loader).read_text() == gpucorpus.corpus(loader), f"python -m tests.gpucorpus write ({loader})"
+        assert gpucorpus.path(loader).read_text() == gpucorpus.corpus(loader), "run python -m tests.gpucorpus write"
 
 
 @pytest.mark.parametrize("loader", gpucorpus.LOADERS)
@@ -164,25 +170,45 @@ def test_the_attention_backend_line_is_vllms_own():
     assert text and "Using TRITON_MLA attention backend out of potential backends:" in text[0]
 
 
-def test_the_replayer_prints_a_short_corpus_at_200x_and_the_panels_reader_follows_it(tmp_path):
-    corpus = [(t, line) for t, line in lines("fastsafetensors") if t < 700]  # ~3.5 s at 200x
-    short = tmp_path / "short.log"
-    short.write_text("".join(f"@t={t:.2f} {line}\n" for t, line in corpus))
+def test_the_gpu_stand_in_replays_a_whole_load_at_1000x_and_the_panels_follower_reads_its_phases(tmp_path):
+    """tests/gpu/standin_vllm.py with "replay" in fake_engine.json, on a machine without a GPU (gpu_gib 0): the
+    fastsafetensors load (~35 minutes) in ~2 s, read as the agent reads an engine log, then /health answers."""
+    root = Path(gpucorpus.__file__).parent
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    shutil.copy(root / "gpu" / "standin_vllm.py", engine / "vllm")
+    shutil.copy(root / "faults" / "fakevllm" / "vllm", engine / "fakevllm")
+    shutil.copy(root / "gpucorpus.py", engine / "gpucorpus.py")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "fake_engine.json").write_text(json.dumps({
+        "load_s": 0.2, "gpu_gib": 0, "replay": str(gpucorpus.path("fastsafetensors")), "replay_speed": 1000}))
+    port = free_port()
     log = tmp_path / "engine.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(Path(gpucorpus.__file__)), "replay", str(short), "--speed", "200"],
-                                stdout=out)
-        follow, offset, seen = LoadProgress(), 0, []
-        while True:
-            done = proc.poll() is not None
+        argv = [sys.executable, str(engine / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        progress, offset, phases, fractions = LoadProgress(), 0, [], []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
             new, offset = processlog.read_lines(log, offset)
             for line in new:
-                follow.feed(line)
-                seen.append(follow.shards_done)
-            if done:
+                progress.feed(line)
+                if not phases or phases[-1] != progress.phase:
+                    phases.append(progress.phase)
+                if progress.phase == "loading_weights" and progress.shards_total == 8:
+                    fractions.append(progress.shards_done)
+            if progress.phase == "server_up" and vllm.health(f"http://127.0.0.1:{port}", timeout=1.0):
                 break
-    assert proc.returncode == 0
-    assert follow.phase == "loading_weights" and follow.shards_done == 3 and follow.shards_total == 8
+            time.sleep(0.05)
+        assert vllm.health(f"http://127.0.0.1:{port}", timeout=1.0), log.read_text()[-2000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    assert phases == ["starting", "loading_weights", "weights_loaded", "profiling_kv_cache", "graph_capture",
+                      "server_up"]
+    assert fractions[-1] == 8 and fractions == sorted(fractions)
     assert b"\r" in log.read_bytes()  # bar updates end with \r, as in the engine's own log file
 
 
