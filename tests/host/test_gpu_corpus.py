@@ -30,7 +30,7 @@ def lines(loader):
 
 
 def weights_span(corpus):
-    """The corpus's own weights phase: its first bar (or load start) to the last 'Loading weights took'."""
+    """The corpus's own weights phase: 'Starting to load model' to the last rank's 'Loading weights took'."""
     start = next(t for t, line in corpus if "Starting to load model" in line)
     end = max(t for t, line in corpus if "Loading weights took" in line)
     return start, end
