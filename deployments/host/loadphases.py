@@ -11,7 +11,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from deployments.host.processlog import WEIGHTS_BAR_RE
+from deployments.host.processlog import PROCESS_PREFIX, WEIGHTS_BAR_RE
 
 PHASES = ("process", "p2p_check", "weights", "compile", "kv_cache", "graph_capture", "api_up", "smoke_test")
 LABELS = {"process": "process start", "p2p_check": "P2P check", "weights": "weights", "compile": "torch.compile",
@@ -35,7 +35,7 @@ _MARKERS = [(re.compile(p), phase) for p, phase in (
 # compile runs, re-date their own start).
 _WEIGHTS_DONE = re.compile(r"Loading weights took ([\d.]+) s|Model loading took .*? and ([\d.]+) s")
 # "(Worker pid=7) INFO 12-01 03:39:18 [x.py:1] ..." -> month, day, time: for replaying a recorded log.
-_STAMP = re.compile(r"^(?:\(\S+ pid=\d+\)\s+)?[A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
+_STAMP = re.compile(r"^" + PROCESS_PREFIX + r"[A-Z]+ (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
 
 
 @dataclass
@@ -47,6 +47,7 @@ class PhaseClock:
     shards_total: int = 0
     weights_s: float | None = None  # vLLM's own figure
     done: bool = False
+    bar_start: tuple[float, int] | None = None  # (now, done) at the weights bar's first line: its rate's origin
 
     @property
     def phase(self) -> str:
@@ -74,7 +75,10 @@ class PhaseClock:
         """One log line (tqdm's \\r-separated updates included) read `now` seconds after launch."""
         for text in line.split("\r"):
             if m := WEIGHTS_BAR_RE.search(text):  # any loader's bar (processlog.WEIGHT_BARS)
-                self.shards_done, self.shards_total = int(m[2]), int(m[3])
+                done, total = int(m[2]), int(m[3])
+                if self.bar_start is None or done < self.shards_done or total != self.shards_total:
+                    self.bar_start = (now, done)  # a bar's first line (a draft model's weights have their own)
+                self.shards_done, self.shards_total = done, total
                 self.enter("weights", now)
                 continue
             if (m := _WEIGHTS_DONE.search(text)) and self.weights_s is None:  # GPUs print two such lines
@@ -163,8 +167,9 @@ def expected(history: list[dict[str, float]], weights_scale: float = 1.0) -> dic
 
 def predict(clock: PhaseClock, now: float, history: list[dict[str, float]], basis: str,
             weights_scale: float = 1.0) -> Prediction | None:
-    """Seconds left = what the current phase usually takes beyond its elapsed time (by shards for
-    the weights) plus the usual length of every phase not reached yet. None without history."""
+    """Seconds left = what the current phase usually takes beyond its elapsed time (for the weights, the bar's
+    rate since its first line: the model's initialisation before it is no weights time) plus the usual length of
+    every phase not reached yet. None without history."""
     if not history:
         return None
     usual = expected(history, weights_scale)
@@ -172,7 +177,10 @@ def predict(clock: PhaseClock, now: float, history: list[dict[str, float]], basi
     current = clock.phase
     done_fraction = (clock.shards_done / clock.shards_total) if current == "weights" and clock.shards_total else None
     in_phase = clock.elapsed_in_phase(now)
-    if done_fraction:
+    t0, done0 = clock.bar_start or (now, clock.shards_done)
+    if done_fraction and clock.shards_done > done0 and now > t0:
+        left_current = (now - t0) * (clock.shards_total - clock.shards_done) / (clock.shards_done - done0)
+    elif done_fraction:
         left_current = in_phase * (1 - done_fraction) / done_fraction
     else:
         left_current = max(0.0, usual.get(current, 0.0) - in_phase)

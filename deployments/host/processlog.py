@@ -38,8 +38,11 @@ _PATTERNS = [
                 r"|Maximum concurrency for"), "profiling_kv_cache"),
     (re.compile(r"Starting to load model"), "loading_weights"),
 ]
+# The process names vLLM puts before a line: "(Worker_TP3 pid=7) " (before 0.10: "(VllmWorker rank=3 pid=7) "), and
+# where the engine core relays its workers' output, both: "(EngineCore_DP0 pid=5) (Worker_TP0 pid=7) ".
+PROCESS_PREFIX = r"(?:\((?:[^()\s]+ )+pid=\d+\)\s+)*"
 # "(EngineCore pid=5) ERROR 11-29 13:27:56 [core.py:1512] message"; tracebacks come bare.
-_LOG_PREFIX_RE = re.compile(r"^(?:\(\S+ pid=\d+\)\s+)?(?:(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^\]]*\]\s+)?")
+_LOG_PREFIX_RE = re.compile(r"^" + PROCESS_PREFIX + r"(?:(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^\]]*\]\s+)?")
 _ERROR_RE = re.compile(r"^(?:[\w.]*(?:Error|Exception)\b|CUDA out of memory|Engine core initialization failed"
                        r"|EngineCore failed to start|Worker proc .* died unexpectedly|.*Address already in use)")
 
@@ -118,6 +121,13 @@ class LoadProgress:
     def idle_s(self, now: float | None = None) -> float:
         """Seconds since the last log line."""
         return (time.monotonic() if now is None else now) - self.last_activity
+
+    def stalled(self, now: float, memory_moved_at: float, limit: float) -> float | None:
+        """A load is stalled when neither its log nor its GPU memory (last moved at `memory_moved_at`) moved for more
+        than `limit` seconds: how long, or None while it moves. A loader without a progress bar (sharded_state) is
+        silent while it reads; the memory it fills keeps it alive."""
+        idle = min(self.idle_s(now), now - memory_moved_at)
+        return idle if idle > limit else None
 
 
 def read_lines(log_path: Path, offset: int) -> tuple[list[str], int]:

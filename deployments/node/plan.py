@@ -315,8 +315,7 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                 _answered_by_ours(d, base_url)
                 watch.read(follow)  # what was written since the last read: "API up" among it
                 break
-            idle = min(progress.idle_s(now), now - moved_at)
-            if idle > d.stall_seconds:
+            if idle := progress.stalled(now, moved_at, d.stall_seconds):
                 raise PlanFailed(f"Stalled: neither the log nor GPU memory moved for {idle:.0f} s "
                                  f"(phase {progress.phase}, {progress.percent} %).")
             time.sleep(HEALTH_POLL_S)

@@ -9,6 +9,10 @@ reports what it can reach of everyone else: every other user's /proc/<pid>/envir
 each such process (kill(pid, 0)) and the paths fake_engine.json lists under "probe" (a folder is listed,
 a file read); each as 0 (it could) or the errno. One line, `GPU-STAND-IN {json}`, in the engine log.
 
+With "replay" in fake_engine.json (a file of the GPU log corpus, tests/fixtures/gpu_logs/, and "replay_speed", 1 unless
+given), the engine log is first that recorded TP=8 load, each line at its time divided by the speed (the replayer,
+tests/gpucorpus.py, copied beside this file as `gpucorpus.py`), then the fake's own load and server, as without it.
+
 Sleep mode is the fake's (its routes, answers and timings), with the GPU memory following it as under vLLM's
 allocator: a sleep frees it on the GPU (level 1 copies it to host memory first), a wake takes it again (level 1
 copies it back; after level 2 it comes back uninitialised, as vLLM's weights do until reloaded), so NVML sees
@@ -121,8 +125,17 @@ def engine_core(model: str, pooled: bool) -> None:
     standin.obey(memory, config, pooled)
 
 
+def replay(config: dict) -> None:
+    """The corpus file config["replay"] at config["replay_speed"], by tests/gpucorpus.py copied beside this file."""
+    loader = importlib.machinery.SourceFileLoader("gpucorpus", str(HERE / "gpucorpus.py"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpucorpus", loader))
+    loader.exec_module(module)
+    module.replay(Path(config["replay"]), float(config.get("replay_speed", 1.0)))
+
+
 def serve(args: list[str]) -> None:
-    """Start the GPU-holding child, pass its report to the log once it holds the memory, then serve."""
+    """Start the GPU-holding child, pass its report to the log once it holds the memory, replay a recorded GPU load
+    if fake_engine.json names one, then serve."""
     pooled = "pooled" if "--enable-sleep-mode" in args else "unpooled"
     core = subprocess.Popen([sys.executable, __file__, "_engine_core", args[0], pooled],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -130,6 +143,8 @@ def serve(args: list[str]) -> None:
     if not line.startswith(REPORT):
         sys.exit(f"GPU stand-in: the engine core ended without holding GPU memory (exit {core.wait()})")
     print(line.strip(), flush=True)
+    if (config := json.loads((Path(args[0]) / "fake_engine.json").read_text())).get("replay"):
+        replay(config)
     fake().serve(args, cores=(core,))
 
 

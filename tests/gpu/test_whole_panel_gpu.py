@@ -135,6 +135,8 @@ def _stand_in(base: Path) -> Path:
     vllm.chmod(0o755)
     shutil.copy(ROOT / "tests" / "faults" / "fakevllm" / "vllm", engine / "fakevllm")
     (engine / "fakevllm").chmod(0o644)
+    shutil.copy(ROOT / "tests" / "gpucorpus.py", engine / "gpucorpus.py")  # for a "replay" in fake_engine.json
+    (engine / "gpucorpus.py").chmod(0o644)
     return vllm
 
 
