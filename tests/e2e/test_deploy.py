@@ -52,6 +52,8 @@ def test_deploy_watch_it_load_redeploy_it_changed_predicted_replace_it_and_stop_
     expect(page.locator("#load-phase")).to_have_text("Server up")
     expect(page.locator("#load-bar")).to_have_attribute("style", re.compile(r"width: 100(\.0)?%"))
     expect(page.locator("#smoke")).to_contain_text("completion tokens", timeout=60_000)
+    # A ready engine's figures reach the page live (the agent reads its /metrics each tick): never "—" while it serves.
+    expect(page.locator("#engine-now")).to_contain_text("tok/s", timeout=30_000)
     steps = page.locator("#timeline tbody td:first-child")
     expect(steps).to_contain_text(["queued", "model", "checks", "stop_others", "gpu_memory", "prewarm", "launch", "load", "smoke_test"])
     # 99 % seen in CI when the model was already cached and one page had been evicted by other memory pressure.
