@@ -26,6 +26,7 @@ from pathlib import Path
 from plumbing.privatefile import write_private
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+LAUNCHER_STATE = "launcher.json"  # in PANEL_VAR_DIR: which child exited and when it starts again (Children._record)
 PYTHON = sys.executable
 
 
@@ -54,7 +55,8 @@ class Children:
     """Child processes, each in its own session, stopped together (TERM, then KILL). One that dies is started again
     with backoff (`restart_exited`), so the others (the web, the gateway: callers' one door) stay up meanwhile."""
 
-    def __init__(self):
+    def __init__(self, status_file: Path | None = None, node: str = ""):
+        self.status_file, self.node = status_file, node  # where the web reads which child is restarting, for `node`
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.infrastructure: list[subprocess.Popen] = []  # stopped after everything that uses them
         self.how: dict[str, tuple[list[str], dict, dict]] = {}  # name: how it was started, to start it again
@@ -90,6 +92,8 @@ class Children:
                 self.delay[name], self.due[name] = delay, now + delay
                 said.append(f"{name} exited with code {proc.returncode}; starting it again in {delay:.0f} s "
                             "(the rest of the panel keeps running).")
+                self._record(name, {"state": "restarting", "code": proc.returncode, "exited": time.time(),
+                                    "next_start": time.time() + delay})
             elif now >= self.due[name]:
                 del self.due[name]
                 argv, env, kwargs = self.how[name]
@@ -99,7 +103,23 @@ class Children:
                 if proc in self.infrastructure:
                     self.infrastructure[self.infrastructure.index(proc)] = again
                 said.append(f"{name} started again (PID {again.pid}).")
+                self._record(name, {"state": "started", "pid": again.pid, "started": time.time()})
         return said
+
+    def _record(self, name: str, state: dict) -> None:
+        """What happened to each child, for the web (deployments.launcherstate): a node page shows "node agent
+        restarting" while the launcher is about to start it again, rather than a bare "offline"."""
+        if self.status_file is None:
+            return
+        try:
+            known = json.loads(self.status_file.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known = {"node": self.node, "children": {**known.get("children", {}), name: state}}
+        try:
+            write_private(self.status_file, json.dumps(known))
+        except OSError as exc:
+            print(f"cannot write {self.status_file}: {exc}", file=sys.stderr, flush=True)
 
     def stop(self, timeout: float = 10.0) -> None:
         """The web, workers and agent first, Redis once they are gone: stopped the other way round, a
@@ -224,7 +244,9 @@ def start(args) -> int:
     env["PANEL_PORT"] = str(args.port)  # the deploy form never offers the panel's own port to an engine
     local_engine = BASE_DIR / ".engine-venv" / "bin" / "vllm"  # scripts/install-engine's CPU vLLM
     env.setdefault("VLLM_BIN", shutil.which("vllm") or (str(local_engine) if local_engine.exists() else "vllm"))
-    children = Children()
+    node_name = args.node_name or env.get("NODE_NAME") or socket.gethostname().split(".")[0].lower()
+    (var_dir / LAUNCHER_STATE).unlink(missing_ok=True)  # a previous run's
+    children = Children(var_dir / LAUNCHER_STATE, node_name)
     stopping = False
 
     def on_signal(signum, frame):
@@ -239,7 +261,6 @@ def start(args) -> int:
         manage("migrate", "--noinput", "-v", "0", env=env)
         username, password = ensure_admin(env)
         env.pop("PANEL_ADMIN_PASSWORD", None)  # the web, workers and agent have no use for it
-        node_name = args.node_name or env.get("NODE_NAME") or socket.gethostname().split(".")[0].lower()
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/"
         env.setdefault("PANEL_URL", url)  # the links in notifications (the worker sends them)
         children.start(

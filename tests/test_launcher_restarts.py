@@ -29,3 +29,37 @@ def test_a_child_that_dies_is_started_again_after_its_delay_which_doubles_and_re
         assert children.restart_exited(up_a_minute)[0].endswith("in 1 s (the rest of the panel keeps running).")
     finally:
         children.stop(timeout=1)
+
+
+def test_the_web_reads_from_the_launcher_that_a_nodes_agent_is_restarting_and_the_node_page_and_api_say_so(
+        tmp_path, settings, db):
+    """What `./panel start` records of its children (PANEL_VAR_DIR/launcher.json) is what the node's page and API
+    read: "node agent restarting" while the launcher is to start the agent again, with its exit code and when; not
+    once it started it again, and never for another node's agent."""
+    from django.test import Client
+
+    from deployments import launcherstate
+    from tests.factories import NodeFactory, UserFactory
+    from tests.helpers import api_client
+
+    settings.VAR_DIR = tmp_path
+    node, other = NodeFactory(name="gpu-01"), NodeFactory(name="gpu-02")
+    children = launcher.Children(tmp_path / launcher.LAUNCHER_STATE, "gpu-01")
+    assert launcher.LAUNCHER_STATE == launcherstate.STATE_FILE
+    agent = children.start("nodeagent", [sys.executable, "-c", "raise SystemExit(137)"], {})
+    agent.wait(10)
+    t0 = children.started["nodeagent"]
+    api = api_client(UserFactory(role="viewer"))
+    try:
+        children.restart_exited(t0 + 0.1)
+        shown = api.get(f"/api/nodes/{node.name}/").json()["agent_restart"]
+        assert shown["code"] == 137 and round(shown["next_start"] - shown["exited"]) == 1, shown
+        assert api.get(f"/api/nodes/{other.name}/").json()["agent_restart"] is None
+        client = Client()
+        client.force_login(UserFactory(role="viewer"))
+        assert "node agent restarting" in client.get(f"/nodes/{node.pk}/").content.decode()
+        children.restart_exited(t0 + 1.2)  # started again
+        assert api.get(f"/api/nodes/{node.name}/").json()["agent_restart"] is None
+        assert "node agent restarting" not in client.get(f"/nodes/{node.pk}/").content.decode()
+    finally:
+        children.stop(timeout=1)

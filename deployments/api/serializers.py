@@ -1,7 +1,7 @@
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
-from deployments import callit, flagpolicy, secrets, validators
+from deployments import callit, flagpolicy, launcherstate, secrets, validators
 from deployments.userflags import PRESETS
 from deployments.gateway.models import Route
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
@@ -57,12 +57,19 @@ class NodeSerializer(serializers.ModelSerializer):
     queue = serializers.CharField(read_only=True)
     online = serializers.BooleanField(read_only=True)
     live = serializers.SerializerMethodField(help_text="The last sample: per GPU memory, utilization, temperature, power.")
+    agent_restart = serializers.SerializerMethodField(
+        help_text="In a node's own answer (not the list), while `./panel start` is to start the node's exited agent "
+                  "again: its exit code, when it exited and when it starts again (Unix times); else null.")
 
     class Meta:
         model = Node
         fields = ["id", "name", "queue", "address", "agent_version", "online", "last_heartbeat", "heartbeat_seconds",
                   "model_store", "disk_total", "disk_free", "nvml_error", "engine_version", "engine_error", "systemd",
-                  "gpus", "live", "disk_read"]
+                  "gpus", "live", "disk_read", "agent_restart"]
+
+    def get_agent_restart(self, node) -> dict | None:
+        # The list's rows are kept until a table they read changes (NodeViewSet.list): a file's news would go stale.
+        return None if "latest" in self.context else launcherstate.agent_restart(node)
 
     def get_live(self, node) -> dict | None:
         if "latest" in self.context:  # read by the caller for the whole list (deployments.selectors.node_live_fields)

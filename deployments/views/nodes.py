@@ -5,7 +5,7 @@ from datetime import timedelta
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, render
 
-from deployments import history, selectors
+from deployments import history, launcherstate, selectors
 from deployments.models import Node
 
 
@@ -23,7 +23,7 @@ def node_detail(request, pk):
     recent = history.recent(node.pk)
     return render(request, "deployments/node_detail.html", {
         "node": node, "gpus": node.gpus.all(), "recent": recent, "latest": recent[-1] if recent else None,
-        "ranks": selectors.node_ranks(node),
+        "ranks": selectors.node_ranks(node), "agent_restart": launcherstate.agent_restart(node),
     })
 
 

@@ -130,12 +130,26 @@
     if (body) body.innerHTML = procRows.join("") || '<tr><td colspan="5" class="muted">No GPU processes.</td></tr>';
   }
 
+  // A heartbeat late: asked every few seconds whether `./panel start` is starting the agent again (agent_restart).
+  let restart = null, askedAt = 0;
+  async function askRestart() {
+    askedAt = Date.now();
+    try {
+      const r = await fetch(N.apiUrl, { headers: { Accept: "application/json" } });
+      if (r.ok) restart = (await r.json()).agent_restart;
+    } catch (e) { /* the web itself is away: the badge says offline */ }
+  }
   function setState() {
     const el = document.getElementById("node-state");
     const last = lastT || N.lastHeartbeat;
     const online = last && Date.now() / 1000 - last < 3 * N.heartbeat;
-    el.className = "badge " + (online ? "online" : "offline");
-    el.textContent = online ? "online" : last ? "offline since " + new Date(last * 1000).toLocaleString() : "never seen";
+    if (!last || Date.now() / 1000 - last < 1.5 * N.heartbeat) restart = null;
+    else if (Date.now() - askedAt > 3000) askRestart();
+    el.className = "badge " + (online && !restart ? "online" : "offline");
+    const at = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
+    el.textContent = restart
+      ? `node agent restarting (exited with code ${restart.code} at ${at(restart.exited)}; starting again at ${at(restart.next_start)})`
+      : online ? "online" : last ? "offline since " + new Date(last * 1000).toLocaleString() : "never seen";
   }
   setInterval(setState, 1000);
 
