@@ -75,7 +75,10 @@ class LoadProgress:
 
     def _feed_one(self, text: str, now: float) -> None:
         if m := WEIGHTS_BAR_RE.search(text):
-            self.shard_percent, self.shards_done, self.shards_total = map(int, m.groups())
+            percent, done, total = map(int, m.groups())
+            if self._last_shard is not None and (total != self.shards_total or done < self._last_shard[1]):
+                self._first_shard = None  # another bar (a draft model's weights): its own rate
+            self.shard_percent, self.shards_done, self.shards_total = percent, done, total
             if self._first_shard is None:
                 self._first_shard = (now, self.shards_done)
             self._last_shard = (now, self.shards_done)

@@ -80,6 +80,18 @@ def test_load_progress_estimates_time_left_from_the_shard_rate():
     assert progress.idle_s(now=140.0) == 30.0
 
 
+def test_a_second_weights_bar_gets_its_own_rate_for_the_time_left():
+    """A draft model's weights after the target's (another bar, counted from 0 again): its time left comes from its
+    own rate, not from the first bar's start (which read as no progress and left the page without an estimate)."""
+    progress = LoadProgress()
+    for now, done in ((100.0, 0), (110.0, 4), (120.0, 8)):
+        progress.feed(f"Loading safetensors checkpoint shards: {done * 100 // 8}% Completed | {done}/8 [00:10<00:10]",
+                      now=now)
+    progress.feed("Loading safetensors checkpoint shards:   0% Completed | 0/2 [00:00<?, ?it/s]", now=130.0)
+    progress.feed("Loading safetensors checkpoint shards:  50% Completed | 1/2 [00:30<00:30]", now=160.0)
+    assert progress.seconds_left == pytest.approx(30.0)
+
+
 def test_load_progress_reads_tqdm_updates_joined_by_carriage_returns():
     progress = LoadProgress()
     progress.feed("Loading safetensors checkpoint shards:   0% Completed | 0/4\r"
