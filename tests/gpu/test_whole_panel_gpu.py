@@ -135,6 +135,9 @@ def _stand_in(base: Path) -> Path:
     vllm.chmod(0o755)
     shutil.copy(ROOT / "tests" / "faults" / "fakevllm" / "vllm", engine / "fakevllm")
     (engine / "fakevllm").chmod(0o644)
+    for extra in ("fakeproto.py", "serve-flags.txt"):  # the fake's own files, beside it
+        shutil.copy(ROOT / "tests" / "faults" / "fakevllm" / extra, engine / extra)
+        (engine / extra).chmod(0o644)
     return vllm
 
 
