@@ -123,15 +123,18 @@ class Counters:
         return ("\n".join(lines) + "\n").encode()
 
 
-def watch_cores(cores: list, on_death, log) -> threading.Event:
-    """An Event set once a core child has died, after which `on_death()` runs (after DEAD_SERVE_S, as vLLM's
-    watchdog ends its server); `cores`: Popen objects; `log(message, level)` writes the engine log's line."""
+def watch_cores(cores: list, on_death, log, at_death=None) -> threading.Event:
+    """An Event set once a core child has died (and `at_death()` called), after which `on_death()` runs (after
+    DEAD_SERVE_S, as vLLM's watchdog ends its server); `cores`: Popen objects; `log(message, level)` writes the
+    engine log's line."""
     dead = threading.Event()
 
     def watch() -> None:
         while not any(core.poll() is not None for core in cores):
             time.sleep(0.05)
         dead.set()
+        if at_death is not None:
+            at_death()
         log("AsyncLLM output_handler failed.", "ERROR")
         log("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
             "for the root cause.", "ERROR")
@@ -140,3 +143,31 @@ def watch_cores(cores: list, on_death, log) -> threading.Event:
 
     threading.Thread(target=watch, daemon=True, name="core-watchdog").start()
     return dead
+
+
+class HostWeights:
+    """`mb` MiB of host RAM standing for the weights. Level 1 keeps them (no GPU to move them from); level 2
+    frees them; waking the weights allocates them again."""
+
+    def __init__(self, mb: int):
+        self.mb = mb
+        self.held = self.allocate()
+
+    def allocate(self) -> bytearray:
+        held = bytearray(self.mb << 20)
+        held[::4096] = b"\1" * len(range(0, len(held), 4096))  # touch every page: resident, not just reserved
+        return held
+
+    def sleep(self, level: int) -> int:
+        """Bytes freed."""
+        freed = len(self.held) if level == 2 else 0
+        if freed:
+            self.held = bytearray()
+        return freed
+
+    def wake(self, tags: list[str]) -> None:
+        if (not tags or "weights" in tags) and len(self.held) < self.mb << 20:
+            self.held = self.allocate()
+
+    def in_use(self) -> int:
+        return len(self.held)
