@@ -122,7 +122,8 @@ class Server:
     def _routes(self) -> dict:
         return {("POST", "/v1/chat/completions"): self.completions, ("POST", "/v1/completions"): self.completions,
                 ("GET", "/v1/models"): self.models, ("GET", "/metrics"): self.metrics,
-                ("GET", "/stats"): self.stats, ("GET", "/health"): self.health, **(self.face.routes() if self.face else {})}
+                ("GET", "/stats"): self.stats, ("GET", "/health"): self.health,
+                **(self.face.routes() if self.face else {})}
 
     def start(self):
         self._task = asyncio.get_running_loop().create_task(self._scheduler())
@@ -411,7 +412,8 @@ def main(argv=None):
     parser.add_argument("--jitter", type=float, default=0.0, help="each request's gap drawn from gap * (1 ± jitter)")
     parser.add_argument("--seed", type=int, default=0, help="of the jitter: the same seed draws the same gaps")
     parser.add_argument("--slots", type=int, default=0, help="requests served at once (the rest queue); 0: no limit")
-    parser.add_argument("--vllm", action="store_true", help="answer as vLLM does (tests/schedvllm.py): the fake vLLM's side")
+    parser.add_argument("--vllm", action="store_true",
+                        help="answer as vLLM does (tests/schedvllm.py): the fake vLLM's HTTP side")
     parser.add_argument("--served-model-name", default="sched")
     parser.add_argument("--max-model-len", type=int, default=1 << 20)
     parser.add_argument("--wait-stdin", action="store_true",

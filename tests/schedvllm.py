@@ -68,7 +68,8 @@ class VllmFace:
                    for le in ("1.0", "+Inf")),
                  f"vllm:time_to_first_token_seconds_count{label} {float(finished)}",
                  "# TYPE vllm:engine_sleep_state gauge",
-                 *(f'vllm:engine_sleep_state{{{inner},sleep_state="{state}"}} {float(on)}' for state, on in states.items())]
+                 *(f'vllm:engine_sleep_state{{{inner},sleep_state="{state}"}} {float(on)}'
+                   for state, on in states.items())]
         return lines
 
     def on_core_death(self, loop) -> None:

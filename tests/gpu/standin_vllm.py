@@ -15,7 +15,8 @@ copies it back; after level 2 it comes back uninitialised, as vLLM's weights do 
 it go and come back. Without --enable-sleep-mode nothing is freed.
 
 The test copies this file as `vllm` (with its own interpreter, the one with torch, as the #! line) and
-the fake engine beside it as `fakevllm` (with the files beside the fake: fakeproto.py, serve-flags.txt), into a folder the engine user can read. Standard library and torch.
+the fake engine beside it as `fakevllm` (with the files beside the fake: fakeproto.py, serve-flags.txt), into a
+folder the engine user can read. Standard library and torch.
 """
 import errno
 import importlib.machinery

@@ -33,8 +33,8 @@ def refuse_unknown_flags(argv: list) -> None:
     unknown = [a for a in argv if a.startswith("--") and a.split("=", 1)[0] not in known]
     if unknown:
         print("usage: vllm [-h] [-v]\n            {chat,complete,serve,launch,bench,collect-env,download-kernels,"
-              f"preload,run-batch,snapshot}}\n            ...\nvllm: error: unrecognized arguments: {' '.join(unknown)}",
-              file=sys.stderr)
+              "preload,run-batch,snapshot}\n            ...\n"
+              f"vllm: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
         sys.exit(2)
 
 
