@@ -30,6 +30,8 @@ collect_ignore = ["gpu"]
 # Folders and markers agree: a test in one of these folders carries its marker (added here), and a test
 # carrying one of these markers lives in its folder, so `-m` and a path select the same tests.
 FOLDER_MARKERS = {"e2e": "e2e", "faults": "faults", "integration": "integration"}
+# Folders of one set of checks run against real parts and their doubles: the real parts' cases carry their marker.
+MIXED_FOLDERS = {"conformance": {"e2e"}}
 SLOW_S = 60.0  # a test past this carries @pytest.mark.slow and a docstring saying why
 
 
@@ -41,7 +43,8 @@ def pytest_collection_modifyitems(config, items):
         if folder in FOLDER_MARKERS:
             item.add_marker(FOLDER_MARKERS[folder])
         for folder_name, marker in FOLDER_MARKERS.items():
-            if marker != FOLDER_MARKERS.get(folder) and item.get_closest_marker(marker):
+            if marker != FOLDER_MARKERS.get(folder) and item.get_closest_marker(marker) \
+                    and marker not in MIXED_FOLDERS.get(folder, ()):
                 misplaced.append(f"{item.nodeid} is marked {marker} but is not in tests/{folder_name}/")
         if folder not in FOLDER_MARKERS and "tiny_model" in getattr(item, "fixturenames", ()):
             misplaced.append(f"{item.nodeid} is in the fast tier, which installs no engine to build the tiny model "

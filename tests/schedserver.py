@@ -32,6 +32,8 @@ if __package__ in (None, ""):  # run as a script (perf/ does): the repository, n
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.schedbodies import build_chunks, count_prompt, full_response  # noqa: E402
 from tests.schedcache import PrefixCache  # noqa: E402
+from tests.schedtiming import ArrivalServer, Lateness  # noqa: E402
+from tests.schedvllm import VllmFace, prefix_counters  # noqa: E402
 from plumbing.eventloops import new_loop, raise_fd_limit  # noqa: E402
 
 _BOOL = pydantic.TypeAdapter(bool)
@@ -66,35 +68,6 @@ class Schedule:
     slots: int = 0
 
 
-class Lateness:
-    """Histogram (10 µs buckets up to 100 ms, then one for later) of chunk lateness versus schedule."""
-
-    BUCKETS_PER_S = 100_000
-    LAST = 10_000
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.counts = [0] * (self.LAST + 1)
-
-    @property
-    def max_us(self) -> float:
-        top = max((b for b, c in enumerate(self.counts) if c), default=0)
-        return (top + 1) * 1e6 / self.BUCKETS_PER_S
-
-    def quantile_us(self, q: float) -> float:
-        total = sum(self.counts)
-        if not total:
-            return 0.0
-        rank, seen = q * total, 0
-        for bucket, count in enumerate(self.counts):
-            seen += count
-            if seen >= rank:
-                return (bucket + 0.5) * 1e6 / self.BUCKETS_PER_S
-        return self.max_us
-
-
 class _Stream:
     """One response in flight: its transport, its framed chunks and which one is next."""
 
@@ -109,8 +82,9 @@ class _Stream:
 class Server:
     """The aiohttp application plus one scheduler task that writes every due chunk."""
 
-    def __init__(self, schedule: Schedule):
+    def __init__(self, schedule: Schedule, face: VllmFace | None = None):
         self.schedule = schedule
+        self.face = face  # as the fake vLLM's HTTP side: vLLM's key check, names and routes (tests/schedvllm.py)
         # Two queues kept in deadline order without a heap: first chunks (anchor + TTFT, anchors
         # only grow) and next chunks (each write schedules its stream one gap later, in order).
         self.firsts: deque = deque()
@@ -137,6 +111,8 @@ class Server:
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """The whole routing table: a low-level server has no router."""
+        if self.face is not None and (refused := self.face.refused(request)) is not None:
+            return refused
         route = self._routes.get((request.method, request.path))
         if route is None:
             return web.json_response({"error": {"message": f"no route {request.method} {request.path}"}}, status=404)
@@ -146,7 +122,8 @@ class Server:
     def _routes(self) -> dict:
         return {("POST", "/v1/chat/completions"): self.completions, ("POST", "/v1/completions"): self.completions,
                 ("GET", "/v1/models"): self.models, ("GET", "/metrics"): self.metrics,
-                ("GET", "/stats"): self.stats, ("GET", "/health"): self.health}
+                ("GET", "/stats"): self.stats, ("GET", "/health"): self.health,
+                **(self.face.routes() if self.face else {})}
 
     def start(self):
         self._task = asyncio.get_running_loop().create_task(self._scheduler())
@@ -161,14 +138,15 @@ class Server:
                 _resolve((queue.popleft() if isinstance(queue, deque) else queue.pop())[-1].done)
 
     async def health(self, request):
-        return web.Response(text="")
+        return web.Response(status=503 if self.face and self.face.dead else 200, text="")
 
     async def models(self, request):
-        model = {"id": "sched", "object": "model", "owned_by": "schedserver", "max_model_len": 1 << 20}
+        model = self.face.model() if self.face else {"id": "sched", "object": "model", "owned_by": "schedserver",
+                                                     "max_model_len": 1 << 20}
         return web.json_response({"object": "list", "data": [model]})
 
     async def metrics(self, request):
-        label = '{model_name="sched"}'
+        label = f'{{model_name="{self.face.name if self.face else "sched"}"}}'
         kv = min(1.0, self.running / max(1, self.schedule.kv_capacity))
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -182,7 +160,8 @@ class Server:
             f"vllm:generation_tokens_total{label} {float(self.generation_tokens_total)}",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{label} {float(self.prompt_tokens_total)}",
-        ] + (self.prefix.metrics(label) if self.schedule.prefix_cache else [])
+        ] + (self.prefix.metrics(label) if self.schedule.prefix_cache else prefix_counters(label) if self.face else [])
+        lines += self.face.metrics(label, self.requests_total) if self.face else []
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats(self, request):
@@ -406,23 +385,8 @@ class SchedServer:
         self._loop.close()
 
 
-class _Protocol(web.RequestHandler):
-    """Notes when each request's bytes arrive, before aiohttp parses them."""
-
-    arrived = 0.0
-
-    def data_received(self, data: bytes) -> None:
-        self.arrived = perf_counter()
-        super().data_received(data)
-
-
-class _LowServer(web.Server):
-    def __call__(self) -> web.RequestHandler:
-        return _Protocol(self, loop=self._loop, **self._kwargs)
-
-
 async def _serve(server, host, port):
-    runner = web.ServerRunner(_LowServer(server.handle, access_log=None), handle_signals=False, shutdown_timeout=1.0)
+    runner = web.ServerRunner(ArrivalServer(server.handle, access_log=None), handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=4096).start()
     server.start()
@@ -448,6 +412,10 @@ def main(argv=None):
     parser.add_argument("--jitter", type=float, default=0.0, help="each request's gap drawn from gap * (1 ± jitter)")
     parser.add_argument("--seed", type=int, default=0, help="of the jitter: the same seed draws the same gaps")
     parser.add_argument("--slots", type=int, default=0, help="requests served at once (the rest queue); 0: no limit")
+    parser.add_argument("--vllm", action="store_true",
+                        help="answer as vLLM does (tests/schedvllm.py): the fake vLLM's HTTP side")
+    parser.add_argument("--served-model-name", default="sched")
+    parser.add_argument("--max-model-len", type=int, default=1 << 20)
     parser.add_argument("--wait-stdin", action="store_true",
                         help="bind only once a line arrives on stdin (the fake vLLM's load ends: imports are done by then)")
     args = parser.parse_args(argv)
@@ -462,7 +430,10 @@ def main(argv=None):
     if not args.gc:
         gc.disable()  # a collection mid-level would delay chunks; /stats?reset=1 collects instead
     loop = asyncio.new_event_loop() if args.no_uvloop else new_loop()
-    runner = loop.run_until_complete(_serve(Server(schedule), args.host, args.port))
+    face = VllmFace(args.served_model_name, args.max_model_len) if args.vllm else None
+    runner = loop.run_until_complete(_serve(Server(schedule, face), args.host, args.port))
+    if face is not None:
+        face.on_core_death(loop)
     print(f"schedserver listening on http://{args.host}:{runner.addresses[0][1]}", flush=True)
     try:
         loop.run_forever()

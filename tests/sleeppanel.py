@@ -28,6 +28,9 @@ def cpu_fake(base: Path) -> Path:
     vllm = engine / "vllm"
     shutil.copy(ROOT / "tests" / "faults" / "fakevllm" / "vllm", vllm)
     vllm.chmod(0o755)
+    for extra in ("fakeproto.py", "serve-flags.txt"):  # the fake's own files, beside it
+        shutil.copy(ROOT / "tests" / "faults" / "fakevllm" / extra, engine / extra)
+        (engine / extra).chmod(0o644)
     return vllm
 
 

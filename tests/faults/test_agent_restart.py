@@ -20,7 +20,8 @@ import time
 import httpx
 import pytest
 
-from deployments.host import containers, processes
+from deployments import engineapikey
+from deployments.host import containers, processes, vllm
 from deployments.models import Deployment, DeploymentEvent, Node
 from tests import dockerd
 from tests.conftest import ROOT, agent_argv, free_port, wait_until
@@ -34,15 +35,16 @@ STOP_GRACE_S = 5  # `docker restart -t`: SIGTERM, then SIGKILL of the whole cont
 class RequestStream:
     """Chat completions sent one after another to an engine from a thread, each outcome kept with its times."""
 
-    def __init__(self, port: int, model: str):
+    def __init__(self, port: int, model: str, key: str):
         self.url, self.model = f"http://127.0.0.1:{port}/v1/chat/completions", model
+        self.headers = vllm.auth_headers(key)  # the engine's own key, as the panel and its gateway send it
         self.done: list[tuple[float, float]] = []
         self.failed: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=10, headers=self.headers) as client:
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
@@ -135,8 +137,10 @@ def _serving(node, fake_model):
 def _restarts_keep_serving(restart, row, fake_model, engine_containers=None):
     """Restart the agent RESTARTS times under a request stream; each time the engine answers throughout and
     the new agent adopts it (same PID, still ready, one engine)."""
-    served = httpx.get(f"http://127.0.0.1:{row.port}/v1/models", timeout=5).json()["data"][0]["id"]
-    with RequestStream(row.port, served) as stream:
+    key = engineapikey.of(row)
+    served = httpx.get(f"http://127.0.0.1:{row.port}/v1/models", headers=vllm.auth_headers(key),
+                       timeout=5).json()["data"][0]["id"]
+    with RequestStream(row.port, served, key) as stream:
         wait_until(lambda: len(stream.done) >= 5, timeout=20, message="the stream to get going")
         for i in range(RESTARTS):
             down = time.monotonic()

@@ -19,7 +19,8 @@ copies it back; after level 2 it comes back uninitialised, as vLLM's weights do 
 it go and come back. Without --enable-sleep-mode nothing is freed.
 
 The test copies this file as `vllm` (with its own interpreter, the one with torch, as the #! line) and
-the fake engine beside it as `fakevllm`, into a folder the engine user can read. Standard library and torch.
+the fake engine beside it as `fakevllm` (with the files beside the fake: fakeproto.py, serve-flags.txt), into a
+folder the engine user can read. Standard library and torch.
 """
 import errno
 import importlib.machinery
@@ -122,6 +123,7 @@ def engine_core(model: str, pooled: bool) -> None:
               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **probe(config.get("probe", []))}
     print(REPORT + json.dumps(report), flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    standin.fakeproto.title_core(b"VLLM::Worker")  # what holds the GPU memory in vLLM
     standin.obey(memory, config, pooled)
 
 
@@ -136,6 +138,8 @@ def replay(config: dict) -> None:
 def serve(args: list[str]) -> None:
     """Start the GPU-holding child, pass its report to the log once it holds the memory, replay a recorded GPU load
     if fake_engine.json names one, then serve."""
+    standin = fake()
+    standin.fakeproto.refuse_unknown_flags(args)  # as vLLM's argparse, before anything starts
     pooled = "pooled" if "--enable-sleep-mode" in args else "unpooled"
     core = subprocess.Popen([sys.executable, __file__, "_engine_core", args[0], pooled],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -145,7 +149,7 @@ def serve(args: list[str]) -> None:
     print(line.strip(), flush=True)
     if (config := json.loads((Path(args[0]) / "fake_engine.json").read_text())).get("replay"):
         replay(config)
-    fake().serve(args, cores=(core,))
+    standin.serve(args, cores=(core,))
 
 
 def main() -> None:

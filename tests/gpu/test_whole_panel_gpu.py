@@ -137,6 +137,9 @@ def _stand_in(base: Path) -> Path:
     (engine / "fakevllm").chmod(0o644)
     shutil.copy(ROOT / "tests" / "gpucorpus.py", engine / "gpucorpus.py")  # for a "replay" in fake_engine.json
     (engine / "gpucorpus.py").chmod(0o644)
+    for extra in ("fakeproto.py", "serve-flags.txt"):  # the fake's own files, beside it
+        shutil.copy(ROOT / "tests" / "faults" / "fakevllm" / extra, engine / extra)
+        (engine / extra).chmod(0o644)
     return vllm
 
 
