@@ -186,6 +186,8 @@ def test_the_gpu_stand_in_replays_a_whole_load_at_1000x_and_the_panels_follower_
     engine.mkdir()
     shutil.copy(root / "gpu" / "standin_vllm.py", engine / "vllm")
     shutil.copy(root / "faults" / "fakevllm" / "vllm", engine / "fakevllm")
+    for extra in ("fakeproto.py", "serve-flags.txt"):  # the fake's own files, beside it
+        shutil.copy(root / "faults" / "fakevllm" / extra, engine / extra)
     shutil.copy(root / "gpucorpus.py", engine / "gpucorpus.py")
     model = tmp_path / "model"
     model.mkdir()
