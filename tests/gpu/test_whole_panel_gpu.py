@@ -6,7 +6,7 @@ uses), the stand-in can neither read the environment of any panel process nor si
 panel's var/ files, no process of another uid reaches the engine's routes (the loopback door, host/door.py, with
 nftables), and Stop gives the memory back. The live path (NVML in the agent, Redis, Channels, the page's WebSocket)
 is held to nvidia-smi, read beside it ten times a second: each figure the socket brings, through the load and the
-Stop, is one nvidia-smi showed within the tick before it arrived.
+Stop, is one nvidia-smi showed within a tick of the moment the agent read it.
 
 No Django in this process, like the rest of this folder: the panel runs as its own processes and is
 reached over HTTP and WebSocket only, as a user's browser or client reaches it."""
@@ -213,12 +213,15 @@ TICK_S = 1.0  # the agent samples every second (deployments/agent.py)
 
 
 def _matching(live: Live, smi: Smi) -> tuple[list, list]:
-    """(matched, unmatched): each live GPU 0 figure with the nvidia-smi reading that showed it within the tick
-    before the socket brought it (MiB, nvidia-smi's rounding), or alone when none did."""
+    """(matched, unmatched): each live GPU 0 figure with the nvidia-smi reading that showed it within a tick of the
+    moment the agent read it (MiB, nvidia-smi's rounding), or alone when none did. Within a tick on either side: a
+    figure read just after the memory moved (a Stop's release) is shown by nvidia-smi's next reading, taken after it
+    (the H200 failed twice on "within the tick before the socket brought it": 22 MiB read 9 ms before it arrived,
+    every earlier nvidia-smi reading still the engine's)."""
     matched, unmatched = [], []
     for received, sample in live.samples:
         mib = (sample["gpus"][0]["memory_used"] or 0) / 2**20
-        seen = [(t, m) for t, m in smi.readings if received - TICK_S <= t <= received and abs(m - mib) <= 1]
+        seen = [(t, m) for t, m in smi.readings if abs(t - sample["t"]) <= TICK_S and abs(m - mib) <= 1]
         (matched if seen else unmatched).append((received, sample["t"], round(mib), seen[-1] if seen else None))
     return matched, unmatched
 
@@ -331,7 +334,7 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
         matched, unmatched = _matching(live, smi)
         figures.update(live_samples=len(live.samples), smi_readings=len(smi.readings))
         assert len(live.samples) >= 5 and len(smi.readings) >= 20, figures
-        assert unmatched == [], f"live figures nvidia-smi never showed in the tick before: {unmatched[:5]} ({len(matched)} matched)"
+        assert unmatched == [], f"live figures nvidia-smi never showed within a tick: {unmatched[:5]} ({len(matched)} matched)"
         levels = {m[2] for m in matched}
         assert max(levels) - min(levels) >= HOLD_GIB * 1024, f"the live figures never followed the load and Stop: {sorted(levels)}"
         lag = [received - t for received, t, _, _ in matched]
@@ -348,7 +351,7 @@ def test_the_whole_panel_deploys_a_gpu_stand_in_as_the_engine_user_and_stop_give
               f"{figures['memory_back_s']:.2f} s, no process left running; the door: port {port} answered root /health 200, "
               f"uid {door.NOBODY} and the engine's uid {engine_uid}: {figures['door']} on every route; live path: "
               f"{len(matched)} WebSocket samples from {min(levels)} to {max(levels)} MiB, each one nvidia-smi showed "
-              f"within {TICK_S:.0f} s before it arrived ({len(smi.readings)} nvidia-smi readings), sample to socket "
+              f"within {TICK_S:.0f} s of its reading ({len(smi.readings)} nvidia-smi readings), sample to socket "
               f"median {sorted(lag)[len(lag) // 2] * 1000:.0f} ms, max {max(lag) * 1000:.0f} ms" + (f" ({', '.join(zombies)})" if zombies else ""))
         done = True
     finally:
