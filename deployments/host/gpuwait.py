@@ -35,12 +35,13 @@ class Kept:
         return f"GPU {self.index}: {self.name} (PID {self.pid}) holds {held}; {self.why}, not waited for"
 
 
-def is_display_server(proc: GpuProcess) -> bool:
-    """A display server: listed by NVML as a graphics process only (Xorg, gnome-shell, Xwayland), or a process the
-    stop never signals for being one (ownership.DISPLAY_SERVERS, by NVML's name or the process's own)."""
-    name = proc.name or ""
-    return (proc.graphics or ownership.is_display_server({"name": os.path.basename(name), "command": name})
-            or ownership.is_display_server(ownership.describe(proc.pid)))
+def is_display_server(proc: GpuProcess, described: dict[int, dict]) -> bool:
+    """ownership.is_display_server of an NVML process, by NVML's name or the process's own (read once per PID into
+    `described`: a wait polls five times a second, and a PID's display server stays one)."""
+    if proc.pid not in described:
+        described[proc.pid] = ownership.describe(proc.pid)
+    by_nvml = {"name": os.path.basename(proc.name or ""), "command": proc.name or ""}
+    return ownership.is_display_server(described[proc.pid], proc.graphics) or ownership.is_display_server(by_nvml)
 
 
 def wait_memory_released(indices: Iterable[int], pids: Iterable[int] | None, timeout_s: float, poll_s: float = 0.2,
@@ -51,9 +52,10 @@ def wait_memory_released(indices: Iterable[int], pids: Iterable[int] | None, tim
     indices, wanted, spare = list(indices), None if pids is None else set(pids), set(ignore)
     deadline = time.monotonic() + timeout_s
     readings: list[tuple[float, int]] = []  # (when, used memory of the GPUs) once no process is waited for
+    described: dict[int, dict] = {}
     while True:
         by_gpu = gpu.processes_on(indices)
-        kept = _kept(by_gpu, spare)
+        kept = _kept(by_gpu, spare, described)
         staying = {k.pid for k in kept}
         holding = {pid: b for pid, b in _holding(by_gpu, wanted).items() if pid not in staying}
         now = time.monotonic()
@@ -66,11 +68,12 @@ def wait_memory_released(indices: Iterable[int], pids: Iterable[int] | None, tim
         time.sleep(poll_s)
 
 
-def _kept(by_gpu: dict[int, list[GpuProcess]], spare: set[int]) -> list[Kept]:
+def _kept(by_gpu: dict[int, list[GpuProcess]], spare: set[int], described: dict[int, dict]) -> list[Kept]:
     kept = []
     for index, procs in sorted(by_gpu.items()):
         for proc in procs:
-            why = "an engine asleep" if proc.pid in spare else "a display server" if is_display_server(proc) else None
+            why = ("an engine asleep" if proc.pid in spare
+                   else "a display server" if is_display_server(proc, described) else None)
             if why:
                 kept.append(Kept(index, proc.pid, os.path.basename(proc.name or "") or "?", proc.used_memory, why))
     return kept

@@ -160,8 +160,11 @@ def describe(pid: int) -> dict:
         return {"pid": pid, "user": "?", "name": "?", "command": "?"}
 
 
-def is_display_server(info: dict) -> bool:
-    return info.get("name") in DISPLAY_SERVERS or Path(str(info.get("command", "")).split(" ")[0]).name in DISPLAY_SERVERS
+def is_display_server(info: dict, graphics: bool = False) -> bool:
+    """A display server, never stopped nor waited for: NVML lists it as a graphics process only (`graphics`), or its
+    name or command's program is one of DISPLAY_SERVERS."""
+    return graphics or info.get("name") in DISPLAY_SERVERS or Path(
+        str(info.get("command", "")).split(" ")[0]).name in DISPLAY_SERVERS
 
 
 class RefusedToSignal(HostError):

@@ -70,7 +70,7 @@ def foreign_holders(node_id: int, gpu_indices: list[int] | None, spare=()) -> li
         if info["name"] == "?":
             continue  # gone meanwhile
         stray = ownership.owner(pid, others) if others else None
-        found.append({**info, **holders[pid], "display": pid in drawing or ownership.is_display_server(info),
+        found.append({**info, **holders[pid], "display": ownership.is_display_server(info, graphics=pid in drawing),
                       "deployment": known.get(stray) if stray else None,
                       "supervisor": supervisors.as_dict(supervisors.of(pid))})
     return found

@@ -97,7 +97,7 @@ def test_the_weights_fraction_moves_with_each_bar_line_and_the_eta_is_near_the_t
             last_done = progress.shards_done
             assert 5 <= progress.percent <= 60
             if progress.shards_done / progress.shards_total >= 0.25 and t < end - 60:
-                ratios.append(progress.seconds_left / (end - t))
+                ratios.append(progress.seconds_left / (end - t))  # corpus timestamps, as below: no clock is read
     assert last_done == progress.shards_total
     assert ratios and all(0.7 < r < 1.4 for r in ratios), ratios
 
@@ -121,6 +121,8 @@ def test_the_prediction_from_an_earlier_same_load_is_near_the_true_time_to_ready
             break
         p = predict(clock, t, history, "same key, 1 load")
         if clock.phase == "weights" and clock.shards_done:
+            # Both sides are the corpus's own timestamps (seconds since launch, written in the file), not a clock of
+            # this machine: the prediction against the recorded truth, the same on every run.
             assert 0.75 < p.seconds_left / (ready - t) < 1.33, (t, line, p)
             checked += 1
         elif clock.weights_s is not None:
