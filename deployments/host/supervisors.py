@@ -10,7 +10,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 
-from deployments.host import systemd
+from deployments.host import processes, systemd
 from deployments.host.errors import HostError
 
 # A container's cgroup: Docker's systemd driver (docker-<id>.scope) and cgroupfs driver (/docker/<id>), containerd's
@@ -97,19 +97,11 @@ def stop(sup: Supervisor, pids: list[int]) -> str:
     except Exception as exc:  # noqa: BLE001 - the Docker SDK's errors, named for the user
         raise SupervisorError(f"cannot stop {sup}: {exc}") from exc
     deadline = time.monotonic() + GONE_WITHIN_S
-    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in pids if processes.alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     if left:
         raise SupervisorError(f"{how} returned but PID {', '.join(map(str, left))} still runs")
     return f"{how}{after}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def as_dict(sup: Supervisor | None) -> dict | None:
