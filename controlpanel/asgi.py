@@ -9,6 +9,7 @@ django.setup(set_prefix=False)
 
 from django.conf import settings  # noqa: E402
 
+from plumbing import longpoll  # noqa: E402
 from plumbing.handler import ThreadedASGIHandler  # noqa: E402
 
 django_asgi_app = ThreadedASGIHandler(settings.WEB_THREADS)
@@ -23,6 +24,7 @@ application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "lifespan": longpoll.lifespan,  # a stop ends the long polls at once
     }
 )
 

@@ -9,6 +9,7 @@ from deployments.gateway import media
 from deployments.host import osuser, ownership, processenv, serveargv, systemd
 from deployments.host.processes import EngineError
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, ModelCopy, ModelRepo, Node
+from plumbing import longpoll
 
 
 def node_list() -> QuerySet[Node]:
@@ -83,8 +84,10 @@ def deployment_wait(deployment: Deployment, token: str, wait_s: float = 0.0) -> 
         if current != token or time.monotonic() >= deadline:
             return current, events
         # Quick at first (a sleep, wake or swap ends within a second or two of the request: perf/swap.py), then
-        # every half second for the long waits (a load), which is one query per waiter and poll.
-        time.sleep(0.1 if time.monotonic() - started < 5 else 0.5)
+        # every half second for the long waits (a load), which is one query per waiter and poll; at once when the
+        # server stops.
+        if longpoll.pause(0.1 if time.monotonic() - started < 5 else 0.5):
+            return current, events
 
 
 def _engine_argv(d: Deployment) -> tuple[list[str], dict, dict]:

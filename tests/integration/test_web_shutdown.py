@@ -1,0 +1,60 @@
+"""Ctrl-C on the web server while a client holds a long poll (`panelctl deploy --wait` follows a load through the
+deployment's events, up to 30 s a poll): the poll is answered and the server stops without an error. uvicorn gives
+open requests 3 s (`./panel start`), then cancelled the poll's task and printed "ERROR: Cancel 1 running task(s),
+timeout graceful shutdown exceeded" (issue 45)."""
+import json
+import signal
+import socket
+
+import httpx
+import pytest
+
+from panelctl import launcher
+from plumbing import tokens
+from tests.conftest import free_port, wait_until
+from tests.factories import DeploymentFactory, NodeFactory, UserFactory
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def test_ctrl_c_answers_a_held_long_poll_and_stops_the_web_server_without_an_error(process_env, spawn):
+    deployment = DeploymentFactory(node=NodeFactory(name="shutdown-node"), status="loading")
+    token = tokens.issue(UserFactory(role="operator"))
+    port = free_port()
+    web = spawn(launcher.web_argv("127.0.0.1", port), process_env, name="web")
+    path = f"/api/deployments/{deployment.pk}/events/"
+
+    def up():
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout=90, message="the web server")
+    state = httpx.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Token {token}"}).json()["state"]
+    # The poll on a socket of the test's own: once sendall returns its bytes are in the server's receive queue, and
+    # once that queue is empty the server has read the request and its task runs (nothing races the signal).
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(f"GET {path}?state={state}&wait=30 HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Token {token}\r\n"
+                 "Connection: close\r\n\r\n".encode())
+    wait_until(lambda: _unread(port, sock.getsockname()[1]) == 0, timeout=30, message="the server to read the poll")
+    web.send_signal(signal.SIGINT)  # nothing changes on this deployment: the poll would wait its whole 30 s
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    sock.close()
+    assert web.wait(30) == 0
+    log = open(web.log_path).read()
+    assert "ERROR" not in log and "Traceback" not in log, log
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), answer[:2000]
+    assert json.loads(body)["state"] == state
+
+
+def _unread(port: int, client_port: int) -> int | None:
+    """The server side's receive queue (bytes not yet read) of the connection from `client_port`, from /proc/net/tcp."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and int(fields[2].split(":")[1], 16) == client_port:
+            return int(fields[4].split(":")[1], 16)
+    return None
