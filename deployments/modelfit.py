@@ -173,7 +173,7 @@ def human_bytes(n: int | float) -> str:
     """Bytes in binary units, the one convention of every page and of nvidia-smi: '509 GiB', '63.7 GiB'."""
     if n < 10**5:
         return f"{int(n):,} B"
-    value, unit = (n / 2**30, "GiB") if n >= 10**8 else (n / 2**20, "MiB")
+    value, unit = (n / 2**30, "GiB") if n >= 2**30 else (n / 2**20, "MiB")  # "302 MiB", never "0.3 GiB"
     return f"{value:.1f} {unit}" if round(value, 1) < 100 else f"{value:,.0f} {unit}"
 
 

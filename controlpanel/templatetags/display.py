@@ -9,14 +9,13 @@ register = template.Library()
 
 @register.filter
 def gib(value) -> str:
-    """1610612736 -> "1.5 GiB"; under a GiB in MiB, so a small model does not read "0.0 GiB"."""
+    """A size as every page and the JS write it (modelfit.human_bytes): "1.5 GiB", "302 MiB", "2,048 B"."""
+    from deployments.modelfit import human_bytes
+
     try:
-        size = int(value or 0)
+        return human_bytes(int(value or 0))
     except (TypeError, ValueError):
         return "—"
-    if size >= 2**30:
-        return f"{size / 2**30:,.1f} GiB"
-    return f"{size / 2**20:,.1f} MiB"
 
 
 @register.filter

@@ -162,6 +162,9 @@ class _Download:
             if complete and not verify and self.ledger.verified.get(f.path) == _identity(f):
                 self.done[f.path] = f.size
             else:
+                # What is on disk counts from the first report: a file to check, a partial to resume (its prefix is
+                # hashed again when its turn comes, without counting it twice).
+                self.done[f.path] = f.size if complete else _usable_partial(self.dest, f, self.ledger)
                 todo.append((f, complete))
         if on_progress:
             on_progress(self.progress())
@@ -272,19 +275,18 @@ class _Download:
         return hasher is None or hasher.hexdigest() == _expected_digest(f)
 
     def _hash_prefix(self, path: Path, f: RepoFile, length: int):
-        hasher, self.done[f.path] = _hasher(f), 0
+        hasher, read = _hasher(f), 0
         if hasher is None:
-            self.done[f.path] = length
             return None
         with open(path, "rb", buffering=0) as fh:
-            while self.done[f.path] < length:
+            while read < length:
                 if self.stop.is_set():
                     raise _Stop()
-                chunk = fh.read(min(self.chunk_bytes, length - self.done[f.path]))
+                chunk = fh.read(min(self.chunk_bytes, length - read))
                 if not chunk:
                     raise OSError(errno.EIO, f"{path} shrank while being read")
                 hasher.update(chunk)
-                self.done[f.path] += len(chunk)
+                read += len(chunk)
         return hasher
 
     def _open_partial(self, f: RepoFile):

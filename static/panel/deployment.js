@@ -75,7 +75,7 @@
     }
   });
   // A multi-node deployment: every node's GPUs (its RAM without GPUs), each from its own node's feed.
-  const size = (b) => (b >= 2 ** 30 ? gib(b) : (b / 2 ** 20).toFixed(1) + " MiB");
+  const size = window.humanBytes;  // live.js
   for (const node of D.nodes) {
     Live.subscribe("node:" + node, (msg) => {
       if (msg.kind !== "sample") return;

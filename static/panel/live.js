@@ -111,6 +111,13 @@
   };
 })();
 
+// A size as every page writes it (modelfit.human_bytes): "2,048 B", "302 MiB", "3.6 MiB", "1.5 GiB", "509 GiB".
+window.humanBytes = (b) => {
+  if (b < 1e5) return `${Math.round(b).toLocaleString("en")} B`;
+  const [value, unit] = b >= 2 ** 30 ? [b / 2 ** 30, "GiB"] : [b / 2 ** 20, "MiB"];
+  return Math.round(value * 10) / 10 < 100 ? `${value.toFixed(1)} ${unit}` : `${Math.round(value).toLocaleString("en")} ${unit}`;
+};
+
 // A destructive button (Stop, Delete) says what it does and asks first: <button data-confirm="Stop x?">.
 document.addEventListener("submit", (event) => {
   const button = event.submitter;

@@ -9,9 +9,7 @@
   const COLORS = { process: "#94a3b8", p2p_check: "#f59e0b", weights: "#2563eb", compile: "#9333ea",
     kv_cache: "#059669", graph_capture: "#db2777", api_up: "#0891b2", smoke_test: "#65a30d" };
   const secs = (s) => (s < 90 ? `${Math.round(s)} s` : `${(s / 60).toFixed(1)} min`);
-  // Binary units as every page writes them (modelfit.human_bytes): a 3 MB model is "3.6 MiB", not "0.00 GB".
-  const size = (b) => (b < 1e5 ? `${Math.round(b).toLocaleString("en")} B`
-    : b >= 1e8 ? `${(b / 2 ** 30).toFixed(1)} GiB` : `${(b / 2 ** 20).toFixed(1)} MiB`);
+  const size = window.humanBytes;  // live.js
 
   function render(d) {
     if (!d || !d.phases) return;

@@ -1,9 +1,7 @@
 // Model page: each copy's progress (bytes, rate, time left, per file) follows live messages.
 (function () {
   const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
-  // As modelfit.human_bytes writes them: a 2 KB tokenizer file is "2,048 B", never "0.0 MiB".
-  const size = (b) => (b < 1e5 ? `${Math.round(b).toLocaleString("en")} B`
-    : b >= 1e8 ? (b / 2 ** 30).toFixed(1) + " GiB" : (b / 2 ** 20).toFixed(1) + " MiB");
+  const size = window.humanBytes;  // live.js
   const eta = (s) => (s == null ? "" : s > 3600 ? `${(s / 3600).toFixed(1)} h left` : s > 60 ? `${Math.round(s / 60)} min left` : `${Math.round(s)} s left`);
   Live.subscribe("model:" + MODEL.id, (msg) => {
     // Read while the page loaded (the snapshot says so, and the page was rendered unread): reload too.

@@ -409,9 +409,9 @@ GiB, MiB = 2**30, 2**20
 
 @pytest.mark.parametrize("n, text", [
     (547 * GiB, "547 GiB"), (68.4 * GiB, "68.4 GiB"), (1_016 * GiB, "1,016 GiB"), (99.96 * GiB, "100 GiB"),
-    (0.3 * GiB, "0.3 GiB"), (3.5 * MiB, "3.5 MiB"), (512, "512 B"),
+    (0.3 * GiB, "307 MiB"), (3.5 * MiB, "3.5 MiB"), (512, "512 B"),
 ])
-def test_human_bytes_uses_binary_gibibytes_with_one_decimal_below_100(n, text):
+def test_human_bytes_uses_binary_units_with_one_decimal_below_100_and_mib_below_a_gib(n, text):
     assert human_bytes(n) == text
 
 

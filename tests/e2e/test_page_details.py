@@ -1,7 +1,8 @@
 """Real Chromium, no engine (rows made with tests/factories.py, samples pushed as the agent pushes them): the
 page details a browser has to draw to show: the node's disk chart gives whole, distinct labels for a disk at
 178.79 GiB; the commit id stays inside its card; a ready deployment's start-up card names the model's size in
-binary units, not "0.00 GB"."""
+binary units, not "0.00 GB"; the pages' script writes every size as the server does (a download read "0.1 GiB of
+0.3 GiB" live where the page had loaded MiB)."""
 import time
 
 import pytest
@@ -9,6 +10,7 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from deployments import history
+from deployments.modelfit import human_bytes
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -59,3 +61,11 @@ def test_a_ready_deployments_start_up_card_names_the_models_size_in_binary_units
     page.goto(f"{page.base_url}/deployments/{d.pk}/")
     expect(page.locator("#loading-title")).to_have_text("Start-up")
     expect(page.locator("#load-disk")).to_have_text("free RAM 19.9 GiB for a 3.6 MiB model")
+
+
+def test_the_pages_script_writes_every_size_as_the_server_does(logged_in_page):
+    page = logged_in_page
+    page.goto(f"{page.base_url}/")
+    sizes = [0, 512, 99_999, 100_000, 3.5 * 2**20, 10**8, 0.3 * GiB, 1023.96 * 2**20, GiB, 68.4 * GiB, 99.96 * GiB,
+             547 * GiB, 1016 * GiB]
+    assert page.evaluate("(sizes) => sizes.map(window.humanBytes)", sizes) == [human_bytes(n) for n in sizes]

@@ -298,6 +298,25 @@ def test_a_broken_connection_keeps_the_partial_for_a_resume(url, repos, dest):
     assert_same_tree(repos / "org/small", dest)
 
 
+def test_a_resume_reports_the_bytes_kept_on_disk_from_its_first_report_and_never_fewer(url, repos, dest):
+    # The first hour's "39.5 % on the page while 72.7 % was on disk": a resume counted a partial only once its file's
+    # turn came, and from 0 again while its prefix was hashed.
+    info = hub.repo_info("org/model", endpoint=url)
+    configure(url, drop_after=12 * MB)
+    with pytest.raises(hub.HubError):
+        downloads.download(info, dest, endpoint=url, workers=1)
+    kept = info.total_size - downloads.bytes_needed(info, dest)
+    assert kept >= 12 * MB
+
+    configure(url, drop_after=None)
+    seen: list[downloads.Progress] = []
+    downloads.download(info, dest, endpoint=url, workers=1, chunk_bytes=1 << 20, on_progress=seen.append)
+    assert seen[0].bytes_done == kept
+    assert all(a.bytes_done <= b.bytes_done for a, b in zip(seen, seen[1:])), [p.bytes_done for p in seen]
+    assert seen[-1].bytes_done == info.total_size
+    assert_same_tree(repos / "org/model", dest)
+
+
 def test_a_server_ignoring_range_makes_the_resume_start_over(url, repos, dest):
     info = hub.repo_info("org/small", endpoint=url)
     configure(url, drop_after=5 * MB)
