@@ -60,6 +60,12 @@ def ms(values):
     return statistics.median(values) * 1000
 
 
+def median_ms(values):
+    """What a level's median must be, from the records: none where there was no gap to measure (a busy host may
+    deliver a whole stream in one read), never a made-up 0."""
+    return pytest.approx(ms(values)) if values else None
+
+
 def test_ttft_is_the_first_token_chunk_not_the_role_chunk(measured):
     """Which chunk is counted, by structure: each record's chunk times are its 10 token chunks (the role chunk is not
     among them), and TTFT is the first of them. The role chunk would read ~0 ms, below the schedule's 50 ms; a later
@@ -81,7 +87,7 @@ def test_itl_is_every_gap_between_reads_that_brought_token_chunks(measured):
     assert sum(len(r.chunk_times) - 1 for r in level.records) == 10 * 9
     # One gap per read that brought token chunks, as an identity with the records: not compared with the server's
     # 10 ms (a late read shortens the gap after it: CI read a median of 6.7 ms on a loaded machine).
-    assert level.itl_ms["median"] == pytest.approx(ms(read_gaps(level))), (level.itl_ms, told)
+    assert level.itl_ms.get("median") == median_ms(read_gaps(level)), (level.itl_ms, told)
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +105,11 @@ def test_chunks_that_arrive_together_share_the_gap_before_them(bunched):
     assert all(len(r.chunk_times) == 32 and len(reads(r)) <= 8 for r in level.records)  # 8 writes of 4 chunks
     # The gap between reads, not the 0 between chunks of one read (a late read shortens the gap after it, so no
     # figure of the server's clock is asserted: this is an identity with the records).
-    assert level.itl_ms["median"] == pytest.approx(ms(read_gaps(level))), (level.itl_ms, told)
+    assert level.itl_ms.get("median") == median_ms(read_gaps(level)), (level.itl_ms, told)
     # Per token: each read's gap spread over the chunks it brought, and TPOT: (E2E - TTFT) over the 31 tokens after
     # the first, both identities with the records. (A ratio of the two medians, "itl / 4 within 25 %", failed on a
     # busy host whose late reads brought 8 chunks at once: 2.51 against 1.62 ms.)
-    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=1)))
-    assert level.itl_per_token_ms["p90"] > 0 and level.itl_per_token_ms["median"] > 0
+    assert level.itl_per_token_ms.get("median") == median_ms(spread_gaps(level, tokens_per_chunk=1))
     assert level.tpot_ms["median"] == pytest.approx(ms([(r.chunk_times[-1] - r.chunk_times[0]) / 31
                                                         for r in decoded(level)]))
 
@@ -122,7 +127,7 @@ def test_several_tokens_per_chunk_and_several_chunks_per_read_multiply():
     assert all(len(reads(r)) <= 6 for r in level.records)  # 12 chunks in 6 writes
     # A client the host held back for a whole stream reads it in one go: then there is no gap, and no ITL.
     gaps, spread = read_gaps(level), spread_gaps(level, tokens_per_chunk=3)
-    assert level.itl_ms.get("median") == (pytest.approx(ms(gaps)) if gaps else None), (level.itl_ms, told)
+    assert level.itl_ms.get("median") == median_ms(gaps), (level.itl_ms, told)
     assert level.itl_per_token_ms.get("median") == (pytest.approx(ms(spread)) if spread else None)
 
 
@@ -143,11 +148,20 @@ def spread_gaps(level, tokens_per_chunk: int) -> list[float]:
     return gaps
 
 
+def assert_itl_per_token_spreads_the_reads(level) -> None:
+    """ITL per token is the identity with the records whatever the reads: a busy host may deliver a whole stream in
+    one read, and then there is no gap to measure (the figure is absent, never a made-up 0: KeyError 'median' in a
+    fast tier beside a full run)."""
+    gaps = spread_gaps(level, tokens_per_chunk=3)
+    assert level.itl_per_token_ms.get("median") == median_ms(gaps)
+    if gaps:
+        assert level.itl_per_token_ms["median"] < 0.6 * level.itl_ms["median"]  # a gap not divided would read 3x
+
+
 def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
     # From the records: a busy machine may deliver two chunks in one read (a gap of six tokens), so the median is
     # not simply the read gap / 3 (CI saw 3.59 against 4.36 / 3 at load average 10); a gap not divided reads 3x.
-    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=3)))
-    assert level.itl_per_token_ms["median"] < 0.6 * level.itl_ms["median"]
+    assert_itl_per_token_spreads_the_reads(level)
     assert level.tokens_per_chunk == "estimated"
 
 
@@ -243,8 +257,7 @@ def test_per_chunk_usage_makes_token_counts_per_chunk_exact(server):
     level = run_level(spec_for(server, continuous_usage_stats=True, min_requests=2, requests_per_user=1), 2)
     assert level.tokens_per_chunk == "usage"
     assert all(r.chunk_tokens == [3] * 10 for r in level.records)
-    assert level.itl_per_token_ms["median"] == pytest.approx(ms(spread_gaps(level, tokens_per_chunk=3)))
-    assert level.itl_per_token_ms["median"] < 0.6 * level.itl_ms["median"]  # a gap not divided would read 3x
+    assert_itl_per_token_spreads_the_reads(level)
 
 
 def test_completions_endpoint_streams_text_with_random_prompts():
