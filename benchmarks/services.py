@@ -22,11 +22,11 @@ from plumbing.queue import enqueue
 
 S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
-SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature",
+SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature", "seed",
                "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated", "workload",
                "request_timeout_s")
 # Open-loop levels: kept in a run's params only when it asks for rates.
-RATE_PARAMS = ("rates", "arrival", "burstiness", "max_concurrency", "ramp", "ramp_from", "rate_duration_s", "seed")
+RATE_PARAMS = ("rates", "arrival", "burstiness", "max_concurrency", "ramp", "ramp_from", "rate_duration_s")
 # SLOs (runner/slo.py) and a capacity search (runner/capacity.py): kept in params when asked for.
 SLO_PARAMS = ("slos", "capacity")
 DEFAULTS = {"levels": list(runner.DEFAULT_LEVELS),

@@ -7,7 +7,7 @@ from django.http import HttpResponse, HttpResponseForbidden
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from benchmarks import noise, payloads, selectors, services
+from benchmarks import noise, payloads, runcommand, selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun, Workload
 from benchmarks.runner import slo as slos_mod
@@ -49,7 +49,7 @@ def run_detail(request, pk):
                         if p.server_metrics.get("prefix_cache") or p.prefix_reuse],
         # A run of rate levels only (or a capacity search) is charted against the rate; any other against concurrency.
         "axis": "rate" if by_rate else "concurrency", "axis_label": "request rate" if by_rate else "concurrency",
-        "slo_text": slos_mod.describe(run.params.get("slos") or []),
+        "slo_text": slos_mod.describe(run.params.get("slos") or []), "commands": runcommand.commands(run),
         "workload_kind": dict(Workload.Kind.choices).get((run.params.get("workload") or {}).get("kind"), ""),
         "initial": {"ticks": run.ticks, "points": [payloads.run_point_data(p) for p in points],
                     "slos": run.params.get("slos") or []}})

@@ -10,6 +10,10 @@ def rate_arguments(s) -> None:
     s.add_argument("--max-concurrency", type=int, default=0, help="at a rate: at most this many in flight (0: no cap)")
     s.add_argument("--ramp", choices=["", "linear", "exponential"], default="", help="ramp each rate level up")
     s.add_argument("--ramp-from", type=float, default=0.0, help="requests/s at the ramp's start")
+    s.add_argument("--arrival", choices=["poisson", "gamma"], default=None, help="how gaps are drawn (default: "
+                   "poisson, gamma when --burstiness is not 1)")
+    s.add_argument("--rate-duration", type=float, default=None, metavar="SECONDS", help="a rate level sends "
+                   "max(min requests, rate x this) requests (default 30)")
 
 
 def rate_body(args) -> dict:
@@ -21,8 +25,11 @@ def rate_body(args) -> dict:
         raise CliError(f"--rate takes requests per second, e.g. 2,4,8 (got {text!r})", BAD_INPUT) from None
     if not rates:
         return {}
-    return {"rates": rates, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+    body = {"rates": rates, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
             "ramp": args.ramp, "ramp_from": args.ramp_from}
+    for field, value in (("arrival", getattr(args, "arrival", None)), ("rate_duration_s", getattr(args, "rate_duration", None))):
+        body.update({field: value} if value is not None else {})
+    return body
 
 
 def asked(params: dict) -> str:

@@ -10,6 +10,8 @@ from pathlib import Path
 from panelctl import rates, slo, workloads
 from panelctl.client import FAILED, TIMED_OUT, done, emit, find_deployment, say
 
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}  # the API's endpoint values
+
 
 def cmd_bench(panel, args):
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -27,6 +29,9 @@ def cmd_bench(panel, args):
         body["levels"] = levels
     body.update({"workload": args.workload} if args.workload else {})
     body.update({"request_timeout_s": args.request_timeout} if args.request_timeout is not None else {})
+    body.update({field: value for field in ("seed", "temperature", "min_requests", "warmup_per_user")
+                 if (value := getattr(args, field)) is not None})
+    body.update({"endpoint": ENDPOINTS[args.endpoint]} if args.endpoint else {})
     body.update(rate_fields)
     body.update(slo.slo_body(args))
     run = panel.post("runs/", body, key=args.idempotency_key)
@@ -126,6 +131,13 @@ def add(sub) -> None:
     s.add_argument("--no-ignore-eos", action="store_true")
     s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long each request may take (default: its own, from its max tokens)")
+    s.add_argument("--seed", type=int, default=None, help="seeds the prompts and the arrivals: the same seed sends "
+                   "the same requests (default 0; a run page shows its own line)")
+    s.add_argument("--endpoint", choices=["chat", "completions"], default=None, help="the API the requests use "
+                   "(default chat)")
+    s.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0)")
+    s.add_argument("--min-requests", type=int, default=None, help="measured requests of a level at least (default 32)")
+    s.add_argument("--warmup-per-user", type=int, default=None, help="unmeasured requests per stream first (default 1)")
     s.add_argument("--past-saturation", action="store_true",
                    help="measure every level (by default the sweep stops once the engine saturates)")
     s.add_argument("--wait", action="store_true")

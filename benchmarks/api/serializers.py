@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from benchmarks import runner, selectors, workloads
+from benchmarks import runcommand, runner, selectors, workloads
 from benchmarks.forms import MAX_BURSTINESS, MAX_LEVEL, MAX_RATE, ramp_problem, rates_problem
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Workload
 from benchmarks.runner import capacity as capacity_search, slo as slo_mod
@@ -35,6 +35,21 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
         # Uploaded prompts and a workload's file data can be large: the workload by name (GET /api/workloads/{id}/).
         data["params"] = {k: v for k, v in data["params"].items() if k not in ("prompts", "workload")}
         return data
+
+
+class BenchmarkRunDetailSerializer(BenchmarkRunSerializer):
+    """One run, with its commands (the list leaves them out: they read the deployment's node and workload)."""
+
+    class Meta(BenchmarkRunSerializer.Meta):
+        fields = [*BenchmarkRunSerializer.Meta.fields, "commands"]
+
+    commands = serializers.SerializerMethodField(help_text=(
+        'The run as commands: {"panelctl": the `panelctl bench` line that sends the same requests again, '
+        '"panelctl_note", "vllm": `vllm bench serve` lines of the same shape, one per level (none for prompts it '
+        'has no dataset for), "vllm_note"}.'))
+
+    def get_commands(self, run) -> dict:
+        return runcommand.commands(run)
 
 
 class CapacitySerializer(serializers.Serializer):

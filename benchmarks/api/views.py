@@ -28,6 +28,11 @@ class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
     def list(self, request, *args, **kwargs):
         return super().list(request, *args, **kwargs)
 
+    @extend_schema(responses=serializers.BenchmarkRunDetailSerializer)
+    def retrieve(self, request, *args, **kwargs):
+        """One run, with the commands that run it again (`commands`)."""
+        return Response(serializers.BenchmarkRunDetailSerializer(self.get_object()).data)
+
     @extend_schema(request=serializers.RunRequestSerializer, responses={202: serializers.BenchmarkRunSerializer})
     @idempotent
     def create(self, request):
