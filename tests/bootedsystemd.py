@@ -95,7 +95,7 @@ class Booted:
         self.merged = self.workdir / "root"
         for sub in ("upper", "work", "root"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
-        subprocess.run(
+        mounted = subprocess.run(
             [
                 "mount",
                 "-t",
@@ -105,10 +105,13 @@ class Booted:
                 f"lowerdir={rootfs},upperdir={self.workdir / 'upper'},workdir={self.workdir / 'work'}",
                 str(self.merged),
             ],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=30,
         )
+        if mounted.returncode != 0:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise BootError(f"cannot mount the overlay of {rootfs}: {mounted.stderr}")
         # A control group of its own in each hierarchy: nspawn (--keep-unit) puts the container's tree under the
         # group it runs in ("payload", "supervisor"), which for two containers started from one group would be one.
         self.cgroups = [
@@ -199,10 +202,8 @@ class Booted:
             try:
                 self.run("systemctl", "poweroff", check=False, timeout=30)
                 self.proc.wait(timeout)
-            except (
-                BootError,
-                subprocess.SubprocessError,
-            ):  # not booted yet, or it would not go
+            # Not booted yet (no systemd to ask), or it would not go: killed.
+            except (BootError, subprocess.SubprocessError):
                 self._kill()
         self.proc, self.pid = None, 0
 

@@ -3,6 +3,8 @@ its PID 1) instead of the systemctl double the other reboot tests use (tests/fau
 
 - Every unit the panel writes passes the real `systemd-analyze verify`: vllm-panel.service (panelctl/service.py) and
   the engine unit the real agent wrote for a persisted deployment.
+- What render_unit escapes in an engine unit (%, $, quotes, backslashes, spaces; the secrets' EnvironmentFile) reaches
+  the engine's process word for word, as its User=.
 - The real node agent runs inside the container as a unit of its own (its systemctl is the real one; it reaches the
   tests' Redis and database over the shared network, a SQLite file through the bound checkout). A deployment it
   persisted runs, after a real reboot of the container (`systemctl poweroff`, boot), under its unit, started by
@@ -16,6 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
+import psutil
 import pytest
 from django.utils import timezone
 
@@ -43,10 +46,8 @@ REPLAY_SPEED = 1000.0  # the recorded load, ~35 minutes on 8 GPUs, in about two 
 @pytest.fixture(scope="module")
 def box(tmp_path_factory):
     """One booted container for the module (a boot is about a second); powered off and deleted after it."""
-    if why := bootedsystemd.missing():
-        pytest.fail(
-            f"{why}: ./panel test installs what these tests need"
-        )  # never a silent skip
+    if why := bootedsystemd.missing():  # never a silent skip
+        pytest.fail(f"{why}: ./panel test installs what these tests need")
     from django.conf import settings
 
     # The tests' temporary folders (models, logs) and the session's key for sealed secrets (controlpanel/pytest_env.py).
@@ -249,7 +250,7 @@ def _engine_processes(box):
         try:
             if any(a.startswith(ENGINE_DIR) for a in proc.cmdline()):
                 found.append(proc.pid)
-        except Exception:  # noqa: BLE001 - gone meanwhile
+        except psutil.Error:  # gone meanwhile
             continue
     return found
 
