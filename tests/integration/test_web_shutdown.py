@@ -1,7 +1,7 @@
 """Ctrl-C on the web server while a client holds a long poll (`panelctl deploy --wait` follows a load through the
 deployment's events, up to 30 s a poll): the poll is answered and the server stops without an error. uvicorn gives
 open requests 3 s (`./panel start`), then cancelled the poll's task and printed "ERROR: Cancel 1 running task(s),
-timeout graceful shutdown exceeded" (issue 45)."""
+timeout graceful shutdown exceeded"."""
 import json
 import signal
 import socket
