@@ -42,8 +42,9 @@ class Agent:
         self._metrics_state: dict = {}
         self._watched_at = -1e9
         self._reconciled = False
-        self._foreign: list[dict] = []
-        self._listeners: list[dict] = []
+        # None until the first reading: it is always stored, whatever the previous agent left on the node's row.
+        self._foreign: list[dict] | None = None
+        self._listeners: list[dict] | None = None
         self._described: dict = {}  # what guards.listeners_of read of each listener, kept between its calls
         self._net: tuple[float, int, int] | None = None  # (time, sent, received) of the previous sample
         self._doctor_at: float | None = None  # the first tick's clock: the host checks ran at start (_report_engine)

@@ -93,7 +93,7 @@ def stop_supervised(blocking: list[dict]) -> tuple[list[str], list[dict]]:
     return done, bare
 
 
-def node_foreign_record(node_id: int, previous: list[dict]) -> list[dict]:
+def node_foreign_record(node_id: int, previous: list[dict] | None) -> list[dict]:
     """Store what holds the node's GPUs besides the panel (the deploy form and API refuse with it)."""
     found = foreign_holders(node_id, None)
     if found != previous:
@@ -128,7 +128,7 @@ def listeners_of(node_id: int, described: dict) -> list[dict]:
     return found
 
 
-def node_listeners_record(node_id: int, previous: list[dict], described: dict) -> list[dict]:
+def node_listeners_record(node_id: int, previous: list[dict] | None, described: dict) -> list[dict]:
     """Store who listens on which port of the node (the deploy form and API refuse a port in use with it)."""
     found = listeners_of(node_id, described)
     if found != previous:

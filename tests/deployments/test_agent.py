@@ -192,3 +192,18 @@ def test_a_sample_carries_the_hosts_cpu_and_network_rates_and_the_heartbeat_its_
     assert node.ram_total == second["host"]["ram_total"] and node.cpu_count == second["host"]["cpu_count"]
     kept = history.latest(agent.node_id)
     assert kept["cpu_percent"] == second["host"]["cpu_percent"] and kept["ram_total"] == node.ram_total
+
+
+def test_a_new_agent_replaces_what_the_previous_one_recorded_of_foreign_holders_and_listeners(agent, published):
+    # The previous agent recorded a foreign vLLM on the GPUs and a program on a port; both are gone now. A new agent
+    # whose first reading is empty stored nothing (it compared with an empty list of its own), and deploys stayed
+    # refused for engines that no longer ran.
+    stale_holder = {"pid": 999_999, "user": "alice", "command": "vllm serve old", "gpus": [0], "memory_mib": 40_960}
+    stale_port = {"port": 18771, "pid": 999_998, "user": "root", "command": "python3 -m http.server 18771",
+                  "deployment": None, "engine": False}
+    Node.objects.filter(pk=agent.node_id).update(foreign_processes=[stale_holder], listeners=[stale_port])
+    with mock.patch("deployments.node.guards.foreign_holders", return_value=[]), \
+         mock.patch("deployments.host.listeners.host_listeners", return_value={}):
+        agent.tick()
+    node = Node.objects.get(pk=agent.node_id)
+    assert (node.foreign_processes, node.listeners) == ([], [])
