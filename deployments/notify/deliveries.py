@@ -43,7 +43,9 @@ def message(delivery: Delivery) -> senders.Message:
         text += f"\n({alert.count} events folded into this alert: {', '.join(alert.data.get('kinds', []))}.)"
     if delivery.phase == Delivery.Phase.RESOLVED:
         text = f"{alert.resolve_note} Firing since {alert.started:%Y-%m-%d %H:%M} UTC, {alert.count} event(s)."
-    page = (reverse("deployment-detail", args=[d.pk]) if d is not None else
+    page = (reverse("run-detail", args=[alert.data["run"]]) if alert.kind == "benchmark_finished" else
+            reverse("study-detail", args=[alert.data["study"]]) if alert.kind == "study_finished" else
+            reverse("deployment-detail", args=[d.pk]) if d is not None else
             reverse("node-detail", args=[node.pk]) if node is not None else reverse("notify-page"))
     url = f"{base}{page}" if base else ""
     return senders.Message(

@@ -90,7 +90,7 @@ def copy_moved(copy, was: str, now: str) -> None:
 def run_moved(run, was: str, now: str) -> None:
     """A benchmark run ended: its headline figures (the best level's output tok/s, one stream's tok/s)."""
     S = type(run).Status
-    if now not in (S.DONE, S.FAILED):
+    if now not in (S.DONE, S.FAILED) or run.trials.exists():  # a study's trial: told in its study_finished
         return
     best = run.points.order_by("-output_throughput").first()
     figures = []

@@ -80,6 +80,29 @@ def test_a_finished_benchmark_tells_its_headline_figures(subscriber, receiver, s
     assert got.json["text"] == "best 2,345 output tok/s at concurrency 16; one stream 41.5 tok/s."
 
 
+def test_a_study_trials_benchmark_is_told_in_the_studys_message_and_each_message_links_to_its_run_or_study(
+        subscriber, receiver, send_due, settings):
+    # A 6-trial study sent 6 "benchmark finished" webhooks and then its own, each linking to the deployment's page.
+    settings.PANEL_URL = "http://panel.example:8000"
+    study = StudyFactory(status=Study.Status.RUNNING)
+    trial = study.trials.first()
+    trial.run = BenchmarkRunFactory(deployment=study.deployment, status=BenchmarkRun.Status.RUNNING)
+    trial.save()
+    trial.run.transition(BenchmarkRun.Status.DONE)
+    trial.run.save()
+    assert send_due() == []
+    alone = BenchmarkRunFactory(status=BenchmarkRun.Status.RUNNING)
+    alone.transition(BenchmarkRun.Status.DONE)
+    alone.save()
+    study.transition(Study.Status.FINISHING)
+    study.transition(Study.Status.DONE)
+    study.save()
+    send_due()
+    assert sorted((r.json["event"], r.json["url"]) for r in receiver.received) == [
+        ("benchmark_finished", f"http://panel.example:8000/benchmarks/{alone.pk}/"),
+        ("study_finished", f"http://panel.example:8000/benchmarks/studies/{study.pk}/")]
+
+
 def test_a_finished_study_names_its_winner(subscriber, receiver, send_due):
     study = StudyFactory(status=Study.Status.FINISHING)
     variant = study.variants.exclude(is_baseline=True).first()
