@@ -45,9 +45,12 @@
         if (p && t.status === "done") return `<span data-tok-s="${p.tok_s}" data-repeat="${t.repeat}">${fmt(p.tok_s, 0)}</span>`;
         return `<span class="muted" title="${esc(t.error)}">${t.status === "pending" ? "·" : t.status === "skipped" ? "–" : t.status === "failed" ? "✗" : "…"}</span>`;
       }).join(" ") + "</td>");
-      const flags = [...Object.entries(v.env).map(([k, x]) => `${k}=${x}`), ...Object.entries(v.engine_args).map(([k, x]) => `--${k} ${x}`)].join(" ");
+      const flags = [...Object.entries(v.env).map(([k, x]) => `${k}=${x}`), ...Object.entries(v.engine_args).map(([k, x]) => `--${k} ${x}`)].join(", ");  // as studies.describe names them
       const debug = v.debug_vars.length ? ` <span class="badge failed" title="NCCL's documentation lists these for debugging, not production">debug: ${esc(v.debug_vars.join(", "))}</span>` : "";
-      return `<tr data-variant="${v.id}"><td><strong>${esc(v.name)}</strong>${v.is_baseline ? " (baseline)" : ""}${debug}<div class="muted">${esc(flags)}</div>` +
+      // The name, then the settings unless the name already says them (a variant named by its flags, "baseline").
+      const said = v.is_baseline && v.name === "baseline" ? "" : v.is_baseline ? " (baseline)" : "";
+      const settings = flags && flags !== v.name ? `<div class="muted">${esc(flags)}</div>` : "";
+      return `<tr data-variant="${v.id}"><td><strong>${esc(v.name)}</strong>${said}${debug}${settings}` +
         (v.failed ? `<div class="errorlist">failed: ${esc(v.failed)}</div>` : "") + `</td>${cells.join("")}` +
         `<td>${trials.filter((t) => !["pending", "deploying", "benchmarking"].includes(t.status)).length}/${trials.length}</td></tr>`;
     }).join("");

@@ -96,6 +96,10 @@ def test_a_study_started_on_the_page_fills_its_matrix_live_and_applies_a_winner_
     counts = page.evaluate("window.matrixCounts")
     assert counts[-1] == 18 and counts == sorted(counts) and any(0 < n < 18 for n in counts), counts
     expect(page.locator("#verdicts tbody tr").first).to_be_visible()
+    # Each variant is named once: a name that is its flags is not followed by the same flags ("--max-num-seqs 16"
+    # was printed twice), and the baseline is not "baseline (baseline)".
+    names = page.locator("#matrix tbody td:first-child").all_inner_texts()
+    assert names[0].strip() == "baseline" and all(len(set(n.split("\n"))) == len(n.split("\n")) for n in names), names
     # Each verdict shown is the one the study's results hold for that variant and figure; and the schedules decide
     # one of them: both variants' first token comes 195 ms sooner, so their TTFT is better at both levels.
     study.refresh_from_db()
