@@ -6,6 +6,9 @@
   const $ = (id) => document.getElementById(id);
   const logEl = $("log");
   let ended = $("status").classList.contains("stopped") || $("status").classList.contains("failed");
+  // "Engine now" is a ready engine's: while a new start loads, the last engine's figures (kept for the page's first
+  // snapshot too) are not this one's.
+  let serving = $("status").classList.contains("ready");
   const PHASES = { starting: "Starting", loading_weights: "Loading weights", weights_loaded: "Weights loaded",
     profiling_kv_cache: "Profiling KV cache", graph_capture: "Capturing graphs", server_up: "Server up" };
 
@@ -27,9 +30,10 @@
       if ($("loading-title")) $("loading-title").textContent = titles[s.status] || "Loading";
       // What the page offers and shows follows the state: nothing to stop once stopped, no live rate either.
       ended = s.status === "stopped" || s.status === "failed";
+      serving = s.status === "ready";
+      if (!serving) $("engine-now").textContent = "—";
       document.querySelector('[data-action="stop"]')?.toggleAttribute("hidden", ended);
       if (ended) {
-        $("engine-now").textContent = "—";
         document.querySelectorAll("#timeline td.num").forEach((td) => { if (td.textContent === "…") td.textContent = "—"; });
       }
       if (s.load_phase) $("load-phase").textContent = PHASES[s.load_phase] || s.load_phase;
@@ -63,7 +67,7 @@
       row.innerHTML = `<td>${esc(e.step)}</td><td>${new Date(e.started).toLocaleTimeString([], { hour12: false })}</td>` +
         `<td class="num">${e.ended && e.ended === e.started ? "—" : e.duration != null ? e.duration.toFixed(1) + " s" : "…"}</td><td>${esc(e.message)}</td>`;
     } else if (msg.kind === "engine") {
-      if (ended) return;  // a last sample sent as the engine stopped is not "now"
+      if (!serving) return;  // a last sample sent as the engine stopped, or the previous engine's, is not "now"
       const e = msg.data;
       $("engine-now").textContent = `${e.tok_s.toFixed(1)} tok/s · ${e.running ?? "?"} running, ${e.waiting ?? "?"} waiting` +
         (e.kv_cache != null ? ` · KV cache ${(100 * e.kv_cache).toFixed(0)} %` : "");

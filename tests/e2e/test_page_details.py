@@ -69,3 +69,26 @@ def test_the_pages_script_writes_every_size_as_the_server_does(logged_in_page):
     sizes = [0, 512, 99_999, 100_000, 3.5 * 2**20, 10**8, 0.3 * GiB, 1023.96 * 2**20, GiB, 68.4 * GiB, 99.96 * GiB,
              547 * GiB, 1016 * GiB]
     assert page.evaluate("(sizes) => sizes.map(window.humanBytes)", sizes) == [human_bytes(n) for n in sizes]
+
+
+def test_engine_now_shows_a_ready_engines_figures_and_not_the_last_engines_while_a_new_start_loads(logged_in_page):
+    from deployments import payloads
+    from deployments.models import Deployment
+    from deployments.node import steps
+    from deployments.timeline import deployment_event
+
+    d = DeploymentFactory(status="ready", ready_at=timezone.now())
+    figures = payloads.EngineFigures(id=d.pk, name=d.name, tok_s=116.9, running=0, waiting=0, kv_cache=0.0)
+    payloads.send_engine_figures(d.node_id, figures)  # kept: the page's first snapshot holds it
+    page = logged_in_page
+    page.goto(f"{page.base_url}/deployments/{d.pk}/")
+    expect(page.locator("#engine-now")).to_contain_text("116.9 tok/s")
+    steps.move(Deployment.objects.get(pk=d.pk), "queued")  # a redeploy: a new start
+    expect(page.locator("#status")).to_have_text("Queued")
+    expect(page.locator("#engine-now")).to_have_text("—")
+    payloads.send_engine_figures(d.node_id, figures)  # the last engine's reading, sent late
+    page.reload()  # a page opened during the new start: its snapshot holds the last engine's figures
+    # A step published now comes after the snapshot on the same feed: once it shows, the figures have come too.
+    step = deployment_event(Deployment.objects.get(pk=d.pk), "prepare", "a step after the snapshot")
+    expect(page.locator(f'#timeline tr[data-event="{step.pk}"]')).to_be_visible()
+    expect(page.locator("#engine-now")).to_have_text("—")
