@@ -50,7 +50,7 @@ def cmd_bench(panel, args):
                     say(line)
                 if line := slo.slo_line(p):
                     say(line)
-                say(f"  c={p['concurrency']:<5} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
+                say(f"  {level_label(p):<7} {p['output_throughput']:>10,.1f} tok/s  TTFT {_ms(p['ttft_ms'], 1)}"
                     f"  TPOT {_ms(p['tpot_ms'], 2)}  {p['tok_s_per_user']:.1f} tok/s per user"
                     f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
                 if p.get("failed_requests"):
@@ -74,6 +74,11 @@ def cmd_bench(panel, args):
         time.sleep(2)
     say(f"Timed out after {args.timeout:.0f} s; the run goes on (panelctl runs).")
     return TIMED_OUT
+
+
+def level_label(p: dict) -> str:
+    """"c=16" for a concurrency level, "4 req/s" for a rate level (its concurrency is a cap, 0 for none)."""
+    return f"{p['rate']:g} req/s" if p.get("kind") == "rate" else f"c={p['concurrency']}"
 
 
 def energy_line(p: dict) -> str | None:

@@ -160,6 +160,15 @@ def describe(pid: int) -> dict:
         return {"pid": pid, "user": "?", "name": "?", "command": "?"}
 
 
+def short_command(command: str, limit: int = 80) -> str:
+    """A command line to quote in one message: its start and its end, the middle elided, so a port or a path at the
+    end is never cut into another ("…http.server 1877" read as another port than 18771)."""
+    if len(command) <= limit:
+        return command
+    head = (limit - 3) // 2
+    return f"{command[:head]} … {command[-(limit - 3 - head):]}"
+
+
 def is_display_server(info: dict, graphics: bool = False) -> bool:
     """A display server, never stopped nor waited for: NVML lists it as a graphics process only (`graphics`), or its
     name or command's program is one of DISPLAY_SERVERS."""

@@ -55,7 +55,7 @@ def _port(d: Deployment) -> str:
         return f"port {d.port} is {own[0].name}'s, free once it is stopped"
     pids, _ = listeners.listening(d.port)
     who = ownership.describe(min(pids)) if pids else None
-    by = f" by PID {who['pid']} ({who['user']}: {who['command'][:80]})" if who else ""
+    by = f" by PID {who['pid']} ({who['user']}: {ownership.short_command(who['command'])})" if who else ""
     raise PlanFailed(f"Port {d.port} is in use on {d.node}{by}: choose another port or stop what listens there. "
                      "Nothing was stopped.")
 

@@ -66,10 +66,12 @@ def _displaced(d, by_name: str) -> None:
         body = f"{by_name} took its place."
     else:
         who = f" by {other.created_by.get_username()}" if other.created_by else ""
-        body = (f"{other.name} ({other.model}) was deployed on its GPUs{who}: GPUs "
-                f"{', '.join(map(str, other.gpu_indices)) or 'none (CPU)'} on {other.node.name}, port {other.port}.")
+        where = (f"on its GPUs{who}: GPUs {', '.join(map(str, other.gpu_indices))} on {other.node.name}"
+                 if other.gpu_indices else f"in its place{who} on {other.node.name} (no GPUs: one engine at a time)")
+        body = f"{other.name} ({other.model}) was deployed {where}, port {other.port}."
+    free = "they are free" if d.gpu_indices else "the node is free"
     alert_raise("displaced", deployment=d, title=f"{d.name} was stopped to make room for {by_name}",
-                body=f"{body} {d.name} served {d.model} on port {d.port}; deploy it again from its page once they are free.",
+                body=f"{body} {d.name} served {d.model} on port {d.port}; deploy it again from its page once {free}.",
                 data={"by": by_name, "by_id": other.pk if other else None})
 
 
@@ -95,7 +97,8 @@ def run_moved(run, was: str, now: str) -> None:
     best = run.points.order_by("-output_throughput").first()
     figures = []
     if best is not None:
-        figures.append(f"best {best.output_throughput:,.0f} output tok/s at concurrency {best.concurrency}")
+        at = f"{best.rate:g} req/s" if best.kind == "rate" else f"concurrency {best.concurrency}"
+        figures.append(f"best {best.output_throughput:,.0f} output tok/s at {at}")
     if run.single_stream_tok_s:
         figures.append(f"one stream {run.single_stream_tok_s:,.1f} tok/s")
     outcome = "finished" if now == S.DONE else "failed"

@@ -10,7 +10,7 @@ from django.db import transaction
 from django.utils.text import slugify
 
 from deployments import callit, deploydefaults, flagpolicy, flagvalues, payloads, privileged, secrets, warmstart
-from deployments.host import supervisors
+from deployments.host import ownership, supervisors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
 from deployments.claims import deployment_holders, lock_node
@@ -76,7 +76,7 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     # Any other program listening there, as the agent last saw the host (seconds ago). The panel's own engines are the
     # rows' to judge (above): a record seconds old may show one that has stopped since; the node checks again anyway.
     if listener := next((p for p in node.listeners if p["port"] == port and not p.get("engine")), None):
-        by = f" by PID {listener['pid']} ({listener['user']}: {listener['command'][:60]})" if listener["pid"] else ""
+        by = f" by PID {listener['pid']} ({listener['user']}: {ownership.short_command(listener['command'])})" if listener["pid"] else ""
         raise ServiceError(f"Port {port} is in use on {node}{by}: choose another port, or stop it.", field="port",
                            code="port_in_use")
     fit = fitgate.model_fit_gate(model, node, gpu_indices, engine_args, env or {}, nnodes=nnodes,
@@ -86,8 +86,9 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
                                     override=override_compat, admin=admin, deployment=deployment)
     busy = [d for d in deployment_holders(node, gpu_indices, exclude=deployment) if d.status in Deployment.IN_FLIGHT]
     if busy:
-        raise ServiceError(f"GPUs {', '.join(map(str, gpu_indices))} are busy: {busy[0].name} is "
-                           f"{busy[0].get_status_display().lower()}.", field="gpus", code="gpus_busy")
+        what = f"GPUs {', '.join(map(str, gpu_indices))} are" if gpu_indices else "The node is"  # a CPU node: the host
+        raise ServiceError(f"{what} busy: {busy[0].name} is {busy[0].get_status_display().lower()}.", field="gpus",
+                           code="gpus_busy")
     foreign = [p for p in strangers if not gpu_indices or set(p.get("gpus") or []) & set(gpu_indices)]
     if foreign and not stop_foreign:
         raise ForeignProcesses(processes=foreign, on_gpus=bool(gpus))

@@ -35,3 +35,17 @@ def test_a_level_without_tpot_prints_a_dash_and_the_run_says_where_it_saturated(
     assert "Saturated at c=2" in err
     energy = [line.strip() for line in err.splitlines() if line.strip().startswith("energy")]
     assert energy == ["energy 1.234 J per output token (1,234 J, 612 W per GPU)"]  # c=2 only: c=1 measured none
+
+
+def test_a_rate_level_is_named_by_its_rate_not_as_concurrency_0(capsys):
+    class Rates(Panel):
+        def get(self, path):
+            if path.endswith("points/"):
+                return [{**POINT, "kind": "rate", "rate": 4.0, "concurrency": 0, "achieved_rate": 3.98,
+                         "lag_ms": {"p99": 1.5}, "slot_wait_ms": {}}]
+            return RUN
+
+    args = cli.parser().parse_args(["bench", "http://e:8000", "--model", "m", "--rate", "4", "--wait", "--timeout", "5"])
+    assert runs.cmd_bench(Rates(), args) == 0
+    err = capsys.readouterr().err
+    assert "  4 req/s " in err and "c=0" not in err, err

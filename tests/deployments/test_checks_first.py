@@ -195,6 +195,14 @@ def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is
     assert str(exc.value) == ("Port 18771 is in use on gpu-01 by PID 5150 (alice: python -m http.server 18771): "
                               "choose another port, or stop it.")
     assert Deployment.objects.filter(node=node).count() == 1 and sent_tasks.commit().names() == []
+    # A long command line keeps its end, where the port is: cut at 60 characters it read "…http.server 1877".
+    long = "/tmp/walk45/.venv/bin/python3 -m http.server --directory /srv/some/long/folder/of/files 18771"
+    node.listeners = [{**program, "command": long}, engine]
+    node.save(update_fields=["listeners"])
+    with pytest.raises(ServiceError) as exc:
+        deploys.deployment_create(port=18771, **args)
+    assert "(alice: /tmp/walk45/.venv/bin/python3 -m http." in str(exc.value)
+    assert " … " in str(exc.value) and "long/folder/of/files 18771): choose another port" in str(exc.value)
     # The engine on 8000 is the one this deploy replaces (it holds GPU 0): its port is not in the way. And an engine
     # the panel launched, seen seconds ago, is the rows' to judge: a stopped one's stale record refuses nothing.
     node.listeners = [program, engine, {**engine, "port": 8200, "pid": 778, "deployment": None}]
@@ -255,3 +263,23 @@ def test_the_agent_records_the_optional_packages_its_engines_python_has(node, ho
     reconcile.node_engine_report(node.pk)
     node.refresh_from_db()
     assert node.engine_modules == {"python": "/opt/vllm/bin/python", "present": ["bitsandbytes", "tensorizer"]}
+
+
+def test_on_a_node_without_gpus_the_refusal_and_the_displaced_message_speak_of_the_node(model, sent_tasks):
+    # On a CPU node they read "GPUs  are busy: …" (no GPU named) and "deployed on its GPUs … once they are free".
+    from deployments.notify import events
+    from deployments.services import deploys
+    from plumbing.errors import ServiceError
+    from tests.factories import NodeFactory
+
+    cpu = NodeFactory(name="cpu-01")
+    loading = DeploymentFactory(node=cpu, model=model, status=S.LOADING, name="tiny-chat-vm", port=9000)
+    with pytest.raises(ServiceError) as exc:
+        deploys.deployment_create(model=model, node=cpu, gpu_indices=[], engine_args={}, env={}, port=8001)
+    assert (exc.value.code, str(exc.value)) == ("gpus_busy", "The node is busy: tiny-chat-vm is loading.")
+    newer = DeploymentFactory(node=cpu, model=model, status=S.LOADING, name="tc-second", port=18104)
+    events._displaced(loading, newer.name)
+    alert = Alert.objects.get(deployment=loading, kind="displaced")
+    assert "was deployed in its place on cpu-01 (no GPUs: one engine at a time), port 18104." in alert.body
+    assert alert.body.endswith("deploy it again from its page once the node is free.") and "GPU" not in alert.body.replace(
+        "no GPUs", "")

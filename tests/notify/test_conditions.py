@@ -78,6 +78,12 @@ def test_a_finished_benchmark_tells_its_headline_figures(subscriber, receiver, s
     [got] = receiver.received
     assert got.json["event"] == "benchmark_finished"
     assert got.json["text"] == "best 2,345 output tok/s at concurrency 16; one stream 41.5 tok/s."
+    rates = BenchmarkRunFactory(status=BenchmarkRun.Status.RUNNING)
+    BenchmarkPointFactory(run=rates, kind="rate", rate=4.0, concurrency=0, output_throughput=503.0)
+    rates.transition(BenchmarkRun.Status.DONE)
+    rates.save()
+    send_due()
+    assert receiver.received[-1].json["text"] == "best 503 output tok/s at 4 req/s."  # not "at concurrency 0"
 
 
 def test_a_study_trials_benchmark_is_told_in_the_studys_message_and_each_message_links_to_its_run_or_study(
