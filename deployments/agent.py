@@ -4,12 +4,14 @@ One iteration is `Agent.tick()`, so tests call it directly; `loop()` only repeat
 """
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
 from dataclasses import asdict
 
 import redis
+from django.conf import settings
 from django.db import close_old_connections
 
 from deployments import agenthooks, history, loads
@@ -47,6 +49,7 @@ class Agent:
         self._listeners: list[dict] | None = None
         self._described: dict = {}  # what guards.listeners_of read of each listener, kept between its calls
         self._net: tuple[float, int, int] | None = None  # (time, sent, received) of the previous sample
+        self._engine_present: bool | None = None  # the engine's program was there at the last heartbeat
         self._doctor_at: float | None = None  # the first tick's clock: the host checks ran at start (_report_engine)
 
     def register(self) -> None:
@@ -125,6 +128,15 @@ class Agent:
     def describe(self) -> str:
         return self.nvml_error or f"{self.gpu_count} GPU(s)"
 
+    def _engine_moved(self) -> bool:
+        """Whether the engine's program appeared or went since the last look (the first look only notes it: the start
+        reports the engine anyway). The node's engine row, the deploy form and the host checks said "no engine" until
+        the agent restarted."""
+        present = shutil.which(settings.VLLM_BIN) is not None
+        moved = self._engine_present is not None and present != self._engine_present
+        self._engine_present = present
+        return moved
+
     def tick(self, now: float | None = None) -> dict:
         """Take one sample of the host, publish it, and heartbeat when due; returns the sample."""
         now = time.monotonic() if now is None else now
@@ -144,6 +156,8 @@ class Agent:
             nodes.node_heartbeat(self.node_id, disk_total=sample["disk"]["total"], disk_free=sample["disk"]["free"],
                                  ram_total=sample["host"].get("ram_total"), cpu_count=sample["host"].get("cpu_count"))
             self._last_heartbeat = now
+            if self._engine_moved():  # scripts/install-engine after the start, or a venv removed: say so now
+                threading.Thread(target=self._report_engine, name="engine-report", daemon=True).start()
         self._doctor_at = now if self._doctor_at is None else self._doctor_at
         if now - self._doctor_at >= doctor.DOCTOR_EVERY_S:  # host checks again every 10 min, off the sampler
             self._doctor_at = now

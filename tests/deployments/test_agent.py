@@ -1,5 +1,4 @@
 """The node agent's loop, with NVML replaced at the host/gpu.py boundary."""
-import json
 import time
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -207,3 +206,19 @@ def test_a_new_agent_replaces_what_the_previous_one_recorded_of_foreign_holders_
         agent.tick()
     node = Node.objects.get(pk=agent.node_id)
     assert (node.foreign_processes, node.listeners) == ([], [])
+
+
+def test_an_engine_installed_after_the_agent_started_is_reported_at_the_next_heartbeat(agent, published, tmp_path,
+                                                                                      settings, no_engine_report):
+    # `scripts/install-engine` after `./panel start`: the deploy form still said "no engine" minutes later.
+    settings.VLLM_BIN = str(tmp_path / "engine" / "bin" / "vllm")
+    now = time.monotonic()
+    agent.tick(now)  # no engine: noted
+    reports = no_engine_report.call_count
+    agent.tick(now + agent.heartbeat_seconds)
+    assert no_engine_report.call_count == reports  # nothing changed, nothing asked again
+    (tmp_path / "engine" / "bin").mkdir(parents=True)
+    (tmp_path / "engine" / "bin" / "vllm").write_text("#!/bin/sh\n")
+    (tmp_path / "engine" / "bin" / "vllm").chmod(0o755)
+    agent.tick(now + 2 * agent.heartbeat_seconds)
+    wait_until(lambda: no_engine_report.call_count == reports + 1, timeout=10, message="the engine reported again")
