@@ -277,13 +277,17 @@ def agent_double(folder, gpus: int = 8) -> FakeNvml:
     spec = json.loads((Path(folder) / "gpus.json").read_text()) if (Path(folder) / "gpus.json").exists() else {}
     made = [FakeGpu(f"GPU-double-{i}", total=spec.get("total_mib", TOTAL // MIB) * MIB, name=spec.get("name", "NVIDIA H200"),
                     capability=spec.get("capability", (9, 0)),
-                    graphics=[proc(pid, mib * MIB) for pid, mib in spec.get("graphics", {}).get(str(i), [])])
+                    graphics=[proc(pid, mib * MIB) for pid, mib, *_ in spec.get("graphics", {}).get(str(i), [])])
             for i in range(spec.get("count", gpus))]
-    return FakeNvml(made, shared=SharedMemory(folder))
+    double = FakeNvml(made, shared=SharedMemory(folder))
+    # NVML names a process by its executable's path (nvmlSystemGetProcessName): "/usr/lib/xorg/Xorg".
+    double.names = {pid: rest[0] for listed in spec.get("graphics", {}).values() for pid, _, *rest in listed if rest}
+    return double
 
 
 def write_model(folder, count: int, name: str, total_mib: int, capability: tuple, graphics: dict | None = None) -> None:
-    """The GPUs agent_double gives an agent whose NVML_DOUBLE is `folder`; `graphics`: {index: [(pid, MiB)]}."""
+    """The GPUs agent_double gives an agent whose NVML_DOUBLE is `folder`; `graphics`: {index: [(pid, MiB, the name
+    NVML gives it)]}."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / "gpus.json").write_text(json.dumps({"count": count, "name": name, "total_mib": total_mib,
                                                          "capability": list(capability),

@@ -69,9 +69,17 @@ class Size:
             self.shard_bytes = int(float(mb) * MB)
         if speed := os.environ.get("REHEARSAL_SPEED"):
             self.corpus_speed = float(speed)
+        if tokens := os.environ.get("REHEARSAL_MAX_TOKENS"):  # reasoning takes all but 48 of them
+            self.max_tokens, self.reasoning_tokens = int(tokens), max(int(tokens) - 48, 1)
         if stall := os.environ.get("REHEARSAL_STALL_S"):  # below 60 s the server's close ends it, not the read timeout
             self.stall_s = float(stall)
         return self
+
+    @property
+    def timeout_s(self) -> float:
+        """The test's bound: a few minutes, and the corpus's 36 minutes at its speed twice (the day's load, and the
+        reboot's when it is not fast by then), and the shards at 20 MB/s twice (the Hub double's and the copy's)."""
+        return 600 + 2 * 2110 / self.corpus_speed + 2 * self.shards * self.shard_bytes / (20 * MB)
 
     @classmethod
     def chosen(cls) -> "Size":
@@ -232,7 +240,7 @@ def gpus(folder: Path, display_pid: int) -> Path:
         "NVIDIA RTX PRO 6000 Blackwell Server Edition",
         GPU_MIB,
         (12, 0),
-        {0: [(display_pid, DISPLAY_MIB)]},
+        {0: [(display_pid, DISPLAY_MIB, "/usr/lib/xorg/Xorg")]},
     )
     nvmldouble.SharedMemory(folder).set([DISPLAY_MIB * MB] + [0] * (GPUS - 1))
     return folder
