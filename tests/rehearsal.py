@@ -97,11 +97,7 @@ def engine(base: Path) -> Path:
     """The fake engine as `vllm`, run by a Python of its own that holds fastsafetensors (a stub package: the panel
     checks the engine's Python can import it before a launch, the fake that it is there when the flag asks for it)."""
     venv = base / "engine-python"
-    subprocess.run(
-        ["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)],
-        check=True,
-        timeout=120,
-    )
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = next(venv.glob("lib/python3*/site-packages"))
     (site / "fastsafetensors").mkdir()
     (site / "fastsafetensors" / "__init__.py").write_text(
@@ -148,23 +144,13 @@ def write_shard(path: Path, n_bytes: int, seed: int, sparse: bool = False) -> No
         if sparse:
             f.truncate(n_bytes)
             return
-        left, block = (
-            n_bytes - len(head),
-            bytes((seed * 31 + i) % 251 for i in range(1 << 16)),
-        )
+        left, block = (n_bytes - len(head), bytes((seed * 31 + i) % 251 for i in range(1 << 16)))
         while left > 0:
             f.write(block[: min(left, len(block))])
             left -= len(block)
 
 
-def _model_folder(
-    folder: Path,
-    config: str,
-    shards: int,
-    shard_bytes: int,
-    sparse: bool = False,
-    **fake,
-) -> Path:
+def _model_folder(folder: Path, config: str, shards: int, shard_bytes: int, sparse: bool = False, **fake) -> Path:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text((CONFIGS / config).read_text())
     names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
@@ -172,10 +158,7 @@ def _model_folder(
         write_shard(folder / name, shard_bytes, i, sparse)
     (folder / "model.safetensors.index.json").write_text(
         json.dumps(
-            {
-                "metadata": {"total_size": shards * shard_bytes},
-                "weight_map": {f"w{i}": n for i, n in enumerate(names)},
-            }
+            {"metadata": {"total_size": shards * shard_bytes}, "weight_map": {f"w{i}": n for i, n in enumerate(names)}}
         )
     )
     if fake:
@@ -190,31 +173,17 @@ def serving(size: Size, loader: str | None = None) -> dict:
         "load_s": 0.5,
         "python": sys.executable,
         "schedules": {
-            "*": {
-                "ttft_ms": 5,
-                "gap_ms": size.gap_ms,
-                "tokens_per_chunk": 1,
-                "reasoning_tokens": size.reasoning_tokens,
-            }
+            "*": {"ttft_ms": 5, "gap_ms": size.gap_ms, "tokens_per_chunk": 1, "reasoning_tokens": size.reasoning_tokens}
         },
     }
     if loader:
-        config |= {
-            "replay": str(gpucorpus.path(loader)),
-            "replay_speed": size.corpus_speed,
-        }
+        config |= {"replay": str(gpucorpus.path(loader)), "replay_speed": size.corpus_speed}
     return config
 
 
 def hub_repos(root: Path, size: Size) -> Path:
     """The Hub double's folder: the Kimi-like repo, 64 shards of real bytes, its engine settings beside them."""
-    _model_folder(
-        root / KIMI,
-        "kimi-k2.5-int4.json",
-        size.shards,
-        size.shard_bytes,
-        **serving(size, "fastsafetensors"),
-    )
+    _model_folder(root / KIMI, "kimi-k2.5-int4.json", size.shards, size.shard_bytes, **serving(size, "fastsafetensors"))
     _model_folder(root / OLD, "kimi-k2-instruct.json", 62, 4096)  # yesterday's model, a copy of it on the node
     return root
 
@@ -251,16 +220,7 @@ class Host:
     engines' units under the double. start() / reboot() / stop(): the seam a booted container with the real
     systemd replaces."""
 
-    def __init__(
-        self,
-        spawn,
-        process_env,
-        base: Path,
-        name: str,
-        vllm: Path,
-        hub: str,
-        display_pid: int,
-    ):
+    def __init__(self, spawn, process_env, base: Path, name: str, vllm: Path, hub: str, display_pid: int):
         self.spawn, self.base, self.name = spawn, base, name
         units = {
             "PATH": f"{SYSTEMCTL}:{os.environ['PATH']}",
@@ -269,10 +229,7 @@ class Host:
             "ENGINE_UNIT_RESTART_SEC": "1",
         }
         (base / "units").mkdir()
-        for (
-            k,
-            v,
-        ) in units.items():  # this process's systemctl calls (the reboot's boot) see the same double
+        for k, v in units.items():  # this process's systemctl calls (the reboot's boot) see the same double
             os.environ[k] = v
         self.env = agent_env(
             process_env,
@@ -321,10 +278,7 @@ class Host:
             name=f"gateway-{self.name}",
         )
         found = wait_until(
-            lambda: re.search(
-                rb"listening on http://127\.0\.0\.1:(\d+)",
-                Path(self.gateway.log_path).read_bytes(),
-            ),
+            lambda: re.search(rb"listening on http://127\.0\.0\.1:(\d+)", Path(self.gateway.log_path).read_bytes()),
             timeout=60,
             message="the gateway",
         )
@@ -345,11 +299,7 @@ class Host:
             _kill(pid, os.kill)
         for group in groups:
             _kill(group, os.killpg)
-        wait_until(
-            lambda: not any(ownership.find(m) for m in markers),
-            timeout=15,
-            message="every engine gone",
-        )
+        wait_until(lambda: not any(ownership.find(m) for m in markers), timeout=15, message="every engine gone")
         boot = subprocess.run(["systemctl", "__boot"], capture_output=True, text=True, timeout=60)
         assert boot.returncode == 0, boot.stderr
         self.start()
@@ -415,10 +365,7 @@ class Clock:
             def __exit__(self, *exc):
                 took = time.monotonic() - self.t0
                 clock.steps.append((name, took, self.said[-1] if self.said else ""))
-                print(
-                    f"   {name}: {took:.1f} s{' (FAILED)' if exc[0] else ''}",
-                    flush=True,
-                )
+                print(f"   {name}: {took:.1f} s{' (FAILED)' if exc[0] else ''}", flush=True)
 
         return _Step()
 

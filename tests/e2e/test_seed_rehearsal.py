@@ -22,25 +22,10 @@ from deployments.host import processlog
 from deployments.models import Deployment
 from tests.conftest import wait_until
 from tests.hfserver import configure, get_stats, serve
-from tests.rehearsal import (
-    GPUS,
-    KIMI,
-    OLD,
-    Clock,
-    Host,
-    Size,
-    engine,
-    grow_sparse,
-    hub_repos,
-    local_models,
-)
+from tests.rehearsal import GPUS, KIMI, OLD, Clock, Host, Size, engine, grow_sparse, hub_repos, local_models
 from tests.truestate import stop_leftover_engines
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.slow,
-    pytest.mark.timeout(Size.chosen().timeout_s),
-]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(Size.chosen().timeout_s)]
 ALL = list(range(GPUS))
 STUDY_SPEED = 400.0
 logging.getLogger("httpx").setLevel(logging.WARNING)  # each request's line would drown the day's
@@ -64,10 +49,7 @@ class Api:
 
     def until(self, path: str, done, timeout: float, what: str, interval: float = 0.25):
         return wait_until(
-            lambda: (row := self.get(path)) and done(row) and row,
-            timeout=timeout,
-            interval=interval,
-            message=what,
+            lambda: (row := self.get(path)) and done(row) and row, timeout=timeout, interval=interval, message=what
         )
 
     def events(self, pk: int) -> list[dict]:
@@ -145,15 +127,7 @@ def day(tmp_path, process_env, spawn, unique, live_server_asgi, operator, settin
             dict(process_env, HF_ENDPOINT=hub),
             name="control-worker",
         )
-        host = Host(
-            spawn,
-            process_env,
-            tmp_path,
-            f"gpu-{unique}",
-            engine(tmp_path),
-            hub,
-            display.pid,
-        )
+        host = Host(spawn, process_env, tmp_path, f"gpu-{unique}", engine(tmp_path), hub, display.pid)
         host.start()
         try:
             yield (
@@ -192,7 +166,7 @@ def test_the_seed_day_runs_through_the_api_without_a_click(day):
         )
 
     # The callers' key, made once (a key is known to the gateways within a second of its making, docs/gateway.md).
-    key = api.post("/api/keys/", {"name": "rehearsal"})["secret"]
+    caller_key = api.post("/api/keys/", {"name": "rehearsal"})["secret"]
 
     with clock.step("this morning: MiniMax serving on all 8 GPUs") as s:
         minimax = api.post("/api/models/", {"node": node, "local_path": str(minimax_folder)})
@@ -224,11 +198,7 @@ def test_the_seed_day_runs_through_the_api_without_a_click(day):
             timeout=60,
             message="the copy gone from the list",
         )
-        wait_until(
-            lambda: not old_folder.exists(),
-            timeout=60,
-            message="its files deleted",
-        )
+        wait_until(lambda: not old_folder.exists(), timeout=60, message="its files deleted")
         s.say(
             f"copy {copy['id']} of {OLD} ({old_bytes / 1e9:.0f} GB on disk, {copy['bytes_total'] / 1e6:.1f} MB as the "
             f"panel downloaded it) deleted: {answer.status_code}"
@@ -280,10 +250,7 @@ def test_the_seed_day_runs_through_the_api_without_a_click(day):
             "recipe": KIMI,
             "strategy": "single_node_tp",
             "replace": [morning["id"]],
-            "engine_args": {
-                "tensor-parallel-size": 8,
-                "attention-backend": "TRITON_MLA",
-            },
+            "engine_args": {"tensor-parallel-size": 8, "attention-backend": "TRITON_MLA"},
             "env": {"NCCL_P2P_LEVEL": "SYS", "NCCL_IB_DISABLE": "1"},
         }
         # The recipe's --trust-remote-code and --load-format are an admin's to set: an operator is told so.
@@ -398,9 +365,9 @@ def test_the_seed_day_runs_through_the_api_without_a_click(day):
         results = study["live"]["results"] or {}
         rows = {r["name"]: r for r in results.get("variants", [])}
         assert {"NCCL_ALGO=Ring", "NCCL_ALGO=LL"} <= set(rows), results
-        key = f"throughput@{size.levels[1]}"
+        figure = f"throughput@{size.levels[1]}"
         for name in ("NCCL_ALGO=Ring", "NCCL_ALGO=LL"):
-            verdict = rows[name]["comparisons"][key]
+            verdict = rows[name]["comparisons"][figure]
             assert verdict["verdict"], verdict
             s.say(
                 f"{name} against the baseline, output tok/s at c={size.levels[1]}: {verdict['rel']:+.1%} "
@@ -429,10 +396,7 @@ def test_the_seed_day_runs_through_the_api_without_a_click(day):
         before = {e["id"] for e in api.events(d["id"])}
         host.reboot([marker])
         adopted = wait_until(
-            lambda: next(
-                (e for e in api.events(d["id"]) if e["id"] not in before and e["step"] == "adopted"),
-                None,
-            ),
+            lambda: next((e for e in api.events(d["id"]) if e["id"] not in before and e["step"] == "adopted"), None),
             timeout=120,
             message="the adoption",
         )
@@ -454,18 +418,16 @@ def test_the_seed_day_runs_through_the_api_without_a_click(day):
             answer = httpx.post(
                 f"{host.gateway_url}/v1/chat/completions",
                 timeout=120,
-                headers={"Authorization": f"Bearer {key}"},
+                headers={"Authorization": f"Bearer {caller_key}"},
                 json={"model": KIMI, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8},
             )
             if answer.status_code != 200:
                 refused.append(f"{answer.status_code} {answer.text[:200]}")
             return answer if answer.status_code == 200 else None
 
-        # A key made this morning, the gateway started again with the host: the first call should answer. What it
-        # said before answering is printed (a finding when anything: see the report of issue 46 item 5).
-        answer = wait_until(
-            called, timeout=30, interval=0.5, message=f"a 200 from the gateway (refused: {refused[-1:]})"
-        )
+        # A key made this morning, the gateway started again with the host: the first call should answer; any refusal
+        # before the answer is printed.
+        answer = wait_until(called, timeout=30, interval=0.5, message="a 200 from the gateway")
         if refused:
             s.say(f"before answering, the gateway refused the key {len(refused)} times: {refused[0]}")
         message = answer.json()["choices"][0]["message"]
