@@ -138,7 +138,8 @@ def _interval(center: float, reps: list[float], widen: float) -> tuple[float, fl
 
 
 def _positive(*values: Sequence[float] | float) -> bool:
-    return all((v > 0 for v in group) if isinstance(group, (list, tuple)) else group > 0 for group in values)
+    """Every value above zero, a list's or tuple's each (the log scale takes no zero)."""
+    return all(all(v > 0 for v in group) if isinstance(group, (list, tuple)) else group > 0 for group in values)
 
 
 def too_few(n_b: int, n_v: int | None = None) -> str:

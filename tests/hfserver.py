@@ -331,7 +331,8 @@ async def _send_slowly(request, resp, f, start: int, end: int, key: str, fault: 
             await resp.write(chunk)
             _count(state, key, len(chunk))
             await asyncio.sleep(fault["seconds"] if fault and fault["kind"] == "stall" else 0.05)
-            request.transport.close()
+            if request.transport is not None:  # a client that gave up on the stall has closed it already
+                request.transport.close()
             return False
         await resp.write(chunk)
         sent += len(chunk)

@@ -29,8 +29,9 @@ class FakeGpu:
     seconds, evenly: a wait that only watches the lists ends before the memory is free. (A real H100, driver 580,
     had the memory back by the time a SIGKILLed holder was reaped: the drain is the pessimistic case.)"""
 
-    def __init__(self, uuid, procs=(), graphics=(), fails=None, drain_s=None):
-        self.uuid = uuid
+    def __init__(self, uuid, procs=(), graphics=(), fails=None, drain_s=None, total=TOTAL, name="NVIDIA H200",
+                 capability=(9, 0)):
+        self.uuid, self.total, self.name, self.capability = uuid, total, name, tuple(capability)
         self.compute = list(procs)
         self.graphics = list(graphics)
         self.fails = dict(fails or {})
@@ -104,11 +105,11 @@ class FakeNvml:
 
     def nvmlDeviceGetName(self, h):
         h.check("nvmlDeviceGetName")
-        return "NVIDIA H200"
+        return h.name
 
     def nvmlDeviceGetCudaComputeCapability(self, h):
         h.check("nvmlDeviceGetCudaComputeCapability")
-        return (9, 0)
+        return h.capability
 
     def nvmlDeviceGetMemoryInfo(self, h, version=None):
         h.check("nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo")
@@ -116,11 +117,11 @@ class FakeNvml:
         if self.shared is not None:
             h.used = self.shared.used(index)
         used = h.allocated()
-        free = TOTAL - used - RESERVED
+        free = h.total - used - RESERVED
         if version:  # v2 counts the reserved memory apart: total = reserved + used + free
-            info = SimpleNamespace(version=version, total=TOTAL, reserved=RESERVED, used=used, free=free)
+            info = SimpleNamespace(version=version, total=h.total, reserved=RESERVED, used=used, free=free)
         else:  # v1's used is the reserved and the allocated memory together: total = used + free
-            info = SimpleNamespace(total=TOTAL, used=RESERVED + used, free=free)
+            info = SimpleNamespace(total=h.total, used=RESERVED + used, free=free)
         if self.shared is not None:
             self.shared.record(index, info.used, 2 if version else 1)
         return info
@@ -270,8 +271,27 @@ def _in_agent_sample() -> bool:
 
 
 def agent_double(folder, gpus: int = 8) -> FakeNvml:
-    """The double a real agent process samples: `gpus` H200s whose memory a SharedMemory in `folder` sets."""
-    return FakeNvml([FakeGpu(f"GPU-double-{i}") for i in range(gpus)], shared=SharedMemory(folder))
+    """The double a real agent process samples: `gpus` H200s whose memory a SharedMemory in `folder` sets; where
+    `folder` holds a gpus.json (write_model), the GPUs it names: count, name, memory, compute capability and
+    graphics processes (a display server)."""
+    spec = json.loads((Path(folder) / "gpus.json").read_text()) if (Path(folder) / "gpus.json").exists() else {}
+    made = [FakeGpu(f"GPU-double-{i}", total=spec.get("total_mib", TOTAL // MIB) * MIB, name=spec.get("name", "NVIDIA H200"),
+                    capability=spec.get("capability", (9, 0)),
+                    graphics=[proc(pid, mib * MIB) for pid, mib, *_ in spec.get("graphics", {}).get(str(i), [])])
+            for i in range(spec.get("count", gpus))]
+    double = FakeNvml(made, shared=SharedMemory(folder))
+    # NVML names a process by its executable's path (nvmlSystemGetProcessName): "/usr/lib/xorg/Xorg".
+    double.names = {pid: rest[0] for listed in spec.get("graphics", {}).values() for pid, _, *rest in listed if rest}
+    return double
+
+
+def write_model(folder, count: int, name: str, total_mib: int, capability: tuple, graphics: dict | None = None) -> None:
+    """The GPUs agent_double gives an agent whose NVML_DOUBLE is `folder`; `graphics`: {index: [(pid, MiB, the name
+    NVML gives it)]}."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "gpus.json").write_text(json.dumps({"count": count, "name": name, "total_mib": total_mib,
+                                                         "capability": list(capability),
+                                                         "graphics": {str(k): v for k, v in (graphics or {}).items()}}))
 
 
 def install(module, double: FakeNvml) -> None:

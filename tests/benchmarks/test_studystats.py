@@ -233,3 +233,13 @@ def test_no_interval_excludes_its_point_goes_below_zero_or_disagrees_with_the_si
             if cmp.verdict in (BETTER, WORSE):
                 up = cmp.diff > 0
                 assert cmp.verdict == (BETTER if up == higher else WORSE), cmp
+
+
+def test_a_figure_that_is_zero_in_some_repeats_gets_an_interval_on_the_plain_scale_not_a_crash():
+    """A figure 0 in some repeats (a TPOT no client timed) resamples to 0 in some replicates although its mean is above
+    0: the log scale cannot take them (the seed rehearsal's study stopped on math.log(0), retried forever)."""
+    repeats = [Repeat(0.0), Repeat(0.0), Repeat(1.2)]
+    shown = studystats.estimate(repeats)
+    assert shown.value == pytest.approx(0.4) and shown.low == 0.0 and shown.high >= shown.value
+    compared = studystats.compare(repeats, [Repeat(1.0), Repeat(1.1), Repeat(0.9)])
+    assert compared is not None and compared.verdict
