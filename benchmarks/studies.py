@@ -189,7 +189,7 @@ def study_pause(study: Study) -> Study:
             raise ServiceError(f"The study is {study.get_status_display().lower()}.", code="not_running")
         study.pause_requested = True
         study.save(update_fields=["pause_requested"])
-    _publish(study)
+    publish(study)
     return study
 
 
@@ -205,7 +205,7 @@ def study_resume(study: Study) -> Study:
         else:
             study.transition(S.RUNNING, pause_requested=False)
             study.save()
-    _publish(study)
+    publish(study)
     return study
 
 
@@ -222,7 +222,7 @@ def study_cancel(study: Study) -> Study:
         elif study.status == S.PAUSED:
             study.transition(S.FINISHING)
         study.save()
-    _publish(study)
+    publish(study)
     return study
 
 
@@ -242,19 +242,7 @@ def study_apply(study: Study, variant: StudyVariant, user=None, persist: bool = 
     return d
 
 
-# --- the driver ----------------------------------------------------------------------------------
-
-def studies_drive(node_id: int) -> int:
-    """One step of every study the node's deployments are in; returns how many were stepped."""
-    ids = list(Study.objects.filter(deployment__node_id=node_id, status__in=Study.DRIVEN).values_list("pk", flat=True))
-    for pk in ids:
-        try:
-            study_step(pk)
-        except Exception:  # noqa: BLE001 - one broken study must not stop the others, nor the agent
-            log.exception("study %s: step failed; retried next time", pk)
-    _persist_applied(node_id)
-    return len(ids)
-
+# --- one step (benchmarks/studydriver.py takes one of each study in turn) ------------------------------
 
 def study_step(study_id: int) -> Study:
     """Advance the study by at most one action; safe to call again at any time (idempotent)."""
@@ -270,7 +258,7 @@ def study_step(study_id: int) -> Study:
             _finishing(study)
         changed = before != (study.status, list(study.trials.values_list("status", flat=True)))
     if changed:
-        _publish(study)
+        publish(study)
     return study
 
 
@@ -432,7 +420,7 @@ def _finishing(study: Study) -> None:
         study.save()
 
 
-def _persist_applied(node_id: int) -> None:
+def persist_applied(node_id: int) -> None:
     """After "apply and persist": once the winner runs, ask the node to make it a systemd service."""
     for study in Study.objects.filter(deployment__node_id=node_id, status__in=Study.TERMINAL,
                                       results__has_key="persist_after_apply"):
@@ -446,5 +434,5 @@ def _persist_applied(node_id: int) -> None:
                 log.warning("study %s: could not persist %s: %s", study.pk, d.name, exc)
 
 
-def _publish(study: Study) -> None:
+def publish(study: Study) -> None:
     payloads.send_study(study.pk, studyresults.study_live(Study.objects.get(pk=study.pk)))

@@ -383,3 +383,35 @@ def test_a_trial_moves_only_along_its_transitions_and_an_ended_one_stays_ended(d
         studies._retry(trial, "a late agent restart")  # a stale step cannot reopen it
     assert StudyTrial.objects.get(pk=trial.pk).status == "failed"
     assert set(StudyTrial.TRANSITIONS) == StudyTrial.OPEN and StudyTrial.TERMINAL.isdisjoint(StudyTrial.OPEN)
+
+
+def test_a_step_that_fails_the_same_way_again_and_again_fails_its_study_with_the_error(d, monkeypatch):
+    # A figure the statistics could not take (math.log(0)) failed the study's step every few seconds, forever: the
+    # study stayed "running". The driver fails it once the same error came STEP_FAILURES times in a row; another
+    # study on the node goes on, and a study whose step fails once and then passes is not failed.
+    from benchmarks import studydriver
+
+    other = DeploymentFactory(node=d.node, model=d.model, status="ready", engine_args={"max-num-seqs": 16},
+                              env={"VLLM_CPU_KVCACHE_SPACE": "1"}, ready_at=d.ready_at)
+    broken, fine = make(d), make(other)
+    real = studies.study_step
+    failures = {"left": 1}
+
+    def step_once(pk):
+        if pk == broken.pk:
+            raise ValueError("math domain error")
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("a passing fault")
+        return real(pk)
+
+    monkeypatch.setattr(studies, "study_step", step_once)
+    for _ in range(studydriver.STEP_FAILURES - 1):
+        studydriver.studies_drive(d.node_id)
+    assert Study.objects.get(pk=broken.pk).status in Study.DRIVEN  # not yet: it might have been passing
+    studydriver.studies_drive(d.node_id)
+    broken.refresh_from_db()
+    assert broken.status == Study.Status.FAILED
+    assert broken.error == ("A step failed 5 times in a row with the same error, so the study stopped: "
+                            "ValueError: math domain error")
+    assert Study.objects.get(pk=fine.pk).status in Study.DRIVEN
