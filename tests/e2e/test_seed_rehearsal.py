@@ -1,4 +1,4 @@
-"""The seed day rehearsed (issue 46), driven through the REST API with an operator's token as a script would, on one
+"""The seed day rehearsed, driven through the REST API with an operator's token as a script would, on one
 host of 8 simulated GPUs (96 GB, compute capability 12.0, a display server on GPU 0), the whole panel (web server,
 control worker, node agent, gateway) and the conformant doubles (tests/rehearsal.py): free the disk, download 64
 shards through every fault the Hub gives, replace the MiniMax-like deployment with the Kimi-like one from its recipe

@@ -186,3 +186,25 @@ def test_a_crashed_persisted_engine_is_restarted_once_by_systemd_and_ready_again
     COUNTS["persisted_crashes"] += 1
     deploys.deployment_stop(row)
     assert settle(d, timeout=60, states={"stopped", "failed"}).status == "stopped" and _engines(d.marker) == []
+
+
+def test_two_starts_of_one_unit_at_once_start_it_once_as_systemd_does(units, tmp_path):
+    """The boot and a returning agent both start an enabled unit: systemd queues the second start behind the first and
+    it finds the unit active. The double started two supervisors, so two engines (a reboot test saw two leaders with
+    the deployment's marker and MainPID 0)."""
+    import subprocess
+    import sys
+
+    tag = f"double-start-{os.getpid()}"
+    (Path(units["SYSTEMD_UNIT_PATH"]) / "twice.service").write_text(
+        f"[Service]\nExecStart={sys.executable} -c 'import time; time.sleep(300)' {tag}\nRestart=no\n")
+    starts = [subprocess.Popen(["systemctl", "start", "twice.service"]) for _ in range(4)]
+    assert [p.wait(30) for p in starts] == [0, 0, 0, 0]
+    try:
+        running = [p for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])]
+        assert len(running) == 1, running
+        show = subprocess.run(["systemctl", "show", "-p", "MainPID", "--value", "twice.service"], capture_output=True,
+                              text=True, check=True)
+        assert int(show.stdout) == running[0].pid
+    finally:
+        subprocess.run(["systemctl", "stop", "twice.service"], check=True, timeout=60)
