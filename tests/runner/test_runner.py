@@ -154,8 +154,9 @@ def assert_itl_per_token_spreads_the_reads(level) -> None:
     fast tier beside a full run)."""
     gaps = spread_gaps(level, tokens_per_chunk=3)
     assert level.itl_per_token_ms.get("median") == median_ms(gaps)
-    if gaps:
-        assert level.itl_per_token_ms["median"] < 0.6 * level.itl_ms["median"]  # a gap not divided would read 3x
+    if gaps:  # each read brought 3 tokens or more, so no token's share exceeds a third of the longest gap between
+        # reads (from the same records, no clock compared); a gap not divided over its tokens would read 3x
+        assert level.itl_per_token_ms["median"] <= ms([max(read_gaps(level))]) / 3 + 1e-9
 
 
 def test_per_token_itl_spreads_each_gap_over_its_three_tokens(level):
