@@ -13,6 +13,7 @@ from panelctl import launcher
 from plumbing import tokens
 from tests.conftest import free_port, wait_until
 from tests.factories import DeploymentFactory, NodeFactory, UserFactory
+from tests.integration.test_two_web import _up
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -23,14 +24,7 @@ def test_ctrl_c_answers_a_held_long_poll_and_stops_the_web_server_without_an_err
     port = free_port()
     web = spawn(launcher.web_argv("127.0.0.1", port), process_env, name="web")
     path = f"/api/deployments/{deployment.pk}/events/"
-
-    def up():
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, timeout=90, message="the web server")
+    wait_until(lambda: _up(port), timeout=90, message="the web server")
     state = httpx.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Token {token}"}).json()["state"]
     # The poll on a socket of the test's own: once sendall returns its bytes are in the server's receive queue, and
     # once that queue is empty the server has read the request and its task runs (nothing races the signal).
