@@ -13,4 +13,4 @@ COPY . .
 # The settings refuse to load without a real key; this throwaway one only signs nothing at build time.
 RUN SECRET_KEY="$(python -c 'import secrets; print(secrets.token_urlsafe(50))')" python manage.py collectstatic --noinput -v 0
 EXPOSE 8000
-CMD ["python", "-m", "uvicorn", "controlpanel.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--ws", "websockets-sansio"]
+CMD ["python", "-m", "uvicorn", "controlpanel.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--ws", "plumbing.live.wsprotocol:WebSocketProtocol"]

@@ -146,10 +146,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def web_argv(host: str, port: int) -> list[str]:
-    """The web server as `start` runs it: uvicorn, whose stop ends the long polls at once (plumbing/longpoll.py), so
-    the 3 s it gives open requests is enough."""
+    """The web server as `start` runs it: uvicorn, whose stop ends the long polls at once (plumbing/longpoll.py) and
+    drops a WebSocket whose peer stopped reading (plumbing/live/wsprotocol.py), so the 3 s it gives open requests is
+    enough."""
     return [PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--host", host, "--port", str(port),
-            "--ws", "websockets-sansio", "--no-access-log", "--timeout-graceful-shutdown", "3"]
+            "--ws", "plumbing.live.wsprotocol:WebSocketProtocol", "--no-access-log", "--timeout-graceful-shutdown", "3"]
 
 
 def start_embedded_redis(children: Children, env: dict, var_dir: Path, password: str = "") -> str:
