@@ -317,8 +317,10 @@ class Server:
             budget -= 1
             i = stream.next
             try:
+                if stream.transport.is_closing():  # the client went away: vLLM aborts the request, generates no more
+                    raise RuntimeError("closed")
                 stream.transport.write(stream.frames[i])
-            except (AttributeError, RuntimeError):  # the client went away
+            except (AttributeError, RuntimeError):
                 _resolve(stream.done)
                 continue
             wrote = clock()
