@@ -9,7 +9,7 @@ from celery import shared_task
 
 from deployments import loads
 from deployments.host import hub
-from deployments.node import plan, ranks, redrive, sleep, watch  # noqa: F401 - redrive: its signals count the work in hand
+from deployments.node import persist, plan, ranks, redrive, sleep, watch  # noqa: F401 - redrive: its signals count the work in hand
 from deployments.services import repos
 
 
@@ -72,7 +72,7 @@ def deployment_forget(deployment_id: int) -> None:
 @shared_task(name="deployments.deployment_persist")
 def deployment_persist(deployment_id: int) -> None:
     """On a node: install a deployment as a systemd unit."""
-    plan.deployment_persist_here(deployment_id)
+    persist.deployment_persist_here(deployment_id)
 
 
 @shared_task(name="deployments.deployment_sleep")

@@ -6,7 +6,8 @@ the panel runs engines as containers (deployments/host/containers.py) and a test
 Endpoints (with or without the /v1.NN prefix): GET /_ping, GET /version, POST /containers/create,
 POST /containers/{id}/start|stop|restart|kill|wait (HostConfig.RestartPolicy followed as Docker does: "always" and
 "unless-stopped" start a container again after its process exits unless the API stopped or killed it, "on-failure"
-after a non-zero code; refused with AutoRemove), GET /containers/json (all, filters: label, name, id, status),
+after a non-zero code; refused with AutoRemove), POST /containers/{id}/update (RestartPolicy; refused on an AutoRemove
+container, with Docker's words), GET /containers/json (all, filters: label, name, id, status),
 GET /containers/{id}/json, GET /containers/{id}/logs (the multiplexed stream format), DELETE /containers/{id}.
 Errors are Docker's: {"message": ...} with 404 (no such container), 409 (name in use, removing a running one),
 304 (start a running one, stop a stopped one).
@@ -16,6 +17,10 @@ outside any client's process tree, in a cgroup of its own where cgroup v2 is wri
 descendants stand for it). As with containerd: when the main process exits, whatever is left in the container
 is killed; `stop` sends the StopSignal (SIGTERM), waits t seconds, then SIGKILLs the whole container; AutoRemove
 removes it once it has exited. Images are not real: any name runs the command on this host.
+
+The daemon keeps its containers in its state folder, as Docker keeps /var/lib/docker: stopped (its containers killed,
+as at a shutdown) and started again on the same folder (`Running.reboot`), it starts those whose policy says so,
+"always", and "unless-stopped" unless the API stopped them.
 """
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ def _cgroup_root() -> Path | None:
 class Container:
     def __init__(self, cid: str, name: str, body: dict, cgroups: Path | None, logs: Path):
         self.id, self.name, self.body = cid, name, body
-        self.host = body.get("HostConfig") or {}
+        self.host = body.setdefault("HostConfig", {})
         self.created = _now()
         self.proc: subprocess.Popen | None = None
         self.exit_code = 0
@@ -75,6 +80,7 @@ class Container:
         self.removed = False
         self.restart_count = 0
         self.stopped = False  # by the API (stop, kill): a restart policy brings it back only at the daemon's start
+        self.restarting = False  # exited, its restart policy about to start it again (Docker's "restarting")
 
     def restart_due(self) -> bool:
         """Docker's restart policy, after an exit: "always" and "unless-stopped" unless stopped through the API,
@@ -186,13 +192,15 @@ class Container:
     def status(self) -> str:
         if self.running:
             return "running"
-        return "created" if self.proc is None else "exited"
+        if self.restarting:
+            return "restarting"
+        return "created" if self.proc is None and self.started_at.startswith("0001") else "exited"
 
     def inspect(self) -> dict:
         return {
             "Id": self.id, "Name": f"/{self.name}", "Created": self.created, "Path": (self.argv() or [""])[0],
             "Args": self.argv()[1:], "Image": "sha256:" + "0" * 64, "RestartCount": self.restart_count,
-            "State": {"Status": self.status(), "Running": self.running, "Paused": False, "Restarting": False,
+            "State": {"Status": self.status(), "Running": self.running, "Paused": False, "Restarting": self.restarting,
                       "OOMKilled": False, "Dead": False, "Pid": self.proc.pid if self.running else 0,
                       "ExitCode": self.exit_code, "Error": "", "StartedAt": self.started_at, "FinishedAt": self.finished_at},
             "Config": {"Image": self.body.get("Image", ""), "Cmd": self.body.get("Cmd"), "Entrypoint": self.body.get("Entrypoint"),
@@ -221,6 +229,7 @@ class Daemon:
         self.logs = state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
+        self.state, self.closing, self.saving = state_dir / "containers.json", False, threading.Lock()
 
     def get(self, ref: str) -> Container:
         with self.lock:
@@ -230,21 +239,57 @@ class Daemon:
         raise web.HTTPNotFound(text=json.dumps({"message": f"No such container: {ref}"}), content_type="application/json")
 
     def on_exit(self, c: Container) -> None:
+        if self.closing:
+            return
         if c.host.get("AutoRemove"):
             self.remove(c)
         elif c.restart_due():
+            c.restarting = True
             time.sleep(0.1)  # Docker's first restart delay
-            if c.restart_due():
+            c.restarting = False
+            if c.restart_due() and not self.closing:
                 c.restart_count += 1
                 c.start(self.on_exit)
+        self.save()
+
+    def save(self) -> None:
+        """The containers as Docker keeps them on disk: what a start of the daemon on this folder finds."""
+        with self.lock:
+            state = [{"id": c.id, "name": c.name, "body": c.body, "stopped": c.stopped, "exit_code": c.exit_code,
+                      "restart_count": c.restart_count, "created": c.created, "started_at": c.started_at,
+                      "finished_at": c.finished_at} for c in self.containers.values()]
+        with self.saving:  # an exit (its thread) and a request may save at once
+            tmp = self.state.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(self.state)
+
+    def load(self) -> None:
+        """The containers a previous run of the daemon left (their processes died with it), then those their restart
+        policy starts at the daemon's start: "always", and "unless-stopped" unless the API had stopped them."""
+        if not self.state.exists():
+            return
+        for saved in json.loads(self.state.read_text()):
+            c = Container(saved["id"], saved["name"], saved["body"], self.cgroups, self.logs)
+            c.stopped, c.exit_code, c.restart_count = saved["stopped"], saved["exit_code"], saved["restart_count"]
+            c.created, c.started_at, c.finished_at = saved["created"], saved["started_at"], saved["finished_at"]
+            self.containers[c.id] = c
+        for c in list(self.containers.values()):
+            policy = (c.host.get("RestartPolicy") or {}).get("Name") or "no"
+            if policy == "always" or (policy == "unless-stopped" and not c.stopped):
+                c.start(self.on_exit)
+        self.save()
 
     def remove(self, c: Container) -> None:
         with self.lock:
             self.containers.pop(c.id, None)
         c.removed = True
         c.cleanup()
+        self.save()
 
     def shutdown(self) -> None:
+        """As at a host's shutdown: every container killed; none counts as stopped through the API."""
+        self.closing = True
+        self.save()
         for c in list(self.containers.values()):
             c.kill_all()
             c.signal_main(signal.SIGKILL)
@@ -323,6 +368,7 @@ def app(daemon: Daemon) -> web.Application:
                 return _error(409, f'Conflict. The container name "/{name}" is already in use.')
             cid = secrets.token_hex(32)
             daemon.containers[cid] = Container(cid, name, body, daemon.cgroups, daemon.logs)
+        daemon.save()
         return web.json_response({"Id": cid, "Warnings": []}, status=201)
 
     @routes.post("/containers/{id}/start")
@@ -335,6 +381,7 @@ def app(daemon: Daemon) -> web.Application:
             await asyncio.to_thread(c.start, daemon.on_exit)
         except OSError as exc:  # Docker: 400 "failed to create task ... exec: no such file"
             return _error(400, f"failed to create task for container: exec: {exc}")
+        daemon.save()
         return web.Response(status=204)
 
     @routes.post("/containers/{id}/stop")
@@ -343,7 +390,22 @@ def app(daemon: Daemon) -> web.Application:
         if not c.running:
             return web.Response(status=304)
         await asyncio.to_thread(c.stop, float(request.query.get("t", c.body.get("StopTimeout") or 10)))
+        daemon.save()
         return web.Response(status=204)
+
+    @routes.post("/containers/{id}/update")
+    async def update(request):
+        c = daemon.get(request.match_info["id"])
+        body = await request.json()
+        policy = body.get("RestartPolicy")
+        if policy and policy.get("Name") not in (None, "", "no") and c.host.get("AutoRemove"):
+            return _error(400, f"Cannot update container {c.id}: Restart policy cannot be updated because AutoRemove "
+                               "is enabled for the container")
+        if policy is not None:
+            c.host["RestartPolicy"] = {"Name": policy.get("Name") or "no",
+                                       "MaximumRetryCount": policy.get("MaximumRetryCount") or 0}
+        daemon.save()
+        return web.json_response({"Warnings": []})
 
     @routes.post("/containers/{id}/restart")
     async def restart(request):
@@ -362,6 +424,7 @@ def app(daemon: Daemon) -> web.Application:
         sig = int(name) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
         c.stopped = c.stopped or sig in (signal.SIGKILL, signal.SIGTERM)  # a manual kill: no restart, as in Docker
         c.signal_main(sig)
+        daemon.save()
         return web.Response(status=204)
 
     @routes.post("/containers/{id}/wait")
@@ -416,37 +479,59 @@ def app(daemon: Daemon) -> web.Application:
     return application
 
 
-@contextlib.contextmanager
-def running(folder: Path):
-    """This double as a daemon process of its own (its containers are its children, not the caller's), for
-    as long as the block lasts; yields the DOCKER_HOST to reach it. Every container is killed at the end."""
-    import docker
+class Running:
+    """This double as a daemon process of its own (its containers are its children, not the caller's); `host` is
+    the DOCKER_HOST that reaches it."""
 
-    folder.mkdir(parents=True, exist_ok=True)
-    sock = folder / "docker.sock"
-    log = open(folder / "dockerd.log", "ab")
-    proc = subprocess.Popen([sys.executable, __file__, "--socket", str(sock)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    host = f"unix://{sock}"
-    deadline = time.monotonic() + 20
-    while True:
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.sock = folder, folder / "docker.sock"
+        self.host = f"unix://{self.sock}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        import docker
+
+        with open(self.folder / "dockerd.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--socket", str(self.sock)], stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                docker.DockerClient(base_url=self.host, version=API_VERSION, timeout=2).ping()
+                return
+            except Exception:  # noqa: BLE001 - not listening yet
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the Docker API double did not start: "
+                                       f"{(self.folder / 'dockerd.log').read_text()[-2000:]}")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """As at a host's shutdown: the daemon goes and every container with it (none counts as stopped by the API)."""
+        self.proc.terminate()
         try:
-            docker.DockerClient(base_url=host, version=API_VERSION, timeout=2).ping()
-            break
-        except Exception:  # noqa: BLE001 - not listening yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Docker API double did not start: {(folder / 'dockerd.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-    try:
-        yield host
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
+            self.proc.wait(15)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-        log.close()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+    def reboot(self) -> None:
+        """The host's power cycle as Docker lives it: every container killed, then the daemon started on the same
+        state, which starts what the restart policies say."""
+        self.stop()
+        self.start()
+
+
+@contextlib.contextmanager
+def running(folder: Path, handle: bool = False):
+    """The double for as long as the block lasts: yields the DOCKER_HOST to reach it (`handle`: the Running, to
+    reboot it). Every container is killed at the end."""
+    daemon = Running(folder)
+    daemon.start()
+    try:
+        yield daemon if handle else daemon.host
+    finally:
+        daemon.stop()
 
 
 def main() -> None:
@@ -456,6 +541,7 @@ def main() -> None:
     args = parser.parse_args()
     sock = Path(args.socket)
     daemon = Daemon(Path(args.state_dir) if args.state_dir else sock.parent / "dockerd-double")
+    daemon.load()
 
     def on_term(*_):
         raise KeyboardInterrupt

@@ -11,7 +11,12 @@ engine user's home), the deployment's GPUs as a device request, and labels carry
 Its command is containerexec, which does what Popen does on the process path (log, session, engine user,
 no_new_privs, working folder) and execs the engine: the container's main process is the engine. The agent
 (pid: host) therefore follows, signals, stops and adopts it by PID and marker like any engine
-(deployments/host/processes.py, ownership.py); Docker removes the container once the engine has exited.
+(deployments/host/processes.py, ownership.py).
+
+A container is kept after its engine exits (no AutoRemove: Docker refuses a restart policy on such a container, and
+a persist sets one on the running engine's container, with no second load: KEEP_POLICY, which brings it back after a
+crash and at the daemon's start, a boot). An exited container without that policy is removed at the next launch or
+halt (sweep); the engine's log is the file, not Docker's.
 
 Imports no host module but errors: processes.launch() calls start() (no cycle).
 """
@@ -40,6 +45,7 @@ API_TIMEOUT_S = 30  # an image's first start on a busy daemon takes seconds; a h
 RUNTIMES = ("process", "docker")
 EXEC_WAIT_S = 10.0  # containerexec's Python start and two execs: ~0.1-0.3 s here
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"
+KEEP_POLICY = "unless-stopped"  # Docker starts it again when it exits and at its own start, unless stopped by the API
 
 
 class ContainerError(HostError):
@@ -92,9 +98,10 @@ def _gpus(env: dict[str, str]) -> tuple[list[DeviceRequest], dict[str, str]]:
     return [request], {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(len(visible)))}
 
 
-def container_config(args: dict, log_path: str | Path, image: str | None = None) -> dict:
+def container_config(args: dict, log_path: str | Path, image: str | None = None, keep: bool = False) -> dict:
     """containers.run()'s arguments for an engine whose subprocess.Popen arguments are `args`
-    (processes.popen_args: args, env, cwd, user, group, extra_groups)."""
+    (processes.popen_args: args, env, cwd, user, group, extra_groups); `keep`: a persisted deployment's engine,
+    which Docker starts again after a crash or a boot (KEEP_POLICY)."""
     image = image or os.environ.get(IMAGE_VAR, "")
     if not image:
         raise ContainerError(f"{RUNTIME_VAR}=docker needs {IMAGE_VAR}: the node image engines run in", permanent=True)
@@ -116,23 +123,22 @@ def container_config(args: dict, log_path: str | Path, image: str | None = None)
         # PID 1, with its signal and reaping quirks), and Docker kills what is left of it once its main process ends.
         "pid_mode": "host", "network_mode": "host", "ipc_mode": "host", "volumes": mounts(),
         "device_requests": device_requests,
-        "auto_remove": True,  # gone once the engine has exited: its log is the file, not Docker's
+        "restart_policy": {"Name": KEEP_POLICY if keep else "no"},
         "security_opt": ["no-new-privileges"], "detach": True,
     }
 
 
-def start(args: dict, log_path: str | Path) -> int:
+def start(args: dict, log_path: str | Path, keep: bool = False) -> int:
     """Start the engine as a container of its own; its main process's PID (the engine's, as the agent sees it)."""
     Path(log_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    config = container_config(args, log_path)
+    config = container_config(args, log_path, keep=keep)
+    sweep()
     try:
         container = client().containers.run(**config)
         container.reload()
     except docker.errors.ImageNotFound as exc:
         raise ContainerError(f"the engine image {config['image']} is not on this host: {exc.explanation}",
                              permanent=True) from exc
-    except docker.errors.NotFound as exc:  # AutoRemove took it: it exited before we looked
-        raise ContainerError(f"the engine's container exited at once; its log is {log_path}", permanent=True) from exc
     except docker.errors.APIError as exc:
         raise ContainerError(f"the Docker daemon refused the engine's container: {exc.explanation or exc}",
                              permanent=exc.is_client_error()) from exc
@@ -173,3 +179,89 @@ def find(marker: str | None = None) -> list[dict]:
         raise ContainerError(f"cannot list the engine containers: {exc}") from exc
     return [{"id": c.id, "name": c.name, "status": c.status, "pid": c.attrs.get("State", {}).get("Pid") or None,
              "marker": c.labels.get(MARKER_LABEL, "")} for c in found]
+
+
+def _get(name: str):
+    """The container called `name`, or None when it is gone."""
+    try:
+        return client().containers.get(name)
+    except docker.errors.NotFound:
+        return None
+    except (docker.errors.DockerException, OSError) as exc:
+        raise ContainerError(f"cannot read the container {name}: {exc}") from exc
+
+
+def keep(marker: str) -> str:
+    """A persist: the running engine container carrying `marker` gets KEEP_POLICY (the engine keeps serving: no
+    second load); its name."""
+    running = [c for c in find(marker) if c["status"] == "running"]
+    if not running:
+        raise ContainerError(f"no running engine container carries the marker {marker}", permanent=True)
+    try:
+        client().containers.get(running[0]["id"]).update(restart_policy={"Name": KEEP_POLICY})
+    except docker.errors.APIError as exc:
+        raise ContainerError(f"the Docker daemon refused the restart policy: {exc.explanation or exc}",
+                             permanent=exc.is_client_error()) from exc
+    except (docker.errors.DockerException, OSError) as exc:
+        raise ContainerError(f"cannot reach the Docker daemon: {exc}") from exc
+    return running[0]["name"]
+
+
+def state(name: str) -> dict | None:
+    """What Docker says of a kept engine's container: status (running, restarting, exited, ...), its main PID (0:
+    none now), its restart policy and restart count; None when it is gone."""
+    container = _get(name)
+    if container is None:
+        return None
+    st, host = container.attrs.get("State", {}), container.attrs.get("HostConfig", {})
+    return {"status": st.get("Status", ""), "pid": int(st.get("Pid") or 0), "exit_code": st.get("ExitCode"),
+            "policy": (host.get("RestartPolicy") or {}).get("Name") or "no", "restarts": container.attrs.get("RestartCount", 0)}
+
+
+def start_kept(name: str) -> None:
+    """Start a kept container that is not running (its policy brings it back only after an exit or at the daemon's
+    start: one stopped meanwhile stays down until started)."""
+    container = _get(name)
+    if container is None:
+        raise ContainerError(f"the container {name} is gone", permanent=True)
+    try:
+        container.start()
+    except (docker.errors.DockerException, OSError) as exc:
+        raise ContainerError(f"cannot start the container {name}: {exc}") from exc
+
+
+def release(name: str, timeout_s: float = 30) -> None:
+    """A persisted engine stopped for good: no restart policy any more, stopped through Docker (so nothing brings
+    it back), removed. A container already gone has nothing to release."""
+    container = _get(name)
+    if container is None:
+        return
+    try:
+        container.update(restart_policy={"Name": "no"})
+        container.stop(timeout=int(timeout_s))
+        container.remove(force=True)
+    except docker.errors.NotFound:
+        return
+    except (docker.errors.DockerException, OSError) as exc:
+        raise ContainerError(f"cannot stop the container {name}: {exc}") from exc
+
+
+def sweep(marker: str = "", wait_s: float = 0.0) -> list[str]:
+    """Remove the panel's engine containers that have exited and that nothing brings back (no KEEP_POLICY): a
+    stopped or crashed engine's. Given the `marker` of an engine just stopped, first wait (up to `wait_s`) for
+    Docker to see its containers exit. Their names."""
+    deadline = time.monotonic() + wait_s
+    while marker and time.monotonic() < deadline and any(c["status"] == "running" for c in find(marker)):
+        time.sleep(0.05)
+    removed = []
+    try:
+        for c in client().containers.list(all=True, filters={"label": ENGINE_LABEL, "status": ["exited", "created", "dead"]},
+                                          ignore_removed=True):
+            if ((c.attrs.get("HostConfig") or {}).get("RestartPolicy") or {}).get("Name") not in ("always", KEEP_POLICY):
+                c.remove(force=True)
+                removed.append(c.name)
+    except docker.errors.NotFound:
+        pass  # removed meanwhile (another sweep)
+    except (docker.errors.DockerException, OSError) as exc:
+        raise ContainerError(f"cannot remove exited engine containers: {exc}") from exc
+    return removed

@@ -37,6 +37,7 @@ class EngineSpec:
     cwd: Path | None = None
     # Who the engine runs as (osuser.current() for deployments); None: the agent's own user.
     run_as: osuser.EngineUser | None = None
+    keep: bool = False  # with PANEL_ENGINE_RUNTIME=docker: a persisted engine, its container kept (containers.keep)
 
 
 @dataclass
@@ -97,7 +98,7 @@ def launch(spec: EngineSpec) -> EngineHandle:
     args = popen_args(spec)
     _check_reachable(spec, args["env"])
     try:  # PANEL_ENGINE_RUNTIME=docker: a container of its own, outside the agent's cgroup
-        pid = containers.start(args, spec.log_path) if containers.enabled() else None
+        pid = containers.start(args, spec.log_path, keep=spec.keep) if containers.enabled() else None
     except containers.ContainerError as exc:
         raise EngineError(str(exc), permanent=exc.permanent) from exc
     if pid is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from deployments.host import door, firewall, osuser, ownership, processes, processlog, systemd
+from deployments.host import containers, door, firewall, keepers, osuser, ownership, processes, processlog, systemd
 from deployments.models import Deployment, DeploymentRank, EngineProcess
 
 log = logging.getLogger(__name__)
@@ -116,13 +116,18 @@ def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
     if port := api_port(p, spec.role):
         door.shut(port, deployment_of(p).node.name)  # before it binds: its routes answer only the agent and gateway
     save(p, marker=marker, log_path=str(spec.log_path))
-    if unit_of(p) and unit_install is not None:
+    unit = unit_of(p)
+    if unit and unit_install is not None and not keepers.is_container(unit):
         pid = unit_install(spec.argv, env, str(spec.log_path), spec.cwd)
         save(p, pid=pid, pgid=pgid_of(pid), pid_create_time=create_time(pid))
     else:
+        keep = keepers.is_container(unit)  # a persisted engine in a container: its new container is kept in turn
         handle = processes.launch(processes.EngineSpec(argv=spec.argv, env=env, log_path=spec.log_path, cwd=spec.cwd,
-                                                 run_as=spec.run_as))
+                                                 run_as=spec.run_as, keep=keep))
         save(p, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
+        if keep:
+            name = next(c["name"] for c in containers.find(marker) if c["pid"] == handle.pid)
+            save(deployment_of(p), systemd_unit=keepers.of_container(name))
     d = deployment_of(p)
     if d.master_port:  # multi-node or Ray: its cluster ports admit only the deployment's nodes (the API server
         firewall.guard(marker, [p.pid], node_addresses(d))  # listens on loopback: the node's gateway is the door)
@@ -194,9 +199,9 @@ def adopt(p: EngineProcess) -> bool:
     found = None
     if unit := unit_of(p):
         try:
-            status = systemd.unit_status(unit)
-        except systemd.SystemdError as exc:
-            log.warning("%s: cannot read unit %s: %s", p, unit, exc)
+            status = keepers.status(unit)
+        except keepers.Error as exc:
+            log.warning("%s: cannot read %s: %s", p, unit, exc)
             status = None
         if status and status.main_pid and ownership.marker_of(status.main_pid) == p.marker:
             found = status.main_pid
@@ -243,7 +248,7 @@ def halt(p: EngineProcess, term_s: float = STOP_TERM_S) -> Halted:
     /dev/shm files cleaned once nothing survived. A group that cannot be proven ours is never signalled (after
     a reboot or PID reuse it is someone else's). The row then names no process; its log's last lines stay."""
     if unit := unit_of(p):
-        systemd.disable(unit)
+        keepers.disable(unit, term_s)
     result, unproven = None, None
     pgid = p.pgid
     if not pgid and p.marker:  # launched, but the agent died before it wrote the PID down
@@ -258,6 +263,11 @@ def halt(p: EngineProcess, term_s: float = STOP_TERM_S) -> Halted:
     if p.marker and (left := stop_marked(p.marker)) and result:  # e.g. a Ray node's processes
         result.survivors += left
     survived = bool(result and result.survivors)
+    if containers.enabled() and not survived:
+        try:
+            containers.sweep(p.marker, wait_s=5)  # its container, once Docker saw it exit
+        except containers.ContainerError as exc:
+            log.warning("%s: %s", p, exc)
     if not survived:
         processes.remove_unused_shm(set(p.shm_files or []))
         door.reopen(api_port(p), deployment_of(p).node.name)  # the port leaves the door's set

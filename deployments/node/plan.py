@@ -4,7 +4,6 @@ import logging
 import os
 import time
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -15,7 +14,7 @@ from deployments import claims, engineapikey, loads, payloads, warmstart
 from deployments.gateway import media
 from deployments.host import (gpu, gpuwait, listeners, ownership, processenv, processes, serveargv, supervisors, systemd,
                               vllm)
-from deployments.models import Deployment, DeploymentEvent, ModelCopy
+from deployments.models import Deployment, DeploymentEvent
 from deployments.node import cluster, guards, lifecycle, precheck, ranks, raycluster, sleep
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, mark_stopped,
@@ -383,55 +382,6 @@ def _smoke(d: Deployment, base_url: str, key: str) -> None:
         event.message = (f"{result.reply.strip()[:200]!r} in {result.latency_s:.2f} s, "
                          f"{result.completion_tokens} tokens" + (f" ({result.reasoning_tokens} reasoning)" if result.reasoning_tokens else ""))
     payloads.send_deployment_status(d)
-
-
-def deployment_persist_here(deployment_id: int) -> Deployment:
-    """Install the deployment as a systemd unit; the unit then owns the engine."""
-    with lifecycle.driving(deployment_id):
-        return _persist(deployment_id)
-
-
-def _persist(deployment_id: int) -> Deployment:
-    """The running engine keeps serving: its unit is written with the same command, environment and marker, and
-    enabled, not started; systemd runs the engine from its next start (a boot, or a crash: units.engine_exited starts
-    the unit), and whichever it starts is the deployment's by its marker. No second load."""
-    d = Deployment.objects.select_related("model", "node").get(pk=deployment_id)
-    if d.master_port:
-        return _persist_group(d)
-    copy = ModelCopy.objects.get(model=d.model, node=d.node)
-    name = systemd.unit_name(d.name)
-    warm_args, warm_env = warmstart.relaunch_extras(d)  # the same cache folder and KV size as the engine it replaces
-    argv = serveargv.build_argv(settings.VLLM_BIN, copy.path, d.port, serveargv.API_HOST, {**d.engine_args, **warm_args},
-                                media.engine_args(d, serveargv.engine_flags(settings.VLLM_BIN)))
-    try:
-        env = lifecycle.marked_env({**_engine_env(d), **warm_env}, d.marker)
-        unit_install(d, argv, env, d.log_path or str(_log_path(d)), cwd=Path(copy.path), start=False)
-        lifecycle.save(d, systemd_unit=name)
-        payloads.send_deployment_status(d)
-        deployment_event(d, "persist", f"Installed {name}, enabled at boot. The running engine (PID {d.pid}) keeps "
-                                       "serving: systemd runs it from its next start (a reboot, or the agent starting "
-                                       "the unit after a crash), adopted by its marker.")
-    except (systemd.SystemdError, PlanFailed, OSError) as exc:
-        deployment_event(d, "persist", f"Could not make it a service: {exc}", level=DeploymentEvent.Level.ERROR)
-    return d
-
-
-def _persist_group(d: Deployment) -> Deployment:
-    """Multi-node: the whole group starts again under systemd, one unit per node. The plan runs
-    as a redeploy does: each worker node's agent installs its rank's unit (workers first, as vLLM's launch
-    needs), then this node the head's."""
-    with transaction.atomic():
-        row = Deployment.objects.select_for_update().get(pk=d.pk)
-        if row.status != S.READY:
-            return row  # stopped or failed meanwhile
-        row.systemd_unit = systemd.unit_name(d.name)
-        row.transition(S.QUEUED, "restarting every rank under systemd",
-                       expires_at=timezone.now() + timedelta(seconds=settings.HOST_TASK_EXPIRES_S))
-        row.save()
-    units = [f"{row.systemd_unit} on {d.node}", *(f"{systemd.unit_name(d.name, r.rank)} on {r.node}"
-                                                 for r in d.ranks.select_related("node"))]
-    deployment_event(d, "persist", "Restarting every rank under systemd, one unit per node: " + ", ".join(units) + ".")
-    return deployment_run(d.pk)
 
 
 def _log_path(d: Deployment) -> Path:

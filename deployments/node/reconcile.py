@@ -5,7 +5,7 @@ import logging
 from django.conf import settings
 
 from deployments.dispatch import node_enqueue
-from deployments.host import door, enginemodules, firewall, processes, serveargv, systemd
+from deployments.host import door, enginemodules, firewall, keepers, processes, serveargv
 from deployments.models import Deployment, Node
 from deployments.node import lifecycle, sleep, units
 from deployments.node.ranks import ranks_reconcile
@@ -63,8 +63,8 @@ def node_engine_report(node_id: int) -> None:
     validate deploy forms)."""
     try:
         flags = sorted(serveargv.engine_flags(settings.VLLM_BIN))
-        Node.objects.filter(pk=node_id).update(engine_flags=flags, engine_error="", systemd=systemd.available(),
+        Node.objects.filter(pk=node_id).update(engine_flags=flags, engine_error="", systemd=keepers.available(),
                                                engine_version=serveargv.engine_version(settings.VLLM_BIN),
                                                engine_modules=enginemodules.report(settings.VLLM_BIN))
     except processes.EngineError as exc:
-        Node.objects.filter(pk=node_id).update(engine_flags=[], engine_error=str(exc)[:500], systemd=systemd.available())
+        Node.objects.filter(pk=node_id).update(engine_flags=[], engine_error=str(exc)[:500], systemd=keepers.available())

@@ -11,13 +11,16 @@ not yet done) the deployment waits in "loading" with no PID, for at most UNIT_WA
 or one no longer enabled, fails the deployment, and fail() disables the unit, so nothing comes back as an orphan.
 A worker rank of a persisted multi-node deployment runs under a unit of its own node and follows the same rule
 (ranks.py asks `unit_coming`).
+
+With PANEL_ENGINE_RUNTIME=docker (compose) what keeps a persisted engine is its own container, kept with Docker's
+restart policy, in systemd's place: `systemd_unit` then reads "container:<name>" and host/keepers.py answers for it.
 """
 import logging
 import os
 import time
 
 from deployments.dispatch import node_enqueue
-from deployments.host import systemd
+from deployments.host import keepers, processes, systemd
 from deployments.models import Deployment, EngineProcess
 from deployments.node import lifecycle
 from deployments.node.steps import Aborted, fail, move
@@ -30,10 +33,14 @@ UNIT_WAIT_S = float(os.environ.get("ENGINE_UNIT_WAIT_S", "600"))  # a boot, or s
 
 def _status(p: EngineProcess) -> systemd.UnitStatus | None:
     try:
-        return systemd.unit_status(lifecycle.unit_of(p))
-    except systemd.SystemdError as exc:
+        return keepers.status(lifecycle.unit_of(p))
+    except keepers.Error as exc:
         log.warning("%s: cannot read %s: %s", p, lifecycle.unit_of(p), exc)
         return None
+
+
+def _who(d: Deployment) -> str:
+    return "Docker" if keepers.is_container(d.systemd_unit) else "systemd"
 
 
 def unit_coming(p: EngineProcess) -> tuple[bool, str]:
@@ -44,9 +51,17 @@ def unit_coming(p: EngineProcess) -> tuple[bool, str]:
     return status.coming, f"{lifecycle.unit_of(p)} is {status.active} ({status.enabled})"
 
 
+def _clean_shm(d: Deployment) -> None:
+    """The /dev/shm files a gone engine left, removed as a halt removes them (those no live process holds); the
+    running engine's are recorded again as the crash watch sees them (lifecycle.record_shm)."""
+    processes.remove_unused_shm(set(d.shm_files or []))
+    lifecycle.save(d, shm_files=[])
+
+
 def _wait(d: Deployment, why: str) -> None:
     """The engine is gone and systemd starts it again: wait in "loading", the row naming no process (its marker
     kept: the unit's engine carries it, so it is the deployment's and never foreign)."""
+    _clean_shm(d)
     lifecycle.save(d, pid=None, pgid=None, pid_create_time=None)
     if d.status == S.READY:
         try:
@@ -62,8 +77,8 @@ def _started_if_idle(d: Deployment, status: systemd.UnitStatus | None) -> system
     if status is None or (status.active, status.enabled) != ("inactive", "enabled"):
         return status
     try:
-        systemd.start(d.systemd_unit)
-    except systemd.SystemdError as exc:
+        keepers.start(d.systemd_unit)
+    except keepers.Error as exc:
         log.warning("%s: cannot start %s: %s", d, d.systemd_unit, exc)
         return status
     deployment_event(d, "unit_start", f"Started {d.systemd_unit}: it was enabled but not running.")
@@ -75,11 +90,10 @@ def engine_exited(d: Deployment) -> None:
     systemd had not run it yet), the agent adopts it then."""
     status = _started_if_idle(d, _status(d))
     if status is not None and status.coming:
-        _wait(d, f"the engine exited; {d.systemd_unit} starts it again (systemd's Restart=on-failure, "
-                 f"RestartSec={systemd.RESTART_SEC:g} s)")
+        _wait(d, f"the engine exited; {d.systemd_unit} starts it again ({keepers.restarts_how(d.systemd_unit)})")
         return
     from_unit = f"{d.systemd_unit} is {status.active}" if status else f"{d.systemd_unit} cannot be read"
-    fail(d, f"Crashed: the engine exited and {from_unit}; systemd will not start it again.")
+    fail(d, f"Crashed: the engine exited and {from_unit}; {_who(d)} will not start it again.")
 
 
 def unit_settle(d: Deployment) -> str:
@@ -99,9 +113,10 @@ def unit_settle(d: Deployment) -> str:
 
 def _adopted(d: Deployment, how: str) -> None:
     """The row names the unit's engine now: follow its load to ready (a deployment ready before shows loading)."""
+    _clean_shm(d)  # a reboot or a crash the agent was not there to see: the engine before this one left them
     if d.status == S.READY:
         try:
-            move(d, S.LOADING, f"systemd started the engine again (PID {d.pid}); following its load")
+            move(d, S.LOADING, f"{_who(d)} started the engine again (PID {d.pid}); following its load")
         except Aborted:
             return
     elif d.status == S.STARTING:
@@ -125,11 +140,11 @@ def units_watch(node_id: int, waiting: dict | None = None) -> None:
         since = waiting.setdefault(d.pk, time.monotonic())
         if lifecycle.adopt(d):
             waiting.pop(d.pk, None)
-            _adopted(d, "systemd started")
+            _adopted(d, f"{_who(d)} started")
             continue
         status = _status(d)
         if status is not None and not status.coming:
-            fail(d, f"{d.systemd_unit} is {status.active} ({status.enabled}): systemd will not start the engine again.")
+            fail(d, f"{d.systemd_unit} is {status.active} ({status.enabled}): {_who(d)} will not start the engine again.")
         elif time.monotonic() - since > UNIT_WAIT_S:
             fail(d, f"{d.systemd_unit} did not start the engine within {UNIT_WAIT_S:.0f} s.")
         else:

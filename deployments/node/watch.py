@@ -5,7 +5,7 @@ import time
 from django.utils import timezone
 
 from deployments import payloads
-from deployments.host import exits, processes, slo, systemd, vllm
+from deployments.host import exits, keepers, processes, slo, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import lifecycle, raycluster, units
 from deployments.node.crashes import deployment_crashed
@@ -50,14 +50,14 @@ def _plan_running(deployment_id: int) -> bool:
 
 
 def deployment_forget(deployment_id: int) -> None:
-    """On the node: remove a deleted deployment's systemd unit, then the deployment."""
+    """On the node: remove a deleted deployment's unit (or kept container), then the deployment."""
     d = Deployment.objects.filter(pk=deployment_id).first()
     if d is None or d.status not in Deployment.TERMINAL:
         return
     if d.systemd_unit:
         try:
-            systemd.uninstall(d.systemd_unit)
-        except systemd.SystemdError as exc:
+            keepers.uninstall(d.systemd_unit)
+        except keepers.Error as exc:
             deployment_event(d, "delete", f"Not deleted: {exc}", level=DeploymentEvent.Level.ERROR)
             return
     d.delete()

@@ -373,8 +373,9 @@ def deployment_persist(d: Deployment) -> Deployment:
     d = Deployment.objects.select_for_update().select_related("node").get(pk=d.pk)
     nodes = [d.node, *(r.node for r in d.ranks.select_related("node"))]  # multi-node: one unit per node
     if without := [n.name for n in nodes if not n.systemd]:
-        raise ServiceError(f"{', '.join(without)} cannot install systemd units (no systemd, or the agent is not root); "
-                           "download the unit file and install it by hand.", code="no_systemd")
+        raise ServiceError(f"{', '.join(without)} cannot keep engines across reboots (no systemd, or the agent is not "
+                           "root, and engines do not run as containers); download the unit file and install it by hand.",
+                           code="no_systemd")
     if d.status != Deployment.Status.READY:
         raise ServiceError("Only a ready deployment can be made a service.", code="not_running")
     if d.sleep_mode:  # systemd would start it awake at boot, beside the one that shares its GPUs
@@ -383,6 +384,6 @@ def deployment_persist(d: Deployment) -> Deployment:
     if multinode.executor(d.engine_args) == "ray":
         raise ServiceError("A Ray deployment cannot be made a systemd service yet: its agents own its Ray nodes.",
                            code="ray")
-    deployment_event(d, "persist", "Installing as a systemd service.")
+    deployment_event(d, "persist", "Making it a service that survives crashes and reboots.")
     node_enqueue(d.node, "deployments.deployment_persist", d.pk)
     return d

@@ -18,7 +18,7 @@ from deployments import payloads
 from deployments.forms import DeployForm
 from deployments.host import gpu, ownership, processes, systemd, vllm
 from deployments.models import Deployment, DeploymentEvent
-from deployments.node import plan, reconcile, watch
+from deployments.node import persist, plan, reconcile, watch
 from deployments.services import deploys
 from plumbing.errors import ServiceError
 from plumbing.live import snapshots
@@ -406,7 +406,7 @@ def test_the_systemd_unit_runs_the_same_engine_and_kills_its_whole_group():
 
 def test_persisting_needs_a_node_with_systemd(model, node):
     d = DeploymentFactory(model=model, node=node, status=S.READY)
-    with pytest.raises(ServiceError, match="cannot install systemd units"):
+    with pytest.raises(ServiceError, match="cannot keep engines across reboots"):
         deploys.deployment_persist(d)
 
 
@@ -425,7 +425,7 @@ def test_persisting_keeps_the_running_engine_and_enables_its_unit_for_the_next_s
         return 0
 
     with mock.patch("deployments.host.systemd.install", autospec=True, side_effect=install_unit) as install:
-        plan.deployment_persist_here(d.pk)
+        persist.deployment_persist_here(d.pk)
     assert seen == [(S.READY, 4242)]
     name, text = install.call_args.args[:2]
     assert name == f"vllm-{d.name}.service" and install.call_args.kwargs["start"] is False

@@ -17,7 +17,7 @@ from django.db import connection
 
 from deployments.host import ownership, systemd
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo
-from deployments.node import plan, ranks, watch
+from deployments.node import persist, ranks, watch
 from deployments.services import deploys, multinode, repos
 from plumbing.errors import ServiceError
 from tests.conftest import free_port
@@ -56,14 +56,14 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
     d = _placed(model, head, worker, name="kimi", master_port=free_port())
     Deployment.objects.filter(pk=d.pk).update(status=S.READY, pid=4242, pgid=4242, marker="head-marker")
     DeploymentRank.objects.filter(deployment=d).update(state="running", pid=4343, pgid=4343, marker="rank-marker")
-    with pytest.raises(ServiceError, match="gpu-a, gpu-b cannot install systemd units"):
+    with pytest.raises(ServiceError, match="gpu-a, gpu-b cannot keep engines across reboots"):
         deploys.deployment_persist(d)
     head.systemd = worker.systemd = True
     head.save()
     worker.save()
     deploys.deployment_persist(d)
-    persist = sent_tasks.of("deployments.deployment_persist")[-1]
-    assert (persist.args, persist.queue) == ([d.pk], "node.gpu-a.plans")  # the head's node runs it
+    sent = sent_tasks.of("deployments.deployment_persist")[-1]
+    assert (sent.args, sent.queue) == ([d.pk], "node.gpu-a.plans")  # the head's node runs it
 
     threads = []
 
@@ -79,7 +79,7 @@ def test_persisting_a_multi_node_deployment_runs_every_rank_under_a_unit_on_its_
             mock.patch("deployments.host.systemd.install", autospec=True,
                        side_effect=lambda name, text, **kw: pids[name]) as install, \
             mock.patch("os.getpgid", side_effect=lambda pid: pid):
-        plan.deployment_persist_here(d.pk)
+        persist.deployment_persist_here(d.pk)
         for thread in threads:
             thread.join(60)
         d.refresh_from_db()

@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from deployments import engineapikey
-from deployments.host import containers, processes, vllm
+from deployments.host import containers, keepers, processes, vllm
 from deployments.models import Deployment, DeploymentEvent, Node
+from deployments.services import deploys
 from tests import dockerd
 from tests.conftest import ROOT, agent_argv, free_port, wait_until
 from tests.truestate import COUNTS, add_fake_model, agent_env, assert_true_state, deploy, set_load, settle, stop_and_check
@@ -73,19 +74,20 @@ class RequestStream:
 class AgentContainer:
     """`manage.py nodeagent` as a container of the double, as compose runs it (restart: stop, then start)."""
 
-    def __init__(self, docker_host: str, env: dict, name: str, store):
+    def __init__(self, docker_host: str, env: dict, name: str, store, restart: str = "no"):
         import docker
 
         self.client = docker.DockerClient(base_url=docker_host, version=dockerd.API_VERSION, timeout=30)
         self.name, self.env = name, {**env, "DOCKER_HOST": docker_host}
         self.argv = agent_argv(name, store, sample_seconds=0.5, heartbeat_seconds=1)
-        self.restarts = 0
+        self.restarts, self.restart_policy = 0, restart  # compose's services: restart: unless-stopped
         self.container = self._create()
 
     def _create(self):
         return self.client.containers.create("vllm-panel-node:test", self.argv, name=f"nodeagent-{self.name}",
                                              environment=self.env, working_dir=str(ROOT), network_mode="host",
-                                             pid_mode="host", ipc_mode="host")
+                                             pid_mode="host", ipc_mode="host",
+                                             restart_policy={"Name": self.restart_policy})
 
     def pid(self) -> int:
         self.container.reload()
@@ -116,10 +118,15 @@ class AgentContainer:
 
 
 @pytest.fixture
-def docker_host(tmp_path, monkeypatch):
-    with dockerd.running(tmp_path / "dockerd") as host:
-        monkeypatch.setenv("DOCKER_HOST", host)  # this test's own containers.find(), as the agent's reads it
-        yield host
+def docker_daemon(tmp_path, monkeypatch):
+    with dockerd.running(tmp_path / "dockerd", handle=True) as daemon:
+        monkeypatch.setenv("DOCKER_HOST", daemon.host)  # this test's own containers.find(), as the agent's reads it
+        yield daemon
+
+
+@pytest.fixture
+def docker_host(docker_daemon):
+    return docker_daemon.host
 
 
 def _adopted(d) -> int:
@@ -172,6 +179,54 @@ def test_restarting_the_agent_container_keeps_its_engine_container_serving(docke
     _restarts_keep_serving(agent.restart, row, fake_model, containers.find)
     stop_and_check(row, fake_model)
     wait_until(lambda: containers.find(row.marker) == [], timeout=10, message="the stopped engine's container to go")
+
+
+@pytest.mark.timeout(300)
+def test_a_persisted_engine_container_comes_back_after_a_crash_and_a_reboot_and_is_adopted(docker_daemon, process_env,
+                                                                                          unique, tmp_path, fake_model):
+    """Compose has no systemd for the agent: Persist keeps the engine's own container with Docker's restart policy,
+    with no second load. Docker starts it again after a crash and at a boot (the agent's container too, as compose's
+    `restart: unless-stopped` does), and the agent adopts it by its marker, ready again; a stop releases it, and the
+    next boot brings nothing back."""
+    set_load(fake_model, 0.3)
+    env = agent_env(process_env, tmp_path, **{containers.RUNTIME_VAR: "docker", containers.IMAGE_VAR: "vllm-panel-node:test",
+                                             containers.MOUNTS_VAR: f"{tmp_path}:{tmp_path}"})
+    agent = AgentContainer(docker_daemon.host, env, f"kept-{unique}", tmp_path / "store", restart="unless-stopped")
+    node = agent.start()
+    wait_until(lambda: Node.objects.get(pk=node.pk).systemd, timeout=30, message="the node to say it can keep engines")
+    row = _serving(node, fake_model)
+    loads = DeploymentEvent.objects.filter(deployment_id=row.pk, step="load").count()
+    deploys.deployment_persist(row)
+    kept = wait_until(lambda: (r := Deployment.objects.get(pk=row.pk)).systemd_unit and r, timeout=30,
+                      message="the engine's container kept")
+    [engine] = containers.find(row.marker)
+    assert kept.systemd_unit == keepers.of_container(engine["name"]) and (kept.status, kept.pid) == ("ready", row.pid)
+    assert containers.state(engine["name"])["policy"] == containers.KEEP_POLICY
+    assert DeploymentEvent.objects.filter(deployment_id=row.pk, step="load").count() == loads, "no second load"
+
+    def back_ready(after: int, why: str):
+        """Ready again with the kept container's new engine adopted (the adoptions after `after`)."""
+        wait_until(lambda: _adopted(row) > after, timeout=90, message=f"{why}: the engine adopted")
+        now = wait_until(lambda: (r := Deployment.objects.get(pk=row.pk)).status in ("ready", "failed") and r,
+                         timeout=60, message=f"{why}: ready again")
+        [found] = containers.find(row.marker)
+        assert (now.status, now.pid) == ("ready", found["pid"]), (why, now.status, now.status_message, found)
+        assert found["name"] == engine["name"] and now.systemd_unit == kept.systemd_unit
+        assert_true_state(now, fake_model)
+        return now
+
+    os.kill(row.pid, signal.SIGKILL)  # a crash: Docker starts it again, not the panel
+    crashed = back_ready(_adopted(row), "crash")
+    assert crashed.pid != row.pid and crashed.restarts == 0
+    docker_daemon.reboot()  # the host's power cycle: every container killed, then the daemon starts the kept ones
+    agent.registered()
+    rebooted = back_ready(_adopted(row), "reboot")
+    assert rebooted.pid != crashed.pid
+    stop_and_check(rebooted, fake_model)
+    assert containers.find(row.marker) == [], "a stopped deployment's container is released"
+    docker_daemon.reboot()
+    agent.registered()
+    assert containers.find(row.marker) == [] and Deployment.objects.get(pk=row.pk).status == "stopped"
 
 
 @pytest.mark.timeout(120)

@@ -3,13 +3,14 @@ the Docker Engine API double (tests/dockerd.py): the container's main process is
 it on the process path (its PID, its session, its user, its marker), and Docker's record of it says what the
 panel asked for (host network and IPC, the mounts, GPUs as a device request, the marker as a label)."""
 import os
+import signal
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from deployments.host import containers, osuser, ownership, processes
+from deployments.host import containers, keepers, osuser, ownership, processes
 from tests import dockerd
 from tests.conftest import wait_until
 
@@ -17,13 +18,18 @@ MARKER = "7.0123456789abcdef01234567"
 
 
 @pytest.fixture
-def docker_host(tmp_path, monkeypatch):
-    with dockerd.running(tmp_path / "dockerd") as host:
-        monkeypatch.setenv("DOCKER_HOST", host)
+def docker_daemon(tmp_path, monkeypatch):
+    with dockerd.running(tmp_path / "dockerd", handle=True) as daemon:
+        monkeypatch.setenv("DOCKER_HOST", daemon.host)
         monkeypatch.setenv(containers.RUNTIME_VAR, "docker")
         monkeypatch.setenv(containers.IMAGE_VAR, "vllm-panel-node:test")
         monkeypatch.setenv(containers.MOUNTS_VAR, f"/models:/models,panelvar:{tmp_path}")
-        yield host
+        yield daemon
+
+
+@pytest.fixture
+def docker_host(docker_daemon):
+    return docker_daemon.host
 
 
 def _spec(tmp_path, **env) -> processes.EngineSpec:
@@ -56,13 +62,14 @@ def test_an_engine_container_is_the_engine_process_the_agent_follows_and_stops(d
     assert found["pid"] == pid and found["status"] == "running" and found["name"].startswith(f"vllm-panel-{MARKER}-")
     recorded = containers.client().containers.get(found["id"]).attrs["HostConfig"]
     assert (recorded["PidMode"], recorded["NetworkMode"], recorded["IpcMode"]) == ("host", "host", "host")
-    assert recorded["AutoRemove"] is True
+    assert not recorded.get("AutoRemove") and recorded["RestartPolicy"]["Name"] == "no", "kept until swept"
     assert recorded["Binds"] == ["/models:/models", f"panelvar:{tmp_path}"]
     assert recorded["SecurityOpt"] == ["no-new-privileges"]
 
     result = processes.stop(pid, term_timeout_s=5)
     assert result.signals_sent == ["SIGTERM"] and not result.survivors
-    wait_until(lambda: containers.find(MARKER) == [], timeout=10, message="Docker to remove the exited container")
+    assert containers.sweep(MARKER, wait_s=5) == [found["name"]], "the exited container, not kept, is removed"
+    assert containers.find(MARKER) == []
 
 
 def test_two_launches_with_one_marker_both_start(docker_host, tmp_path):
@@ -144,3 +151,54 @@ def test_a_container_removed_between_the_list_and_its_inspect_is_not_an_error(mo
     daemon.api = api
     monkeypatch.setattr(containers, "client", lambda: daemon)
     assert containers.find() == [{"id": "here", "name": "engine", "status": "running", "pid": 42, "marker": "m1"}]
+
+
+def test_a_kept_engine_container_comes_back_after_a_crash_and_a_boot_and_a_release_stops_it_for_good(docker_daemon,
+                                                                                                   tmp_path):
+    """A persist keeps the running engine's container (Docker's restart policy, no second start); Docker then starts
+    it again when it crashes and when the host boots, and the keeper's status reads as a systemd unit's would. A
+    release stops it through Docker, so neither an exit nor a boot brings it back."""
+    pid = processes.launch(_spec(tmp_path)).pid
+    name = containers.keep(MARKER)
+    unit = keepers.of_container(name)
+    status = keepers.status(unit)
+    assert (status.main_pid, status.active, status.enabled, status.coming) == (pid, "active", "enabled", True)
+
+    os.kill(pid, signal.SIGKILL)  # a crash: Docker starts the same container again, the same marker
+    again = wait_until(lambda: (s := keepers.status(unit)).active == "active" and s.main_pid not in (0, pid) and s,
+                       timeout=20, message="Docker to start the crashed engine again")
+    assert again.restarts == 1 and ownership.marker_of(again.main_pid) == MARKER
+    assert containers.sweep() == [], "a kept container is never swept"
+
+    docker_daemon.reboot()
+    booted = wait_until(lambda: (s := keepers.status(unit)).active == "active" and s.main_pid and s, timeout=20,
+                        message="the kept engine to start with the daemon")
+    assert booted.main_pid != again.main_pid and ownership.marker_of(booted.main_pid) == MARKER
+
+    keepers.disable(unit, term_s=5)
+    assert containers.find(MARKER) == [] and not processes.alive(booted.main_pid, 0.0)
+    gone = keepers.status(unit)
+    assert (gone.active, gone.enabled, gone.coming) == ("inactive", "not-found", False)
+    docker_daemon.reboot()
+    assert containers.find(MARKER) == [], "released: a boot brings nothing back"
+
+
+def test_an_engine_container_is_kept_only_when_asked_and_docker_refuses_a_policy_on_an_autoremove_one(docker_host,
+                                                                                                    tmp_path):
+    """The double refuses what Docker refuses: a restart policy on a container Docker removes once it exits (why
+    the panel's engine containers are not AutoRemove)."""
+    spec = _spec(tmp_path)
+    pid = containers.start(processes.popen_args(spec), spec.log_path, keep=True)
+    [found] = containers.find(MARKER)
+    assert containers.state(found["name"])["policy"] == containers.KEEP_POLICY and found["pid"] == pid
+    containers.release(found["name"], timeout_s=5)
+    assert containers.find(MARKER) == []
+    with pytest.raises(containers.ContainerError, match="no running engine container"):
+        containers.keep(MARKER)
+    removed_on_exit = containers.client().containers.run("vllm-panel-node:test", ["sleep", "30"], detach=True,
+                                                        auto_remove=True)
+    import docker
+
+    with pytest.raises(docker.errors.APIError, match="Restart policy cannot be updated because AutoRemove is enabled"):
+        removed_on_exit.update(restart_policy={"Name": containers.KEEP_POLICY})
+    removed_on_exit.remove(force=True)
