@@ -31,6 +31,10 @@ class NodeFactory(factory.django.DjangoModelFactory):
     name = factory.Sequence(lambda n: f"node-{n}")
     address = "127.0.0.1"
     last_heartbeat = factory.LazyFunction(timezone.now)
+    # Online for the whole test: a node counts as online for three heartbeats after its last one, and on a busy host a
+    # test that made its node, then deployed or edited on it, passed 3 x 5 s and was refused as offline (seen in a
+    # whole-suite run beside another). A test about going offline gives its node an agent's 5 s beat itself.
+    heartbeat_seconds = 600.0
     model_store = "/models"
     disk_total = 2 * 10**12
     disk_free = 10**12

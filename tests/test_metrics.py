@@ -51,7 +51,7 @@ def value(samples: dict, name: str, **labels):
 def fleet(unique):
     node = NodeFactory(name=f"gpu-{unique}", agent_version="1.2.3", disk_free=123 * 10**9, disk_total=900 * 10**9)
     gpus = [GpuFactory(node=node, index=i, uuid=f"GPU-{i}", name="NVIDIA H200") for i in range(2)]
-    offline = NodeFactory(name=f"old-{unique}", last_heartbeat=timezone.now() - timedelta(minutes=5))
+    offline = NodeFactory(name=f"old-{unique}", heartbeat_seconds=5, last_heartbeat=timezone.now() - timedelta(minutes=5))
     sample = _sample(1_700_000_000.5, [(40, 90), (10, 0)])
     nodes.node_sample_record(node.pk, sample, {})
     started = timezone.now() - timedelta(minutes=3)
