@@ -125,9 +125,8 @@ def launch(p: EngineProcess, spec: Launch, unit_install=None) -> int:
         handle = processes.launch(processes.EngineSpec(argv=spec.argv, env=env, log_path=spec.log_path, cwd=spec.cwd,
                                                  run_as=spec.run_as, keep=keep))
         save(p, pid=handle.pid, pgid=handle.pgid, pid_create_time=handle.create_time)
-        if keep:
-            name = next(c["name"] for c in containers.find(marker) if c["pid"] == handle.pid)
-            save(deployment_of(p), systemd_unit=keepers.of_container(name))
+        if keep and (mine := [c["name"] for c in containers.find(marker) if c["pid"] == handle.pid]):
+            save(deployment_of(p), systemd_unit=keepers.of_container(mine[0]))  # (gone already: the follow says why)
     d = deployment_of(p)
     if d.master_port:  # multi-node or Ray: its cluster ports admit only the deployment's nodes (the API server
         firewall.guard(marker, [p.pid], node_addresses(d))  # listens on loopback: the node's gateway is the door)

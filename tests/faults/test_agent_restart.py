@@ -222,11 +222,18 @@ def test_a_persisted_engine_container_comes_back_after_a_crash_and_a_reboot_and_
     agent.registered()
     rebooted = back_ready(_adopted(row), "reboot")
     assert rebooted.pid != crashed.pid
-    stop_and_check(rebooted, fake_model)
-    assert containers.find(row.marker) == [], "a stopped deployment's container is released"
+    # A redeploy of a persisted deployment: the old container released, the new engine's own container kept in turn.
+    deploys.deployment_redeploy(rebooted)
+    redeployed = settle(rebooted, timeout=60)
+    [new] = containers.find(redeployed.marker)
+    assert redeployed.status == "ready" and new["pid"] == redeployed.pid and new["name"] != engine["name"]
+    assert redeployed.systemd_unit == keepers.of_container(new["name"])
+    assert containers.state(new["name"])["policy"] == containers.KEEP_POLICY and containers.state(engine["name"]) is None
+    stop_and_check(redeployed, fake_model)
+    assert containers.find(redeployed.marker) == [], "a stopped deployment's container is released"
     docker_daemon.reboot()
     agent.registered()
-    assert containers.find(row.marker) == [] and Deployment.objects.get(pk=row.pk).status == "stopped"
+    assert containers.find(redeployed.marker) == [] and Deployment.objects.get(pk=row.pk).status == "stopped"
 
 
 @pytest.mark.timeout(120)
