@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from deployments import claims, engineapikey, loads, payloads, warmstart
 from deployments.gateway import media
-from deployments.host import (gpu, gpuwait, listeners, ownership, processenv, processes, serveargv, supervisors, systemd,
-                              vllm)
+from deployments.host import (gpu, gpuwait, listeners, ownership, processenv, processes, serveargv, startcauses,
+                              supervisors, systemd, vllm)
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import cluster, guards, lifecycle, precheck, ranks, raycluster, sleep
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
@@ -308,8 +308,9 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                 payloads.send_deployment_status(d)
                 if stop_requested(d):
                     raise Aborted("stop requested")
-            if why := follow.exited():
-                raise PlanFailed(f"The engine exited while loading: {why}")
+            if why := follow.exited():  # with its cause and fix where the log names a known one
+                cause = startcauses.advise(follow.lines, d.engine_args)
+                raise PlanFailed(f"The engine exited while loading: {why}" + (f" {cause.describe()}" if cause else ""))
             if vllm.health(base_url, timeout=1.0):
                 _answered_by_ours(d, base_url)
                 watch.read(follow)  # what was written since the last read: "API up" among it
