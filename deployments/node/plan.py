@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from deployments import claims, engineapikey, loads, payloads, warmstart
 from deployments.gateway import media
-from deployments.host import (gpu, gpuwait, listeners, ownership, processenv, processes, serveargv, startcauses,
-                              supervisors, systemd, vllm)
+from deployments.host import (gpu, gpuwait, keepers, listeners, ownership, processenv, processes, serveargv,
+                              startcauses, supervisors, systemd, vllm)
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import cluster, guards, lifecycle, precheck, ranks, raycluster, sleep
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
@@ -82,7 +82,7 @@ def _run(deployment_id: int) -> Deployment:
     except Aborted:
         log.info("deployment %s: plan aborted by a stop request", d.name)
         _halt_own_launch(d)
-    except (PlanFailed, processes.EngineError, gpu.MemoryNotReleased, systemd.SystemdError) as exc:
+    except (PlanFailed, processes.EngineError, gpu.MemoryNotReleased, *keepers.Error) as exc:
         if stop_requested(d):  # e.g. the engine the Stop ended "exited"
             log.info("deployment %s: %s, after a stop request: stopped, not failed", d.name, exc)
             _halt_own_launch(d)
@@ -105,7 +105,7 @@ def _halt_own_launch(d: Deployment) -> None:
         lifecycle.still_running(d, tries=50, wait_s=0.1)  # until it carries its marker, after its exec
     try:
         message = halt_engine(d)
-    except (processes.EngineError, systemd.SystemdError, PlanFailed) as exc:
+    except (processes.EngineError, *keepers.Error, PlanFailed) as exc:
         fail(d, f"Stopping the engine this plan launched: {exc}")
         return
     deployment_event(d, "stopped", f"Engine the plan had launched stopped: {message}.")

@@ -16,7 +16,7 @@ from django.utils import timezone
 from deployments import payloads, secrets
 from deployments.dispatch import ranks_stop
 from deployments.gateway import changes
-from deployments.host import osuser, processes, processlog, systemd
+from deployments.host import keepers, osuser, processes, processlog, systemd
 from deployments.models import Deployment, DeploymentEvent, ModelCopy, Node
 from deployments.node import lifecycle
 from deployments.node.lifecycle import TAIL_LINES
@@ -106,7 +106,7 @@ def fail(d: Deployment, message: str, attempts: int = 30) -> None:
         connection.close_if_unusable_or_obsolete()  # the error that brought us here may have broken it: halting reads rows
     try:
         halt_engine(d)  # a persisted one's unit disabled too: systemd must not start it again
-    except (processes.EngineError, systemd.SystemdError, PlanFailed) as exc:
+    except (processes.EngineError, *keepers.Error, PlanFailed) as exc:  # a unit's or a kept container's keeper too
         log.warning("deployment %s: stopping the engine on failure: %s", d.name, exc)
     if d.log_path:
         d.log_tail = "\n".join(processlog.tail(Path(d.log_path), TAIL_LINES))

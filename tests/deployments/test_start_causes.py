@@ -41,3 +41,18 @@ def test_a_kv_cache_too_small_fails_the_start_with_the_length_that_fits(host, tm
 def test_a_start_whose_log_names_no_known_cause_fails_with_its_error_alone(host, tmp_path):
     d = _failed_start(host, tmp_path, "RuntimeError: something nobody has seen\n")
     assert d.status_message == "The engine exited while loading: RuntimeError: something nobody has seen"
+
+
+def test_a_failure_is_recorded_even_when_the_docker_daemon_that_keeps_the_engine_is_away(host, tmp_path, monkeypatch):
+    """A persisted engine in compose is released through Docker on a failure; a daemon that does not answer must not
+    leave the deployment mid-plan (the keeper's error was not among those the failure path caught)."""
+    from deployments.host import containers
+    from deployments.node import steps
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nothing.sock")
+    d = DeploymentFactory(status=Deployment.Status.READY, systemd_unit="container:vllm-panel-x-abc123")
+    with pytest.raises(containers.ContainerError):
+        containers.release("vllm-panel-x-abc123")  # what the failure's halt meets
+    steps.fail(d, "Crashed: the engine process exited.")
+    d.refresh_from_db()
+    assert (d.status, d.status_message) == (Deployment.Status.FAILED, "Crashed: the engine process exited.")
