@@ -5,7 +5,7 @@ for it; the patterns were taken from their format strings:
 - the KV cache too small for max-model-len (vllm/v1/core/kv_cache_utils.py `_check_enough_kv_cache_memory`): vLLM
   says the longest length that fits, which is the fix;
 - no memory left for any KV block (the same function): a higher gpu-memory-utilization;
-- CUDA out of memory while profiling or capturing CUDA graphs (torch's allocator): the `--kv-cache-memory` value vLLM
+- CUDA out of memory while profiling or capturing CUDA graphs (torch's allocator): the `--kv-cache-memory-bytes` value vLLM
   logged before it (vllm/v1/worker/gpu_worker.py, "to fit into requested memory"), or, when it logged none, a lower
   gpu-memory-utilization;
 - an attention backend this GPU or configuration cannot run (vllm/platforms/cuda.py `get_attn_backend_cls`);
@@ -77,7 +77,7 @@ def advise(lines: list[str], flags: dict | None = None) -> Cause | None:
         if hints := _KV_HINT.findall(text[:m.start()]):
             size, gib = hints[-1]
             return Cause("cuda_oom", sentence + f" vLLM measured that a {gib} GiB KV cache fits the requested memory.",
-                         {"kv-cache-memory": int(size)})
+                         {"kv-cache-memory-bytes": int(size)})
         utilization = float(flags.get("gpu-memory-utilization") or DEFAULT_UTILIZATION)
         lower = round(utilization - UTILIZATION_STEP, 2)
         return Cause("cuda_oom", sentence + " Leave more room: lower gpu-memory-utilization (or max-num-seqs).",

@@ -43,7 +43,7 @@ def test_no_memory_for_any_kv_block_raises_utilization_by_a_step_up_to_a_ceiling
 def test_out_of_memory_takes_the_kv_cache_size_vllm_measured_when_it_logged_one():
     graphs = f"{WORKER}INFO 12-05 13:27:58 [gpu_model_runner.py:4412] Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 35%"
     cause = startcauses.advise([KV_HINT, graphs, OOM])
-    assert (cause.kind, cause.fix) == ("cuda_oom", {"kv-cache-memory": 12193035468})
+    assert (cause.kind, cause.fix) == ("cuda_oom", {"kv-cache-memory-bytes": 12193035468})
     assert "GPU 3 ran out of memory while capturing CUDA graphs (it asked for 2.00 GiB more)" in cause.sentence
     assert "11.36 GiB KV cache fits" in cause.sentence
 
