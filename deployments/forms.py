@@ -88,6 +88,9 @@ class DeployForm(forms.Form):
     replace = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
                                         label="Also stop", help_text="Deployments on the chosen GPUs are stopped anyway.")
     auto_restart = forms.BooleanField(required=False, label="Restart automatically after a crash (with backoff)")
+    retry_advised = forms.BooleanField(required=False, initial=True, label="Retry once with the advised setting",
+                                       help_text="When the start runs out of memory or KV cache and the engine's log "
+                                                 "says what fits, start once more with it (the timeline says so).")
     stop_foreign = forms.BooleanField(required=False, label="Stop other processes on these GPUs",
                                       help_text="Processes the panel did not start (never display servers). "
                                                 "Without this, a deploy onto GPUs others use is refused, naming them.")

@@ -73,7 +73,7 @@ def cmd_deploy(panel, args):
     workers = [{"node": name, "gpus": gpus_on(name)} for name in others]
     body = {"model": model_id, "node": head, "gpus": gpus, "workers": workers, "port": args.port, "engine_args": engine_args,
             "env": {k: str(v) for k, v in _pairs(args.env, "--env").items()}, "auto_restart": args.auto_restart,
-            "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
+            "retry_advised": args.retry_advised, "preset": args.preset, "replace_existing": args.replace, "secret_env": args.secret_env or [],
             "stop_foreign": args.stop_foreign, "override_fit": args.override_fit,
             "reuse_memory_profile": args.reuse_memory_profile,
             "replace": [find_deployment(panel, r)["id"] for r in args.also_stop or []], **recipes.deploy_body(args),
@@ -145,6 +145,8 @@ def add(sub) -> None:
     s.add_argument("--replace", action="store_true", help="a deployment with this name exists: redeploy it")
     s.add_argument("--also-stop", action="append", metavar="DEPLOYMENT", help="also stop this deployment first")
     s.add_argument("--auto-restart", action="store_true")
+    s.add_argument("--no-retry-advised", dest="retry_advised", action="store_false", help="a start that runs out of "
+                   "memory or KV cache is not started once more with the setting its log advises (it is by default)")
     s.add_argument("--reuse-memory-profile", action="store_true", help="start with the KV cache size the last load "
                    "of this model, GPUs, settings and engine chose (no profiling run); refused when none matches")
     s.add_argument("--stop-foreign", action="store_true", help="stop processes the panel did not start that hold "

@@ -186,7 +186,7 @@ class DeploymentDetailSerializer(DeploymentSerializer):
     route = serializers.SerializerMethodField(help_text="At the gateway: aliases, max_in_flight, queue_bound, media_domains.")
 
     class Meta(DeploymentSerializer.Meta):
-        fields = DeploymentSerializer.Meta.fields + ["master_port", "ranks", "smoke", "load_detail", "auto_restart", "restarts", "stall_seconds",
+        fields = DeploymentSerializer.Meta.fields + ["master_port", "ranks", "smoke", "load_detail", "auto_restart", "retry_advised", "restarts", "stall_seconds",
                                                      "secret_env", "replace", "base_url", "stop_foreign", "prewarm",
                                                      "reuse_memory_profile", "expires_at", "expired",
                                                      "call", "route"]
@@ -230,6 +230,9 @@ class DeployRequestSerializer(serializers.Serializer):
                                        help_text="Names in env to keep secret (masked everywhere, like *_TOKEN).")
     replace = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=DB_INT_MAX), required=False, default=list, max_length=64)
     auto_restart = serializers.BooleanField(default=False)
+    retry_advised = serializers.BooleanField(default=True, help_text="When the start fails for a memory cause whose fix "
+                                             "is certain (the KV cache too small, out of memory), start once more with "
+                                             "the advised setting (docs/deploying.md, When a start fails).")
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, default=600)
     stop_foreign = serializers.BooleanField(default=False, help_text="Stop processes the panel did not start on the "
                                             "chosen GPUs (never display servers); without it such a deploy answers 409.")
@@ -322,6 +325,7 @@ class RedeploySerializer(serializers.Serializer):
     env = serializers.DictField(child=serializers.CharField(allow_blank=True, max_length=4096), required=False)
     secret_env = serializers.ListField(child=serializers.CharField(max_length=200), required=False, max_length=100)
     auto_restart = serializers.BooleanField(required=False)
+    retry_advised = serializers.BooleanField(required=False, help_text="A restart retries a failed start only when asked.")
     stall_seconds = serializers.IntegerField(min_value=30, max_value=86400, required=False)
     stop_foreign = serializers.BooleanField(required=False)
     prewarm = serializers.BooleanField(required=False)

@@ -169,6 +169,7 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
             d = deploys.deployment_create(model=v["model"], node=v["node"], gpu_indices=sorted(set(v["gpus"])), port=v["port"],
                                            engine_args=v["engine_args"], env=v["env"], secret_env=v["secret_env"], name=v["name"], replace_ids=v["replace"],
                                            auto_restart=v["auto_restart"], stall_seconds=v["stall_seconds"],
+                                           retry_advised=v["retry_advised"],
                                            stop_foreign=v["stop_foreign"], prewarm=v["prewarm"], user=request.user,
                                            reuse_memory_profile=v["reuse_memory_profile"],
                                            preset="" if v["preset"] == "none" else v["preset"],

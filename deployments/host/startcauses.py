@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 DEFAULT_UTILIZATION = 0.9  # vLLM's default gpu-memory-utilization
 UTILIZATION_STEP = 0.05
 UTILIZATION_MAX = 0.95
+MEMORY = frozenset({"kv_too_small", "no_kv_memory", "cuda_oom"})
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class Cause:
     kind: str
     sentence: str
     fix: dict = field(default_factory=dict)
+
+    @property
+    def retryable(self) -> bool:
+        """A memory cause with a certain fix: what a deployment asking for it retries once with (retry_advised)."""
+        return self.kind in MEMORY and bool(self.fix)
 
     def describe(self) -> str:
         changes = ", ".join(f"--{flag} {value}" for flag, value in self.fix.items())

@@ -91,6 +91,8 @@ class Deployment(Transitions, EngineProcess):
     expires_at = models.DateTimeField(null=True, blank=True, help_text="A queued plan not started by then is dropped.")
     auto_restart = models.BooleanField(default=False)
     restarts = models.PositiveIntegerField(default=0)
+    retry_advised = models.BooleanField(default=False, help_text="When a start fails for a memory cause with a certain "
+                                        "fix (deployments/host/startcauses.py), start once more with it; used up then.")
     replace = models.JSONField(default=list, blank=True, help_text="Deployments the plan stops first (ids).")
     stall_seconds = models.PositiveIntegerField(default=600, help_text="Fail a load when neither log nor GPU memory moved for this long.")
     master_port = models.PositiveIntegerField(null=True, blank=True,

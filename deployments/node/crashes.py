@@ -28,19 +28,26 @@ def deployment_crashed(d: Deployment, reason: str) -> None:
     fail(d, f"Crashed: {reason}. " + ("Its last log lines: " + " | ".join(last) if last else "It logged nothing of its own."))
     if d.auto_restart and not d.systemd_unit:  # a unit-backed engine's restarts are systemd's (Restart=on-failure)
         delay = min(600, 10 * 2 ** d.restarts)
-        with transaction.atomic():
-            claims.lock_node(d.node_id)
-            row = Deployment.objects.select_for_update().get(pk=d.pk)
-            if row.status != S.FAILED:
-                return  # moved on meanwhile (a stop, a redeploy)
-            # Restarted as a whole: the plan runs every rank again, so every node's GPUs must be free.
-            places = [(d.node, d.gpu_indices), *((r.node, r.gpu_indices) for r in d.ranks.select_related("node"))]
-            clash = next(((n, c) for n, indices in places if (c := claims.deployment_holders(n, indices, exclude=d).first())), None)
-            if clash:
-                deployment_event(d, "auto_restart", f"Not restarted: {clash[1].name} uses its GPUs on {clash[0]} now.")
-                return
-            row.restarts += 1
-            row.transition(S.QUEUED)
-            row.save()
-            send_plan(row, countdown=delay)
-        deployment_event(d, "auto_restart", f"Restarting in {delay} s (restart {row.restarts}).")
+        if row := requeue(d, "auto_restart", countdown=delay, restarts=d.restarts + 1):
+            deployment_event(d, "auto_restart", f"Restarting in {delay} s (restart {row.restarts}).")
+
+
+def requeue(d: Deployment, step: str, countdown: float = 0, **fields) -> Deployment | None:
+    """Queue a failed deployment's plan again, as a whole (every rank; every node's GPUs must be free), with `fields`
+    changed on its row; None, said on the timeline under `step`, when it cannot be (moved on, or its GPUs taken)."""
+    with transaction.atomic():
+        claims.lock_node(d.node_id)
+        row = Deployment.objects.select_for_update().get(pk=d.pk)
+        if row.status != S.FAILED:
+            return None  # moved on meanwhile (a stop, a redeploy)
+        places = [(d.node, d.gpu_indices), *((r.node, r.gpu_indices) for r in d.ranks.select_related("node"))]
+        clash = next(((n, c) for n, indices in places if (c := claims.deployment_holders(n, indices, exclude=d).first())), None)
+        if clash:
+            deployment_event(d, step, f"Not restarted: {clash[1].name} uses its GPUs on {clash[0]} now.")
+            return None
+        for name, value in fields.items():
+            setattr(row, name, value)
+        row.transition(S.QUEUED)
+        row.save()
+        send_plan(row, countdown=countdown)
+    return row

@@ -15,7 +15,7 @@ from deployments.gateway import media
 from deployments.host import (gpu, gpuwait, keepers, listeners, ownership, processenv, processes, serveargv,
                               startcauses, supervisors, systemd, vllm)
 from deployments.models import Deployment, DeploymentEvent
-from deployments.node import cluster, guards, lifecycle, precheck, ranks, raycluster, sleep
+from deployments.node import cluster, crashes, guards, lifecycle, precheck, ranks, raycluster, sleep
 from deployments.node.lifecycle import STOP_KILL_S, STOP_TERM_S, record_shm
 from deployments.node.steps import (Aborted, PlanFailed, engine_user, fail, halt_engine, make_room, mark_stopped,
                                     model_ready, move, step, stop_requested, unit_install, unit_text)
@@ -88,10 +88,29 @@ def _run(deployment_id: int) -> Deployment:
             _halt_own_launch(d)
         else:
             fail(d, str(exc))
+            if isinstance(exc, StartFailed) and exc.cause and exc.cause.retryable and d.retry_advised:
+                _retry_advised(d, exc.cause)
     except Exception as exc:  # noqa: BLE001 - a Redis or database blip must not leave the row mid-plan
         log.exception("deployment %s: the plan broke", d.name)
         fail(d, f"The plan broke ({exc.__class__.__name__}: {exc}); the engine was stopped.")
     return d
+
+
+class StartFailed(PlanFailed):
+    """The engine exited while it loaded; `cause`: what its log says ended it (startcauses.Cause), or None."""
+
+    def __init__(self, message: str, cause: startcauses.Cause | None):
+        super().__init__(message)
+        self.cause = cause
+
+
+def _retry_advised(d: Deployment, cause: startcauses.Cause) -> None:
+    """The one automatic retry a deployment asked for (retry_advised, then used up): its plan again with the fix."""
+    args = {**d.engine_args, **{flag: str(value) for flag, value in cause.fix.items()}}
+    changes = ", ".join(f"--{flag} {value}" for flag, value in cause.fix.items())
+    if crashes.requeue(d, "advised_retry", engine_args=args, retry_advised=False):
+        deployment_event(d, "advised_retry", f"Starting once more with {changes} (asked for at deploy: one retry with "
+                         f"the advised setting): {cause.sentence}")
 
 
 def _halt_own_launch(d: Deployment) -> None:
@@ -310,7 +329,8 @@ def _follow(d: Deployment, fresh: bool = True) -> None:
                     raise Aborted("stop requested")
             if why := follow.exited():  # with its cause and fix where the log names a known one
                 cause = startcauses.advise(follow.lines, d.engine_args)
-                raise PlanFailed(f"The engine exited while loading: {why}" + (f" {cause.describe()}" if cause else ""))
+                raise StartFailed(f"The engine exited while loading: {why}" + (f" {cause.describe()}" if cause else ""),
+                                  cause)
             if vllm.health(base_url, timeout=1.0):
                 _answered_by_ours(d, base_url)
                 watch.read(follow)  # what was written since the last read: "API up" among it

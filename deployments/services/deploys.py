@@ -151,8 +151,9 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                       workers=(), master_port: int | None = None, override_fit: bool = False,
                       reuse_memory_profile: bool = False,
                       recipe: recipes.Choice | None = None, override_compat: bool = False, sleep_mode: bool = False,
-                      start_asleep: bool = False) -> Deployment:
+                      start_asleep: bool = False, retry_advised: bool = False) -> Deployment:
     """Create a deployment and queue its plan on the node: model, stop holders, wait for memory, launch, load.
+    `retry_advised`: a start that fails for a memory cause with a certain fix starts once more with it.
 
     `port=None` takes a free one; `preset` ("auto": the node's) goes under the given flags and environment.
     A stopped or failed deployment of this model on this node under the default name is deployed again
@@ -181,7 +182,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
                                    stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm, user=user,
                                    override_fit=override_fit, override_compat=override_compat, recipe_use=use,
                                    reuse_memory_profile=reuse_memory_profile,
-                                   sleep_mode=sleep_mode, start_asleep=start_asleep,
+                                   sleep_mode=sleep_mode, start_asleep=start_asleep, retry_advised=retry_advised,
                                    **({"workers": workers} if workers else {}))
     if name and existing:
         raise ServiceError(f"A deployment named {name} exists already; redeploy it (panelctl deploy --replace, or "
@@ -203,7 +204,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
         engine_args=engine_args, env=env, secret_env=list(secret_env), replace=list(replace_ids), auto_restart=auto_restart,
         stall_seconds=stall_seconds, stop_foreign=stop_foreign, prewarm=prewarm,
         reuse_memory_profile=reuse_memory_profile, created_by=user, sleep_mode=sleep_mode,
-        start_asleep=start_asleep)
+        start_asleep=start_asleep, retry_advised=retry_advised)
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     if workers or ray:  # Ray on one node too: the panel starts (and stops) its one-node cluster
         multinode.place(d, workers, master_port)
@@ -263,6 +264,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     if problem := secrets.check_marked(changes.get("secret_env", ()), changes.get("env", d.env)):
         raise ServiceError(problem, field="secret_env")
     changed = gpu_indices != d.gpu_indices
+    d.retry_advised = changes.pop("retry_advised", False)  # a redeploy retries only when asked: it changes what was set
     for field in ("port", "engine_args", "env", "secret_env", "replace", "auto_restart", "stall_seconds", "stop_foreign", "prewarm",
                   "reuse_memory_profile",
                   "sleep_mode", "start_asleep"):

@@ -32,6 +32,7 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
                    "kv_cache_dtype": args.pop("kv-cache-dtype", "auto"), "reasoning_parser": args.pop("reasoning-parser", ""),
                    "tool_call_parser": args.pop("tool-call-parser", ""), "trust_remote_code": args.pop("trust-remote-code", False),
                    "served_model_name": args.pop("served-model-name", ""), "auto_restart": deployment.auto_restart,
+                   "retry_advised": False,  # a change to a deployment retries only when asked
                    "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm,
                    "reuse_memory_profile": deployment.reuse_memory_profile,
                    "sleep_mode": deployment.sleep_mode, "start_asleep": deployment.start_asleep, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
@@ -116,7 +117,7 @@ def deploy(request, pk):
                 model=model, node=node, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                 env=data["env_vars"], secret_env=data["secret_names"], name=data["name"], replace_ids=data["replace_ids"], auto_restart=data["auto_restart"],
                 stall_seconds=data["stall_seconds"], stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-                reuse_memory_profile=data["reuse_memory_profile"],
+                reuse_memory_profile=data["reuse_memory_profile"], retry_advised=data["retry_advised"],
                 sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
                 workers=_workers(data), master_port=data["master_port"], override_fit=data["override_fit"],
                 **recipe_pages.deploy_kwargs(data))
@@ -163,7 +164,7 @@ def deployment_edit(request, pk):
             deploys.deployment_redeploy(d, gpu_indices=data["gpu_indices"], port=data["port"], engine_args=data["engine_args"],
                                          env=data["env_vars"], secret_env=data["secret_names"], auto_restart=data["auto_restart"], stall_seconds=data["stall_seconds"],
                                          stop_foreign=data["stop_foreign"], prewarm=data["prewarm"], user=request.user,
-                                         reuse_memory_profile=data["reuse_memory_profile"],
+                                         reuse_memory_profile=data["reuse_memory_profile"], retry_advised=data["retry_advised"],
                                          sleep_mode=data["sleep_mode"], start_asleep=data["start_asleep"],
                                          override_fit=data["override_fit"], override_compat=data["override_compat"], **placement)
             keys.route_set(d, user=request.user, **route_form.cleaned_data["route"])
