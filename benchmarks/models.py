@@ -56,6 +56,9 @@ class BenchmarkRun(Job):
     warnings = models.JSONField(default=list, blank=True)
     ticks = models.JSONField(default=list, blank=True, help_text="[[seconds since start, concurrency, tok/s], ...]")
     single_stream_tok_s = models.FloatField(null=True, blank=True)
+    idle_watts = models.FloatField(null=True, blank=True, help_text=(
+        "What the deployment's GPUs drew with the engine loaded and serving nothing, measured just before the first "
+        "level (W, all its GPUs on this node); empty without energy counters or when the engine was not idle."))
     capacity = models.JSONField(default=dict, blank=True, help_text=(
         "A capacity search's answer: the highest rate measured to meet the SLOs, the interval, each round and the "
         "sentence (benchmarks/runner/capacity.py); empty for other runs."))
@@ -125,6 +128,8 @@ class BenchmarkPoint(models.Model):
         "Joules the deployment's GPUs used over the level's measured window (NVML's energy counters); "
         "empty on a node without them."))
     watts_per_gpu = models.FloatField(null=True, blank=True, help_text="Average power per GPU over the level (W).")
+    energy_net_j = models.FloatField(null=True, blank=True, help_text=(
+        "energy_j less the GPUs' idle draw over the level (the run's idle_watts x its duration): what serving cost."))
     prompt_tokens_requested = models.PositiveIntegerField(null=True, blank=True, help_text=(
         "Prompt length asked for (random prompts), in the served model's tokens."))
     prompt_tokens_mean = models.FloatField(default=0.0, help_text="Mean prompt tokens the server counted (usage).")

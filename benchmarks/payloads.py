@@ -67,14 +67,19 @@ class RunPoint:
     energy_j: float | None  # the deployment's GPUs over the level (NVML); None without energy counters
     watts_per_gpu: float | None
     joules_per_token: float | None  # energy_j per output token
+    energy_net_j: float | None  # energy_j less the GPUs' idle draw over the level (benchmarks/energy.py)
+    joules_per_token_net: float | None  # energy_net_j per output token
     goodput: float | None  # requests/s meeting every SLO of the run; None without SLOs
     slo: dict  # {"good", "goodput", "attainment_pct", "met", "each": [...]} (runner/slo.py)
     repeat: int  # a capacity search's repeat of the same rate
 
     @classmethod
     def of(cls, point) -> "RunPoint":
-        per_token = round(point.energy_j / point.output_tokens, 4) if point.energy_j is not None and point.output_tokens else None
-        return pick(cls, point, joules_per_token=per_token)
+        def per_token(joules):
+            return round(joules / point.output_tokens, 4) if joules is not None and point.output_tokens else None
+
+        return pick(cls, point, joules_per_token=per_token(point.energy_j),
+                    joules_per_token_net=per_token(point.energy_net_j))
 
 
 @dataclass(frozen=True)

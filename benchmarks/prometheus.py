@@ -27,6 +27,10 @@ LEVEL_FIGURES = [
     ("panel_benchmark_requests", "Requests sent at the level.", "num_requests", 1),
     ("panel_benchmark_failed_requests", "Requests that failed at the level.", "failed_requests", 1),
     ("panel_benchmark_duration_seconds", "How long the level ran.", "duration_s", 1),
+    ("panel_benchmark_energy_joules", "Joules the deployment's GPUs used over the level (NVML's energy counters).",
+     "energy_j", 1),
+    ("panel_benchmark_energy_net_joules", "The level's joules less the GPUs' idle draw over it: what serving cost.",
+     "energy_net_j", 1),
 ]
 # Latency distributions, stored in milliseconds as {"median", "p99", ...}.
 LATENCIES = [
@@ -98,7 +102,8 @@ class BenchmarkCollector:
                 add_sample(met, labels, 1 if (row[5] or {}).get("met") else 0)
             values = iter(row[6:])
             for (family, _, factor), value in zip(figures, values):
-                add_sample(family, labels, value * factor)
+                if value is not None:  # energy: none on a node without counters
+                    add_sample(family, labels, value * factor)
             for family, _ in latencies:
                 dist = next(values) or {}
                 for stat in STATS:

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import allowlist, caps, payloads, runner, runqueue, selectors
+from benchmarks import allowlist, caps, energy, payloads, runner, runqueue, selectors
 from benchmarks.runner.saturation import queue_note
 from benchmarks.runner import capacity as capacity_search, slo as slos_mod
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
@@ -177,6 +177,8 @@ def _save_point(run: BenchmarkRun, level: runner.LevelResult, energy_j: float | 
     values["goodput"] = round(level.slo["goodput"], 4) if level.slo else None
     if energy_j is not None and gpus and level.duration_s > 0:
         values.update(energy_j=round(energy_j, 3), watts_per_gpu=round(energy_j / level.duration_s / gpus, 1))
+        if (net := energy.net_joules(energy_j, run.idle_watts, level.duration_s)) is not None:
+            values["energy_net_j"] = round(net, 3)
     fields = {f.name for f in BenchmarkPoint._meta.get_fields()} - {"id", "run", "created"}
     point, _ = BenchmarkPoint.objects.update_or_create(
         run=run, kind=level.kind, rate=level.rate, concurrency=level.concurrency, repeat=level.repeat, defaults={k: v for k, v in values.items() if k in fields})
@@ -235,6 +237,11 @@ def run_execute(run_id: int) -> BenchmarkRun:
         if model != run.served_model:
             run.served_model = model
             BenchmarkRun.objects.filter(pk=run.pk).update(served_model=model)
+        if run.deployment_id:  # the GPUs' draw with the engine idle, before any request of the run
+            idle, why = energy.idle_watts(meter, target.base_url, key, settings.BENCH_IDLE_S)
+            run.idle_watts = round(idle, 2) if idle is not None else None
+            run.warnings += [why] if why else []
+            BenchmarkRun.objects.filter(pk=run.pk).update(idle_watts=run.idle_watts, warnings=run.warnings)
         # A deployment is vLLM: ask for usage in every chunk, so ITL per token divides each gap by the tokens
         # that came in it exactly (another server may refuse the option: its chunks' tokens are estimated).
         spec = runner.LoadSpec(base_url=target.base_url, model=model, **_spec_params(run.params),

@@ -366,6 +366,9 @@ BENCHMARK_URL_ALLOWLIST = env_list("BENCHMARK_URL_ALLOWLIST")
 BENCH_MAX_REQUESTS_PER_LEVEL = env_int("PANEL_BENCH_MAX_REQUESTS_PER_LEVEL", 100_000)
 BENCH_MAX_PROMPT_BYTES = env_int("PANEL_BENCH_MAX_PROMPT_BYTES", 8 * 2**30)
 BENCH_MEMORY_MB = env_int("PANEL_BENCH_MEMORY_MB", 0)
+# Seconds the deployment's GPUs are read with the engine idle before a run's first level, for energy net of idle
+# (benchmarks/energy.py); 0: not measured.
+BENCH_IDLE_S = env_float("PANEL_BENCH_IDLE_S", 5.0)
 # Monitoring (docs/monitoring.md): a read-only secret for /metrics and the service
 # discovery (sent as `Authorization: Bearer ...`), and Grafana's URL for links from the pages.
 METRICS_TOKEN = env_secret("METRICS_TOKEN")

@@ -86,7 +86,8 @@ def energy_line(p: dict) -> str | None:
     if p.get("energy_j") is None or not p.get("output_tokens"):
         return None
     watts = f", {p['watts_per_gpu']:.0f} W per GPU" if p.get("watts_per_gpu") is not None else ""
-    return f"  energy {p['energy_j'] / p['output_tokens']:.3f} J per output token ({p['energy_j']:,.0f} J{watts})"
+    net = f", {p['energy_net_j'] / p['output_tokens']:.3f} net of idle" if p.get("energy_net_j") is not None else ""
+    return f"  energy {p['energy_j'] / p['output_tokens']:.3f} J per output token{net} ({p['energy_j']:,.0f} J{watts})"
 
 
 def _ms(quantiles: dict, digits: int) -> str:

@@ -67,7 +67,8 @@ def fleet(unique):
     copy = ModelCopyFactory(node=node, state="downloading", bytes_done=5 * GiB, bytes_total=20 * GiB, rate=2e8)
     run = BenchmarkRunFactory(deployment=ready, status="done", single_stream_tok_s=75.0, finished=timezone.now())
     point = BenchmarkPointFactory(run=run, concurrency=8, output_throughput=1234.5, num_requests=64, failed_requests=1,
-                                  ttft_ms={"median": 50.0, "p99": 120.0}, itl_ms={"median": 9.0, "p99": 15.0})
+                                  ttft_ms={"median": 50.0, "p99": 120.0}, itl_ms={"median": 9.0, "p99": 15.0},
+                                  energy_j=900.0, energy_net_j=700.0)
     return {"node": node, "offline": offline, "sample": sample, "ready": ready, "loading": loading, "copy": copy,
             "run": run, "point": point}
 
@@ -129,6 +130,8 @@ def test_download_and_benchmark_figures(viewer_client, fleet):
     assert value(samples, "panel_benchmark_failed_requests", **level) == 1
     assert value(samples, "panel_benchmark_ttft_seconds", stat="p99", **level) == pytest.approx(0.120)
     assert value(samples, "panel_benchmark_itl_seconds", stat="median", **level) == pytest.approx(0.009)
+    assert value(samples, "panel_benchmark_energy_joules", **level) == 900.0
+    assert value(samples, "panel_benchmark_energy_net_joules", **level) == 700.0
     assert value(samples, "panel_benchmark_single_stream_tokens_per_second", run=str(run.pk)) == 75.0
     assert value(samples, "panel_benchmark_run_info", run=str(run.pk), status="done") == 1
 

@@ -21,7 +21,7 @@ class BenchmarkRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = BenchmarkRun
         fields = ["id", "name", "deployment", "base_url", "served_model", "params", "status", "error", "environment",
-                  "warnings", "single_stream_tok_s", "saturation", "capacity", "created", "started", "finished"]
+                  "warnings", "single_stream_tok_s", "idle_watts", "saturation", "capacity", "created", "started", "finished"]
 
     saturation = serializers.SerializerMethodField(help_text=(
         'Where more concurrency stopped buying throughput, and why: {"level": 16 or null, "reason", "text"}; '

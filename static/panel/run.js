@@ -70,7 +70,7 @@
         `<td class="num">${fmt(p.tpot_ms.median, 2)}</td><td class="num">${fmt((p.itl_per_token_ms || {}).median, 2)}</td><td class="num"${bursts(p) ? ` data-bursts="${bursts(p)}" title="about ${bursts(p)} tokens per read"` : ""}>${fmt(p.itl_ms.median, 2)}</td><td class="num">${fmt(p.tok_s_per_user)}</td>` +
         `<td class="num">${p.reasoning_tokens} / ${p.content_tokens}</td><td class="num">${gauge("num_requests_running")} / ${gauge("num_requests_waiting")}</td>` +
         `<td class="num">${s.kv_cache_usage_perc ? fmt(100 * s.kv_cache_usage_perc.max, 0) + " %" : "—"}</td>` +
-        `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td>` +
+        `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + (p.joules_per_token_net != null ? " (" + fmt(p.joules_per_token_net, 3) + " net)" : "") + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td>` +
         `<td class="num" data-f="rate">${rate ? fmt(p.achieved_rate, 2) + " / " + fmt((p.lag_ms || {}).p99, 2) : "—"}</td>` +
         `<td class="num" data-f="requests">${p.num_requests} / ${p.warmup_requests ?? 0}` +
         (p.failed_requests ? ` <span class="errorlist" data-f="failed">${p.failed_requests} failed${p.timeouts ? ` (${p.timeouts} timed out)` : ""}</span>` : "") + "</td>" +

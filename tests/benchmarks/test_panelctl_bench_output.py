@@ -18,7 +18,7 @@ class Panel:
     def get(self, path):
         if path.endswith("points/"):
             return [POINT, {**POINT, "concurrency": 2, "tpot_ms": {"median": 5.17}, "energy_j": 1234.5, "output_tokens": 1000,
-                             "watts_per_gpu": 612.0}]
+                             "watts_per_gpu": 612.0, "energy_net_j": 834.5}]
         return RUN
 
 
@@ -34,7 +34,7 @@ def test_a_level_without_tpot_prints_a_dash_and_the_run_says_where_it_saturated(
     assert "TPOT 5.17 ms" in lines[1] and "TTFT 41.5 ms" in lines[0]
     assert "Saturated at c=2" in err
     energy = [line.strip() for line in err.splitlines() if line.strip().startswith("energy")]
-    assert energy == ["energy 1.234 J per output token (1,234 J, 612 W per GPU)"]  # c=2 only: c=1 measured none
+    assert energy == ["energy 1.234 J per output token, 0.835 net of idle (1,234 J, 612 W per GPU)"]  # c=2 only: c=1 measured none
 
 
 def test_a_rate_level_is_named_by_its_rate_not_as_concurrency_0(capsys):

@@ -3,9 +3,10 @@ with a known schedule (tests/schedserver.py) stored level by level."""
 from unittest import mock
 
 import pytest
+from django.conf import settings
 from rest_framework.test import APIClient
 
-from benchmarks import payloads, runner, services
+from benchmarks import payloads, runner, selectors, services
 from benchmarks.models import BenchmarkRun
 from plumbing.errors import ServiceError
 from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory, DeploymentFactory, GpuFactory, NodeFactory
@@ -220,11 +221,13 @@ def test_compared_runs_named_alike_are_told_apart_and_what_changed_is_settings_o
 
 def test_each_level_records_the_joules_its_gpus_used_and_a_cpu_node_none():
     """NVML's energy counters read at the run's start, every tick and each level's end: a level's joules are the
-    counters' rise over its measured window (here a fake counter at a steady 1,000 W over two GPUs, on a clock of
-    the test's own: the meter's moments and the counter agree exactly, however busy the host)."""
+    counters' rise over its measured window (here a fake counter over two GPUs on a clock of the test's own: the
+    meter's moments and the counter agree exactly, however busy the host). Before the first level the GPUs draw
+    200 W with the engine idle (its /metrics say so), then 1,000 W: each level is told net of the idle draw too."""
     from types import SimpleNamespace
 
     clock = SimpleNamespace(t=1000.0)
+    idle_until = 1000.0 + settings.BENCH_IDLE_S  # the idle window: the run's first 5 s, on the test's clock
     node = NodeFactory(name="gpu-energy")
     for i in range(2):
         GpuFactory(node=node, index=i, name="NVIDIA H200")
@@ -241,13 +244,23 @@ def test_each_level_records_the_joules_its_gpus_used_and_a_cpu_node_none():
             levels.append(level)
         return runner.SweepResult(levels=levels)
 
-    read = mock.Mock(side_effect=lambda indices: int(clock.t * 1_000_000))  # 1,000 J a second, in mJ
+    def joules(t):  # 200 W while idle, 1,000 W after
+        return 200 * (min(t, idle_until) - 1000.0) + 1000 * max(0.0, t - idle_until)
+
+    def wait(seconds):
+        clock.t += seconds
+
+    read = mock.Mock(side_effect=lambda indices: int(joules(clock.t) * 1000))  # in mJ
+    idle = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "generation_tokens_total": 42.0}
     for deployment in (d, cpu):
+        clock.t = 1000.0
         run = BenchmarkRun.objects.create(deployment=deployment, served_model="m", params={**services.DEFAULTS, "levels": [1, 4]})
         with mock.patch("benchmarks.runner.sweep_in_child", autospec=True, side_effect=sweep), \
              mock.patch("benchmarks.services._engine_key", return_value=""), \
              mock.patch("deployments.host.gpu.energy_mj", read), \
              mock.patch("deployments.host.gpu.time", SimpleNamespace(monotonic=lambda: clock.t)), \
+             mock.patch("benchmarks.energy.time", SimpleNamespace(sleep=wait)), \
+             mock.patch("benchmarks.energy.vllm.read_metrics", return_value=idle), \
              mock.patch("plumbing.live.publishing.publish", autospec=True):
             services.run_execute(run.pk)
         run.refresh_from_db()
@@ -255,9 +268,15 @@ def test_each_level_records_the_joules_its_gpus_used_and_a_cpu_node_none():
         points = {p.concurrency: p for p in run.points.all()}
         if deployment is d:
             assert read.call_args.args[0] == [0, 1]
+            assert run.idle_watts == pytest.approx(200.0, abs=0.01) and run.warnings == []
             for c, p in points.items():
                 assert p.energy_j == pytest.approx(250.0, abs=0.01) and p.watts_per_gpu == pytest.approx(500.0, abs=0.1)
+                assert p.energy_net_j == pytest.approx(250.0 - 200.0 * 0.25, abs=0.01)  # 0.25 s of idle draw less
             assert payloads.RunPoint.of(points[4]).joules_per_token == pytest.approx(250.0 / 400, abs=1e-4)
+            assert payloads.RunPoint.of(points[4]).joules_per_token_net == pytest.approx(200.0 / 400, abs=1e-4)
+            header, *rows = [selectors.CSV_COLUMNS, *selectors.csv_rows(selectors.runs_with_points([run.pk]))]
+            assert [row[header.index("energy_net_j")] for row in rows] == pytest.approx([200.0, 200.0], abs=0.01)
+            assert [row[header.index("idle_watts")] for row in rows] == pytest.approx([200.0, 200.0], abs=0.01)
         else:
-            assert all(p.energy_j is None and p.watts_per_gpu is None for p in points.values())
-            assert payloads.RunPoint.of(points[1]).joules_per_token is None
+            assert all(p.energy_j is None and p.watts_per_gpu is None and p.energy_net_j is None for p in points.values())
+            assert payloads.RunPoint.of(points[1]).joules_per_token is None and run.idle_watts is None
