@@ -81,6 +81,7 @@ def compare(request):
              "points": [payloads.run_point_data(p) for p in r.points.all()]} for r in runs]
     return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
                                                        "ids": ",".join(str(r.pk) for r in runs), "slo_rows": _slo_rows(runs),
+                                                       "energy_rows": _energy_rows(runs),
                                                        "deltas": noise.level_deltas(runs)})
 
 
@@ -94,6 +95,19 @@ def _slo_rows(runs) -> list[dict]:
         for p in r.points.all():
             if p.goodput is not None:
                 rows.append({"run": r, "slos": slos_mod.describe(r.params["slos"]), "point": p,
+                             "label": f"{p.rate:g} req/s" if p.kind == "rate" else f"c={p.concurrency}"})
+    return rows
+
+
+def _energy_rows(runs) -> list[dict]:
+    """Joules per output token of each level the compared runs measured energy for, gross and net of the GPUs' idle
+    draw ([] when none did: CPU nodes)."""
+    rows = []
+    for r in runs:
+        for p in r.points.all():
+            if p.energy_j is not None and p.output_tokens:
+                rows.append({"run": r, "point": p, "gross": p.energy_j / p.output_tokens,
+                             "net": p.energy_net_j / p.output_tokens if p.energy_net_j is not None else None,
                              "label": f"{p.rate:g} req/s" if p.kind == "rate" else f"c={p.concurrency}"})
     return rows
 

@@ -1,10 +1,11 @@
 """Goodput and SLO attainment where runs are read side by side: /metrics gives each level of a deployment's latest
 run that carried SLOs its goodput, attainment and whether it held (state, not history), and the compare page shows
-them when any compared run carried SLOs."""
+them when any compared run carried SLOs; and the energy each level cost, gross and net of idle."""
 import pytest
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.models import BenchmarkPoint, BenchmarkRun
 from tests.factories import BenchmarkPointFactory, BenchmarkRunFactory, DeploymentFactory
 
 pytestmark = pytest.mark.django_db
@@ -74,3 +75,16 @@ def test_the_compare_page_shows_goodput_and_attainment_when_a_run_carried_slos(v
     assert "(repeat 1)" in rows[2] and ">1.50<" in rows[2]
     without = viewer_client.get(f"/benchmarks/compare/?ids={runs['plain'].pk}").content.decode()
     assert 'id="cmp-slo"' not in without
+
+
+def test_the_compare_page_shows_joules_per_token_gross_and_net_of_idle_where_measured(viewer_client, runs):
+    gpu = runs["plain"]
+    BenchmarkRun.objects.filter(pk=gpu.pk).update(idle_watts=400.0)
+    BenchmarkPoint.objects.filter(run=gpu).update(energy_j=800.0, energy_net_j=600.0, output_tokens=1000,
+                                                  watts_per_gpu=350.0)
+    page = viewer_client.get(f"/benchmarks/compare/?ids={runs['slos'].pk},{gpu.pk}").content.decode()
+    table = page[page.index('id="cmp-energy"'):page.index("</table>", page.index('id="cmp-energy"'))]
+    rows = table.split("<tr>")[2:]
+    assert rows and all(">0.800<" in row and ">0.600<" in row and ">400<" in row and ">350<" in row for row in rows)
+    assert len(rows) == BenchmarkPoint.objects.filter(run=gpu).count(), "the run without energy has no row"
+    assert 'id="cmp-energy"' not in viewer_client.get(f"/benchmarks/compare/?ids={runs['slos'].pk}").content.decode()
