@@ -99,8 +99,9 @@ def engine_exited(d: Deployment) -> None:
 def unit_settle(d: Deployment) -> str:
     """On agent start, a persisted deployment whose recorded engine is not running: "following" (its unit's
     engine adopted, its load followed), "waiting" (systemd is to start it) or "failed"."""
+    before = d.pid
     if lifecycle.adopt(d):
-        _adopted(d, "the agent restarted and found")
+        _adopted(d, "the agent restarted and found", new_engine=d.pid != before)
         return "following"
     status = _started_if_idle(d, _status(d))
     if status is not None and status.coming:
@@ -111,9 +112,10 @@ def unit_settle(d: Deployment) -> str:
     return "failed"
 
 
-def _adopted(d: Deployment, how: str) -> None:
+def _adopted(d: Deployment, how: str, new_engine: bool = True) -> None:
     """The row names the unit's engine now: follow its load to ready (a deployment ready before shows loading)."""
-    _clean_shm(d)  # a reboot or a crash the agent was not there to see: the engine before this one left them
+    if new_engine:  # a reboot or a crash the agent was not there to see: the engine before this one left them
+        _clean_shm(d)
     if d.status == S.READY:
         try:
             move(d, S.LOADING, f"{_who(d)} started the engine again (PID {d.pid}); following its load")
