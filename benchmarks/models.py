@@ -109,6 +109,9 @@ class BenchmarkPoint(models.Model):
     timeouts = models.PositiveIntegerField(default=0, help_text=(
         "Measured requests that ran past their timeout (among failed_requests; the run's request_timeout_s, else "
         "each request's own from its max_tokens)."))
+    rejected = models.PositiveIntegerField(default=0, help_text=(
+        "Of failed_requests, those the server refused for load (429, or vLLM's admission 503 once "
+        "--max-num-queued-reqs or --max-num-queued-tokens is reached): not errors."))
     # Latency distributions in milliseconds: {"mean", "median", "std", "p90", "p95", "p99"}.
     ttft_ms = models.JSONField(default=dict)
     ttfc_ms = models.JSONField(default=dict, help_text="Time to first content token (not reasoning).")

@@ -58,6 +58,7 @@ class RunPoint:
     num_requests: int
     failed_requests: int
     timeouts: int  # of failed_requests, those that ran past their timeout
+    rejected: int  # of failed_requests, those the server refused for load (429, vLLM's admission 503)
     errors: list  # the other failures' distinct messages
     warmup_requests: int  # sent before the measured ones, in none of the figures
     server_metrics: dict

@@ -26,6 +26,8 @@ LEVEL_FIGURES = [
      "peak_tok_s", 1),
     ("panel_benchmark_requests", "Requests sent at the level.", "num_requests", 1),
     ("panel_benchmark_failed_requests", "Requests that failed at the level.", "failed_requests", 1),
+    ("panel_benchmark_rejected_requests", "Of the failed requests, those the server refused for load (429, or vLLM's "
+     "admission 503).", "rejected", 1),
     ("panel_benchmark_duration_seconds", "How long the level ran.", "duration_s", 1),
     ("panel_benchmark_energy_joules", "Joules the deployment's GPUs used over the level (NVML's energy counters).",
      "energy_j", 1),

@@ -12,7 +12,7 @@ CSV_COLUMNS = ["run", "name", "target", "concurrency", "num_requests", "failed_r
                "prompt_tokens_requested", "prompt_tokens_mean", "energy_j", "watts_per_gpu",
                "level_kind", "rate", "achieved_rate", "lag_p99_ms", "slot_wait_p99_ms",
                "repeat", "goodput", "slo_attainment_pct", "slo_met", "prefix_cache_hit_rate", "prefix_reusable_share",
-               "energy_net_j", "idle_watts"]
+               "energy_net_j", "idle_watts", "rejected"]
 
 
 def runs_with_points(ids) -> list[BenchmarkRun]:
@@ -37,7 +37,7 @@ def csv_rows(runs):
                    p.achieved_rate if p.kind == p.Kind.RATE else None, (p.lag_ms or {}).get("p99"),
                    (p.slot_wait_ms or {}).get("p99"), p.repeat, p.goodput, (p.slo or {}).get("attainment_pct"),
                    (p.slo or {}).get("met"), (p.server_metrics.get("prefix_cache") or {}).get("hit_rate"),
-                   (p.prefix_reuse or {}).get("share"), p.energy_net_j, run.idle_watts]
+                   (p.prefix_reuse or {}).get("share"), p.energy_net_j, run.idle_watts, p.rejected]
 
 
 def export_csv(runs) -> str:

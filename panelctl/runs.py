@@ -55,6 +55,7 @@ def cmd_bench(panel, args):
                     f"  prompt {asked if asked is not None else '-'}/{p.get('prompt_tokens_mean', 0):.1f} tokens asked/measured")
                 if p.get("failed_requests"):
                     timeouts = f" ({p['timeouts']} timed out)" if p.get("timeouts") else ""
+                    timeouts += f" ({p['rejected']} refused for load)" if p.get("rejected") else ""
                     say(f"    {p['failed_requests']} of {p['num_requests']} failed{timeouts}"
                         + (f": {'; '.join(p['errors'])}" if p.get("errors") else ""))
                 if line := energy_line(p):

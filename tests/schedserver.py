@@ -66,6 +66,14 @@ class Schedule:
     # schedule starts when they get one. With a fixed schedule each request holds its slot a fixed service
     # time (ttft + gap x (token chunks - 1)), so the server's capacity is slots / that time, exactly.
     slots: int = 0
+    # vLLM's --max-num-queued-reqs (0: none): a completion beyond that many unfinished ones is refused at once with
+    # vLLM's own 503 (vllm/exceptions.py QueueOverflowError) and counted in vllm:admission_rejections.
+    max_num_queued_reqs: int = 0
+
+
+ADMISSION_REFUSAL = {"error": {"message": "The engine is currently busy and cannot accept new requests. Please try "
+                               "again later or on a different instance.", "type": "Service Unavailable", "param": None,
+                               "code": 503}}  # vLLM 0.32's body (entrypoints/serve/exception_handling/error_response.py)
 
 
 class _Stream:
@@ -99,6 +107,8 @@ class Server:
         self.truth_requests: list[tuple[float, float, float]] = []
         self._slots = None
         self.running = 0
+        self.unfinished = 0  # admitted completions not yet answered (the admission cap counts these)
+        self.admission_rejections = 0
         self.requests_total = 0
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
@@ -116,7 +126,17 @@ class Server:
         route = self._routes.get((request.method, request.path))
         if route is None:
             return web.json_response({"error": {"message": f"no route {request.method} {request.path}"}}, status=404)
-        return await route(request)
+        cap = self.schedule.max_num_queued_reqs
+        if not cap or route != self.completions:
+            return await route(request)
+        if self.unfinished + 1 > cap:  # as vLLM's admission: current unfinished + n > max_num_queued_reqs
+            self.admission_rejections += 1
+            return web.json_response(ADMISSION_REFUSAL, status=503)
+        self.unfinished += 1
+        try:
+            return await route(request)
+        finally:
+            self.unfinished -= 1
 
     @property
     def _routes(self) -> dict:
@@ -160,6 +180,8 @@ class Server:
             f"vllm:generation_tokens_total{label} {float(self.generation_tokens_total)}",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{label} {float(self.prompt_tokens_total)}",
+            "# TYPE vllm:admission_rejections_total counter",
+            f'vllm:admission_rejections_total{label[:-1]},reason="max_num_queued_reqs"}} {float(self.admission_rejections)}',
         ] + (self.prefix.metrics(label) if self.schedule.prefix_cache else prefix_counters(label) if self.face else [])
         lines += self.face.metrics(label, self.requests_total) if self.face else []
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

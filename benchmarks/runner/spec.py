@@ -134,6 +134,7 @@ class RequestRecord:
     first_choice: float | None = None  # the first chunk without a token that carried a choice (vLLM's role-only chunk)
     timeout_s: float = 0.0  # how long it was given (spec.request_timeout)
     timed_out: bool = False  # ran past it
+    rejected: bool = False  # refused for load: 429, or vLLM's admission 503 (vllm.ADMISSION_REFUSALS)
 
     @property
     def ttft(self) -> float:
@@ -206,6 +207,7 @@ class LevelResult:
     server_metrics: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)  # distinct error messages, at most 10; timeouts apart:
     timeouts: int = 0  # measured requests that ran past their timeout (among failed_requests)
+    rejected: int = 0  # measured requests the server refused for load (among failed_requests, not in errors)
     workers: int = 1
     cancelled: bool = False
     # Prompt length: what was asked (random prompts; None for built-in or uploaded ones), the mean the

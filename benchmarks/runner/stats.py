@@ -100,7 +100,8 @@ def summarize(concurrency: int, records: list[RequestRecord], warmup: int = 0, w
     errors = []
     for r in records:
         result.timeouts += r.timed_out
-        if r.error and not r.timed_out and r.error not in errors and len(errors) < MAX_ERRORS:
+        result.rejected += r.rejected
+        if r.error and not (r.timed_out or r.rejected) and r.error not in errors and len(errors) < MAX_ERRORS:
             errors.append(r.error)
     result.errors = errors
     if records:

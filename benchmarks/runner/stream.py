@@ -150,7 +150,9 @@ class Connection(asyncio.Protocol):
         self._state = DONE
         if self._status != 200:
             body = b"".join(self._error_body).decode("utf-8", "replace")
-            record.error = f"HTTP {self._status}: {_error_message(body)}"
+            message = _error_message(body)
+            record.error = f"HTTP {self._status}: {message}"
+            record.rejected = vllm.refused_for_load(self._status, message)
         elif not record.chunk_times:
             record.error = record.error or "the stream carried no tokens"
         else:

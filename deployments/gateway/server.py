@@ -25,6 +25,7 @@ from deployments.gateway import config, keyset, media, peers, upstream, usage
 from deployments.gateway.keyset import Refused
 from deployments.gateway.limits import Admission, KeyLimits, retry_after_header
 from deployments.gateway.reload import Watcher
+from deployments.host import vllm
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ PIN = "X-Panel-Deployment"  # gateway to gateway: the deployment the origin chos
 DOWN_S = 1.0  # an engine that refused a connection is skipped this long (or until the next reload)
 CONNECT_TRIES = 3
 MAX_BODY = 64 << 20  # data: images and audio travel in the body
+ADMISSION_RETRY_S = 1.0  # an engine that refused for load: its queue drains within a request or two
 
 
 class EngineDown(Exception):
@@ -356,14 +358,18 @@ def _used(sink: upstream.Sink, body: dict) -> usage.Tokens:
 
 
 def _answer(answer: bytes, status: int, kind: str):
-    """(response, tokens, failed) for an answer read whole."""
-    tokens = None
+    """(response, tokens, failed) for an answer read whole. An engine's admission refusal (vLLM's 503 once its
+    --max-num-queued-reqs or --max-num-queued-tokens is reached) goes to the caller as the gateway's own: 429 with
+    Retry-After, which clients back off on (a 503 reads as "down")."""
+    tokens, headers = None, {"Content-Type": kind}
     if status == 200:
         try:
             tokens = usage.tokens_of(json.loads(answer).get("usage"))
         except (ValueError, AttributeError):
             pass
-    return web.Response(body=answer, status=status, headers={"Content-Type": kind}), tokens, status >= 400
+    elif status == 503 and vllm.refused_for_load(status, vllm.openai_error(answer.decode("utf-8", "replace")) or ""):
+        status, headers["Retry-After"] = 429, retry_after_header(ADMISSION_RETRY_S)
+    return web.Response(body=answer, status=status, headers=headers), tokens, status >= 400
 
 
 async def _body(request) -> tuple[dict, bytes]:

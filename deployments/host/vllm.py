@@ -78,6 +78,17 @@ class SmokeResult:
     reasoning_tokens: int | None
 
 
+# vLLM's own admission refusals (vllm/exceptions.py QueueOverflowError, MaxQueuedTokensError: HTTP 503 with
+# --max-num-queued-reqs / --max-num-queued-tokens reached); the gateway answers them as 429 with Retry-After.
+ADMISSION_REFUSALS = ("The engine is currently busy and cannot accept new requests",
+                      "The engine has reached its prefill token backlog limit")
+
+
+def refused_for_load(status: int, message: str) -> bool:
+    """A server that said "too much now, try again": 429, or vLLM's admission 503."""
+    return status == 429 or (status == 503 and any(m in message for m in ADMISSION_REFUSALS))
+
+
 def auth_headers(key: str) -> dict[str, str]:
     """What vLLM's --api-key (VLLM_API_KEY) check wants: `Authorization: Bearer <key>`; nothing without a key."""
     return {"Authorization": f"Bearer {key}"} if key else {}

@@ -73,7 +73,7 @@
         `<td class="num" data-f="energy">${p.joules_per_token != null ? fmt(p.joules_per_token, 3) + (p.joules_per_token_net != null ? " (" + fmt(p.joules_per_token_net, 3) + " net)" : "") + " / " + fmt(p.watts_per_gpu, 0) : "—"}</td>` +
         `<td class="num" data-f="rate">${rate ? fmt(p.achieved_rate, 2) + " / " + fmt((p.lag_ms || {}).p99, 2) : "—"}</td>` +
         `<td class="num" data-f="requests">${p.num_requests} / ${p.warmup_requests ?? 0}` +
-        (p.failed_requests ? ` <span class="errorlist" data-f="failed">${p.failed_requests} failed${p.timeouts ? ` (${p.timeouts} timed out)` : ""}</span>` : "") + "</td>" +
+        (p.failed_requests ? ` <span class="errorlist" data-f="failed">${p.failed_requests} failed${p.timeouts ? ` (${p.timeouts} timed out)` : ""}${p.rejected ? ` (${p.rejected} refused for load)` : ""}</span>` : "") + "</td>" +
         (slos.length ? `<td class="num" data-f="goodput">${p.slo && p.slo.each ? fmt(p.goodput, 2) + " / " + fmt(p.slo.attainment_pct, 1) + " %" + (p.slo.met ? " ✓" : " ✗") : "—"}</td>` : "") + "</tr>";
     }).join("");
     const bursty = ps.filter((p) => bursts(p));

@@ -102,7 +102,7 @@ def test_a_runs_status_point_and_tick_go_to_the_run_page(sent):
                          "ttfc_ms", "tpot_ms", "itl_ms", "itl_per_token_ms", "e2e_ms", "tok_s_per_user",
                          "reasoning_tokens", "content_tokens", "output_tokens", "num_requests", "failed_requests",
                          "server_metrics", "prompt_tokens_requested", "prompt_tokens_mean", "prompt_tokens_counted_by",
-                         "energy_j", "watts_per_gpu", "joules_per_token", "energy_net_j", "joules_per_token_net",
+                         "energy_j", "watts_per_gpu", "joules_per_token", "energy_net_j", "joules_per_token_net", "rejected",
                          "kind", "rate", "achieved_rate", "lag_ms", "slot_wait_ms",  # a rate level's schedule
                          "goodput", "slo", "repeat",  # against the run's SLOs; a capacity search's repeat
                          "warmup_requests", "timeouts", "errors"}

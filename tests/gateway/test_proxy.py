@@ -386,3 +386,22 @@ def test_streams_that_end_together_leave_every_engine_connection_open_for_the_ne
         assert gateway.call(idle()) == streams
         client.submit(asyncio.run, wave(key)).result(60)
         assert gateway.call(idle()) == streams  # the second wave reused them: none opened, none closed
+
+
+def test_an_engines_admission_refusal_reaches_the_caller_as_429_with_retry_after(node, gateway):
+    """vLLM with --max-num-queued-reqs answers 503 "currently busy" past its cap, which clients read as "down"; the
+    gateway answers it as its own overload: 429 with Retry-After, the engine's words kept, streamed or not."""
+    with SchedServer(ttft_ms=5, gap_ms=50, reasoning_tokens=0, max_num_queued_reqs=1) as capped:
+        make_deployment(node, capped.port)
+        key = make_key()
+        gateway.reload()
+        holder = threading.Thread(target=post, args=(gateway, key, {**CHAT, "max_tokens": 60, "stream": True}))
+        holder.start()
+        wait_for(lambda: capped.server.unfinished == 1)
+        for body in (CHAT, {**CHAT, "stream": True}):
+            refused = post(gateway, key, body)
+            assert (refused.status_code, refused.headers.get("Retry-After")) == (429, "1"), refused.text
+            assert refused.json()["error"]["message"].startswith("The engine is currently busy")
+        holder.join(30)
+        assert capped.server.admission_rejections == 2
+        assert post(gateway, key, CHAT).status_code == 200, "the queue drained: admitted again"

@@ -336,3 +336,16 @@ def test_an_unreachable_server_fails_every_request_but_may_come_back():
     with pytest.raises(RunnerError, match="cannot connect") as error:
         sweep(spec)
     assert not error.value.permanent
+
+
+def test_requests_the_engine_refuses_for_load_are_counted_as_rejections_not_errors():
+    """vLLM with --max-num-queued-reqs answers 503 "currently busy" past its cap: the level counts those requests as
+    refused for load (failed, but not errors), as many as the server refused, and its errors stay the real ones."""
+    with SchedServer(ttft_ms=5, gap_ms=20, reasoning_tokens=0, max_num_queued_reqs=2) as capped:
+        level = run_level(spec_for(capped, max_tokens=10, min_requests=12, warmup_per_user=0), concurrency=4)
+        refused = capped.server.admission_rejections
+    measured_refusals = sum(r.rejected for r in level.records)
+    assert level.rejected == measured_refusals > 0 and refused >= measured_refusals
+    assert level.failed_requests == level.rejected and level.errors == [] and level.timeouts == 0
+    assert all(r.error.startswith("HTTP 503: The engine is currently busy") for r in level.records if r.rejected)
+    assert level.completed == level.num_requests - level.rejected > 0
