@@ -174,6 +174,8 @@ OPERATOR_FLAGS = {
     "mamba-ssm-cache-dtype": "a state cache's number format", "mamba-block-size": "a state cache's block size",
     # scheduling and batching
     "max-num-seqs": "how many sequences run at once", "max-num-batched-tokens": "tokens per batch",
+    "max-num-queued-reqs": "requests admitted at once; beyond, the engine refuses (the gateway answers 429)",
+    "max-num-queued-tokens": "prompt tokens waiting in prefill; beyond, the engine refuses (the gateway answers 429)",
     "enable-chunked-prefill": "splits long prompts over batches", "max-num-partial-prefills": "a scheduling limit",
     "max-long-partial-prefills": "a scheduling limit", "long-prefill-token-threshold": "a scheduling threshold",
     "scheduling-policy": "fcfs or priority order", "async-scheduling": "schedules the next batch while one runs",

@@ -120,7 +120,8 @@ def test_what_is_not_on_the_list_is_an_admins(args, env, named):
 
 def test_what_is_on_the_list_is_an_operators():
     args = {"tensor-parallel-size": 2, "distributed-executor-backend": "mp", "tool-call-parser": "hermes",
-            "reasoning-parser": "qwen3", "no-enable-prefix-caching": True, "trust-remote-code": False, "seed": None}
+            "reasoning-parser": "qwen3", "no-enable-prefix-caching": True, "trust-remote-code": False, "seed": None,
+            "max-num-queued-reqs": 256, "max-num-queued-tokens": 65536}  # admission: the engine's own queue caps
     assert privileged.uses(args, {"NCCL_PROTO": "LL", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "4"}) == {}
 
 
