@@ -110,6 +110,7 @@ class EngineFigures:
     # reads these from the kept message.
     ttft_p95_s: float | None = None
     error_share: float | None = None  # aborted or failed / finished
+    refused: int = 0  # requests the engine refused for load (its admission caps) in the window
     window_requests: int = 0
     window_s: float = 0.0
     at: float = 0.0  # Unix time of the reading

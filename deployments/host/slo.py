@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 TTFT = "vllm:time_to_first_token_seconds"
 FINISHED = "vllm:request_success_total"
 FAILED_REASONS = frozenset({"abort", "error"})  # a client got no answer
+ADMISSION = "vllm:admission_rejections_total"  # refused beyond --max-num-queued-reqs / -tokens (vLLM >= 0.32)
 WINDOW_S = 300.0  # as the alert rules' [5m]
 
 
@@ -20,6 +21,7 @@ class Counters:
 
     ttft_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound, cumulative count), ascending, +Inf last
     finished: dict[str, float] = field(default_factory=dict)  # by finished_reason
+    refused: float = 0.0  # admission rejections, every reason
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,14 @@ class Figures:
     error_share: float | None  # None: no request finished in the window
     requests: int  # requests finished in the window
     span_s: float  # seconds between the window's first and last reading
+    refused: int = 0  # requests the engine refused for load in the window (not among the finished)
 
 
 def counters(families) -> Counters:
     """The counters from parsed metric families (prometheus_client's), or empty ones where the engine has none."""
     buckets: dict[float, float] = {}
     finished: dict[str, float] = {}
+    refused = 0.0
     for family in families:
         for s in family.samples:
             if s.name == f"{TTFT}_bucket" and not math.isnan(s.value):
@@ -42,7 +46,9 @@ def counters(families) -> Counters:
             elif s.name == FINISHED and not math.isnan(s.value):
                 reason = s.labels.get("finished_reason", "")
                 finished[reason] = finished.get(reason, 0.0) + s.value
-    return Counters(tuple(sorted(buckets.items())), finished)
+            elif s.name == ADMISSION and not math.isnan(s.value):
+                refused += s.value
+    return Counters(tuple(sorted(buckets.items())), finished, refused)
 
 
 def quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
@@ -71,7 +77,9 @@ def _delta(new: Counters, old: Counters) -> Counters | None:
     finished = {reason: count - old.finished.get(reason, 0.0) for reason, count in new.finished.items()}
     if any(c < 0 for _, c in buckets) or any(c < 0 for c in finished.values()) or set(old.finished) - set(new.finished):
         return None
-    return Counters(buckets, finished)
+    if new.refused < old.refused:
+        return None
+    return Counters(buckets, finished, new.refused - old.refused)
 
 
 class Window:
@@ -97,4 +105,5 @@ class Window:
             return Figures(None, None, 0, t1 - t0)
         done = sum(delta.finished.values())
         failed = sum(c for reason, c in delta.finished.items() if reason in FAILED_REASONS)
-        return Figures(quantile(q, delta.ttft_buckets), failed / done if done > 0 else None, int(round(done)), t1 - t0)
+        return Figures(quantile(q, delta.ttft_buckets), failed / done if done > 0 else None, int(round(done)), t1 - t0,
+                       int(round(delta.refused)))

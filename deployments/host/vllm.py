@@ -258,7 +258,7 @@ def read_metrics(url: str, timeout: float = 2.0, key: str = "") -> dict[str, flo
     return parse_metrics(_request("GET", url, timeout, key=key))
 
 
-_SLO_PREFIXES = tuple(f"{prefix}{name.removesuffix('_total')}" for name in (slo.TTFT, slo.FINISHED)
+_SLO_PREFIXES = tuple(f"{prefix}{name.removesuffix('_total')}" for name in (slo.TTFT, slo.FINISHED, slo.ADMISSION)
                       for prefix in ("", "# HELP ", "# TYPE "))
 
 

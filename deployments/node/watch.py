@@ -152,4 +152,5 @@ def deployments_metrics(node_id: int, state: dict) -> None:
             id=d.pk, name=d.name, tok_s=rate, running=gauges.get("num_requests_running"),
             waiting=gauges.get("num_requests_waiting"), kv_cache=gauges.get("kv_cache_usage_perc"),
             ttft_p95_s=figures.ttft_p95_s, error_share=figures.error_share, window_requests=figures.requests,
+            refused=figures.refused,
             window_s=round(figures.span_s, 1), at=time.time()))

@@ -70,7 +70,8 @@
       if (!serving) return;  // a last sample sent as the engine stopped, or the previous engine's, is not "now"
       const e = msg.data;
       $("engine-now").textContent = `${e.tok_s.toFixed(1)} tok/s · ${e.running ?? "?"} running, ${e.waiting ?? "?"} waiting` +
-        (e.kv_cache != null ? ` · KV cache ${(100 * e.kv_cache).toFixed(0)} %` : "");
+        (e.kv_cache != null ? ` · KV cache ${(100 * e.kv_cache).toFixed(0)} %` : "") +
+        (e.refused ? ` · ${e.refused} refused for load in ${Math.round(e.window_s / 60) || 1} min (its admission caps)` : "");
     } else if (msg.kind === "log") {
       const atBottom = logEl.scrollTop + logEl.clientHeight >= logEl.scrollHeight - 20;
       logEl.textContent += (logEl.textContent ? "\n" : "") + msg.data.lines.join("\n");

@@ -54,7 +54,7 @@ def test_engine_figures_and_a_copys_progress_go_to_both_pages(sent):
     (t1, k1, figures, _), (t2, k2, _, _), (t3, k3, progress, _), (t4, k4, _, _) = _messages(sent)
     assert (t1, k1, t2, k2) == ("deployment:3", "engine", f"node:{node.pk}", "engine.3")
     assert figures == {"id": 3, "name": "x", "tok_s": 12.5, "running": 1.0, "waiting": 0.0, "kv_cache": 0.25,
-                       "ttft_p95_s": None, "error_share": None, "window_requests": 0, "window_s": 0.0, "at": 0.0}
+                       "ttft_p95_s": None, "error_share": None, "refused": 0, "window_requests": 0, "window_s": 0.0, "at": 0.0}
     assert (t3, k3, t4, k4) == (f"model:{copy.model_id}", f"copy.{copy.pk}", f"node:{node.pk}", f"copy.{copy.pk}")
     assert progress == {"id": copy.pk, "model": copy.model_id, "node": node.pk, "node_name": "gpu-04",
                         "state": "downloading", "bytes_done": 5, "bytes_total": 10, "rate": 1.0, "seconds_left": 5.0,

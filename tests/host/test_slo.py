@@ -81,3 +81,22 @@ def test_the_reader_gives_the_gauges_and_the_counters_of_one_page():
     families = list(text_string_to_metric_families(TEXT))
     gauges, counters = vllm.parse_metrics(TEXT), slo.counters(families)
     assert gauges == {"num_requests_running": 1.0} and counters.finished["abort"] == 2.0
+
+
+def test_admission_refusals_are_counted_over_the_window_apart_from_the_finished():
+    """vLLM 0.32's vllm:admission_rejections (by reason, --max-num-queued-reqs / -tokens): the window's refusals,
+    not among its finished requests nor in the error share (which stays the alert rules' expression)."""
+    page = TEXT + ('# HELP vllm:admission_rejections_total Number of admission attempts rejected by a queue limit, by '
+                   'reason.\n# TYPE vllm:admission_rejections_total counter\n'
+                   'vllm:admission_rejections_total{model_name="tiny",reason="max_num_queued_reqs"} 4.0\n'
+                   'vllm:admission_rejections_total{model_name="tiny",reason="max_num_queued_tokens"} 1.0\n')
+    first = vllm.parse_slo_counters(page)
+    assert first.refused == 5.0
+    window = slo.Window()
+    window.add(0.0, first)
+    later = slo.Counters(first.ttft_buckets, {**first.finished, "stop": first.finished["stop"] + 3}, refused=12.0)
+    window.add(60.0, later)
+    figures = window.figures()
+    assert (figures.refused, figures.requests, figures.error_share) == (7, 3, 0.0)
+    window.add(70.0, slo.Counters(later.ttft_buckets, later.finished, refused=2.0))  # fell: a new engine process
+    assert len(window.readings) == 1 and window.figures().refused == 0

@@ -116,8 +116,9 @@ def test_a_deployment_that_stops_serving_resolves_its_breach(subscriber, receive
 def test_the_agents_watch_keeps_the_window_figures_the_check_reads(monkeypatch):
     d = DeploymentFactory(status="ready", pid=12345)
     readings = iter([
-        ({"generation_tokens_total": 10.0}, slo.Counters(((0.5, 10.0), (INF, 10.0)), {"stop": 10.0})),
-        ({"generation_tokens_total": 30.0}, slo.Counters(((0.5, 12.0), (INF, 20.0)), {"stop": 18.0, "error": 2.0})),
+        ({"generation_tokens_total": 10.0}, slo.Counters(((0.5, 10.0), (INF, 10.0)), {"stop": 10.0}, refused=1.0)),
+        ({"generation_tokens_total": 30.0}, slo.Counters(((0.5, 12.0), (INF, 20.0)), {"stop": 18.0, "error": 2.0},
+                                                         refused=4.0)),
     ])
     monkeypatch.setattr(watch.vllm, "read_engine", lambda url, timeout: next(readings))
     state = {}
@@ -125,6 +126,7 @@ def test_the_agents_watch_keeps_the_window_figures_the_check_reads(monkeypatch):
     watch.deployments_metrics(d.node_id, state)
     [kept] = snapshots.kept([payloads.deployment_topic(d.pk)], "engine")
     assert kept["window_requests"] == 10 and kept["error_share"] == pytest.approx(0.2)
+    assert kept["refused"] == 3, "refused for load in the window: on the deployment page, apart from the errors"
     assert kept["ttft_p95_s"] == 0.5  # 8 of 10 new first tokens after 0.5 s: p95 is in +Inf, the highest bound
     assert time.time() - kept["at"] < 5
 
