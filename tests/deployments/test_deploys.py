@@ -545,5 +545,5 @@ def test_engine_figures_are_published_with_tok_s_from_the_counters_rise(model, n
     assert abs(at - time.time()) < 60  # Unix time of the reading
     # The server counts no TTFT or finished request: the SLO figures of its 2-second window are empty.
     assert message["data"] == {"id": d.pk, "name": d.name, "tok_s": 200.0, "running": 3.0, "waiting": 4.0,
-                               "kv_cache": 0.75, "ttft_p95_s": None, "error_share": None, "window_requests": 0,
+                               "kv_cache": 0.75, "ttft_p95_s": None, "error_share": None, "refused": 0, "window_requests": 0,
                                "window_s": 2}

@@ -2,15 +2,16 @@
 deployment's events, up to 30 s a poll): the poll is answered and the server stops without an error. uvicorn gives
 open requests 3 s (`./panel start`), then cancelled the poll's task and printed "ERROR: Cancel 1 running task(s),
 timeout graceful shutdown exceeded"."""
+import asyncio
 import base64
 import json
 import os
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 
@@ -77,8 +78,14 @@ def test_ctrl_c_stops_the_web_server_without_an_error_while_a_browser_has_stoppe
     # From here the test reads nothing: what the panel sends piles up in the kernel's buffers, then in uvicorn's.
     layer = get_channel_layer()
     filler = {"type": "live.message", "message": {"topic": "filler", "kind": "filler", "data": "x" * 200_000}}
-    for _ in range(40):
-        async_to_sync(layer.group_send)(topics.user_group(user.pk), filler)
+
+    async def fill():
+        for _ in range(40):
+            await layer.group_send(topics.user_group(user.pk), filler)
+
+    # A thread of its own: in the whole suite Playwright's event loop already runs on this one.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, fill()).result()
     wait_until(lambda: (_unsent(port, sock.getsockname()[1]) or 0) > 1_000_000, timeout=30,
                message="the server's send queue to fill")
     web.send_signal(signal.SIGINT)
