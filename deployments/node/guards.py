@@ -1,4 +1,5 @@
 """What holds a node's GPUs besides the panel's own engines (read on the node itself)."""
+import psutil
 from django.conf import settings
 
 from deployments.host import gpu, listeners, ownership, supervisors
@@ -116,6 +117,8 @@ def listeners_of(node_id: int, described: dict) -> list[dict]:
         key = (port, pid, tuple(sorted(by_marker)), tuple(sorted(by_unit)))
         if key not in described:
             info = ownership.describe(pid) if pid else {"pid": None, "user": "?", "command": "?"}
+            if pid and info["user"] == "?" and not psutil.pid_exists(pid):
+                continue  # gone as it was read (an engine just stopped, its socket not yet closed): nobody holds it
             mark = ownership.owner(pid, markers, set(by_unit)) if pid else None
             described[key] = {"port": port, "pid": pid, "user": info["user"], "command": info["command"][:120],
                               "deployment": by_marker.get(mark) or by_unit.get(mark),

@@ -177,6 +177,21 @@ def test_the_agent_records_who_listens_on_each_port_and_whose_engine_it_is(node,
     assert {p["port"]: p for p in again}[stranger_port] == found[stranger_port]
 
 
+def test_a_listener_whose_process_is_gone_as_it_is_read_holds_nothing(node, monkeypatch):
+    """An engine just stopped: its socket was still listed while its process had already gone, and the port read as
+    held by "PID n (?: ?)" until the next reading 5 s later, so a redeploy on it was refused (seen in CI)."""
+    import subprocess
+    import sys
+
+    from deployments.host import listeners
+    from deployments.node import guards
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setattr(listeners, "host_listeners", lambda: {27757: {gone.pid}})
+    assert guards.listeners_of(node.pk, {}) == []
+
+
 def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is_queued(model, node, sent_tasks):
     from deployments.services import deploys
     from plumbing.errors import ServiceError
