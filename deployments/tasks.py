@@ -81,6 +81,12 @@ def deployment_sleep(deployment_id: int, level: int | None = None) -> None:
     sleep.deployment_sleep_here(deployment_id, level)
 
 
+@shared_task(name="deployments.deployment_sleep_probe")
+def deployment_sleep_probe(deployment_id: int) -> None:
+    """On a node: sleep a ready sleep-mode deployment at each level and wake it, proving its sleep or not."""
+    sleep.deployment_sleep_probe_here(deployment_id)
+
+
 @shared_task(name="deployments.deployment_wake")
 def deployment_wake(deployment_id: int) -> None:
     """On a node: wake a sleeping deployment."""

@@ -4,7 +4,7 @@ from rest_framework import serializers
 from deployments import callit, flagpolicy, launcherstate, secrets, validators
 from deployments.userflags import PRESETS
 from deployments.gateway.models import Route
-from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node, SleepProbe
 from plumbing.params import DB_INT_MAX
 
 
@@ -184,12 +184,21 @@ class DeploymentDetailSerializer(DeploymentSerializer):
     call = serializers.SerializerMethodField(help_text="How to call it: base_url, models (the names to put in "
                                              "\"model\"), key_required, and curl and OpenAI-Python snippets.")
     route = serializers.SerializerMethodField(help_text="At the gateway: aliases, max_in_flight, queue_bound, media_domains.")
+    sleep_probe = serializers.SerializerMethodField(help_text="The last sleep probe of its model commit, engine, memory "
+                                                    "flags and GPUs: verdict, per-level figures, reason (null: none).")
 
     class Meta(DeploymentSerializer.Meta):
         fields = DeploymentSerializer.Meta.fields + ["master_port", "ranks", "smoke", "load_detail", "auto_restart", "retry_advised", "restarts", "stall_seconds",
                                                      "secret_env", "replace", "base_url", "stop_foreign", "prewarm",
                                                      "reuse_memory_profile", "expires_at", "expired",
-                                                     "call", "route"]
+                                                     "call", "route", "sleep_probe"]
+
+    def get_sleep_probe(self, obj) -> dict | None:
+        if not obj.sleep_mode:
+            return None
+        probe = SleepProbe.objects.filter(key=SleepProbe.key_of(obj)).first()
+        return probe and {"id": probe.pk, "verdict": probe.verdict, "created": probe.created, "ended": probe.ended,
+                          "levels": probe.levels, "reason": probe.reason}
 
     def get_call(self, obj) -> dict:
         return callit.call(obj)

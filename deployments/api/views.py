@@ -221,6 +221,14 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         return self._accepted(sleeps.deployment_sleep(d, body.validated_data.get("level")))
 
     @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"], url_path="sleep-probe")
+    @idempotent
+    def sleep_probe(self, request, pk=None):
+        """Sleep a ready sleep-mode deployment at each level and wake it, with GPU memory (NVML) and a fixed answer at
+        temperature 0 compared; sleep and swaps use only the levels it proved. The figures: `sleep_probe`."""
+        return self._accepted(sleeps.deployment_sleep_probe(self.get_object()))
+
+    @extend_schema(request=None, responses={202: serializers.DeploymentDetailSerializer})
     @action(detail=True, methods=["post"])
     @idempotent
     def wake(self, request, pk=None):

@@ -141,10 +141,13 @@ def max_model_lengths(base_url: str, timeout: float = 10.0, key: str = "") -> di
 
 
 def smoke_test(base_url: str, model: str, question: str = "What is the capital of France?",
-               timeout: float = 60.0, max_tokens: int = 64, key: str = "") -> SmokeResult:
-    """Ask one non-streaming chat question and return what came back."""
+               timeout: float = 60.0, max_tokens: int = 64, key: str = "",
+               temperature: float | None = None) -> SmokeResult:
+    """Ask one non-streaming chat question and return what came back (`temperature` 0: the same answer each time)."""
     body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens, "stream": False}
+    if temperature is not None:
+        body["temperature"] = temperature
     started = time.monotonic()
     text = _request("POST", f"{base_url.rstrip('/')}/v1/chat/completions", timeout, body, key=key)
     latency = time.monotonic() - started

@@ -3,8 +3,8 @@
 May import plumbing's states and its own modules only."""
 from deployments.models.engines import Deployment, DeploymentEvent, DeploymentRank, EngineProcess
 from deployments.models.hosts import Gpu, Node, NodeMetric
-from deployments.models.learned import FitCalibration, Recipe
+from deployments.models.learned import FitCalibration, Recipe, SleepProbe
 from deployments.models.store import ModelCopy, ModelRepo, Secret
 
 __all__ = ["Deployment", "DeploymentEvent", "DeploymentRank", "EngineProcess", "FitCalibration", "Gpu", "ModelCopy",
-           "ModelRepo", "Node", "NodeMetric", "Recipe", "Secret"]
+           "ModelRepo", "Node", "NodeMetric", "Recipe", "Secret", "SleepProbe"]

@@ -8,92 +8,35 @@ weights (a margin kept), and said on the timeline. A sleeping engine keeps its C
 reserve on each GPU (SLEEP_RESIDUAL_BYTES); its GPUs are released when what its processes hold falls below that.
 """
 import logging
-import os
 import time
 
-import psutil
 
-from deployments import claims, engineapikey
+from deployments import claims
 from deployments.gateway import changes
 from deployments.gateway.models import Route
-from deployments.host import gpu, processes, vllm
+from deployments.host import processes, vllm
 from deployments.models import Deployment
 from deployments.node import lifecycle
+from deployments.node import sleepprobe
 from deployments.node.guards import foreign_holders
+from deployments.node.sleepprobe import (RAM_MARGIN, RAM_SPARE, SLEEP_RESIDUAL_BYTES, SLEEP_TIMEOUT_S,  # noqa: F401
+                                         WAKE_TIMEOUT_S, choose_level, gpu_held, group_rss)
 from deployments.node.steps import Aborted, PlanFailed, move, step
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
 S = Deployment.Status
-GIB = 1 << 30
-RAM_MARGIN = 1.1          # level 1 needs the weights x this in free host RAM ...
-RAM_SPARE = 4 * GIB       # ... and this much left besides
-SLEEP_RESIDUAL_BYTES = int(os.environ.get("PANEL_SLEEP_RESIDUAL_MIB", "2048")) << 20
-SLEEP_TIMEOUT_S = float(os.environ.get("PANEL_SLEEP_TIMEOUT_S", "300"))
-WAKE_TIMEOUT_S = float(os.environ.get("PANEL_WAKE_TIMEOUT_S", "900"))
-
-
-def choose_level(weights_bytes: int, available_bytes: int) -> tuple[int, str]:
-    """(level, why): 1 when the host's free RAM holds the weights with a margin, else 2."""
-    need = int(weights_bytes * RAM_MARGIN) + RAM_SPARE
-    if weights_bytes and available_bytes >= need:
-        return 1, (f"level 1: its {weights_bytes / GIB:.1f} GiB of weights go to host RAM "
-                   f"({available_bytes / GIB:.1f} GiB free)")
-    return 2, (f"level 2: {weights_bytes / GIB:.1f} GiB of weights do not fit in the host's "
-               f"{available_bytes / GIB:.1f} GiB of free RAM with {RAM_SPARE / GIB:.0f} GiB to spare; "
-               "they are dropped and read again at wake")
-
-
-def _base(d: Deployment) -> str:
-    return f"http://127.0.0.1:{d.port}"
-
-
-def _key(d: Deployment) -> str:
-    try:
-        return engineapikey.of(d)
-    except engineapikey.KeyUnreadable as exc:
-        raise PlanFailed(str(exc)) from exc
-
-
-def group_rss(d: Deployment) -> int:
-    """Host RAM the engine's process group holds (resident set, summed)."""
-    total = 0
-    for pid in processes.members(d.pgid) if d.pgid else []:
-        try:
-            total += psutil.Process(pid).memory_info().rss
-        except psutil.Error:
-            continue
-    return total
-
-
-def gpu_held(d: Deployment) -> dict[int, int]:
-    """Bytes the engine's processes hold on each of its GPUs ({} without NVML or GPUs)."""
-    if not d.gpu_indices or not d.pgid:
-        return {}
-    pids = set(processes.members(d.pgid))
-    try:
-        by_gpu = gpu.processes_on(d.gpu_indices)
-    except gpu.NvmlUnavailable:
-        return {}
-    return {i: sum(p.used_memory or 0 for p in procs if p.pid in pids) for i, procs in by_gpu.items()}
+GIB = sleepprobe.GIB
+_base, _key, _held_text = sleepprobe.base, sleepprobe.key, sleepprobe.held_text
 
 
 def _wait_gpu(d: Deployment, released: bool, timeout_s: float) -> dict[int, int]:
-    """Until NVML shows the engine's memory released (below the residual a sleeping engine keeps) or, for a
-    wake, taken again; the last reading."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        held = gpu_held(d)
-        if not held or all((b <= SLEEP_RESIDUAL_BYTES) == released for b in held.values()):
-            return held
-        if time.monotonic() >= deadline:
-            raise PlanFailed(f"GPU memory was not {'released' if released else 'taken again'} within {timeout_s:.0f} s: "
-                             + ", ".join(f"GPU {i} {b / GIB:.1f} GiB" for i, b in sorted(held.items())))
-        time.sleep(0.1)
-
-
-def _held_text(held: dict[int, int]) -> str:
-    return ", ".join(f"GPU {i} {b / GIB:.2f} GiB" for i, b in sorted(held.items())) if held else "no GPU to read"
+    """Until NVML shows the engine's memory released or taken again; PlanFailed with the last reading if not."""
+    held, settled = sleepprobe.settle(d, released, timeout_s)
+    if not settled:
+        raise PlanFailed(f"GPU memory was not {'released' if released else 'taken again'} within {timeout_s:.0f} s: "
+                         + _held_text(held))
+    return held
 
 
 def put_to_sleep(d: Deployment, level: int | None = None) -> str:
@@ -103,10 +46,7 @@ def put_to_sleep(d: Deployment, level: int | None = None) -> str:
         raise PlanFailed(f"{d.name} is {d.get_status_display().lower()}, not ready: it cannot be put to sleep.")
     if not d.sleep_mode:
         raise PlanFailed(f"{d.name} was not started with sleep mode: stop it instead, or redeploy it with sleep mode.")
-    weights = d.model.total_size or 0
-    why = f"level {level}: as asked"
-    if level is None:
-        level, why = choose_level(weights, psutil.virtual_memory().available)
+    level, why = sleepprobe.trusted_level(d, level)  # the probe runs first when this combination never was
     with step(d, "sleep") as event:
         started = time.monotonic()
         vllm.sleep(_base(d), level, key=_key(d), timeout=SLEEP_TIMEOUT_S)
@@ -141,12 +81,7 @@ def wake(d: Deployment) -> str:
         raise PlanFailed(f"{d.name} cannot wake: its GPUs are held by {'; '.join(blockers)}.")
     with step(d, "wake") as event:
         started = time.monotonic()
-        if d.sleep_level == 2:  # the weights come back uninitialised: read them again before the KV cache wakes
-            vllm.wake_up(_base(d), tags=("weights",), key=_key(d), timeout=WAKE_TIMEOUT_S)
-            vllm.reload_weights(_base(d), key=_key(d), timeout=WAKE_TIMEOUT_S)
-        vllm.wake_up(_base(d), key=_key(d), timeout=WAKE_TIMEOUT_S)
-        if vllm.is_sleeping(_base(d), key=_key(d)):
-            raise PlanFailed("The engine answered the wake call but says it is still asleep.")
+        sleepprobe.engine_wake(d, d.sleep_level)
         asked = time.monotonic() - started
         held = _wait_gpu(d, released=False, timeout_s=WAKE_TIMEOUT_S)
         level = d.sleep_level
@@ -190,6 +125,10 @@ def _run(deployment_id: int, action, *args) -> None:
 
 def deployment_sleep_here(deployment_id: int, level: int | None = None) -> None:
     _run(deployment_id, put_to_sleep, level)
+
+
+def deployment_sleep_probe_here(deployment_id: int) -> None:
+    _run(deployment_id, sleepprobe.run)  # its own step on the timeline says how it went
 
 
 def deployment_wake_here(deployment_id: int) -> None:

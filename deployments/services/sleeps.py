@@ -5,7 +5,7 @@ from django.db import transaction
 
 from deployments import claims, payloads
 from deployments.dispatch import node_enqueue
-from deployments.models import Deployment
+from deployments.models import Deployment, SleepProbe
 from deployments.services import deploys
 from deployments.timeline import deployment_event
 from plumbing.errors import ServiceError
@@ -28,6 +28,32 @@ def swap_targets(d: Deployment) -> list[Deployment]:
     return [o for o in found.select_related("node") if shares(d, o)]
 
 
+def refuse_unproven(d: Deployment) -> None:
+    """A sleep-mode deployment whose combination's last sleep probe failed sleeps nowhere: refused with its figures.
+    Never probed: the node probes it before its first sleep (deployments/node/sleepprobe.py)."""
+    probe = SleepProbe.latest_for(d)
+    if probe and probe.verdict == SleepProbe.Verdict.FAILED:
+        raise ServiceError(f"Sleep refused for {d.name}: the sleep probe of {probe.created:%Y-%m-%d %H:%M} failed for "
+                           f"this model, engine, memory flags and GPUs. {probe.reason} Probe it again after a change "
+                           "(Probe sleep), or stop it instead.", code="sleep_probe_failed")
+
+
+@transaction.atomic
+def deployment_sleep_probe(d: Deployment) -> Deployment:
+    """Probe a ready sleep-mode deployment's sleep now (each level slept and woken, memory and answer compared)."""
+    d = _locked(d)
+    if not d.sleep_mode:
+        raise ServiceError(f"{d.name} was not started with sleep mode: there is no sleep to probe.",
+                           code="no_sleep_mode")
+    if d.status != S.READY:
+        raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; only a ready deployment can be probed.",
+                           code="not_running")
+    deployment_event(d, "sleep_probe", "Sleep probe requested: each level slept and woken, GPU memory and a fixed "
+                     "answer compared.")
+    node_enqueue(d.node, "deployments.deployment_sleep_probe", d.pk)
+    return d
+
+
 def _locked(d: Deployment) -> Deployment:
     claims.lock_node(d.node_id)
     return Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
@@ -44,6 +70,7 @@ def deployment_sleep(d: Deployment, level: int | None = None) -> Deployment:
                            code="not_running")
     if level not in (None, 1, 2):
         raise ServiceError("The sleep level is 1 (weights to host RAM) or 2 (weights dropped).", field="level")
+    refuse_unproven(d)
     deployment_event(d, "sleep", "Sleep requested" + (f" at level {level}." if level else " (level chosen by free RAM)."))
     node_enqueue(d.node, "deployments.deployment_sleep", d.pk, level)
     return d
@@ -79,6 +106,7 @@ def deployment_swap(source: Deployment, target: Deployment) -> Deployment:
                            code="no_sleep_mode")
     if source.status != S.READY:
         raise ServiceError(f"{source.name} is {source.get_status_display().lower()}, not serving.", code="not_running")
+    refuse_unproven(source)
     if target.status in Deployment.TERMINAL:
         target = deploys.deployment_redeploy(target)
         Deployment.objects.filter(pk=target.pk).update(load_detail={"swap_from": source.pk})

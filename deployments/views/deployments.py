@@ -8,7 +8,7 @@ from django.views.decorators.http import require_POST
 
 from deployments import callit, deploydefaults, flagpolicy, forms, privileged, secrets, selectors, userflags
 from deployments.gateway import forms as gateway_forms, keys
-from deployments.models import Deployment, ModelCopy, ModelRepo, Node
+from deployments.models import Deployment, ModelCopy, ModelRepo, Node, SleepProbe
 from deployments.services import deploys, fitgate, multinode, sleeps
 from deployments.views import recipes as recipe_pages
 from plumbing.errors import ServiceError
@@ -143,6 +143,7 @@ def deployment_detail(request, pk):
         "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d), "command": selectors.deployment_command(d),
         "start_title": start_title(d.status), "starts": selectors.deployment_starts(d),
         "swap_to": sleeps.swap_targets(d),
+        "sleep_probe": SleepProbe.objects.filter(key=SleepProbe.key_of(d)).first() if d.sleep_mode else None,
         "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 
 
@@ -187,14 +188,15 @@ def deployment_action(request, pk, action):
         messages.success(request, f"Deleted {d.name}." if gone else f"Deleting {d.name} once its node has removed its unit.")
         return redirect("deployment-list") if gone else redirect("deployment-detail", pk)
     act = {"stop": deploys.deployment_stop, "restart": deploys.deployment_redeploy, "persist": deploys.deployment_persist,
-           "sleep": sleeps.deployment_sleep, "wake": sleeps.deployment_wake,
+           "sleep": sleeps.deployment_sleep, "wake": sleeps.deployment_wake, "sleep-probe": sleeps.deployment_sleep_probe,
            "swap": lambda d: sleeps.deployment_swap(d, _swap_target(request))}
     if action not in act:
         raise Http404
     try:
         act[action](d)
         messages.success(request, {"stop": "Stopping", "restart": "Restarting", "persist": "Installing a systemd unit for",
-                                   "sleep": "Putting to sleep", "wake": "Waking", "swap": "Swapping from"}[action]
+                                   "sleep": "Putting to sleep", "wake": "Waking", "swap": "Swapping from",
+                                   "sleep-probe": "Probing the sleep of"}[action]
                          + f" {d.name}.")
     except ServiceError as exc:
         messages.error(request, exc.message)

@@ -5,8 +5,8 @@ from unittest import mock
 import pytest
 
 from deployments.gateway.models import Route
-from deployments.models import Deployment, Node
-from deployments.node import sleep
+from deployments.models import Deployment, Node, SleepProbe
+from deployments.node import sleep, sleepprobe
 from deployments.services import deploys, sleepgate, sleeps
 from panelctl import cli
 from plumbing.errors import ServiceError
@@ -211,19 +211,27 @@ def test_panelctl_asks_for_sleep_wake_and_swap(monkeypatch):
     assert (args.sleep_mode, args.start_asleep) == (True, True)
 
 
+def _proven(d, levels=(1, 2)):
+    """A passed sleep probe of `d`'s combination for these levels (what the node's probe records)."""
+    return SleepProbe.objects.create(node=d.node, model=d.model, deployment=d, key=SleepProbe.key_of(d),
+                                     combination=SleepProbe.combination_of(d), verdict=SleepProbe.Verdict.PASSED,
+                                     levels=[{"level": n, "tried": True, "passed": True} for n in levels])
+
+
 def test_a_swap_whose_weights_do_not_fit_in_free_ram_sleeps_at_level_2(gpu_node, monkeypatch):
     source = _on(gpu_node, 0, status=S.READY, sleep_mode=True, name="kimi")
     source.model.total_size = 547 * GIB
     source.model.save()
+    _proven(source)
     asked = []
     monkeypatch.setattr(sleep.vllm, "sleep", lambda url, level, key, timeout: asked.append(level))
     monkeypatch.setattr(sleep, "_key", lambda d: "k")
-    monkeypatch.setattr(sleep.psutil, "virtual_memory", lambda: mock.Mock(available=400 * GIB))
+    monkeypatch.setattr(sleepprobe.psutil, "virtual_memory", lambda: mock.Mock(available=400 * GIB))
     said = sleep.put_to_sleep(Deployment.objects.select_related("model", "node").get(pk=source.pk))
     row = Deployment.objects.get(pk=source.pk)
     assert asked == [2] and row.status == S.SLEEPING and row.sleep_level == 2
     assert "level 2: 547.0 GiB of weights do not fit" in said and row.events.get(step="sleep").data["level"] == 2
-    monkeypatch.setattr(sleep.psutil, "virtual_memory", lambda: mock.Mock(available=1000 * GIB))
+    monkeypatch.setattr(sleepprobe.psutil, "virtual_memory", lambda: mock.Mock(available=1000 * GIB))
     Deployment.objects.filter(pk=source.pk).update(status=S.READY)
     sleep.put_to_sleep(Deployment.objects.select_related("model", "node").get(pk=source.pk))
     assert asked == [2, 1]
@@ -242,10 +250,12 @@ def test_the_status_moves_only_once_its_sleep_or_wake_step_has_ended(gpu_node, m
     """Whoever sees "sleeping" or "ready" finds the step that made it ended on the timeline (a swap's test read a
     woken deployment's timeline between the status and the step's end: ['sleep'] without its 'wake')."""
     d = _on(gpu_node, 0, status=S.READY, sleep_mode=True, name="kimi")
+    _proven(d)
     monkeypatch.setattr(sleep.vllm, "sleep", lambda url, level, key, timeout: None)
     monkeypatch.setattr(sleep.vllm, "wake_up", lambda url, key, timeout, tags=(): None)
     monkeypatch.setattr(sleep.vllm, "is_sleeping", lambda url, key: False)
     monkeypatch.setattr(sleep, "_key", lambda d: "k")
+    monkeypatch.setattr(sleepprobe, "key", lambda d: "k")
     monkeypatch.setattr(sleep, "wake_blockers", lambda d: [])  # this host's other engines are not its GPUs' holders
     seen = []
     moved = sleep.move
