@@ -18,6 +18,12 @@ allocator: a sleep frees it on the GPU (level 1 copies it to host memory first),
 copies it back; after level 2 it comes back uninitialised, as vLLM's weights do until reloaded), so NVML sees
 it go and come back. Without --enable-sleep-mode nothing is freed.
 
+With "matmul_per_token": N in fake_engine.json (default 0: none), generating costs the GPU real work, so that a load
+draws real energy (tests/gpu/test_energy_net_gpu.py): for each request the server ends, the EngineCore child does N bf16
+MATMUL_SIZE x MATMUL_SIZE matmuls on the GPU per token the request generated (over a socket of their own, one request
+at a time, as one GPU computes them), and the request ends (its usage, [DONE]) and its tokens count in /metrics once
+they are done. It needs a GPU (torch on cuda), whatever "gpu_gib" says.
+
 The test copies this file as `vllm` (with its own interpreter, the one with torch, as the #! line) and
 the fake engine beside it as `fakevllm` (with the files beside the fake: fakeproto.py, serve-flags.txt), into a
 folder the engine user can read. Standard library and torch.
@@ -28,13 +34,16 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPORT = "GPU-STAND-IN "
 GIB = 1 << 30
+MATMUL_SIZE = 4096  # "matmul_per_token": ~137 GFLOP each, about 0.25 ms of an H100
 
 
 def fake():
@@ -106,8 +115,52 @@ class GpuWeights:
         return 0 if self.held is None else self.size
 
 
-def engine_core(model: str, pooled: bool) -> None:
-    """Hold `gpu_gib` GiB on the first visible GPU, report once, then obey sleep and wake until SIGTERM."""
+class Matmuls:
+    """"matmul_per_token": the GPU work of generated tokens, N bf16 matmuls each on the first visible GPU."""
+
+    def __init__(self, per_token: int):
+        import torch
+
+        self.torch, self.per_token = torch, per_token
+        self.a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, dtype=torch.bfloat16, device="cuda:0")
+        self.out = torch.empty_like(self.a)
+        self.run(1)  # cuBLAS's set-up before the server answers, not in the first request
+
+    def run(self, tokens: int) -> None:
+        for _ in range(tokens * self.per_token):
+            self.torch.matmul(self.a, self.a, out=self.out)
+        self.torch.cuda.synchronize()
+
+    def serve(self, fd: int) -> None:
+        """Answer "ok" to each line (a request's generated tokens) once their matmuls are done."""
+        with socket.socket(fileno=fd) as sock, sock.makefile("rw") as channel:
+            for line in channel:
+                self.run(int(line))
+                channel.write("ok\n")
+                channel.flush()
+
+
+def gpu_counters(base: type, work: socket.socket) -> type:
+    """The fake's /metrics counters (fakeproto.Counters), whose record() (a request's end, with the tokens it
+    generated) first has the EngineCore child compute those tokens (Matmuls), one request at a time."""
+    lock = threading.Lock()
+    answers = work.makefile("r")
+
+    class Counters(base):
+        def record(self, prompt_tokens: int, generated: int) -> None:
+            if generated:
+                with lock:
+                    work.sendall(f"{generated}\n".encode())
+                    if answers.readline() != "ok\n":
+                        raise RuntimeError("GPU stand-in: the engine core stopped computing tokens")
+            super().record(prompt_tokens, generated)
+
+    return Counters
+
+
+def engine_core(model: str, pooled: bool, work_fd: int | None = None) -> None:
+    """Hold `gpu_gib` GiB on the first visible GPU, report once, then obey sleep and wake until SIGTERM; with a
+    `work_fd` ("matmul_per_token"), compute each request's tokens on the GPU meanwhile (Matmuls)."""
     standin = fake()
     config = json.loads((Path(model) / "fake_engine.json").read_text())
     if config["gpu_gib"]:
@@ -117,12 +170,15 @@ def engine_core(model: str, pooled: bool) -> None:
         device = torch.cuda.get_device_name(0)
     else:  # a rehearsal of the panel's side on a machine without a GPU
         memory, device = standin.HostWeights(0), "no GPU"
+    matmuls = Matmuls(int(config["matmul_per_token"])) if work_fd is not None else None
     status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
     report = {"pid": os.getpid(), "uid": os.getuid(), "no_new_privs": status.get("NoNewPrivs", "").strip(),
               "gib": memory.in_use() / GIB, "device": device,
               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **probe(config.get("probe", []))}
     print(REPORT + json.dumps(report), flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if matmuls is not None:
+        threading.Thread(target=matmuls.serve, args=(work_fd,), daemon=True).start()
     standin.fakeproto.title_core(b"VLLM::Worker")  # what holds the GPU memory in vLLM
     standin.obey(memory, config, pooled)
 
@@ -141,13 +197,22 @@ def serve(args: list[str]) -> None:
     standin = fake()
     standin.fakeproto.refuse_unknown_flags(args)  # as vLLM's argparse, before anything starts
     pooled = "pooled" if "--enable-sleep-mode" in args else "unpooled"
-    core = subprocess.Popen([sys.executable, __file__, "_engine_core", args[0], pooled],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    config = json.loads((Path(args[0]) / "fake_engine.json").read_text())
+    work = theirs = None
+    if config.get("matmul_per_token"):  # the core computes generated tokens, over a socket of their own
+        work, theirs = socket.socketpair()
+    core = subprocess.Popen([sys.executable, __file__, "_engine_core", args[0], pooled,
+                             *([str(theirs.fileno())] if theirs else [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            pass_fds=(theirs.fileno(),) if theirs else ())
+    if theirs:
+        theirs.close()
+        standin.fakeproto.Counters = gpu_counters(standin.fakeproto.Counters, work)  # what the fake's serve() counts with
     line = core.stdout.readline()
     if not line.startswith(REPORT):
         sys.exit(f"GPU stand-in: the engine core ended without holding GPU memory (exit {core.wait()})")
     print(line.strip(), flush=True)
-    if (config := json.loads((Path(args[0]) / "fake_engine.json").read_text())).get("replay"):
+    if config.get("replay"):
         replay(config)
     standin.serve(args, cores=(core,))
 
@@ -155,7 +220,7 @@ def serve(args: list[str]) -> None:
 def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["_engine_core"]:
-        engine_core(argv[1], argv[2] == "pooled")
+        engine_core(argv[1], argv[2] == "pooled", int(argv[3]) if len(argv) > 3 else None)
     elif argv[:1] == ["serve"] and not any(a.startswith("--help") for a in argv):
         serve(argv[1:])
     else:  # --version, serve --help=all, and the fake's own _core child
