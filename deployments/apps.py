@@ -8,6 +8,7 @@ class DeploymentsConfig(AppConfig):
     def ready(self):
         from deployments import payloads
         from deployments import tasks  # noqa: F401 - registers the tasks services enqueue by name
+        from deployments import versions  # noqa: F401 - its receiver settles a version when its start ends
         from plumbing import apicache
         from plumbing.live import topics
 

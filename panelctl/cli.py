@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from panelctl import deployments, keys, models, nodes, recipes, runs, sleep, status, tune, workloads
+from panelctl import deployments, keys, models, nodes, recipes, runs, sleep, status, tune, versions, workloads
 from panelctl.client import CliError, Panel, emit, find_deployment, say, with_common
 from plumbing.privatefile import write_private
 
@@ -105,6 +105,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("ref")
     s.set_defaults(fn=cmd_status)
     sleep.add(sub)
+    versions.add(sub)
     tune.add(sub, common)
     recipes.add(sub, common)
     keys.add(sub, common)

@@ -14,7 +14,8 @@ from plumbing.params import ParamError
 # the rest are bad input (400).
 CONFLICT_CODES = {"busy", "exists", "in_use", "disk_full", "not_running", "not_failed", "gpus_busy", "port_in_use",
                   "foreign_processes", "not_paused", "confirm", "does_not_fit", "revoked", "incompatible",
-                  "no_sleep_mode", "not_sleeping", "not_shared", "sleep_probe_failed"}
+                  "no_sleep_mode", "not_sleeping", "not_shared", "sleep_probe_failed",
+                  "no_known_good", "secret_gone"}
 
 
 def exception_handler(exc, context):

@@ -78,6 +78,7 @@ OPERATOR_ANSWERS = {
     ("POST", "/api/deployments/{id}/sleep/"): (409, "no_sleep_mode"),  # not started with sleep mode
     ("POST", "/api/deployments/{id}/wake/"): (409, "not_sleeping"),
     ("POST", "/api/deployments/{id}/sleep-probe/"): (409, "no_sleep_mode"),
+    ("POST", "/api/deployments/{id}/rollback/"): (409, "no_known_good"),
     ("POST", "/api/deployments/{id}/swap/"): (400, "invalid"),  # `to` is required
     ("POST", "/api/models/"): (400, "invalid"),
     ("POST", "/api/models/{id}/download/"): (400, "invalid"),  # node is required

@@ -355,6 +355,11 @@ class SleepSerializer(serializers.Serializer):
                                     "2: weights dropped (read again at wake); none: chosen by the host's free RAM.")
 
 
+class RollbackSerializer(serializers.Serializer):
+    version = serializers.IntegerField(required=False, allow_null=True, min_value=1,
+                                       help_text="The version to deploy again (none: the known good one).")
+
+
 class SwapSerializer(serializers.Serializer):
     to = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all(), help_text="The deployment to swap to "
                                             "(asleep on the same GPUs, or stopped: deployed again).")

@@ -14,11 +14,11 @@ from plumbing.errors import ServiceError
 from plumbing.idempotency import idempotent
 from plumbing.params import int_param
 
-from deployments import modelfit, nodelive, secrets, selectors
+from deployments import modelfit, nodelive, secrets, selectors, versions
 from deployments.api import serializers
 from deployments.gateway import keys
 from deployments.models import ModelCopy
-from deployments.services import deploys, fitgate, loadtime, multinode, recipes, repos, sleeps
+from deployments.services import deploys, fitgate, loadtime, multinode, recipes, repos, rollbacks, sleeps
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
@@ -245,6 +245,25 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         body = serializers.SwapSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         return self._accepted(sleeps.deployment_swap(d, body.validated_data["to"]))
+
+    @extend_schema(request=serializers.RollbackSerializer, responses={202: serializers.DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    @idempotent
+    def rollback(self, request, pk=None):
+        """Deploy a recorded version again exactly (default: the known good one, the last that reached ready), with the
+        usual plan and gates; its timeline says "rollback to version N"."""
+        d = self.get_object()
+        body = serializers.RollbackSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return self._accepted(rollbacks.deployment_rollback(d, body.validated_data.get("version"), user=request.user))
+
+    @extend_schema(responses=dict)
+    @action(detail=True)
+    def versions(self, request, pk=None):
+        """Every deploy and redeploy, newest first: the resolved request (secrets masked), its outcome (ready in N s
+        with its steps, or failed with the reason), what changed from the one before, the known good one, and the
+        benchmark runs made while it served."""
+        return Response({"results": versions.listed(self.get_object())})
 
     @extend_schema(parameters=[OpenApiParameter("state", str, description="the `state` of your last answer"),
                                OpenApiParameter("wait", int, description="seconds to wait for a change (max 30)")],

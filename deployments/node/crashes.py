@@ -5,7 +5,7 @@ from pathlib import Path
 
 from django.db import transaction
 
-from deployments import claims
+from deployments import claims, versions
 from deployments.dispatch import send_plan
 from deployments.host import exits, processlog
 from deployments.models import Deployment
@@ -49,5 +49,7 @@ def requeue(d: Deployment, step: str, countdown: float = 0, **fields) -> Deploym
             setattr(row, name, value)
         row.transition(S.QUEUED)
         row.save()
+        versions.record(row, {"auto_restart": "auto-restart after a crash",
+                              "advised_retry": "retry with the advised setting"}.get(step, step))
         send_plan(row, countdown=countdown)
     return row

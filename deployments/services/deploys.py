@@ -9,7 +9,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils.text import slugify
 
-from deployments import callit, deploydefaults, flagpolicy, flagvalues, payloads, privileged, secrets, warmstart
+from deployments import (callit, deploydefaults, flagpolicy, flagvalues, payloads, privileged, secrets, versions,
+                         warmstart)
 from deployments.host import ownership, supervisors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
@@ -208,6 +209,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     d.gpus.set(node.gpus.filter(index__in=gpu_indices))
     if workers or ray:  # Ray on one node too: the panel starts (and stops) its one-node cluster
         multinode.place(d, workers, master_port)
+    versions.record(d, "deploy", user)
     said, said_data = _recipe_said(use, engine_args, env, model.repo_id, secret_env)
     if workers:
         deployment_event(d, "queued", f"Queued over {1 + len(workers)} nodes: head {node} (GPUs {gpu_indices or 'none, CPU'}, "
@@ -250,6 +252,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     override_fit = changes.pop("override_fit", False)
     override_compat = changes.pop("override_compat", False)
     use = changes.pop("recipe_use", None)
+    reason = changes.pop("reason", "redeploy")
     old_args, old_env, was_sleep_mode = d.engine_args, d.env, d.sleep_mode
     if "engine_args" in changes:  # one spelling for every check below and the argv
         changes["engine_args"] = deploydefaults.keep_served_name(privileged.canonical(changes["engine_args"], {})[0],
@@ -298,9 +301,12 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
         multinode.place(d, workers, d.master_port)
         placed = " on new worker nodes: " + "; ".join(f"rank {i} on {w.node} (GPUs {w.gpu_indices or 'none, CPU'})"
                                                       for i, w in enumerate(workers, 1))
+    version = versions.record(d, reason, user)
+    what = versions.changes(version)
+    what = (": " + "; ".join(what)) if what else (" with new settings" if changed and what is None else "")
     said, said_data = _recipe_said(use, d.engine_args, d.env, d.model.repo_id, d.secret_env)
-    deployment_event(d, "queued", "Redeploy requested" + (placed or (" with new settings" if changed else "")) + "." + said,
-                     **said_data)
+    deployment_event(d, "queued", ("Redeploy requested" if reason == "redeploy" else reason[:1].upper() + reason[1:])
+                     + f" (version {version.number})" + placed + what + "." + said, **said_data)
     for step, override in overrides:
         deployment_event(d, step, override.message, level="warning", **override.data)
     send_plan(d)

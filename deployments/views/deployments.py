@@ -6,10 +6,10 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from deployments import callit, deploydefaults, flagpolicy, forms, privileged, secrets, selectors, userflags
+from deployments import callit, deploydefaults, flagpolicy, forms, privileged, secrets, selectors, userflags, versions
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, SleepProbe
-from deployments.services import deploys, fitgate, multinode, sleeps
+from deployments.services import deploys, fitgate, multinode, rollbacks, sleeps
 from deployments.views import recipes as recipe_pages
 from plumbing.errors import ServiceError
 from plumbing.params import int_param
@@ -144,6 +144,9 @@ def deployment_detail(request, pk):
         "start_title": start_title(d.status), "starts": selectors.deployment_starts(d),
         "swap_to": sleeps.swap_targets(d),
         "sleep_probe": SleepProbe.objects.filter(key=SleepProbe.key_of(d)).first() if d.sleep_mode else None,
+        "versions": (listed := versions.listed(d)), "known_good": (good := next((v for v in listed if v["known_good"]), None)),
+        "can_roll_back": bool(good) and d.status not in Deployment.IN_FLIGHT and (
+            d.status == Deployment.Status.FAILED or good["number"] != listed[0]["number"]),
         "nodes": selectors.deployment_nodes(d) if d.master_port else []})
 
 
@@ -189,18 +192,28 @@ def deployment_action(request, pk, action):
         return redirect("deployment-list") if gone else redirect("deployment-detail", pk)
     act = {"stop": deploys.deployment_stop, "restart": deploys.deployment_redeploy, "persist": deploys.deployment_persist,
            "sleep": sleeps.deployment_sleep, "wake": sleeps.deployment_wake, "sleep-probe": sleeps.deployment_sleep_probe,
-           "swap": lambda d: sleeps.deployment_swap(d, _swap_target(request))}
+           "swap": lambda d: sleeps.deployment_swap(d, _swap_target(request)),
+           "rollback": lambda d: rollbacks.deployment_rollback(d, _version_number(request), user=request.user)}
     if action not in act:
         raise Http404
     try:
         act[action](d)
         messages.success(request, {"stop": "Stopping", "restart": "Restarting", "persist": "Installing a systemd unit for",
                                    "sleep": "Putting to sleep", "wake": "Waking", "swap": "Swapping from",
-                                   "sleep-probe": "Probing the sleep of"}[action]
+                                   "sleep-probe": "Probing the sleep of", "rollback": "Rolling back"}[action]
                          + f" {d.name}.")
     except ServiceError as exc:
         messages.error(request, exc.message)
     return redirect("deployment-detail", pk)
+
+
+def _version_number(request) -> int | None:
+    number = request.POST.get("version", "")
+    if not number:
+        return None
+    if not number.isdigit():
+        raise ServiceError("Choose a version number.", field="version")
+    return int(number)
 
 
 def _swap_target(request) -> Deployment:

@@ -59,13 +59,14 @@ def test_a_deploy_is_queued_on_the_nodes_own_plans_queue(model, node, sent_tasks
     assert d.events.get().step == "queued"
 
 
-def test_the_timeline_says_whether_a_redeploy_changed_the_settings(model, node, sent_tasks):
+def test_the_timeline_says_what_a_redeploy_changed(model, node, sent_tasks):
     d = _create(model, node)
     for change in ({}, {"engine_args": {"tensor-parallel-size": 2}}, {"engine_args": {"tensor-parallel-size": 2, "max-num-seqs": 8}}):
         Deployment.objects.filter(pk=d.pk).update(status=S.READY)
         deploys.deployment_redeploy(d, **change)
     messages = list(d.events.filter(step="queued").order_by("pk").values_list("message", flat=True))[1:]
-    assert messages == ["Redeploy requested.", "Redeploy requested.", "Redeploy requested with new settings."]
+    assert messages == ["Redeploy requested (version 2).", "Redeploy requested (version 3).",
+                        "Redeploy requested (version 4): --max-num-seqs 8 added."]
 
 
 def test_tp_times_pp_must_fit_the_chosen_gpus(model, node, sent_tasks):
