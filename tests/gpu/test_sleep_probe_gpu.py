@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from tests.gpu.test_whole_panel_gpu import HOLD_GIB, NODE, Panel, _model, _stand_in
+from tests.gpu.test_whole_panel_gpu import HOLD_GIB, NODE, Panel, _model, _stand_in, base  # noqa: F401 - base: a fixture
 
 pytestmark = pytest.mark.gpu
 GIB, MIB = 1 << 30, 1 << 20
