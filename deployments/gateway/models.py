@@ -60,6 +60,8 @@ class Usage(models.Model):
                                    related_name="usage")
     requests = models.BigIntegerField(default=0)
     errors = models.BigIntegerField(default=0)
+    refused = models.BigIntegerField(default=0, help_text="Of the errors, 429s: refused for load (a key's limit, a "
+                                     "deployment's queue bound, the engine's own admission cap); try again later.")
     prompt_tokens = models.BigIntegerField(default=0)
     reasoning_tokens = models.BigIntegerField(default=0)
     content_tokens = models.BigIntegerField(default=0)

@@ -7,6 +7,7 @@ from deployments.gateway import selectors
 
 HELP = {"requests": "Requests callers made through the node gateways.",
         "errors": "Of those, the ones answered with an error (the gateway's own refusals included).",
+        "refused": "Of the errors, the 429s: refused for load (a key's limit, a queue bound, the engine's admission cap).",
         "prompt_tokens": "Prompt tokens of those requests, as the engines counted them.",
         "reasoning_tokens": "Output tokens the reasoning parser put in the reasoning part.",
         "content_tokens": "Output tokens of the answers' content (output minus reasoning)."}

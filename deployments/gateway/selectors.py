@@ -10,7 +10,7 @@ from deployments.gateway.models import CallerKey, Usage
 from plumbing import csvsafe
 from plumbing.errors import ServiceError
 
-MEASURES = ("requests", "errors", "prompt_tokens", "reasoning_tokens", "content_tokens")
+MEASURES = ("requests", "errors", "refused", "prompt_tokens", "reasoning_tokens", "content_tokens")
 GROUPS = {"key": ("key_id", "key__name", "key__prefix"), "model": ("model_name",),
           "deployment": ("deployment_id", "deployment__name")}
 BY = {"hour": TruncHour, "day": TruncDay}

@@ -193,15 +193,16 @@ class Gateway:
         try:
             limits.admit(key)
         except Refused as refusal:
-            self._count(key, name, None, True)
+            self._count(key, name, None, True, refused=refusal.status == 429)
             return error(refusal)
-        tokens, failed, target = None, True, None
+        tokens, failed, target, refused = None, True, None, False
         try:
             for _ in range(CONNECT_TRIES):
                 target = await self.route(key, name, ids, pinned)
                 admission = self.admissions[target.id]
                 try:
                     response, tokens, failed = await self.forward(request, target, body, raw)
+                    refused = response.status == 429  # the engine's admission cap, answered as the gateway's
                     return response
                 except asyncio.CancelledError:  # the caller went away mid-stream: what it got is counted
                     tokens = request.get(CUT_TOKENS)
@@ -214,14 +215,15 @@ class Gateway:
             raise Refused(503, "engine_unavailable", f"No engine serving '{name}' accepted the request.",
                           retry_after=1.0, kind="api_error")
         except Refused as refusal:
+            refused = refusal.status == 429  # the deployment's queue bound
             return error(refusal)
         finally:
             limits.done(tokens.total if tokens else 0)
-            self._count(key, name, target.id if target else None, failed, tokens)
+            self._count(key, name, target.id if target else None, failed, tokens, refused)
 
-    def _count(self, key, name, deployment_id, failed, tokens=None) -> None:
+    def _count(self, key, name, deployment_id, failed, tokens=None, refused=False) -> None:
         if not key.internal:  # a request from another gateway: its origin counts it
-            self.meter.count(key.id, name, deployment_id, failed, tokens)
+            self.meter.count(key.id, name, deployment_id, failed, tokens, refused)
 
     async def route(self, key, name: str, ids: list[int], pinned: str) -> config.Target:
         """A ready deployment for `name`, its admission slot taken; waits up to ready_wait_s for one to be ready

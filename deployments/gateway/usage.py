@@ -87,17 +87,20 @@ class Meter:
     """Counters since the last flush; flush() runs in the gateway's database thread."""
 
     def __init__(self):
-        self.counts: dict = {}  # (hour, key id, model name, deployment id) -> [requests, errors, prompt, reasoning, content]
+        self.counts: dict = {}  # (hour, key id, model name, deployment id) -> [requests, errors, prompt, reasoning,
+        #                                                                    content, refused]
         self.used_keys: set = set()
 
     def count(self, key_id: int | None, name: str, deployment_id: int | None, error: bool,
-              tokens: Tokens | None = None) -> None:
+              tokens: Tokens | None = None, refused: bool = False) -> None:
+        """One request; `refused`: answered 429 (an error too), refused for load."""
         group = (hour_of(timezone.now()), key_id, name, deployment_id)
         row = self.counts.get(group)
         if row is None:
-            row = self.counts[group] = [0, 0, 0, 0, 0]
+            row = self.counts[group] = [0] * 6
         row[0] += 1
-        row[1] += 1 if error else 0
+        row[1] += 1 if error or refused else 0
+        row[5] += 1 if refused else 0
         if tokens is not None:
             row[2] += tokens.prompt
             row[3] += tokens.reasoning
@@ -113,7 +116,7 @@ class Meter:
     def put_back(self, counts: dict, used: set) -> None:
         """A flush that failed (database down): its counts join the next one."""
         for group, row in counts.items():
-            mine = self.counts.setdefault(group, [0, 0, 0, 0, 0])
+            mine = self.counts.setdefault(group, [0] * 6)
             for i, value in enumerate(row):
                 mine[i] += value
         self.used_keys |= used
@@ -125,18 +128,18 @@ def flush(counts: dict, used: set) -> None:
     keys = set(CallerKey.objects.filter(pk__in={g[1] for g in counts} - {None}).values_list("id", flat=True))
     deployments = set(Deployment.objects.filter(pk__in={g[3] for g in counts} - {None}).values_list("id", flat=True))
     with transaction.atomic():
-        for (hour, key_id, name, deployment_id), (requests, errors, prompt, reasoning, content) in counts.items():
+        for (hour, key_id, name, deployment_id), (requests, errors, prompt, reasoning, content, refused) in counts.items():
             key_id = key_id if key_id in keys else None  # deleted since: its usage stays, unowned
             deployment_id = deployment_id if deployment_id in deployments else None
             rows = Usage.objects.filter(hour=hour, key_id=key_id, model_name=name[:200], deployment_id=deployment_id)
             first = rows.order_by("id").values_list("id", flat=True).first()
             if first is None:
                 Usage.objects.create(hour=hour, key_id=key_id, model_name=name[:200], deployment_id=deployment_id,
-                                     requests=requests, errors=errors, prompt_tokens=prompt,
+                                     requests=requests, errors=errors, refused=refused, prompt_tokens=prompt,
                                      reasoning_tokens=reasoning, content_tokens=content)
             else:
                 Usage.objects.filter(pk=first).update(
-                    requests=F("requests") + requests, errors=F("errors") + errors,
+                    requests=F("requests") + requests, errors=F("errors") + errors, refused=F("refused") + refused,
                     prompt_tokens=F("prompt_tokens") + prompt, reasoning_tokens=F("reasoning_tokens") + reasoning,
                     content_tokens=F("content_tokens") + content)
         if used:

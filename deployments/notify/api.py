@@ -36,6 +36,9 @@ class SloSerializer(serializers.Serializer):
                                            help_text="TTFT p95 at most this over the last 5 minutes (ms).")
     error_pct = serializers.FloatField(required=False, allow_null=True, default=None, min_value=0, max_value=99.999,
                                        help_text="At most this share of requests aborted or failed (%).")
+    refused_pct = serializers.FloatField(required=False, allow_null=True, default=None, min_value=0, max_value=99.999,
+                                         help_text="At most this share of requests the engine refused for load (its "
+                                         "admission caps) (%).")
     minutes = serializers.IntegerField(required=False, default=5, min_value=0, max_value=services.SLO_MAX_MINUTES,
                                        help_text="How long a breach lasts before it is told (0: at once).")
     breach_since = serializers.DateTimeField(read_only=True, allow_null=True)
@@ -150,7 +153,7 @@ class SloDetail(_Mine):
         s = SloSerializer(data=request.data)
         s.is_valid(raise_exception=True)
         v = s.validated_data
-        slo = _call(services.slo_set, request.user, pk, v["ttft_p95_ms"], v["error_pct"], v["minutes"])
+        slo = _call(services.slo_set, request.user, pk, v["ttft_p95_ms"], v["error_pct"], v["minutes"], v["refused_pct"])
         return Response(SloSerializer(slo).data)
 
     def delete(self, request, pk: int):

@@ -117,6 +117,10 @@ def slo_breaches(slo: Slo, engine: dict) -> list[str]:
     errors = engine.get("error_share")
     if slo.error_pct is not None and errors is not None and errors * 100 > slo.error_pct:
         broken.append(f"{errors * 100:.1f} % of requests aborted or failed (objective {slo.error_pct:g} %)")
+    refused, finished = engine.get("refused") or 0, engine.get("window_requests") or 0
+    if slo.refused_pct is not None and refused + finished and refused / (refused + finished) * 100 > slo.refused_pct:
+        broken.append(f"{refused / (refused + finished) * 100:.1f} % of requests refused for load: {refused:,} by the "
+                      f"engine's admission caps (objective {slo.refused_pct:g} %)")
     return broken
 
 
@@ -149,4 +153,5 @@ def slo_check(slo: Slo, engine: dict | None) -> None:
         alert_raise("slo_breached", deployment=d, title=f"{d.name} breaks its SLO: " + "; ".join(broken),
                     body=f"For {max((now - since).total_seconds() / 60, 0):.0f} min ({window}).", fold=False,
                     data={"ttft_p95_s": engine.get("ttft_p95_s"), "error_share": engine.get("error_share"),
+                          "refused": engine.get("refused"),
                           "window_requests": engine.get("window_requests")})

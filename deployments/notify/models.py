@@ -95,12 +95,14 @@ class QuietHours(models.Model):
 
 class Slo(models.Model):
     """A deployment's service-level objectives, checked against its engine's own figures over the last 5
-    minutes (TTFT p95, the share of requests aborted or failed): a breach that lasts `minutes` is told once as
+    minutes (TTFT p95, the share of requests aborted or failed, the share refused for load): a breach that lasts `minutes` is told once as
     slo_breached, and resolved when both are met again. Operators set them; everyone sees them."""
 
     deployment = models.OneToOneField(Deployment, on_delete=models.CASCADE, related_name="slo")
     ttft_p95_ms = models.PositiveIntegerField(null=True, blank=True, help_text="TTFT p95 at most this (ms).")
     error_pct = models.FloatField(null=True, blank=True, help_text="At most this share of requests aborted or failed (%).")
+    refused_pct = models.FloatField(null=True, blank=True, help_text="At most this share of requests the engine refused "
+                                    "for load (its admission caps, --max-num-queued-reqs/-tokens) (%).")
     minutes = models.PositiveSmallIntegerField(default=5, help_text="How long a breach lasts before it is told.")
     breach_since = models.DateTimeField(null=True, blank=True, help_text="When the current breach began.")
     updated = models.DateTimeField(auto_now=True)

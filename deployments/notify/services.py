@@ -129,24 +129,29 @@ SLO_MAX_MINUTES = 24 * 60
 
 
 def slo_set(user, deployment_id: int | None, ttft_p95_ms: int | None, error_pct: float | None,
-            minutes: int = 5) -> Slo:
+            minutes: int = 5, refused_pct: float | None = None) -> Slo:
     """Set a deployment's objectives (operators): TTFT p95 at most `ttft_p95_ms`, at most `error_pct` % of
-    requests aborted or failed, a breach told once it has lasted `minutes` (0: at the first check)."""
+    requests aborted or failed, at most `refused_pct` % refused for load by the engine's admission caps, a breach
+    told once it has lasted `minutes` (0: at the first check)."""
     if not roles.is_operator(user):
         raise NotifyError("Setting objectives needs the operator role.", forbidden=True)
-    if ttft_p95_ms is None and error_pct is None:
-        raise NotifyError("Give a TTFT p95 objective (ms), an error-rate objective (%), or both.")
+    if ttft_p95_ms is None and error_pct is None and refused_pct is None:
+        raise NotifyError("Give a TTFT p95 objective (ms), an error-rate objective (%), a refused-for-load objective "
+                          "(%), or several.")
     if ttft_p95_ms is not None and not 1 <= ttft_p95_ms <= 3_600_000:
         raise NotifyError("The TTFT p95 objective is in milliseconds, from 1 to 3,600,000.")
     if error_pct is not None and not 0 <= error_pct < 100:
         raise NotifyError("The error-rate objective is a percentage from 0 to below 100.")
+    if refused_pct is not None and not 0 <= refused_pct < 100:
+        raise NotifyError("The refused-for-load objective is a percentage from 0 to below 100.")
     if not 0 <= minutes <= SLO_MAX_MINUTES:
         raise NotifyError(f"A breach is told after 0 to {SLO_MAX_MINUTES} minutes.")
     deployment = Deployment.objects.filter(pk=deployment_id).first() if deployment_id else None
     if deployment is None:
         raise NotifyError("No such deployment.", missing=True)
     slo, _ = Slo.objects.update_or_create(deployment=deployment, defaults={
-        "ttft_p95_ms": ttft_p95_ms, "error_pct": error_pct, "minutes": minutes, "breach_since": None})
+        "ttft_p95_ms": ttft_p95_ms, "error_pct": error_pct, "refused_pct": refused_pct, "minutes": minutes,
+        "breach_since": None})
     return slo
 
 

@@ -94,7 +94,7 @@ def action(request, what: str):
             messages.success(request, "Quiet hours saved.")
         elif what == "slo-set":
             slo = services.slo_set(user, _id(p.get("deployment")), _int(p.get("ttft_p95_ms")), _number(p.get("error_pct")),
-                                   _int(p.get("minutes")) if p.get("minutes") else 5)
+                                   _int(p.get("minutes")) if p.get("minutes") else 5, _number(p.get("refused_pct")))
             messages.success(request, f"Objectives of {slo.deployment.name} saved.")
         elif what == "slo-remove":
             services.slo_remove(user, _id(p.get("deployment")))

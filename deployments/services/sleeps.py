@@ -3,9 +3,10 @@
 checks of sleep mode is sleepgate.py."""
 from django.db import transaction
 
-from deployments import claims, payloads
+from deployments import claims, history, payloads
 from deployments.dispatch import node_enqueue
 from deployments.models import Deployment, SleepProbe
+from deployments.node.sleepprobe import choose_level
 from deployments.services import deploys
 from deployments.timeline import deployment_event
 from plumbing.errors import ServiceError
@@ -26,6 +27,24 @@ def swap_targets(d: Deployment) -> list[Deployment]:
     found = Deployment.objects.filter(node=d.node, sleep_mode=True, master_port=None,
                                       status__in=[S.SLEEPING, *Deployment.TERMINAL]).exclude(pk=d.pk)
     return [o for o in found.select_related("node") if shares(d, o)]
+
+
+def sleep_fit(d: Deployment) -> str:
+    """Which level a sleep would take now, in words, before the user picks one: the host's free RAM (its agent's
+    last sample) against the weights, and what the sleep probe proved; "" when the host's RAM is not known."""
+    available = (history.latest_many([d.node_id]).get(d.node_id) or {}).get("ram_available")
+    if available is None:
+        return ""
+    level, why = choose_level(d.model.total_size or 0, available)
+    probe = SleepProbe.latest_for(d)
+    if probe is None:
+        return f"A sleep now would take {why}; the first sleep is probed first."
+    proven = probe.passed_levels()
+    if level in proven:
+        return f"A sleep now would take {why} (proven by the sleep probe)."
+    if 2 in proven:
+        return f"Level 1 was not proven by the sleep probe: a sleep now would take level 2 ({why})."
+    return f"No level is proven by the sleep probe: a sleep is refused ({why})."
 
 
 def refuse_unproven(d: Deployment) -> None:

@@ -144,6 +144,7 @@ def deployment_detail(request, pk):
         "start_title": start_title(d.status), "starts": selectors.deployment_starts(d),
         "swap_to": sleeps.swap_targets(d),
         "sleep_probe": SleepProbe.objects.filter(key=SleepProbe.key_of(d)).first() if d.sleep_mode else None,
+        "sleep_fit": sleeps.sleep_fit(d) if d.sleep_mode and d.status == Deployment.Status.READY else "",
         "versions": (listed := versions.listed(d)), "known_good": (good := next((v for v in listed if v["known_good"]), None)),
         "can_roll_back": bool(good) and d.status not in Deployment.IN_FLIGHT and (
             d.status == Deployment.Status.FAILED or good["number"] != listed[0]["number"]),

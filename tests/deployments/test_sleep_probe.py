@@ -251,3 +251,22 @@ def test_panelctl_probes_and_prints_each_levels_figures(monkeypatch, capsys):
                    "  level 1: not tried (level 2: 547.0 GiB of weights do not fit)",
                    "  level 2: failed, sleep 1.50 s, wake 2.50 s, GPU before/asleep/after 0: 31.00/30.00/31.00 GiB, "
                    "answer same"]
+
+
+def test_the_page_says_which_level_a_sleep_would_take_before_the_user_picks_it(operator_client, monkeypatch):
+    d = _row(status=S.READY, sleep_mode=True)
+    d.model.total_size = 547 * GIB
+    d.model.save()
+    free = {"ram_available": 400 * GIB}
+    monkeypatch.setattr(sleeps.history, "latest_many", lambda ids: {i: free for i in ids})
+    assert sleeps.sleep_fit(d) == ("A sleep now would take level 2: 547.0 GiB of weights do not fit in the host's 400.0 "
+                                   "GiB of free RAM with 4 GiB to spare; they are dropped and read again at wake; the "
+                                   "first sleep is probed first.")
+    SleepProbe.objects.create(node=d.node, model=d.model, deployment=d, key=SleepProbe.key_of(d),
+                              combination=SleepProbe.combination_of(d), verdict=SleepProbe.Verdict.PASSED,
+                              levels=[{"level": 1, "tried": True, "passed": True}, {"level": 2, "tried": True,
+                                                                                   "passed": True}])
+    free["ram_available"] = 1000 * GIB
+    page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
+    assert ('<p id="sleep-fit" class="muted">A sleep now would take level 1: its 547.0 GiB of weights go to host RAM '
+            "(1000.0 GiB free) (proven by the sleep probe).</p>") in page

@@ -36,6 +36,12 @@ def usage_totals(**filters):
         reasoning=Sum("reasoning_tokens"), content=Sum("content_tokens"))
 
 
+def refusals(**filters) -> dict:
+    """Requests, errors and refusals for load (429s) the gateway counted."""
+    return Usage.objects.filter(**filters).aggregate(requests=Sum("requests"), errors=Sum("errors"),
+                                                     refused=Sum("refused"))
+
+
 def wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -158,6 +164,8 @@ def test_rps_limit_answers_429_with_retry_after(node, sched, gateway, monkeypatc
     now[0] += 0.5
     assert post(gateway, key, CHAT).status_code == 200
     assert post(gateway, key, CHAT).status_code == 429
+    counted = wait_for(lambda: (t := refusals(key__prefix=key[:12])) and t["requests"] == 6 and t)
+    assert (counted["errors"], counted["refused"]) == (3, 3), counted  # each 429 counted refused, per key
 
 
 def test_concurrency_and_token_limits_answer_429(node, gateway):
@@ -404,4 +412,6 @@ def test_an_engines_admission_refusal_reaches_the_caller_as_429_with_retry_after
             assert refused.json()["error"]["message"].startswith("The engine is currently busy")
         holder.join(30)
         assert capped.server.admission_rejections == 2
+        counted = wait_for(lambda: (t := refusals(key__prefix=key[:12])) and t["requests"] == 3 and t)
+        assert (counted["errors"], counted["refused"]) == (2, 2), counted
         assert post(gateway, key, CHAT).status_code == 200, "the queue drained: admitted again"

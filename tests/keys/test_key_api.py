@@ -119,7 +119,7 @@ def test_usage_csv_quotes_names_a_spreadsheet_would_run(usage, viewer):
     answer = api_client(viewer).get("/api/usage/?group=key&by=day&days=3&format=csv")
     assert answer.status_code == 200 and answer["Content-Type"].startswith("text/csv")
     table = list(csv.reader(io.StringIO(answer.content.decode())))
-    assert table[0] == ["period", "group", "name", "requests", "errors", "prompt_tokens", "reasoning_tokens",
+    assert table[0] == ["period", "group", "name", "requests", "errors", "refused", "prompt_tokens", "reasoning_tokens",
                         "content_tokens"]
     names = {row[2] for row in table[1:]}
     assert any(n.startswith("'=HYPERLINK(1)") for n in names) and not any(n.startswith("=") for n in names)

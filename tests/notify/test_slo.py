@@ -20,11 +20,11 @@ pytestmark = pytest.mark.django_db
 INF = float("inf")
 
 
-def _figures(d, ttft_p95_s=None, error_share=None, requests=100, age_s=0.0):
+def _figures(d, ttft_p95_s=None, error_share=None, requests=100, age_s=0.0, refused=0):
     """The engine figures as the agent's watch sends and keeps them."""
     payloads.send_engine_figures(d.node_id, payloads.EngineFigures(
         id=d.pk, name=d.name, tok_s=50.0, running=1.0, waiting=0.0, kv_cache=0.1, ttft_p95_s=ttft_p95_s,
-        error_share=error_share, window_requests=requests, window_s=300.0, at=time.time() - age_s))
+        error_share=error_share, window_requests=requests, window_s=300.0, at=time.time() - age_s, refused=refused))
 
 
 def _events(receiver):
@@ -33,6 +33,24 @@ def _events(receiver):
 
 def _breach_began(d, minutes_ago: float) -> None:
     Slo.objects.filter(deployment=d).update(breach_since=timezone.now() - dt.timedelta(minutes=minutes_ago))
+
+
+def test_requests_the_engine_refused_for_load_are_an_objective_of_their_own(subscriber, receiver, send_due):
+    """vLLM's admission caps refuse requests past its queue: they are kept out of the error share (not failures of
+    the engine) and have their own objective, the share of the window's requests refused."""
+    d = DeploymentFactory(status="ready")
+    services.slo_set(subscriber, d.pk, ttft_p95_ms=None, error_pct=1, minutes=0, refused_pct=5)
+    _figures(d, error_share=0.0, requests=95, refused=3)  # 3 of 98: 3.1 %
+    checks.conditions_check()
+    assert Slo.objects.get(deployment=d).breach_since is None
+    _figures(d, error_share=0.0, requests=90, refused=10)
+    checks.conditions_check()
+    send_due()
+    assert _events(receiver) == [("slo_breached", "firing")]
+    assert receiver.received[0].json["title"] == (f"{d.name} breaks its SLO: 10.0 % of requests refused for load: 10 by "
+                                                  "the engine's admission caps (objective 5 %)")
+    with pytest.raises(services.NotifyError, match="refused-for-load objective is a percentage"):
+        services.slo_set(subscriber, d.pk, ttft_p95_ms=None, error_pct=None, refused_pct=100)
 
 
 def test_a_breach_is_told_once_after_its_minutes_and_resolved_once(subscriber, receiver, send_due):
@@ -134,9 +152,10 @@ def test_the_agents_watch_keeps_the_window_figures_the_check_reads(monkeypatch):
 def test_operators_set_objectives_viewers_read_them(api, operator, viewer):
     d = DeploymentFactory(status="ready")
     url = f"/api/notify/slos/{d.pk}/"
-    put = api.put(url, {"ttft_p95_ms": 1500, "error_pct": 2.5, "minutes": 10}, format="json")
+    put = api.put(url, {"ttft_p95_ms": 1500, "error_pct": 2.5, "refused_pct": 4, "minutes": 10}, format="json")
     assert put.status_code == 200, put.content
-    assert put.json() == {"deployment": d.pk, "ttft_p95_ms": 1500, "error_pct": 2.5, "minutes": 10, "breach_since": None}
+    assert put.json() == {"deployment": d.pk, "ttft_p95_ms": 1500, "error_pct": 2.5, "refused_pct": 4.0, "minutes": 10,
+                          "breach_since": None}
     assert api.put(url, {"minutes": 3}, format="json").status_code == 400  # no objective at all
     assert api.put(url, {"ttft_p95_ms": 0}, format="json").status_code == 400
     assert api.put("/api/notify/slos/999999/", {"ttft_p95_ms": 10}, format="json").status_code == 404
