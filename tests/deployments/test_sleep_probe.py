@@ -191,6 +191,7 @@ def test_the_api_and_the_page_probe_on_demand_and_show_the_verdict(api, operator
     assert api.get(f"/api/deployments/{d.pk}/").json()["sleep_probe"] is None
     page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
     assert 'data-action="sleep-probe"' in page and "not probed yet: the first sleep probes it" in page
+    assert 'data-action="sleep"' in page
     assert api.post(f"/api/deployments/{d.pk}/sleep-probe/", format="json").status_code == 202
     assert sent() == [("deployments.deployment_sleep_probe", [d.pk])]
     assert d.events.get(step="sleep_probe").message.startswith("Sleep probe requested")
@@ -201,6 +202,7 @@ def test_the_api_and_the_page_probe_on_demand_and_show_the_verdict(api, operator
                                       "GPU 0 1.00 GiB freed")
     page = operator_client.get(f"/deployments/{d.pk}/").content.decode()
     assert 'id="sleep-probe"><span class="badge failed">failed</span>' in page and "GPU 0 still held 30.00 GiB" in page
+    assert 'data-action="sleep"' not in page  # offered only where the probe passed (or never ran)
     refused = api.post(f"/api/deployments/{d.pk}/sleep/", {}, format="json")
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "sleep_probe_failed"
     plain = _row(status=S.READY, name="plain")

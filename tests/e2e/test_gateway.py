@@ -1,6 +1,7 @@
 """End to end: the node gateway as its own process (`manage.py gateway`) in front of the real CPU vLLM (with its
 engine key and a reasoning parser) and of known-schedule servers (tests/schedserver.py)."""
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -34,14 +35,12 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cpu_engine(tiny_model, tmp_path_factory):
-    """The CPU engine on loopback with an engine key (VLLM_API_KEY) and the qwen3 reasoning parser: (port, key)."""
-    tmp = tmp_path_factory.mktemp("gw-engine")
+@contextlib.contextmanager
+def engine_on_loopback(tiny_model, tmp: Path, **flags):
+    """The CPU engine on loopback with an engine key (VLLM_API_KEY) and `flags`, up: (port, key); stopped after."""
     port, key = free_port(), secrets.token_urlsafe(32)
     argv = serveargv.build_argv(str(VLLM), str(tiny_model), port, "127.0.0.1", {
-        "enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny", "reasoning-parser": "qwen3",
-        "max-num-seqs": 32})
+        "enforce-eager": True, "max-model-len": 1024, "served-model-name": "tiny", **flags})
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_API_KEY": key}
     log_path = tmp / "engine.log"
     handle = processes.launch(processes.EngineSpec(argv, env, log_path, cwd=tmp))
@@ -56,6 +55,14 @@ def cpu_engine(tiny_model, tmp_path_factory):
         yield port, key
     finally:
         processes.stop(handle.pgid, term_timeout_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(tiny_model, tmp_path_factory):
+    """The CPU engine with the qwen3 reasoning parser: (port, key)."""
+    with engine_on_loopback(tiny_model, tmp_path_factory.mktemp("gw-engine"), **{"reasoning-parser": "qwen3",
+                                                                               "max-num-seqs": 32}) as engine:
+        yield engine
 
 
 def start_gateway(spawn, env, node_name: str, ready_wait: float = 5.0, host: str = "127.0.0.1") -> str:
