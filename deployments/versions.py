@@ -49,10 +49,11 @@ def _settle(v: DeployVersion, outcome: str, message: str) -> None:
 
 @receiver(post_save, sender=Deployment, dispatch_uid="deploy-versions-settle")
 def settle(sender, instance: Deployment, **kwargs) -> None:
-    """A start that ended settles its version: ready (smoke-tested), failed (with the reason) or stopped."""
-    outcome = {S.READY: O.READY, S.FAILED: O.FAILED, S.STOPPED: O.STOPPED}.get(instance.status)
-    if outcome is None:
+    """A start that ended settles its version: ready (smoke-tested), failed (with the reason) or stopped. Only the
+    save after a move to one of those (Deployment.entered) looks: every other save of a row costs no query."""
+    if not instance.__dict__.pop("_start_ended", False):
         return
+    outcome = {S.READY: O.READY, S.FAILED: O.FAILED, S.STOPPED: O.STOPPED}[instance.status]
     v = DeployVersion.objects.filter(deployment=instance, outcome=O.PENDING).first()
     if v is not None:
         _settle(v, outcome, instance.status_message or "")

@@ -196,7 +196,7 @@ class DeploymentDetailSerializer(DeploymentSerializer):
     def get_sleep_probe(self, obj) -> dict | None:
         if not obj.sleep_mode:
             return None
-        probe = SleepProbe.objects.filter(key=SleepProbe.key_of(obj)).first()
+        probe = SleepProbe.last_for(obj)
         return probe and {"id": probe.pk, "verdict": probe.verdict, "created": probe.created, "ended": probe.ended,
                           "levels": probe.levels, "reason": probe.reason}
 

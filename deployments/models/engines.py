@@ -132,6 +132,7 @@ class Deployment(Transitions, EngineProcess):
         super().transition(to, status_message=message, **fields)
 
     def entered(self, status) -> None:
+        self._start_ended = status in (self.Status.READY, *self.TERMINAL)  # the next save settles its version
         now = timezone.now()
         if status == self.Status.STARTING:
             self.started = now

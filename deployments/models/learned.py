@@ -108,6 +108,11 @@ class SleepProbe(models.Model):
         return hashlib.sha256(json.dumps(cls.combination_of(d), sort_keys=True, default=str).encode()).hexdigest()
 
     @classmethod
+    def last_for(cls, d: Deployment) -> "SleepProbe | None":
+        """The last probe of this deployment's combination, a running one included (None: never probed)."""
+        return cls.objects.filter(key=cls.key_of(d)).first()
+
+    @classmethod
     def latest_for(cls, d: Deployment) -> "SleepProbe | None":
         """The last finished probe of this deployment's combination (None: never proved)."""
         return cls.objects.filter(key=cls.key_of(d)).exclude(verdict=cls.Verdict.RUNNING).first()

@@ -60,13 +60,7 @@ def refuse_unproven(d: Deployment) -> None:
 @transaction.atomic
 def deployment_sleep_probe(d: Deployment) -> Deployment:
     """Probe a ready sleep-mode deployment's sleep now (each level slept and woken, memory and answer compared)."""
-    d = _locked(d)
-    if not d.sleep_mode:
-        raise ServiceError(f"{d.name} was not started with sleep mode: there is no sleep to probe.",
-                           code="no_sleep_mode")
-    if d.status != S.READY:
-        raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; only a ready deployment can be probed.",
-                           code="not_running")
+    d = _ready_in_sleep_mode(d, "there is no sleep to probe", "be probed")
     deployment_event(d, "sleep_probe", "Sleep probe requested: each level slept and woken, GPU memory and a fixed "
                      "answer compared.")
     node_enqueue(d.node, "deployments.deployment_sleep_probe", d.pk)
@@ -78,15 +72,21 @@ def _locked(d: Deployment) -> Deployment:
     return Deployment.objects.select_for_update().select_related("node", "model").get(pk=d.pk)
 
 
-@transaction.atomic
-def deployment_sleep(d: Deployment, level: int | None = None) -> Deployment:
+def _ready_in_sleep_mode(d: Deployment, without: str, able: str) -> Deployment:
+    """`d` locked, or refused: not started with sleep mode (`without`: what that means here), or not ready (only a
+    ready deployment can `able`)."""
     d = _locked(d)
     if not d.sleep_mode:
-        raise ServiceError(f"{d.name} was not started with sleep mode: redeploy it with sleep mode to put it to sleep.",
-                           code="no_sleep_mode")
+        raise ServiceError(f"{d.name} was not started with sleep mode: {without}.", code="no_sleep_mode")
     if d.status != S.READY:
-        raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; only a ready deployment can sleep.",
+        raise ServiceError(f"{d.name} is {d.get_status_display().lower()}; only a ready deployment can {able}.",
                            code="not_running")
+    return d
+
+
+@transaction.atomic
+def deployment_sleep(d: Deployment, level: int | None = None) -> Deployment:
+    d = _ready_in_sleep_mode(d, "redeploy it with sleep mode to put it to sleep", "sleep")
     if level not in (None, 1, 2):
         raise ServiceError("The sleep level is 1 (weights to host RAM) or 2 (weights dropped).", field="level")
     refuse_unproven(d)

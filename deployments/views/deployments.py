@@ -142,7 +142,7 @@ def deployment_detail(request, pk):
         "engine_args": secrets.mask(d.engine_args), "log_tail": secrets.redact_deployment(d, d.log_tail),
         "terminal": [str(s) for s in Deployment.TERMINAL], "call": callit.call(d), "command": selectors.deployment_command(d),
         "start_title": start_title(d.status), "starts": selectors.deployment_starts(d),
-        "sleep_probe": (probe := SleepProbe.objects.filter(key=SleepProbe.key_of(d)).first() if d.sleep_mode else None),
+        "sleep_probe": (probe := SleepProbe.last_for(d) if d.sleep_mode else None),
         "swap_to": [] if probe and probe.verdict == SleepProbe.Verdict.FAILED else sleeps.swap_targets(d),
         "sleep_fit": sleeps.sleep_fit(d) if d.sleep_mode and d.status == Deployment.Status.READY else "",
         "versions": (listed := versions.listed(d)), "known_good": (good := next((v for v in listed if v["known_good"]), None)),
