@@ -141,7 +141,8 @@ class ShmWatch:
                 pids.add(pid)
                 found |= set(files or [])
         names = os.listdir(SHM)
-        found |= {str(SHM / n) for n in names if (m := FAKE_SHM.fullmatch(n)) and int(m[1]) in pids}
+        found |= {str(SHM / n) for n in names if (m := FAKE_SHM.fullmatch(n)) and int(m[1]) in pids
+                  and _made_by(n, int(m[1]))}
         if self.before is not None:
             found |= {str(SHM / n) for n in names if REAL_SHM.fullmatch(n) and n not in self.before}
         if self.running():  # a real engine's resource tracker unlinks, when the engine ends, what it no longer maps
@@ -157,6 +158,16 @@ class ShmWatch:
             except psutil.Error:
                 continue
         return False
+
+
+def _made_by(name: str, pid: int) -> bool:
+    """Whether the fake engine's file `name` is the one process `pid` made, not a file an earlier fake with the same
+    PID left behind (SIGKILLed, it leaves it; PIDs come round again within a suite run at pid_max 32768): made no
+    earlier than the process that now has the PID started. Gone, the PID names only its own files."""
+    try:
+        return (SHM / name).stat().st_mtime >= psutil.Process(pid).create_time() - 1.0
+    except (OSError, psutil.Error):
+        return True
 
 
 WATCH: ShmWatch | None = None  # set for each test by tests/faults' autouse fixture (and the e2e kill's)

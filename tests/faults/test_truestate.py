@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from deployments.host import processes
@@ -135,3 +136,25 @@ def test_the_fake_engine_stopped_as_soon_as_its_shared_file_exists_leaves_none(t
         assert not list(shm.glob(f"psm_fakevllm_{fake.pid}_*"))
     finally:
         stop_leftover_engines(tmp_path)
+
+
+def test_a_file_an_earlier_fake_left_under_a_pid_that_came_round_again_is_not_the_new_engines():
+    """CI saw 'stale /dev/shm files: [psm_fakevllm_19038_…]' for a live, serving fake engine of PID 19038: the file
+    was an earlier process's (a SIGKILLed fake leaves its file), its PID reused at pid_max 32768. A file made before
+    the process now holding the PID started is not that process's; one it made is."""
+    holder = subprocess.Popen(["sleep", "60"])
+    old = truestate.SHM / f"psm_fakevllm_{holder.pid}_{secrets.token_hex(4)}"
+    new = truestate.SHM / f"psm_fakevllm_{holder.pid}_{secrets.token_hex(4)}"
+    try:
+        old.write_bytes(b"\0")
+        started = psutil.Process(holder.pid).create_time()
+        os.utime(old, (started - 60, started - 60))  # left a minute before this process began
+        new.write_bytes(b"\0")
+        watch = truestate.ShmWatch()
+        watch.pids.add(holder.pid)
+        assert watch.ours(rows=False) == {str(new)}
+    finally:
+        holder.kill()
+        holder.wait()
+        old.unlink(missing_ok=True)
+        new.unlink(missing_ok=True)
