@@ -23,6 +23,7 @@ def preset_key(node, key: str = "auto") -> str:
 FIELDS = {"tensor-parallel-size": "tp", "pipeline-parallel-size": "pp", "data-parallel-size": "dp",
           "enable-expert-parallel": "expert_parallel", "max-model-len": "max_model_len",
           "gpu-memory-utilization": "gpu_memory_utilization", "max-num-seqs": "max_num_seqs",
+          "max-num-queued-reqs": "max_num_queued_reqs", "max-num-queued-tokens": "max_num_queued_tokens",
           "kv-cache-dtype": "kv_cache_dtype", "attention-backend": "attention_backend",
           "reasoning-parser": "reasoning_parser", "tool-call-parser": "tool_call_parser",
           "trust-remote-code": "trust_remote_code", "served-model-name": "served_model_name"}

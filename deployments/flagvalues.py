@@ -10,7 +10,8 @@ import re
 # sizes are flagpolicy.COUNT_FLAGS' (checked there, with the GPU count).
 COUNTS = {"max-num-seqs", "max-num-batched-tokens", "block-size", "max-logprobs", "max-loras", "max-lora-rank",
           "max-cpu-loras", "num-gpu-blocks-override", "max-parallel-loading-workers", "max-num-partial-prefills",
-          "max-long-partial-prefills", "long-prefill-token-threshold", "api-server-count", "max-cudagraph-capture-size"}
+          "max-long-partial-prefills", "long-prefill-token-threshold", "api-server-count", "max-cudagraph-capture-size",
+          "max-num-queued-reqs", "max-num-queued-tokens"}
 # Amounts from 0 up (float()).
 AMOUNTS = {"swap-space", "cpu-offload-gb"}
 # vLLM reads --max-model-len as a whole number, -1 or "auto", or with a k/m/g suffix ("32k").

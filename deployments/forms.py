@@ -67,6 +67,14 @@ class DeployForm(forms.Form):
     max_model_len = forms.IntegerField(required=False, min_value=16, max_value=10_000_000, label="Max model length")
     gpu_memory_utilization = forms.FloatField(min_value=0.05, max_value=0.99, initial=0.9, label="GPU memory utilization")
     max_num_seqs = forms.IntegerField(required=False, min_value=1, max_value=65536, label="Max concurrent sequences")
+    max_num_queued_reqs = forms.IntegerField(
+        required=False, min_value=1, max_value=1_000_000, label="Refuse beyond this many requests",
+        help_text="vLLM's --max-num-queued-reqs: running and waiting requests at most; more are refused at once (the "
+                  "gateway answers 429 with Retry-After) rather than queued for minutes of time to first token.")
+    max_num_queued_tokens = forms.IntegerField(
+        required=False, min_value=1, max_value=1_000_000_000, label="Refuse beyond this many prompt tokens waiting",
+        help_text="vLLM's --max-num-queued-tokens: prompt tokens waiting for prefill at most (a bound on time to first "
+                  "token); more are refused at once.")
     kv_cache_dtype = forms.ChoiceField(choices=[(c, c) for c in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")], initial="auto",
                                        label="KV-cache dtype")
     attention_backend = forms.ChoiceField(required=False, label="Attention backend", choices=[("", "engine default")] + [
@@ -169,6 +177,8 @@ class DeployForm(forms.Form):
             flags["data-parallel-size"] = data["dp"]
         optional = {"enable-expert-parallel": data["expert_parallel"], "max-model-len": data["max_model_len"],
                     "max-num-seqs": data["max_num_seqs"], "reasoning-parser": data["reasoning_parser"],
+                    "max-num-queued-reqs": data["max_num_queued_reqs"],
+                    "max-num-queued-tokens": data["max_num_queued_tokens"],
                     "tool-call-parser": data["tool_call_parser"], "enable-auto-tool-choice": bool(data["tool_call_parser"]),
                     "trust-remote-code": data["trust_remote_code"], "served-model-name": data["served_model_name"],
                     "kv-cache-dtype": data["kv_cache_dtype"] if data["kv_cache_dtype"] != "auto" else None}

@@ -121,7 +121,12 @@ def split(env: dict, marked: Iterable[str] = ()) -> tuple[dict, dict]:
     return {k: v for k, v in env.items() if k not in secret}, secret
 
 
-def check_marked(names: Iterable[str], env: dict) -> str:
-    """An error message when a name marked secret is not a variable of `env`; "" when all are."""
+def check_marked(names: Iterable[str], env: dict, engine_args: dict | None = None) -> str:
+    """An error message when a name marked secret is not a variable of `env`, or a value of `env` or `engine_args` is
+    the mask itself (copied from a page, the API or an export, which never show a secret); "" when all is well."""
     missing = [n for n in names if n not in (env or {})]
-    return f"Marked secret but not in the environment: {', '.join(missing)}." if missing else ""
+    if missing:
+        return f"Marked secret but not in the environment: {', '.join(missing)}."
+    masked = [k for k, v in {**(engine_args or {}), **(env or {})}.items() if v == MASK]
+    return (f"{', '.join(masked)} holds {MASK}, how the panel shows a secret, not its value: give the value itself."
+            if masked else "")

@@ -20,6 +20,7 @@ urlpatterns = [
     path("deployments/<id:pk>/", deployments.deployment_detail, name="deployment-detail"),
     path("deployments/<id:pk>/edit/", deployments.deployment_edit, name="deployment-edit"),
     path("deployments/<id:pk>/unit/", deployments.deployment_unit, name="deployment-unit"),
+    path("deployments/<id:pk>/export.json", deployments.deployment_export, name="deployment-export"),
     path("deployments/<id:pk>/<slug:action>/", deployments.deployment_action, name="deployment-action"),
     path("account/", account.account, name="account"),
     path("account/token/", account.account_token, name="account-token"),

@@ -1,6 +1,10 @@
-"""panelctl: a deployment's versions (every deploy and redeploy, what changed, the known good one) and a rollback."""
+"""panelctl: a deployment's versions (every deploy and redeploy, what changed, the known good one), a rollback, and
+the deployment exported as a file (its deploy request, route and versions) and deployed again from one."""
+import json
+import sys
+
 from panelctl import status
-from panelctl.client import emit, find_deployment
+from panelctl.client import BAD_INPUT, CliError, done, emit, find_deployment, say
 
 
 def cmd_versions(panel, args):
@@ -27,8 +31,40 @@ def cmd_rollback(panel, args):
                                                           "its known good version."))
 
 
+def cmd_export(panel, args):
+    d = find_deployment(panel, args.deployment)
+    text = json.dumps(panel.get(f"deployments/{d['id']}/export/"), indent=2, ensure_ascii=False) + "\n"
+    if args.output in ("", "-"):
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w", encoding="utf-8") as out:
+            out.write(text)
+        say(f"Wrote {d['name']} to {args.output}.")
+    return 0
+
+
+def cmd_import(panel, args):
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            body = json.load(f)["request"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"{args.file}: not a deployment export ({exc})", BAD_INPUT) from exc
+    for item in args.env or []:  # secrets come as the mask: their values are given here
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CliError(f"--env {item!r}: write NAME=VALUE", BAD_INPUT)
+        body["env"][name] = value
+    body.update({k: v for k, v in (("name", args.name), ("node", args.node)) if v})
+    if args.node:  # another node: its own free port and the workers named again
+        body.update(port=None, workers=[], master_port=None)
+    body["replace_existing"] = args.replace
+    d = panel.post("deployments/", body, key=args.idempotency_key)
+    say(f"Deploying {d['name']} (id {d['id']}) from {args.file} on {d['node']}, port {d['port']}.")
+    return status.wait_deployment(panel, d, args, want="ready") if args.wait else done(d, args)
+
+
 def add(sub) -> None:
-    """The `versions` and `rollback` subcommands."""
+    """The `versions`, `rollback`, `export-deployment` and `import-deployment` subcommands."""
     s = sub.add_parser("versions", help="a deployment's versions: each deploy and redeploy, what changed, its outcome, "
                        "the known good one")
     s.add_argument("deployment")
@@ -40,3 +76,17 @@ def add(sub) -> None:
     s.add_argument("--wait", action="store_true", help="wait until it serves, printing each step")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_rollback)
+    s = sub.add_parser("export-deployment", help="a deployment as JSON: the deploy request that makes it again (secrets masked), "
+                       "its gateway route and every version")
+    s.add_argument("deployment")
+    s.add_argument("-o", "--output", default="", help="a file (default: standard output)")
+    s.set_defaults(fn=cmd_export)
+    s = sub.add_parser("import-deployment", help="deploy from a file `panelctl export-deployment` wrote (give each secret with --env)")
+    s.add_argument("file")
+    s.add_argument("--name", default="", help="a new name (default: the exported one)")
+    s.add_argument("--node", default="", help="another node (its first free port; the exported worker nodes dropped)")
+    s.add_argument("--env", action="append", default=[], help="NAME=VALUE: a secret's value, or any variable changed")
+    s.add_argument("--replace", action="store_true", help="a deployment with this name exists: redeploy it")
+    s.add_argument("--wait", action="store_true", help="wait until it serves, printing each step")
+    s.add_argument("--timeout", type=float, default=7200)
+    s.set_defaults(fn=cmd_import)

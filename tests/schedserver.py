@@ -37,6 +37,7 @@ from tests.schedvllm import VllmFace, prefix_counters  # noqa: E402
 from plumbing.eventloops import new_loop, raise_fd_limit  # noqa: E402
 
 _BOOL = pydantic.TypeAdapter(bool)
+ADMITTED = web.RequestKey("admitted", float)  # on a request the engine admitted after admission_gap_ms: when
 
 perf_counter = time.perf_counter
 
@@ -69,6 +70,10 @@ class Schedule:
     # vLLM's --max-num-queued-reqs (0: none): a completion beyond that many unfinished ones is refused at once with
     # vLLM's own 503 (vllm/exceptions.py QueueOverflowError) and counted in vllm:admission_rejections.
     max_num_queued_reqs: int = 0
+    # vLLM checks its cap twice: before it answers (a 503) and as it adds the request, after rendering the prompt
+    # (this long here). Requests that pass the first check together can fail the second, and a stream has answered
+    # 200 by then: its only event is the 503's error, then [DONE] (seen from vLLM 0.32 on the CPU).
+    admission_gap_ms: float = 0.0
 
 
 ADMISSION_REFUSAL = {"error": {"message": "The engine is currently busy and cannot accept new requests. Please try "
@@ -132,6 +137,19 @@ class Server:
         if self.unfinished + 1 > cap:  # as vLLM's admission: current unfinished + n > max_num_queued_reqs
             self.admission_rejections += 1
             return web.json_response(ADMISSION_REFUSAL, status=503)
+        if self.schedule.admission_gap_ms:
+            await asyncio.sleep(self.schedule.admission_gap_ms / 1000)
+            if self.unfinished + 1 > cap:  # the second check: a stream has its 200 already
+                self.admission_rejections += 1
+                try:
+                    streams = _BOOL.validate_python(json.loads(await request.read()).get("stream") or False)
+                except (ValueError, AttributeError, pydantic.ValidationError):
+                    streams = False
+                if streams:
+                    event = b"data: " + json.dumps(ADMISSION_REFUSAL).encode() + b"\n\ndata: [DONE]\n\n"
+                    return web.Response(body=event, content_type="text/event-stream")
+                return web.json_response(ADMISSION_REFUSAL, status=503)
+            request[ADMITTED] = perf_counter()  # its schedule starts once the engine has it
         self.unfinished += 1
         try:
             return await route(request)
@@ -211,8 +229,9 @@ class Server:
         return web.json_response(body)
 
     async def completions(self, request):
-        # The schedule starts when the request's bytes reached this process, not when the handler ran.
-        anchor = getattr(request.protocol, "arrived", 0.0) or perf_counter()
+        # The schedule starts when the request's bytes reached this process (or the engine admitted it, after
+        # admission_gap_ms), not when the handler ran.
+        anchor = request.get(ADMITTED) or getattr(request.protocol, "arrived", 0.0) or perf_counter()
         try:
             body = json.loads(await request.read())
         except ValueError:

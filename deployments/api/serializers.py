@@ -3,7 +3,7 @@ from rest_framework import serializers
 
 from deployments import callit, flagpolicy, launcherstate, secrets, validators
 from deployments.userflags import PRESETS
-from deployments.gateway.models import Route
+from deployments.gateway import selectors as gateway_selectors
 from deployments.models import Deployment, DeploymentEvent, DeploymentRank, Gpu, ModelCopy, ModelRepo, Node, SleepProbe
 from plumbing.params import DB_INT_MAX
 
@@ -204,9 +204,7 @@ class DeploymentDetailSerializer(DeploymentSerializer):
         return callit.call(obj)
 
     def get_route(self, obj) -> dict:
-        route = Route.objects.filter(deployment_id=obj.pk).first()
-        return {"aliases": route.names if route else [], "max_in_flight": route.max_in_flight if route else None,
-                "queue_bound": route.queue_bound if route else 256, "media_domains": route.media_domains if route else []}
+        return gateway_selectors.route_of(obj.pk)
 
 
 class WorkerSerializer(serializers.Serializer):

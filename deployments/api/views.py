@@ -14,7 +14,7 @@ from plumbing.errors import ServiceError
 from plumbing.idempotency import idempotent
 from plumbing.params import int_param
 
-from deployments import modelfit, nodelive, secrets, selectors, versions
+from deployments import exports, modelfit, nodelive, secrets, selectors, versions
 from deployments.api import serializers
 from deployments.gateway import keys
 from deployments.models import ModelCopy
@@ -264,6 +264,17 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         with its steps, or failed with the reason), what changed from the one before, the known good one, and the
         benchmark runs made while it served."""
         return Response({"results": versions.listed(self.get_object())})
+
+    @extend_schema(responses=dict)
+    @action(detail=True)
+    def export(self, request, pk=None):
+        """The deployment as one JSON document: `request`, the body of POST /api/deployments/ that deploys it again
+        (secrets as the mask, named in `secrets`: a deploy refuses the mask until each value is given), its gateway
+        route, and `versions`, every deploy and redeploy with its outcome."""
+        d = self.get_object()
+        answer = Response(exports.export(d))
+        answer["Content-Disposition"] = f'attachment; filename="{d.name}.json"'
+        return answer
 
     @extend_schema(parameters=[OpenApiParameter("state", str, description="the `state` of your last answer"),
                                OpenApiParameter("wait", int, description="seconds to wait for a change (max 30)")],

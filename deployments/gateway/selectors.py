@@ -6,7 +6,7 @@ from django.db.models import Sum
 from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
-from deployments.gateway.models import CallerKey, Usage
+from deployments.gateway.models import CallerKey, Route, Usage
 from plumbing import csvsafe
 from plumbing.errors import ServiceError
 
@@ -16,6 +16,13 @@ GROUPS = {"key": ("key_id", "key__name", "key__prefix"), "model": ("model_name",
 BY = {"hour": TruncHour, "day": TruncDay}
 DEFAULT_DAYS = {"hour": 2, "day": 30}
 MAX_DAYS = 366
+
+
+def route_of(deployment_id: int) -> dict:
+    """A deployment's settings at the gateway (its defaults where it has no route)."""
+    route = Route.objects.filter(deployment_id=deployment_id).first()
+    return {"aliases": route.names if route else [], "max_in_flight": route.max_in_flight if route else None,
+            "queue_bound": route.queue_bound if route else 256, "media_domains": route.media_domains if route else []}
 
 
 def keys_listed(owner=None):

@@ -21,7 +21,7 @@ import aiohttp
 import pydantic
 from aiohttp import web
 
-from deployments.gateway import config, keyset, media, peers, upstream, usage
+from deployments.gateway import config, keyset, media, peers, stream, upstream, usage
 from deployments.gateway.keyset import Refused
 from deployments.gateway.limits import Admission, KeyLimits, retry_after_header
 from deployments.gateway.reload import Watcher
@@ -334,6 +334,14 @@ class Gateway:
                 raise Refused(502, "engine_error", f"{target.name}'s engine broke off its answer: {broken}",
                               kind="api_error")
             return _answer(b"".join(sink.held), status, kind)
+        try:  # the caller's head waits for the first event: the engine's admission can still refuse in it
+            await sink.first
+        except asyncio.CancelledError:
+            sink.finish(upstream.Broken("the caller went away"))
+            raise
+        if (refused := stream.refusal(b"".join(sink.held))) is not None:
+            await sink.done  # its [DONE] follows at once
+            return _answer(json.dumps(refused).encode(), refused["error"]["code"], "application/json")
         response = web.StreamResponse(headers={"Content-Type": kind, "Cache-Control": "no-cache"})
         await response.prepare(request)
         sink.attach(request.transport)

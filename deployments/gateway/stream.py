@@ -9,6 +9,7 @@ never half-forwarded before it is seen). When the caller did not ask for usage t
 import json
 
 from deployments.gateway.usage import Tokens, from_event
+from deployments.host import vllm
 
 USAGE = b'"usage"'
 END = b"\n\n"
@@ -33,6 +34,18 @@ def scan(piece: bytes, strip: bool) -> tuple[bytes, Tokens | None]:
     if not dropped:
         return piece, tokens
     return b"".join(e + END for e in kept), tokens
+
+
+def refusal(first: bytes) -> dict | None:
+    """The engine's admission refusal when a stream's first event is one, else None. vLLM checks its caps before it
+    answers and again as it adds the request: requests that arrive together can all pass the first check, and those
+    the second refuses get a 200 whose only event is the 503's error ("data: {"error": {..., "code": 503}}")."""
+    obj = _data(first.split(END, 1)[0])
+    error = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("code"), int) and vllm.refused_for_load(
+            error["code"], str(error.get("message") or "")):
+        return obj
+    return None
 
 
 def _data(event: bytes):

@@ -12,7 +12,7 @@ import socket
 
 import httptools
 
-from deployments.gateway.stream import Relay
+from deployments.gateway.stream import END, Relay
 
 HIGH = 1 << 20
 # Idle engine connections kept per engine: as many as the largest default in-flight bound. Streams started
@@ -29,10 +29,12 @@ class Broken(Exception):
 
 class Sink:
     """Where one answer goes: its head (status, headers) to the handler, its body to the caller's transport once
-    the handler has sent the head (`attach`), else into `held` (an answer that is not a stream)."""
+    the handler has sent the head (`attach`), else into `held` (an answer that is not a stream, and a stream's first
+    event, which the handler reads before it answers)."""
 
     def __init__(self, loop, strip: bool, framed: bool = True):
         self.head = loop.create_future()  # (status, {header: value})
+        self.first = loop.create_future()  # None once the first whole event (or the answer's end) is held
         self.done = loop.create_future()  # None, or an exception
         self.relay = Relay(strip)
         self.framed = framed  # HTTP/1.1 chunks to the caller (an HTTP/1.0 caller reads to the connection's end)
@@ -51,6 +53,8 @@ class Sink:
         out = self.out
         if out is None:
             self.held.append(data)
+            if not self.first.done() and END in b"".join(self.held):
+                self.first.set_result(None)
             return
         piece = self.relay.feed(data)
         if piece:
@@ -64,6 +68,8 @@ class Sink:
     def finish(self, error: Exception | None = None) -> None:
         if not self.head.done():
             self.head.set_exception(error or Broken("no answer"))
+        if not self.first.done():
+            self.first.set_result(None)
         if not self.done.done():
             self.done.set_result(error)
         if error is not None and self.conn is not None:

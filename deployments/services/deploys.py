@@ -171,7 +171,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     use = recipes.recipe_use(recipe, node, gpu_indices, 1 + len(workers), callit.served_name(model)) if recipe else None
     gpu_indices = gpu_indices or (use.gpu_indices if use else [])
     engine_args, env = deploydefaults.with_defaults(node, model, engine_args, env, preset, base=use and use.defaults)
-    if problem := secrets.check_marked(secret_env, env):
+    if problem := secrets.check_marked(secret_env, env, engine_args):
         raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
     ray = multinode.executor(engine_args) == "ray"  # a Ray deployment has a Ray head port, on one node too
@@ -264,7 +264,8 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
             changes[field] = secrets.keep_masked(changes[field], getattr(d, field))
     if "env" in changes and "secret_env" not in changes:  # marks of variables no longer set go with them
         changes["secret_env"] = [n for n in d.secret_env if n in changes["env"]]
-    if problem := secrets.check_marked(changes.get("secret_env", ()), changes.get("env", d.env)):
+    if problem := secrets.check_marked(changes.get("secret_env", ()), changes.get("env", d.env),
+                                       changes.get("engine_args", d.engine_args)):
         raise ServiceError(problem, field="secret_env")
     changed = gpu_indices != d.gpu_indices
     d.retry_advised = changes.pop("retry_advised", False)  # a redeploy retries only when asked: it changes what was set

@@ -2,11 +2,12 @@
 and its systemd unit."""
 from django.contrib import messages
 from django.db import transaction
-from django.http import Http404, HttpResponse
+from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
+from rest_framework.utils import encoders
 
-from deployments import callit, deploydefaults, flagpolicy, forms, privileged, secrets, selectors, userflags, versions
+from deployments import callit, deploydefaults, exports, flagpolicy, forms, privileged, secrets, selectors, userflags, versions
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, SleepProbe
 from deployments.services import deploys, fitgate, multinode, rollbacks, sleeps
@@ -28,6 +29,8 @@ def _initial(preset: str | None, deployment: Deployment | None) -> dict:
                    "tp": args.pop("tensor-parallel-size", 1), "pp": args.pop("pipeline-parallel-size", 1),
                    "dp": args.pop("data-parallel-size", 1), "expert_parallel": args.pop("enable-expert-parallel", False),
                    "max_model_len": args.pop("max-model-len", None), "max_num_seqs": args.pop("max-num-seqs", None),
+                   "max_num_queued_reqs": args.pop("max-num-queued-reqs", None),
+                   "max_num_queued_tokens": args.pop("max-num-queued-tokens", None),
                    "gpu_memory_utilization": args.pop("gpu-memory-utilization", 0.9),
                    "kv_cache_dtype": args.pop("kv-cache-dtype", "auto"), "reasoning_parser": args.pop("reasoning-parser", ""),
                    "tool_call_parser": args.pop("tool-call-parser", ""), "trust_remote_code": args.pop("trust-remote-code", False),
@@ -229,4 +232,13 @@ def deployment_unit(request, pk):
     name, text = selectors.deployment_unit(d)
     response = HttpResponse(text, content_type="text/plain; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{name}"'
+    return response
+
+
+def deployment_export(request, pk):
+    """The API's export (deployments/exports.py) as a file, for the page's Export link."""
+    d = get_object_or_404(selectors.deployment_list(), pk=pk)
+    response = JsonResponse(exports.export(d), encoder=encoders.JSONEncoder,  # the API's: times to the microsecond
+                            json_dumps_params={"indent": 2, "ensure_ascii": False})
+    response["Content-Disposition"] = f'attachment; filename="{d.name}.json"'
     return response

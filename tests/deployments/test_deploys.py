@@ -117,6 +117,21 @@ def test_the_form_turns_fields_into_engine_flags_and_env(node):
     assert form.cleaned_data["env_vars"] == {"NCCL_PROTO": "LL"}
 
 
+def test_the_engines_admission_caps_have_fields_of_their_own(node):
+    """vLLM's --max-num-queued-reqs/-tokens: set in their fields, checked against the node's engine like any flag."""
+    fields = {"port": 8001, "tp": 1, "pp": 1, "dp": 1, "gpus": ["0"], "gpu_memory_utilization": 0.9,
+              "kv_cache_dtype": "auto", "stall_seconds": 600, "max_num_queued_reqs": 64, "max_num_queued_tokens": 200000}
+    node.engine_flags = [*node.engine_flags, "--max-num-queued-reqs", "--max-num-queued-tokens"]
+    form = DeployForm(fields, node=node)
+    assert form.is_valid(), form.errors
+    assert {k: form.cleaned_data["engine_args"][k] for k in ("max-num-queued-reqs", "max-num-queued-tokens")} == {
+        "max-num-queued-reqs": 64, "max-num-queued-tokens": 200000}
+    node.engine_flags = [f for f in node.engine_flags if "queued" not in f]  # an engine from before vLLM 0.32
+    old = DeployForm(fields, node=node)
+    assert not old.is_valid() and "--max-num-queued-reqs" in str(old.errors)
+    assert not DeployForm({**fields, "max_num_queued_reqs": 0}, node=node).is_valid()  # vLLM's 0 admits nothing
+
+
 @pytest.mark.parametrize("flags, message", [
     ("--max-num-seqs 8; rm -rf /", "expected a --flag"),
     ("--port 9000", "--port is set by the panel"),

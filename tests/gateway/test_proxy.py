@@ -415,3 +415,30 @@ def test_an_engines_admission_refusal_reaches_the_caller_as_429_with_retry_after
         counted = wait_for(lambda: (t := refusals(key__prefix=key[:12])) and t["requests"] == 3 and t)
         assert (counted["errors"], counted["refused"]) == (2, 2), counted
         assert post(gateway, key, CHAT).status_code == 200, "the queue drained: admitted again"
+
+
+def test_an_admission_refusal_inside_the_engines_200_stream_reaches_the_caller_as_429(node, gateway):
+    """vLLM checks its cap again as it adds a request, after a stream's 200 has gone: of two streams that passed the
+    first check together, the second gets a 200 whose only event is the 503's error. The gateway holds the caller's
+    head until the first event, so the caller gets the same 429 with Retry-After as for the engine's 503."""
+    # 2 s between the engine's two checks, and the one admitted takes 2 s: a second stream within 2 s of it is refused
+    # at its second check.
+    with SchedServer(ttft_ms=5, gap_ms=100, reasoning_tokens=0, max_num_queued_reqs=1, admission_gap_ms=2000) as capped:
+        make_deployment(node, capped.port)
+        key = make_key()
+        gateway.reload()
+        replies = []
+        both = [threading.Thread(target=lambda: replies.append(post(gateway, key, {**CHAT, "stream": True,
+                                                                                     "max_tokens": 20})))
+                for _ in range(2)]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(30)
+        assert capped.server.admission_rejections == 1  # the second check's: both passed the first
+        served, refused = sorted(replies, key=lambda r: r.status_code)
+        assert served.status_code == 200 and events(served.text) and "error" not in served.text
+        assert (refused.status_code, refused.headers.get("Retry-After")) == (429, "1"), refused.text
+        assert refused.json()["error"]["message"].startswith("The engine is currently busy")
+        counted = wait_for(lambda: (t := refusals(key__prefix=key[:12])) and t["requests"] == 2 and t)
+        assert (counted["errors"], counted["refused"]) == (1, 1), counted

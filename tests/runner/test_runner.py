@@ -349,3 +349,18 @@ def test_requests_the_engine_refuses_for_load_are_counted_as_rejections_not_erro
     assert level.failed_requests == level.rejected and level.errors == [] and level.timeouts == 0
     assert all(r.error.startswith("HTTP 503: The engine is currently busy") for r in level.records if r.rejected)
     assert level.completed == level.num_requests - level.rejected > 0
+
+
+def test_a_refusal_inside_a_200_stream_is_counted_as_a_rejection_too():
+    """vLLM checks its cap again as it adds a request, after a stream's 200 has gone: requests that passed the first
+    check together are refused in the stream's only event. Those count as rejected as well, not as errors."""
+    # 4 requests at once, each 1 s between the engine's two checks; the one admitted takes 2 s: any that came within
+    # a second of it is refused at its second check.
+    with SchedServer(ttft_ms=5, gap_ms=200, reasoning_tokens=0, max_num_queued_reqs=1, admission_gap_ms=1000) as capped:
+        level = run_level(spec_for(capped, max_tokens=10, min_requests=4, requests_per_user=1, warmup_per_user=0),
+                          concurrency=4)
+        refused = capped.server.admission_rejections
+    in_stream = [r for r in level.records if r.rejected and r.error.startswith("stream error: The engine is currently busy")]
+    assert len(in_stream) == 3 and level.completed == 1, [r.error for r in level.records]
+    assert level.rejected == sum(r.rejected for r in level.records) == refused == 3
+    assert level.failed_requests == level.rejected and level.errors == [] and level.timeouts == 0
