@@ -23,7 +23,7 @@ CHAT = {"model": "sched", "messages": [{"role": "user", "content": "one two thre
 
 
 def post(gw, key, body, path="/v1/chat/completions", **kw):
-    return httpx.post(gw.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
+    return httpx.post(gw.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, **{"timeout": 30, **kw})
 
 
 def events(text: str) -> list:
@@ -261,9 +261,10 @@ def test_no_ready_deployment_waits_then_answers_503_and_follows_one_that_becomes
     assert reply.status_code == 503 and int(reply.headers["Retry-After"]) >= 1
     assert time.monotonic() - started >= 1.9  # the gateway's ready wait (2 s here)
     result = {}
-    waiter = threading.Thread(target=lambda: result.setdefault("reply", post(gateway, key, CHAT)))
+    gateway.gateway.ready_wait_s = 60.0  # no clock below: the deployment becomes ready while the request waits
+    waiter = threading.Thread(target=lambda: result.setdefault("reply", post(gateway, key, CHAT, timeout=90)))
     waiter.start()
-    time.sleep(0.5)
+    wait_for(lambda: gateway.gateway.waiting.get(CHAT["model"]) == 1)
     Deployment.objects.filter(pk=d.pk).update(status=Deployment.Status.READY)
     gateway.reload()
     waiter.join()
