@@ -206,6 +206,16 @@ def compare(baseline: Sequence[Repeat], variant: Sequence[Repeat], kind: str = S
     return Comparison(diff=diff, low=low, high=high, rel=rel, rel_low=rel_low, rel_high=rel_high, verdict=verdict)
 
 
+def paired_ratio(ratios: Sequence[float]) -> tuple[float, float, float] | None:
+    """The geometric mean of paired ratios (a over b, each pair run back to back) with its 95 % interval, Student's t
+    on the log ratios: (ratio, low, high); None with fewer than MIN_REPEATS pairs or a ratio that is not positive."""
+    if len(ratios) < MIN_REPEATS or not _positive(list(ratios)):
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean, half = statistics.fmean(logs), t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def pareto(points: Sequence[tuple[str, float, float]]) -> list[str]:
     """Names of the points (name, x, y) that no other point beats on both x and y (higher is better)."""
     front = []

@@ -33,7 +33,9 @@ It raises its own and the engine's CPU priority while it runs (nice and autogrou
                                         [--clients vllm,ours,ours_noscrape,ours_scrape20hz,ours_enginecore]
 
 Last line: name=value pairs: per case <case>_tok_s_ratio and <case>_ttft_ratio (ours / vllm in the
-same round, the median over rounds: a pair ran minutes apart, so a slow drift of the machine cancels),
+same round, the median over rounds: a pair ran minutes apart, so a slow drift of the machine cancels), and with 3
+rounds or more <case>_tok_s_ratio_gm, _lo and _hi (and the same for ttft): the pairs' geometric mean and its 95 %
+interval (Student's t on the log ratios, benchmarks/studystats.paired_ratio),
 <case>_<variant>_tok_s_ratio and ..._ttft_ratio for the other variants of ours
 (noscrape, scrape20hz, enginecore), <case>_<client>_vs_noscrape_tok_s_ratio (ours and ours_scrape20hz over
 ours_noscrape in the same round, the median: what the sampler costs), <case>_<client>_tok_s_spread and
@@ -60,6 +62,7 @@ import psutil  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks.runner import LoadSpec, load_jsonl, run_level  # noqa: E402
+from benchmarks.studystats import paired_ratio  # noqa: E402
 from deployments.host import processenv, processes, serveargv, vllm  # noqa: E402
 from vllmbench import VLLM, free_port, pin_client, raise_priority, run_vllm  # noqa: E402
 
@@ -248,10 +251,18 @@ def main():
                 label = "" if client == "ours" else client.removeprefix("ours_") + "_"
                 paired = {key: [o[key] / v[key] for o, v in zip(by_client[client], by_client["vllm"])]
                           for key in ("tok_s", "ttft")}
+                said = []
                 for key, ratios in paired.items():
                     figures[f"{name}_{label}{key}_ratio"] = statistics.median(ratios)
+                    if (found := paired_ratio(ratios)) is not None:  # the pairs' geometric mean and its 95 % interval
+                        for suffix, value in zip(("gm", "lo", "hi"), found):
+                            figures[f"{name}_{label}{key}_ratio_{suffix}"] = value
+                        said.append(f"{key} {found[0]:.3f} [{found[1]:.3f}, {found[2]:.3f}]"
+                                    + (" (1.0 outside)" if not found[1] <= 1.0 <= found[2] else ""))
                 print(f"  {client} / vllm round by round: tok/s {' '.join(f'{r:.3f}' for r in paired['tok_s'])}, "
-                      f"TTFT {' '.join(f'{r:.3f}' for r in paired['ttft'])}", flush=True)
+                      f"TTFT {' '.join(f'{r:.3f}' for r in paired['ttft'])}"
+                      + (f"; over {len(paired['tok_s'])} pairs, 95 % interval: {', '.join(said)}" if said else ""),
+                      flush=True)
         if by_client.get("ours_noscrape"):  # what the sampler costs: ours with it against ours without, same round
             for client in (c for c in ("ours", "ours_scrape20hz") if by_client.get(c)):
                 ratios = [o["tok_s"] / n["tok_s"] for o, n in zip(by_client[client], by_client["ours_noscrape"])]

@@ -243,3 +243,14 @@ def test_a_figure_that_is_zero_in_some_repeats_gets_an_interval_on_the_plain_sca
     assert shown.value == pytest.approx(0.4) and shown.low == 0.0 and shown.high >= shown.value
     compared = studystats.compare(repeats, [Repeat(1.0), Repeat(1.1), Repeat(0.9)])
     assert compared is not None and compared.verdict
+
+
+def test_a_paired_ratios_interval_is_students_t_on_the_log_scale_around_the_geometric_mean():
+    from benchmarks.studystats import paired_ratio
+
+    # Log ratios -0.1, 0, 0.1: mean 0, sd 0.1, t(2) = 4.303: exp(±4.303 × 0.1 / √3).
+    ratio, low, high = paired_ratio([math.exp(-0.1), 1.0, math.exp(0.1)])
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert (ratio, low, high) == pytest.approx((1.0, math.exp(-half), math.exp(half)))
+    assert paired_ratio([2.0, 2.0, 2.0]) == pytest.approx((2.0, 2.0, 2.0))  # no spread: the interval is the point
+    assert paired_ratio([1.1, 0.9]) is None and paired_ratio([1.0, 0.0, 1.0]) is None  # too few, or not a ratio
