@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from deployments import modelfit
+from deployments import flagpolicy, modelfit
 from deployments.modelconfig import ModelSpec
 
 GB = 10**9
@@ -146,8 +146,8 @@ class ContextFit:
 
 
 def context_fit(spec: ModelSpec, weight_bytes: int, gpu_memory_bytes: list[int], layout: Layout, *,
-                kv_dtype: str = "auto", utilization: float = 0.9, reserve_bytes: int = GPU_RESERVE_BYTES,
-                correction_bytes: int = 0, context: int | None = None, config: dict | None = None,
+                kv_dtype: str = flagpolicy.KV_CACHE_DTYPE, utilization: float = flagpolicy.GPU_MEMORY_UTILIZATION,
+                reserve_bytes: int = GPU_RESERVE_BYTES, correction_bytes: int = 0, context: int | None = None, config: dict | None = None,
                 kv_bytes_per_gpu: int | None = None) -> ContextFit:
     """The context one KV dtype and layout hold on these GPUs (the first layout.gpus of them). `kv_bytes_per_gpu`
     given (an explicit KV size, as VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes): no memory arithmetic."""

@@ -19,16 +19,6 @@ def preset_key(node, key: str = "auto") -> str:
     return userflags.node_preset(node.gpus.exists()) if key == "auto" else key
 
 
-# Engine flags the deploy form has a field of its own for (the rest go to its extra flags).
-FIELDS = {"tensor-parallel-size": "tp", "pipeline-parallel-size": "pp", "data-parallel-size": "dp",
-          "enable-expert-parallel": "expert_parallel", "max-model-len": "max_model_len",
-          "gpu-memory-utilization": "gpu_memory_utilization", "max-num-seqs": "max_num_seqs",
-          "max-num-queued-reqs": "max_num_queued_reqs", "max-num-queued-tokens": "max_num_queued_tokens",
-          "kv-cache-dtype": "kv_cache_dtype", "attention-backend": "attention_backend",
-          "reasoning-parser": "reasoning_parser", "tool-call-parser": "tool_call_parser",
-          "trust-remote-code": "trust_remote_code", "served-model-name": "served_model_name"}
-
-
 def flags_initial(flags: dict, env: dict) -> dict:
     """The deploy form's initial values for these flags and environment (a recipe's): each flag in its own
     field where that field can hold the value, the others as extra flags."""
@@ -38,13 +28,13 @@ def flags_initial(flags: dict, env: dict) -> dict:
 
     initial, extra = {}, {}
     for name, value in flags.items():
-        field = DeployForm.base_fields.get(FIELDS.get(name, ""))
+        field = DeployForm.base_fields.get(userflags.FLAG_FIELDS.get(name, ""))
         if isinstance(field, forms.ChoiceField):
             fits = str(value) in {str(k) for k, _ in field.choices}
         else:
             fits = field is not None and (value is True or not isinstance(field, forms.BooleanField))
         if fits:
-            initial[FIELDS[name]] = value
+            initial[userflags.FLAG_FIELDS[name]] = value
         elif name != "enable-auto-tool-choice" or not flags.get("tool-call-parser"):  # the parser's field sets it
             extra[name] = value
     initial["extra_flags"] = " ".join(userflags.argv_words(extra))

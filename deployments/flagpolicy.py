@@ -12,6 +12,9 @@ An operator may set only what is on OPERATOR_FLAGS / OPERATOR_ENV: options that 
 engine runs, never what code it runs, what it loads or where it connects. Each entry says why it is
 harmless. Everything else (an unknown name too) takes the admin role until it is added here with a
 reason. Plain Python, no Django.
+
+vLLM's own defaults for the flags the panel reasons about (the fit, the KV calibration, the start-failure advisor,
+the forms) are written once here too.
 """
 import json
 import re
@@ -274,3 +277,19 @@ def operator_env(name: str) -> bool:
     if name in OPERATOR_ENV:
         return True
     return name.startswith(OPERATOR_ENV_PREFIX) and not NCCL_NOT_OPERATORS.search(name)
+
+
+# vLLM's defaults (its EngineArgs) where a flag is not given.
+GPU_MEMORY_UTILIZATION = 0.9
+KV_CACHE_DTYPE = "auto"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")  # what the forms and API offer
+
+
+def gpu_memory_utilization(flags: dict) -> float:
+    """The share of each GPU's memory the engine takes: its --gpu-memory-utilization, else vLLM's default."""
+    return float(flags.get("gpu-memory-utilization") or GPU_MEMORY_UTILIZATION)
+
+
+def kv_cache_dtype(flags: dict) -> str:
+    """The KV cache's dtype as asked: its --kv-cache-dtype, else vLLM's default ("auto": the model's own)."""
+    return str(flags.get("kv-cache-dtype") or KV_CACHE_DTYPE)

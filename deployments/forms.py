@@ -4,7 +4,7 @@ from typing import NamedTuple
 
 from django import forms
 
-from deployments import secrets, userflags, validators
+from deployments import flagpolicy, secrets, userflags, validators
 from deployments.models import Deployment, ModelCopy, Node
 
 
@@ -42,7 +42,8 @@ class DownloadForm(forms.Form):
 
 class FitForm(forms.Form):
     tp = forms.TypedChoiceField(label="Tensor parallel", coerce=int, choices=[(n, n) for n in (1, 2, 4, 8, 16)], initial=1)
-    kv_cache_dtype = forms.ChoiceField(label="KV cache", choices=[("auto", "auto"), ("fp8", "fp8")], initial="auto")
+    kv_cache_dtype = forms.ChoiceField(label="KV cache", choices=[(c, c) for c in flagpolicy.KV_CACHE_DTYPES],
+                                       initial=flagpolicy.KV_CACHE_DTYPE)
 
 
 class HfTokenForm(forms.Form):
@@ -65,7 +66,8 @@ class DeployForm(forms.Form):
                             help_text="Replicas of TP × PP GPUs each; over several nodes each node runs whole replicas.")
     expert_parallel = forms.BooleanField(required=False, label="Expert parallel (MoE)")
     max_model_len = forms.IntegerField(required=False, min_value=16, max_value=10_000_000, label="Max model length")
-    gpu_memory_utilization = forms.FloatField(min_value=0.05, max_value=0.99, initial=0.9, label="GPU memory utilization")
+    gpu_memory_utilization = forms.FloatField(min_value=0.05, max_value=0.99, initial=flagpolicy.GPU_MEMORY_UTILIZATION,
+                                              label="GPU memory utilization")
     max_num_seqs = forms.IntegerField(required=False, min_value=1, max_value=65536, label="Max concurrent sequences")
     max_num_queued_reqs = forms.IntegerField(
         required=False, min_value=1, max_value=1_000_000, label="Refuse beyond this many requests",
@@ -75,8 +77,8 @@ class DeployForm(forms.Form):
         required=False, min_value=1, max_value=1_000_000_000, label="Refuse beyond this many prompt tokens waiting",
         help_text="vLLM's --max-num-queued-tokens: prompt tokens waiting for prefill at most (a bound on time to first "
                   "token); more are refused at once.")
-    kv_cache_dtype = forms.ChoiceField(choices=[(c, c) for c in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")], initial="auto",
-                                       label="KV-cache dtype")
+    kv_cache_dtype = forms.ChoiceField(choices=[(c, c) for c in flagpolicy.KV_CACHE_DTYPES],
+                                       initial=flagpolicy.KV_CACHE_DTYPE, label="KV-cache dtype")
     attention_backend = forms.ChoiceField(required=False, label="Attention backend", choices=[("", "engine default")] + [
         (b, b) for b in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "CUTLASS_MLA", "TRITON_MLA", "FLEX_ATTENTION")])
     reasoning_parser = forms.CharField(required=False, max_length=64, help_text="e.g. deepseek_r1, qwen3, kimi_k2")
@@ -181,7 +183,7 @@ class DeployForm(forms.Form):
                     "max-num-queued-tokens": data["max_num_queued_tokens"],
                     "tool-call-parser": data["tool_call_parser"], "enable-auto-tool-choice": bool(data["tool_call_parser"]),
                     "trust-remote-code": data["trust_remote_code"], "served-model-name": data["served_model_name"],
-                    "kv-cache-dtype": data["kv_cache_dtype"] if data["kv_cache_dtype"] != "auto" else None}
+                    "kv-cache-dtype": data["kv_cache_dtype"] if data["kv_cache_dtype"] != flagpolicy.KV_CACHE_DTYPE else None}
         flags.update({k: v for k, v in optional.items() if v not in (None, "", False)})
         env = {}
         try:

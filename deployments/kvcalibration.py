@@ -39,7 +39,7 @@ def deployment_estimate(d: Deployment) -> contextfit.ContextFit | None:
         if spec is None or kwargs is None:
             return None
         return contextfit.context_fit(spec, weights, layout=layout_of(d.engine_args),
-                                      kv_dtype=str(d.engine_args.get("kv-cache-dtype") or "auto"),
+                                      kv_dtype=flagpolicy.kv_cache_dtype(d.engine_args),
                                       correction_bytes=correction_for(d.node, d.model), config=d.model.config, **kwargs)
     except (ValueError, TypeError, KeyError, flagpolicy.OptionError):
         return None
@@ -73,7 +73,7 @@ def model_spec(model: ModelRepo):
 def memory_of(node: Node, env: dict, gpu_indices, engine_args: dict) -> dict | None:
     """The memory side of the estimate: the chosen GPUs (all by default), or for a CPU node its RAM, with the
     engine's reserve, the utilization and an explicit KV size where one is set."""
-    utilization = float(engine_args.get("gpu-memory-utilization") or 0.9)
+    utilization = flagpolicy.gpu_memory_utilization(engine_args)
     explicit = int_or_none(engine_args.get("kv-cache-memory-bytes"))
     gpus = node.gpus.all()
     if gpus:

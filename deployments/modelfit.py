@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from deployments import flagpolicy
 from deployments.modelconfig import ModelSpec
 
 GB = 10**9
@@ -80,7 +81,7 @@ def fit_check(
     gpu_memory_bytes: list[int],
     tp: int,
     pp: int = 1,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float = flagpolicy.GPU_MEMORY_UTILIZATION,
     kv_cache_dtype: str = "auto",
     overhead_bytes_per_gpu: int = DEFAULT_OVERHEAD_BYTES_PER_GPU,
     context_length: int | None = None,

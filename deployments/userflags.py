@@ -45,11 +45,16 @@ PRESETS = {
 }
 
 
-# Preset keys that are form fields, and the engine flag each one sets (the form's clean() does the same).
-PRESET_FLAGS = {"tp": "tensor-parallel-size", "gpu_memory_utilization": "gpu-memory-utilization",
-                "max_model_len": "max-model-len", "max_num_seqs": "max-num-seqs",
-                "expert_parallel": "enable-expert-parallel", "trust_remote_code": "trust-remote-code",
-                "reasoning_parser": "reasoning-parser", "tool_call_parser": "tool-call-parser"}
+# Engine flags the deploy form has a field of its own for (the rest go to its extra flags), and the field: the one map
+# the form's initial values (deploydefaults.flags_initial) and the presets read; the form's clean() sets the same.
+FLAG_FIELDS = {"tensor-parallel-size": "tp", "pipeline-parallel-size": "pp", "data-parallel-size": "dp",
+               "enable-expert-parallel": "expert_parallel", "max-model-len": "max_model_len",
+               "gpu-memory-utilization": "gpu_memory_utilization", "max-num-seqs": "max_num_seqs",
+               "max-num-queued-reqs": "max_num_queued_reqs", "max-num-queued-tokens": "max_num_queued_tokens",
+               "kv-cache-dtype": "kv_cache_dtype", "attention-backend": "attention_backend",
+               "reasoning-parser": "reasoning_parser", "tool-call-parser": "tool_call_parser",
+               "trust-remote-code": "trust_remote_code", "served-model-name": "served_model_name"}
+FIELD_FLAGS = {field: flag for flag, field in FLAG_FIELDS.items()}
 
 
 def node_preset(has_gpus: bool) -> str:
@@ -60,7 +65,7 @@ def node_preset(has_gpus: bool) -> str:
 def with_preset(key: str, engine_args: dict, env: dict) -> tuple[dict, dict]:
     """The preset's flags and environment under the caller's own (a value the caller gave wins)."""
     preset = PRESETS[key]
-    flags = {PRESET_FLAGS[k]: v for k, v in preset.items() if k in PRESET_FLAGS}
+    flags = {FIELD_FLAGS[k]: v for k, v in preset.items() if k in FIELD_FLAGS}
     flags.update(preset["flags"])
     return {**flags, **engine_args}, {**preset["env"], **env}
 

@@ -130,8 +130,9 @@ class FitQuerySerializer(serializers.Serializer):
     tp = serializers.IntegerField(min_value=1, max_value=64, required=False,
                                   help_text="Default: the node's GPU count (its largest power of two; 1 on a CPU node).")
     pp = serializers.IntegerField(min_value=1, max_value=64, default=1)
-    gpu_memory_utilization = serializers.FloatField(min_value=0.05, max_value=1.0, default=0.9)
-    kv_cache_dtype = serializers.ChoiceField(choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"], default="auto")
+    gpu_memory_utilization = serializers.FloatField(min_value=0.05, max_value=1.0,
+                                                    default=flagpolicy.GPU_MEMORY_UTILIZATION)
+    kv_cache_dtype = serializers.ChoiceField(choices=flagpolicy.KV_CACHE_DTYPES, default=flagpolicy.KV_CACHE_DTYPE)
 
 
 class ModelRepoSerializer(serializers.ModelSerializer):

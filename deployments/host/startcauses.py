@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-DEFAULT_UTILIZATION = 0.9  # vLLM's default gpu-memory-utilization
+from deployments import flagpolicy
+
 UTILIZATION_STEP = 0.05
 UTILIZATION_MAX = 0.95
 MEMORY = frozenset({"kv_too_small", "no_kv_memory", "cuda_oom"})
@@ -84,7 +85,7 @@ def advise(lines: list[str], flags: dict | None = None) -> Cause | None:
             size, gib = hints[-1]
             return Cause("cuda_oom", sentence + f" vLLM measured that a {gib} GiB KV cache fits the requested memory.",
                          {"kv-cache-memory-bytes": int(size)})
-        utilization = float(flags.get("gpu-memory-utilization") or DEFAULT_UTILIZATION)
+        utilization = flagpolicy.gpu_memory_utilization(flags)
         lower = round(utilization - UTILIZATION_STEP, 2)
         return Cause("cuda_oom", sentence + " Leave more room: lower gpu-memory-utilization (or max-num-seqs).",
                      {"gpu-memory-utilization": lower} if lower > 0.1 else {})
@@ -110,7 +111,7 @@ def advise(lines: list[str], flags: dict | None = None) -> Cause | None:
 
 
 def _raised(flags: dict) -> dict:
-    utilization = float(flags.get("gpu-memory-utilization") or DEFAULT_UTILIZATION)
+    utilization = flagpolicy.gpu_memory_utilization(flags)
     higher = round(min(UTILIZATION_MAX, utilization + UTILIZATION_STEP), 2)
     return {"gpu-memory-utilization": higher} if higher > utilization else {}
 

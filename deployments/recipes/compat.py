@@ -9,6 +9,8 @@ Plain Python: the gate (deployments/services/compatgate.py) feeds it the model's
 import re
 from dataclasses import dataclass
 
+from deployments import flagpolicy
+
 from deployments.recipes.resolve import hardware_keys
 from deployments.recipes.schema import Recipe
 
@@ -105,7 +107,7 @@ def check_flags(flags: dict, env: dict, shape: Shape, capability: str) -> list[R
     against the model's heads and block-quantized shapes."""
     out = []
     backend = str(flags.get("attention-backend") or env.get("VLLM_ATTENTION_BACKEND") or "").upper()
-    kv = str(flags.get("kv-cache-dtype") or "auto")
+    kv = flagpolicy.kv_cache_dtype(flags)
     cap = tuple(int(p) for p in capability.split(".")[:2]) if re.match(r"^\d+\.\d+$", capability or "") else ()
     family = f"SM{cap[0]}{cap[1]}" if cap else ""
     if backend and shape.sparse and backend not in SPARSE_BACKENDS:
@@ -173,7 +175,7 @@ def check_recipe(recipe: Recipe, flags: dict, env: dict, capability: str, varian
     """The recipe's own known_failures whose every condition holds for this deploy."""
     facts = {"strategy": strategy, "variant": variant, "hardware": hardware_keys(capability),
              "tensor_parallel_size": int(flags.get("tensor-parallel-size") or 1),
-             "kv_cache_dtype": str(flags.get("kv-cache-dtype") or "auto"),
+             "kv_cache_dtype": flagpolicy.kv_cache_dtype(flags),
              "attention_backend": str(flags.get("attention-backend") or env.get("VLLM_ATTENTION_BACKEND") or ""),
              "expert_parallel": bool(flags.get("enable-expert-parallel"))}
     out = []

@@ -37,7 +37,7 @@ def deploy_context(model: ModelRepo, node: Node, engine_args: dict, env: dict | 
     except (ValueError, TypeError, KeyError, flagpolicy.OptionError) as exc:
         log.debug("no context estimate for %s on %s: %s", model, node, exc)
         return None
-    chosen = (str(engine_args.get("kv-cache-dtype") or "auto"), layout.dcp)
+    chosen = (flagpolicy.kv_cache_dtype(engine_args), layout.dcp)
     return {"rows": [dict(r.as_dict(), chosen=(r.kv_dtype, r.layout.dcp) == chosen) for r in rows],
             "context": context, "layout": layout.describe(), "correction_bytes": correction,
             "calibrated": FitCalibration.objects.filter(node=node, model=model).count(),
@@ -51,7 +51,7 @@ def _recipe_choices(recipe, engine_args: dict, spec, layout: Layout) -> tuple[li
     section = data.get("model") if isinstance(data.get("model"), dict) else {}
     allowed = section.get("kv_cache_dtypes") or section.get("allowed_kv_cache_dtypes")  # the shipped recipes' key
     kv_dtypes = [str(k) for k in allowed or contextfit.DEFAULT_KV_DTYPES]
-    chosen = str(engine_args.get("kv-cache-dtype") or "auto")
+    chosen = flagpolicy.kv_cache_dtype(engine_args)
     if chosen not in kv_dtypes:
         kv_dtypes.append(chosen)
     dcps = contextfit.dcp_sizes(spec, layout.tp)

@@ -11,7 +11,7 @@ OVERRIDE_HINT = ("an admin can deploy it anyway (the form's \"Deploy anyway\", A
                  "panelctl: --override-fit)")
 
 
-def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = 0.9,
+def model_fit(model: ModelRepo, node: Node, tp: int, pp: int = 1, gpu_memory_utilization: float = flagpolicy.GPU_MEMORY_UTILIZATION,
               kv_cache_dtype: str = "auto", gpu_indices: list[int] | None = None, context_length: int | None = None,
               kv_cache_gib: float | None = None) -> modelfit.FitResult | modelfit.CpuFitResult | None:
     """Does the model fit the node's GPUs (those chosen, else all) at TP×PP (a node without GPUs: its RAM and
@@ -43,7 +43,7 @@ def deploy_fit(model: ModelRepo, node: Node, gpu_indices: list[int], engine_args
         return model_fit(
             model, node, flagpolicy.count(engine_args, "tensor-parallel-size"),
             flagpolicy.count(engine_args, "pipeline-parallel-size"),
-            float(engine_args.get("gpu-memory-utilization") or 0.9), str(engine_args.get("kv-cache-dtype") or "auto"),
+            flagpolicy.gpu_memory_utilization(engine_args), flagpolicy.kv_cache_dtype(engine_args),
             gpu_indices=gpu_indices or None, context_length=_int(engine_args.get("max-model-len")),
             kv_cache_gib=float(kv_gib) if kv_gib not in (None, "") else None)
     except (ValueError, TypeError, KeyError, flagpolicy.OptionError):

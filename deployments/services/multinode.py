@@ -8,7 +8,7 @@ whole replicas (TP × PP each) on every node, the head's API server balancing ov
 """
 from dataclasses import dataclass
 
-from deployments import modelconfig, modelfit, userflags
+from deployments import flagpolicy, modelconfig, modelfit, userflags
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
 from deployments.layout import (EXECUTORS, data_parallel, dp_ranks, dp_split, executor, layout,  # noqa: F401
                                  port_name, world_size)
@@ -140,7 +140,7 @@ def _check_fit(model: ModelRepo, nodes: list[Node], indices: list[list], engine_
         return
     tp, pp = int(engine_args.get("tensor-parallel-size", 1)), int(engine_args.get("pipeline-parallel-size", 1))
     result = modelfit.fit_check(spec, modelconfig.weight_bytes(files) or model.total_size, memories, tp, pp,
-                                gpu_memory_utilization=float(engine_args.get("gpu-memory-utilization", 0.9)))
+                                gpu_memory_utilization=flagpolicy.gpu_memory_utilization(engine_args))
     if not result.fits:
         raise ServiceError(f"Over {', '.join(n.name for n in nodes)}: {result.message}", field="tp", code="does_not_fit")
 

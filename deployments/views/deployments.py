@@ -23,25 +23,15 @@ def deployment_list(request):
 
 def _initial(preset: str | None, deployment: Deployment | None) -> dict:
     """Form values from a preset, or from an existing deployment (redeploy)."""
-    if deployment:
-        args = secrets.mask(deployment.engine_args)  # write-only: a masked value sent back keeps the stored one
-        initial = {"name": deployment.name, "port": deployment.port, "gpus": [str(i) for i in deployment.gpu_indices],
-                   "tp": args.pop("tensor-parallel-size", 1), "pp": args.pop("pipeline-parallel-size", 1),
-                   "dp": args.pop("data-parallel-size", 1), "expert_parallel": args.pop("enable-expert-parallel", False),
-                   "max_model_len": args.pop("max-model-len", None), "max_num_seqs": args.pop("max-num-seqs", None),
-                   "max_num_queued_reqs": args.pop("max-num-queued-reqs", None),
-                   "max_num_queued_tokens": args.pop("max-num-queued-tokens", None),
-                   "gpu_memory_utilization": args.pop("gpu-memory-utilization", 0.9),
-                   "kv_cache_dtype": args.pop("kv-cache-dtype", "auto"), "reasoning_parser": args.pop("reasoning-parser", ""),
-                   "tool_call_parser": args.pop("tool-call-parser", ""), "trust_remote_code": args.pop("trust-remote-code", False),
-                   "served_model_name": args.pop("served-model-name", ""), "auto_restart": deployment.auto_restart,
-                   "retry_advised": False,  # a change to a deployment retries only when asked
-                   "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm,
-                   "reuse_memory_profile": deployment.reuse_memory_profile,
-                   "sleep_mode": deployment.sleep_mode, "start_asleep": deployment.start_asleep, "stall_seconds": deployment.stall_seconds, "attention_backend": args.pop("attention-backend", "")}
-        args.pop("enable-auto-tool-choice", None)
-        initial["extra_flags"] = " ".join(userflags.argv_words(args))
-        initial["env"] = "\n".join(f"{k}={v}" for k, v in secrets.mask(deployment.env, secrets.marked(deployment)).items())
+    if deployment:  # secrets are write-only: a masked value sent back keeps the stored one
+        initial = deploydefaults.flags_initial(secrets.mask(deployment.engine_args),
+                                               secrets.mask(deployment.env, secrets.marked(deployment)))
+        initial.update({"name": deployment.name, "port": deployment.port,
+                        "gpus": [str(i) for i in deployment.gpu_indices], "auto_restart": deployment.auto_restart,
+                        "retry_advised": False,  # a change to a deployment retries only when asked
+                        "stop_foreign": deployment.stop_foreign, "prewarm": deployment.prewarm,
+                        "reuse_memory_profile": deployment.reuse_memory_profile, "sleep_mode": deployment.sleep_mode,
+                        "start_asleep": deployment.start_asleep, "stall_seconds": deployment.stall_seconds})
         initial["secret_env"] = " ".join(secrets.marked(deployment))
         placed = deployment.ranks.select_related("node")  # multi-node: the worker nodes as placed, to keep or change
         initial["workers"] = [r.node.name for r in placed]
