@@ -238,7 +238,7 @@ CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 # Celery beat (the launcher's control worker runs it with -B; compose runs a `beat` service): the notification
 # conditions and due deliveries every NOTIFY_BEAT_S.
-from deployments.notify.schedule import BEAT_SCHEDULE as CELERY_BEAT_SCHEDULE  # noqa: E402 - plain data, no Django
+from deployments.notify.schedule import BEAT_SCHEDULE as CELERY_BEAT_SCHEDULE  # noqa: E402, F401 - plain data, no Django; a setting
 
 # Outgoing mail for notifications (Django's SMTP backend reads these; all optional).
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")

@@ -9,7 +9,7 @@ One malformed file refuses the whole import (exit 2), each error naming its file
 """
 from pathlib import Path
 
-from panelctl.client import BAD_INPUT, CliError, emit, say
+from panelctl.client import BAD_INPUT, CliError, emit
 from plumbing import recipefiles
 
 
