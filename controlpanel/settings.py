@@ -322,7 +322,7 @@ ANONYMOUS_BODY_MAX = env_int("ANONYMOUS_BODY_MAX", 64 << 10)
 LONG_POLLS_PER_USER = env_int("LONG_POLLS_PER_USER", 2)
 # Seconds between an open WebSocket's checks that its session and role still hold (logout and role
 # changes also close sockets at once; this catches expiry and changes made straight in the database).
-WS_RECHECK_SECONDS = env_float("WS_RECHECK_SECONDS", 60.0)  # per web process: requests served at once (plumbing/handler.py)
+WS_RECHECK_SECONDS = env_float("WS_RECHECK_SECONDS", 60.0)
 HEARTBEAT_SECONDS = env_float("HEARTBEAT_SECONDS", 5.0)
 SAMPLE_SECONDS = env_float("SAMPLE_SECONDS", 1.0)
 # On a node without GPUs the whole host is one engine's claim: vLLM engines the panel did not start
