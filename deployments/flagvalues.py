@@ -12,6 +12,8 @@ COUNTS = {"max-num-seqs", "max-num-batched-tokens", "block-size", "max-logprobs"
           "max-cpu-loras", "num-gpu-blocks-override", "max-parallel-loading-workers", "max-num-partial-prefills",
           "max-long-partial-prefills", "long-prefill-token-threshold", "api-server-count", "max-cudagraph-capture-size",
           "max-num-queued-reqs", "max-num-queued-tokens"}
+# Of those, the ones vLLM's config wants at least 1 of (pydantic's ge=1/gt=0: a 0 fails the launch).
+POSITIVE = {"max-num-seqs", "max-num-batched-tokens", "block-size", "max-loras"}
 # Amounts from 0 up (float()).
 AMOUNTS = {"swap-space", "cpu-offload-gb"}
 # vLLM reads --max-model-len as a whole number, -1 or "auto", or with a k/m/g suffix ("32k").
@@ -40,7 +42,7 @@ def _problem(name: str, value) -> str | None:
         return None
     shown = repr(str(value)[:40])
     try:
-        if name in COUNTS and _whole(value) < 0:
+        if name in COUNTS and _whole(value) < (1 if name in POSITIVE else 0):
             raise ValueError
         if name == "seed":
             _whole(value)
@@ -51,7 +53,8 @@ def _problem(name: str, value) -> str | None:
     except (TypeError, ValueError):
         if name == "gpu-memory-utilization":
             return f"--{name} is the share of each GPU's memory the engine takes, above 0 and at most 1, not {shown}"
-        what = "a whole number" if name == "seed" else "a whole number from 0 up" if name in COUNTS else "a number from 0 up"
+        what = ("a whole number" if name == "seed" else "a whole number from 1 up" if name in POSITIVE
+                else "a whole number from 0 up" if name in COUNTS else "a number from 0 up")
         return f"--{name} takes {what}, not {shown}"
     if name == "max-model-len" and not isinstance(value, bool) and not MODEL_LEN.match(str(value).strip()):
         return f"--{name} takes a number of tokens (e.g. 4096 or 32k), not {shown}"

@@ -277,7 +277,7 @@ def test_a_variant_that_fails_to_start_is_recorded_and_the_study_goes_on(d):
                               {"name": "more", "engine_args": {"max-num-seqs": 32}, "env": {}}], repeats=3)
     study = run_through(study, d, {"baseline": 100.0, "more": 150.0})
     bad = study.variants.get(name="bad")
-    assert "--max-num-seqs takes a whole number from 0 up, not 'oops'" in bad.failed  # refused before the launch
+    assert "--max-num-seqs takes a whole number from 1 up, not 'oops'" in bad.failed  # refused before the launch
     assert list(bad.trials.values_list("status", flat=True)) == ["failed", "skipped", "skipped"]
     more = next(r for r in study.results["variants"] if r["name"] == "more")
     assert more["comparisons"]["throughput@4"]["verdict"] == "better"

@@ -236,6 +236,18 @@ def test_a_served_name_with_a_space_is_refused_with_what_it_may_hold(name, ok):
     assert said == [] if ok else said[0].startswith("--served-model-name is the one name callers put in \"model\"")
 
 
+@pytest.mark.parametrize("flags, said", [
+    ({"max-num-seqs": 0}, "--max-num-seqs takes a whole number from 1 up, not '0'"),  # vLLM's ge=1: a failed launch
+    ({"max-num-batched-tokens": 0}, "--max-num-batched-tokens takes a whole number from 1 up, not '0'"),
+    ({"max-num-queued-reqs": -1}, "--max-num-queued-reqs takes a whole number from 0 up, not '-1'"),
+    ({"max-num-seqs": 1, "max-num-queued-reqs": 0}, None),
+])
+def test_counts_vllm_wants_at_least_one_of_are_refused_at_zero_before_anything_starts(flags, said):
+    from deployments import flagvalues
+
+    assert flagvalues.problems(flags) == ([said] if said else [])
+
+
 def test_json_whose_quotes_the_flags_line_dropped_says_how_to_quote_it_and_quoted_json_meets_the_admin_gate():
     """`--hf-overrides {"trust_remote_code":true}` was refused as "no shell syntax" instead of "admin only"."""
     from deployments import userflags

@@ -69,7 +69,7 @@ def test_each_deploy_check_says_its_own_reason_in_the_order_a_user_can_act_on(lo
     # A bad value first: the caller's to fix, whatever holds the host.
     assert cli.main([*deploy, "--port", "8100", "--flag", "max-num-seqs=abc"]) == 2
     err = capsys.readouterr().err
-    assert "--max-num-seqs takes a whole number from 0 up, not 'abc'" in err and "Other" not in err
+    assert "--max-num-seqs takes a whole number from 1 up, not 'abc'" in err and "Other" not in err
     # Then the port the stranger listens on, named with it.
     assert cli.main([*deploy, "--port", "8100"]) == 3
     err = capsys.readouterr().err

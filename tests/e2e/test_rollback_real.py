@@ -1,8 +1,8 @@
 """Versions and rollback with the real CPU engine and a real node agent: a deploy that reaches ready is version 1, known
-good; a redeploy with a flag value vLLM refuses at launch (`--max-num-seqs 0`: its scheduler config wants at least 1,
-a value the panel's own check of counts lets through) fails as version 2 with the engine's reason; Roll back to known
-good through the API deploys version 1 again, and the new engine runs with exactly the first one's argv, read from
-/proc/<pid>/cmdline."""
+good; a redeploy with flags vLLM refuses at launch (`--max-num-batched-tokens 2` below `--max-num-seqs 4`: its
+scheduler config wants at least one token per sequence, a relation between two flags the panel does not check) fails
+as version 2 with the engine's reason; Roll back to known good through the API deploys version 1 again, and the new
+engine runs with exactly the first one's argv, read from /proc/<pid>/cmdline."""
 from pathlib import Path
 
 import pytest
@@ -39,11 +39,11 @@ def test_a_failed_redeploy_rolls_back_to_the_known_good_version_with_its_exact_a
     assert row.status == "ready", row.status_message
     first = _argv(row)
 
-    in_thread(deploys.deployment_redeploy, row, engine_args={**args, "max-num-seqs": 0}, env=env)
+    in_thread(deploys.deployment_redeploy, row, engine_args={**args, "max-num-batched-tokens": 2}, env=env)
     row = _settled(d, ("failed",))
     v2 = d.versions.get(number=2)
     assert v2.outcome == "failed" and v2.outcome_message == row.status_message and v2.outcome_message
-    assert versions.listed(row)[0]["changes"] == ["--max-num-seqs 4 → 0"]
+    assert versions.listed(row)[0]["changes"] == ["--max-num-batched-tokens 2 added"]
 
     api = APIClient()
     api.force_authenticate(UserFactory(role="operator"))

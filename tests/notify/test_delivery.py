@@ -244,7 +244,7 @@ def test_a_studys_loads_and_failed_variants_are_told_once_when_it_finishes_not_o
     study = StudyFactory(deployment=d)
     Study.objects.filter(pk=study.pk).update(status=Study.Status.RUNNING)
     steps.move(d, S.READY)  # a trial's redeploy
-    steps.fail(Deployment.objects.get(pk=d.pk), "--max-num-seqs takes a whole number from 0 up, not 'oops'")
+    steps.fail(Deployment.objects.get(pk=d.pk), "--max-num-seqs takes a whole number from 1 up, not 'oops'")
     assert send_due() == []
     Study.objects.filter(pk=study.pk).update(status=Study.Status.DONE)
     d = Deployment.objects.get(pk=d.pk)
