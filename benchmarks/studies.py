@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 S, T, D = Study.Status, StudyTrial.Status, Deployment.Status
 MAX_ATTEMPTS = 3  # a trial interrupted by an agent restart is run again, this many times in all
 MAX_TRIALS = 200
-ENV_NAME = userflags.ENV_NAME
+ENV_NAME = flagpolicy.ENV_NAME
 ORDERS = {"interleaved": "interleaved (A B C A B C)", "mirrored": "mirrored (A B C C B A)", "random_blocks": "randomised blocks"}
 
 

@@ -6,7 +6,7 @@ their one canonical form and every value is checked (flagpolicy) before anything
 import shlex
 
 from deployments import flagpolicy
-from deployments.flagpolicy import ENV_NAME, FLAG_NAME, MAX_VALUE, OptionError  # noqa: F401 (used by callers)
+from deployments.flagpolicy import ENV_NAME, OptionError
 from deployments.host import enginemodules, serveargv
 
 # Environment variables a deployment may set: the engine's, the communication libraries' and CUDA's.

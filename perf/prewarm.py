@@ -7,7 +7,7 @@
    flags, through its own services and node-side plan (plan.deployment_run, the node agent's task,
    run here on a fresh SQLite database and an embedded Redis): each load is kept in the history the
    panel learns from (its `load` step), the node's very first start included. Before each restart the
-   time to ready is predicted from that history (loadtime.load_history, as the deployment page's
+   time to ready is predicted from that history (loads.load_history, as the deployment page's
    forecast does) and compared with the time to ready the load then took (target <= 10 over the
    LOADS restarts). The node registers as an agent does when it starts: it asks the engine its
    version and flags, and measures the store's read rate.
@@ -115,7 +115,8 @@ def prediction(loads: int) -> dict:
         from deployments import tasks
         from deployments.agent import Agent
         from deployments.models import Deployment, Node
-        from deployments.services import loadtime, repos
+        from deployments import loads
+        from deployments.services import repos
 
         agent = Agent(name="perf-node", model_store=str(var / "store"), address="127.0.0.1", version="perf")
         agent.register()  # in a thread, as at an agent's start: the engine's version and flags, the store's read rate
@@ -126,7 +127,7 @@ def prediction(loads: int) -> dict:
         d, took, errors, predicted_each = None, [], [], []
         for n in range(loads + 1):  # the node's first start, then LOADS restarts
             if d is not None:  # what the page forecasts before the restart's first log line
-                history, basis, scale, _ = loadtime.load_history(Deployment.objects.get(pk=d.pk))
+                history, basis, scale, _ = loads.load_history(Deployment.objects.get(pk=d.pk))
                 forecast = loadphases.predict(loadphases.PhaseClock(), 0.0, history, basis, scale)
                 if forecast is None:
                     raise SystemExit(f"after {n} load(s) the panel kept none to forecast from ({basis})")
@@ -135,7 +136,7 @@ def prediction(loads: int) -> dict:
             if n:
                 predicted_each.append(forecast.total_s)
                 errors.append(100.0 * abs(forecast.total_s - actual) / actual)
-        kept = len(loadtime.load_history(d)[0])
+        kept = len(loads.load_history(d)[0])
     finally:
         stop_engines()
         children.stop()

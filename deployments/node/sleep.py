@@ -19,8 +19,7 @@ from deployments.models import Deployment
 from deployments.node import lifecycle
 from deployments.node import sleepprobe
 from deployments.node.guards import foreign_holders
-from deployments.node.sleepprobe import (RAM_MARGIN, RAM_SPARE, SLEEP_RESIDUAL_BYTES, SLEEP_TIMEOUT_S,  # noqa: F401
-                                         WAKE_TIMEOUT_S, choose_level, gpu_held, group_rss)
+from deployments.node.sleepprobe import SLEEP_TIMEOUT_S, WAKE_TIMEOUT_S, group_rss
 from deployments.node.steps import Aborted, PlanFailed, move, step
 from deployments.timeline import deployment_event
 

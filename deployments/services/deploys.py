@@ -9,8 +9,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils.text import slugify
 
-from deployments import (callit, deploydefaults, flagpolicy, flagvalues, payloads, privileged, secrets, versions,
-                         warmstart)
+from deployments import (callit, deploydefaults, flagpolicy, flagvalues, layout, payloads, privileged, secrets,
+                         versions, warmstart)
 from deployments.host import ownership, supervisors
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node
 from deployments.services import compatgate, fitgate, multinode, recipes, repos, sleepgate
@@ -174,7 +174,7 @@ def deployment_create(*, model: ModelRepo, node: Node, gpu_indices: list[int], p
     if problem := secrets.check_marked(secret_env, env, engine_args):
         raise ServiceError(problem, field="secret_env")
     existing = Deployment.objects.filter(name=name or deployment_default_name(model, node)).first()
-    ray = multinode.executor(engine_args) == "ray"  # a Ray deployment has a Ray head port, on one node too
+    ray = layout.executor(engine_args) == "ray"  # a Ray deployment has a Ray head port, on one node too
     reusable = existing and existing.model_id == model.pk and existing.node_id == node.pk and bool(workers or ray) == bool(
         existing.master_port) and (replace_existing or (not name and existing.status in Deployment.TERMINAL))
     if reusable:
@@ -285,7 +285,7 @@ def deployment_redeploy(d: Deployment, **changes) -> Deployment:
     keys.names_check(user, [d.engine_args.get("served-model-name")], [d.pk, *d.replace], field="engine_args")
     multinode.check_executor(d.engine_args, 1 + len(workers))
     if not workers:  # a one-node deployment switched to or from Ray gets or drops its Ray head's port
-        ray = multinode.executor(d.engine_args) == "ray"
+        ray = layout.executor(d.engine_args) == "ray"
         d.master_port = (d.master_port or multinode.free_master_port(d.node)) if ray else None
     if workers:  # nodes online, GPUs free, the same engine everywhere, the model there or downloadable
         multinode.check(model=d.model, head=d.node, head_gpus=gpu_indices, workers=workers, engine_args=d.engine_args,
@@ -390,7 +390,7 @@ def deployment_persist(d: Deployment) -> Deployment:
     if d.sleep_mode:  # systemd would start it awake at boot, beside the one that shares its GPUs
         raise ServiceError("A sleep-mode deployment cannot be made a systemd service: it shares its GPUs with other "
                            "sleep-mode deployments, and systemd would start it awake at boot.", code="no_sleep_mode")
-    if multinode.executor(d.engine_args) == "ray":
+    if layout.executor(d.engine_args) == "ray":
         raise ServiceError("A Ray deployment cannot be made a systemd service yet: its agents own its Ray nodes.",
                            code="ray")
     deployment_event(d, "persist", "Making it a service that survives crashes and reboots.")

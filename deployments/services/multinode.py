@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from deployments import flagpolicy, modelconfig, modelfit, userflags
 from deployments.models import Deployment, DeploymentRank, ModelCopy, ModelRepo, Node
-from deployments.layout import (EXECUTORS, data_parallel, dp_ranks, dp_split, executor, layout,  # noqa: F401
-                                 port_name, world_size)
+from deployments.layout import EXECUTORS, data_parallel, dp_split, executor, port_name, world_size
 from deployments.services import repos
 from deployments import claims
 from plumbing.errors import ServiceError

@@ -5,12 +5,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from deployments import history, nodelive, payloads
-from deployments.dispatch import node_enqueue  # noqa: F401 - re-exported: callers route host work through nodes
 from deployments.models import Deployment, DeploymentRank, Gpu, Node
 from deployments.timeline import deployment_event
 
 log = logging.getLogger(__name__)
-__all__ = ["AgentConflict", "node_register", "node_heartbeat", "node_enqueue", "node_engines", "node_sample_record", "node_minute_record"]
+__all__ = ["AgentConflict", "node_register", "node_heartbeat", "node_engines", "node_sample_record", "node_minute_record"]
 
 
 class AgentConflict(Exception):

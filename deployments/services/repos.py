@@ -12,7 +12,7 @@ from deployments.host import compilecache, hub, osuser, store
 from deployments.modelcopies import (hf_token, model_copy_download, model_copy_progress,  # noqa: F401 - the node's part,
                                      node_refresh_disk)  # beneath both sides; its names are services' API too
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
-from deployments.services.nodes import node_enqueue
+from deployments.dispatch import node_enqueue
 from plumbing.errors import ServiceError
 from plumbing.queue import enqueue
 

@@ -171,11 +171,11 @@ def test_the_history_endpoint_serves_recent_samples_and_minutes(agent, published
 
 
 def test_host_work_is_sent_to_the_nodes_own_queue_after_commit(sent_tasks):
-    from deployments.services import nodes
+    from deployments.dispatch import node_enqueue
     from tests.factories import NodeFactory
 
     node = NodeFactory(name="gpu-09")
-    nodes.node_enqueue(node, "deployments.node_ping")
+    node_enqueue(node, "deployments.node_ping")
     assert not sent_tasks  # nothing leaves before the transaction commits
     assert sent_tasks.commit().one("deployments.node_ping").queue == "node.gpu-09"
 

@@ -9,10 +9,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from deployments import contextfit, kvcalibration
+from deployments import contextfit, kvcalibration, loads
 from deployments.models import DeploymentEvent, FitCalibration
 from deployments.services import contextfit as service
-from deployments.services import loadtime
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -72,7 +71,7 @@ def _deployment(node, model, utilization):
 
 def _finished_load(d, lines):
     """Follow a load as plan._follow does: lines fed, ready, smoke test done (LoadWatch.finish calibrates)."""
-    watch = loadtime.LoadWatch(d)
+    watch = loads.LoadWatch(d)
     watch.event_id = DeploymentEvent.objects.create(deployment=d, step="load", message="…").pk
     watch.feed(lines)
     watch.ready()

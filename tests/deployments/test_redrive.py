@@ -80,9 +80,9 @@ def test_engine_control_goes_to_the_nodes_control_queue_and_never_expires_plans_
 
 
 def test_a_halt_sent_from_a_service_reaches_the_control_queue_after_commit(node, sent_tasks):
-    from deployments.services import nodes
+    from deployments.dispatch import node_enqueue
 
-    nodes.node_enqueue(node, "deployments.deployment_halt", 7)
+    node_enqueue(node, "deployments.deployment_halt", 7)
     assert not sent_tasks  # not before the commit
     halt = sent_tasks.commit().one("deployments.deployment_halt")
     assert (halt.args, halt.options) == ([7], {"queue": "node.gpu-01.control"})

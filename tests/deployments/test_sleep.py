@@ -18,12 +18,12 @@ S = Deployment.Status
 
 
 def test_level_one_when_free_ram_holds_the_weights_with_a_margin_else_two():
-    assert sleep.choose_level(100 * GIB, 200 * GIB)[0] == 1
-    level, why = sleep.choose_level(547 * GIB, 400 * GIB)
+    assert sleepprobe.choose_level(100 * GIB, 200 * GIB)[0] == 1
+    level, why = sleepprobe.choose_level(547 * GIB, 400 * GIB)
     assert level == 2 and "547.0 GiB" in why and "400.0 GiB" in why
-    need = int(100 * GIB * sleep.RAM_MARGIN) + sleep.RAM_SPARE
-    assert sleep.choose_level(100 * GIB, need)[0] == 1 and sleep.choose_level(100 * GIB, need - 1)[0] == 2
-    assert sleep.choose_level(0, 500 * GIB)[0] == 2  # weights unknown: never assumed to fit
+    need = int(100 * GIB * sleepprobe.RAM_MARGIN) + sleepprobe.RAM_SPARE
+    assert sleepprobe.choose_level(100 * GIB, need)[0] == 1 and sleepprobe.choose_level(100 * GIB, need - 1)[0] == 2
+    assert sleepprobe.choose_level(0, 500 * GIB)[0] == 2  # weights unknown: never assumed to fit
 
 
 @pytest.fixture
