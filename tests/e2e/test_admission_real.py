@@ -16,7 +16,7 @@ import pytest
 from benchmarks.runner import LoadSpec, run_level
 from deployments.gateway.models import Usage
 from deployments.host import vllm
-from tests.conftest import VLLM, wait_until
+from tests.conftest import VLLM, run_async, wait_until
 from tests.e2e.test_gateway import bearer, engine_on_loopback, start_gateway
 from tests.factories import NodeFactory
 from tests.gateway.conftest import make_deployment, make_key
@@ -71,13 +71,13 @@ def test_the_engines_admission_cap_is_a_503_direct_a_429_with_retry_after_throug
                                                               "stream": True})
                                               for _ in range(8)])
         kinds = {"served": 0, "503": 0, "in the stream": 0}  # how the engine itself answered a burst
-        for reply in asyncio.run(burst(direct, key)):
+        for reply in run_async(burst(direct, key), timeout=120):
             inside = reply.status_code == 200 and '"error"' in reply.text
             assert reply.status_code in (200, 503) and (
                 reply.status_code == 200 and not inside or vllm.refused_for_load(503, reply.text)), reply.text
             kinds["in the stream" if inside else "503" if reply.status_code == 503 else "served"] += 1
         print(f"\nburst of 8 straight at the engine: {kinds}")
-        replies = asyncio.run(burst(gateway, caller))
+        replies = run_async(burst(gateway, caller), timeout=120)  # Playwright may own this thread's loop
         codes = sorted(r.status_code for r in replies)
         assert codes[0] == 200 and codes.count(429) == len(codes) - codes.count(200) > 0, codes
         assert all('"error"' not in r.text for r in replies if r.status_code == 200)
