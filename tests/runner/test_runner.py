@@ -109,8 +109,9 @@ def test_chunks_that_arrive_together_share_the_gap_before_them(bunched):
     # the first, both identities with the records. (A ratio of the two medians, "itl / 4 within 25 %", failed on a
     # busy host whose late reads brought 8 chunks at once: 2.51 against 1.62 ms.)
     assert level.itl_per_token_ms.get("median") == median_ms(spread_gaps(level, tokens_per_chunk=1))
-    assert level.tpot_ms["median"] == pytest.approx(ms([(r.chunk_times[-1] - r.chunk_times[0]) / 31
-                                                        for r in decoded(level)]))
+    # A busy host can bring every request's tokens after its first in one read: then no TPOT, not a made-up one.
+    assert level.tpot_ms.get("median") == median_ms([(r.chunk_times[-1] - r.chunk_times[0]) / 31
+                                                     for r in decoded(level)])
 
 
 def test_several_tokens_per_chunk_and_several_chunks_per_read_multiply():
