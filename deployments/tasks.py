@@ -7,7 +7,7 @@ import socket
 
 from celery import shared_task
 
-from deployments import loads
+from deployments import loads, modelcopies
 from deployments.host import hub
 from deployments.node import persist, plan, ranks, redrive, sleep, watch  # noqa: F401 - redrive: its signals count the work in hand
 from deployments.services import repos
@@ -36,7 +36,7 @@ def model_inspect_local(model_id: int, node_id: int) -> None:
 @shared_task(name="deployments.model_copy_download")
 def model_copy_download(copy_id: int) -> None:
     """On a node: download (or resume) a model copy."""
-    repos.model_copy_download(copy_id)
+    modelcopies.model_copy_download(copy_id)
 
 
 @shared_task(name="deployments.model_copy_remove")

@@ -9,7 +9,7 @@ sample (synthetic figures instead of NVML, /proc and statvfs, ~20 µs instead of
 sampler's milliseconds), a fake NVML driver without processes for the holder check, and the
 engines' side of the crash watch (`engine_running`, /health, /metrics readings), so that some
 nodes serve a deployment whose figures reach its page. A few nodes also download a model: their
-progress goes through `repos.model_copy_progress`, as a real download's does.
+progress goes through `modelcopies.model_copy_progress`, as a real download's does.
 
 Browsers (`browse()`) are WebSocket clients speaking the pages' protocol (static/panel/live.js):
 a fleet page subscribes to "fleet", a node page to its node, a deployment page to its deployment;
@@ -55,7 +55,7 @@ def synthetic_sample(seed: int, gpus: int, t: float) -> dict:
 def _agent_class():
     from deployments.agent import Agent
     from deployments.host import downloads
-    from deployments.services import repos
+    from deployments import modelcopies
 
     class SimAgent(Agent):
         """The real agent with made-up host readings (see the module's docstring)."""
@@ -77,7 +77,7 @@ def _agent_class():
             self.published.append(sample["t"])
             if self.copy is not None:
                 done = min(self.copy.bytes_total, (len(self.published) % 400) * 10**9)
-                repos.model_copy_progress(self.copy, downloads.Progress(
+                modelcopies.model_copy_progress(self.copy, downloads.Progress(
                     bytes_done=done, bytes_total=self.copy.bytes_total, files={"model.safetensors": (done, self.copy.bytes_total)},
                     rate_bps=1e9, seconds_left=(self.copy.bytes_total - done) / 1e9, current_file="model.safetensors"))
             return sample

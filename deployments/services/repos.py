@@ -9,8 +9,7 @@ from django.utils import timezone
 
 from deployments import claims, modelconfig, modelfit, payloads
 from deployments.host import compilecache, hub, osuser, store
-from deployments.modelcopies import (hf_token, model_copy_download, model_copy_progress,  # noqa: F401 - the node's part,
-                                     node_refresh_disk)  # beneath both sides; its names are services' API too
+from deployments.modelcopies import hf_token, node_refresh_disk
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, Secret
 from deployments.dispatch import node_enqueue
 from plumbing.errors import ServiceError
@@ -19,8 +18,8 @@ from plumbing.queue import enqueue
 log = logging.getLogger(__name__)
 __all__ = [
     "DiskShort", "model_disk_check", "model_add", "model_remove", "model_add_local", "model_inspect", "model_inspect_local",
-    "model_download", "model_copy_download", "model_copy_progress", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
-    "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token", "hf_token_set",
+    "model_download", "model_copy_cancel", "model_copy_retry", "model_copy_delete",
+    "model_copy_remove", "model_copies_resume", "model_copies_stalled_resume", "hf_token_set",
     "model_download_cancel_for",
 ]
 # A copy queued or downloading whose row has not moved for this long lost its task or its worker

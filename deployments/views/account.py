@@ -8,7 +8,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
-from deployments import forms
+from deployments import forms, modelcopies
 from deployments.services import repos
 from deployments.views.accountpage import account_context
 from plumbing import tokens
@@ -26,7 +26,7 @@ def panel_settings(request):
             messages.success(request, "Hugging Face token saved." if form.cleaned_data["hf_token"] and not form.cleaned_data["clear"]
                              else "Hugging Face token cleared.")
             return redirect("settings")
-    return render(request, "settings.html", {"form": form, "hf_token_set": bool(repos.hf_token()),
+    return render(request, "settings.html", {"form": form, "hf_token_set": bool(modelcopies.hf_token()),
                                              "hf_endpoint": settings.HF_ENDPOINT})
 
 

@@ -58,7 +58,7 @@ def _copy(tmp_path, repo_id="org/flaky") -> ModelCopy:
 
 def _download(copy: ModelCopy) -> ModelCopy:
     with mock.patch.object(downloads, "download", wraps=downloads.download) as tries:
-        repos.model_copy_download(copy.pk)
+        modelcopies.model_copy_download(copy.pk)
     row = ModelCopy.objects.get(pk=copy.pk)
     row.tries = tries.call_count
     return row
@@ -138,7 +138,7 @@ def test_a_cancel_while_a_retry_waits_ends_the_copy_cancelled(url, tmp_path, set
     settings.DOWNLOAD_RETRY_FIRST_S = 600.0
     copy = _copy(tmp_path)
     configure(url, faults=[{"kind": "status", "status": 503, "path": SHARD}])
-    worker = threading.Thread(target=repos.model_copy_download, args=(copy.pk,), daemon=True)
+    worker = threading.Thread(target=modelcopies.model_copy_download, args=(copy.pk,), daemon=True)
     worker.start()
     shown = wait_until(lambda: (c := ModelCopy.objects.get(pk=copy.pk)).progress.get("retry") and c, timeout=30,
                        message="the retry's wait shown on the copy")

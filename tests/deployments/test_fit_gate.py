@@ -8,6 +8,7 @@ from django.utils import timezone
 
 from deployments.host import downloads
 from deployments.models import Deployment, ModelCopy
+from deployments import modelcopies
 from deployments.services import deploys, fitgate, repos
 from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelRepoFactory, NodeFactory
@@ -180,7 +181,7 @@ def test_a_plans_download_stops_itself_once_its_deployment_no_longer_wants_it(tm
     download.side_effect = fake_download
     with mock.patch("deployments.host.disk.disk_usage", autospec=True) as usage:
         usage.return_value = mock.Mock(total=100 * GiB, free=50 * GiB)
-        repos.model_copy_download(copy.pk, deployment_id=d.pk)
+        modelcopies.model_copy_download(copy.pk, deployment_id=d.pk)
     assert asked == [cancelled]
     assert ModelCopy.objects.get(pk=copy.pk).state == ("cancelled" if cancelled else "ready")
 

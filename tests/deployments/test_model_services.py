@@ -8,6 +8,7 @@ import pytest
 
 from deployments.host import downloads, hub, osuser
 from deployments.models import ModelCopy, ModelRepo, Secret
+from deployments import modelcopies
 from deployments.services import fitgate, repos
 from plumbing.errors import ServiceError
 from tests.factories import DeploymentFactory, GpuFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory
@@ -74,7 +75,7 @@ def test_the_token_comes_from_the_panel_setting_and_is_passed_only_to_the_hub(re
     assert repo_info.call_args.kwargs["token"] == "hf_secret_value"
     assert "hf_secret_value" not in repr(Secret.objects.get()) + str(Secret.objects.get())
     repos.hf_token_set("")
-    assert repos.hf_token() == ""
+    assert modelcopies.hf_token() == ""
 
 
 def test_download_refuses_before_the_first_byte_when_the_disk_is_short_and_lists_what_to_delete(sent_tasks):
@@ -126,7 +127,7 @@ def test_a_download_records_progress_and_ends_ready(tmp_path, download):
     download.side_effect = fake_download
     with mock.patch("deployments.host.disk.disk_usage", autospec=True) as usage:
         usage.return_value = mock.Mock(total=100 * GiB, free=50 * GiB)
-        repos.model_copy_download(copy.pk)
+        modelcopies.model_copy_download(copy.pk)
     copy.refresh_from_db()
     assert copy.state == "ready" and copy.bytes_done == copy.bytes_total and copy.path == str(tmp_path / "org--model")
 
@@ -135,7 +136,7 @@ def test_the_agent_checks_the_real_disk_before_the_first_byte(tmp_path, download
     copy = _queued_copy(tmp_path)
     with mock.patch("deployments.host.disk.disk_usage", autospec=True) as usage:
         usage.return_value = mock.Mock(total=100 * GiB, free=1 * GiB)
-        repos.model_copy_download(copy.pk)
+        modelcopies.model_copy_download(copy.pk)
     download.assert_not_called()
     copy.refresh_from_db()
     assert copy.state == "failed" and copy.error_code == "disk_full"
@@ -150,7 +151,7 @@ def test_the_agent_checks_the_real_disk_before_the_first_byte(tmp_path, download
 def test_a_failed_or_cancelled_download_says_why_and_keeps_its_place(tmp_path, download, error, state):
     copy = _queued_copy(tmp_path)
     download.side_effect = error
-    repos.model_copy_download(copy.pk)
+    modelcopies.model_copy_download(copy.pk)
     copy.refresh_from_db()
     assert copy.state == state
     if state == "failed":
@@ -161,7 +162,7 @@ def test_a_failed_or_cancelled_download_says_why_and_keeps_its_place(tmp_path, d
 def test_a_redelivered_task_leaves_a_running_download_alone(tmp_path, download):
     copy = _queued_copy(tmp_path)
     download.side_effect = hub.HubError("Another download into ... is running.", False, "busy")
-    repos.model_copy_download(copy.pk)
+    modelcopies.model_copy_download(copy.pk)
     assert ModelCopy.objects.get(pk=copy.pk).state == "downloading"
 
 

@@ -9,7 +9,7 @@ import pytest
 from django.apps import apps
 from django.db import connection
 
-from deployments import sealed
+from deployments import modelcopies, sealed
 from deployments.host import hub
 from deployments.models import Secret
 from deployments.services import repos
@@ -46,11 +46,11 @@ def test_the_stored_token_is_ciphertext_under_a_0600_key_and_the_hub_still_gets_
 
 def test_a_token_stored_in_plain_text_before_is_encrypted_by_the_migration(key_file):
     Secret.objects.create(name=Secret.HF_TOKEN, value=TOKEN)  # as the code before this one stored it
-    assert repos.hf_token() == TOKEN  # read as it is until migrated
+    assert modelcopies.hf_token() == TOKEN  # read as it is until migrated
     migration = importlib.import_module("deployments.migrations.0016_secret_sealed")
     migration.seal_plaintext(apps, None)
     migration.seal_plaintext(apps, None)  # twice: a sealed value is left as it is
-    assert TOKEN not in _stored() and sealed.unseal(_stored()) == TOKEN and repos.hf_token() == TOKEN
+    assert TOKEN not in _stored() and sealed.unseal(_stored()) == TOKEN and modelcopies.hf_token() == TOKEN
     migration.unseal(apps, None)
     assert _stored() == TOKEN
 
@@ -59,10 +59,10 @@ def test_without_the_key_file_the_token_is_unreadable_and_the_environment_token_
     repos.hf_token_set(TOKEN)
     key_file.rename(key_file.with_name("elsewhere"))  # a host the key file was not copied to
     settings.HF_TOKEN = "hf_from_the_environment"
-    assert repos.hf_token() == "hf_from_the_environment"
+    assert modelcopies.hf_token() == "hf_from_the_environment"
     assert str(key_file) in caplog.text and TOKEN not in caplog.text
     key_file.with_name("elsewhere").rename(key_file)
-    assert repos.hf_token() == TOKEN
+    assert modelcopies.hf_token() == TOKEN
 
 
 def test_a_second_process_making_the_key_keeps_the_first_ones(key_file):
