@@ -165,15 +165,18 @@ def test_a_kept_engine_container_comes_back_after_a_crash_and_a_boot_and_a_relea
     assert (status.main_pid, status.active, status.enabled, status.coming) == (pid, "active", "enabled", True)
 
     os.kill(pid, signal.SIGKILL)  # a crash: Docker starts the same container again, the same marker
-    again = wait_until(lambda: (s := keepers.status(unit)).active == "active" and s.main_pid not in (0, pid) and s,
-                       timeout=20, message="Docker to start the crashed engine again")
-    assert again.restarts == 1 and ownership.marker_of(again.main_pid) == MARKER
+    # The marker is read once the new process has exec'd with it: Docker reports its PID from the fork on.
+    again = wait_until(lambda: (s := keepers.status(unit)).active == "active" and s.main_pid not in (0, pid)
+                       and ownership.marker_of(s.main_pid) == MARKER and s,
+                       timeout=20, message="Docker to start the crashed engine again, with its marker")
+    assert again.restarts == 1
     assert containers.sweep() == [], "a kept container is never swept"
 
     docker_daemon.reboot()
-    booted = wait_until(lambda: (s := keepers.status(unit)).active == "active" and s.main_pid and s, timeout=20,
-                        message="the kept engine to start with the daemon")
-    assert booted.main_pid != again.main_pid and ownership.marker_of(booted.main_pid) == MARKER
+    booted = wait_until(lambda: (s := keepers.status(unit)).active == "active" and s.main_pid
+                        and ownership.marker_of(s.main_pid) == MARKER and s, timeout=20,
+                        message="the kept engine to start with the daemon, with its marker")
+    assert booted.main_pid != again.main_pid
 
     keepers.disable(unit, term_s=5)
     assert containers.find(MARKER) == [] and not processes.alive(booted.main_pid, 0.0)
