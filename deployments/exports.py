@@ -1,6 +1,6 @@
 """A deployment exported as one JSON document: the request that deploys it again (the body of POST /api/deployments/, its
 flags and environment as resolved, the preset already in them), its gateway route, and every version with its outcome
-and what changed. The page's Export, GET /api/deployments/<id>/export/ and `panelctl export` give it.
+and what changed. The page's export link, GET /api/deployments/<id>/export/ and `panelctl export-deployment` give it.
 
 Secrets stay as the mask (deployments/secrets.py) and are named under "secrets": a deploy of the request refuses the
 mask until each value is given."""

@@ -76,12 +76,13 @@ def add(sub) -> None:
     s.add_argument("--wait", action="store_true", help="wait until it serves, printing each step")
     s.add_argument("--timeout", type=float, default=7200)
     s.set_defaults(fn=cmd_rollback)
-    s = sub.add_parser("export-deployment", help="a deployment as JSON: the deploy request that makes it again (secrets masked), "
-                       "its gateway route and every version")
+    s = sub.add_parser("export-deployment", help="a deployment as JSON: the deploy request that makes it again "
+                       "(secrets masked), its gateway route and every version")
     s.add_argument("deployment")
     s.add_argument("-o", "--output", default="", help="a file (default: standard output)")
     s.set_defaults(fn=cmd_export)
-    s = sub.add_parser("import-deployment", help="deploy from a file `panelctl export-deployment` wrote (give each secret with --env)")
+    s = sub.add_parser("import-deployment", help="deploy from a file `panelctl export-deployment` wrote (give each "
+                       "secret with --env)")
     s.add_argument("file")
     s.add_argument("--name", default="", help="a new name (default: the exported one)")
     s.add_argument("--node", default="", help="another node (its first free port; the exported worker nodes dropped)")

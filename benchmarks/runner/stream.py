@@ -360,13 +360,9 @@ class Connection(asyncio.Protocol):
             return
         if not isinstance(obj, dict):
             return
-        if error := obj.get("error"):
-            message = _error_message(json.dumps(obj))
-            self.record.error = f"stream error: {message}"
-            # vLLM's admission can refuse inside a 200 (a request that raced others past its first check): the
-            # event carries the 503 it would have answered.
-            code = error.get("code") if isinstance(error, dict) else None
-            self.record.rejected = isinstance(code, int) and vllm.refused_for_load(code, message)
+        if obj.get("error"):
+            self.record.error = f"stream error: {_error_message(json.dumps(obj))}"
+            self.record.rejected = vllm.refused_in_stream(obj)  # vLLM's admission can refuse inside a 200
         usage = obj.get("usage")
         if isinstance(usage, dict) and not obj.get("choices"):
             record = self.record

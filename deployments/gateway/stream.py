@@ -37,15 +37,9 @@ def scan(piece: bytes, strip: bool) -> tuple[bytes, Tokens | None]:
 
 
 def refusal(first: bytes) -> dict | None:
-    """The engine's admission refusal when a stream's first event is one, else None. vLLM checks its caps before it
-    answers and again as it adds the request: requests that arrive together can all pass the first check, and those
-    the second refuses get a 200 whose only event is the 503's error ("data: {"error": {..., "code": 503}}")."""
+    """The engine's admission refusal when a stream's first event is one (vllm.refused_in_stream), else None."""
     obj = _data(first.split(END, 1)[0])
-    error = obj.get("error") if isinstance(obj, dict) else None
-    if isinstance(error, dict) and isinstance(error.get("code"), int) and vllm.refused_for_load(
-            error["code"], str(error.get("message") or "")):
-        return obj
-    return None
+    return obj if vllm.refused_in_stream(obj) else None
 
 
 def _data(event: bytes):

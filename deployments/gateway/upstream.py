@@ -52,9 +52,9 @@ class Sink:
     def body(self, data: bytes) -> None:
         out = self.out
         if out is None:
+            if not self.first.done() and END in (self.held[-1][-1:] if self.held else b"") + data:
+                self.first.set_result(None)  # END is 2 bytes: it can only begin in the last byte held before
             self.held.append(data)
-            if not self.first.done() and END in b"".join(self.held):
-                self.first.set_result(None)
             return
         piece = self.relay.feed(data)
         if piece:

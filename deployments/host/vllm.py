@@ -89,6 +89,14 @@ def refused_for_load(status: int, message: str) -> bool:
     return status == 429 or (status == 503 and any(m in message for m in ADMISSION_REFUSALS))
 
 
+def refused_in_stream(event) -> bool:
+    """A stream's event that is vLLM's admission refusal: vLLM checks its caps again as it adds a request, after a
+    stream's 200 has gone, and a request refused then gets the 503's error as an event ({"error": {..., "code": 503}})."""
+    error = event.get("error") if isinstance(event, dict) else None
+    return isinstance(error, dict) and isinstance(error.get("code"), int) and refused_for_load(
+        error["code"], str(error.get("message") or ""))
+
+
 def auth_headers(key: str) -> dict[str, str]:
     """What vLLM's --api-key (VLLM_API_KEY) check wants: `Authorization: Bearer <key>`; nothing without a key."""
     return {"Authorization": f"Bearer {key}"} if key else {}

@@ -7,7 +7,8 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 from rest_framework.utils import encoders
 
-from deployments import callit, deploydefaults, exports, flagpolicy, forms, privileged, secrets, selectors, userflags, versions
+from deployments import (callit, deploydefaults, exports, flagpolicy, forms, privileged, secrets, selectors, userflags,
+                         versions)
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, SleepProbe
 from deployments.services import deploys, fitgate, multinode, rollbacks, sleeps
