@@ -5,6 +5,7 @@ is replaced at its boundary as in test_deploys.py (FakeHost); the port holder is
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from deployments.host import processes
@@ -190,6 +191,24 @@ def test_a_listener_whose_process_is_gone_as_it_is_read_holds_nothing(node, monk
     gone.wait()
     monkeypatch.setattr(listeners, "host_listeners", lambda: {27757: {gone.pid}})
     assert guards.listeners_of(node.pk, {}) == []
+
+
+def test_a_listener_that_binds_while_the_host_is_read_is_named_with_its_process(monkeypatch):
+    """psutil reads every process's sockets, then the socket tables: an engine that binds between the two reads is
+    listed with no PID, so the port read as held by a stranger until the next reading 5 s later and a study's next
+    redeploy on it was refused ("Port … is in use"; a study's variant failed in CI). A socket without its PID is
+    read again; one still without it (another user's, to an agent that is not root) stays without."""
+    from types import SimpleNamespace
+
+    from deployments.host import listeners
+
+    def conn(port, pid):
+        return SimpleNamespace(status=psutil.CONN_LISTEN, laddr=SimpleNamespace(port=port), pid=pid)
+
+    reads = iter([[conn(8000, None), conn(9000, None), conn(22, 1)], [conn(8000, 4242), conn(9000, None), conn(22, 1)]])
+    monkeypatch.setattr(psutil, "net_connections", lambda kind: next(reads))
+    monkeypatch.setattr(listeners, "_READ", (-1e9, {}))
+    assert listeners.host_listeners() == {8000: {4242}, 9000: set(), 22: {1}}
 
 
 def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is_queued(model, node, sent_tasks):
