@@ -10,12 +10,12 @@ import time
 from collections.abc import Iterator
 
 import redis
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.samples import Sample
 from django.conf import settings
 from django.db.models import F
 
-from deployments import payloads
+from deployments import energy, payloads
 from deployments.models import Deployment, DeploymentEvent, Gpu, ModelCopy, Node
 from plumbing.live import snapshots
 
@@ -156,6 +156,13 @@ class DeploymentCollector:
         ready = gauge("panel_deployment_ready_since_timestamp_seconds", "Unix time the engine became ready, while it is.",
                        DEPLOYMENT_LABELS)
         progress = gauge("panel_deployment_load_progress_ratio", "Load progress while loading, 0-1.", DEPLOYMENT_LABELS)
+        used = energy.totals()
+        joules = CounterMetricFamily("panel_deployment_energy_joules", "What the deployment's GPUs drew while it was up "
+                                     "(their energy counters, read by the node agent).", labels=DEPLOYMENT_LABELS)
+        idle = CounterMetricFamily("panel_deployment_idle_energy_joules", "Of it, while the engine had nothing running "
+                                   "or waiting.", labels=DEPLOYMENT_LABELS)
+        tokens = CounterMetricFamily("panel_deployment_energy_output_tokens", "Output tokens the engine counted over "
+                                     "the same readings (joules per token: the rates' ratio).", labels=DEPLOYMENT_LABELS)
         statuses = list(Deployment.Status.values)
         for (pk, name, node_id, repo_id, revision, status, restart_count, port, started, ready_at, percent) in rows:
             labels = [name, self.node_names.get(node_id, ""), _model_label(repo_id, revision)]
@@ -171,7 +178,11 @@ class DeploymentCollector:
                 ready.add_metric(labels, ready_at.timestamp())
             if status == Deployment.Status.LOADING and percent is not None:
                 progress.add_metric(labels, percent / 100)
-        yield from (info, state, restarts, phase, load, ready, progress)
+            if pk in used:
+                joules.add_metric(labels, used[pk]["joules"])
+                idle.add_metric(labels, used[pk]["idle_joules"])
+                tokens.add_metric(labels, used[pk]["output_tokens"])
+        yield from (info, state, restarts, phase, load, ready, progress, joules, idle, tokens)
 
 
 class DownloadCollector:

@@ -14,7 +14,7 @@ from plumbing.errors import ServiceError
 from plumbing.idempotency import idempotent
 from plumbing.params import int_param
 
-from deployments import exports, modelfit, nodelive, secrets, selectors, versions
+from deployments import energy, exports, modelfit, nodelive, secrets, selectors, versions
 from deployments.api import serializers
 from deployments.gateway import keys
 from deployments.models import ModelCopy
@@ -275,6 +275,17 @@ class DeploymentViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         answer = Response(exports.export(d))
         answer["Content-Disposition"] = f'attachment; filename="{d.name}.json"'
         return answer
+
+    @extend_schema(parameters=[OpenApiParameter("hours", int, description="how far back, the current hour included "
+                                                                         "(default 24, at most a year)")],
+                   responses=dict)
+    @action(detail=True)
+    def energy(self, request, pk=None):
+        """What its GPUs drew while it was up, from their energy counters: joules, kWh, average and idle watts, output
+        tokens, joules per output token gross and net of the idle draw; in all and hour by hour. Empty on a node
+        without energy counters (CPU engines, GPUs before Volta)."""
+        hours = int_param(request.query_params, "hours", 24, low=1, high=energy.MAX_HOURS)
+        return Response(energy.deployment_energy(self.get_object().pk, hours))
 
     @extend_schema(parameters=[OpenApiParameter("state", str, description="the `state` of your last answer"),
                                OpenApiParameter("wait", int, description="seconds to wait for a change (max 30)")],

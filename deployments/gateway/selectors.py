@@ -6,11 +6,13 @@ from django.db.models import Sum
 from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
+from deployments import energy
 from deployments.gateway.models import CallerKey, Route, Usage
 from plumbing import csvsafe
 from plumbing.errors import ServiceError
 
 MEASURES = ("requests", "errors", "refused", "prompt_tokens", "reasoning_tokens", "content_tokens")
+ENERGY = ("energy_j", "energy_net_j")  # the rows' share of their deployments' GPU joules (deployments/energy.py)
 GROUPS = {"key": ("key_id", "key__name", "key__prefix"), "model": ("model_name",),
           "deployment": ("deployment_id", "deployment__name")}
 BY = {"hour": TruncHour, "day": TruncDay}
@@ -70,26 +72,42 @@ def periods(by: str, days=None, now=None) -> list:
 
 
 def usage(group: str = "key", by: str = "hour", days=None, key_id: int | None = None, now=None) -> list[dict]:
-    """[{period, group, label, requests, errors, prompt_tokens, reasoning_tokens, content_tokens}] in period order."""
+    """[{period, group, label, requests, errors, prompt_tokens, reasoning_tokens, content_tokens, energy_j,
+    energy_net_j}] in period order. The energy is each row's share of its deployments' GPU joules, gross and net of
+    idle (deployments/energy.py); None where no hour of it has a reading."""
     if group not in GROUPS:
         raise ServiceError("group: key, model or deployment.", field="group")
     since, until = window(by, days, now)
     rows = Usage.objects.filter(hour__gte=since, hour__lt=until)
     if key_id is not None:
         rows = rows.filter(key_id=key_id)
-    rows = (rows.annotate(period=BY[by]("hour", tzinfo=tz.utc)).values("period", *GROUPS[group])
-            .annotate(**{m: Sum(m) for m in MEASURES}).order_by("period", *GROUPS[group]))
-    return [{"period": row["period"], "group": group, "label": _label(group, row), **{m: row[m] or 0 for m in MEASURES}}
-            for row in rows]
+    # By hour and deployment first (the grain the energy is shared at), then summed into the periods asked for.
+    grain = list(rows.values("hour", "deployment_id", *GROUPS[group]).annotate(**{m: Sum(m) for m in MEASURES})
+                 .order_by("hour", *GROUPS[group]))
+    out: dict[tuple, dict] = {}
+    for row, shares in zip(grain, energy.keys_share(grain)):
+        period = row["hour"].astimezone(tz.utc).replace(minute=0, second=0, microsecond=0)
+        period = period.replace(hour=0) if by == "day" else period
+        into = out.setdefault((period, tuple(row[f] for f in GROUPS[group])), {
+            "period": period, "group": group, "label": _label(group, row), **{m: 0 for m in MEASURES + ENERGY}})
+        for m in MEASURES:
+            into[m] += row[m] or 0
+        for m, value in zip(ENERGY, shares):
+            into[m] = None if value is None or into[m] is None else into[m] + value
+    for into in out.values():
+        for m in ENERGY:
+            into[m] = round(into[m], 1) if into[m] is not None else None
+    order = sorted(out, key=lambda k: (k[0], [(v is None, v if v is not None else "") for v in k[1]]))
+    return [out[k] for k in order]
 
 
-CSV_COLUMNS = ["period", "group", "name", *MEASURES]
+CSV_COLUMNS = ["period", "group", "name", *MEASURES, *ENERGY]
 
 
 def usage_csv(rows: list[dict]) -> str:
     """The rows as CSV; names (keys, aliases) a spreadsheet would run as formulas are quoted (csvsafe)."""
-    return csvsafe.rows_text(CSV_COLUMNS, ([r["period"].isoformat(), r["group"], r["label"], *(r[m] for m in MEASURES)]
-                                           for r in rows))
+    return csvsafe.rows_text(CSV_COLUMNS, ([r["period"].isoformat(), r["group"], r["label"],
+                                            *(r[m] for m in MEASURES + ENERGY)] for r in rows))
 
 
 def usage_totals() -> list[dict]:

@@ -58,6 +58,10 @@ def usage(request):
         rows, error, days = selectors.usage(group, by), exc.message, None
     labels = sorted({r["label"] for r in rows})
     totals = {label: {m: sum(r[m] for r in rows if r["label"] == label) for m in selectors.MEASURES} for label in labels}
+    for label, t in totals.items():  # the energy shares: None unless some period of the label has one
+        for m in selectors.ENERGY:
+            known = [r[m] for r in rows if r["label"] == label and r[m] is not None]
+            t[m] = round(sum(known), 1) if known else None
     # Every hour (or day) of the window, zero where nothing was used: a chart of the periods with data alone drew one
     # dot per key on an axis labelled 2027, 2028, 2029.
     periods = selectors.periods(by, days)

@@ -5,7 +5,7 @@ from deployments.models.engines import Deployment, DeploymentEvent, DeploymentRa
 from deployments.models.hosts import Gpu, Node, NodeMetric
 from deployments.models.learned import FitCalibration, Recipe, SleepProbe
 from deployments.models.store import ModelCopy, ModelRepo, Secret
-from deployments.models.versions import DeployVersion
+from deployments.models.versions import DeploymentEnergy, DeployVersion
 
-__all__ = ["DeployVersion", "Deployment", "DeploymentEvent", "DeploymentRank", "EngineProcess", "FitCalibration", "Gpu", "ModelCopy",
+__all__ = ["DeployVersion", "Deployment", "DeploymentEnergy", "DeploymentEvent", "DeploymentRank", "EngineProcess", "FitCalibration", "Gpu", "ModelCopy",
            "ModelRepo", "Node", "NodeMetric", "Recipe", "Secret", "SleepProbe"]

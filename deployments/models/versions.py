@@ -1,5 +1,5 @@
 """Deploy versions: each deploy and redeploy of a deployment as it was resolved, and how it ended
-(deployments/versions.py records and settles them)."""
+(deployments/versions.py records and settles them); and the energy its GPUs drew, hour by hour."""
 
 from django.conf import settings
 from django.db import models
@@ -36,3 +36,26 @@ class DeployVersion(models.Model):
 
     def __str__(self):
         return f"{self.deployment.name} v{self.number}"
+
+
+class DeploymentEnergy(models.Model):
+    """What a deployment's GPUs drew in one hour while it was up, from their energy counters as the node agent read
+    them beside the engine's /metrics (deployments/node/energyhours.py): the joules, the seconds they cover, the
+    joules and seconds while the engine had nothing running or waiting (its idle draw), and the output tokens the
+    engine counted. deployments/energy.py turns them into joules per token, gross and net of idle, and shares them
+    out to the gateway's keys."""
+
+    hour = models.DateTimeField(help_text="The hour's start, UTC.")
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="energy_hours")
+    joules = models.FloatField(default=0.0)
+    seconds = models.FloatField(default=0.0, help_text="The time the joules cover (between the agent's readings).")
+    idle_joules = models.FloatField(default=0.0)
+    idle_seconds = models.FloatField(default=0.0, help_text="Of `seconds`, those with nothing running or waiting.")
+    output_tokens = models.BigIntegerField(default=0, help_text="The engine's own count (generation tokens).")
+
+    class Meta:
+        ordering = ["hour"]
+        constraints = [models.UniqueConstraint(fields=["hour", "deployment"], name="energy_hour_unique_per_deployment")]
+
+    def __str__(self):
+        return f"{self.deployment_id} {self.hour:%Y-%m-%d %H}:00"

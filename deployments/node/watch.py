@@ -1,13 +1,15 @@
 """Engines on this node after they started: stop on request, crash detection (with auto-restart),
 queued plans that expired, the live figures of ready engines, and forgetting a deleted one."""
+import logging
 import time
 
+from django.db import DatabaseError
 from django.utils import timezone
 
 from deployments import payloads
 from deployments.host import exits, keepers, processes, slo, vllm
 from deployments.models import Deployment, DeploymentEvent
-from deployments.node import lifecycle, raycluster, units
+from deployments.node import energyhours, lifecycle, raycluster, units
 from deployments.node.crashes import deployment_crashed
 from deployments.node.lifecycle import record_shm
 from deployments.node.lifecycle import running as engine_running
@@ -16,6 +18,7 @@ from deployments.node.steps import fail, halt_engine, mark_stopped, step_uncheck
 from deployments.timeline import deployment_event
 
 S = Deployment.Status
+log = logging.getLogger(__name__)
 
 
 def deployment_halt(deployment_id: int) -> Deployment:
@@ -134,11 +137,19 @@ def deployments_metrics(node_id: int, state: dict) -> None:
     vllm:generation_tokens_total, running and waiting requests, KV-cache use, and the SLO figures of the last
     5 minutes (TTFT p95, the share of requests aborted or failed; host/slo.py), which the notifications'
     periodic check reads from the kept message. `state`: per deployment, the last reading and its window."""
-    for d in Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None):
+    energy = state.setdefault("energy", energyhours.EnergyHours())
+    ready = list(Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None).prefetch_related("gpus"))
+    energy.forget({d.pk for d in ready})
+    hour = energyhours.hour_of(timezone.now())
+    for d in ready:
         try:
             t = time.monotonic()
             gauges, counters = vllm.read_engine(vllm.metrics_url(f"http://127.0.0.1:{d.port}"), timeout=2.0)
         except vllm.VllmError:
+            gauges = None
+        if reading := energyhours.read(d.gpu_indices, gauges):
+            energy.add(d.pk, reading, hour)
+        if gauges is None:
             continue
         before, window = state.get(d.pk) or (None, slo.Window())
         reading = (t, gauges)
@@ -154,3 +165,8 @@ def deployments_metrics(node_id: int, state: dict) -> None:
             ttft_p95_s=figures.ttft_p95_s, error_share=figures.error_share, window_requests=figures.requests,
             refused=figures.refused,
             window_s=round(figures.span_s, 1), at=time.time()))
+    if energy.due(hour):
+        try:
+            energy.flush()
+        except DatabaseError as exc:  # kept: the next flush writes it
+            log.warning("node %s: the GPUs' energy not recorded yet: %s", node_id, exc)

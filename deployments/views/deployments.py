@@ -7,7 +7,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 from rest_framework.utils import encoders
 
-from deployments import (callit, deploydefaults, exports, flagpolicy, forms, privileged, secrets, selectors, userflags,
+from deployments import (callit, deploydefaults, energy, exports, flagpolicy, forms, privileged, secrets, selectors, userflags,
                          versions)
 from deployments.gateway import forms as gateway_forms, keys
 from deployments.models import Deployment, ModelCopy, ModelRepo, Node, SleepProbe
@@ -142,7 +142,7 @@ def deployment_detail(request, pk):
         "versions": (listed := versions.listed(d)), "known_good": (good := next((v for v in listed if v["known_good"]), None)),
         "can_roll_back": bool(good) and d.status not in Deployment.IN_FLIGHT and (
             d.status == Deployment.Status.FAILED or good["number"] != listed[0]["number"]),
-        "nodes": selectors.deployment_nodes(d) if d.master_port else []})
+        "nodes": selectors.deployment_nodes(d) if d.master_port else [], "energy": energy.deployment_energy(d.pk)})
 
 
 @operator_required

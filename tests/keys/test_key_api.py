@@ -11,6 +11,7 @@ import pytest
 
 from deployments.gateway import keys, selectors
 from deployments.gateway.models import CallerKey, Route, Usage
+from deployments.models import DeploymentEnergy
 from tests.factories import DeploymentFactory, UserFactory
 from tests.helpers import api_client
 
@@ -120,7 +121,7 @@ def test_usage_csv_quotes_names_a_spreadsheet_would_run(usage, viewer):
     assert answer.status_code == 200 and answer["Content-Type"].startswith("text/csv")
     table = list(csv.reader(io.StringIO(answer.content.decode())))
     assert table[0] == ["period", "group", "name", "requests", "errors", "refused", "prompt_tokens", "reasoning_tokens",
-                        "content_tokens"]
+                        "content_tokens", "energy_j", "energy_net_j"]
     names = {row[2] for row in table[1:]}
     assert any(n.startswith("'=HYPERLINK(1)") for n in names) and not any(n.startswith("=") for n in names)
     assert sum(int(row[3]) for row in table[1:]) == 10
@@ -191,3 +192,26 @@ def test_metrics_count_usage_per_key_model_and_deployment_as_totals(usage, viewe
                  deployment="kimi-2") == 2
     series = [labels for name, labels in samples if name == "panel_gateway_requests_total"]
     assert len(series) == 3 and not any("hour" in dict(labels) for labels in series)  # totals, not history
+
+
+def test_each_key_gets_its_share_of_its_deployments_energy_by_output_tokens_gross_and_net_of_idle(usage, viewer):
+    """kimi-1's hour: 1,000 J over 100 s, 20 of them idle at 2 W (40 J), so 1,000 − 2 × 100 = 800 J net; the engine
+    counted 28 output tokens, team-a asked for 14 of them (5 + 7 + 1 + 1): half of each. kimi-2's hour before has 10
+    J and no idle second: team-a's 4 tokens are all the engine counted, so all 10 J gross and no net. The day before
+    (key b) has no reading: no energy, not zero."""
+    a, b = usage
+    d1, d2 = (Usage.objects.filter(deployment__name=n).first().deployment for n in ("kimi-1", "kimi-2"))
+    DeploymentEnergy.objects.create(hour=USAGE_HOUR, deployment=d1, joules=1000, seconds=100, idle_joules=40,
+                                    idle_seconds=20, output_tokens=28)
+    DeploymentEnergy.objects.create(hour=USAGE_HOUR - timedelta(hours=1), deployment=d2, joules=10, seconds=5,
+                                    output_tokens=3)  # fewer than team-a's 4: the keys' count is the whole
+    client = api_client(viewer)
+    rows = client.get("/api/usage/?group=key&by=hour&days=2").json()["rows"]
+    mine = {r["period"]: (r["energy_j"], r["energy_net_j"]) for r in rows if r["label"].startswith("team-a")}
+    assert mine == {USAGE_HOUR.isoformat(): (500.0, 400.0), (USAGE_HOUR - timedelta(hours=1)).isoformat(): (10.0, None)}
+    by_day = {r["label"]: (r["energy_j"], r["energy_net_j"])
+              for r in client.get("/api/usage/?group=key&by=day&days=3").json()["rows"]}
+    assert by_day[f"team-a ({a.prefix}…)"] == (510.0, None)  # an hour without a net makes the day's net unknown
+    assert by_day[f"=HYPERLINK(1) ({b.prefix}…)"] == (None, None)
+    table = list(csv.reader(io.StringIO(client.get("/api/usage/?group=key&by=hour&days=2&format=csv").content.decode())))
+    assert {tuple(row[-2:]) for row in table[1:] if row[2].startswith("team-a")} == {("500.0", "400.0"), ("10.0", "")}

@@ -10,6 +10,7 @@ from django.urls import reverse
 
 from deployments.gateway import keys
 from deployments.gateway.models import CallerKey, Route, Usage
+from deployments.models import DeploymentEnergy
 from tests.factories import DeploymentFactory, ModelCopyFactory, ModelRepoFactory, NodeFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -82,6 +83,13 @@ def test_the_usage_page_draws_every_measure_per_key_and_totals_them(operator, vi
     assert data["series"]["requests"][label] == [at.get(t, 0) for t in periods]
     assert data["series"]["content_tokens"][label] == [2 * at.get(t, 0) for t in periods]
     assert "<td class=\"num\">4</td>" in page and 'id="chart-output"' in page and "usage.js" in page
+    assert '<td class="num energy">—</td>' in page  # no energy reading of kimi-1: none, not zero
+    # An hour of kimi-1 read at 90 J for 27 output tokens, 9 of them team-a's (3 + 6), idle at 0.5 W: a third of 90 J,
+    # and a third of 90 − 0.5 × 60 J net.
+    DeploymentEnergy.objects.create(hour=HOUR, deployment=d, joules=90, seconds=60, idle_joules=5, idle_seconds=10,
+                                    output_tokens=27)
+    page = viewer_client.get(reverse("usage")).content.decode()
+    assert '<td class="num energy">30.0 (20.0)</td>' in page
     by_model = viewer_client.get(reverse("usage") + "?group=model&by=day").content.decode()
     assert '"labels": ["kimi"]' in by_model
 
