@@ -117,7 +117,7 @@ def listeners_of(node_id: int, described: dict) -> list[dict]:
         key = (port, pid, tuple(sorted(by_marker)), tuple(sorted(by_unit)))
         if key not in described:
             info = ownership.describe(pid) if pid else {"pid": None, "user": "?", "command": "?"}
-            if pid and info["user"] == "?" and not psutil.pid_exists(pid):
+            if pid and info["user"] == "?" and _ended(pid):
                 continue  # gone as it was read (an engine just stopped, its socket not yet closed): nobody holds it
             mark = ownership.owner(pid, markers, set(by_unit)) if pid else None
             described[key] = {"port": port, "pid": pid, "user": info["user"], "command": info["command"][:120],
@@ -129,6 +129,16 @@ def listeners_of(node_id: int, described: dict) -> list[dict]:
     described.clear()
     described.update(kept)
     return found
+
+
+def _ended(pid: int) -> bool:
+    """The process is gone, or has exited and waits to be reaped (a zombie holds no socket, and shows nothing)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # another user's, to an agent that is not root: someone holds the port
+        return False
 
 
 def node_listeners_record(node_id: int, previous: list[dict] | None, described: dict) -> list[dict]:

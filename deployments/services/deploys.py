@@ -76,7 +76,11 @@ def _check(*, model: ModelRepo, node: Node, gpu_indices: list[int], port: int, e
     strangers = [p for p in node.foreign_processes if not p.get("display") and p.get("deployment") not in spare]
     # Any other program listening there, as the agent last saw the host (seconds ago). The panel's own engines are the
     # rows' to judge (above): a record seconds old may show one that has stopped since; the node checks again anyway.
-    if listener := next((p for p in node.listeners if p["port"] == port and not p.get("engine")), None):
+    # A redeploy on its own port while its engine is up: that engine holds the port, so nothing there is a stranger's
+    # (a socket caught as a process ended or began reads with no owner); the node checks the port after the stop.
+    own_port = deployment is not None and deployment.port == port and deployment.status in Deployment.UP
+    if not own_port and (listener := next((p for p in node.listeners if p["port"] == port and not p.get("engine")),
+                                          None)):
         by = f" by PID {listener['pid']} ({listener['user']}: {ownership.short_command(listener['command'])})" if listener["pid"] else ""
         raise ServiceError(f"Port {port} is in use on {node}{by}: choose another port, or stop it.", field="port",
                            code="port_in_use")

@@ -13,6 +13,7 @@ from deployments.models import Deployment
 from deployments.node import plan
 from deployments.notify.models import Alert
 from tests.deployments.test_deploys import _queued, host, model, node  # noqa: F401 - fixtures
+from tests.conftest import wait_until
 from tests.factories import DeploymentFactory
 from tests.helpers import started
 
@@ -193,6 +194,23 @@ def test_a_listener_whose_process_is_gone_as_it_is_read_holds_nothing(node, monk
     assert guards.listeners_of(node.pk, {}) == []
 
 
+def test_a_listener_whose_process_exited_as_it_is_read_holds_nothing(node, monkeypatch):
+    """The same with a process that has exited but is not yet reaped (a zombie: an engine's child the moment its stop
+    ends it): it exists, yet nothing can be read of it, so the port read as held by "PID n (?: ?)" and a study's next
+    redeploy on it was refused (reproduced under load by tests/integration/test_study_verdicts.py)."""
+    from deployments.host import listeners
+    from deployments.node import guards
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        wait_until(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE, timeout=10,
+                   message="the child to exit, unreaped")
+        monkeypatch.setattr(listeners, "host_listeners", lambda: {27758: {zombie.pid}})
+        assert guards.listeners_of(node.pk, {}) == []
+    finally:
+        zombie.wait()
+
+
 def test_a_listener_that_binds_while_the_host_is_read_is_named_with_its_process(monkeypatch):
     """psutil reads every process's sockets, then the socket tables: an engine that binds between the two reads is
     listed with no PID, so the port read as held by a stranger until the next reading 5 s later and a study's next
@@ -209,6 +227,29 @@ def test_a_listener_that_binds_while_the_host_is_read_is_named_with_its_process(
     monkeypatch.setattr(psutil, "net_connections", lambda kind: next(reads))
     monkeypatch.setattr(listeners, "_READ", (-1e9, {}))
     assert listeners.host_listeners() == {8000: {4242}, 9000: set(), 22: {1}}
+
+
+def test_a_redeploy_on_its_own_port_is_not_refused_for_a_listener_the_agent_could_not_name(model, node, sent_tasks):
+    """The engine being redeployed holds its port, so no stranger can: whatever the agent's last reading could not
+    name there (a socket caught as its process ended or began) is that engine's, and the node checks the port again
+    after the stop. A study's redeploy was refused for it ("Port … is in use … by PID n (?: ?)")."""
+    from deployments.services import deploys
+    from plumbing.errors import ServiceError
+
+    serving = DeploymentFactory(model=model, node=node, status=S.READY, port=8000, name="tuned", pid=777,
+                                engine_args={"tensor-parallel-size": 2})
+    serving.gpus.set(node.gpus.filter(index__in=[0, 1]))
+    unnamed = {"port": 8000, "pid": 5619, "user": "?", "command": "?", "deployment": None, "engine": False}
+    node.listeners = [unnamed]
+    node.save(update_fields=["listeners"])
+    assert deploys.deployment_redeploy(serving, engine_args={"tensor-parallel-size": 2, "max-num-seqs": 8}).status == S.QUEUED
+    # Another deployment on that port is still refused while the listener is there.
+    node.listeners = [{**unnamed, "port": 8100}]
+    node.save(update_fields=["listeners"])
+    with pytest.raises(ServiceError) as exc:
+        deploys.deployment_create(model=model, node=node, gpu_indices=[2, 3], port=8100,
+                                  engine_args={"tensor-parallel-size": 2}, env={})
+    assert exc.value.code == "port_in_use"
 
 
 def test_a_deploy_onto_a_port_a_program_listens_on_is_refused_before_anything_is_queued(model, node, sent_tasks):

@@ -60,7 +60,8 @@ def test_a_variant_eight_times_faster_is_better_and_an_identical_one_is_no_diffe
     study = wait_until(lambda: (s := Study.objects.get(pk=study.pk)).status in Study.TERMINAL and s, timeout=240,
                        interval=0.5, message="the study to finish")
     assert study.status == "done", study.error
-    assert set(study.trials.values_list("status", flat=True)) == {StudyTrial.Status.DONE}
+    assert set(study.trials.values_list("status", flat=True)) == {StudyTrial.Status.DONE}, [
+        (t.variant.name, t.repeat, t.status, t.error) for t in study.trials.select_related("variant")]
     # Each trial measured the engine its variant's flags started, and that engine streamed its schedule: every
     # token asked for, no request sooner than its schedule allows (the server is never early).
     measured = {}
