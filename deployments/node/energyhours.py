@@ -96,7 +96,10 @@ def hour_of(now: dt.datetime) -> dt.datetime:
 
 def read(gpu_indices: list[int], gauges: dict | None) -> Reading | None:
     """A reading of these GPUs' counters with the engine's gauges (None: no GPUs, or no energy counters)."""
-    millijoules = gpu.energy_mj(gpu_indices) if gpu_indices else None
+    try:
+        millijoules = gpu.energy_mj(gpu_indices) if gpu_indices else None
+    except IndexError:  # a GPU the node no longer has (the row is older than the driver's view)
+        millijoules = None
     if millijoules is None:
         return None
     gauges = gauges or {}

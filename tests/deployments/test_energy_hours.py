@@ -7,6 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
+import pynvml
 import pytest
 from django.db import DatabaseError
 from django.test import Client
@@ -151,3 +152,11 @@ def test_what_could_not_be_written_waits_for_the_next_flush(node, model, monkeyp
     assert (row.joules, row.idle_joules, row.seconds, row.idle_seconds, row.output_tokens) == (10.0, 4.0, 4.0, 2.0, 5)
     hours.flush(6)  # nothing pending: nothing added twice
     assert DeploymentEnergy.objects.get(deployment=d).joules == 10.0
+
+
+def test_a_reading_of_gpus_the_node_no_longer_has_or_no_counters_is_none(gpus):
+    assert energyhours.read([0, 1], {"num_requests_running": 0, "num_requests_waiting": 0}).busy is False
+    assert energyhours.read([0, 9], {}) is None  # eight GPUs now
+    assert energyhours.read([], {}) is None  # a CPU engine
+    gpus[1].fails["nvmlDeviceGetTotalEnergyConsumption"] = pynvml.NVMLError_NotSupported
+    assert energyhours.read([0, 1], {}) is None  # a GPU before Volta: no counter
