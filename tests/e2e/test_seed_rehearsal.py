@@ -20,7 +20,7 @@ import pytest
 
 from deployments.host import processlog
 from deployments.models import Deployment
-from tests.conftest import wait_until
+from tests.conftest import free_port, wait_until
 from tests.hfserver import configure, get_stats, serve
 from tests.rehearsal import GPUS, KIMI, OLD, Clock, Host, Size, engine, grow_sparse, hub_repos, local_models
 from tests.truestate import stop_leftover_engines
@@ -105,6 +105,10 @@ def day(tmp_path, process_env, spawn, unique, live_server_asgi, operator, settin
     display = spawn([str(tmp_path / "Xorg"), "3600"], process_env, name="Xorg")
     with serve(hub_root) as hub:
         settings.HF_ENDPOINT = hub  # the web process reads the Hub when a model is added
+        # The API's default port is the first free one from ENGINE_PORT_FIRST: from a port free now, so that a second
+        # panel on this machine (another suite's rehearsal at the same step) does not choose the same one at the same
+        # moment, which the plan then rightly refuses as another process's ("Port 8200 is answered by another process").
+        settings.ENGINE_PORT_FIRST = free_port()
         spawn(
             [
                 sys.executable,
