@@ -13,6 +13,7 @@ import datetime as dt
 from django.db.models import Sum
 from django.utils import timezone
 
+from deployments.gateway import usage
 from deployments.models import DeploymentEnergy
 
 FIELDS = ("joules", "seconds", "idle_joules", "idle_seconds", "output_tokens")
@@ -37,8 +38,7 @@ def summary(sums: dict) -> dict:
 
 
 def since(hours: int, now=None) -> dt.datetime:
-    now = (now or timezone.now()).astimezone(dt.timezone.utc)
-    return now.replace(minute=0, second=0, microsecond=0) - dt.timedelta(hours=hours - 1)
+    return usage.hour_of(now or timezone.now()) - dt.timedelta(hours=hours - 1)
 
 
 def deployment_energy(deployment_id: int, hours: int = 24, now=None) -> dict:
@@ -73,18 +73,18 @@ def keys_share(usage_rows: list[dict]) -> list[tuple[float | None, float | None]
     """For each usage row ({hour, deployment_id, reasoning_tokens, content_tokens}: one key's hour of one deployment),
     its share of that hour's joules, gross and net of idle: (None, None) where the hour has no energy reading."""
     energy = hour_shares({r["hour"] for r in usage_rows}, {r["deployment_id"] for r in usage_rows if r["deployment_id"]})
+    tokens = [(r["reasoning_tokens"] or 0) + (r["content_tokens"] or 0) for r in usage_rows]
     asked: dict[tuple, int] = {}
-    for r in usage_rows:
-        key = (r["hour"], r["deployment_id"])
-        asked[key] = asked.get(key, 0) + (r["reasoning_tokens"] or 0) + (r["content_tokens"] or 0)
+    for r, n in zip(usage_rows, tokens):
+        asked[(r["hour"], r["deployment_id"])] = asked.get((r["hour"], r["deployment_id"]), 0) + n
     shares = []
-    for r in usage_rows:
+    for r, n in zip(usage_rows, tokens):
         key = (r["hour"], r["deployment_id"])
         if key not in energy:
             shares.append((None, None))
             continue
         joules, net, counted = energy[key]
         over = max(counted, asked[key])
-        part = ((r["reasoning_tokens"] or 0) + (r["content_tokens"] or 0)) / over if over else 0.0
+        part = n / over if over else 0.0
         shares.append((joules * part, net * part if net is not None else None))
     return shares

@@ -74,7 +74,8 @@ def periods(by: str, days=None, now=None) -> list:
 def usage(group: str = "key", by: str = "hour", days=None, key_id: int | None = None, now=None) -> list[dict]:
     """[{period, group, label, requests, errors, prompt_tokens, reasoning_tokens, content_tokens, energy_j,
     energy_net_j}] in period order. The energy is each row's share of its deployments' GPU joules, gross and net of
-    idle (deployments/energy.py); None where no hour of it has a reading."""
+    idle (deployments/energy.py); None where an hour of it has no reading (a partial sum
+    would read low without saying so; the usage page's totals per label add the periods that have one)."""
     if group not in GROUPS:
         raise ServiceError("group: key, model or deployment.", field="group")
     since, until = window(by, days, now)

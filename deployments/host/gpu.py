@@ -214,6 +214,8 @@ def energy_mj(indices: Iterable[int]) -> int | None:
         return None
     total = 0
     for i in indices:
+        if not 0 <= i < len(nvml.handles):  # a GPU the driver no longer shows (a row older than its view)
+            return None
         h = nvml.handles[i]
         value = _read(lambda h=h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h))
         if value is None:

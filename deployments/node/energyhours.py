@@ -90,16 +90,9 @@ class EnergyHours:
         self.flushed_at = now
 
 
-def hour_of(now: dt.datetime) -> dt.datetime:
-    return now.astimezone(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
-
-
 def read(gpu_indices: list[int], gauges: dict | None) -> Reading | None:
     """A reading of these GPUs' counters with the engine's gauges (None: no GPUs, or no energy counters)."""
-    try:
-        millijoules = gpu.energy_mj(gpu_indices) if gpu_indices else None
-    except IndexError:  # a GPU the node no longer has (the row is older than the driver's view)
-        millijoules = None
+    millijoules = gpu.energy_mj(gpu_indices) if gpu_indices else None
     if millijoules is None:
         return None
     gauges = gauges or {}

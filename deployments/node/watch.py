@@ -7,6 +7,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from deployments import payloads
+from deployments.gateway import usage
 from deployments.host import exits, keepers, processes, slo, vllm
 from deployments.models import Deployment, DeploymentEvent
 from deployments.node import energyhours, lifecycle, raycluster, units
@@ -140,7 +141,7 @@ def deployments_metrics(node_id: int, state: dict) -> None:
     energy = state.setdefault("energy", energyhours.EnergyHours())
     ready = list(Deployment.objects.filter(node_id=node_id, status=S.READY).exclude(pid=None).prefetch_related("gpus"))
     energy.forget({d.pk for d in ready})
-    hour = energyhours.hour_of(timezone.now())
+    hour = usage.hour_of(timezone.now())
     for d in ready:
         try:
             t = time.monotonic()
