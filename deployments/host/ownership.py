@@ -138,7 +138,7 @@ def owner(pid: int, markers: dict[str, tuple[int | None, float | None]],
         if marker in markers:
             recorded_pid, born = markers[marker]
             try:
-                if proc.pid != recorded_pid or not born or abs(proc.create_time() - born) <= 0.01:
+                if proc.pid != recorded_pid or not born or processes.same_start(proc.create_time(), born):
                     return marker
             except psutil.Error:
                 pass

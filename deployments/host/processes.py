@@ -164,12 +164,24 @@ def exit_code(pid: int) -> int | None:
     return _EXITS.get(pid)
 
 
+# How far a process's start, as read now, may be from the one recorded for it. psutil reads it as wall-clock time:
+# /proc/stat's boot time (whole seconds) plus the ticks since boot, and that boot time moves when the clock is stepped
+# (a step of a fraction of a second near its boundary moves it by one). Another process on the same PID within that
+# slack would need the kernel to hand out every other PID (pid_max, 32,768 at the least) in those seconds.
+START_SLACK_S = 5.0
+
+
+def same_start(read: float, recorded: float) -> bool:
+    """The start read now is the recorded one: the same process, across a step of the wall clock."""
+    return abs(read - recorded) <= START_SLACK_S
+
+
 def alive(pid: int, create_time: float = 0.0) -> bool:
     """True while `pid` runs (not a zombie); a create_time guards against pid reuse."""
     _reap(pid)
     try:
         proc = psutil.Process(pid)
-        if create_time and abs(proc.create_time() - create_time) > 0.01:
+        if create_time and not same_start(proc.create_time(), create_time):
             return False
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:

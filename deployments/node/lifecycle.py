@@ -182,9 +182,11 @@ class LogFollow:
         return "\n".join(self.lines)
 
     def exited(self) -> str | None:
-        """Why the engine is gone (its error, else its last line), or None while it still runs and is ours."""
+        """Why the engine is gone (its error, else its last line), or None while it still runs and is ours. What it
+        wrote after the last read (its error, as it exited) is read first."""
         if still_running(self.p):
             return None
+        self.read()
         return self.progress.error or (self.lines[-1] if self.lines else "no output")
 
 

@@ -56,7 +56,7 @@ def test_an_engine_whose_pid_never_reached_the_row_is_adopted_by_its_marker_and_
         d.refresh_from_db()
         assert d.pid == pid and d.pgid == pid and d.pid_create_time == pytest.approx(lifecycle.create_time(pid))
         assert lifecycle.running(d)
-        Deployment.objects.filter(pk=d.pk).update(pid_create_time=d.pid_create_time - 5)  # a reused PID
+        Deployment.objects.filter(pk=d.pk).update(pid_create_time=d.pid_create_time - 60)  # a reused PID (a minute apart)
         d.refresh_from_db()
         assert not lifecycle.running(d)
     finally:

@@ -118,3 +118,17 @@ def test_the_api_the_form_and_panelctl_ask_for_the_retry_on_a_new_deployment_and
     assert cli.main([*login, "deploy", "org/m", "--node", "gpu-01", "--gpus", "0", "--no-retry-advised",
                      "--preset", "none"]) == 0
     assert Deployment.objects.get().retry_advised is False
+
+
+def test_an_engine_that_writes_its_error_and_exits_between_two_reads_of_its_log_fails_with_that_error(
+        host, tmp_path, monkeypatch):
+    """The follow reads the log, then asks whether the engine runs: lines written between the two (the error, then
+    the exit) are read before the failure is told, not lost for the line before them."""
+    def exits_after_writing(p, *a, **kw):
+        with open(p.log_path, "a") as log:
+            log.write("RuntimeError: written as it exited\n")
+        return False
+
+    monkeypatch.setattr(plan.lifecycle, "still_running", exits_after_writing)
+    d = _failed_start(host, tmp_path, "", fails=0)
+    assert d.status_message == "The engine exited while loading: RuntimeError: written as it exited", d.status_message

@@ -1,6 +1,7 @@
 """Unit tests of deployments.host.processes: processes launched, stopped and cleaned up (no vLLM, no database)."""
 import os
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -161,3 +162,22 @@ def test_a_live_semaphore_is_held_though_its_creator_maps_it_under_another_name(
 def _take(lock) -> None:
     with lock:
         pass
+
+
+def test_a_process_stays_alive_when_the_wall_clock_is_stepped_and_another_start_on_its_pid_is_not_it(monkeypatch):
+    """A start read as wall-clock time is the kernel's boot time plus the ticks since: /proc/stat's btime moves by
+    whole seconds when the clock is stepped (a fraction of a second near its boundary moves it one), and a loading
+    engine judged gone then fails its deploy. Another process on the same PID started minutes apart."""
+    import psutil._pslinux as pslinux
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        recorded = psutil.Process(proc.pid).create_time()
+        booted = pslinux.boot_time()
+        monkeypatch.setattr(pslinux, "boot_time", lambda: booted + 1.0)  # the clock stepped a second forward
+        assert psutil.Process(proc.pid).create_time() != recorded  # what the running engine now reads
+        assert processes.alive(proc.pid, recorded)
+        assert not processes.alive(proc.pid, recorded - 120)  # a process on this PID two minutes earlier
+    finally:
+        proc.kill()
+        proc.wait()

@@ -17,6 +17,7 @@ at 2 repeats was judged no different made requests ~70 ms late).
 """
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,12 @@ def scheduled(process_env, spawn, unique, tmp_path, fake_model):  # noqa: F811 -
     stop_leftover_engines(tmp_path)
 
 
+def _log_tail(d: Deployment) -> str:
+    """The last engine's log, for a failure's message."""
+    path = Path(d.log_path) if d.log_path else None
+    return path.read_text(errors="replace")[-3000:] if path and path.exists() else f"(no log at {d.log_path!r})"
+
+
 @pytest.mark.slow
 def test_a_variant_eight_times_faster_is_better_and_an_identical_one_is_no_different(scheduled):
     """Slow (about a minute here) because the margin that makes the verdicts structural costs time: 12 trials,
@@ -59,7 +66,7 @@ def test_a_variant_eight_times_faster_is_better_and_an_identical_one_is_no_diffe
                                 {"name": "same", "engine_args": {"max-num-seqs": 1}, "env": {}}])
     study = wait_until(lambda: (s := Study.objects.get(pk=study.pk)).status in Study.TERMINAL and s, timeout=240,
                        interval=0.5, message="the study to finish")
-    assert study.status == "done", study.error
+    assert study.status == "done", (study.error, _log_tail(Deployment.objects.get(pk=scheduled.pk)))
     assert set(study.trials.values_list("status", flat=True)) == {StudyTrial.Status.DONE}, [
         (t.variant.name, t.repeat, t.status, t.error) for t in study.trials.select_related("variant")]
     # Each trial measured the engine its variant's flags started, and that engine streamed its schedule: every
