@@ -92,7 +92,7 @@ def test_a_recorded_pid_whose_create_time_differs_is_not_proof(procs, settings):
     born = psutil.Process(parent).create_time()
     Deployment.objects.filter(pk=d.pk).update(pid=parent, pid_create_time=born)
     assert child not in [p["pid"] for p in guards.foreign_holders(cpu.pk, None)]
-    Deployment.objects.filter(pk=d.pk).update(pid_create_time=born - 5)
+    Deployment.objects.filter(pk=d.pk).update(pid_create_time=born - 60)  # a process on that PID a minute before
     assert child in [p["pid"] for p in guards.foreign_holders(cpu.pk, None)]
 
 
