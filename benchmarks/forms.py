@@ -97,6 +97,10 @@ class RunForm(forms.Form):
     stop_when_saturated = forms.BooleanField(
         required=False, initial=default("stop_when_saturated"), label="Stop once the engine saturates",
         help_text="Skip the higher levels once throughput stays flat while latency or the engine's queue climbs.")
+    repeats = forms.IntegerField(min_value=1, max_value=runner.MAX_REPEATS, initial=default("repeats"), required=False,
+                                 label="Repeats per level", help_text=(
+        "Measure each level this many times (each with prompts of its own): every figure then shows its median "
+        "with a 95 % interval (from 3 repeats), and a comparison says which differences are beyond the noise."))
     slos = forms.CharField(required=False, max_length=300, label="SLOs", widget=forms.TextInput(
         attrs={"placeholder": "ttft:p99:2s, itl:p95:50ms"}), help_text=(
         "metric:percentile:limit (ttft, itl, e2e); each level then reports goodput and attainment."))
@@ -170,6 +174,7 @@ class RunForm(forms.Form):
         keys = ("levels", "endpoint", "prompt_source", "input_tokens", "max_tokens", "ignore_eos", "temperature",
                 "requests_per_user", "prompts", "stop_when_saturated", "request_timeout_s")
         params = {k: data[k] for k in keys if k in data}
+        params["repeats"] = data.get("repeats") or default("repeats")
         params.update({k: data[k] for k in ("slos", "capacity") if data.get(k)})
         if data.get("rates") or data.get("capacity"):
             params.update(rates=data.get("rates") or [], burstiness=data["burstiness"], max_concurrency=data["max_concurrency"],

@@ -62,6 +62,9 @@ class BenchmarkRun(Job):
     capacity = models.JSONField(default=dict, blank=True, help_text=(
         "A capacity search's answer: the highest rate measured to meet the SLOs, the interval, each round and the "
         "sentence (benchmarks/runner/capacity.py); empty for other runs."))
+    over_repeats = models.JSONField(default=list, blank=True, help_text=(
+        "With params.repeats above 1, each level's figures over its repeats (median, and the 95 % interval of the "
+        "mean from 3 repeats: benchmarks/runrepeats.py), worked out once as the run ends; empty otherwise."))
     cancel_requested = models.BooleanField(default=False)
 
     def __str__(self):

@@ -107,7 +107,8 @@ def run_point_data(point) -> dict[str, Any]:
 
 
 def send_run_point(run_id: int, point) -> None:
-    key = f"r{point.rate:g}" + (f"/{point.repeat}" if point.repeat else "") if point.kind == point.Kind.RATE else point.concurrency
+    key = (f"r{point.rate:g}" if point.kind == point.Kind.RATE else str(point.concurrency)) + (
+        f"/{point.repeat}" if point.repeat else "")
     publishing.publish(RUN.name(run_id), f"point.{key}", run_point_data(point))
 
 

@@ -14,7 +14,7 @@ from benchmarks.models import BenchmarkRun, Workload
 # Settings panelctl sends as the API's defaults unless told otherwise, and the option that changes each.
 _OPTIONS = (("max_tokens", "--max-tokens"), ("requests_per_user", "--requests-per-user"),
             ("min_requests", "--min-requests"), ("warmup_per_user", "--warmup-per-user"),
-            ("temperature", "--temperature"), ("request_timeout_s", "--request-timeout"))
+            ("temperature", "--temperature"), ("request_timeout_s", "--request-timeout"), ("repeats", "--repeats"))
 _GOODPUT = {"ttft": "ttft", "e2e": "e2el"}  # vLLM's goodput names for the SLO metrics it has (not ITL: its TPOT differs)
 _RATE_OPTIONS = (("burstiness", "--burstiness"), ("max_concurrency", "--max-concurrency"), ("ramp", "--ramp"),
                  ("ramp_from", "--ramp-from"), ("rate_duration_s", "--rate-duration"))

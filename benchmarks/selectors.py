@@ -1,7 +1,7 @@
 """Reads for benchmark pages and exports: comparisons, environment diffs, CSV rows."""
 from benchmarks import payloads
 from benchmarks.models import BenchmarkRun
-from benchmarks.runner.saturation import saturation_point
+from benchmarks.runner.saturation import representatives, saturation_point
 from benchmarks.runner.spec import LevelResult
 from plumbing import csvsafe
 
@@ -195,7 +195,7 @@ def run_saturation(run: BenchmarkRun, points=None) -> dict | None:
         return None
     levels = [LevelResult(concurrency=p.concurrency, num_requests=p.num_requests, completed=p.num_requests - p.failed_requests,
                           output_throughput=p.output_throughput, e2e_ms=p.e2e_ms or {}, server_metrics=p.server_metrics or {})
-              for p in sorted(points, key=lambda p: p.concurrency)]
-    level, reason = saturation_point(levels, max_num_seqs(run))
+              for p in sorted(points, key=lambda p: (p.concurrency, p.repeat))]
+    level, reason = saturation_point(representatives(levels), max_num_seqs(run))
     text = f"Saturated at c={level}: {reason}." if level else f"{reason[:1].upper()}{reason[1:]}."
     return {"level": level, "reason": reason, "text": text}

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import allowlist, caps, energy, payloads, runner, runqueue, selectors
+from benchmarks import allowlist, caps, energy, payloads, runner, runqueue, runrepeats, selectors
 from benchmarks.runner.saturation import queue_note
 from benchmarks.runner import capacity as capacity_search, slo as slos_mod
 from benchmarks.models import BenchmarkPoint, BenchmarkRun
@@ -24,7 +24,7 @@ S = BenchmarkRun.Status
 # The LoadSpec fields a run's params may set (levels apart); their defaults are LoadSpec's.
 SPEC_PARAMS = ("endpoint", "prompt_source", "prompts", "input_tokens", "max_tokens", "ignore_eos", "temperature", "seed",
                "min_requests", "requests_per_user", "warmup_per_user", "stop_when_saturated", "workload",
-               "request_timeout_s")
+               "request_timeout_s", "repeats")
 # Open-loop levels: kept in a run's params only when it asks for rates.
 RATE_PARAMS = ("rates", "arrival", "burstiness", "max_concurrency", "ramp", "ramp_from", "rate_duration_s")
 # SLOs (runner/slo.py) and a capacity search (runner/capacity.py): kept in params when asked for.
@@ -103,6 +103,8 @@ def run_create(*, params: dict, deployment: Deployment | None = None, base_url: 
     params = _slo_params(params)
     if problem := runner.timeout_problem(params["request_timeout_s"]):
         raise ServiceError(problem, field="request_timeout_s")
+    if problem := runner.repeats_problem(params["repeats"]):
+        raise ServiceError(problem, field="repeats")
     if params.get("rates") or params.get("capacity"):
         params = {**{k: runner.spec_default(k) for k in RATE_PARAMS}, **params}
         params["rates"] = sorted({float(r) for r in params["rates"]})
@@ -270,6 +272,7 @@ def run_execute(run_id: int) -> BenchmarkRun:
             error = (f"The benchmark ran out of memory: {error}. The engine was not affected. Ask for fewer requests "
                      "per level or shorter prompts and outputs, or raise PANEL_BENCH_MEMORY_MB on the node.")
         run.transition(S.FAILED, error=error)
+    run.over_repeats = runrepeats.run_repeats(run)  # once, here: the bootstrap takes seconds a page must not wait
     run.save()
     payloads.send_run_status(run)
     return run

@@ -128,7 +128,7 @@ def study_preview(d: Deployment, variants: list[dict], repeats: int, workload: d
     """How many variants and trials a study would run and how long it would take, from what the node
     measured of the deployment (benchmarks.studyestimate)."""
     trials = (len(variants) + 1) * repeats
-    workload = {**runs.DEFAULTS, **workload}  # as each trial's run will have it
+    workload = {**runs.DEFAULTS, **workload, "repeats": 1}  # as each trial's run will have it
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     preview = {"variants": len(variants) + 1, "trials": trials, **studyestimate.study_estimate(d, trials, workload)}
     if repeats < studystats.MIN_REPEATS:
@@ -157,7 +157,8 @@ def study_create(*, deployment: Deployment, variants: list[dict], workload: dict
     if (len(variants) + 1) * repeats > MAX_TRIALS:
         raise ServiceError(f"{(len(variants) + 1) * repeats} trials: at most {MAX_TRIALS} per study.", field="variants")
     validate_variants(d, variants, user)
-    workload = {**runs.DEFAULTS, **workload}
+    # One measurement a level in each trial: a study repeats whole trials (each a redeploy), which is what it judges.
+    workload = {**runs.DEFAULTS, **workload, "repeats": 1}
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     caps.check_study(d, workload, variants)  # every trial's run would be refused later, with the study half done
     rule = rule or {"kind": "throughput", **({"level": max(workload["levels"])} if workload["levels"] else {})}

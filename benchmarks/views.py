@@ -7,7 +7,7 @@ from django.http import HttpResponse, HttpResponseForbidden
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from benchmarks import noise, payloads, runcommand, selectors, services
+from benchmarks import noise, payloads, runcommand, runrepeats, selectors, services
 from benchmarks.forms import RunForm
 from benchmarks.models import BenchmarkRun, Workload
 from benchmarks.runner import slo as slos_mod
@@ -50,6 +50,7 @@ def run_detail(request, pk):
         # A run of rate levels only (or a capacity search) is charted against the rate; any other against concurrency.
         "axis": "rate" if by_rate else "concurrency", "axis_label": "request rate" if by_rate else "concurrency",
         "slo_text": slos_mod.describe(run.params.get("slos") or []), "commands": runcommand.commands(run),
+        "repeats": run.over_repeats, "repeat_labels": runrepeats.LABELS,
         "workload_kind": dict(Workload.Kind.choices).get((run.params.get("workload") or {}).get("kind"), ""),
         "initial": {"ticks": run.ticks, "points": [payloads.run_point_data(p) for p in points],
                     "slos": run.params.get("slos") or []}})
@@ -82,7 +83,13 @@ def compare(request):
     return render(request, "benchmarks/compare.html", {"runs": runs, "diff": diff, "data": data,
                                                        "ids": ",".join(str(r.pk) for r in runs), "slo_rows": _slo_rows(runs),
                                                        "energy_rows": _energy_rows(runs),
-                                                       "deltas": noise.level_deltas(runs)})
+                                                       "deltas": noise.level_deltas(runs),
+                                                       "repeat_deltas": _repeat_deltas(runs)})
+
+
+def _repeat_deltas(runs) -> list[dict]:
+    """Each later run against the first at the levels either measured more than once (benchmarks.runrepeats)."""
+    return [{"run": r, **row} for r in runs[1:] for row in runrepeats.compare_runs(runs[0], r)]
 
 
 def _slo_rows(runs) -> list[dict]:

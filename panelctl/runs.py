@@ -29,7 +29,7 @@ def cmd_bench(panel, args):
         body["levels"] = levels
     body.update({"workload": args.workload} if args.workload else {})
     body.update({"request_timeout_s": args.request_timeout} if args.request_timeout is not None else {})
-    body.update({field: value for field in ("seed", "temperature", "min_requests", "warmup_per_user")
+    body.update({field: value for field in ("seed", "temperature", "min_requests", "warmup_per_user", "repeats")
                  if (value := getattr(args, field)) is not None})
     body.update({"endpoint": ENDPOINTS[args.endpoint]} if args.endpoint else {})
     body.update(rate_fields)
@@ -65,6 +65,8 @@ def cmd_bench(panel, args):
                 say(f"  {run['saturation']['text']}")
             if (run.get("capacity") or {}).get("text"):
                 say(run["capacity"]["text"])
+            for row in run.get("over_repeats") or []:
+                say(repeats_line(row))
             for warning in run.get("warnings") or []:
                 say(f"  note: {warning}")
             result = {**run, "points": points}
@@ -78,8 +80,20 @@ def cmd_bench(panel, args):
 
 
 def level_label(p: dict) -> str:
-    """"c=16" for a concurrency level, "4 req/s" for a rate level (its concurrency is a cap, 0 for none)."""
-    return f"{p['rate']:g} req/s" if p.get("kind") == "rate" else f"c={p['concurrency']}"
+    """"c=16" for a concurrency level, "4 req/s" for a rate level (its concurrency is a cap, 0 for none); a repeat
+    after the first "c=16 #2"."""
+    label = f"{p['rate']:g} req/s" if p.get("kind") == "rate" else f"c={p['concurrency']}"
+    return label + (f" #{p['repeat'] + 1}" if p.get("repeat") else "")
+
+
+def repeats_line(row: dict) -> str:
+    """A level's output tok/s over its repeats (the run's over_repeats): the median, and its 95 % interval or why
+    there is none."""
+    tput = row["figures"].get("throughput")
+    if not tput:
+        return f"  {row['label']} over {row['repeats']} repeats: no output throughput measured"
+    spread = f"95 % interval {tput['low']:,.1f} to {tput['high']:,.1f}" if tput["low"] is not None else tput["why"]
+    return f"  {row['label']} over {row['repeats']} repeats: {tput['median']:,.1f} output tok/s median ({spread})"
 
 
 def energy_line(p: dict) -> str | None:
@@ -145,6 +159,8 @@ def add(sub) -> None:
     s.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0)")
     s.add_argument("--min-requests", type=int, default=None, help="measured requests of a level at least (default 32)")
     s.add_argument("--warmup-per-user", type=int, default=None, help="unmeasured requests per stream first (default 1)")
+    s.add_argument("--repeats", type=int, default=None, help="measure each level this many times, each with its own "
+                   "prompts: figures then come with 95 %% intervals (default 1)")
     s.add_argument("--past-saturation", action="store_true",
                    help="measure every level (by default the sweep stops once the engine saturates)")
     s.add_argument("--wait", action="store_true")

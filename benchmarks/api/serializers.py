@@ -41,7 +41,7 @@ class BenchmarkRunDetailSerializer(BenchmarkRunSerializer):
     """One run, with its commands (the list leaves them out: they read the deployment's node and workload)."""
 
     class Meta(BenchmarkRunSerializer.Meta):
-        fields = [*BenchmarkRunSerializer.Meta.fields, "commands"]
+        fields = [*BenchmarkRunSerializer.Meta.fields, "commands", "over_repeats"]
 
     commands = serializers.SerializerMethodField(help_text=(
         'The run as commands: {"panelctl": the `panelctl bench` line that sends the same requests again, '
@@ -110,6 +110,9 @@ class RunRequestSerializer(serializers.Serializer):
     request_timeout_s = serializers.FloatField(allow_null=True, default=default("request_timeout_s"), help_text=(
         "Seconds each request may take, at most a day; null: each request's own, from its max_tokens at a floor of "
         "0.5 tok/s plus time for its first token (at least 600 s), so long answers at high concurrency finish."))
+    repeats = serializers.IntegerField(min_value=1, max_value=runner.MAX_REPEATS, default=default("repeats"), help_text=(
+        "Times each level is measured, one after another, each with prompts (and arrivals) of its own seed; the run "
+        "then gives each level's figures as a median with a 95 % interval (from 3 repeats): GET /api/runs/{id}/."))
     stop_when_saturated = serializers.BooleanField(default=default("stop_when_saturated"), help_text=(
         "End the sweep once a level shows the engine saturated (throughput flat while latency or the waiting "
         "queue climbs); false measures every level."))

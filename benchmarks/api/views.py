@@ -8,7 +8,7 @@ from plumbing.apicache import cached_read
 from plumbing.idempotency import idempotent
 from plumbing.params import ids_param
 
-from benchmarks import selectors, services
+from benchmarks import runrepeats, selectors, services
 from benchmarks.api import serializers
 from benchmarks.models import BenchmarkRun
 
@@ -66,7 +66,11 @@ class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
         runs = selectors.runs_with_points(_ids(request))
         diff = selectors.environment_diff(runs[0], runs[1]) if len(runs) >= 2 else []
         return Response({"runs": selectors.export_json(runs),
-                         "diff": [{"setting": k, "a": a, "b": b} for k, a, b in diff]})
+                         "diff": [{"setting": k, "a": a, "b": b} for k, a, b in diff],
+                         # Each later run against the first at the levels measured more than once: per metric the
+                         # difference with its 95 % interval over the repeats, and the verdict (benchmarks.runrepeats).
+                         "over_repeats": [{"run": r.pk, **row} for r in runs[1:]
+                                          for row in runrepeats.compare_runs(runs[0], r)]})
 
     @extend_schema(parameters=[IDS, OpenApiParameter("as", str, enum=["json", "csv"])], responses=dict)
     @action(detail=False)

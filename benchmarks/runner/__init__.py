@@ -12,8 +12,8 @@ May import deployments.host (the vLLM client, host errors), plumbing's plain fil
 from .child import sweep_in_child
 from .memory import MemoryLimitError
 from .prompts import BUILTIN, load_jsonl, prompt_bytes
-from .spec import (CHAT, COMPLETIONS, DEFAULT_LEVELS, LevelResult, LoadSpec, PromptError, RequestRecord,
-                   RunnerError, SweepResult, Tick, request_timeout, spec_default, timeout_problem)
+from .spec import (CHAT, COMPLETIONS, DEFAULT_LEVELS, MAX_REPEATS, LevelResult, LoadSpec, PromptError, RequestRecord,
+                   RunnerError, SweepResult, Tick, repeats_problem, request_timeout, spec_default, timeout_problem)
 from .stats import distribution, percentile, request_samples, summarize
 from .sweep import Sweeper, length_problem, run_level, run_rate, sweep
 from .arrivals import ARRIVALS, RAMPS, due_offsets, rate_requests
@@ -23,6 +23,6 @@ __all__ = [
     "workfiles", "workloads", "ARRIVALS", "BUILTIN", "CHAT", "RAMPS", "due_offsets", "rate_requests", "run_rate", "COMPLETIONS", "DEFAULT_LEVELS", "LevelResult", "LoadSpec", "MemoryLimitError", "PromptError",
     "RequestRecord", "RunnerError", "SweepResult", "Sweeper", "Tick", "distribution", "length_problem", "load_jsonl",
     "percentile", "prompt_bytes", "request_samples", "request_timeout", "run_level", "spec_default", "summarize",
-    "sweep", "timeout_problem",
+    "sweep", "timeout_problem", "MAX_REPEATS", "repeats_problem",
     "sweep_in_child",
 ]

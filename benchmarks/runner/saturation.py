@@ -11,6 +11,19 @@ FLAT_GAIN = 0.10  # throughput within 10 % of the best so far is flat
 LATENCY_RISE = 0.25  # median E2E up 25 % on the previous level is climbing
 
 
+def representatives(levels: list[LevelResult]) -> list[LevelResult]:
+    """One result per level, in the order the levels ran: of a level's repeats, the one of median output throughput
+    (the lower middle of an even count), so the rule reads a level as its repeats do, not its luckiest one."""
+    by_level: dict[tuple, list[LevelResult]] = {}
+    for lv in levels:
+        by_level.setdefault((lv.kind, lv.concurrency, lv.rate), []).append(lv)
+    picked = []
+    for repeats in by_level.values():
+        done = sorted((lv for lv in repeats if lv.completed and not lv.cancelled), key=lambda lv: lv.output_throughput)
+        picked.append(done[(len(done) - 1) // 2] if done else repeats[-1])
+    return picked
+
+
 def _waiting(level: LevelResult) -> float | None:
     gauge = (level.server_metrics or {}).get("num_requests_waiting")
     return gauge.get("max") if isinstance(gauge, dict) else None

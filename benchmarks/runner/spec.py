@@ -1,6 +1,7 @@
 """What a benchmark asks for and what it measures: plain dataclasses, no Django."""
 import copy
 import math
+import statistics
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -19,6 +20,16 @@ TIMEOUT_FLOOR_TOK_S = 0.5
 TIMEOUT_FIRST_TOKEN_S = 300.0
 MIN_REQUEST_TIMEOUT_S = 600.0
 MAX_REQUEST_TIMEOUT_S = 86_400.0  # a day
+
+
+MAX_REPEATS = 10  # a plain run's repeats of each level
+
+
+def repeats_problem(value) -> str:
+    """Why `value` cannot be a run's repeats ("" if it can)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPEATS:
+        return f"repeats is a whole number from 1 to {MAX_REPEATS} (got {value!r})."
+    return ""
 
 
 class RunnerError(HostError):
@@ -76,6 +87,9 @@ class LoadSpec:
     slos: list = field(default_factory=list)
     # A capacity search (capacity.py), run instead of the rates: {"low", "high", "width", "repeats"} in req/s.
     capacity: dict = field(default_factory=dict)
+    # Times each concurrency and rate level is measured, one after another, each repeat with prompts (and arrivals)
+    # of its own seed: a prefix cache serves no repeat from the one before. A capacity search repeats on its own.
+    repeats: int = 1
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_user * concurrency)
@@ -227,7 +241,7 @@ class LevelResult:
     slot_wait_ms: dict = field(default_factory=dict)
     # Against the spec's SLOs (slo.evaluate): {"good", "goodput", "attainment_pct", "met", "each"}; {} without.
     slo: dict = field(default_factory=dict)
-    repeat: int = 0  # a capacity search's repeat of the same rate (0 otherwise)
+    repeat: int = 0  # which measurement of the level this is, from 0 (spec.repeats, or a capacity search's)
     # What a prefix cache could have served of the level's prompts (workloads.reuse): {"prompt_tokens",
     # "reusable_tokens", "share"}; {} for prompts without a known structure.
     prefix_reuse: dict = field(default_factory=dict)
@@ -260,4 +274,6 @@ class SweepResult:
 
     @property
     def single_stream_tok_s(self) -> float | None:
-        return next((lv.tok_s_per_user for lv in self.levels if lv.concurrency == 1 and lv.kind == "concurrency"), None)
+        """Of concurrency 1 (the median over its repeats); None when it did not run."""
+        rates = [lv.tok_s_per_user for lv in self.levels if lv.concurrency == 1 and lv.kind == "concurrency"]
+        return statistics.median(rates) if rates else None

@@ -25,10 +25,10 @@ import benchmarks.runner.capacity as capacity_search  # the modules, not the pac
 import benchmarks.runner.workloads as workloads
 from .arrivals import due_offsets, with_warmup
 from .prompts import Target
-from .saturation import saturated
+from .saturation import representatives, saturated
 from .metricsampler import Sampler
 from .slo import evaluate as slo_evaluate
-from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick, timeout_problem
+from .spec import LevelResult, LoadSpec, RunnerError, SweepResult, Tick, repeats_problem, timeout_problem
 from .stats import request_samples, schedule_figures, summarize
 from .tokens import WORDS_ONLY, PromptLengths, prompt_lengths
 from .workers import BARRIER_TIMEOUT_S, POLL_S, Workers, _Command
@@ -80,8 +80,9 @@ class Sweeper:
     def __exit__(self, *exc):
         self.workers.close()
 
-    def run_level(self, concurrency: int, on_tick=None, cancel=None) -> LevelResult:
-        """Measure one concurrency level; on cancel, returns what finished, with cancelled=True."""
+    def run_level(self, concurrency: int, on_tick=None, cancel=None, repeat: int = 0) -> LevelResult:
+        """Measure one concurrency level; on cancel, returns what finished, with cancelled=True. A repeat of the
+        level sends prompts of its own (a prefix cache must not serve it from the repeat before)."""
         spec, workers = self.spec, self.workers
         warmup = spec.num_warmup(concurrency)
         total = warmup + spec.num_requests(concurrency)
@@ -94,8 +95,9 @@ class Sweeper:
                   for wid in range(workers.count)]
         for wid, slots in enumerate(_slots(shares)):
             workers.commands[wid].put(_Command(shares[wid], concurrency, total, warmup, slots, lengths, spec.tick_s,
-                                               turns=turns))
+                                               key=f"{concurrency}/{repeat}" if repeat else None, turns=turns))
         records, result = self._measure(concurrency, 0.0, on_tick, cancel, warmup, active)
+        result.repeat = repeat
         result.prefix_reuse = workloads.reuse(spec, records)
         return result
 
@@ -104,7 +106,7 @@ class Sweeper:
         spec.max_concurrency in flight (the rest wait for a slot, and the wait is recorded), after a
         warm-up of arrivals.rate_warmup requests that are not counted. A multi-turn workload's arrivals are
         its conversations' first turns (its later turns follow their think times). A repeat of the same
-        rate (a capacity search's) draws its arrivals from another seed."""
+        rate (spec.repeats, or a capacity search's) draws its arrivals and its prompts from another seed."""
         spec, workers = self.spec, self.workers
         cap = spec.max_concurrency
         turns = spec.workload["turns"] if workloads.kind(spec) == "multiturn" else 0
@@ -124,7 +126,8 @@ class Sweeper:
             mine = wid < active
             share = (cap // active + (wid < cap % active) if cap else UNCAPPED) if mine else 0
             workers.commands[wid].put(_Command(share, active, total, warmup, [wid] if mine else [], lengths,
-                                               spec.tick_s, due=due if mine else None, key=f"rate{rate:g}",
+                                               spec.tick_s, due=due if mine else None,
+                                               key=f"rate{rate:g}" + (f"/{repeat}" if repeat else ""),
                                                turns=turns))
         records, result = self._measure(cap, rate, on_tick, cancel, warmup, active)
         result.kind, result.rate, result.max_concurrency, result.repeat = "rate", rate, cap, repeat
@@ -318,7 +321,7 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
     rates = [float(r) for r in spec.rates if float(r) > 0]
     if not levels and not rates and not spec.capacity:
         raise RunnerError("no concurrency levels or rates to run", permanent=True)
-    if problem := timeout_problem(spec.request_timeout_s):
+    if problem := timeout_problem(spec.request_timeout_s) or repeats_problem(spec.repeats):
         raise RunnerError(problem, permanent=True)
     if spec.capacity:
         capacity_search.check(spec.capacity)
@@ -354,22 +357,26 @@ def sweep(spec: LoadSpec, on_level=None, on_tick=None, cancel=None, memory_bytes
         failed(level, refused_only=True)
         return level
 
-    with Sweeper(spec, sweep_workers(spec)[0], memory_bytes) as sweeper:
-        for concurrency in levels:
+    def repeated(run) -> bool:
+        """Each of the spec's repeats of a level (run(repeat) measures one); False once the sweep must stop."""
+        for repeat in range(spec.repeats):
             if check():
                 result.cancelled = True
-                break
-            if not measured(sweeper.run_level(concurrency, on_tick=on_tick, cancel=check)):
+                return False
+            if not measured(run(repeat)):
+                return False
+        return True
+
+    with Sweeper(spec, sweep_workers(spec)[0], memory_bytes) as sweeper:
+        for concurrency in levels:
+            if not repeated(lambda r: sweeper.run_level(concurrency, on_tick=on_tick, cancel=check, repeat=r)):
                 break
             if spec.stop_when_saturated and concurrency != levels[-1]:
-                result.saturated = saturated(result.levels)
+                result.saturated = saturated(representatives(result.levels))
                 if result.saturated:
                     break
         for rate in rates if not result.cancelled else []:
-            if check():
-                result.cancelled = True
-                break
-            if not measured(sweeper.run_rate(rate, on_tick=on_tick, cancel=check)):
+            if not repeated(lambda r: sweeper.run_rate(rate, on_tick=on_tick, cancel=check, repeat=r)):
                 break
         if spec.capacity and not result.cancelled:
             result.capacity = capacity_search.search(

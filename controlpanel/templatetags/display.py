@@ -36,3 +36,12 @@ def flags(engine_args) -> str:
     """{"enforce-eager": True, "tensor-parallel-size": 1} -> "--enforce-eager --tensor-parallel-size 1", exactly as
     the engine's command line gets them (a switch has no value; 1 is a value, not True), copyable into a shell."""
     return " ".join(argv_words(engine_args or {}))
+
+
+@register.filter
+def percent(fraction) -> str:
+    """A relative difference as a signed percentage: 0.042 -> "+4.2 %", -0.1 -> "-10.0 %"; "—" for none."""
+    try:
+        return f"{float(fraction) * 100:+.1f} %"
+    except (TypeError, ValueError):
+        return "—"

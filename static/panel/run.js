@@ -4,8 +4,8 @@
   const initial = JSON.parse(document.getElementById("initial").textContent);
   const ticks = initial.ticks.map(([t, c, v]) => ({ t, c, v }));
   // A level is a concurrency or a request rate (open loop): keyed apart, each kind charted on its own axis.
-  // A capacity search's repeats of one rate are levels of their own.
-  const key = (p) => (p.kind === "rate" ? "r" + p.rate + "/" + (p.repeat || 0) : "c" + p.concurrency);
+  // Repeats of one level (the run's, or a capacity search's of one rate) are rows of their own.
+  const key = (p) => (p.kind === "rate" ? "r" + p.rate + "/" + (p.repeat || 0) : "c" + p.concurrency + (p.repeat ? "/" + p.repeat : ""));
   const points = new Map(initial.points.map((p) => [key(p), p]));
   const byRate = R.axis === "rate";
   const axis = byRate ? "requests/s" : "concurrency";
@@ -48,7 +48,7 @@
 
   function drawTicks() { tickChart.setData([ticks.map((x) => x.t), ticks.map((x) => x.v)]); }
   function drawPoints() {
-    const ps = [...points.values()].sort((a, b) => (a.kind || "").localeCompare(b.kind || "") || a.rate - b.rate || a.concurrency - b.concurrency);
+    const ps = [...points.values()].sort((a, b) => (a.kind || "").localeCompare(b.kind || "") || a.rate - b.rate || a.concurrency - b.concurrency || (a.repeat || 0) - (b.repeat || 0));
     const charted = ps.filter((p) => (p.kind === "rate") === byRate);
     scaleChart.setData([charted.map(x), charted.map((p) => p.output_throughput)]);
     ttftChart.setData([charted.map(x), charted.map((p) => p.ttft_ms.median)]);
@@ -61,8 +61,8 @@
       const s = p.server_metrics || {};
       const gauge = (k) => (s[k] ? fmt(s[k].max, 0) : "—");
       const rate = p.kind === "rate";
-      const level = rate ? `${Number(p.rate.toFixed(2))} req/s${p.concurrency ? " ≤ " + p.concurrency : ""}${p.repeat ? " #" + (p.repeat + 1) : ""}` : p.concurrency;
-      return `<tr data-concurrency="${p.concurrency}" data-kind="${p.kind}" data-rate="${p.rate}"><td class="num">${level}</td><td class="num">${fmt(p.output_throughput)}</td>` +
+      const level = (rate ? `${Number(p.rate.toFixed(2))} req/s${p.concurrency ? " ≤ " + p.concurrency : ""}` : p.concurrency) + (p.repeat ? " #" + (p.repeat + 1) : "");
+      return `<tr data-concurrency="${p.concurrency}" data-kind="${p.kind}" data-rate="${p.rate}" data-repeat="${p.repeat || 0}"><td class="num">${level}</td><td class="num">${fmt(p.output_throughput)}</td>` +
         `<td class="num">${fmt(p.total_token_throughput)}</td><td class="num">${fmt(p.request_throughput, 2)}</td>` +
         `<td class="num" data-f="prompt-tokens" title="${p.prompt_tokens_counted_by ? "sized by " + p.prompt_tokens_counted_by : "prompts as written"}">${p.prompt_tokens_requested ?? "—"} / ${fmt(p.prompt_tokens_mean)}</td>` +
         `<td class="num">${fmt(p.ttft_ms.median)} / ${fmt(p.ttft_ms.p99)}</td><td class="num">${fmt((p.ttft_vllm_bench_ms || {}).median)}</td>` +

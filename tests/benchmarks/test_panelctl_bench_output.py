@@ -49,3 +49,24 @@ def test_a_rate_level_is_named_by_its_rate_not_as_concurrency_0(capsys):
     assert runs.cmd_bench(Rates(), args) == 0
     err = capsys.readouterr().err
     assert "  4 req/s " in err and "c=0" not in err, err
+
+
+def test_a_run_of_repeats_names_each_repeat_and_says_each_levels_median_with_its_interval(capsys):
+    figures = {"throughput": {"median": 1005.0, "low": 990.25, "high": 1021.5, "why": ""}}
+    few = {"throughput": {"median": 1050.0, "low": None, "high": None, "why": "too few repeats to judge: 2 repeats"}}
+
+    class Repeats(Panel):
+        def get(self, path):
+            if path.endswith("points/"):
+                return [{**POINT, "repeat": r} for r in range(3)]
+            return {**RUN, "over_repeats": [{"label": "c=1", "repeats": 3, "figures": figures},
+                                            {"label": "c=2", "repeats": 2, "figures": few}]}
+
+    args = cli.parser().parse_args(["bench", "http://e:8000", "--model", "m", "--concurrency", "1", "--repeats", "3",
+                                    "--wait", "--timeout", "5"])
+    assert runs.cmd_bench(Repeats(), args) == 0
+    err = capsys.readouterr().err
+    assert [line.split()[0:2] for line in err.splitlines() if line.strip().startswith("c=1 ")] == [
+        ["c=1", "120.0"], ["c=1", "#2"], ["c=1", "#3"], ["c=1", "over"]]
+    assert "c=1 over 3 repeats: 1,005.0 output tok/s median (95 % interval 990.2 to 1,021.5)" in err
+    assert "c=2 over 2 repeats: 1,050.0 output tok/s median (too few repeats to judge: 2 repeats)" in err

@@ -21,7 +21,7 @@ BODIES = {
     "every setting": {"levels": [4, 1], "endpoint": "/v1/completions", "prompt_source": "builtin", "input_tokens": 300,
                       "max_tokens": 700, "temperature": 0.7, "requests_per_user": 2, "min_requests": 8,
                       "warmup_per_user": 0, "ignore_eos": False, "stop_when_saturated": False,
-                      "request_timeout_s": 1800, "seed": 42},
+                      "request_timeout_s": 1800, "seed": 42, "repeats": 3},
     "rates and SLOs": {"rates": [4, 2], "burstiness": 0.5, "arrival": "poisson", "max_concurrency": 16, "ramp": "linear",
                        "ramp_from": 1, "rate_duration_s": 20, "slos": "ttft:p99:2s, itl:p95:50ms", "seed": 7},
     "levels and rates": {"levels": [8], "rates": [3], "burstiness": 2.0},

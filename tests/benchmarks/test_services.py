@@ -80,6 +80,23 @@ def test_a_real_sweep_stores_each_level_with_the_schedules_figures():
     assert run.ticks and run.served_model  # first model the server lists
 
 
+def test_a_run_of_repeats_stores_every_repeat_and_each_levels_figures_over_them_as_it_ends():
+    with SchedServer(ttft_ms=5, gap_ms=2) as server:
+        run = BenchmarkRun.objects.create(base_url=server.base_url, params={
+            **services.DEFAULTS, "levels": [2], "max_tokens": 8, "min_requests": 6, "requests_per_user": 1,
+            "repeats": 3})
+        with mock.patch("plumbing.live.publishing.publish", autospec=True) as publish:
+            services.run_execute(run.pk)
+    run.refresh_from_db()
+    assert run.status == "done", run.error
+    points = list(run.points.all())
+    assert [(p.concurrency, p.repeat, p.num_requests) for p in points] == [(2, 0, 6), (2, 1, 6), (2, 2, 6)]
+    (row,) = run.over_repeats
+    assert (row["label"], row["repeats"]) == ("c=2", 3)
+    assert row["figures"]["throughput"]["median"] == sorted(p.output_throughput for p in points)[1]
+    assert {"point.2", "point.2/1", "point.2/2"} <= {call.args[1] for call in publish.call_args_list}
+
+
 def test_a_cancelled_run_keeps_its_finished_levels():
     # Each level takes ~3.3 s (8 rounds of 0.41 s); a cancel lands within ~0.7 s.
     with SchedServer(ttft_ms=10, gap_ms=50) as server:
@@ -158,7 +175,7 @@ def test_the_form_the_api_and_a_bare_run_start_from_the_load_specs_defaults(oper
     spec = runner.LoadSpec(base_url="http://x", model="m")
     form = RunForm()
     for name in ("prompt_source", "ignore_eos", "input_tokens", "max_tokens", "temperature", "requests_per_user",
-                 "stop_when_saturated"):
+                 "stop_when_saturated", "repeats"):
         assert form.fields[name].initial == getattr(spec, name), name
     api = RunRequestSerializer(data={"base_url": "http://10.0.0.9:8000"})
     assert api.is_valid(), api.errors

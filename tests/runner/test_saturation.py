@@ -60,7 +60,7 @@ class FakeSweeper:
     def __exit__(self, *exc):
         pass
 
-    def run_level(self, concurrency, on_tick=None, cancel=None):
+    def run_level(self, concurrency, on_tick=None, cancel=None, repeat=0):
         return self.table[concurrency]
 
 
