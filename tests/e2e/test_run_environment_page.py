@@ -31,3 +31,24 @@ def test_a_runs_environment_reads_as_lines_below_its_charts(logged_in_page):
     assert max(len(line) for line in text.splitlines()) < 120  # short lines, none a word wide
     chart = page.locator("#chart-ticks").bounding_box()
     assert chart["y"] < env.bounding_box()["y"] and chart["y"] < 800  # the charts first, in the first screen
+
+
+def test_a_run_of_repeats_shows_every_repeat_as_its_own_row_and_each_levels_median_with_its_interval(logged_in_page):
+    from benchmarks import runrepeats
+
+    run = BenchmarkRunFactory(status="done", params={"levels": [1, 4], "repeats": 3}, started=timezone.now(),
+                              finished=timezone.now())
+    for c in (1, 4):
+        for repeat, tok_s in enumerate((100.0 * c, 104.0 * c, 98.0 * c)):
+            BenchmarkPointFactory(run=run, concurrency=c, repeat=repeat, output_throughput=tok_s)
+    run.over_repeats = runrepeats.run_repeats(run)
+    run.save(update_fields=["over_repeats"])
+    page = logged_in_page
+    page.goto(f"{page.base_url}/benchmarks/{run.pk}/")
+    rows = page.locator("#points tbody tr")
+    expect(rows).to_have_count(6)  # keyed by level and repeat: no repeat hides another
+    assert [rows.nth(i).locator("td").first.inner_text() for i in range(6)] == ["1", "1 #2", "1 #3", "4", "4 #2", "4 #3"]
+    assert rows.nth(4).locator("td").nth(1).inner_text() == "416.0"
+    median = page.locator('#repeat-figures tr[data-level="c=4"] td[data-metric="throughput"]')
+    expect(median).to_contain_text("400.0")  # the median of 400, 416 and 392
+    expect(median.locator('[data-f="interval"]')).to_be_visible()
