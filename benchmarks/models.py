@@ -186,6 +186,9 @@ class Study(Job):
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED)
     error = models.TextField(blank=True)
     repeats = models.PositiveSmallIntegerField(default=3)
+    max_repeats = models.PositiveSmallIntegerField(default=0, help_text=(
+        "Adaptive when above `repeats`: judged after `repeats` and after every round more, and ended once every "
+        "variant is decided on the rule's figure, or after this many; 0: `repeats`, no more."))
     order = models.CharField(max_length=16, default="interleaved", help_text="interleaved (A B C A B C), mirrored (A B C C B A) or random_blocks.")
     workload = models.JSONField(default=dict, help_text="The benchmark params every trial runs (levels, prompts, lengths).")
     base_engine_args = models.JSONField(default=dict, help_text="The deployment's flags when the study was made.")
@@ -205,6 +208,11 @@ class Study(Job):
 
     def __str__(self):
         return self.name or f"study {self.pk}"
+
+    @property
+    def looks(self) -> int:
+        """How many times the study may be judged: after `repeats`, and after each round more up to `max_repeats`."""
+        return max(self.max_repeats - self.repeats, 0) + 1
 
 
 class StudyVariant(models.Model):

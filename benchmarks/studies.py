@@ -10,13 +10,12 @@ BenchmarkRun on the deployment.
 """
 import itertools
 import logging
-import random
 from datetime import datetime
 
 from django.db import transaction
 from django.utils import timezone
 
-from benchmarks import caps, payloads, studyestimate, studyresults, studystats
+from benchmarks import caps, payloads, studyestimate, studyresults, studyrounds, studystats
 from benchmarks import services as runs
 from benchmarks.models import BenchmarkRun, Study, StudyTrial, StudyVariant
 from deployments import flagpolicy, privileged, userflags
@@ -109,40 +108,41 @@ def validate_variants(d: Deployment, variants: list[dict], user) -> None:
                          admin=is_admin(user), old_args=base_args, old_env=base_env)
 
 
-def schedule(n_variants: int, repeats: int, order: str, seed: int = 0) -> list[tuple[int, int]]:
-    """(variant position, repeat) in the order trials run: A B C A B C …; mirrored, A B C C B A … (steady drift favours
-    no variant, and even repeats end on the baseline: no closing reload); or each block shuffled."""
-    rng = random.Random(seed)
-    out = []
-    for repeat in range(1, repeats + 1):
-        block = list(range(n_variants))
-        if order == "random_blocks":
-            rng.shuffle(block)
-        elif order == "mirrored" and repeat % 2 == 0:
-            block.reverse()
-        out += [(v, repeat) for v in block]
-    return out
-
-
-def study_preview(d: Deployment, variants: list[dict], repeats: int, workload: dict) -> dict:
+def study_preview(d: Deployment, variants: list[dict], repeats: int, workload: dict, max_repeats: int = 0) -> dict:
     """How many variants and trials a study would run and how long it would take, from what the node
-    measured of the deployment (benchmarks.studyestimate)."""
-    trials = (len(variants) + 1) * repeats
+    measured of the deployment (benchmarks.studyestimate); an adaptive one's at most (its cap's)."""
+    trials = (len(variants) + 1) * max(repeats, max_repeats)
     workload = {**runs.DEFAULTS, **workload, "repeats": 1}  # as each trial's run will have it
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     preview = {"variants": len(variants) + 1, "trials": trials, **studyestimate.study_estimate(d, trials, workload)}
+    if max_repeats > repeats:
+        preview["adaptive"] = (f"Adaptive: judged after {repeats} repeats and after each round more, ended once every "
+                               f"variant is decided or after {max_repeats}; the trials and time are at most these.")
     if repeats < studystats.MIN_REPEATS:
         preview["warning"] = (f"{repeats} repeat{'s' if repeats != 1 else ''} per variant: the study will measure, but "
                               f"give no interval and no verdict ({studystats.too_few(repeats)}).")
     return preview
 
 
+def _max_repeats(repeats: int, max_repeats: int) -> int:
+    """An adaptive study's cap, checked (0: not adaptive); ServiceError naming max_repeats."""
+    if not max_repeats or max_repeats == repeats:
+        return 0
+    looks = max_repeats - repeats + 1
+    if max_repeats < repeats or looks > len(studystats.POCOCK_Z) or repeats < studystats.MIN_REPEATS:
+        raise ServiceError(f"max_repeats is 0 (not adaptive) or from repeats ({repeats}, at least "
+                           f"{studystats.MIN_REPEATS} to judge) to repeats + {len(studystats.POCOCK_Z) - 1}, "
+                           f"not {max_repeats}.", field="max_repeats")
+    return max_repeats
+
+
 @transaction.atomic
 def study_create(*, deployment: Deployment, variants: list[dict], workload: dict, repeats: int = 3,
                  order: str = "interleaved", rule: dict | None = None, finish_with: str = "baseline", name: str = "",
-                 user=None) -> Study:
+                 user=None, max_repeats: int = 0) -> Study:
     """Create a study of the deployment as it is (the baseline) against `variants`, and let the node's
-    agent drive it. Refuses what a deploy would refuse, before anything is stopped."""
+    agent drive it. Refuses what a deploy would refuse, before anything is stopped. With `max_repeats` above
+    `repeats` it is adaptive (benchmarks/studyrounds.py)."""
     d = Deployment.objects.select_for_update().select_related("node", "model").get(pk=deployment.pk)
     if not variants:
         raise ServiceError("Add at least one variant to compare with the baseline.", field="variants")
@@ -154,24 +154,27 @@ def study_create(*, deployment: Deployment, variants: list[dict], workload: dict
                            code="busy")
     if BenchmarkRun.objects.filter(deployment=d, status__in=BenchmarkRun.ACTIVE).exists():
         raise ServiceError(f"A benchmark is measuring {d.name}; wait or cancel it.", field="deployment", code="busy")
-    if (len(variants) + 1) * repeats > MAX_TRIALS:
-        raise ServiceError(f"{(len(variants) + 1) * repeats} trials: at most {MAX_TRIALS} per study.", field="variants")
+    max_repeats = _max_repeats(repeats, max_repeats)
+    if (len(variants) + 1) * max(repeats, max_repeats) > MAX_TRIALS:
+        raise ServiceError(f"{(len(variants) + 1) * max(repeats, max_repeats)} trials: at most {MAX_TRIALS} per study.",
+                           field="variants")
     validate_variants(d, variants, user)
     # One measurement a level in each trial: a study repeats whole trials (each a redeploy), which is what it judges.
     workload = {**runs.DEFAULTS, **workload, "repeats": 1}
     workload["levels"] = sorted({int(c) for c in workload["levels"]})
     caps.check_study(d, workload, variants)  # every trial's run would be refused later, with the study half done
     rule = rule or {"kind": "throughput", **({"level": max(workload["levels"])} if workload["levels"] else {})}
-    preview = study_preview(d, variants, repeats, workload)
+    preview = study_preview(d, variants, repeats, workload, max_repeats)
     study = Study.objects.create(
-        name=name or f"{d.name} tuning {timezone.now():%Y-%m-%d %H:%M}", deployment=d, repeats=repeats, order=order,
+        name=name or f"{d.name} tuning {timezone.now():%Y-%m-%d %H:%M}", deployment=d, repeats=repeats,
+        max_repeats=max_repeats, order=order,
         workload=workload, base_engine_args=d.engine_args, base_env=d.env, rule=rule, finish_with=finish_with,
         estimate_s=preview["estimate_s"], estimate_basis=preview["basis"][:300], created_by=user)
     rows = [StudyVariant.objects.create(study=study, position=0, name="baseline", is_baseline=True)]
     rows += [StudyVariant.objects.create(study=study, position=i, name=v["name"][:120], engine_args=v["engine_args"],
                                          env=v["env"]) for i, v in enumerate(variants, 1)]
     StudyTrial.objects.bulk_create([StudyTrial(study=study, variant=rows[v], position=i, repeat=r)
-                                    for i, (v, r) in enumerate(schedule(len(rows), repeats, order, seed=study.pk))])
+                                    for i, (v, r) in enumerate(studyrounds.schedule(len(rows), repeats, order, seed=study.pk))])
     payloads.send_study(study.pk, studyresults.study_live(study))
     return study
 
@@ -265,9 +268,14 @@ def study_step(study_id: int) -> Study:
 
 def _running(study: Study) -> None:
     trial = study.trials.filter(status__in=StudyTrial.OPEN).select_related("variant", "run").first()
+    results = None
+    if trial is None and not study.cancel_requested:
+        results = studyresults.compute(study)
+        if studyrounds.another_round(study, results):
+            return
     if study.cancel_requested or trial is None:
         study.trials.filter(status=T.PENDING).update(status=T.SKIPPED, error="The study was cancelled.")
-        study.results = studyresults.compute(study)
+        study.results = results or studyresults.compute(study)
         study.transition(S.FINISHING)
         study.save()
         return

@@ -66,7 +66,8 @@ def _order(level) -> float:
     return float(level[:-2]) if isinstance(level, str) else float(level)
 
 
-def level_winners(rows: list[dict], repeats: dict, levels: list, choose, n_boot: int = 2000) -> dict:
+def level_winners(rows: list[dict], repeats: dict, levels: list, choose, n_boot: int = 2000,
+                  z: float = studystats.Z975) -> dict:
     """{"levels": [{"level", "kind", "label", "winner", "name", "why"}], "crossover": sentence(s) or "", "note":
     why none is named}: concurrencies first, then rates, each kind with its own crossover.
     `choose(rows, rule, levels)` is studyresults.choose_winner; `repeats` is variant id -> key -> repeats."""
@@ -74,14 +75,14 @@ def level_winners(rows: list[dict], repeats: dict, levels: list, choose, n_boot:
     for kind in ("concurrency", "rate"):
         mine = sorted((lv for lv in levels if isinstance(lv, str) == (kind == "rate")), key=_order)
         if mine:
-            part = _winners(rows, repeats, mine, levels, choose, n_boot)
+            part = _winners(rows, repeats, mine, levels, choose, n_boot, z)
             out["levels"] += [{**item, "kind": kind} for item in part["levels"]]
             out["crossover"] = " ".join(x for x in (out["crossover"], part["crossover"]) if x)
             out["note"] = " ".join(x for x in (out["note"], part["note"]) if x)
     return out
 
 
-def _winners(rows: list[dict], repeats: dict, mine: list, levels: list, choose, n_boot: int) -> dict:
+def _winners(rows: list[dict], repeats: dict, mine: list, levels: list, choose, n_boot: int, z: float) -> dict:
     """level_winners for the levels of one kind (`mine`, in order)."""
     names = {r["id"]: r["name"] for r in rows}
     per_level = []
@@ -102,7 +103,7 @@ def _winners(rows: list[dict], repeats: dict, mine: list, levels: list, choose, 
         return out
     unsupported = []
     for (a, _, a_last), (b, b_first, _) in zip(segments, segments[1:]):
-        if not (_better(repeats, a, b, a_last, n_boot) and _better(repeats, b, a, b_first, n_boot)):
+        if not (_better(repeats, a, b, a_last, n_boot, z) and _better(repeats, b, a, b_first, n_boot, z)):
             unsupported.append(f"{names[a]} at {label(a_last)} and {names[b]} at {label(b_first)}")
     if unsupported:
         out["note"] = ("The variant measured best changes with the load, but the intervals do not separate "
@@ -122,12 +123,12 @@ def _winners(rows: list[dict], repeats: dict, mine: list, levels: list, choose, 
     return out
 
 
-def _better(repeats: dict, winner: int, other: int, level: int, n_boot: int) -> bool:
+def _better(repeats: dict, winner: int, other: int, level: int, n_boot: int, z: float) -> bool:
     """Whether `winner`'s output tok/s at the level is significantly above `other`'s."""
     mine, theirs = repeats.get(winner, {}).get(_key(level)), repeats.get(other, {}).get(_key(level))
     if not mine or not theirs:
         return False
-    comparison = studystats.compare(theirs, mine, studystats.INVERSE, True, n_boot=n_boot)
+    comparison = studystats.compare(theirs, mine, studystats.INVERSE, True, n_boot=n_boot, z=z)
     return comparison is not None and comparison.verdict == studystats.BETTER
 
 

@@ -82,8 +82,10 @@ def _as_dict(obj) -> dict | None:
 
 
 def compute(study: Study, n_boot: int = 2000) -> dict:
-    """Estimates, comparisons with the baseline and verdicts per variant; the winner; the Pareto front."""
+    """Estimates, comparisons with the baseline and verdicts per variant; the winner; the Pareto front. An adaptive
+    study's comparisons are at its sequential boundary (studystats.sequential_z), whenever it stopped."""
     variants = list(study.variants.all())
+    z = studystats.sequential_z(study.looks)
     repeats = _repeats(study)
     baseline = next(v for v in variants if v.is_baseline)
     base = repeats.get(baseline.pk, {})
@@ -97,7 +99,7 @@ def compute(study: Study, n_boot: int = 2000) -> dict:
             for k, r in figures.items():
                 if k in base:
                     kind, higher = _kind(k)
-                    comparisons[k] = _as_dict(studystats.compare(base[k], r, kind, higher, n_boot=n_boot))
+                    comparisons[k] = _as_dict(studystats.compare(base[k], r, kind, higher, n_boot=n_boot, z=z))
         rows.append({"id": v.pk, "name": v.name, "is_baseline": v.is_baseline, "failed": v.failed,
                      "engine_args": v.engine_args, "env": v.env, "debug_vars": debug_vars(v),
                      "repeats_done": len(figures.get(_key("throughput", levels[0]), [])) if levels else 0,
@@ -109,7 +111,8 @@ def compute(study: Study, n_boot: int = 2000) -> dict:
             "variants": rows, "pareto": front, "winner": winner, "winner_why": why, "rule": study.rule,
             "rule_text": rule_text(study.rule, levels), "gpus": gpus,
             # The winner at each level by output tok/s, and the crossover when the intervals support one.
-            "per_level": studylevels.level_winners(rows, repeats, levels, choose_winner, n_boot=n_boot)}
+            "per_level": studylevels.level_winners(rows, repeats, levels, choose_winner, n_boot=n_boot, z=z),
+            "z": z}
 
 
 def rule_text(rule: dict, levels: list[int]) -> str:
@@ -145,15 +148,27 @@ def _median(row: dict, key: str) -> float | None:
     return est.get("value", est["median"]) if est else None
 
 
+def rule_key(rule: dict, levels: list) -> str:
+    """The figure ("metric@level") the rule judges variants by."""
+    if (rule or {}).get("kind") == "single_stream":
+        return _key("per_user", levels[0] if levels else 1)
+    return _key("throughput", _rule_level(rule, levels))
+
+
+def undecided(results: dict) -> list[str]:
+    """The variants (names) that ran and whose verdict against the baseline on the rule's figure is neither better nor
+    worse: what another round of an adaptive study would measure for."""
+    key = rule_key(results.get("rule") or {}, results.get("levels") or [])
+    return [r["name"] for r in results.get("variants", []) if not r["is_baseline"] and not r["failed"]
+            and (r["comparisons"].get(key) or {}).get("verdict") not in (studystats.BETTER, studystats.WORSE)]
+
+
 def choose_winner(rows: list[dict], rule: dict, levels: list[int]) -> tuple[int | None, str]:
     """The variant the rule prefers among those that ran; it wins only when its verdict against the
     baseline on the rule's metric is "better" — otherwise the baseline stays (the difference was noise)."""
     kind = rule.get("kind", "throughput")
     level = _rule_level(rule, levels)
-    if kind == "single_stream":
-        key = _key("per_user", levels[0] if levels else 1)
-    else:
-        key = _key("throughput", level)
+    key = rule_key(rule, levels)
     candidates = [r for r in rows if not r["failed"] and _median(r, key) is not None]
     if kind == "throughput_under_ttft":
         budget = float(rule.get("ttft_p95_ms") or 0)

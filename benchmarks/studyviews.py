@@ -34,6 +34,9 @@ class StudyForm(forms.Form):
                                             help_text="A named workload's prompts and lengths, for every trial.")
     repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved: 3 or more for a verdict (fewer measure, "
                                                                                   "but are too few repeats to judge).")
+    max_repeats = forms.IntegerField(min_value=0, max_value=29, initial=0, required=False, label="Up to (adaptive)",
+                                     help_text="Above the repeats: judged after them and after each round more, ended "
+                                     "once every variant is decided or at this many. 0: the repeats, no more.")
     order = forms.ChoiceField(choices=list(studies.ORDERS.items()))
     rule = forms.ChoiceField(choices=list(studyresults.RULES.items()), initial="throughput", label="Winner rule")
     rule_level = forms.CharField(max_length=40, required=False, label="Rule's level N", help_text=(
@@ -102,7 +105,7 @@ class StudyForm(forms.Form):
         if data.get("ttft_p95_ms") is not None:
             rule["ttft_p95_ms"] = data["ttft_p95_ms"]
         return {"deployment": data["deployment"], "variants": data["variant_list"], "repeats": data["repeats"],
-                "order": data["order"], "rule": rule, "finish_with": data["finish_with"], "name": data["name"],
+                "max_repeats": data.get("max_repeats") or 0, "order": data["order"], "rule": rule, "finish_with": data["finish_with"], "name": data["name"],
                 "workload": self._workload()}
 
     def _workload(self) -> dict:
@@ -134,7 +137,8 @@ def study_list(request):
             try:
                 if "preview" in request.POST:
                     studies.validate_variants(args["deployment"], args["variants"], request.user)
-                    preview = studies.study_preview(args["deployment"], args["variants"], args["repeats"], args["workload"])
+                    preview = studies.study_preview(args["deployment"], args["variants"], args["repeats"], args["workload"],
+                                                    args["max_repeats"])
                     preview["names"] = ["baseline"] + [v["name"] for v in args["variants"]]
                 else:
                     study = studies.study_create(**args, user=request.user)

@@ -69,7 +69,8 @@ def _body(panel, args) -> dict:
         workload["levels"] = levels
     workload.update(rates.rate_body(args))  # --rate 2,4,8 and its arrivals, as panelctl bench sends them
     body = {"deployment": client.find_deployment(panel, args.deployment)["id"], "variants": variants,
-            "dimensions": dimensions, "workload": workload, "repeats": args.repeats, "order": args.order,
+            "dimensions": dimensions, "workload": workload, "repeats": args.repeats, "max_repeats": args.max_repeats,
+            "order": args.order,
             "finish_with": args.finish_with, "name": args.name}
     if args.rule:
         body["rule"] = _rule(args.rule)
@@ -81,8 +82,9 @@ def cmd_start(panel, args):
     preview = panel.post("studies/preview/", body)
     client.say(f"{preview['variants']} variants ({', '.join(preview['names'])}), {preview['trials']} trials, "
                f"about {preview['estimate_s'] / 60:.1f} min ({preview['basis']}).")
-    if preview.get("warning"):
-        client.say(f"Note: {preview['warning']}")
+    for key in ("adaptive", "warning"):
+        if preview.get(key):
+            client.say(f"Note: {preview[key]}")
     if args.dry_run:
         client.emit(preview, args.json, [])
         return 0
@@ -119,6 +121,11 @@ def _lines(study: dict) -> list[str]:
             interval = f" [{cmp['rel_low'] * 100:+.1f} %, {cmp['rel_high'] * 100:+.1f} %]" if cmp.get("rel_low") is not None else ""
             out.append(f"  {row['name'][:40]:<40} output tok/s {key.split('@')[1]:>5}: "
                        f"{(rel or 0) * 100:+.1f} %{interval} {cmp['verdict']}" + (f" ({cmp['why']})" if cmp.get("why") else ""))
+    if adaptive := results.get("adaptive"):
+        out.append(f"Adaptive, {adaptive['repeats']} to {adaptive['max_repeats']} repeats: " + (
+            f"{adaptive['repeats_done']} run, stopped {adaptive['stopped']}" if adaptive["stopped"] else
+            f"after {adaptive['repeats_done']} still undecided: {', '.join(adaptive['undecided'])}; another round")
+            + f" (intervals at z = {adaptive['z']}).")
     if study.get("rule_text"):
         out.append(f"Winner rule: {study['rule_text']}.")
     if results.get("winner"):
@@ -197,6 +204,8 @@ def add(sub, common) -> None:
     s.add_argument("--input-tokens", type=int, default=128)
     s.add_argument("--requests-per-user", type=int, default=4)
     s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--max-repeats", type=int, default=0, help="adaptive: judged after --repeats and after each round "
+                   "more, ended once every variant is decided or at this many (default 0: --repeats, no more)")
     s.add_argument("--order", choices=["interleaved", "mirrored", "random_blocks"], default="interleaved")
     s.add_argument("--rule", default="", help="throughput:LEVEL (default: the highest "
                    "concurrency, else rate), single_stream, ttft:LEVEL:P95_MS; a LEVEL is a concurrency (16) or a rate (4/s)")

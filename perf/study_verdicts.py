@@ -12,6 +12,8 @@ times a factor drawn from N(1, --drift), as a shared host runs one trial faster 
   detected_pct                 the true 5 % difference found, and the right way round (target >= 90)
   false_significant_drift_pct  the same with drift (target: near the interval's nominal 5)
   detected_drift_pct           the same with drift (no target: drift hides a small difference)
+  repeats_mean, repeats_mean_drift   the repeats a study took: --repeats, or with --max-repeats (adaptive, as a
+                               study with max_repeats runs) fewer when every variant was decided before the cap
 
 Overhead, no engine either: the panel runs as in production (an embedded Redis, SQLite, a real node
 agent) with tests/faults' fake vLLM serving through tests/schedserver.py on a known schedule (loads in
@@ -36,7 +38,8 @@ second takes (rounds of requests, each TTFT + 47 gaps), over --estimate-rounds r
 
   estimate_model_err_pct           the median error (target within ±30), with _min_ and _max_ beside it
 
-    python perf/study_verdicts.py [--studies 60] [--drift 0.03] [--skip-overhead] [--estimate-rounds 10]
+    python perf/study_verdicts.py [--studies 60] [--repeats 3] [--max-repeats 8] [--drift 0.03] [--skip-overhead]
+        [--estimate-rounds 10]
 
 Last line: name=value pairs.
 """
@@ -66,9 +69,11 @@ STUDY_VARIANTS = [{"name": "8", "engine_args": {"max-num-seqs": 8}, "env": {}},
                   {"name": "4", "engine_args": {"max-num-seqs": 4}, "env": {}}]
 
 
-def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> dict:
+def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0, max_repeats: int = 0) -> dict:
     """Studies against the three servers; with `drift`, each repeat of each server runs on its schedule
-    times a factor drawn from N(1, drift)."""
+    times a factor drawn from N(1, drift). With `max_repeats` above `repeats` each study is adaptive, as the panel's:
+    judged after `repeats` and after every repeat more, at the sequential boundary for its looks, and stopped once
+    both variants are decided (better or worse) or at `max_repeats`."""
     from benchmarks import runner, studystats
     from tests.schedserver import SchedServer
 
@@ -89,9 +94,12 @@ def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> d
                                    input_tokens=16, min_requests=REQUESTS, requests_per_user=1, warmup_per_user=0,
                                    scrape_metrics=False, workers=1)
             sweepers[name] = runner.Sweeper(spec, CONCURRENCY)
+        cap = max(max_repeats, repeats)
+        z = studystats.sequential_z(cap - repeats + 1)
+        used = []
         for i in range(studies):
             reps = {name: [] for name in servers}
-            for _ in range(repeats):
+            for done in range(1, cap + 1):
                 for name, sweeper in sweepers.items():  # interleaved, as a study runs them
                     factor = max(0.5, host.gauss(1, drift)) if drift else 1.0
                     schedule = servers[name].schedule  # read per request: set between levels
@@ -99,8 +107,13 @@ def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> d
                     level = sweeper.run_level(CONCURRENCY)
                     samples = runner.request_samples(level.records)
                     reps[name].append(studystats.Repeat(level.output_throughput, tuple(samples["e2e_ms"])))
-            same = studystats.compare(reps["base"], reps["same"], studystats.INVERSE, seed=i)
-            slower = studystats.compare(reps["base"], reps["slower"], studystats.INVERSE, seed=i)
+                if done < repeats:
+                    continue
+                same = studystats.compare(reps["base"], reps["same"], studystats.INVERSE, seed=i, z=z)
+                slower = studystats.compare(reps["base"], reps["slower"], studystats.INVERSE, seed=i, z=z)
+                if all(c.verdict in (studystats.BETTER, studystats.WORSE) for c in (same, slower)):
+                    break  # every variant decided: the study stops
+            used.append(done)
             false += same.verdict != studystats.SAME
             detected += slower.verdict == studystats.WORSE
             if i % 10 == 9 or i == studies - 1:
@@ -114,7 +127,8 @@ def verdicts(studies: int, repeats: int, drift: float = 0.0, seed: int = 0) -> d
         for server in servers.values():
             server.__exit__(None, None, None)
     suffix = "_drift" if drift else ""
-    return {f"false_significant{suffix}_pct": 100.0 * false / studies, f"detected{suffix}_pct": 100.0 * detected / studies}
+    return {f"false_significant{suffix}_pct": 100.0 * false / studies, f"detected{suffix}_pct": 100.0 * detected / studies,
+            f"repeats_mean{suffix}": statistics.fmean(used)}
 
 
 def schedule_s() -> tuple[float, float]:
@@ -274,17 +288,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--studies", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-repeats", type=int, default=0, help="adaptive studies: judged after --repeats and after "
+                        "each repeat more, stopped when decided or at this many (0: fixed --repeats)")
     parser.add_argument("--drift", type=float, default=0.03, help="host drift between repeats: sd of the factor")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--estimate-rounds", type=int, default=10)
     args = parser.parse_args()
-    figures = verdicts(args.studies, args.repeats)
-    figures.update(verdicts(args.studies, args.repeats, drift=args.drift, seed=1))
+    figures = verdicts(args.studies, args.repeats, max_repeats=args.max_repeats)
+    figures.update(verdicts(args.studies, args.repeats, drift=args.drift, seed=1, max_repeats=args.max_repeats))
     if not args.skip_overhead:
         figures.update(overhead(args.repeats))
     figures.update(estimate_model(args.estimate_rounds))
     print(" ".join(f"{k}={v:.2f}" for k, v in figures.items())
-          + f" studies={args.studies} repeats={args.repeats} drift={args.drift} estimate_rounds={args.estimate_rounds}")
+          + f" studies={args.studies} repeats={args.repeats} max_repeats={args.max_repeats} drift={args.drift}"
+          f" estimate_rounds={args.estimate_rounds}")
 
 
 if __name__ == "__main__":

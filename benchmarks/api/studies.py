@@ -76,6 +76,10 @@ class StudyRequestSerializer(serializers.Serializer):
                                        help_text='{"NCCL_PROTO": ["LL", "LL128"], "max-num-seqs": [8, 16]}: every combination.')
     workload = serializers.DictField(required=False, default=dict, help_text="Levels, prompts, lengths (as for a run).")
     repeats = serializers.IntegerField(min_value=1, max_value=20, default=3)
+    max_repeats = serializers.IntegerField(min_value=0, max_value=29, default=0, help_text=(
+        "Adaptive when above repeats (which is then at least 3): judged after `repeats` and after each round more, at "
+        "a sequential boundary that keeps false calls near 5 % over every look (Pocock's), and ended once every "
+        "variant is decided on the rule's figure or after max_repeats (at most repeats + 9); 0: repeats, no more."))
     order = serializers.ChoiceField(choices=list(studies.ORDERS), default="interleaved")
     rule = RuleSerializer(required=False)
     finish_with = serializers.ChoiceField(choices=["baseline", "winner"], default="baseline")
@@ -112,7 +116,8 @@ class StudySerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Study
-        fields = ["id", "name", "deployment", "status", "error", "repeats", "order", "workload", "base_engine_args",
+        fields = ["id", "name", "deployment", "status", "error", "repeats", "max_repeats", "order", "workload",
+                  "base_engine_args",
                   "base_env", "rule", "rule_text", "finish_with", "estimate_s", "estimate_basis", "took_s", "created",
                   "started", "finished", "live"]
 
@@ -175,7 +180,7 @@ class StudyViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         rule = dict(v["rule"]) if v.get("rule") else None
         study = studies.study_create(deployment=v["deployment"], variants=v["variants"], workload=v["workload"],
                                      repeats=v["repeats"], order=v["order"], rule=rule, finish_with=v["finish_with"],
-                                     name=v["name"], user=request.user)
+                                     name=v["name"], user=request.user, max_repeats=v["max_repeats"])
         return Response(StudySerializer(study).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=StudyRequestSerializer, responses=dict)
@@ -184,7 +189,7 @@ class StudyViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
         """How many variants and trials a study would run and its estimated duration; starts nothing."""
         v = self._create_args(request)
         studies.validate_variants(v["deployment"], v["variants"], request.user)
-        preview = studies.study_preview(v["deployment"], v["variants"], v["repeats"], v["workload"])
+        preview = studies.study_preview(v["deployment"], v["variants"], v["repeats"], v["workload"], v["max_repeats"])
         preview["names"] = ["baseline"] + [x["name"] for x in v["variants"]]
         return Response(preview)
 

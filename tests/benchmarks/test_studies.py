@@ -9,7 +9,7 @@ from django.db.models import F
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from benchmarks import studies, studyestimate, studyresults
+from benchmarks import studies, studyestimate, studyresults, studyrounds
 from benchmarks.models import BenchmarkPoint, BenchmarkRun, Study, StudyTrial
 from deployments.models import Deployment, DeploymentEvent
 from plumbing.errors import ServiceError
@@ -222,14 +222,14 @@ def test_dimensions_make_every_combination_with_env_and_flags_told_apart():
 
 
 def test_random_blocks_run_each_variant_once_per_block():
-    order = studies.schedule(4, 3, "random_blocks", seed=7)
+    order = studyrounds.schedule(4, 3, "random_blocks", seed=7)
     for block in range(3):
         assert sorted(v for v, r in order[block * 4:(block + 1) * 4]) == [0, 1, 2, 3]
         assert {r for _, r in order[block * 4:(block + 1) * 4]} == {block + 1}
 
 
 def test_mirrored_blocks_give_every_variant_the_same_mean_position_over_two_repeats():
-    order = studies.schedule(3, 4, "mirrored")
+    order = studyrounds.schedule(3, 4, "mirrored")
     assert [v for v, _ in order] == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0]
     assert [r for _, r in order] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
     positions = {v: [i for i, (w, _) in enumerate(order) if w == v] for v in range(3)}
@@ -415,3 +415,55 @@ def test_a_step_that_fails_the_same_way_again_and_again_fails_its_study_with_the
     assert broken.error == ("A step failed 5 times in a row with the same error, so the study stopped: "
                             "ValueError: math domain error")
     assert Study.objects.get(pk=fine.pk).status in Study.DRIVEN
+
+
+def test_an_adaptive_study_ends_once_every_variant_is_decided(d):
+    study = make(d, repeats=3, max_repeats=6)
+    assert study.trials.count() == 6  # the first rounds only: more come while a variant is undecided
+    study = run_through(study, d, {"baseline": 100.0, "one seq": 20.0})
+    assert study.status == "finishing" and study.trials.count() == 6
+    adaptive = study.results["adaptive"]
+    assert (adaptive["repeats_done"], adaptive["stopped"], adaptive["undecided"]) == (3, "every variant decided", [])
+    assert adaptive["z"] == study.results["z"] == studies.studystats.sequential_z(4)  # looks after 3, 4, 5 and 6
+    one = next(r for r in study.results["variants"] if r["name"] == "one seq")
+    assert one["comparisons"]["throughput@4"]["verdict"] == "worse"
+
+
+def test_an_adaptive_study_adds_rounds_while_a_variant_is_undecided_and_stops_at_its_cap(d, viewer_client):
+    study = make(d, repeats=3, max_repeats=5, order="mirrored")
+    study = run_through(study, d, {"baseline": 100.0, "one seq": 100.0})  # no difference: never decided
+    trials = list(study.trials.select_related("variant").order_by("position"))
+    assert [(t.variant.name, t.repeat) for t in trials] == [
+        ("baseline", 1), ("one seq", 1), ("one seq", 2), ("baseline", 2), ("baseline", 3), ("one seq", 3),
+        ("one seq", 4), ("baseline", 4), ("baseline", 5), ("one seq", 5)]  # each added round in the study's order
+    assert all(t.status == "done" for t in trials)
+    adaptive = study.results["adaptive"]
+    assert (adaptive["repeats_done"], adaptive["stopped"], adaptive["undecided"]) == (5, "at the cap", ["one seq"])
+    one = next(r for r in study.results["variants"] if r["name"] == "one seq")
+    assert one["comparisons"]["throughput@4"]["verdict"] == "no significant difference"
+    page = viewer_client.get(f"/benchmarks/studies/{study.pk}/").content.decode()
+    assert "3 to 5, adaptive: 5 run, stopped at the cap" in page
+
+
+def test_an_adaptive_studys_cap_is_checked_before_anything_starts(d):
+    for repeats, cap in ((3, 2), (2, 5), (3, 13)):  # under its repeats; repeats too few to judge; looks beyond 10
+        with pytest.raises(ServiceError) as refused:
+            make(d, repeats=repeats, max_repeats=cap)
+        assert refused.value.field == "max_repeats" and refused.value.message == (
+            f"max_repeats is 0 (not adaptive) or from repeats ({repeats}, at least 3 to judge) to repeats + 9, "
+            f"not {cap}.")
+    assert make(d, repeats=3, max_repeats=3).max_repeats == 0  # its cap is its repeats: not adaptive
+    assert not Study.objects.filter(max_repeats__gt=0).exists()
+
+
+def test_the_api_starts_an_adaptive_study_and_its_preview_counts_the_trials_at_its_cap(d, api):
+    body = {"deployment": d.pk, "variants": [{"engine_args": {"max-num-seqs": 1}}], "workload": WORKLOAD, "repeats": 3,
+            "max_repeats": 7}
+    preview = api.post("/api/studies/preview/", body, format="json").json()
+    assert preview["trials"] == 14 and preview["adaptive"].startswith("Adaptive: judged after 3 repeats")
+    refused = api.post("/api/studies/", {**body, "max_repeats": 2}, format="json")
+    assert refused.status_code == 400 and refused.json()["error"]["fields"] == {"max_repeats": [
+        "max_repeats is 0 (not adaptive) or from repeats (3, at least 3 to judge) to repeats + 9, not 2."]}
+    created = api.post("/api/studies/", body, format="json")
+    assert created.status_code == 202 and created.json()["max_repeats"] == 7
+    assert created.json()["live"]["trials_total"] == 6

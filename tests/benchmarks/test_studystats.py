@@ -254,3 +254,16 @@ def test_a_paired_ratios_interval_is_students_t_on_the_log_scale_around_the_geom
     assert (ratio, low, high) == pytest.approx((1.0, math.exp(-half), math.exp(half)))
     assert paired_ratio([2.0, 2.0, 2.0]) == pytest.approx((2.0, 2.0, 2.0))  # no spread: the interval is the point
     assert paired_ratio([1.1, 0.9]) is None and paired_ratio([1.0, 0.0, 1.0]) is None  # too few, or not a ratio
+
+
+def test_a_study_looked_at_several_times_judges_at_pococks_wider_boundary():
+    assert studystats.sequential_z(1) == studystats.Z975 and studystats.sequential_z(4) == 2.361
+    assert studystats.sequential_z(10) == studystats.sequential_z(30) == 2.555  # the table's last: no further
+    for df in range(3, 31):  # the expansion against the table, where the table has the value
+        assert studystats.t_quantile(studystats.Z975 + 1e-9, df) == pytest.approx(studystats.t975(df), rel=2e-3)
+    rng = random.Random(5)
+    base = [Repeat(1000 * (1 + rng.uniform(-0.03, 0.03))) for _ in range(5)]
+    other = [Repeat(1040 * (1 + rng.uniform(-0.03, 0.03))) for _ in range(5)]
+    once = studystats.compare(base, other, studystats.SCALED, seed=1)
+    looked = studystats.compare(base, other, studystats.SCALED, seed=1, z=studystats.sequential_z(6))
+    assert looked.rel == once.rel and looked.rel_low < once.rel_low < once.rel < once.rel_high < looked.rel_high
