@@ -159,6 +159,8 @@ def undecided(results: dict) -> list[str]:
     """The variants (names) that ran and whose verdict against the baseline on the rule's figure is neither better nor
     worse: what another round of an adaptive study would measure for."""
     key = rule_key(results.get("rule") or {}, results.get("levels") or [])
+    if any(r["is_baseline"] and r["failed"] for r in results.get("variants", [])):
+        return []  # nothing to judge against: more rounds would only skip their trials
     return [r["name"] for r in results.get("variants", []) if not r["is_baseline"] and not r["failed"]
             and (r["comparisons"].get(key) or {}).get("verdict") not in (studystats.BETTER, studystats.WORSE)]
 

@@ -467,3 +467,14 @@ def test_the_api_starts_an_adaptive_study_and_its_preview_counts_the_trials_at_i
     created = api.post("/api/studies/", body, format="json")
     assert created.status_code == 202 and created.json()["max_repeats"] == 7
     assert created.json()["live"]["trials_total"] == 6
+
+
+def test_an_adaptive_study_whose_baseline_failed_adds_no_round():
+    rows = [{"name": "baseline", "is_baseline": True, "failed": "the engine did not start", "comparisons": {}},
+            {"name": "v", "is_baseline": False, "failed": "", "comparisons": {}}]
+    results = {"rule": {"kind": "throughput"}, "levels": [4], "variants": rows}
+    assert studyresults.undecided(results) == []
+    rows[0]["failed"] = ""
+    assert studyresults.undecided(results) == ["v"]  # no verdict yet: undecided
+    rows[1]["comparisons"]["throughput@4"] = {"verdict": "better"}
+    assert studyresults.undecided(results) == []
