@@ -118,6 +118,7 @@ class Server:
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
         self.prompt_log: list[int] = []  # each request's prompt tokens as this server counted them, in arrival order
+        self.running_answered: list[int] = []  # num_requests_running as each /metrics answer told it, in order
         self.prefix = PrefixCache()
         self._wake = None
         self._wake_at = 0.0
@@ -186,6 +187,7 @@ class Server:
     async def metrics(self, request):
         label = f'{{model_name="{self.face.name if self.face else "sched"}"}}'
         kv = min(1.0, self.running / max(1, self.schedule.kv_capacity))
+        self.running_answered.append(self.running)
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",

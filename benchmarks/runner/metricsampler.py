@@ -44,6 +44,9 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
 
     def __enter__(self):
+        # The first reading before the level's first request, in the caller's thread: the counters' rates and the
+        # prefix cache's figures then cover the whole level however late a busy host schedules the sampling thread.
+        self._read()
         self._thread.start()
         return self
 
@@ -66,18 +69,15 @@ class Sampler:
             result["error"] = self.error
         return result
 
+    def _read(self) -> None:
+        try:
+            reading = vllm.read_metrics(self.url, self.timeout_s, key=self.key)
+            self.samples.append((time.perf_counter(), reading))
+            self.error = ""
+        except vllm.VllmError as exc:
+            self.error = str(exc)  # keep going: a level's numbers don't depend on /metrics
+
     def _run(self):
-        while True:
-            try:
-                reading = vllm.read_metrics(self.url, self.timeout_s, key=self.key)
-                self.samples.append((time.perf_counter(), reading))
-                self.error = ""
-            except vllm.VllmError as exc:
-                self.error = str(exc)  # keep going: a level's numbers don't depend on /metrics
-            if self._stop.wait(self.interval_s):
-                # One last reading so the counter's rate covers the whole level.
-                try:
-                    self.samples.append((time.perf_counter(), vllm.read_metrics(self.url, self.timeout_s, key=self.key)))
-                except vllm.VllmError:
-                    pass
-                return
+        while not self._stop.wait(self.interval_s):
+            self._read()
+        self._read()  # one last reading, after the level's last request: the counters' rates cover all of it
