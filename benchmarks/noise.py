@@ -36,12 +36,14 @@ def level_deltas(runs) -> list[dict]:
     whether it is within the two runs' own spread (the 95 % interval of the log ratio, requests resampled)."""
     if len(runs) < 2:
         return []
-    base = {p.concurrency: p for p in runs[0].points.all() if p.kind == "concurrency" and not p.repeat}
+    def firsts(run) -> dict:  # first measurements only: repeats are compared over their repeats (benchmarks.runrepeats)
+        return {p.concurrency: p for p in run.points.all() if p.kind == "concurrency" and not p.repeat}
+
+    base = firsts(runs[0])
     rows = []
-    for run in runs[1:]:  # first measurements only: repeats are compared over their repeats (benchmarks.runrepeats)
-        for p in sorted((p for p in run.points.all() if p.kind == "concurrency" and p.concurrency in base and not p.repeat),
-                        key=lambda p: p.concurrency):
-            rows += [row for metric in METRICS if (row := _delta(run, base[p.concurrency], p, *metric))]
+    for run in runs[1:]:
+        for c, p in sorted((c, p) for c, p in firsts(run).items() if c in base):
+            rows += [row for metric in METRICS if (row := _delta(run, base[c], p, *metric))]
     return rows
 
 

@@ -17,10 +17,6 @@ def _level(p: BenchmarkPoint):
     return studylevels.point_level(p.kind, p.concurrency, p.rate)
 
 
-def _label(level) -> str:
-    return f"c={level}" if isinstance(level, int) else str(level)
-
-
 def repeats_of(points) -> dict:
     """level -> metric -> its repeats (studystats.Repeat), in the order the levels ran."""
     out: dict = {}
@@ -38,15 +34,14 @@ def _figure(estimate: studystats.Estimate) -> dict:
             "repeats": estimate.n, "why": estimate.why}
 
 
-def run_repeats(run: BenchmarkRun, points=None) -> list[dict]:
+def run_repeats(run: BenchmarkRun) -> list[dict]:
     """Each level measured more than once: {"level", "label", "repeats", "figures": {metric: {"label", "median",
     "mean", "low", "high", "repeats", "why"} or None, every metric of METRICS in its order}}; [] for a run of one
     measurement a level (its levels table says it all). A capacity search's repeats are its own (run.capacity)."""
     if (run.params or {}).get("repeats", 1) <= 1:
         return []
-    points = list(run.points.all()) if points is None else points
     out = []
-    for level, figures in repeats_of(points).items():
+    for level, figures in repeats_of(run.points.all()).items():
         n = max(len(r) for r in figures.values())
         if n < 2:
             continue
@@ -54,14 +49,14 @@ def run_repeats(run: BenchmarkRun, points=None) -> list[dict]:
         for metric, (label, kind, _, _, _) in METRICS.items():  # every metric, in one order: None where none measured
             e = studystats.estimate(figures.get(metric, []), kind)
             shown[metric] = {"label": label, **_figure(e)} if e else None
-        out.append({"level": level, "label": _label(level), "repeats": n, "figures": shown})
+        out.append({"level": level, "label": studylevels.label(level), "repeats": n, "figures": shown})
     return out
 
 
 def compare_runs(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
     """Run b against run a at each level both measured more than once, from their stored figures (run.over_repeats):
-    per metric both figures ("pair": a's, b's), b's median against a's ("rel") and the verdict. A difference is marked "better" or
-    "worse" only where the two 95 % intervals separate, "no significant difference" where they overlap, and "no
+    per metric both figures ("pair": a's, b's), b's median against a's ("rel") and the verdict. A difference is marked
+    "better" or "worse" only where the two 95 % intervals separate, "no significant difference" where they overlap, and "no
     verdict" (with why) where either run has no interval: under 3 repeats."""
     mine = {row["label"]: row["figures"] for row in a.over_repeats or []}
     out = []
@@ -76,6 +71,11 @@ def compare_runs(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
         if metrics:
             out.append({"level": row["level"], "label": row["label"], "metrics": metrics})
     return out
+
+
+def compared_to_first(runs: list[BenchmarkRun]) -> list[dict]:
+    """Each later run against the first (compare_runs), each row naming its run: the compare page's and API's."""
+    return [{"run": r, **row} for r in runs[1:] for row in compare_runs(runs[0], r)]
 
 
 def _verdict(then: dict, now: dict, higher: bool) -> dict:

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 S, T, D = Study.Status, StudyTrial.Status, Deployment.Status
 MAX_ATTEMPTS = 3  # a trial interrupted by an agent restart is run again, this many times in all
 MAX_TRIALS = 200
+MAX_REPEATS = 20  # a study's repeats; an adaptive one's cap is at most repeats + 9 (_max_repeats: ten looks)
+MAX_CAP = MAX_REPEATS + len(studystats.POCOCK_Z) - 1
 ENV_NAME = flagpolicy.ENV_NAME
 ORDERS = {"interleaved": "interleaved (A B C A B C)", "mirrored": "mirrored (A B C C B A)", "random_blocks": "randomised blocks"}
 

@@ -32,9 +32,9 @@ class StudyForm(forms.Form):
     named_workload = forms.ModelChoiceField(queryset=Workload.objects.all(), required=False, label="Workload",
                                             empty_label="none: random prompts of the lengths above",
                                             help_text="A named workload's prompts and lengths, for every trial.")
-    repeats = forms.IntegerField(min_value=1, max_value=20, initial=3, help_text="Each variant this many times, interleaved: 3 or more for a verdict (fewer measure, "
+    repeats = forms.IntegerField(min_value=1, max_value=studies.MAX_REPEATS, initial=3, help_text="Each variant this many times, interleaved: 3 or more for a verdict (fewer measure, "
                                                                                   "but are too few repeats to judge).")
-    max_repeats = forms.IntegerField(min_value=0, max_value=29, initial=0, required=False, label="Up to (adaptive)",
+    max_repeats = forms.IntegerField(min_value=0, max_value=studies.MAX_CAP, initial=0, required=False, label="Up to (adaptive)",
                                      help_text="Above the repeats: judged after them and after each round more, ended "
                                      "once every variant is decided or at this many. 0: the repeats, no more.")
     order = forms.ChoiceField(choices=list(studies.ORDERS.items()))

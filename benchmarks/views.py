@@ -84,12 +84,7 @@ def compare(request):
                                                        "ids": ",".join(str(r.pk) for r in runs), "slo_rows": _slo_rows(runs),
                                                        "energy_rows": _energy_rows(runs),
                                                        "deltas": noise.level_deltas(runs),
-                                                       "repeat_deltas": _repeat_deltas(runs)})
-
-
-def _repeat_deltas(runs) -> list[dict]:
-    """Each later run against the first at the levels either measured more than once (benchmarks.runrepeats)."""
-    return [{"run": r, **row} for r in runs[1:] for row in runrepeats.compare_runs(runs[0], r)]
+                                                       "repeat_deltas": runrepeats.compared_to_first(runs)})
 
 
 def _slo_rows(runs) -> list[dict]:

@@ -75,8 +75,8 @@ class StudyRequestSerializer(serializers.Serializer):
                                        required=False, default=dict,
                                        help_text='{"NCCL_PROTO": ["LL", "LL128"], "max-num-seqs": [8, 16]}: every combination.')
     workload = serializers.DictField(required=False, default=dict, help_text="Levels, prompts, lengths (as for a run).")
-    repeats = serializers.IntegerField(min_value=1, max_value=20, default=3)
-    max_repeats = serializers.IntegerField(min_value=0, max_value=29, default=0, help_text=(
+    repeats = serializers.IntegerField(min_value=1, max_value=studies.MAX_REPEATS, default=3)
+    max_repeats = serializers.IntegerField(min_value=0, max_value=studies.MAX_CAP, default=0, help_text=(
         "Adaptive when above repeats (which is then at least 3): judged after `repeats` and after each round more, at "
         "a sequential boundary that keeps false calls near 5 % over every look (Pocock's), and ended once every "
         "variant is decided on the rule's figure or after max_repeats (at most repeats + 9); 0: repeats, no more."))

@@ -69,8 +69,7 @@ class BenchmarkRunViewSet(mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet
                          "diff": [{"setting": k, "a": a, "b": b} for k, a, b in diff],
                          # Each later run against the first at the levels measured more than once: per metric the
                          # difference with its 95 % interval over the repeats, and the verdict (benchmarks.runrepeats).
-                         "over_repeats": [{"run": r.pk, **row} for r in runs[1:]
-                                          for row in runrepeats.compare_runs(runs[0], r)]})
+                         "over_repeats": [{**row, "run": row["run"].pk} for row in runrepeats.compared_to_first(runs)]})
 
     @extend_schema(parameters=[IDS, OpenApiParameter("as", str, enum=["json", "csv"])], responses=dict)
     @action(detail=False)
